@@ -1,0 +1,9 @@
+"""pagellm: LLM inference and serving on a paged KV cache, with vLLM's API."""
+
+from pagellm.config import EngineArgs
+from pagellm.entrypoints.llm import LLM
+from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__version__ = "0.1.0"

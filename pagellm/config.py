@@ -1,0 +1,66 @@
+"""Engine arguments, as vLLM names them, and their validation. Imports no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# CPU memory is shared with the OS and every other process, so by default the CPU pool takes at most
+# this much (vLLM's CPU backend also defaults to a 4 GiB KV space); kv_cache_memory_bytes overrides it.
+CPU_DEFAULT_KV_CACHE_BYTES = 4 * 1024**3
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+
+
+@dataclass
+class EngineArgs:
+    """Everything that shapes an engine. Field names and meanings follow vLLM's."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    disable_log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} is out of range; "
+                "allowed: 0 < gpu_memory_utilization <= 1 (the fraction of device memory the engine may take)."
+            )
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size={self.block_size} is not allowed; use a power of two from 1 to 128 (default 16).")
+        _positive("max_num_seqs", self.max_num_seqs)
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: this engine version runs on one device; "
+                "use tensor_parallel_size=1."
+            )
+        if self.dtype not in ("auto", "float32", "float", "float16", "half", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use auto, float32, float16 or bfloat16.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is not supported; use auto, cpu or cuda.")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is out of range; allowed: an int >= 1.")

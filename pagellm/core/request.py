@@ -1,0 +1,87 @@
+"""A request as the scheduler sees it: token ids, progress, and a small status state machine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagellm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this line is a final state.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. `num_computed_tokens` catches up with `num_tokens`; the gap is what a step computes."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_index: int
+    # The most tokens this request may produce: max_tokens, or what max_model_len leaves after the prompt.
+    max_output_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The final status the last appended token puts this request in, if any."""
+        last = self.all_token_ids[-1]
+        if self.num_output_tokens >= self.sampling_params.min_tokens and last in self.stop_token_ids:
+            self.stop_reason = last if last in self.sampling_params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

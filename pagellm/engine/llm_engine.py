@@ -1,0 +1,120 @@
+"""The synchronous engine: validated requests in, RequestOutputs out, one step at a time."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Union
+
+from pagellm.config import EngineArgs
+from pagellm.core.request import Request, RequestStatus
+from pagellm.core.scheduler import SchedulerStats
+from pagellm.engine.engine_core import EngineCore
+from pagellm.engine.output_processor import OutputProcessor
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+PromptType = Union[str, Mapping]
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.core = EngineCore(args)
+        info = self.core.model_info
+        self.tokenizer = info.tokenizer
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.hf_config.vocab_size
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._arrivals = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- input processing --------------------------------------------------------------------------
+
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text, {"prompt": text} or {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, None
+        elif isinstance(prompt, Mapping) and ("prompt_token_ids" in prompt or "prompt" in prompt):
+            text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        else:
+            raise ValueError(
+                f"prompt={prompt!r:.80} is not a prompt; pass a str, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}."
+            )
+        if token_ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt={text!r:.80} must be a str.")
+            token_ids = self.tokenizer.encode(text)
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens); pass at least one token.")
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary; allowed: ints in [0, {self.vocab_size})."
+            )
+        return text, token_ids
+
+    def _check_prompt_length(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_tokens} tokens, but max_model_len={self.max_model_len} must also leave room "
+                f"for at least one generated token; shorten the prompt to at most {self.max_model_len - 1} tokens "
+                "or raise max_model_len."
+            )
+        budget = self.core.scheduler.config.max_num_batched_tokens
+        if not self.args.enable_chunked_prefill and num_tokens > budget:
+            raise ValueError(
+                f"the prompt has {num_tokens} tokens, more than max_num_batched_tokens={budget}, and chunked prefill "
+                "is off; raise max_num_batched_tokens, enable chunked prefill, or shorten the prompt."
+            )
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+    ) -> None:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
+        text, token_ids = self.process_prompt(prompt)
+        self._check_prompt_length(len(token_ids))
+        params = params.clone()
+        eos = set() if params.ignore_eos else set(self.core.model_info.eos_token_ids)
+        params.all_stop_token_ids = eos | set(params.stop_token_ids)
+        room = self.max_model_len - len(token_ids)
+        max_output = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            arrival_index=next(self._arrivals),
+            max_output_tokens=max_output,
+            stop_token_ids=frozenset(params.all_stop_token_ids),
+        )
+        self.core.add_request(request)
+        self.output_processor.add_request(request_id, text, token_ids, params)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.core.abort_requests(ids)
+        return self.output_processor.abort_requests(ids)
+
+    # ---- stepping ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.core.get_stats()

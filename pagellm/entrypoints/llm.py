@@ -1,0 +1,126 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagellm.config import EngineArgs
+from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs batches of prompts to completion on one engine."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = 256,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        seed: int = 0,
+        **kwargs,
+    ) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {sorted(unknown)}; known: {sorted(EngineArgs.field_names())}")
+        args = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            seed=seed,
+            **kwargs,
+        )
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`, each finished."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt."
+                )
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            {
+                "prompt_token_ids": list(
+                    tokenizer.apply_chat_template(
+                        conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                        tokenize=True, return_dict=False,
+                    )
+                )
+            }
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        request_ids = [str(next(self._request_ids)) for _ in prompts]
+        added: list[str] = []
+        try:
+            for request_id, prompt, params in zip(request_ids, prompts, params_list):
+                engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except Exception:
+            engine.abort_request(added)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(finished) < len(request_ids):
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        progress.update(1)
+        except BaseException:
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            progress.close()
+        return [finished[r] for r in request_ids]

@@ -1,0 +1,245 @@
+"""The Llama architecture (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Parameter names follow HuggingFace's, except that q/k/v and gate/up are fused into one matmul each;
+`load_weights` maps the checkpoint's separate tensors onto the fused ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.attention.paged import AttentionMetadata, paged_attention
+
+# (fused parameter, checkpoint shard name, shard index)
+_STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics whatever the weights' dtype, as the reference implementation computes them.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for every position up to max_positions, computed once; looked up by position."""
+
+    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.inv_freq, self.scaling = _rope_inv_freq(config, head_dim)
+        self.max_positions = max_positions
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+
+    def reset_cache(self, device: torch.device) -> None:
+        """Fill cos/sin in fp32 (the model may be built on the meta device, which holds no values)."""
+        positions = torch.arange(self.max_positions, dtype=torch.float, device="cpu")
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * self.scaling).to(device)
+        self.sin = (emb.sin() * self.scaling).to(device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim)), 1.0
+    if rope_type == "dynamic":
+        raise ValueError(
+            "rope_type='dynamic' rescales with the sequence length, which a paged cache cannot do; "
+            "use a model with default, linear, llama3 or yarn RoPE."
+        )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type={rope_type!r} is not supported; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.layer_index = layer_index
+        self.rotary = rotary
+        bias = bool(getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False))
+        if getattr(config, "model_type", "") == "qwen2":
+            bias = True
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        o_bias = bool(getattr(config, "attention_bias", False))
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; the Llama family uses 'silu'")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in; every parameter must be covered, no tensor may be left over."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target, shard = _fused_target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            if shard is None:
+                _copy_checked(param, tensor, name)
+            else:
+                _copy_checked(param.narrow(0, *self._shard_range(target, shard)), tensor, name)
+            loaded.add(f"{target}#{shard}" if shard is not None else target)
+        expected = self._expected_loads(params)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
+        layer = self.model.layers[0]
+        if "qkv_proj" in target:
+            attn = layer.self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [layer.mlp.intermediate_size] * 2
+        return sum(sizes[:shard]), sizes[shard]
+
+    def _expected_loads(self, params: dict[str, nn.Parameter]) -> set[str]:
+        expected = set()
+        for name in params:
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if "qkv_proj" in name:
+                expected.update(f"{name}#{i}" for i in range(3))
+            elif "gate_up_proj" in name:
+                expected.update(f"{name}#{i}" for i in range(2))
+            else:
+                expected.add(name)
+        return expected
+
+
+def _fused_target(name: str) -> tuple[str, int | None]:
+    for fused, shard_name, shard in _STACKED_PARAMS:
+        if f".{shard_name}." in name:
+            return name.replace(f".{shard_name}.", f".{fused}."), shard
+    return name, None
+
+
+def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.copy_(tensor)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -1,0 +1,142 @@
+"""Find a model (local HF directory, .gguf file, or the embedded default) and load it onto a device."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagellm.config import DEFAULT_MODEL
+from pagellm.models.llama import LlamaForCausalLM, RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_DEFAULT_ALIASES = (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: Path
+    is_gguf: bool
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Where the weights are. Fails at once, saying what to pass, for anything not on this machine."""
+    if model is None or model in _DEFAULT_ALIASES:
+        from pagellm.models.gguf_loader import default_model_path
+
+        return ModelSource(default_model_path(), is_gguf=True)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path, is_gguf=True)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path, is_gguf=False)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(ggufs[0], is_gguf=True)
+        raise ValueError(
+            f"model={model!r} is a directory with neither config.json nor exactly one .gguf file "
+            f"(found {len(ggufs)}); point model at a HuggingFace model directory or at one .gguf file."
+        )
+    raise ValueError(
+        f"model={model!r} is not a local path, and pagellm reaches no model hub. Pass a local HuggingFace "
+        "model directory (config.json, *.safetensors, tokenizer files), a .gguf file, or leave model unset "
+        f"(or model={DEFAULT_MODEL!r}) for the embedded default model."
+    )
+
+
+def load_hf_config(source: ModelSource):
+    if source.is_gguf:
+        from pagellm.models.gguf_loader import load_gguf
+
+        return load_gguf(source.path)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source.path), None
+
+
+def check_architecture(config) -> None:
+    architectures = getattr(config, "architectures", None) or ["LlamaForCausalLM"]
+    if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
+        raise ValueError(
+            f"architectures={architectures} is not supported; pagellm runs {', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+
+
+def load_model(
+    source: ModelSource,
+    config,
+    gguf_state_dict: dict[str, torch.Tensor] | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> LlamaForCausalLM:
+    check_architecture(config)
+    # Built on the meta device so that no time goes into random init of weights we overwrite.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_cache(device)
+    if model.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    weights = gguf_state_dict.items() if gguf_state_dict is not None else _iter_hf_weights(source.path)
+    model.load_weights(weights)
+    return model.eval()
+
+
+def _iter_hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    safetensors_files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if safetensors_files:
+        from safetensors import safe_open
+
+        for file in safetensors_files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    bin_files = sorted(glob.glob(os.path.join(directory, "pytorch_model*.bin")))
+    if not bin_files:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {directory}")
+    for file in bin_files:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if source.is_gguf:
+        from pagellm.models.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(source.path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+def eos_token_ids(source: ModelSource, config, tokenizer) -> set[int]:
+    """Every id that ends a sequence: the tokenizer's EOS and the generation config's."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    extra = getattr(config, "eos_token_id", None)
+    if not source.is_gguf and (source.path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        extra = GenerationConfig.from_pretrained(source.path).eos_token_id
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif extra:
+        ids.update(int(i) for i in extra)
+    return ids

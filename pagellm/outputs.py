@@ -1,0 +1,32 @@
+"""What a request produces, with vLLM's field names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended the sequence; None for EOS or length.
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)

@@ -1,0 +1,119 @@
+"""Sampling parameters with vLLM's names and meanings, validated when built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+# Below this a temperature is treated as 0 (greedy), as vLLM does: dividing logits by it would overflow.
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Stop strings are matched on the detokenized text by the output processor; everything else
+    (EOS, `stop_token_ids`, `max_tokens`, `min_tokens`) is enforced by the scheduler on token ids.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Filled by the engine from the tokenizer/config; not a user knob.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop = _as_list("stop", self.stop, str)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
+        if isinstance(self.top_k, int) and self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy ignores the truncation knobs; normalising them keeps the sampler's fast path simple.
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _verify(self) -> None:
+        _check_int("n", self.n, lo=1)
+        if self.n != 1:
+            raise ValueError(
+                f"n={self.n}: parallel sampling is not supported by this engine version; "
+                "allowed: n=1. Submit n separate requests (with different seeds) instead."
+            )
+        _check_real("temperature", self.temperature, "temperature >= 0", lambda v: v >= 0)
+        _check_real("top_p", self.top_p, "0 < top_p <= 1", lambda v: 0 < v <= 1)
+        _check_int("top_k", self.top_k, lo=0, extra="(0 or -1 disables it)")
+        _check_real("min_p", self.min_p, "0 <= min_p <= 1", lambda v: 0 <= v <= 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} is greater than max_tokens={self.max_tokens}; "
+                "allowed: 0 <= min_tokens <= max_tokens."
+            )
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, lo=0)
+        for stop in self.stop:
+            if not isinstance(stop, str) or stop == "":
+                raise ValueError(f"stop={stop!r}: every stop string must be a non-empty str.")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature == 0.0:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    def clone(self) -> SamplingParams:
+        copy = SamplingParams.__new__(SamplingParams)
+        copy.__dict__.update(self.__dict__)
+        copy.stop = list(self.stop)
+        copy.stop_token_ids = list(self.stop_token_ids)
+        copy.all_stop_token_ids = set(self.all_stop_token_ids)
+        return copy
+
+
+def _as_list(name: str, value: object, item_type: type) -> list:
+    """None -> [], a list/tuple/set -> list, a lone str -> [str]; anything else is a ValueError."""
+    if value is None:
+        return []
+    if item_type is str and isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)
+    raise ValueError(f"{name}={value!r} must be a list of {item_type.__name__}.")
+
+
+def _check_int(name: str, value: object, lo: int | None = None, extra: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an int{f' >= {lo}' if lo is not None else ''}. {extra}".strip())
+    if lo is not None and value < lo:
+        raise ValueError(f"{name}={value} is out of range; allowed: {name} >= {lo}. {extra}".strip())
+
+
+def _check_real(name: str, value: object, allowed: str, ok) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name}={value!r} must be a finite number; allowed: {allowed}.")
+    if not ok(value):
+        raise ValueError(f"{name}={value} is out of range; allowed: {allowed}.")

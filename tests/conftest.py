@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny random Llama (with the default model's real tokenizer) saved like a HF checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import settings
+
+# Reproducible property tests: derandomized, no wall-clock deadline on a loaded 2-core machine.
+settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    # A wide init gives peaked logits, so that greedy argmax is not decided by 1e-7 rounding.
+    initializer_range=0.3,
+)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    from pagellm.models.gguf_loader import default_model_path, load_gguf_tokenizer
+
+    return load_gguf_tokenizer(default_model_path())
+
+
+def _save_tiny(path, tokenizer, **overrides):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **{**TINY_CONFIG, **overrides},
+    )
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, default_tokenizer) -> str:
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
