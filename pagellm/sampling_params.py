@@ -10,6 +10,14 @@ from enum import IntEnum
 _SAMPLING_EPS = 1e-5
 
 
+class RequestOutputKind(IntEnum):
+    """What each RequestOutput of a request carries, as in vLLM."""
+
+    CUMULATIVE = 0  # all text and tokens so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
 class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -38,6 +46,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the tokenizer/config; not a user knob.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

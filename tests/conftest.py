@@ -61,3 +61,11 @@ def hf_tiny(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    from pagellm.models.gguf_loader import default_model_path
+    from tests.helpers import hf_load_gguf
+
+    return hf_load_gguf(default_model_path())

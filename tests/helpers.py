@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import pathlib
+
+import pytest
 import torch
+import transformers
+import transformers.modeling_utils
 
 # Prompts of very different lengths (3 to ~120 tokens) so a batch mixes short and long prefills.
 PROMPTS = [
@@ -28,3 +33,14 @@ def hf_greedy(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, igno
     with torch.no_grad():
         out = model.generate(ids, pad_token_id=tokenizer.eos_token_id, **kwargs)
     return out[0, len(prompt_ids):].tolist()
+
+
+def hf_load_gguf(path: pathlib.Path) -> transformers.PreTrainedModel:
+    """transformers' own GGUF loading of `path`, dequantized to float32."""
+    with pytest.MonkeyPatch.context() as mp:
+        # from_pretrained refuses GGUF without `accelerate` (not installed here), although the
+        # dequantizing path for llama/qwen2 never uses it; lift only that gate.
+        mp.setattr(transformers.modeling_utils, "is_accelerate_available", lambda: True)
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()

@@ -55,3 +55,23 @@ def test_chunked_prefill_and_block_sizes_match_hf(tiny_llama_dir, references, bl
 def test_one_at_a_time_equals_batched(tiny_llama_dir, references):
     llm = LLM(tiny_llama_dir, dtype="float32", max_num_seqs=1, kv_cache_memory_bytes=32 << 20)
     _check(llm, references)
+
+
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Here is a list of three fruits:",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def test_default_smollm2_matches_hf(hf_smollm2, default_tokenizer):
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=2048)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    outputs = llm.generate(SMOLLM2_PROMPTS, params, use_tqdm=False)
+    for prompt, output in zip(SMOLLM2_PROMPTS, outputs):
+        ids = default_tokenizer.encode(prompt)
+        assert output.prompt_token_ids == ids
+        expected = hf_greedy(hf_smollm2, default_tokenizer, ids, 32)
+        assert output.outputs[0].token_ids == expected, prompt
+        assert output.outputs[0].text == default_tokenizer.decode(expected, skip_special_tokens=True)

@@ -260,3 +260,34 @@ def test_abort_frees_blocks_at_once(llm):
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     _assert_no_blocks_used(llm)
     assert not engine.has_unfinished_requests()
+
+
+# ---- output kinds ----------------------------------------------------------------------------------
+
+
+def _stream(engine, request_id, prompt, params):
+    engine.add_request(request_id, prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(o for o in engine.step() if o.request_id == request_id)
+    return outputs
+
+
+def test_delta_outputs_add_up_to_the_cumulative_result(llm):
+    from pagellm.sampling_params import RequestOutputKind
+
+    full = _greedy(llm, PROMPTS[6], max_tokens=20)
+    stop = full.text[12:16]
+    base = dict(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    engine = llm.llm_engine
+    cumulative = _stream(engine, "cum", PROMPTS[6], SamplingParams(**base))
+    deltas = _stream(engine, "delta", PROMPTS[6], SamplingParams(**base, output_kind=RequestOutputKind.DELTA))
+    final = _stream(engine, "final", PROMPTS[6], SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY))
+    expected = full.text[: full.text.index(stop)]
+    assert cumulative[-1].outputs[0].text == expected
+    assert "".join(o.outputs[0].text for o in deltas) == expected
+    assert sum((o.outputs[0].token_ids for o in deltas), []) == cumulative[-1].outputs[0].token_ids
+    # Held-back text never leaks the start of the stop string before it is known to be one.
+    assert all(stop not in "".join(o.outputs[0].text for o in deltas[: i + 1]) for i in range(len(deltas)))
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].text == expected
+    assert [o.finished for o in cumulative] == [False] * (len(cumulative) - 1) + [True]

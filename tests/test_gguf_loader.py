@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-import transformers.modeling_utils
 
-from pagellm.models.gguf_loader import default_model_path, load_gguf, load_gguf_tokenizer
+from pagellm.models.gguf_loader import default_model_path, load_gguf
+from tests.helpers import hf_load_gguf
 
 CONFIG_FIELDS = (
     "model_type",
@@ -30,17 +30,6 @@ CONFIG_FIELDS = (
     "pad_token_id",
     "tie_word_embeddings",
 )
-
-
-def hf_load(path: pathlib.Path) -> transformers.PreTrainedModel:
-    """transformers' GGUF loading of `path`, dequantized to float32."""
-    with pytest.MonkeyPatch.context() as mp:
-        # from_pretrained refuses GGUF without `accelerate` (not installed here), although the
-        # dequantizing path for llama/qwen2 never uses it; lift only that gate.
-        mp.setattr(transformers.modeling_utils, "is_accelerate_available", lambda: True)
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
 
 
 def head_dim(config: transformers.PreTrainedConfig) -> int:
@@ -75,8 +64,8 @@ def loaded(model_path):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_path):
-    return load_gguf_tokenizer(model_path)
+def tokenizer(default_tokenizer):
+    return default_tokenizer
 
 
 def test_default_model_path(model_path):
@@ -90,7 +79,7 @@ def test_default_model_path_missing_package(monkeypatch):
         default_model_path()
 
 
-def test_default_model_matches_transformers(model_path, loaded):
+def test_default_model_matches_transformers(model_path, loaded, hf_smollm2):
     config, state_dict = loaded
     assert isinstance(config, transformers.LlamaConfig)
     assert config.tie_word_embeddings and "lm_head.weight" not in state_dict
@@ -98,7 +87,7 @@ def test_default_model_matches_transformers(model_path, loaded):
         config.num_key_value_heads * head_dim(config),
         config.hidden_size,
     )
-    assert_matches_transformers(model_path, config, state_dict, hf_load(model_path))
+    assert_matches_transformers(model_path, config, state_dict, hf_smollm2)
 
 
 def test_tokenizer_round_trip(tokenizer):
@@ -184,4 +173,4 @@ def test_tiny_model_matches_transformers(tmp_path, arch, tied):
     config, state_dict = load_gguf(path)
     assert config.model_type == arch and config.tie_word_embeddings is tied
     assert ("model.layers.0.self_attn.q_proj.bias" in state_dict) is (arch == "qwen2")
-    assert_matches_transformers(path, config, state_dict, hf_load(path))
+    assert_matches_transformers(path, config, state_dict, hf_load_gguf(path))

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pagellm.core.scheduler import EngineCoreOutput
 from pagellm.outputs import CompletionOutput, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 # Tokens before the first new one that are decoded with it, so that a leading space or a multi-token
 # character comes out as the whole text would have it.
@@ -53,12 +53,33 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # How much text and how many tokens earlier DELTA outputs already carried.
+    sent_text_len: int = 0
+    sent_tokens: int = 0
 
-    def to_output(self) -> RequestOutput:
-        completion = CompletionOutput(0, self.text, list(self.token_ids), None, None, self.finish_reason, self.stop_reason)
-        return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, [completion], self.finish_reason is not None
-        )
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def visible_text_len(self) -> int:
+        """While running, the tail that could still turn out to begin a stop string is held back."""
+        if self.finished or not self.params.stop:
+            return len(self.text)
+        hold = max(len(s) for s in self.params.stop) - 1
+        return max(self.sent_text_len, len(self.text) - hold)
+
+    def to_output(self) -> RequestOutput | None:
+        kind = self.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        visible = self.visible_text_len()
+        if kind == RequestOutputKind.DELTA:
+            text, token_ids = self.text[self.sent_text_len : visible], self.token_ids[self.sent_tokens :]
+            self.sent_text_len, self.sent_tokens = visible, len(self.token_ids)
+        else:
+            text, token_ids = self.text[:visible], list(self.token_ids)
+        completion = CompletionOutput(0, text, token_ids, None, None, self.finish_reason, self.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion], self.finished)
 
 
 class OutputProcessor:
@@ -76,7 +97,7 @@ class OutputProcessor:
             state = self.states.pop(request_id, None)
             if state is not None:
                 state.finish_reason = "abort"
-                outputs.append(state.to_output())
+                outputs.append(state.to_output())  # every kind reports the end of a request
         return outputs
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
@@ -99,8 +120,10 @@ class OutputProcessor:
                     state.finish_reason, state.stop_reason = "stop", stop_string
                     if not core_output.finished:
                         stopped_by_string.append(state.request_id)
-            outputs.append(state.to_output())
-            if state.finish_reason is not None:
+            output = state.to_output()
+            if output is not None:
+                outputs.append(output)
+            if state.finished:
                 del self.states[state.request_id]
         return outputs, stopped_by_string
 
