@@ -174,3 +174,20 @@ def test_tiny_model_matches_transformers(tmp_path, arch, tied):
     assert config.model_type == arch and config.tie_word_embeddings is tied
     assert ("model.layers.0.self_attn.q_proj.bias" in state_dict) is (arch == "qwen2")
     assert_matches_transformers(path, config, state_dict, hf_load_gguf(path))
+
+
+def test_cached_tokenizer_equals_a_fresh_conversion(model_path, tmp_path, monkeypatch):
+    from pagellm.models.gguf_loader import load_gguf_tokenizer
+
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    fresh = load_gguf_tokenizer(model_path)
+    assert list(tmp_path.glob("gguf-tokenizers/*/tokenizer_config.json")), "the conversion was cached"
+    cached = load_gguf_tokenizer(model_path)
+    texts = ["Hello world", "  leading spaces\nand 한국어, emoji 🙂", "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        assert cached.encode(text) == fresh.encode(text)
+        assert cached.decode(fresh.encode(text)) == fresh.decode(fresh.encode(text))
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        fresh.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (cached.bos_token_id, cached.eos_token_id, len(cached)) == (fresh.bos_token_id, fresh.eos_token_id, len(fresh))

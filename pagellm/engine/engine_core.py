@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -112,8 +113,9 @@ class EngineCore:
     def _profile(self, spec: KVCacheSpec, budget: int, sampling_rows: int, max_model_len: int, device) -> int:
         seq_len = min(budget, max_model_len)
         blocks = cdiv(budget, seq_len) * cdiv(seq_len, spec.block_size)
+        one_layer = dataclasses.replace(spec, num_layers=1)
         with measure_peak(device) as measured:
-            scratch = allocate_kv_cache(spec, blocks, device)
+            scratch = allocate_kv_cache(one_layer, blocks, device)
             self.runner.profile_run(budget, sampling_rows, scratch)
             del scratch
         return measured["peak"]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import pathlib
 import re
+import shutil
 import struct
+import tempfile
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -83,14 +86,51 @@ def load_gguf(
 
 
 def load_gguf_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedTokenizerBase:
-    """HF tokenizer rebuilt from the GGUF vocabulary, with the file's chat template set."""
+    """HF tokenizer rebuilt from the GGUF vocabulary, with the file's chat template set.
+
+    Rebuilding takes seconds (transformers re-reads the whole vocabulary), so the result is saved
+    once under the cache directory, keyed by the file's path, size and mtime, and loaded from there.
+    """
     path = pathlib.Path(path).resolve()
+    cached = _tokenizer_cache_dir(path)
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return transformers.AutoTokenizer.from_pretrained(str(cached))
+        except (OSError, ValueError):
+            shutil.rmtree(cached, ignore_errors=True)  # a damaged cache entry is rebuilt below
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     metadata = _read_header(np.memmap(path, dtype=np.uint8, mode="r")).metadata
     template = metadata.get("tokenizer.chat_template")
     if template is not None:
         tokenizer.chat_template = template
+    _save_atomically(tokenizer, cached)
     return tokenizer
+
+
+def cache_root() -> pathlib.Path:
+    """Where pagellm keeps derived files: $PAGELLM_CACHE_DIR, else $XDG_CACHE_HOME/pagellm or ~/.cache/pagellm."""
+    if os.environ.get("PAGELLM_CACHE_DIR"):
+        return pathlib.Path(os.environ["PAGELLM_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "pagellm"
+
+
+def _tokenizer_cache_dir(path: pathlib.Path) -> pathlib.Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()
+    return cache_root() / "gguf-tokenizers" / key[:24]
+
+
+def _save_atomically(tokenizer: transformers.PreTrainedTokenizerBase, target: pathlib.Path) -> None:
+    """Write to a temporary sibling and rename, so concurrent engines never read half a cache entry."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            tokenizer.save_pretrained(tmp)
+            os.rename(tmp, target)
+            os.mkdir(tmp)  # TemporaryDirectory removes its path on exit; give it an empty one
+    except OSError:
+        pass  # caching is an optimisation: a read-only or racing cache just means rebuilding next time
 
 
 def _read_header(blob: np.ndarray) -> _Header:
@@ -157,10 +197,10 @@ def _build_config(header: _Header) -> transformers.LlamaConfig | transformers.Qw
     meta, tensors = header.metadata, header.tensors
     arch = meta.get("general.architecture")
     if arch not in _SUPPORTED_ARCHS:
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (supported: {_SUPPORTED_ARCHS})")
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {_SUPPORTED_ARCHS}")
     if "rope_freqs.weight" in tensors:
         # llama3-style frequency factors live in a tensor, not metadata; ignoring them would be silently wrong.
-        raise NotImplementedError("GGUF rope_freqs.weight (llama3 rope scaling) is not supported")
+        raise ValueError("GGUF rope_freqs.weight (llama3 rope scaling in a tensor) is not supported; use the HF checkpoint")
 
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
@@ -168,7 +208,7 @@ def _build_config(header: _Header) -> transformers.LlamaConfig | transformers.Qw
     hidden, n_heads = key("embedding_length"), key("attention.head_count")
     head_dim = key("attention.key_length", hidden // n_heads)
     if key("rope.dimension_count", head_dim) != head_dim:
-        raise NotImplementedError("partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
+        raise ValueError("partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
     embed_rows = tensors["token_embd.weight"].shape[0]
     vocab_size = key("vocab_size", embed_rows)
     if vocab_size != embed_rows:
@@ -205,7 +245,7 @@ def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
     if kind == "none":
         return params
     if kind not in ("linear", "yarn"):
-        raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+        raise ValueError(f"rope scaling type {kind!r} is not supported; supported: none, linear, yarn")
     params.update(rope_type=kind, factor=float(factor))
     if kind == "yarn":
         params["original_max_position_embeddings"] = meta[f"{arch}.rope.scaling.original_context_length"]

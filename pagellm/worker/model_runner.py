@@ -225,7 +225,12 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_sampling_rows: int, kv_caches) -> None:
         """A forward over `num_tokens` prompt tokens and sampling over `num_sampling_rows` rows, on
-        throwaway state, so that the caller can measure the activation peak."""
+        throwaway state, so that the caller can measure the activation peak.
+
+        `kv_caches` may cover fewer layers than the model has: every layer frees its temporaries before
+        the next starts and all layers have one shape, so one layer's peak is the whole forward's, at a
+        fraction of the start-up time.
+        """
         saved_caches, self.kv_caches = self.kv_caches, kv_caches
         try:
             seq_len = min(num_tokens, self.max_model_len)
