@@ -60,6 +60,10 @@ class StartupReport:
 
 
 class EngineCore:
+    # The requests the current (or last) step scheduled: if the rest of the step raises, a caller can
+    # fail exactly these and keep serving the others.
+    last_scheduled_request_ids: frozenset[str] = frozenset()
+
     def __init__(self, args: EngineArgs) -> None:
         started = time.perf_counter()
         device = pick_device(args.device)
@@ -142,7 +146,9 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        self.last_scheduled_request_ids = frozenset()
         scheduler_output = self.scheduler.schedule()
+        self.last_scheduled_request_ids = frozenset(scheduler_output.num_scheduled_tokens)
         if scheduler_output.is_empty and self.scheduler.has_unfinished_requests():
             stats = self.scheduler.get_stats()
             raise RuntimeError(f"the scheduler could schedule nothing although requests are waiting: {stats}")
