@@ -28,6 +28,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     disable_log_stats: bool = True
 

@@ -9,7 +9,6 @@ import shutil
 import pytest
 
 from pagellm import LLM, EngineArgs, SamplingParams
-from pagellm.core.kv_cache_manager import cdiv
 from tests.helpers import PROMPTS
 
 
@@ -230,14 +229,19 @@ def test_kv_waste_is_only_the_tail_of_each_last_block(llm):
     prompts = [" ".join(["word"] * (3 + 7 * i % 90)) for i in range(64)]
     for i, prompt in enumerate(prompts):
         engine.add_request(f"waste-{i}", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    block_size = engine.core.scheduler.kv.block_size
+    kv = engine.core.scheduler.kv
+    block_size = kv.block_size
     peak_used = 0
     while engine.has_unfinished_requests():
         engine.step()
         stats = engine.get_stats()
         running = engine.core.scheduler.running
-        stored = sum(r.num_computed_tokens for r in running)
-        blocks = sum(cdiv(r.num_computed_tokens, block_size) for r in running)
+        # Slots filled per distinct physical block: a prefix block shared by several requests counts once.
+        filled: dict[int, int] = {}
+        for request in running:
+            for index, block_id in enumerate(kv.block_ids(request.request_id)):
+                filled[block_id] = min(block_size, request.num_computed_tokens - index * block_size)
+        stored, blocks = sum(filled.values()), len(filled)
         assert stats.kv_cache.num_stored_tokens == stored
         assert stats.kv_cache.num_used_blocks == blocks
         if blocks:

@@ -1,8 +1,24 @@
-"""Physical KV blocks: reference counts and a free queue whose every operation is O(1)."""
+"""Physical KV blocks: reference counts, a free queue whose every operation is O(1), and the prefix cache.
+
+A full block's contents are named by a `BlockKey`: its token ids plus the exact cached block before
+it (id and generation). Keys are compared by value, never trusted by hash alone, so a hash collision
+costs a dictionary probe and can never hand a request the wrong K/V.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockKey:
+    # (block_id, generation) of the cached block holding the previous tokens; None for a first block.
+    parent: tuple[int, int] | None
+    token_ids: tuple[int, ...]
+    # Anything else the K/V depends on besides the tokens and their positions (none yet: no LoRA,
+    # no multimodal inputs); it is part of the key so that adding such inputs cannot alias blocks.
+    extra: tuple = ()
 
 
 class BlockAccountingError(RuntimeError):
@@ -10,16 +26,27 @@ class BlockAccountingError(RuntimeError):
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free", "key", "generation", "num_tokens")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
+        # Set while the block's contents are in the prefix cache.
+        self.key: BlockKey | None = None
+        # Bumped each time the block is handed out for new data, so a child key that names this
+        # block as its parent stops matching once the parent's contents are gone.
+        self.generation = 0
+        # Token slots filled in this block (for KV-waste accounting).
+        self.num_tokens = 0
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        return self.block_id, self.generation
 
     def __repr__(self) -> str:
-        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.key is not None})"
 
 
 class FreeBlockQueue:
@@ -78,13 +105,20 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All physical blocks of the KV pool. A block is free exactly when its ref count is 0."""
+    """All physical blocks of the KV pool. A block is free exactly when its ref count is 0.
+
+    Free blocks keep their cached contents until handed out again (lazy eviction), and leave the
+    free queue from its head: least recently freed first.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks}: the KV pool needs at least one block")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockKey, KVBlock] = {}
+        # Token slots filled across blocks in use.
+        self.num_stored_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -99,26 +133,59 @@ class BlockPool:
         return len(self.blocks) - len(self.free_queue)
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
-        """Take `num_blocks` blocks, all or none."""
+        """Take `num_blocks` blocks for new data, all or none, evicting whatever they cached."""
         if num_blocks < 0 or num_blocks > len(self.free_queue):
             raise BlockAccountingError(f"asked for {num_blocks} blocks, {len(self.free_queue)} free")
         taken = [self.free_queue.popleft() for _ in range(num_blocks)]
         for block in taken:
+            self._evict(block)
+            block.generation += 1
+            block.num_tokens = 0
             block.ref_cnt = 1
         return taken
 
-    def share(self, blocks: Iterable[KVBlock]) -> None:
-        """One more owner for each block (a forked block table)."""
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """One more owner for each block: a prefix-cache hit, or a forked block table.
+
+        A free block that is hit again leaves the free queue from wherever it sits.
+        """
         for block in blocks:
-            if block.ref_cnt <= 0:
-                raise BlockAccountingError(f"cannot share free {block}")
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                self.num_stored_tokens += block.num_tokens
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one owner of each block; a block whose last owner left goes back to the free queue."""
+        """Drop one owner of each block; a block whose last owner left goes to the free queue's tail."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise BlockAccountingError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                self.num_stored_tokens -= block.num_tokens
                 self.free_queue.append(block)
+
+    def set_num_tokens(self, block: KVBlock, num_tokens: int) -> None:
+        self.num_stored_tokens += num_tokens - block.num_tokens
+        block.num_tokens = num_tokens
+
+    # ---- prefix cache --------------------------------------------------------------------------
+
+    def lookup(self, key: BlockKey) -> KVBlock | None:
+        return self.cached.get(key)
+
+    def cache(self, block: KVBlock, key: BlockKey) -> KVBlock:
+        """Publish a full block's contents; returns the block that holds them in the cache, which
+        is an older one when another request computed the same contents first."""
+        existing = self.cached.get(key)
+        if existing is not None:
+            return existing
+        block.key = key
+        self.cached[key] = block
+        return block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.key is not None:
+            if self.cached.get(block.key) is block:
+                del self.cached[block.key]
+            block.key = None

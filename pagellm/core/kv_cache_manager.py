@@ -1,10 +1,11 @@
-"""Per-request block tables over the shared block pool."""
+"""Per-request block tables over the shared block pool, with automatic prefix caching."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagellm.core.block_pool import BlockPool, KVBlock
+from pagellm.core.block_pool import BlockKey, BlockPool, KVBlock
 
 
 @dataclass(frozen=True)
@@ -13,8 +14,12 @@ class KVCacheStats:
     num_used_blocks: int
     num_free_blocks: int
     block_size: int
-    # Tokens whose K/V has a slot in the pool.
+    # Token slots filled across the blocks in use (a shared block counts once).
     num_stored_tokens: int
+    # Prompt tokens looked up in the prefix cache, and how many of them it held (since start-up).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_cached_blocks: int = 0
 
     @property
     def usage(self) -> float:
@@ -31,47 +36,136 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True)
+class CachedPrefix:
+    """Leading full blocks of a request that the prefix cache already holds."""
+
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+NO_CACHED_PREFIX = CachedPrefix([], 0)
+
+
 class KVCacheManager:
     """Owns every block table. Tables are append-only: a block is added only when a token needs a slot."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[str, list[KVBlock]] = {}
         self._num_slots: dict[str, int] = {}
-        self._total_slots = 0
+        # Per request: how many leading blocks are published in the prefix cache, and the identity
+        # of the cached block holding the last of them (the parent of the next key).
+        self._num_published: dict[str, int] = {}
+        self._last_published: dict[str, tuple[int, int]] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- prefix cache ------------------------------------------------------------------------------
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+        """The longest run of leading full blocks of `token_ids` held in the cache.
+
+        At least the last token is always left to compute: its logits sample the next token.
+        """
+        if not self.enable_prefix_caching:
+            return NO_CACHED_PREFIX
+        size = self.block_size
+        blocks: list[KVBlock] = []
+        parent = None
+        for start in range(0, len(token_ids) - 1 - size + 1, size):
+            block = self.pool.lookup(BlockKey(parent, tuple(token_ids[start : start + size])))
+            if block is None:
+                break
+            blocks.append(block)
+            parent = block.identity
+        return CachedPrefix(blocks, len(blocks) * size)
+
+    def record_prefix_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Counted once per admission, not per lookup: a request that waits is looked up every step."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_queried_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def publish_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Put the request's newly completed blocks (their K/V is written) into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        size = self.block_size
+        done = self._num_published.get(request_id, 0)
+        parent = self._last_published.get(request_id)
+        for index in range(done, num_computed_tokens // size):
+            block = table[index]
+            if block.key is None:
+                key = BlockKey(parent, tuple(token_ids[index * size : (index + 1) * size]))
+                # Another request may have published the same contents first: chain on to that
+                # block, so this request's later blocks stay reachable from the cache.
+                block = self.pool.cache(block, key)
+            parent = block.identity
+            done = index + 1
+        self._num_published[request_id] = done
+        if parent is not None:
+            self._last_published[request_id] = parent
+
+    # ---- block tables ------------------------------------------------------------------------------
 
     def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Blocks still to take so that the request's table covers `num_tokens` tokens."""
         have = len(self._tables.get(request_id, ()))
         return max(0, cdiv(num_tokens, self.block_size) - have)
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Give the request slots for its first `num_tokens` tokens.
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, cached: CachedPrefix = NO_CACHED_PREFIX
+    ) -> list[int] | None:
+        """Give the request slots for its first `num_tokens` tokens, starting from `cached` blocks
+        for a request that has no table yet.
 
-        Returns the ids of the blocks newly added to its table (possibly none), or None, taking
+        Returns the ids of the blocks newly taken from the free pool (possibly none), or None, taking
         nothing, when the pool has too few free blocks.
         """
-        need = self.num_blocks_needed(request_id, num_tokens)
-        if need > self.pool.num_free_blocks:
+        table = self._tables.get(request_id)
+        need = max(0, self.num_blocks_needed(request_id, num_tokens) - len(cached.blocks))
+        # Cached blocks that nobody holds sit in the free queue: taking them uses up free blocks too.
+        revived = sum(1 for block in cached.blocks if block.ref_cnt == 0)
+        if need + revived > self.pool.num_free_blocks:
             return None
         if num_tokens == 0:
             return []
-        table = self._tables.setdefault(request_id, [])
+        if table is None:
+            table = self._tables[request_id] = []
+            if cached.blocks:
+                self.pool.touch(cached.blocks)
+                table.extend(cached.blocks)
+                self._num_published[request_id] = len(cached.blocks)
+                self._last_published[request_id] = cached.blocks[-1].identity
         new_blocks = self.pool.allocate(need)
         table.extend(new_blocks)
-        old = self._num_slots.get(request_id, 0)
-        if num_tokens > old:
-            self._num_slots[request_id] = num_tokens
-            self._total_slots += num_tokens - old
+        self._fill(request_id, table, num_tokens)
         return [block.block_id for block in new_blocks]
+
+    def _fill(self, request_id: str, table: list[KVBlock], num_tokens: int) -> None:
+        """Record which slots now hold (or are about to hold) tokens, for the waste figure."""
+        old = self._num_slots.get(request_id, 0)
+        if num_tokens <= old:
+            return
+        size = self.block_size
+        for index in range(old // size, cdiv(num_tokens, size)):
+            self.pool.set_num_tokens(table[index], min(size, num_tokens - index * size))
+        self._num_slots[request_id] = num_tokens
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks; unknown ids are fine (a request that never got a block)."""
         table = self._tables.pop(request_id, None)
-        self._total_slots -= self._num_slots.pop(request_id, 0)
+        self._num_slots.pop(request_id, None)
+        self._num_published.pop(request_id, None)
+        self._last_published.pop(request_id, None)
         if table:
-            # Tail first, so that a future prefix cache evicts a sequence's end before its shared start.
+            # Tail first: under memory pressure a sequence's end is evicted before its shared start.
             self.pool.free(reversed(table))
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -86,5 +180,8 @@ class KVCacheManager:
             num_used_blocks=self.pool.num_used_blocks,
             num_free_blocks=self.pool.num_free_blocks,
             block_size=self.block_size,
-            num_stored_tokens=self._total_slots,
+            num_stored_tokens=self.pool.num_stored_tokens,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_cached_blocks=len(self.pool.cached),
         )

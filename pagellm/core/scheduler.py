@@ -32,6 +32,8 @@ class NewRequestData:
     request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
+    # Tokens whose K/V is already in the blocks (prefix-cache hits); computing starts after them.
+    num_computed_tokens: int
     block_ids: list[int]
     sampling_params: SamplingParams
 
@@ -72,6 +74,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -148,18 +151,28 @@ class Scheduler:
             index += 1
 
         # Admitting while preempting would just take back the blocks the preemption freed.
-        while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            not self._preempted_this_step
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
+            prefix = self.kv.find_cached_prefix(request.all_token_ids)
+            num_new = request.num_tokens - prefix.num_tokens
             if num_new > budget:
                 may_chunk = self.config.enable_chunked_prefill or request.num_preemptions > 0
                 if not may_chunk:
                     break
                 num_new = budget
-            block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
-            if block_ids is None:
+            new_block_ids = self.kv.allocate_slots(request.request_id, prefix.num_tokens + num_new, prefix)
+            if new_block_ids is None:
                 break
             self.waiting.popleft()
+            self.kv.record_prefix_query(request.num_tokens, prefix.num_tokens)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = prefix.num_tokens
+            request.num_computed_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_index)
             num_scheduled[request.request_id] = num_new
@@ -168,7 +181,8 @@ class Scheduler:
                     request.request_id,
                     list(request.all_token_ids),
                     request.num_prompt_tokens,
-                    block_ids,
+                    request.num_computed_tokens,
+                    self.kv.block_ids(request.request_id),
                     request.sampling_params,
                 )
             )
@@ -219,6 +233,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += num_tokens
+            self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
             token_id = sampled.get(request_id)
             if token_id is None:
                 if request.num_computed_tokens >= request.num_tokens:
@@ -230,7 +245,13 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
             outputs.append(
-                EngineCoreOutput(request_id, [token_id], status.finish_reason if status else None, request.stop_reason)
+                EngineCoreOutput(
+                    request_id,
+                    [token_id],
+                    status.finish_reason if status else None,
+                    request.stop_reason,
+                    request.num_cached_tokens or 0,
+                )
             )
         return outputs
 

@@ -102,7 +102,7 @@ class EngineCore:
 
         self.scheduler = Scheduler(
             SchedulerConfig(budget, args.max_num_seqs, max_model_len, args.enable_chunked_prefill),
-            KVCacheManager(num_blocks, args.block_size),
+            KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching),
         )
         self.startup = StartupReport(time.perf_counter() - started, num_blocks, args.block_size, kv_bytes,
                                      weights_bytes, activation_peak, max_model_len)

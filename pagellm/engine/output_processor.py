@@ -56,6 +56,7 @@ class RequestState:
     # How much text and how many tokens earlier DELTA outputs already carried.
     sent_text_len: int = 0
     sent_tokens: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -79,7 +80,10 @@ class RequestState:
         else:
             text, token_ids = self.text[:visible], list(self.token_ids)
         completion = CompletionOutput(0, text, token_ids, None, None, self.finish_reason, self.stop_reason)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion], self.finished)
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, [completion], self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+        )
 
 
 class OutputProcessor:
@@ -109,6 +113,7 @@ class OutputProcessor:
             if state is None:
                 continue
             state.token_ids.extend(core_output.new_token_ids)
+            state.num_cached_tokens = core_output.num_cached_tokens
             delta = state.detokenizer.add(core_output.new_token_ids, final=core_output.finished)
             state.finish_reason, state.stop_reason = core_output.finish_reason, core_output.stop_reason
             if delta:

@@ -65,7 +65,7 @@ class ModelRunner:
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row] = n
-        self.num_computed[row] = 0
+        self.num_computed[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
         params = new.sampling_params

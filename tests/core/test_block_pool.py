@@ -171,11 +171,11 @@ def test_allocate_too_many_raises_and_takes_nothing():
     check_pool(pool)
 
 
-def test_share_and_free():
+def test_touch_and_free():
     pool = BlockPool(3)
     a, b = pool.allocate(2)
-    pool.share([a, b])
-    pool.share([a])
+    pool.touch([a, b])
+    pool.touch([a])
     assert (a.ref_cnt, b.ref_cnt) == (3, 2)
     pool.free([a, b])
     assert (a.ref_cnt, b.ref_cnt) == (2, 1)
@@ -190,11 +190,11 @@ def test_share_and_free():
     check_pool(pool)
 
 
-def test_share_free_block_raises():
-    pool = BlockPool(2)
-    with pytest.raises(BlockAccountingError):
-        pool.share([pool.blocks[0]])
-    assert pool.blocks[0].ref_cnt == 0
+def test_touching_a_free_block_takes_it_out_of_the_middle_of_the_free_queue():
+    pool = BlockPool(3)
+    pool.touch([pool.blocks[1]])
+    assert pool.blocks[1].ref_cnt == 1
+    assert pool.free_queue.block_ids() == [0, 2]
     check_pool(pool)
 
 
@@ -259,16 +259,13 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.pool is not None)
     @rule(data=st.data())
-    def share(self, data):
+    def touch(self, data):
         ids = data.draw(st.lists(st.sampled_from(sorted(self.refs)), max_size=4, unique=True))
-        blocks = [self.pool.blocks[i] for i in ids]
-        if all(self.refs[i] > 0 for i in ids):
-            self.pool.share(blocks)
-            for i in ids:
-                self.refs[i] += 1
-        elif len(ids) == 1:
-            with pytest.raises(BlockAccountingError):
-                self.pool.share(blocks)
+        self.pool.touch([self.pool.blocks[i] for i in ids])
+        for i in ids:
+            if self.refs[i] == 0:
+                self.free_order.remove(i)
+            self.refs[i] += 1
 
     @precondition(lambda self: self.pool is not None)
     @rule(data=st.data())
