@@ -2,8 +2,11 @@
 
 from pagellm.config import EngineArgs
 from pagellm.entrypoints.llm import LLM
+from pagellm.logger import configure_logging
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
+
+configure_logging()
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs"]
 __version__ = "0.1.0"
