@@ -1,0 +1,1 @@
+"""Reproducible benchmarks of pagellm: offline throughput, online serving, KV-cache memory."""
