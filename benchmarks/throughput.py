@@ -1,0 +1,265 @@
+"""Offline throughput: the whole workload submitted at once, greedy, EOS ignored.
+
+Runs pagellm (LLM.generate on token-id prompts), and with `--compare hf` HuggingFace transformers'
+`generate` on static batches in the same invocation. Both count useful tokens only: each request's own
+prompt and its own output. Transformers pads every batch on the left to its longest prompt and generates
+the batch's longest output for every row; that padding is work, not throughput.
+
+    .venv/bin/python benchmarks/throughput.py                       # pagellm, default workload and model
+    .venv/bin/python benchmarks/throughput.py --compare hf          # and the transformers baseline
+    .venv/bin/python benchmarks/throughput.py --num-prompts 8 --input-len 32 --output-len 16   # a quick look
+
+Prints a table and one JSON line per engine (prefixed by nothing, so `grep '^{'` picks them out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a file (python benchmarks/throughput.py): make the `benchmarks` package importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.workload import (
+    BenchRequest,
+    ThroughputResult,
+    Workload,
+    WorkloadSpec,
+    add_workload_arguments,
+    format_table,
+    generate_workload,
+    load_tokenizer,
+    sampleable_token_ids,
+)
+
+DEFAULT_HF_BATCH_SIZE = 32
+
+
+@dataclass(frozen=True)
+class StartupTimes:
+    # EngineCore's own measure: weights, profiling pass, KV pool.
+    core_seconds: float
+    # Wall clock around LLM(...): adds tokenizer loading and the engine's outer layers.
+    ready_seconds: float
+    num_blocks: int
+    block_size: int
+
+
+# ---- pagellm ---------------------------------------------------------------------------------------
+
+
+def run_pagellm(workload: Workload, args: argparse.Namespace) -> tuple[ThroughputResult, StartupTimes]:
+    from pagellm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    ready = time.perf_counter() - started
+    core = llm.llm_engine.core
+    startup = StartupTimes(core.startup.seconds, ready, core.startup.num_blocks, core.startup.block_size)
+    dtype = str(core.model_info.dtype).removeprefix("torch.")
+
+    prompts = [{"prompt_token_ids": request.prompt_token_ids} for request in workload.requests]
+    params = [SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
+              for request in workload.requests]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    seconds = time.perf_counter() - started
+
+    generated = [len(output.outputs[0].token_ids) for output in outputs]
+    _warn_on_short_outputs("pagellm", workload.requests, generated)
+    result = ThroughputResult("pagellm", dtype, len(outputs), workload.num_prompt_tokens, sum(generated), seconds)
+    return result, startup
+
+
+def _warn_on_short_outputs(engine: str, requests: Sequence[BenchRequest], generated: Sequence[int]) -> None:
+    mismatched = sum(1 for request, n in zip(requests, generated) if n != request.output_len)
+    if mismatched:
+        print(f"warning: {engine} generated a length other than requested for {mismatched} requests; "
+              "the table counts what it generated", file=sys.stderr)
+
+
+# ---- transformers static batching ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StaticBatchTokens:
+    """What static batches compute versus what is useful."""
+
+    useful_prompt_tokens: int
+    useful_output_tokens: int
+    # Every row padded to the batch's longest prompt, and generating the batch's longest output.
+    computed_prompt_tokens: int
+    computed_output_tokens: int
+
+    @property
+    def padding_fraction(self) -> float:
+        computed = self.computed_prompt_tokens + self.computed_output_tokens
+        return 1 - (self.useful_prompt_tokens + self.useful_output_tokens) / computed
+
+
+def static_batches(requests: Sequence[BenchRequest], batch_size: int) -> list[list[BenchRequest]]:
+    """Consecutive batches in submission order, as a server with no scheduler would form them."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} is out of range; allowed: an int >= 1")
+    return [list(requests[i : i + batch_size]) for i in range(0, len(requests), batch_size)]
+
+
+def static_batch_tokens(batches: Sequence[Sequence[BenchRequest]]) -> StaticBatchTokens:
+    useful_prompt = useful_output = computed_prompt = computed_output = 0
+    for batch in batches:
+        useful_prompt += sum(request.prompt_len for request in batch)
+        useful_output += sum(request.output_len for request in batch)
+        computed_prompt += len(batch) * max(request.prompt_len for request in batch)
+        computed_output += len(batch) * max(request.output_len for request in batch)
+    return StaticBatchTokens(useful_prompt, useful_output, computed_prompt, computed_output)
+
+
+def load_hf_model(model: str | None, dtype_name: str):
+    """A transformers causal LM of `model` (default: SmolLM2 from its GGUF, the same weights pagellm loads)."""
+    import torch
+    import transformers
+
+    from pagellm.engine.engine_core import resolve_dtype
+    from pagellm.models.loader import resolve_model
+
+    source = resolve_model(model)
+    if source.is_gguf:
+        from pagellm.models.gguf_loader import load_gguf
+
+        config, state_dict = load_gguf(source.path)
+        hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = hf_model.load_state_dict(state_dict, strict=False)
+        # A tied lm_head is absent from the file; it shares the embedding tensor just loaded.
+        allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        if set(missing) - allowed_missing or unexpected:
+            raise ValueError(f"GGUF weights do not match the model: missing {missing}, unexpected {unexpected}")
+    else:
+        config = transformers.AutoConfig.from_pretrained(source.path)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+    dtype = resolve_dtype(dtype_name, config, torch.device("cpu"))
+    return hf_model.to(dtype).eval(), dtype
+
+
+def run_hf(workload: Workload, args: argparse.Namespace, pad_token_id: int) -> tuple[ThroughputResult, StaticBatchTokens]:
+    import torch
+
+    hf_model, dtype = load_hf_model(args.model, args.dtype)
+    batches = static_batches(workload.requests, args.batch_size)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for batch in batches:
+            _generate_static_batch(hf_model, batch, pad_token_id)
+    seconds = time.perf_counter() - started
+    tokens = static_batch_tokens(batches)
+    name = f"transformers (static batches of {args.batch_size})"
+    dtype_name = str(dtype).removeprefix("torch.")
+    result = ThroughputResult(name, dtype_name, len(workload.requests), tokens.useful_prompt_tokens,
+                              tokens.useful_output_tokens, seconds)
+    return result, tokens
+
+
+def _generate_static_batch(hf_model, batch: Sequence[BenchRequest], pad_token_id: int) -> None:
+    import torch
+
+    width = max(request.prompt_len for request in batch)
+    input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, request in enumerate(batch):
+        # Left padding, so that every row's next token lands in the same column.
+        input_ids[row, width - request.prompt_len :] = torch.tensor(request.prompt_token_ids)
+        attention_mask[row, width - request.prompt_len :] = 1
+    new_tokens = max(request.output_len for request in batch)
+    output = hf_model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=pad_token_id,
+    )
+    if output.shape[1] != width + new_tokens:
+        raise RuntimeError(f"transformers generated {output.shape[1] - width} tokens per row, asked for {new_tokens}")
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+
+def print_report(results: Sequence[ThroughputResult]) -> None:
+    headers = ["engine", "dtype", "requests", "elapsed (s)", "req/s", "output tok/s", "total tok/s"]
+    rows = [[r.engine, r.dtype, r.num_requests, r.seconds, r.requests_per_s, r.output_tokens_per_s,
+             r.total_tokens_per_s] for r in results]
+    print(format_table(headers, rows))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_arguments(parser)
+    engine = parser.add_argument_group("engines")
+    engine.add_argument("--model", default=None,
+                        help="local HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct); "
+                             "both engines load the same weights")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations for both engines; auto is pagellm's choice (bfloat16 on CPUs "
+                             "with native bf16, else float32) (default: %(default)s)")
+    engine.add_argument("--max-num-seqs", type=int, default=256,
+                        help="pagellm: most requests running at once (default: %(default)s)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="pagellm: token budget per step (default: the engine's, 2048 on CPU)")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="pagellm: longest sequence (default: the model's max_position_embeddings)")
+    engine.add_argument("--compare", choices=["hf"], action="append", default=[],
+                        help="also run this baseline: hf = transformers generate() on static batches")
+    engine.add_argument("--batch-size", type=int, default=DEFAULT_HF_BATCH_SIZE,
+                        help="hf baseline: requests per static batch, taken in submission order "
+                             "(default: %(default)s)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
+    args = parse_args(argv)
+    tokenizer = load_tokenizer(args.model)
+    workload = generate_workload(WorkloadSpec.from_args(args), sampleable_token_ids(tokenizer))
+    print(f"Workload: {workload.describe()}; everything submitted at once, greedy, EOS ignored.")
+
+    result, startup = run_pagellm(workload, args)
+    results = [result]
+    print(f"pagellm start-up: {startup.core_seconds:.2f} s in the engine core (weights, profiling pass, KV pool of "
+          f"{startup.num_blocks:,} blocks x {startup.block_size}), {startup.ready_seconds:.2f} s wall clock to ready")
+    # The engine's KV pool and weights go before the baseline loads its own copy.
+    gc.collect()
+
+    if "hf" in args.compare:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        hf_result, tokens = run_hf(workload, args, pad)
+        results.append(hf_result)
+        print(f"transformers: {tokens.computed_prompt_tokens:,} prompt and {tokens.computed_output_tokens:,} output "
+              f"token positions computed for {tokens.useful_prompt_tokens:,} and {tokens.useful_output_tokens:,} "
+              f"useful ones ({tokens.padding_fraction:.1%} padding)")
+
+    print()
+    print_report(results)
+    for r in results:
+        line = r.as_json()
+        if r.engine == "pagellm":
+            line.update(startup_core_s=round(startup.core_seconds, 3), startup_ready_s=round(startup.ready_seconds, 3))
+        print(json.dumps(line))
+    return results
+
+
+if __name__ == "__main__":
+    main()
