@@ -1,0 +1,446 @@
+"""Online serving benchmark against any OpenAI-compatible server (pagellm serve, vllm serve, ...).
+
+Requests from the shared workload generator arrive as a Poisson process at `--request-rate` (or all at
+once with `inf`), at most `--max-concurrency` in flight, each a streaming `/v1/completions` call with
+`temperature: 0`, `max_tokens` = its drawn output length and `ignore_eos: true` (an extra body field
+that vLLM and pagellm accept), with `stream_options: {"include_usage": true}` so the server reports
+the token counts.
+
+Per request it measures:
+  TTFT  time to first token: from sending the request to the first streamed chunk carrying text;
+  TPOT  time per output token after the first: (e2e - TTFT) / (output tokens - 1);
+  ITL   inter-token latency: the gap between consecutive streamed chunks carrying text (a chunk may
+        carry several tokens when the server holds back partial characters);
+  E2E   end-to-end latency: from sending to the end of the stream.
+
+A request counts as completed only if its stream ends with `data: [DONE]`; HTTP errors, error events,
+broken connections and requests still running at `--timeout` are failed and reported with their reason.
+The process exits with status 1 when no request completed.
+
+    .venv/bin/pagellm serve &    # or any OpenAI-compatible server
+    .venv/bin/python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rate 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a file (python benchmarks/serving.py): make the `benchmarks` package importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+import numpy as np
+
+from benchmarks.workload import (
+    Distribution,
+    Workload,
+    WorkloadSpec,
+    add_workload_arguments,
+    format_table,
+    generate_workload,
+    load_tokenizer,
+    sampleable_token_ids,
+)
+
+MAX_ERRORS_SHOWN = 5
+
+
+# ---- one request -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    """Timestamps (time.perf_counter seconds) and counts of one request, filled as its stream arrives."""
+
+    index: int
+    prompt_len: int
+    expected_output_len: int
+    sent_at: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    finished_at: float | None = None
+    # From the server's usage report; None when it sent none.
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    completed: bool = False
+    error: str | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        """The server's count, or, if it reported no usage, the number of chunks carrying text."""
+        return self.completion_tokens if self.completion_tokens is not None else len(self.chunk_times)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.sent_at if self.chunk_times else None
+
+    @property
+    def e2e(self) -> float:
+        return self.finished_at - self.sent_at
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [later - earlier for earlier, later in zip(self.chunk_times, self.chunk_times[1:])]
+
+
+class StreamError(Exception):
+    """The server answered, but not with a well-formed, finished completion stream."""
+
+
+class ServerError(Exception):
+    """The server cannot be benchmarked at all (e.g. it names no model)."""
+
+
+def parse_sse_line(line: str) -> dict | None:
+    """The JSON payload of one SSE line; None for blank lines, comments and non-data fields.
+
+    Returns {"done": True} for the `[DONE]` sentinel.
+    """
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None
+    payload = line[len("data:"):].strip()
+    if payload == "[DONE]":
+        return {"done": True}
+    try:
+        return json.loads(payload)
+    except json.JSONDecodeError as error:
+        raise StreamError(f"malformed SSE data {payload[:80]!r}") from error
+
+
+def apply_event(record: RequestRecord, event: dict, now: float) -> bool:
+    """Fold one stream event into the record; True once the stream is done."""
+    if event.get("done"):
+        return True
+    if "error" in event:
+        error = event["error"]
+        message = error.get("message", error) if isinstance(error, dict) else error
+        raise StreamError(f"error event: {message}")
+    if any(choice.get("text") for choice in event.get("choices") or ()):
+        record.chunk_times.append(now)
+    usage = event.get("usage")
+    if usage:
+        record.prompt_tokens = usage.get("prompt_tokens")
+        record.completion_tokens = usage.get("completion_tokens")
+    return False
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str
+    api_key: str | None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def url(self, path: str) -> str:
+        return f"{self.base_url}{path}"
+
+
+def normalize_base_url(url: str) -> str:
+    """The server root: a trailing slash or /v1 is dropped, since the paths add /v1 themselves."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+async def fetch_model_name(client: httpx.AsyncClient, endpoint: Endpoint) -> str:
+    response = await client.get(endpoint.url("/v1/models"), headers=endpoint.headers)
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise ServerError(f"{endpoint.url('/v1/models')} lists no models; pass --model")
+    return models[0]["id"]
+
+
+def completion_body(model: str, prompt: str | list[int], max_tokens: int) -> dict:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def stream_completion(client: httpx.AsyncClient, endpoint: Endpoint, body: dict, record: RequestRecord) -> None:
+    record.sent_at = time.perf_counter()
+    async with client.stream("POST", endpoint.url("/v1/completions"), json=body, headers=endpoint.headers) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            raise StreamError(f"HTTP {response.status_code}: {text[:200]}")
+        done = False
+        async for line in response.aiter_lines():
+            event = parse_sse_line(line)
+            if event is not None and apply_event(record, event, time.perf_counter()):
+                done = True
+                break
+    record.finished_at = time.perf_counter()
+    if not done:
+        raise StreamError("the stream closed before data: [DONE]")
+    record.completed = True
+
+
+def describe_error(error: Exception) -> str:
+    if isinstance(error, StreamError):
+        return str(error)
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+# ---- the whole run ---------------------------------------------------------------------------------
+
+
+def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
+    """Send times (s from the start) of a Poisson process at `request_rate`; all 0 for an infinite rate."""
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    # Its own stream, so that arrivals never shift the workload's draws.
+    rng = np.random.default_rng([seed, 1])
+    gaps = rng.exponential(1.0 / request_rate, size=num_requests)
+    return [0.0] + np.cumsum(gaps[:-1]).tolist()
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    endpoint: Endpoint
+    model: str | None
+    request_rate: float
+    max_concurrency: int | None
+    timeout: float
+    seed: int
+
+
+async def run_requests(config: RunConfig, workload: Workload, prompts: Sequence[str | list[int]]) -> tuple[list[RequestRecord], float, str]:
+    """Sends everything, waits at most `config.timeout`; returns the records, the duration and the model name."""
+    records = [RequestRecord(i, r.prompt_len, r.output_len) for i, r in enumerate(workload.requests)]
+    concurrency = config.max_concurrency or len(records)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # No per-read timeout: a long generation is not an error; --timeout bounds the whole run instead.
+    timeout = httpx.Timeout(None, connect=min(30.0, config.timeout))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = config.model or await fetch_model_name(client, config.endpoint)
+        gate = asyncio.Semaphore(concurrency)
+        offsets = arrival_offsets(len(records), config.request_rate, config.seed)
+        started = time.perf_counter()
+
+        async def one(record: RequestRecord, prompt: str | list[int], offset: float) -> None:
+            await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
+            async with gate:
+                try:
+                    body = completion_body(model, prompt, record.expected_output_len)
+                    await stream_completion(client, config.endpoint, body, record)
+                except asyncio.CancelledError:
+                    record.error = f"not finished within --timeout={config.timeout:g} s"
+                    raise
+                except Exception as error:  # any failure is this request's result, reported, never lost
+                    record.error = describe_error(error)
+
+        tasks = [asyncio.create_task(one(record, prompt, offset))
+                 for record, prompt, offset in zip(records, prompts, offsets)]
+        _, pending = await asyncio.wait(tasks, timeout=config.timeout)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration = time.perf_counter() - started
+    for record in records:
+        # A request cancelled before it was ever sent was still not served.
+        if not record.completed and record.error is None:
+            record.error = f"not finished within --timeout={config.timeout:g} s"
+    return records, duration, model
+
+
+# ---- summary ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServingSummary:
+    duration_s: float
+    num_completed: int
+    num_failed: int
+    prompt_tokens: int
+    output_tokens: int
+    # Completed requests whose output length differs from the max_tokens sent (EOS not ignored?).
+    num_length_mismatches: int
+    num_without_usage: int
+    ttft_ms: Distribution
+    tpot_ms: Distribution
+    itl_ms: Distribution
+    e2e_ms: Distribution
+    errors: dict[str, int]
+
+    @property
+    def request_throughput(self) -> float:
+        return self.num_completed / self.duration_s
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.duration_s
+
+    @property
+    def total_throughput(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.duration_s
+
+    def as_json(self) -> dict:
+        out = {
+            "duration_s": round(self.duration_s, 4),
+            "completed": self.num_completed,
+            "failed": self.num_failed,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "request_throughput": round(self.request_throughput, 4),
+            "output_throughput": round(self.output_throughput, 3),
+            "total_token_throughput": round(self.total_throughput, 3),
+            "length_mismatches": self.num_length_mismatches,
+            "without_usage": self.num_without_usage,
+            "errors": self.errors,
+        }
+        for name in ("ttft", "tpot", "itl", "e2e"):
+            dist: Distribution = getattr(self, f"{name}_ms")
+            out.update({f"mean_{name}_ms": dist.mean, f"median_{name}_ms": dist.median, f"p99_{name}_ms": dist.p99})
+        return out
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float) -> ServingSummary:
+    done = [r for r in records if r.completed]
+    failed = [r for r in records if not r.completed]
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    tpots = [r.tpot for r in done if r.tpot is not None]
+    itls = [gap for r in done for gap in r.itls]
+    return ServingSummary(
+        duration_s=duration_s,
+        num_completed=len(done),
+        num_failed=len(failed),
+        prompt_tokens=sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in done),
+        output_tokens=sum(r.output_tokens for r in done),
+        num_length_mismatches=sum(1 for r in done if r.output_tokens != r.expected_output_len),
+        num_without_usage=sum(1 for r in done if r.completion_tokens is None),
+        ttft_ms=Distribution.of(ttfts).scaled(1e3),
+        tpot_ms=Distribution.of(tpots).scaled(1e3),
+        itl_ms=Distribution.of(itls).scaled(1e3),
+        e2e_ms=Distribution.of([r.e2e for r in done]).scaled(1e3),
+        errors=dict(collections.Counter(r.error for r in failed).most_common()),
+    )
+
+
+def print_summary(summary: ServingSummary, model: str, config: RunConfig) -> None:
+    rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
+    print(f"Model {model} at {config.endpoint.base_url}, request rate {rate}/s, "
+          f"max concurrency {config.max_concurrency or 'unlimited'}")
+    overview = [
+        ["completed requests", summary.num_completed],
+        ["failed requests", summary.num_failed],
+        ["duration (s)", summary.duration_s],
+        ["prompt tokens", summary.prompt_tokens],
+        ["output tokens", summary.output_tokens],
+        ["request throughput (req/s)", summary.request_throughput],
+        ["output throughput (tok/s)", summary.output_throughput],
+        ["total throughput (tok/s)", summary.total_throughput],
+    ]
+    print(format_table(["", "value"], overview))
+    print()
+    latency = [[name, d.mean, d.median, d.p99] for name, d in (
+        ("TTFT", summary.ttft_ms), ("TPOT", summary.tpot_ms), ("ITL", summary.itl_ms), ("E2E latency", summary.e2e_ms))]
+    print(format_table(["ms", "mean", "median", "p99"], latency))
+    if summary.num_length_mismatches:
+        print(f"warning: {summary.num_length_mismatches} completed requests produced a length other than max_tokens "
+              "(does the server honour ignore_eos?)")
+    if summary.num_without_usage:
+        print(f"warning: {summary.num_without_usage} streams carried no usage; their output tokens are counted as "
+              "text chunks")
+    for error, count in list(summary.errors.items())[:MAX_ERRORS_SHOWN]:
+        print(f"failed x{count}: {error}")
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+
+def positive_float_or_inf(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is out of range; allowed: a number > 0, or inf")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    server = parser.add_argument_group("server")
+    server.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="the server's root URL; /v1/models and /v1/completions are appended "
+                             "(default: %(default)s)")
+    server.add_argument("--model", default=None,
+                        help="model name sent in each request (default: the first one /v1/models lists)")
+    server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, or none)")
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", type=positive_float_or_inf, default=math.inf,
+                      help="mean requests per second of a Poisson arrival process (seeded by --seed); inf sends "
+                           "everything at once (default: inf)")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="most requests in flight at once; later arrivals wait for a slot (default: unlimited)")
+    load.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds the whole run may take; requests not finished by then are cancelled and "
+                           "counted as failed (default: %(default)s)")
+    add_workload_arguments(parser)
+    prompts = parser.add_argument_group("prompts")
+    prompts.add_argument("--prompt-format", choices=["token-ids", "text"], default="token-ids",
+                         help="token-ids sends each prompt as a list of ids, exactly its drawn length; text sends "
+                              "their decoded text, which the server re-tokenizes to a slightly different length "
+                              "(its usage report is what is counted) (default: %(default)s)")
+    prompts.add_argument("--tokenizer", default=None,
+                         help="local HF directory or .gguf file whose vocabulary the prompts are drawn from "
+                              "(default: the embedded SmolLM2-135M-Instruct's, the model pagellm serves by default)")
+    args = parser.parse_args(argv)
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error(f"--max-concurrency={args.max_concurrency} is out of range; allowed: an int >= 1")
+    if not args.timeout > 0:
+        parser.error(f"--timeout={args.timeout} is out of range; allowed: seconds > 0")
+    return args
+
+
+def build_prompts(workload: Workload, tokenizer, prompt_format: str) -> list[str | list[int]]:
+    if prompt_format == "token-ids":
+        return [request.prompt_token_ids for request in workload.requests]
+    return [tokenizer.decode(request.prompt_token_ids) for request in workload.requests]
+
+
+def main(argv: Sequence[str] | None = None) -> ServingSummary:
+    args = parse_args(argv)
+    tokenizer = load_tokenizer(args.tokenizer)
+    workload = generate_workload(WorkloadSpec.from_args(args), sampleable_token_ids(tokenizer))
+    prompts = build_prompts(workload, tokenizer, args.prompt_format)
+    config = RunConfig(Endpoint(normalize_base_url(args.base_url), args.api_key), args.model, args.request_rate,
+                       args.max_concurrency, args.timeout, args.seed)
+    print(f"Workload: {workload.describe()}; prompts sent as {args.prompt_format}.")
+    try:
+        records, duration, model = asyncio.run(run_requests(config, workload, prompts))
+    except (httpx.HTTPError, ServerError) as error:
+        sys.exit(f"cannot reach the server at {config.endpoint.base_url}: {describe_error(error)}")
+    summary = summarize(records, duration)
+    print_summary(summary, model, config)
+    print(json.dumps({"model": model, "request_rate": str(args.request_rate),
+                      "max_concurrency": args.max_concurrency, **summary.as_json()}))
+    if summary.num_completed == 0:
+        sys.exit(1)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
