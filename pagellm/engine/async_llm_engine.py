@@ -1,0 +1,401 @@
+"""An asyncio front for the engine: requests come and go while the engine steps in the background.
+
+The LLMEngine is not thread-safe, so one thread owns it. Event loops hand it adds and aborts through a
+lock-protected queue that it drains between steps; it sleeps on a condition when there is nothing to do,
+and hands each step's outputs to per-request streams on their own loops with `call_soon_threadsafe`, so
+a slow or cancelled consumer never holds up the step or anyone else's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.config import EngineArgs
+from pagellm.core.scheduler import SchedulerStats
+from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_QUEUED_REQUESTS, AsyncEngineArgs
+from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.engine.request_stream import RequestStream
+from pagellm.metrics import IterationStats, RequestTimer, StatLogger
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# A step that fails takes only its own requests down; this many failures in a row, with no good step
+# between them, means the engine itself is broken (a lost device, a corrupt pool), and it stops.
+DEFAULT_MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on; every request, present and future, fails with this."""
+
+
+class EngineStepError(RuntimeError):
+    """A step that this request was part of raised; the request was aborted, the engine goes on."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests wait for the engine than max_num_queued_requests allows."""
+
+
+@dataclass
+class _AddOp:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    stream: RequestStream
+    arrival_time: float
+
+
+@dataclass
+class _AbortOp:
+    request_id: str
+    # Set when a consumer walks away: then only that stream's request may go, not a later one that reused the id.
+    stream: RequestStream | None = None
+
+
+@dataclass
+class _LiveRequest:
+    stream: RequestStream
+    timer: RequestTimer
+
+
+_Delivery = tuple[RequestStream, RequestOutput | BaseException]
+
+
+class AsyncLLMEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_num_queued_requests: int = DEFAULT_MAX_NUM_QUEUED_REQUESTS,
+        stat_loggers: Sequence[StatLogger] = (),
+        max_consecutive_step_failures: int = DEFAULT_MAX_CONSECUTIVE_STEP_FAILURES,
+    ) -> None:
+        self.engine = engine
+        self.max_model_len = engine.max_model_len
+        # The engine thread detokenizes with the engine's tokenizer; callers on event loops get their own
+        # copy, so the two never share one tokenizer object across threads.
+        self.tokenizer = copy.deepcopy(engine.get_tokenizer())
+        self.max_num_queued_requests = max_num_queued_requests
+        self.max_consecutive_step_failures = max_consecutive_step_failures
+        self.stat_loggers: list[StatLogger] = list(stat_loggers)
+        # torch's intra-op thread count is set per thread: the engine thread applies this one again.
+        self._torch_threads = torch.get_num_threads()
+
+        # Shared between the engine thread and callers; guarded by _cond.
+        self._cond = threading.Condition()
+        self._ops: list[_AddOp | _AbortOp] = []
+        self._num_pending_adds = 0
+        self._num_waiting = 0  # in the scheduler's queue, as of the last iteration (plus adds since taken)
+        self._request_ids: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead_error: EngineDeadError | None = None
+        self._stats: SchedulerStats = engine.get_stats()
+
+        # Owned by the engine thread.
+        self._live: dict[str, _LiveRequest] = {}
+        self._consecutive_failures = 0
+
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: EngineArgs, stat_loggers: Sequence[StatLogger] = ()
+    ) -> AsyncLLMEngine:
+        """Loads the model and sizes the KV pool now; needs no event loop (the engine thread starts on first use)."""
+        max_queued = getattr(engine_args, "max_num_queued_requests", DEFAULT_MAX_NUM_QUEUED_REQUESTS)
+        return cls(LLMEngine(engine_args), max_num_queued_requests=max_queued, stat_loggers=stat_loggers)
+
+    # ---- the caller's side (any thread with a running event loop) ---------------------------------
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Outputs of one request as the engine makes them: cumulative by default, or as
+        `sampling_params.output_kind` asks. Stopping the iteration (break, cancel, close) aborts the request."""
+        stream = self.add_request(request_id, prompt, sampling_params)
+        async with aclosing(self.outputs(stream)) as outputs:
+            async for output in outputs:
+                yield output
+
+    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None) -> RequestStream:
+        """Queues a request at once, raising here (not at the first output) when it cannot be taken:
+        QueueFullError, EngineDeadError, or ValueError for a reused id. Pass the stream to `outputs`, or
+        abort it; bad prompts and parameters are reported by the stream."""
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: AsyncLLMEngine streams one sequence per request; submit n requests instead "
+                "(with seed + i each, as the OpenAI server does for n > 1)."
+            )
+        stream = RequestStream(request_id, params.output_kind, asyncio.get_running_loop())
+        engine_params = params.clone()
+        engine_params.output_kind = RequestOutputKind.DELTA
+        with self._cond:
+            if self._dead_error is not None:
+                raise EngineDeadError(str(self._dead_error))
+            if self._stopping:
+                raise EngineDeadError("the engine is shutting down; it takes no new requests.")
+            if request_id in self._request_ids:
+                raise ValueError(f"request_id={request_id!r} is already in use; request ids must be unique.")
+            queued = self._num_pending_adds + self._num_waiting
+            if queued >= self.max_num_queued_requests:
+                raise QueueFullError(
+                    f"{queued} requests are already waiting for the engine, the limit is "
+                    f"max_num_queued_requests={self.max_num_queued_requests}; retry later, or raise "
+                    "--max-num-queued-requests."
+                )
+            self._request_ids.add(request_id)
+            self._ops.append(_AddOp(request_id, prompt, engine_params, stream, time.monotonic()))
+            self._num_pending_adds += 1
+            self._ensure_started()
+            self._cond.notify()
+        return stream
+
+    async def outputs(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
+        """The outputs of a request from `add_request`; leaving early aborts it and frees its blocks."""
+        try:
+            while True:
+                output = await stream.next_output()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self._queue_abort(stream.request_id, stream)
+
+    async def abort(self, request_id: str) -> None:
+        """Ends the request and frees its blocks; its stream gets a last output with finish_reason "abort"."""
+        self.abort_request(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        """`abort` for code without an event loop (or that must not yield to it)."""
+        self._queue_abort(request_id, None)
+
+    async def get_tokenizer(self):
+        return self.tokenizer
+
+    async def check_health(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(str(self._dead_error))
+
+    def get_stats(self) -> SchedulerStats:
+        """Scheduler and KV-cache counts as of the end of the engine's last iteration."""
+        return self._stats
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests not yet running: queued for the engine thread or waiting in the scheduler."""
+        with self._cond:
+            return self._num_pending_adds + self._num_waiting
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        with self._cond:
+            self.stat_loggers = [*self.stat_loggers, stat_logger]
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead_error
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        with self._cond:
+            self._ensure_started()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops the engine thread; requests still in flight fail with EngineDeadError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _queue_abort(self, request_id: str, stream: RequestStream | None) -> None:
+        with self._cond:
+            if request_id in self._request_ids and self._dead_error is None:
+                self._ops.append(_AbortOp(request_id, stream))
+                self._cond.notify()
+
+    def _ensure_started(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
+            self._thread.start()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._torch_threads)
+        try:
+            while True:
+                with self._cond:
+                    while not (self._ops or self._stopping or self.engine.has_unfinished_requests()):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    ops, self._ops = self._ops, []
+                    # Until the scheduler's count is read again below, count the taken adds as waiting.
+                    self._num_waiting += self._num_pending_adds
+                    self._num_pending_adds = 0
+                self._iterate(ops)
+        except BaseException as exc:  # noqa: BLE001 - whatever stops the loop must reach every waiting caller
+            if not isinstance(exc, EngineDeadError):
+                logger.exception("The engine loop crashed")
+                exc = EngineDeadError(f"the engine loop crashed: {exc!r}")
+            else:
+                logger.error("%s", exc)
+            self._die(exc)
+            return
+        self._die(EngineDeadError("the engine was shut down; restart the server to serve again."))
+
+    def _iterate(self, ops: list[_AddOp | _AbortOp]) -> None:
+        stats = IterationStats()
+        deliveries: list[_Delivery] = []
+        try:
+            for op in ops:
+                if isinstance(op, _AddOp):
+                    self._apply_add(op, deliveries)
+                else:
+                    self._apply_abort(op.request_id, op.stream, stats, deliveries)
+            if self.engine.has_unfinished_requests():
+                self._step(stats, deliveries)
+            # Published before the outputs go out: a consumer that sees its request finish also sees its blocks freed.
+            self._publish_stats()
+        finally:
+            # Even when the engine dies here, what this iteration already produced reaches its consumers.
+            orphans = self._deliver(deliveries)
+        for stream in orphans:
+            self._apply_abort(stream.request_id, stream, stats, [])
+        scheduler_stats = self._publish_stats() if orphans else self._stats
+        with self._cond:
+            stat_loggers = self.stat_loggers
+        for stat_logger in stat_loggers:
+            try:
+                stat_logger.record(scheduler_stats, stats)
+            except Exception:
+                logger.exception("A stat logger failed; serving goes on")
+
+    def _publish_stats(self) -> SchedulerStats:
+        scheduler_stats = self.engine.get_stats()
+        with self._cond:
+            self._num_waiting = scheduler_stats.num_waiting
+            self._stats = scheduler_stats
+        return scheduler_stats
+
+    def _forget(self, request_id: str) -> _LiveRequest | None:
+        """The request has left the engine: its id may be used again."""
+        live = self._live.pop(request_id, None)
+        with self._cond:
+            self._request_ids.discard(request_id)
+        return live
+
+    def _apply_add(self, op: _AddOp, deliveries: list[_Delivery]) -> None:
+        try:
+            self.engine.add_request(op.request_id, op.prompt, op.params)
+        except Exception as exc:  # bad input (ValueError) or not, it is this request's failure alone
+            self._forget(op.request_id)
+            deliveries.append((op.stream, exc))
+            return
+        self._live[op.request_id] = _LiveRequest(op.stream, RequestTimer(op.arrival_time))
+
+    def _apply_abort(
+        self, request_id: str, stream: RequestStream | None, stats: IterationStats, deliveries: list[_Delivery]
+    ) -> None:
+        live = self._live.get(request_id)
+        if live is None or (stream is not None and live.stream is not stream):
+            return  # finished, failed, never admitted, or the id now names a newer request
+        self._forget(request_id)
+        outputs = self.engine.abort_request([request_id])
+        live.timer.on_finish("abort", time.monotonic(), stats)
+        deliveries.extend((live.stream, output) for output in outputs)
+
+    def _step(self, stats: IterationStats, deliveries: list[_Delivery]) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._fail_step(exc, stats, deliveries)
+            return
+        self._consecutive_failures = 0
+        now = time.monotonic()
+        for output in outputs:
+            live = self._live.get(output.request_id)
+            if live is None:
+                continue
+            completion = output.outputs[0]
+            live.timer.on_tokens(len(completion.token_ids), len(output.prompt_token_ids), now, stats)
+            deliveries.append((live.stream, output))
+            if output.finished:
+                self._forget(output.request_id)
+                live.timer.on_finish(completion.finish_reason or "stop", now, stats)
+
+    def _fail_step(self, exc: Exception, stats: IterationStats, deliveries: list[_Delivery]) -> None:
+        self._consecutive_failures += 1
+        if self._consecutive_failures >= self.max_consecutive_step_failures:
+            raise EngineDeadError(
+                f"{self._consecutive_failures} engine steps in a row failed (the limit is "
+                f"{self.max_consecutive_step_failures}); the last with {exc!r}. Restart the server."
+            ) from exc
+        scheduled = [r for r in self.engine.core.last_scheduled_request_ids if r in self._live]
+        # With nothing scheduled, nothing could make progress: every request is part of the failure.
+        failed = scheduled or list(self._live)
+        logger.error("An engine step failed; failing its %d requests %s", len(failed), failed[:8], exc_info=exc)
+        try:
+            self.engine.abort_request(failed)
+        except Exception as abort_exc:
+            raise EngineDeadError(
+                f"a step failed with {exc!r} and its requests could not be freed ({abort_exc!r}); restart the server."
+            ) from abort_exc
+        now = time.monotonic()
+        for request_id in failed:
+            live = self._forget(request_id)
+            live.timer.on_finish("error", now, stats)
+            error = EngineStepError(f"the engine step that request {request_id} was part of failed: {exc!r}")
+            error.__cause__ = exc
+            deliveries.append((live.stream, error))
+
+    def _deliver(self, deliveries: list[_Delivery]) -> list[RequestStream]:
+        """Hands outputs to their loops, one callback per loop; returns the streams whose loop has closed."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Delivery]] = defaultdict(list)
+        for stream, item in deliveries:
+            by_loop[stream.loop].append((stream, item))
+        orphans: list[RequestStream] = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody will ever read these requests
+                orphans.extend(stream for stream, _ in items)
+        return orphans
+
+    def _die(self, error: EngineDeadError) -> None:
+        with self._cond:
+            self._dead_error = error
+            pending, self._ops = self._ops, []
+            self._num_pending_adds = 0
+            self._request_ids.clear()
+        streams = [live.stream for live in self._live.values()]
+        streams += [op.stream for op in pending if isinstance(op, _AddOp)]
+        self._live.clear()
+        self._deliver([(stream, EngineDeadError(str(error))) for stream in streams])
+
+
+def _put_all(items: list[_Delivery]) -> None:
+    for stream, item in items:
+        stream.put(item)
+
+
+__all__ = ["AsyncEngineArgs", "AsyncLLMEngine", "EngineDeadError", "EngineStepError", "QueueFullError"]
