@@ -1,10 +1,10 @@
-# `make test` and `make generate` work on a fresh clone: each creates .venv and installs what it needs.
+# `make test`, `make generate` and `make serve` work on a fresh clone: each creates .venv and installs what it needs.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test generate clean
+.PHONY: install test generate serve clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 generate: $(STAMP)
 	$(PY) examples/offline_generate.py
+
+# The OpenAI-compatible server on the default model, reachable from this machine only.
+serve: $(STAMP)
+	$(VENV)/bin/pagellm serve --host 127.0.0.1 --port 8000
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,103 @@
+"""`pagellm serve [MODEL]`: the OpenAI-compatible server, with flags named as `vllm serve` names them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from pagellm.config import DEFAULT_MODEL
+from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_QUEUED_REQUESTS, AsyncEngineArgs
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '268435456', '256MiB', '1.5G' (k/M/G/T are powers of 1000; Ki/Mi/Gi/Ti of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 268435456, 256MiB or 2G.")
+    number, unit, binary = match.groups()
+    power = "kmgt".find(unit.lower()) + 1 if unit else 0
+    return int(float(number) * (1024 if binary else 1000) ** power)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: LLM serving on a paged KV cache.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument("model", nargs="?", default=None,
+                       help=f"a local HF directory or .gguf file (default: the embedded {DEFAULT_MODEL})")
+    server = serve.add_argument_group("server")
+    # Loopback by default: exposing a model to the network should be a decision (--host 0.0.0.0).
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the name(s) clients pass as `model`; the first is reported (default: MODEL)")
+    server.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on API routes (default: $PAGELLM_API_KEY)")
+    server.add_argument("--max-num-queued-requests", type=int, default=DEFAULT_MAX_NUM_QUEUED_REQUESTS,
+                        help="requests that may wait for the engine before new ones get HTTP 429 "
+                             f"(default: {DEFAULT_MAX_NUM_QUEUED_REQUESTS})")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    engine = serve.add_argument_group("engine")
+    engine.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "float16", "half", "bfloat16"])
+    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
+                        help="exact KV pool size, e.g. 512MiB (overrides --gpu-memory-utilization)")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    return parser
+
+
+def engine_args_from(args: argparse.Namespace) -> AsyncEngineArgs:
+    return AsyncEngineArgs(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_num_queued_requests=args.max_num_queued_requests,
+    )
+
+
+def serve(args: argparse.Namespace) -> None:
+    try:
+        engine_args = engine_args_from(args)
+    except ValueError as exc:  # a bad flag value: say which before loading any model
+        sys.exit(f"pagellm serve: {exc}")
+    # Imported here, where they are needed: argument handling stays free of the server's imports.
+    from pagellm.engine.async_llm_engine import AsyncLLMEngine
+    from pagellm.entrypoints.openai.api_server import run_server
+    from pagellm.entrypoints.openai.serving import ServerConfig
+
+    model_root = args.model or DEFAULT_MODEL
+    config = ServerConfig(args.served_model_name or [model_root], model_root, args.api_key)
+    try:
+        engine = AsyncLLMEngine.from_engine_args(engine_args)
+    except ValueError as exc:  # a model that cannot load or a pool that cannot hold one request: say why
+        sys.exit(f"pagellm serve: {exc}")
+    run_server(engine, config, args.host, args.port, args.uvicorn_log_level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        serve(args)
+
+
+if __name__ == "__main__":
+    main()

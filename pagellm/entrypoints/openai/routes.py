@@ -1,0 +1,85 @@
+"""The OpenAI-compatible routes, plus tokenization, health, version and Prometheus metrics."""
+
+from __future__ import annotations
+
+from typing import Union
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import pagellm
+from pagellm.entrypoints.openai.errors import OpenAIError
+from pagellm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from pagellm.entrypoints.openai.serving import OpenAIServing
+from pagellm.entrypoints.openai.serving_chat import create_chat_completion
+from pagellm.entrypoints.openai.serving_completion import create_completion
+
+router = APIRouter()
+
+
+def _serving(raw_request: Request) -> OpenAIServing:
+    return raw_request.app.state.serving
+
+
+@router.get("/v1/models")
+async def list_models(raw_request: Request) -> JSONResponse:
+    serving = _serving(raw_request)
+    cards = [ModelCard(id=name, root=serving.config.model_root, max_model_len=serving.max_model_len)
+             for name in serving.config.served_model_names]
+    return JSONResponse(ModelList(data=cards).model_dump())
+
+
+@router.post("/v1/completions")
+async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+    return await create_completion(_serving(raw_request), request, raw_request)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    return await create_chat_completion(_serving(raw_request), request, raw_request)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Union[TokenizeCompletionRequest, TokenizeChatRequest], raw_request: Request) -> JSONResponse:
+    serving = _serving(raw_request)
+    serving.check_model(request.model)
+    if isinstance(request, TokenizeChatRequest):
+        token_ids = serving.chat_prompt(request.messages, request.add_generation_prompt).token_ids
+    else:
+        token_ids = serving.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+    return JSONResponse({"count": len(token_ids), "max_model_len": serving.max_model_len, "tokens": token_ids})
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONResponse:
+    serving = _serving(raw_request)
+    serving.check_model(request.model)
+    serving.check_token_ids("tokens", request.tokens)
+    return JSONResponse({"prompt": serving.tokenizer.decode(request.tokens)})
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    dead = _serving(raw_request).engine.dead_error
+    if dead is not None:
+        return OpenAIError(503, f"the engine cannot serve requests: {dead}", None, "engine_dead").response()
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": pagellm.__version__})
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    return Response(generate_latest(raw_request.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,307 @@
+"""What every generating route shares: model check, prompt processing and limits, sampling parameters,
+fanning one HTTP request out to engine requests, and aborting them when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from pagellm.engine.async_llm_engine import AsyncLLMEngine
+from pagellm.engine.request_stream import RequestStream
+from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exception, not_supported
+from pagellm.entrypoints.openai.protocol import ChatMessage, PromptField, SamplingFields
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
+
+
+# Sampling fields the engine does not implement yet, each with the value that means "off". A request may send
+# that value; any other is refused with a 400 naming the field, never silently ignored. Drop an entry when
+# the engine implements the field (logprobs also need formatting into responses first).
+NOT_YET_SUPPORTED: dict[str, object] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": None,
+    "logprobs": None,
+    "prompt_logprobs": None,
+    "top_logprobs": None,
+    "best_of": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+}
+PASS_THROUGH_WHEN_SUPPORTED = frozenset({"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"})
+
+
+def refuse_unsupported(values: dict[str, object]) -> None:
+    for name, value in values.items():
+        neutral = NOT_YET_SUPPORTED.get(name)
+        is_off = (value is None or value is False or (isinstance(value, (dict, list)) and not value)
+                  or (neutral is not None and value == neutral))
+        if not is_off:
+            raise not_supported(name, value)
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    # What the model was loaded from (a path, or the default model's name), reported as `root`.
+    model_root: str
+    api_key: str | None = None
+
+
+@dataclass
+class PromptInput:
+    text: str | None
+    token_ids: list[int]
+
+    def engine_prompt(self) -> dict:
+        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+
+
+@dataclass
+class Choice:
+    """One engine request behind one choice of a response."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    stream: RequestStream
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_parts: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.engine.vocab_size
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested not in self.config.served_model_names:
+            raise OpenAIError(
+                404, f"the model `{requested}` does not exist; this server serves {self.config.served_model_names}.",
+                "model", "model_not_found",
+            )
+
+    # ---- prompts ----------------------------------------------------------------------------------
+
+    def completion_prompts(self, prompt: PromptField) -> list[PromptInput]:
+        """A string, a list of strings, a list of token ids or a list of those, as one input each."""
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [list(prompt)]
+        else:
+            items = list(prompt)
+        if not items:
+            raise bad_request("prompt is an empty list; pass at least one prompt.", "prompt")
+        inputs = []
+        for item in items:
+            if isinstance(item, str):
+                inputs.append(PromptInput(item, self.tokenizer.encode(item) if item else []))
+            else:
+                self.check_token_ids("prompt", item)
+                inputs.append(PromptInput(None, list(item)))
+        return inputs
+
+    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                    template_kwargs: dict | None = None) -> PromptInput:
+        conversation = [_template_message(m) for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
+            )
+        except Exception as exc:  # a template raises on conversations it does not accept (e.g. role order)
+            raise bad_request(f"the chat template refused these messages: {exc}", "messages") from exc
+        # The template already wrote any special tokens (BOS) it wants; encoding must not add them twice.
+        return PromptInput(text, self.tokenizer.encode(text, add_special_tokens=False))
+
+    def check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise bad_request(
+                    f"{param} contains token id {token_id}, outside the vocabulary; allowed: 0 <= id < "
+                    f"{self.vocab_size}.", param,
+                )
+
+    def check_length(self, prompt: PromptInput, max_tokens: int | None, prompt_param: str,
+                     max_tokens_param: str = "max_tokens") -> None:
+        num_prompt = len(prompt.token_ids)
+        limit = self.max_model_len
+        if num_prompt == 0:
+            raise bad_request(f"{prompt_param} is empty (0 tokens); pass at least one token.", prompt_param)
+        if num_prompt >= limit:
+            raise bad_request(
+                f"this model's maximum context length is {limit} tokens, and your {prompt_param} has {num_prompt} "
+                f"tokens, leaving no room for output; shorten it to at most {limit - 1} tokens.", prompt_param,
+                "context_length_exceeded",
+            )
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise bad_request(
+                f"this model's maximum context length is {limit} tokens, but you requested {num_prompt + max_tokens} "
+                f"tokens ({num_prompt} in the {prompt_param}, {max_tokens} in the completion); lower "
+                f"{max_tokens_param} to at most {limit - num_prompt} or shorten the {prompt_param}.",
+                max_tokens_param, "context_length_exceeded",
+            )
+
+    # ---- sampling ---------------------------------------------------------------------------------
+
+    def check_supported(self, request: SamplingFields) -> None:
+        refuse_unsupported(request.model_dump(include=set(NOT_YET_SUPPORTED)))
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed with stream=true.", "stream_options")
+
+    def sampling_params(self, request: SamplingFields, max_tokens: int | None, choice: int) -> SamplingParams:
+        """One choice's parameters; choice i of a seeded request samples with seed + i, so that n choices
+        differ from each other yet each is reproducible."""
+        if request.stop_token_ids:
+            self.check_token_ids("stop_token_ids", request.stop_token_ids)
+        top_k = request.top_k or 0
+        kwargs = dict(
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            # A top_k at or past the vocabulary keeps every token, which is what 0 means.
+            top_k=0 if top_k >= self.vocab_size else top_k,
+            min_p=0.0 if request.min_p is None else request.min_p,
+            seed=None if request.seed is None else request.seed + choice,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+        )
+        # Fields the engine has gained since (dropped from NOT_YET_SUPPORTED) pass straight through.
+        for name in PASS_THROUGH_WHEN_SUPPORTED - set(NOT_YET_SUPPORTED):
+            if getattr(request, name, None) is not None:
+                kwargs[name] = getattr(request, name)
+        return build_sampling_params(kwargs)
+
+    # ---- running ----------------------------------------------------------------------------------
+
+    def submit(self, base_id: str, prompts: Sequence[PromptInput], params: Sequence[SamplingParams]) -> list[Choice]:
+        """len(params) engine requests per prompt, all queued or none (an error aborts those already queued)."""
+        choices: list[Choice] = []
+        try:
+            for prompt_index, prompt in enumerate(prompts):
+                for i, choice_params in enumerate(params):
+                    index = prompt_index * len(params) + i
+                    request_id = f"{base_id}-{index}"
+                    stream = self.engine.add_request(request_id, prompt.engine_prompt(), choice_params)
+                    choices.append(Choice(index, prompt_index, request_id, stream))
+        except BaseException as exc:
+            for choice in choices:
+                self.engine.abort_request(choice.request_id)
+            raise from_exception(exc) from exc
+        return choices
+
+    async def run_to_completion(self, raw_request: Request, choices: list[Choice]) -> None:
+        """Fills each choice's text, token count and finish reason; a client that leaves aborts them all."""
+        try:
+            async with abort_on_disconnect(raw_request, self.engine, choices):
+                async for choice, output in merge_outputs(self.engine, choices):
+                    record(choice, output)
+        except Exception as exc:  # the engine's verdict on a request (bad input, failed step, dead engine)
+            raise from_exception(exc) from exc
+
+
+def build_sampling_params(kwargs: dict) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise from_exception(exc) from exc
+
+
+def record(choice: Choice, output: RequestOutput) -> None:
+    completion = output.outputs[0]
+    choice.text_parts.append(completion.text)
+    choice.num_tokens += len(completion.token_ids)
+    if output.finished:
+        choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
+
+
+def _template_message(message: ChatMessage) -> dict:
+    entry = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        entry["content"] = "\n".join(part.text for part in content)
+    elif content is None:
+        entry["content"] = ""
+    return entry
+
+
+async def merge_outputs(engine: AsyncLLMEngine, choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """Outputs of several engine requests as they come. Leaving early (or an error in one) ends all of them."""
+    queue: asyncio.Queue[tuple[Choice, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for output in engine.outputs(choice.stream):
+                queue.put_nowait((choice, output))
+        except Exception as exc:
+            queue.put_nowait((choice, exc))
+        else:
+            queue.put_nowait((choice, None))
+
+    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            choice, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield choice, item
+    finally:
+        # Cancelling a pump throws into its `outputs` generator, whose cleanup aborts the engine request.
+        for task in tasks:
+            task.cancel()
+
+
+@asynccontextmanager
+async def abort_on_disconnect(raw_request: Request, engine: AsyncLLMEngine, choices: Sequence[Choice]):
+    """Aborts the choices' engine requests the moment the client disconnects, even while they only wait
+    in the queue and no byte is being written that would notice."""
+
+    async def watch() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                for choice in choices:
+                    engine.abort_request(choice.request_id)
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

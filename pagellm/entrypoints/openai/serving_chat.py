@@ -1,0 +1,105 @@
+"""POST /v1/chat/completions: messages through the model's chat template, then one completion per choice."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from pagellm.entrypoints.openai.errors import bad_request, from_exception, not_supported
+from pagellm.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    UsageInfo,
+)
+from pagellm.entrypoints.openai.serving import SSE_DONE, Choice, OpenAIServing, abort_on_disconnect, merge_outputs, sse
+
+
+def _check_chat_supported(request: ChatCompletionRequest) -> None:
+    if request.tools:
+        raise not_supported("tools", f"<{len(request.tools)} tools>")
+    if request.response_format is not None and request.response_format.type != "text":
+        raise not_supported("response_format", request.response_format.type)
+    if request.max_tokens is not None and request.max_completion_tokens is not None \
+            and request.max_tokens != request.max_completion_tokens:
+        raise bad_request(
+            f"max_tokens={request.max_tokens} and max_completion_tokens={request.max_completion_tokens} disagree; "
+            "pass only max_completion_tokens (max_tokens is its deprecated name).", "max_tokens",
+        )
+
+
+async def create_chat_completion(serving: OpenAIServing, request: ChatCompletionRequest, raw_request: Request):
+    serving.check_model(request.model)
+    serving.check_supported(request)
+    _check_chat_supported(request)
+    max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
+    prompt = serving.chat_prompt(request.messages, request.add_generation_prompt, request.chat_template_kwargs)
+    serving.check_length(prompt, max_tokens, "messages", max_tokens_param)
+    params = [serving.sampling_params(request, max_tokens, i) for i in range(request.n)]
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    choices = serving.submit(request_id, [prompt], params)
+    prompt_tokens = len(prompt.token_ids)
+    if request.stream:
+        stream = _stream(serving, request, raw_request, request_id, choices, prompt_tokens)
+        return StreamingResponse(stream, media_type="text/event-stream")
+
+    await serving.run_to_completion(raw_request, choices)
+    response = ChatCompletionResponse(
+        id=request_id,
+        model=serving.model_name,
+        choices=[
+            ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+                       stop_reason=c.stop_reason)
+            for c in choices
+        ],
+        usage=UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)),
+    )
+    return JSONResponse(response.model_dump())
+
+
+async def _stream(
+    serving: OpenAIServing,
+    request: ChatCompletionRequest,
+    raw_request: Request,
+    request_id: str,
+    choices: list[Choice],
+    prompt_tokens: int,
+) -> AsyncIterator[str]:
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    created = int(time.time())
+
+    def chunk(index: int | None, delta: dict, finish: str | None = None, stop_reason=None,
+              usage: UsageInfo | None = None) -> str:
+        choice_payloads = [] if index is None else [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+        ]
+        payload = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                   "model": serving.model_name, "choices": choice_payloads}
+        if include_usage:
+            payload["usage"] = usage.model_dump() if usage else None
+        return sse(payload)
+
+    try:
+        # The role comes first, as OpenAI sends it, before any token is ready.
+        for choice in choices:
+            yield chunk(choice.index, {"role": "assistant", "content": ""})
+        async with abort_on_disconnect(raw_request, serving.engine, choices):
+            async for choice, output in merge_outputs(serving.engine, choices):
+                completion = output.outputs[0]
+                choice.num_tokens += len(completion.token_ids)
+                if completion.text:
+                    yield chunk(choice.index, {"content": completion.text})
+                if output.finished:
+                    yield chunk(choice.index, {}, completion.finish_reason, completion.stop_reason)
+        if include_usage:
+            yield chunk(None, {}, usage=UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)))
+    except Exception as exc:  # headers are out: the error travels in the stream
+        yield sse(from_exception(exc).body())
+    yield SSE_DONE

@@ -1,0 +1,103 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from pagellm.entrypoints.openai.errors import from_exception, not_supported
+from pagellm.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from pagellm.entrypoints.openai.serving import (
+    SSE_DONE,
+    Choice,
+    OpenAIServing,
+    PromptInput,
+    abort_on_disconnect,
+    merge_outputs,
+    sse,
+)
+
+
+async def create_completion(serving: OpenAIServing, request: CompletionRequest, raw_request: Request):
+    serving.check_model(request.model)
+    if request.best_of == request.n:
+        request.best_of = None  # best_of = n samples n and keeps them all: plain n
+    serving.check_supported(request)
+    if request.suffix is not None:
+        raise not_supported("suffix", request.suffix)
+    prompts = serving.completion_prompts(request.prompt)
+    for prompt in prompts:
+        serving.check_length(prompt, request.max_tokens, "prompt")
+    params = [serving.sampling_params(request, request.max_tokens, i) for i in range(request.n)]
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    choices = serving.submit(request_id, prompts, params)
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    if request.stream:
+        stream = _stream(serving, request, raw_request, request_id, prompts, choices, prompt_tokens)
+        return StreamingResponse(stream, media_type="text/event-stream")
+
+    await serving.run_to_completion(raw_request, choices)
+    response = CompletionResponse(
+        id=request_id,
+        model=serving.model_name,
+        choices=[
+            CompletionChoice(
+                index=c.index,
+                text=(_echo_text(serving, prompts[c.prompt_index]) if request.echo else "") + c.text,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in choices
+        ],
+        usage=UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)),
+    )
+    return JSONResponse(response.model_dump())
+
+
+async def _stream(
+    serving: OpenAIServing,
+    request: CompletionRequest,
+    raw_request: Request,
+    request_id: str,
+    prompts: list[PromptInput],
+    choices: list[Choice],
+    prompt_tokens: int,
+) -> AsyncIterator[str]:
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    created = int(time.time())
+
+    def chunk(choice_payloads: list[dict], usage: UsageInfo | None = None) -> str:
+        payload = {"id": request_id, "object": "text_completion", "created": created, "model": serving.model_name,
+                   "choices": choice_payloads}
+        if include_usage:
+            payload["usage"] = usage.model_dump() if usage else None
+        return sse(payload)
+
+    echo_pending = {c.index for c in choices} if request.echo else set()
+    try:
+        async with abort_on_disconnect(raw_request, serving.engine, choices):
+            async for choice, output in merge_outputs(serving.engine, choices):
+                completion = output.outputs[0]
+                choice.num_tokens += len(completion.token_ids)
+                text = completion.text
+                if choice.index in echo_pending:
+                    echo_pending.discard(choice.index)
+                    text = _echo_text(serving, prompts[choice.prompt_index]) + text
+                if not text and not output.finished:
+                    continue  # held back (a partial character, or what may begin a stop string)
+                finish = completion.finish_reason if output.finished else None
+                yield chunk([{"index": choice.index, "text": text, "logprobs": None, "finish_reason": finish,
+                              "stop_reason": completion.stop_reason if output.finished else None}])
+        if include_usage:
+            yield chunk([], UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)))
+    except Exception as exc:  # headers are out: the error travels in the stream
+        yield sse(from_exception(exc).body())
+    yield SSE_DONE
+
+
+def _echo_text(serving: OpenAIServing, prompt: PromptInput) -> str:
+    return prompt.text if prompt.text is not None else serving.tokenizer.decode(prompt.token_ids)

@@ -1,0 +1,38 @@
+"""Server fixtures: a real `pagellm serve` on the tiny model, its log attached to every failing test."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.utils import ServerProcess
+
+# Small limits keep a server cheap: a 16 MiB KV pool holds ~680 blocks of the tiny model.
+TINY_SERVER_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "16MiB", "--max-model-len", "512",
+                    "--max-num-batched-tokens", "512", "--seed", "0", "--served-model-name", "tiny", "tiny-alias"]
+
+
+@pytest.fixture(scope="module")
+def start_server(tiny_llama_dir, tmp_path_factory):
+    """Starts servers on the tiny model (extra flags as arguments) and stops them after the module."""
+    servers: list[ServerProcess] = []
+
+    def start(*extra_args: str) -> ServerProcess:
+        log_path = tmp_path_factory.mktemp("server") / "server.log"
+        server = ServerProcess(tiny_llama_dir, [*TINY_SERVER_ARGS, *extra_args], log_path)
+        servers.append(server)
+        server.wait_healthy()
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for value in getattr(item, "funcargs", {}).values():
+            if isinstance(value, ServerProcess):
+                report.sections.append((f"server log ({value.log_path})", value.log_tail()))

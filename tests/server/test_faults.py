@@ -1,0 +1,118 @@
+"""Faults at the HTTP level, in-process (httpx's ASGI transport), where the test controls the engine's steps:
+a step that raises, a step that holds on until the queue is full, an engine that cannot go on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from pagellm.engine.arg_utils import AsyncEngineArgs
+from pagellm.engine.async_llm_engine import AsyncLLMEngine
+from pagellm.entrypoints.openai.api_server import build_app
+from pagellm.entrypoints.openai.serving import ServerConfig
+from tests.server.utils import StepFault
+
+# One running sequence and a waiting queue of two: the 429 is three requests away.
+ENGINE_KWARGS = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=512, max_num_seqs=1,
+                     max_num_queued_requests=2)
+BODY = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+
+
+def _engine(model_dir: str) -> AsyncLLMEngine:
+    return AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE_KWARGS))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fault(engine) -> StepFault:
+    return StepFault(engine.engine.core.runner.model)
+
+
+def _client(engine: AsyncLLMEngine, model_dir: str) -> httpx.AsyncClient:
+    app = build_app(engine, ServerConfig(["tiny"], model_dir))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pagellm.test", timeout=60)
+
+
+async def _until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def test_a_failing_step_answers_500_and_the_server_goes_on(engine, fault, tiny_llama_dir):
+    async def run():
+        async with _client(engine, tiny_llama_dir) as client:
+            fault.remaining = 1
+            failed = await client.post("/v1/completions", json=BODY)
+            fault.remaining = 1
+            streamed = await client.post("/v1/completions", json={**BODY, "stream": True})
+            health = await client.get("/health")
+            after = await client.post("/v1/completions", json=BODY)
+            return failed, streamed, health, after
+
+    failed, streamed, health, after = asyncio.run(run())
+    assert failed.status_code == 500
+    error = failed.json()["error"]
+    assert error["code"] == "engine_step_failed" and error["type"] == "server_error"
+    assert "injected fault" in error["message"]
+    # A stream has sent its headers before the step fails: the error travels in it, then [DONE].
+    assert streamed.status_code == 200
+    events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert '"engine_step_failed"' in events[-2] and events[-1] == "[DONE]"
+    assert health.status_code == 200
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_full_waiting_queue_answers_429(engine, fault, tiny_llama_dir):
+    async def run():
+        async with _client(engine, tiny_llama_dir) as client:
+            running = asyncio.create_task(client.post("/v1/completions", json={**BODY, "max_tokens": 400}))
+            await _until(lambda: engine.get_stats().num_running == 1, "the first request to run")
+            fault.gate.clear()  # the engine's next step holds until the queue has been tried
+            try:
+                await _until(fault.waiting.is_set, "the engine to hold in a step")
+                waiting = [asyncio.create_task(client.post("/v1/completions", json=BODY)) for _ in range(2)]
+                await _until(lambda: engine.num_waiting_requests == 2, "two waiting requests")
+                refused = await client.post("/v1/completions", json=BODY)
+            finally:
+                fault.gate.set()
+            return refused, await running, await asyncio.gather(*waiting)
+
+    refused, running, waiting = asyncio.run(run())
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert error["code"] == "queue_full" and "max_num_queued_requests=2" in error["message"]
+    assert "--max-num-queued-requests" in error["message"]
+    # Refusing one request harmed none of those already taken.
+    assert [r.status_code for r in [running, *waiting]] == [200, 200, 200]
+
+
+def test_an_engine_that_cannot_go_on_answers_503(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir)
+    StepFault(engine.engine.core.runner.model).remaining = 100
+
+    async def run():
+        async with _client(engine, tiny_llama_dir) as client:
+            statuses = [(await client.post("/v1/completions", json=BODY)).status_code
+                        for _ in range(engine.max_consecutive_step_failures)]
+            return statuses, await client.get("/health"), await client.post("/v1/completions", json=BODY)
+
+    try:
+        statuses, health, after = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    # Two failed steps fail their requests; the third in a row means the engine itself is broken.
+    assert statuses == [500, 500, 503]
+    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+    assert after.status_code == 503
