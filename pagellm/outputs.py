@@ -6,12 +6,25 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at a position, its rank there (1 = most likely), and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, for the chosen token and the top-k.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     # The stop string or stop token id that ended the sequence; None for EOS or length.
     stop_reason: int | str | None = None
@@ -27,6 +40,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)

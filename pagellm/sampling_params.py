@@ -33,6 +33,11 @@ class SamplingParams:
     """
 
     n: int = 1
+    # Sequences to generate, of which the n with the highest cumulative log-probability are returned.
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -47,8 +52,15 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled by the engine from the tokenizer/config; not a user knob.
+    # Log-probabilities of the k most likely tokens (plus the chosen one) per generated / prompt token.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Filled by the engine from the tokenizer/config; not user knobs.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop, str)
@@ -63,11 +75,30 @@ class SamplingParams:
 
     def _verify(self) -> None:
         _check_int("n", self.n, lo=1)
-        if self.n != 1:
-            raise ValueError(
-                f"n={self.n}: parallel sampling is not supported by this engine version; "
-                "allowed: n=1. Submit n separate requests (with different seeds) instead."
-            )
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, lo=self.n, extra="(best_of must be >= n)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_real(name, getattr(self, name), f"-2 <= {name} <= 2", lambda v: -2 <= v <= 2)
+        _check_real("repetition_penalty", self.repetition_penalty, "0 < repetition_penalty <= 10",
+                    lambda v: 0 < v <= 10)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), lo=0)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias={self.logit_bias!r} must be a dict of token id -> bias.")
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            for token_id, bias in self.logit_bias.items():
+                _check_int("logit_bias", token_id, lo=0)
+                _check_real("logit_bias", bias, "-100 <= bias <= 100", lambda v: -100 <= v <= 100)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids, int)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids=[] would allow no token; pass at least one id, or None.")
+            for token_id in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token_id, lo=0)
+        if self.bad_words is not None:
+            self.bad_words = _as_list("bad_words", self.bad_words, str)
         _check_real("temperature", self.temperature, "temperature >= 0", lambda v: v >= 0)
         _check_real("top_p", self.top_p, "0 < top_p <= 1", lambda v: 0 < v <= 1)
         _check_int("top_k", self.top_k, lo=0, extra="(0 or -1 disables it)")
@@ -89,6 +120,15 @@ class SamplingParams:
                 raise ValueError(f"stop={stop!r}: every stop string must be a non-empty str.")
 
     @property
+    def num_sequences(self) -> int:
+        """How many sequences the request generates (best_of, else n)."""
+        return self.best_of or self.n
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
     def sampling_type(self) -> SamplingType:
         if self.temperature == 0.0:
             return SamplingType.GREEDY
@@ -100,7 +140,34 @@ class SamplingParams:
         copy.stop = list(self.stop)
         copy.stop_token_ids = list(self.stop_token_ids)
         copy.all_stop_token_ids = set(self.all_stop_token_ids)
+        copy.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
         return copy
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings, as vLLM's `LLM.beam_search` takes them.
+
+    `early_stopping` follows transformers: True stops a prompt once beam_width hypotheses are
+    finished, False stops when no running beam can beat the worst finished one at its current
+    length, "never" only when none could at max length.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, lo=1)
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_real("temperature", self.temperature, "temperature = 0 (beam search here is deterministic)",
+                    lambda v: v == 0)
+        _check_real("length_penalty", self.length_penalty, "a finite number", lambda v: True)
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping={self.early_stopping!r}; allowed: True, False or 'never'.")
 
 
 def _as_list(name: str, value: object, item_type: type) -> list:

@@ -24,7 +24,7 @@ INVALID = [
     # (field named in the message, kwargs)
     ("n", {"n": 0}),
     ("n", {"n": -1}),
-    ("n", {"n": 2}),
+    ("n", {"n": 1.5}),
     ("n", {"n": 1.0}),
     ("n", {"n": True}),
     ("temperature", {"temperature": -1}),
@@ -85,10 +85,32 @@ def test_non_iterable_stop_raises_value_error(kwargs, field_name):
         SamplingParams(**kwargs)
 
 
-def test_n_message_says_what_to_do():
-    with pytest.raises(ValueError, match="n=2") as info:
-        SamplingParams(n=2)
-    assert "n=1" in str(info.value)
+def test_best_of_must_cover_n():
+    with pytest.raises(ValueError, match="best_of=2") as info:
+        SamplingParams(n=3, best_of=2)
+    assert "best_of must be >= n" in str(info.value)
+    assert SamplingParams(n=2, best_of=4).num_sequences == 4
+    assert SamplingParams(n=3).num_sequences == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, field_name",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": "x"}, "prompt_logprobs"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [-4]}, "allowed_token_ids"),
+        ({"bad_words": 3}, "bad_words"),
+    ],
+)
+def test_sharing_and_penalty_fields_are_validated(kwargs, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        SamplingParams(**kwargs)
 
 
 def test_defaults():

@@ -20,6 +20,9 @@ class KVCacheStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_cached_blocks: int = 0
+    # Blocks in use by more than one sequence, and copies copy-on-write has made (since start-up).
+    num_shared_blocks: int = 0
+    num_cow_copies: int = 0
 
     @property
     def usage(self) -> float:
@@ -62,6 +65,11 @@ class KVCacheManager:
         self._last_published: dict[str, tuple[int, int]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Copy-on-write: block copies the runner must make before the next forward, and per request
+        # which table entries they replaced.
+        self._pending_copies: list[tuple[int, int]] = []
+        self._replaced: dict[str, list[tuple[int, int]]] = {}
+        self.num_cow_copies = 0
 
     # ---- prefix cache ------------------------------------------------------------------------------
 
@@ -132,10 +140,13 @@ class KVCacheManager:
         need = max(0, self.num_blocks_needed(request_id, num_tokens) - len(cached.blocks))
         # Cached blocks that nobody holds sit in the free queue: taking them uses up free blocks too.
         revived = sum(1 for block in cached.blocks if block.ref_cnt == 0)
-        if need + revived > self.pool.num_free_blocks:
+        shared_tail = self._shared_tail_index(request_id, num_tokens)
+        if need + revived + (shared_tail is not None) > self.pool.num_free_blocks:
             return None
         if num_tokens == 0:
             return []
+        if shared_tail is not None:
+            self._copy_on_write(request_id, shared_tail)
         if table is None:
             table = self._tables[request_id] = []
             if cached.blocks:
@@ -147,6 +158,49 @@ class KVCacheManager:
         table.extend(new_blocks)
         self._fill(request_id, table, num_tokens)
         return [block.block_id for block in new_blocks]
+
+    def _shared_tail_index(self, request_id: str, num_tokens: int) -> int | None:
+        """Index of the partly filled, shared block that the next tokens would be written into."""
+        table = self._tables.get(request_id)
+        filled = self._num_slots.get(request_id, 0)
+        if not table or num_tokens <= filled or filled % self.block_size == 0:
+            return None
+        index = filled // self.block_size
+        return index if table[index].ref_cnt > 1 else None
+
+    def _copy_on_write(self, request_id: str, index: int) -> None:
+        table = self._tables[request_id]
+        shared = table[index]
+        (private,) = self.pool.allocate(1)
+        self.pool.set_num_tokens(private, shared.num_tokens)
+        table[index] = private
+        self.pool.free([shared])
+        self._pending_copies.append((shared.block_id, private.block_id))
+        self._replaced.setdefault(request_id, []).append((index, private.block_id))
+        self.num_cow_copies += 1
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) block copies made since the last call, in order."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def take_replaced_blocks(self, request_id: str) -> list[tuple[int, int]]:
+        """(table index, new block id) entries copy-on-write changed in the request's table."""
+        return self._replaced.pop(request_id, [])
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give `child_id` a table referencing all of the parent's blocks (the partly filled last one
+        included); whichever of them writes into a shared block first copies it."""
+        table = self._tables.get(parent_id)
+        if table is None:
+            return
+        self.pool.touch(table)
+        self._tables[child_id] = list(table)
+        self._num_slots[child_id] = self._num_slots.get(parent_id, 0)
+        if parent_id in self._num_published:
+            self._num_published[child_id] = self._num_published[parent_id]
+        if parent_id in self._last_published:
+            self._last_published[child_id] = self._last_published[parent_id]
 
     def _fill(self, request_id: str, table: list[KVBlock], num_tokens: int) -> None:
         """Record which slots now hold (or are about to hold) tokens, for the waste figure."""
@@ -164,6 +218,7 @@ class KVCacheManager:
         self._num_slots.pop(request_id, None)
         self._num_published.pop(request_id, None)
         self._last_published.pop(request_id, None)
+        self._replaced.pop(request_id, None)
         if table:
             # Tail first: under memory pressure a sequence's end is evicted before its shared start.
             self.pool.free(reversed(table))
@@ -184,4 +239,6 @@ class KVCacheManager:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_cached_blocks=len(self.pool.cached),
+            num_shared_blocks=sum(1 for block in self.pool.blocks if block.ref_cnt > 1),
+            num_cow_copies=self.num_cow_copies,
         )

@@ -51,9 +51,26 @@ class Request:
     num_preemptions: int = 0
     # Prompt tokens served from the prefix cache when the request was first admitted.
     num_cached_tokens: int | None = None
+    # The user's request id; a request with n > 1 runs as n sequences that share it.
+    group_id: str = ""
+    # This sequence's completion index within its group, and when it was forked (orders the group).
+    sample_index: int = 0
+    fork_order: int = 0
+    # Sequences still to fork off at the first sample (n > 1 / best_of): they share the prompt's blocks.
+    num_pending_forks: int = 0
+    # False for beam-search candidates: each step reports log-probabilities and the caller picks the
+    # next tokens (and forks) instead of the sampler.
+    appends_sampled_tokens: bool = True
+    cumulative_logprob: float = 0.0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if not self.group_id:
+            self.group_id = self.request_id
+
+    @property
+    def order_key(self) -> tuple[int, int]:
+        return self.arrival_index, self.fork_order
 
     @property
     def num_prompt_tokens(self) -> int:

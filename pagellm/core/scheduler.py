@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagellm.core.kv_cache_manager import KVCacheManager, KVCacheStats
+from pagellm.core.kv_cache_manager import NO_CACHED_PREFIX, KVCacheManager, KVCacheStats
 from pagellm.core.request import Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
 
@@ -36,12 +36,21 @@ class NewRequestData:
     num_computed_tokens: int
     block_ids: list[int]
     sampling_params: SamplingParams
+    # The sequence's completion index (seeded sampling offsets the seed by it, as vLLM does).
+    sample_index: int = 0
+    # Sequences to sample at once at the first sample (n > 1 / best_of), forked afterwards.
+    num_samples_at_first: int = 1
+    appends_sampled_tokens: bool = True
 
 
 @dataclass
 class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
+    # Copy-on-write replaced these (table index, block id) entries of the request's table.
+    replaced_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Tokens appended from outside the sampler (beam search's choices).
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +60,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     # Requests the runner must forget: finished, aborted or preempted since the last step.
     finished_request_ids: set[str]
+    # (source, destination) blocks the runner copies before the forward: copy-on-write of shared blocks.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -62,10 +73,27 @@ class SchedulerOutput:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: of the chosen token, and of the most likely ones."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 for the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
 class ModelRunnerOutput:
     """One sampled token per request whose scheduled tokens reached the end of its sequence."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Samples 1..k-1 of a request that samples k sequences at its first token (forked afterwards).
+    forked_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Per request that asked for them, aligned with [sampled token, *forked tokens].
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Per request with prompt_logprobs: one entry per prompt position computed this step (from 1 on).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +103,11 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    group_id: str = ""
+    sample_index: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -101,27 +134,76 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self._preempted_this_step = False
         self.num_preemptions = 0
+        # Live sequences of each user request (n > 1 and beam search run several).
+        self.groups: dict[str, set[str]] = {}
+        # Running sequences the runner has not been sent yet (forked since the last step).
+        self._unseen_by_runner: set[str] = set()
+        # Tokens appended from outside the sampler that the runner has not been sent yet.
+        self._appended: dict[str, list[int]] = {}
+        self._fork_counter = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.group_id in self.groups:
             raise ValueError(f"request_id={request.request_id!r} is already in use; request ids must be unique")
         self.requests[request.request_id] = request
+        self.groups[request.group_id] = {request.request_id}
         self.waiting.append(request)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
-        """End requests from outside the core (abort, or a stop string found in the text)."""
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus, whole_groups: bool = False) -> None:
+        """End sequences from outside the core (abort, or a stop string found in the text). With
+        `whole_groups`, an id names a user request and ends all of its sequences."""
         assert status.is_finished
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
-            self._finish(request, status)
+        for request_id in list(request_ids):
+            members = self.groups.get(request_id, {request_id}) if whole_groups else {request_id}
+            for member in sorted(members):
+                request = self.requests.get(member)
+                if request is None:
+                    continue
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
+                self._finish(request, status)
+
+    def fork_request(self, parent_id: str, child_id: str, sample_index: int = 0) -> Request:
+        """A new sequence with the parent's tokens, progress and blocks (shared, copy-on-write)."""
+        parent = self.requests[parent_id]
+        if child_id in self.requests:
+            raise ValueError(f"request_id={child_id!r} is already in use")
+        child = Request(
+            child_id, parent.prompt_token_ids, parent.sampling_params, parent.arrival_index,
+            parent.max_output_tokens, parent.stop_token_ids,
+        )
+        child.all_token_ids = list(parent.all_token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.group_id = parent.group_id
+        child.sample_index = sample_index
+        child.appends_sampled_tokens = parent.appends_sampled_tokens
+        child.cumulative_logprob = parent.cumulative_logprob
+        self._fork_counter += 1
+        child.fork_order = self._fork_counter
+        child.status = parent.status
+        self.requests[child_id] = child
+        self.groups[parent.group_id].add(child_id)
+        if parent.status == RequestStatus.RUNNING:
+            self.kv.fork(parent_id, child_id)
+            bisect.insort(self.running, child, key=lambda r: r.order_key)
+            self._unseen_by_runner.add(child_id)
+        else:
+            # Without blocks it waits like its parent does, right behind it, and is recomputed.
+            child.num_computed_tokens = 0
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
+        return child
+
+    def append_token(self, request_id: str, token_id: int) -> None:
+        """Extend a sequence with a token chosen outside the sampler (beam search)."""
+        request = self.requests[request_id]
+        request.append_token(token_id)
+        if request.status == RequestStatus.RUNNING and request_id not in self._unseen_by_runner:
+            self._appended.setdefault(request_id, []).append(token_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -142,11 +224,26 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                index += 1  # a beam candidate waiting for the caller to choose its next token
+                continue
             new_block_ids = self._allocate_or_preempt(request, num_new)
             if new_block_ids is None:
                 break  # the request preempted itself, and everything after it went first
             num_scheduled[request.request_id] = num_new
-            cached.append(CachedRequestData(request.request_id, new_block_ids))
+            if request.request_id in self._unseen_by_runner:
+                self._unseen_by_runner.discard(request.request_id)
+                self.kv.take_replaced_blocks(request.request_id)
+                new.append(self._new_request_data(request))
+            else:
+                cached.append(
+                    CachedRequestData(
+                        request.request_id,
+                        new_block_ids,
+                        self.kv.take_replaced_blocks(request.request_id),
+                        self._appended.pop(request.request_id, []),
+                    )
+                )
             budget -= num_new
             index += 1
 
@@ -158,7 +255,11 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            prefix = self.kv.find_cached_prefix(request.all_token_ids)
+            if len(self.running) + 1 + request.num_pending_forks > self.config.max_num_seqs and self.running:
+                break  # its n sequences would not fit under max_num_seqs once forked
+            # Prompt log-probabilities need logits at every prompt position, so nothing may be skipped.
+            wants_prompt_scores = request.sampling_params.prompt_logprobs is not None
+            prefix = NO_CACHED_PREFIX if wants_prompt_scores else self.kv.find_cached_prefix(request.all_token_ids)
             num_new = request.num_tokens - prefix.num_tokens
             if num_new > budget:
                 may_chunk = self.config.enable_chunked_prefill or request.num_preemptions > 0
@@ -174,22 +275,26 @@ class Scheduler:
                 request.num_cached_tokens = prefix.num_tokens
             request.num_computed_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=lambda r: r.arrival_index)
+            bisect.insort(self.running, request, key=lambda r: r.order_key)
             num_scheduled[request.request_id] = num_new
-            new.append(
-                NewRequestData(
-                    request.request_id,
-                    list(request.all_token_ids),
-                    request.num_prompt_tokens,
-                    request.num_computed_tokens,
-                    self.kv.block_ids(request.request_id),
-                    request.sampling_params,
-                )
-            )
+            new.append(self._new_request_data(request))
             budget -= num_new
 
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
-        return SchedulerOutput(new, cached, num_scheduled, finished)
+        return SchedulerOutput(new, cached, num_scheduled, finished, self.kv.take_block_copies())
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            request.request_id,
+            list(request.all_token_ids),
+            request.num_prompt_tokens,
+            request.num_computed_tokens,
+            self.kv.block_ids(request.request_id),
+            request.sampling_params,
+            request.sample_index,
+            1 + request.num_pending_forks,
+            request.appends_sampled_tokens,
+        )
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
         """Slots for `num_new` more tokens of a running request, preempting the newest running ones
@@ -205,6 +310,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        self._unseen_by_runner.discard(request.request_id)
+        self._appended.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -234,29 +341,72 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num_tokens
             self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+            prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
             token_id = sampled.get(request_id)
             if token_id is None:
                 if request.num_computed_tokens >= request.num_tokens:
                     raise RuntimeError(f"request {request_id} reached the end of its sequence but got no token")
-                continue  # a prefill chunk that did not reach the end of the sequence
-            request.append_token(token_id)
-            status = request.check_stop()
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id,
-                    [token_id],
-                    status.finish_reason if status else None,
-                    request.stop_reason,
-                    request.num_cached_tokens or 0,
-                )
-            )
+                if prompt_logprobs:  # a prefill chunk: only prompt log-probabilities to report
+                    outputs.append(self._output(request, [], None, None, prompt_logprobs))
+                continue
+            logprobs = runner_output.logprobs.get(request_id)
+            if not request.appends_sampled_tokens:
+                outputs.append(self._output(request, [], None, logprobs, prompt_logprobs))
+                continue
+            siblings = self._fork_first_samples(request, runner_output.forked_token_ids.get(request_id, []))
+            for index, sequence in enumerate([request, *siblings]):
+                token = token_id if sequence is request else sequence.all_token_ids[-1]
+                entry = logprobs[index : index + 1] if logprobs else None
+                if sequence is request:
+                    sequence.append_token(token)
+                if entry:
+                    sequence.cumulative_logprob += entry[0].logprob
+                status = sequence.check_stop()
+                if status is not None:
+                    self.running.remove(sequence)
+                    self._finish(sequence, status)
+                outputs.append(self._output(sequence, [token], status, entry,
+                                            prompt_logprobs if sequence is request else None))
         return outputs
+
+    def _fork_first_samples(self, request: Request, tokens: list[int]) -> list[Request]:
+        """At its first sample a request with n > 1 becomes n sequences sharing the prompt's blocks."""
+        if not request.num_pending_forks:
+            return []
+        if len(tokens) != request.num_pending_forks:
+            raise RuntimeError(f"request {request.request_id} expected {request.num_pending_forks} forked samples")
+        request.num_pending_forks = 0
+        children = []
+        for index, token in enumerate(tokens, start=1):
+            child = self.fork_request(request.request_id, f"{request.group_id}#{index}", sample_index=index)
+            child.append_token(token)
+            children.append(child)
+        return children
+
+    @staticmethod
+    def _output(request, new_token_ids, status, logprobs, prompt_logprobs) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request.request_id,
+            new_token_ids,
+            status.finish_reason if status else None,
+            request.stop_reason,
+            request.num_cached_tokens or 0,
+            request.group_id,
+            request.sample_index,
+            logprobs,
+            prompt_logprobs,
+            request.cumulative_logprob,
+        )
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
+        self._unseen_by_runner.discard(request.request_id)
+        self._appended.pop(request.request_id, None)
+        members = self.groups.get(request.group_id)
+        if members is not None:
+            members.discard(request.request_id)
+            if not members:
+                del self.groups[request.group_id]
         self._finished_since_last_step.add(request.request_id)

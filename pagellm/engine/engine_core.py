@@ -22,6 +22,7 @@ from pagellm.worker.kv_cache import (
     allocate_kv_cache,
     device_memory_at_start,
     kv_cache_budget,
+    layer_views,
     measure_peak,
 )
 from pagellm.worker.model_runner import ModelRunner
@@ -98,7 +99,7 @@ class EngineCore:
         activation_peak = self._profile(spec, profile_tokens, min(args.max_num_seqs, budget), max_model_len, device)
         num_blocks, kv_bytes = self._num_blocks(args, spec, device, total_memory, weights_bytes, activation_peak)
         _check_fits(num_blocks, args.block_size, max_model_len)
-        self.runner.kv_caches = allocate_kv_cache(spec, num_blocks, device)
+        self.runner.set_kv_pool(allocate_kv_cache(spec, num_blocks, device))
 
         self.scheduler = Scheduler(
             SchedulerConfig(budget, args.max_num_seqs, max_model_len, args.enable_chunked_prefill),
@@ -119,7 +120,7 @@ class EngineCore:
         blocks = cdiv(budget, seq_len) * cdiv(seq_len, spec.block_size)
         one_layer = dataclasses.replace(spec, num_layers=1)
         with measure_peak(device) as measured:
-            scratch = allocate_kv_cache(one_layer, blocks, device)
+            scratch = layer_views(allocate_kv_cache(one_layer, blocks, device))
             self.runner.profile_run(budget, sampling_rows, scratch)
             del scratch
         return measured["peak"]
@@ -139,8 +140,10 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
-    def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        self.scheduler.finish_requests(request_ids, status)
+    def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                       whole_groups: bool = True) -> None:
+        """End user requests (every sequence of each), or single sequences with whole_groups=False."""
+        self.scheduler.finish_requests(request_ids, status, whole_groups)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -86,6 +86,7 @@ class LLMEngine:
         params = params.clone()
         eos = set() if params.ignore_eos else set(self.core.model_info.eos_token_ids)
         params.all_stop_token_ids = eos | set(params.stop_token_ids)
+        params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         room = self.max_model_len - len(token_ids)
         max_output = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(
@@ -95,9 +96,34 @@ class LLMEngine:
             arrival_index=next(self._arrivals),
             max_output_tokens=max_output,
             stop_token_ids=frozenset(params.all_stop_token_ids),
+            num_pending_forks=params.num_sequences - 1,
         )
         self.core.add_request(request)
         self.output_processor.add_request(request_id, text, token_ids, params)
+
+    def add_beam_request(self, request_id: str, token_ids: list[int], num_logprobs: int, max_tokens: int) -> None:
+        """A beam-search sequence: it reports its next token's top log-probabilities each step and
+        waits for the caller to append a token or fork it (see engine/beam_search.py)."""
+        self._check_prompt_length(len(token_ids))
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens and max_tokens={max_tokens}, more than "
+                f"max_model_len={self.max_model_len}; lower max_tokens or shorten the prompt."
+            )
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=num_logprobs, ignore_eos=True)
+        request = Request(request_id, token_ids, params, next(self._arrivals), max_tokens,
+                          appends_sampled_tokens=False)
+        self.core.add_request(request)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, with and without a leading space (as vLLM bans both)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -110,7 +136,7 @@ class LLMEngine:
         core_outputs = self.core.step()
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
-            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED, whole_groups=False)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagellm.core.scheduler import EngineCoreOutput
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.core.scheduler import EngineCoreOutput, TokenLogprobs
+from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 # Tokens before the first new one that are decoded with it, so that a leading space or a multi-token
@@ -43,46 +43,74 @@ class IncrementalDetokenizer:
 
 
 @dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
+class SequenceState:
+    """One completion of a request (a request with n > 1 has n)."""
+
+    index: int
     detokenizer: IncrementalDetokenizer
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # How much text and how many tokens earlier DELTA outputs already carried.
     sent_text_len: int = 0
     sent_tokens: int = 0
-    num_cached_tokens: int = 0
+    changed: bool = False
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def visible_text_len(self) -> int:
+    def visible_text_len(self, stops: list[str]) -> int:
         """While running, the tail that could still turn out to begin a stop string is held back."""
-        if self.finished or not self.params.stop:
+        if self.finished or not stops:
             return len(self.text)
-        hold = max(len(s) for s in self.params.stop) - 1
+        hold = max(len(s) for s in stops) - 1
         return max(self.sent_text_len, len(self.text) - hold)
 
-    def to_output(self) -> RequestOutput | None:
-        kind = self.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
-            return None
-        visible = self.visible_text_len()
-        if kind == RequestOutputKind.DELTA:
+    def completion(self, params: SamplingParams) -> CompletionOutput:
+        visible = self.visible_text_len(params.stop)
+        if params.output_kind == RequestOutputKind.DELTA:
             text, token_ids = self.text[self.sent_text_len : visible], self.token_ids[self.sent_tokens :]
+            logprobs = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
             self.sent_text_len, self.sent_tokens = visible, len(self.token_ids)
         else:
-            text, token_ids = self.text[:visible], list(self.token_ids)
-        completion = CompletionOutput(0, text, token_ids, None, None, self.finish_reason, self.stop_reason)
+            text, token_ids, logprobs = self.text[:visible], list(self.token_ids), self.logprobs
+        self.changed = False
+        return CompletionOutput(self.index, text, token_ids, self.cumulative_logprob,
+                                None if logprobs is None else list(logprobs), self.finish_reason, self.stop_reason)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: dict[int, SequenceState] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.sequences) == self.params.num_sequences and all(s.finished for s in self.sequences.values())
+
+    def to_output(self) -> RequestOutput | None:
+        params = self.params
+        finished = self.finished
+        if (params.output_kind == RequestOutputKind.FINAL_ONLY or params.num_sequences > params.n) and not finished:
+            return None  # best_of > n: which n are returned is known only at the end
+        sequences = sorted(self.sequences.values(), key=lambda s: s.index)
+        if params.num_sequences > params.n:
+            best = sorted(sequences, key=lambda s: -(s.cumulative_logprob or 0.0))[: params.n]
+            sequences = sorted(best, key=lambda s: s.index)
+        if params.output_kind == RequestOutputKind.DELTA and not finished:
+            sequences = [s for s in sequences if s.changed]
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, [completion], self.finished,
-            num_cached_tokens=self.num_cached_tokens,
+            self.request_id, self.prompt, self.prompt_token_ids, [s.completion(params) for s in sequences], finished,
+            prompt_logprobs=self.prompt_logprobs, num_cached_tokens=self.num_cached_tokens,
         )
 
 
@@ -92,39 +120,51 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, detokenizer)
+        state = RequestState(request_id, prompt, prompt_token_ids, params)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored on
+        self.states[request_id] = state
 
     def abort_requests(self, request_ids) -> list[RequestOutput]:
         outputs = []
         for request_id in request_ids:
             state = self.states.pop(request_id, None)
             if state is not None:
-                state.finish_reason = "abort"
-                outputs.append(state.to_output())  # every kind reports the end of a request
+                for index in range(state.params.num_sequences):
+                    sequence = state.sequences.get(index) or self._new_sequence(state, index)
+                    if not sequence.finished:
+                        sequence.finish_reason = "abort"
+                outputs.append(state.to_output())
         return outputs
 
+    def _new_sequence(self, state: RequestState, index: int) -> SequenceState:
+        sequence = SequenceState(index, IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, state.params))
+        if state.params.logprobs is not None:
+            sequence.logprobs = []
+            sequence.cumulative_logprob = 0.0
+        state.sequences[index] = sequence
+        return sequence
+
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """RequestOutputs for this step, and the ids a stop string finished (the core must free them)."""
-        outputs: list[RequestOutput] = []
+        """RequestOutputs for this step, and the core sequence ids a stop string finished (the core
+        must free them)."""
         stopped_by_string: list[str] = []
+        touched: dict[str, RequestState] = {}
         for core_output in core_outputs:
-            state = self.states.get(core_output.request_id)
+            state = self.states.get(core_output.group_id or core_output.request_id)
             if state is None:
                 continue
-            state.token_ids.extend(core_output.new_token_ids)
+            touched[state.request_id] = state
             state.num_cached_tokens = core_output.num_cached_tokens
-            delta = state.detokenizer.add(core_output.new_token_ids, final=core_output.finished)
-            state.finish_reason, state.stop_reason = core_output.finish_reason, core_output.stop_reason
-            if delta:
-                stop = _find_stop_string(state, delta)
-                state.text += delta
-                if stop is not None:
-                    stop_string, cut = stop
-                    state.text = state.text[:cut]
-                    state.finish_reason, state.stop_reason = "stop", stop_string
-                    if not core_output.finished:
-                        stopped_by_string.append(state.request_id)
+            if core_output.prompt_logprobs:
+                state.prompt_logprobs.extend(self._position_logprobs(e) for e in core_output.prompt_logprobs)
+            if not core_output.new_token_ids and not core_output.finished:
+                continue
+            sequence = state.sequences.get(core_output.sample_index) or self._new_sequence(state, core_output.sample_index)
+            if self._advance(state.params, sequence, core_output):
+                stopped_by_string.append(core_output.request_id)
+        outputs = []
+        for state in touched.values():
             output = state.to_output()
             if output is not None:
                 outputs.append(output)
@@ -132,15 +172,44 @@ class OutputProcessor:
                 del self.states[state.request_id]
         return outputs, stopped_by_string
 
+    def _advance(self, params: SamplingParams, sequence: SequenceState, core_output: EngineCoreOutput) -> bool:
+        """Adds the step's tokens to a sequence; True when a stop string ended it before the core did."""
+        sequence.changed = True
+        sequence.token_ids.extend(core_output.new_token_ids)
+        if core_output.logprobs and params.logprobs is not None:
+            sequence.logprobs.extend(self._position_logprobs(e) for e in core_output.logprobs)
+        if core_output.cumulative_logprob is not None and (params.logprobs is not None or params.num_sequences > params.n):
+            sequence.cumulative_logprob = core_output.cumulative_logprob
+        delta = sequence.detokenizer.add(core_output.new_token_ids, final=core_output.finished)
+        sequence.finish_reason, sequence.stop_reason = core_output.finish_reason, core_output.stop_reason
+        if not delta:
+            return False
+        stop = _find_stop_string(sequence, params.stop, delta)
+        sequence.text += delta
+        if stop is None:
+            return False
+        stop_string, cut = stop
+        sequence.text = sequence.text[: cut if not params.include_stop_str_in_output else cut + len(stop_string)]
+        sequence.finish_reason, sequence.stop_reason = "stop", stop_string
+        return not core_output.finished
 
-def _find_stop_string(state: RequestState, delta: str) -> tuple[str, int] | None:
-    """The earliest stop string that the new text completes, and where the output text ends."""
-    stops = state.params.stop
+    def _position_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:
+        ids = [entry.token_id, *entry.top_token_ids]
+        values = [entry.logprob, *entry.top_logprobs]
+        ranks = [entry.rank, *range(1, len(entry.top_token_ids) + 1)]
+        return {
+            token_id: Logprob(value, rank, self.tokenizer.decode([token_id]))
+            for token_id, value, rank in zip(ids, values, ranks)
+        }
+
+
+def _find_stop_string(sequence: SequenceState, stops: list[str], delta: str) -> tuple[str, int] | None:
+    """The earliest stop string that the new text completes, and where it starts."""
     if not stops:
         return None
-    text = state.text + delta
+    text = sequence.text + delta
     # A stop string may straddle old and new text, but must end inside the new text.
-    search_from = max(0, len(state.text) - max(len(s) for s in stops) + 1)
+    search_from = max(0, len(sequence.text) - max(len(s) for s in stops) + 1)
     best: tuple[int, str] | None = None
     for stop in stops:
         index = text.find(stop, search_from)
@@ -149,4 +218,4 @@ def _find_stop_string(state: RequestState, delta: str) -> tuple[str, int] | None
     if best is None:
         return None
     index, stop = best
-    return stop, index + len(stop) if state.params.include_stop_str_in_output else index
+    return stop, index

@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 from pagellm.config import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.engine.beam_search import BeamSearchOutput, beam_search
+from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -98,6 +99,18 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search per prompt; each result's `sequences` are best first (see engine/beam_search.py)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        token_lists = [self.llm_engine.process_prompt(p)[1] for p in prompts]
+        outputs = beam_search(self.llm_engine, token_lists, params)
+        tokenizer = self.get_tokenizer()
+        for output in outputs:
+            for sequence in output.sequences:
+                sequence.text = tokenizer.decode(sequence.tokens, skip_special_tokens=True)
+        return outputs
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

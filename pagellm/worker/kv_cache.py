@@ -31,15 +31,20 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, (K, V) views of one pool tensor shaped [num_blocks, block_size, kv_heads, head_dim].
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """One pool tensor [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim].
 
     Zeroed because masked-out slots still enter the attention product with weight 0, and stale
     NaN/inf bytes times 0 would be NaN.
     """
     shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     pool = _zeroed_cpu(shape, spec.dtype) if device.type == "cpu" else torch.zeros(shape, dtype=spec.dtype, device=device)
-    return [(pool[i, 0], pool[i, 1]) for i in range(spec.num_layers)]
+    return pool
+
+
+def layer_views(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the (K, V) views [num_blocks, block_size, kv_heads, head_dim] of the pool."""
+    return [(pool[i, 0], pool[i, 1]) for i in range(pool.shape[0])]
 
 
 def _zeroed_cpu(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

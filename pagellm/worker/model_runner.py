@@ -1,8 +1,8 @@
 """SchedulerOutput -> input tensors -> forward -> logits of the sampling positions -> sampled tokens.
 
-The runner keeps its own copy of each running request's tokens and block table in preallocated
-numpy arrays (one row per request), updated from the scheduler's deltas, so that a step's inputs are
-built by bulk indexing rather than per-token Python.
+The runner keeps its own copy of each running sequence's tokens and block table in preallocated
+numpy arrays (one row per sequence), updated from the scheduler's deltas, so that a step's inputs
+are built by bulk indexing rather than per-token Python.
 """
 
 from __future__ import annotations
@@ -13,17 +13,45 @@ import numpy as np
 import torch
 
 from pagellm.attention.paged import AttentionMetadata, PrefillMetadata
-from pagellm.core.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagellm.core.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from pagellm.models.llama import LlamaForCausalLM
-from pagellm.sample.sampler import Sampler, SamplingBatch
+from pagellm.sample.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
 from pagellm.sampling_params import SamplingParams
+from pagellm.worker.kv_cache import layer_views
 
 
 @dataclass
 class _RowState:
-    sampling_params: SamplingParams
+    request_id: str
+    params: SamplingParams
     num_prompt_tokens: int
-    stop_token_ids: list[int]
+    sample_index: int
+    num_samples_at_first: int
+    appends_sampled_tokens: bool
+    # Stop tokens masked until min_tokens are out.
+    min_tokens_stop_ids: list[int]
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.params.logprobs is not None or self.num_samples_at_first > self.params.n or not self.appends_sampled_tokens
+
+    @property
+    def num_logprobs(self) -> int:
+        return self.params.logprobs or 0
+
+
+@dataclass
+class _StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    # Batch positions of the requests that sample, and how many samples each draws at once.
+    sample_positions: np.ndarray
+    fanout: np.ndarray
+    # Flat token index of every logits row to compute: samples (repeated by fanout), then prompt positions.
+    logits_index: torch.Tensor
+    # (batch position, flat token index, absolute position) of prompt positions scored for prompt_logprobs.
+    prompt_logprob_positions: list[tuple[int, np.ndarray, np.ndarray]]
 
 
 class ModelRunner:
@@ -42,24 +70,41 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.vocab_size = model.config.vocab_size
-        self.eos_token_ids = sorted(eos_token_ids)
-        max_blocks = -(-max_model_len // block_size)
-        self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
-        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
-        self.num_computed = np.zeros(max_num_seqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int64)
-        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((0, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(0, dtype=np.int64)
+        self.num_computed = np.zeros(0, dtype=np.int64)
+        self.block_table = np.zeros((0, self.max_blocks), dtype=np.int64)
+        self.num_blocks = np.zeros(0, dtype=np.int64)
         self.row_of: dict[str, int] = {}
         self.rows: dict[int, _RowState] = {}
-        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.free_rows: list[int] = []
+        self._grow_rows(max_num_seqs)
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
+        self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    # ---- request state -------------------------------------------------------------------------
+    def set_kv_pool(self, pool: torch.Tensor) -> None:
+        """pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+        self.kv_pool = pool
+        self.kv_caches = layer_views(pool)
+
+    # ---- sequence state ----------------------------------------------------------------------------
+
+    def _grow_rows(self, extra: int) -> None:
+        """Rows are sized for max_num_seqs; forks (n > 1, beam search) may briefly need more."""
+        old = len(self.num_tokens)
+        self.token_ids = np.concatenate([self.token_ids, np.zeros((extra, self.max_model_len), np.int64)])
+        self.block_table = np.concatenate([self.block_table, np.zeros((extra, self.max_blocks), np.int64)])
+        for name in ("num_tokens", "num_computed", "num_blocks"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, np.int64)]))
+        self.free_rows.extend(range(old + extra - 1, old - 1, -1))
 
     def _add_request(self, new: NewRequestData) -> None:
+        if not self.free_rows:
+            self._grow_rows(max(8, len(self.num_tokens)))
         row = self.free_rows.pop()
         self.row_of[new.request_id] = row
         n = len(new.token_ids)
@@ -70,7 +115,8 @@ class ModelRunner:
         self._append_blocks(row, new.block_ids)
         params = new.sampling_params
         stop_ids = sorted(params.all_stop_token_ids) if params.min_tokens else []
-        self.rows[row] = _RowState(params, new.num_prompt_tokens, stop_ids)
+        self.rows[row] = _RowState(new.request_id, params, new.num_prompt_tokens, new.sample_index,
+                                   new.num_samples_at_first, new.appends_sampled_tokens, stop_ids)
 
     def _remove_request(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
@@ -87,10 +133,20 @@ class ModelRunner:
     def _apply(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self._remove_request(request_id)
+        if scheduler_output.block_copies:
+            # Before any write of this step: a sequence that still shares the source may write into it.
+            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*scheduler_output.block_copies))
+            self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
         for new in scheduler_output.new_requests:
             self._add_request(new)
         for cached in scheduler_output.cached_requests:
-            self._append_blocks(self.row_of[cached.request_id], cached.new_block_ids)
+            row = self.row_of[cached.request_id]
+            for index, block_id in cached.replaced_blocks:
+                self.block_table[row, index] = block_id
+            self._append_blocks(row, cached.new_block_ids)
+            for token_id in cached.new_token_ids:
+                self.token_ids[row, self.num_tokens[row]] = token_id
+                self.num_tokens[row] += 1
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -107,24 +163,63 @@ class ModelRunner:
         # Decodes (one query token) first: they share one attention call without query padding.
         order = np.argsort(num_scheduled > 1, kind="stable")
         rows, num_scheduled = rows[order], num_scheduled[order]
-        request_ids = [request_ids[i] for i in order]
 
         inputs = self._prepare_inputs(rows, num_scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        sampled_tokens = np.empty(0, dtype=np.int64)
-        if len(inputs.sample_rows):
+        output = ModelRunnerOutput()
+        if len(inputs.logits_index):
             logits = self.model.compute_logits(hidden[inputs.logits_index])
-            batch = self._sampling_batch(inputs.sample_rows)
-            sampled_tokens = self.sampler(logits, batch).cpu().numpy()
-
+            num_samples = int(inputs.fanout.sum())
+            if num_samples:
+                self._sample(logits[:num_samples], rows, inputs, output)
+            if inputs.prompt_logprob_positions:
+                self._score_prompt(logits[num_samples:], rows, inputs, output)
         self.num_computed[rows] += num_scheduled
-        sample_rows = inputs.sample_rows
-        self.token_ids[sample_rows, self.num_tokens[sample_rows]] = sampled_tokens
-        self.num_tokens[sample_rows] += 1
-        sampled = {request_ids[i]: int(t) for i, t in zip(inputs.sample_positions, sampled_tokens)}
-        return ModelRunnerOutput(sampled)
+        return output
 
-    def _prepare_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray) -> "_StepInputs":
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, inputs: _StepInputs, output: ModelRunnerOutput) -> None:
+        sample_rows = rows[inputs.sample_positions]
+        expanded_rows = np.repeat(sample_rows, inputs.fanout)
+        fork_index = np.arange(len(expanded_rows)) - np.repeat(np.cumsum(inputs.fanout) - inputs.fanout, inputs.fanout)
+        result = self.sampler(logits, self._sampling_batch(expanded_rows, fork_index))
+        tokens = result.token_ids.tolist()
+        offset = 0
+        appending = []
+        for row, fanout in zip(sample_rows.tolist(), inputs.fanout.tolist()):
+            state = self.rows[row]
+            output.sampled_token_ids[state.request_id] = tokens[offset]
+            if fanout > 1:
+                output.forked_token_ids[state.request_id] = tokens[offset + 1 : offset + fanout]
+            if state.wants_logprobs and result.logprobs is not None:
+                output.logprobs[state.request_id] = [
+                    _token_logprobs(result, i, state.num_logprobs) for i in range(offset, offset + fanout)
+                ]
+            if state.appends_sampled_tokens:
+                appending.append((row, tokens[offset]))
+            offset += fanout
+        if appending:
+            append_rows, append_tokens = (np.array(x, dtype=np.int64) for x in zip(*appending))
+            self.token_ids[append_rows, self.num_tokens[append_rows]] = append_tokens
+            self.num_tokens[append_rows] += 1
+
+    def _score_prompt(self, logits: torch.Tensor, rows, inputs: _StepInputs, output: ModelRunnerOutput) -> None:
+        logprobs = logits.log_softmax(dim=-1)
+        offset = 0
+        for position, _, absolute in inputs.prompt_logprob_positions:
+            row = int(rows[position])
+            state = self.rows[row]
+            count = len(absolute)
+            next_tokens = torch.from_numpy(self.token_ids[row, absolute + 1]).to(self.device)
+            part = logprobs[offset : offset + count]
+            chosen = part.gather(1, next_tokens.unsqueeze(1)).squeeze(1)
+            ranks = (part > chosen.unsqueeze(1)).sum(dim=-1) + 1
+            k = state.params.prompt_logprobs
+            top_lp, top_ids = part.topk(k, dim=-1) if k else (part[:, :0], next_tokens[:, None][:, :0])
+            scored = SamplerOutput(next_tokens, chosen, ranks, top_ids, top_lp)
+            output.prompt_logprobs[state.request_id] = [_token_logprobs(scored, i, k) for i in range(count)]
+            offset += count
+
+    def _prepare_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray) -> _StepInputs:
         computed = self.num_computed[rows]
         ends = np.cumsum(num_scheduled)
         starts = ends - num_scheduled
@@ -138,8 +233,23 @@ class ModelRunner:
         slot_mapping = block_ids * self.block_size + positions % self.block_size
         context_lens = computed + num_scheduled
 
-        samples = context_lens == self.num_tokens[rows]
-        sample_positions = np.nonzero(samples)[0]
+        sample_positions = np.nonzero(context_lens == self.num_tokens[rows])[0]
+        fanout = np.array(
+            [self._fanout(int(rows[p])) for p in sample_positions], dtype=np.int64
+        ) if len(sample_positions) else np.zeros(0, dtype=np.int64)
+        logits_index = [np.repeat(ends[sample_positions] - 1, fanout)]
+        prompt_positions = []
+        for position in range(len(rows)):
+            state = self.rows.get(int(rows[position]))
+            if state is None or state.params.prompt_logprobs is None:
+                continue  # (no state: the start-up profiling run)
+            absolute = np.arange(computed[position], context_lens[position])
+            keep = absolute + 1 < state.num_prompt_tokens
+            if keep.any():
+                flat = starts[position] + np.nonzero(keep)[0]
+                prompt_positions.append((position, flat, absolute[keep]))
+                logits_index.append(flat)
+
         num_decodes = int(np.count_nonzero(num_scheduled == 1))
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
@@ -159,10 +269,16 @@ class ModelRunner:
             input_ids=self._to_device(input_ids),
             positions=self._to_device(positions),
             attn_metadata=meta,
-            logits_index=self._to_device(ends[sample_positions] - 1),
-            sample_rows=rows[sample_positions],
             sample_positions=sample_positions,
+            fanout=fanout,
+            logits_index=self._to_device(np.concatenate(logits_index)),
+            prompt_logprob_positions=prompt_positions,
         )
+
+    def _fanout(self, row: int) -> int:
+        state = self.rows[row]
+        first_sample = self.num_tokens[row] == state.num_prompt_tokens
+        return state.num_samples_at_first if first_sample else 1
 
     def _decode_metadata(self, rows: np.ndarray, context_lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         max_blocks = -(-int(context_lens.max()) // self.block_size)
@@ -190,9 +306,10 @@ class ModelRunner:
             max_query_len=max_query,
         )
 
-    def _sampling_batch(self, sample_rows: np.ndarray) -> SamplingBatch:
-        states = [self.rows[int(r)] for r in sample_rows]
-        params = [s.sampling_params for s in states]
+    def _sampling_batch(self, rows: np.ndarray, fork_index: np.ndarray) -> SamplingBatch:
+        states = [self.rows[int(r)] for r in rows]
+        params = [s.params for s in states]
+        num_outputs = self.num_tokens[rows] - np.array([s.num_prompt_tokens for s in states], dtype=np.int64)
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
         all_greedy = all(p.temperature == 0 for p in params)
         top_k = top_p = min_p = None
@@ -203,18 +320,80 @@ class ModelRunner:
                 top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
             if any(p.min_p > 0 for p in params):
                 min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
-        num_outputs = self.num_tokens[sample_rows] - np.array([s.num_prompt_tokens for s in states])
+        # Sample j of a sequence with completion index i uses seed + i + j: the same draws as a
+        # separate request with that seed (vLLM's convention for n > 1).
         seeded = [
-            (i, p.seed, int(num_outputs[i]))
-            for i, p in enumerate(params)
+            (i, p.seed + s.sample_index + int(fork_index[i]), int(num_outputs[i]))
+            for i, (p, s) in enumerate(zip(params, states))
             if p.seed is not None and p.temperature > 0
         ]
         banned = [
-            (i, s.stop_token_ids)
+            (i, s.min_tokens_stop_ids)
             for i, s in enumerate(states)
-            if s.stop_token_ids and num_outputs[i] < s.sampling_params.min_tokens
+            if s.min_tokens_stop_ids and num_outputs[i] < s.params.min_tokens
         ]
-        return SamplingBatch(temperature, top_k, top_p, min_p, all_greedy, seeded, banned)
+        banned += self._bad_word_bans(rows, states, num_outputs)
+        wanting = [s.num_logprobs for s in states if s.wants_logprobs]
+        return SamplingBatch(
+            temperature, top_k, top_p, min_p, all_greedy, seeded, banned,
+            penalties=self._penalties(rows, params, states) if any(p.has_penalties for p in params) else None,
+            logit_bias=self._logit_bias(params),
+            allowed_mask=self._allowed_mask(params),
+            num_logprobs=max(wanting) if wanting else None,
+        )
+
+    def _bad_word_bans(self, rows, states, num_outputs) -> list[tuple[int, list[int]]]:
+        bans = []
+        for i, state in enumerate(states):
+            words = state.params.bad_words_token_ids
+            if not words:
+                continue
+            row, end = int(rows[i]), int(self.num_tokens[rows[i]])
+            output = self.token_ids[row, end - int(num_outputs[i]) : end]
+            banned = [w[-1] for w in words if len(w) == 1 or (len(output) >= len(w) - 1 and
+                                                             list(output[len(output) - len(w) + 1 :]) == w[:-1])]
+            if banned:
+                bans.append((i, banned))
+        return bans
+
+    def _penalties(self, rows: np.ndarray, params: list[SamplingParams], states: list[_RowState]) -> Penalties:
+        num_rows, vocab = len(rows), self.vocab_size
+        lengths = self.num_tokens[rows]
+        prompt_lens = np.array([s.num_prompt_tokens for s in states], dtype=np.int64)
+        width = int(lengths.max())
+        columns = np.arange(width)
+        tokens = torch.from_numpy(self.token_ids[rows, :width]).to(self.device)
+        valid = torch.from_numpy(columns[None, :] < lengths[:, None]).to(self.device)
+        in_output = torch.from_numpy((columns[None, :] >= prompt_lens[:, None]) & (columns[None, :] < lengths[:, None]))
+        counts = torch.zeros(num_rows, vocab, device=self.device)
+        counts.scatter_add_(1, tokens, in_output.to(self.device, torch.float32))
+        seen = torch.zeros(num_rows, vocab, device=self.device)
+        seen.scatter_add_(1, tokens, valid.to(torch.float32))
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=self.device)
+
+        return Penalties(column("presence_penalty"), column("frequency_penalty"), column("repetition_penalty"),
+                         counts, seen > 0)
+
+    def _logit_bias(self, params: list[SamplingParams]):
+        entries = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()
+                   if t < self.vocab_size]
+        if not entries:
+            return None
+        rows, ids, biases = zip(*entries)
+        return (torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device),
+                torch.tensor(biases, dtype=torch.float32, device=self.device))
+
+    def _allowed_mask(self, params: list[SamplingParams]) -> torch.Tensor | None:
+        if not any(p.allowed_token_ids for p in params):
+            return None
+        mask = torch.ones(len(params), self.vocab_size, dtype=torch.bool, device=self.device)
+        for i, p in enumerate(params):
+            if p.allowed_token_ids:
+                mask[i] = False
+                mask[i, [t for t in p.allowed_token_ids if t < self.vocab_size]] = True
+        return mask
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
@@ -235,6 +414,8 @@ class ModelRunner:
         try:
             seq_len = min(num_tokens, self.max_model_len)
             num_seqs = -(-num_tokens // seq_len)
+            if len(self.num_tokens) < num_seqs:
+                self._grow_rows(num_seqs - len(self.num_tokens))
             lengths = np.full(num_seqs, seq_len, dtype=np.int64)
             lengths[-1] = num_tokens - seq_len * (num_seqs - 1)
             blocks_per_seq = -(-seq_len // self.block_size)
@@ -242,32 +423,30 @@ class ModelRunner:
             saved = (self.token_ids[rows].copy(), self.num_tokens[rows].copy(), self.num_computed[rows].copy(),
                      self.block_table[rows].copy())
             self.token_ids[rows] = 0
-            self.num_tokens[rows] = lengths
+            self.num_tokens[rows] = lengths + 1  # no row samples: the sampler is probed on its own below
             self.num_computed[rows] = 0
             self.block_table[rows, :blocks_per_seq] = np.arange(num_seqs * blocks_per_seq).reshape(num_seqs, -1)
             inputs = self._prepare_inputs(rows, lengths)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-            rows_to_sample = hidden[-1:].expand(num_sampling_rows, -1)
-            logits = self.model.compute_logits(rows_to_sample)
+            logits = self.model.compute_logits(hidden[-1:].expand(num_sampling_rows, -1))
             probe = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
-            batch = SamplingBatch(
-                torch.full((num_sampling_rows,), probe.temperature, device=self.device),
-                torch.full((num_sampling_rows,), probe.top_k, device=self.device),
-                torch.full((num_sampling_rows,), probe.top_p, device=self.device),
-                torch.full((num_sampling_rows,), probe.min_p, device=self.device),
-                False, [], [],
-            )
-            self.sampler(logits, batch)
+            self.sampler(logits, SamplingBatch(
+                temperature=torch.full((num_sampling_rows,), probe.temperature, device=self.device),
+                top_k=torch.full((num_sampling_rows,), probe.top_k, device=self.device),
+                top_p=torch.full((num_sampling_rows,), probe.top_p, device=self.device),
+                min_p=torch.full((num_sampling_rows,), probe.min_p, device=self.device),
+                all_greedy=False, seeded_rows=[], banned_tokens=[],
+            ))
             (self.token_ids[rows], self.num_tokens[rows], self.num_computed[rows], self.block_table[rows]) = saved
         finally:
             self.kv_caches = saved_caches
 
 
-@dataclass
-class _StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: AttentionMetadata
-    logits_index: torch.Tensor
-    sample_rows: np.ndarray
-    sample_positions: np.ndarray
+def _token_logprobs(result: SamplerOutput, i: int, k: int) -> TokenLogprobs:
+    return TokenLogprobs(
+        int(result.token_ids[i]),
+        float(result.logprobs[i]),
+        int(result.ranks[i]),
+        result.top_token_ids[i, :k].tolist(),
+        result.top_logprobs[i, :k].tolist(),
+    )
