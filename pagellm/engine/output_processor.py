@@ -108,8 +108,12 @@ class RequestState:
             sequences = sorted(best, key=lambda s: s.index)
         if params.output_kind == RequestOutputKind.DELTA and not finished:
             sequences = [s for s in sequences if s.changed]
+        completions = [s.completion(params) for s in sequences]
+        if params.num_sequences > params.n:
+            for index, completion in enumerate(completions):
+                completion.index = index  # the n returned, numbered as if only they had been generated
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, [s.completion(params) for s in sequences], finished,
+            self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
             prompt_logprobs=self.prompt_logprobs, num_cached_tokens=self.num_cached_tokens,
         )
 

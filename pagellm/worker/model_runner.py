@@ -33,7 +33,9 @@ class _RowState:
 
     @property
     def wants_logprobs(self) -> bool:
-        return self.params.logprobs is not None or self.num_samples_at_first > self.params.n or not self.appends_sampled_tokens
+        # best_of ranks sequences by cumulative log-probability; beam candidates report top log-probabilities.
+        params = self.params
+        return params.logprobs is not None or params.num_sequences > params.n or not self.appends_sampled_tokens
 
     @property
     def num_logprobs(self) -> int:
