@@ -99,9 +99,11 @@ class PrometheusStatLogger:
         self.prompt_tokens = Counter("pagellm:prompt_tokens", "Prompt tokens prefilled.", **common).labels(model_name)
         self.generation_tokens = Counter("pagellm:generation_tokens", "Tokens generated.",
                                          **common).labels(model_name)
-        success = Counter("pagellm:request_success", "Requests finished, by finish reason.",
-                          labelnames=labels + ["finished_reason"], registry=self.registry)
-        self.request_finished = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.request_success = Counter("pagellm:request_success", "Requests finished, by finish reason.",
+                                       labelnames=labels + ["finished_reason"], registry=self.registry)
+        self.model_name = model_name
+        for reason in FINISH_REASONS:  # present (at 0) before the first request of each kind finishes
+            self.request_success.labels(model_name, reason)
         self.time_to_first_token = Histogram("pagellm:time_to_first_token_seconds", "Time to first token.",
                                              buckets=TTFT_BUCKETS, **common).labels(model_name)
         self.inter_token_latency = Histogram("pagellm:inter_token_latency_seconds", "Time between output tokens.",
@@ -125,5 +127,5 @@ class PrometheusStatLogger:
         for seconds in iteration_stats.inter_token_latencies:
             self.inter_token_latency.observe(seconds)
         for finished in iteration_stats.finished_requests:
-            self.request_finished[finished.finish_reason].inc()
+            self.request_success.labels(self.model_name, finished.finish_reason).inc()
             self.e2e_latency.observe(finished.e2e_latency)

@@ -336,12 +336,13 @@ class AsyncLLMEngine:
             live = self._live.get(output.request_id)
             if live is None:
                 continue
-            completion = output.outputs[0]
-            live.timer.on_tokens(len(completion.token_ids), len(output.prompt_token_ids), now, stats)
+            num_new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+            live.timer.on_tokens(num_new_tokens, len(output.prompt_token_ids), now, stats)
             deliveries.append((live.stream, output))
             if output.finished:
                 self._forget(output.request_id)
-                live.timer.on_finish(completion.finish_reason or "stop", now, stats)
+                reason = output.outputs[0].finish_reason if output.outputs else None
+                live.timer.on_finish(reason or "stop", now, stats)
 
     def _fail_step(self, exc: Exception, stats: IterationStats, deliveries: list[_Delivery]) -> None:
         self._consecutive_failures += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind
 
 
@@ -25,9 +25,15 @@ class RequestStream:
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._text = ""
         self._token_ids: list[int] = []
-        # What arrived since the last output handed to the consumer (DELTA mode hands out only this).
-        self._new_text = ""
-        self._new_token_ids: list[int] = []
+        self._logprobs: list[PositionLogprobs] | None = None
+        self._cumulative_logprob: float | None = None
+        self._finish_reason: str | None = None
+        self._stop_reason: int | str | None = None
+        # Where the text, tokens and logprobs the consumer has not been handed yet begin (DELTA hands out
+        # only those).
+        self._sent_text = 0
+        self._sent_tokens = 0
+        self._changed = False
         self._last: RequestOutput | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
@@ -47,24 +53,35 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        self._last = item
+        self.finished = item.finished
+        self._changed = self._changed or item.finished
+        if not item.outputs:
+            return  # a step that produced nothing for this sequence (e.g. a prompt chunk)
         delta = item.outputs[0]
+        self._changed = True
         self._text += delta.text
         self._token_ids.extend(delta.token_ids)
-        self._new_text += delta.text
-        self._new_token_ids.extend(delta.token_ids)
-        self.finished = item.finished
-        self._last = item
+        if delta.logprobs is not None:
+            self._logprobs = (self._logprobs or []) + list(delta.logprobs)
+        self._cumulative_logprob = delta.cumulative_logprob
+        self._finish_reason, self._stop_reason = delta.finish_reason, delta.stop_reason
 
     def _take(self) -> RequestOutput | None:
         last = self._last
-        if last is None or (self.output_kind == RequestOutputKind.FINAL_ONLY and not self.finished):
+        if last is None or not self._changed:
+            return None
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
         if self.output_kind == RequestOutputKind.DELTA:
-            text, token_ids = self._new_text, self._new_token_ids
+            text, token_ids = self._text[self._sent_text :], self._token_ids[self._sent_tokens :]
+            logprobs = None if self._logprobs is None else self._logprobs[self._sent_tokens :]
         else:
             text, token_ids = self._text, list(self._token_ids)
-        self._new_text, self._new_token_ids = "", []
-        delta = last.outputs[0]
-        completion = CompletionOutput(0, text, token_ids, None, None, delta.finish_reason, delta.stop_reason)
+            logprobs = None if self._logprobs is None else list(self._logprobs)
+        self._sent_text, self._sent_tokens = len(self._text), len(self._token_ids)
+        self._changed = False
+        completion = CompletionOutput(0, text, token_ids, self._cumulative_logprob, logprobs, self._finish_reason,
+                                      self._stop_reason)
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, [completion], last.finished,
-                             num_cached_tokens=last.num_cached_tokens)
+                             prompt_logprobs=last.prompt_logprobs, num_cached_tokens=last.num_cached_tokens)
