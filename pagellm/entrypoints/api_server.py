@@ -16,20 +16,21 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagellm.entrypoints.openai.errors import bad_request, from_exception
 from pagellm.entrypoints.openai.serving import (
-    NOT_YET_SUPPORTED,
     Choice,
     OpenAIServing,
     abort_on_disconnect,
     build_sampling_params,
     merge_outputs,
-    refuse_unsupported,
 )
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 router = APIRouter()
 
-# What a client may set; output_kind follows from "stream", and all_stop_token_ids is the engine's.
-SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"output_kind", "all_stop_token_ids"}
+# What a client may set: output_kind follows from "stream", and the fields SamplingParams keeps out of its
+# repr are the ones the engine fills in.
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.repr) - {"output_kind"}
+# Fields whose results a reply of one text cannot carry.
+NOT_RETURNED = ("best_of", "logprobs", "prompt_logprobs")
 
 
 @router.post("/generate")
@@ -47,17 +48,23 @@ async def generate(raw_request: Request) -> Response:
         raise bad_request(f"prompt={prompt!r:.80} must be a string.", "prompt")
     if not isinstance(stream, bool):
         raise bad_request(f"stream={stream!r:.80} must be true or false.", "stream")
-    refuse_unsupported({name: value for name, value in body.items() if name in NOT_YET_SUPPORTED})
-    if body.get("n", 1) != 1:
-        raise bad_request(f"n={body['n']!r}: /generate returns one text; for several, use /v1/completions with n.", "n")
     unknown = sorted(set(body) - SAMPLING_FIELDS)
     if unknown:
         raise bad_request(f"unknown field {unknown[0]!r}; allowed: prompt, stream, {', '.join(sorted(SAMPLING_FIELDS))}.",
                           unknown[0], "unknown_field")
+    if body.get("n", 1) != 1:
+        raise bad_request(f"n={body['n']!r}: /generate returns one text; for several, use /v1/completions with n.", "n")
+    for name in NOT_RETURNED:
+        if body.get(name) is not None:
+            raise bad_request(f"{name}={body[name]!r}: /generate returns only text; use /v1/completions for {name}.",
+                              name, "unsupported_parameter")
+    if "logit_bias" in body:
+        body["logit_bias"] = serving.logit_bias(body["logit_bias"])
     output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     params = build_sampling_params({**body, "output_kind": output_kind})
-    if params.stop_token_ids:
-        serving.check_token_ids("stop_token_ids", params.stop_token_ids)
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        if getattr(params, name):
+            serving.check_token_ids(name, getattr(params, name))
     (prompt_input,) = serving.completion_prompts(prompt)
     serving.check_length(prompt_input, params.max_tokens, "prompt")
     choices = serving.submit(f"generate-{uuid.uuid4().hex}", [prompt_input], [params])

@@ -128,6 +128,47 @@ def test_stop_string_ends_the_completion(client, offline):
     assert (text, finish) == (response.choices[0].text, "stop")
 
 
+def test_penalties_and_logit_bias_reach_the_engine(client, offline):
+    # This prompt's greedy continuation repeats a token within 32, so the penalties change it.
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
+    expected = offline.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **penalties),
+                                use_tqdm=False)[0].outputs[0].text
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=32, **GREEDY).choices[0].text
+    penalized = client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=32, temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
+    ).choices[0].text
+    assert penalized == expected != plain
+    biased = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, logit_bias={"4093": 100},
+                                       logprobs=0, **GREEDY)
+    assert biased.choices[0].logprobs.tokens == [offline.get_tokenizer().decode([4093])] * 5
+
+
+def test_completion_logprobs_streamed_or_not(client, offline):
+    expected = offline.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3),
+                                use_tqdm=False)[0].outputs[0]
+    response = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=10, logprobs=3, **GREEDY)
+    logprobs = response.choices[0].logprobs
+    chosen = [position[token] for position, token in zip(expected.logprobs, expected.token_ids)]
+    assert logprobs.token_logprobs == pytest.approx([c.logprob for c in chosen], abs=1e-4)
+    assert logprobs.tokens == [c.decoded_token for c in chosen]
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(10)]
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        # Greedy picks the most likely token; each entry holds the top 3 and the chosen one.
+        assert len(top) <= 4 and top[token] == value == max(top.values())
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=10, logprobs=3, stream=True,
+                                       **GREEDY)
+    tokens, values, offsets = [], [], []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            values += chunk.choices[0].logprobs.token_logprobs
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert (tokens, offsets) == (logprobs.tokens, logprobs.text_offset)
+    assert values == pytest.approx(logprobs.token_logprobs, abs=1e-4)  # prefix-cache hits round differently
+
+
 # ---- chat ------------------------------------------------------------------------------------------
 
 
@@ -159,6 +200,25 @@ def test_chat_n_choices(client):
     )
     assert [c.index for c in response.choices] == [0, 1]
     assert response.usage.completion_tokens == 10
+
+
+def test_chat_logprobs_streamed_or_not(client):
+    messages = [{"role": "user", "content": "Count to five."}]
+    kwargs = dict(model="tiny", messages=messages, max_tokens=6, logprobs=True, top_logprobs=2, **GREEDY)
+    response = client.chat.completions.create(**kwargs)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens == 6
+    assert "".join(entry.token for entry in content) == response.choices[0].message.content
+    for entry in content:
+        assert [top.logprob for top in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token  # greedy
+        assert entry.bytes == list(entry.token.encode())
+    streamed = [entry for chunk in client.chat.completions.create(**kwargs, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    # The second run reads the prompt from the prefix cache: the same tokens, logprobs to fp32 rounding.
+    assert [(e.token, [t.token for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, [t.token for t in e.top_logprobs]) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
 
 
 # ---- the other routes ----------------------------------------------------------------------------

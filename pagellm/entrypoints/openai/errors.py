@@ -58,7 +58,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
 
 def not_supported(param: str, value: object) -> OpenAIError:
     return bad_request(
-        f"{param}={value!r} is not supported yet by this engine; omit {param} (or pass its neutral value).",
+        f"{param}={value!r} is not supported yet by this server; omit {param}.",
         param, "unsupported_parameter",
     )
 

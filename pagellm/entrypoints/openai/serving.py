@@ -13,37 +13,10 @@ from starlette.requests import Request
 
 from pagellm.engine.async_llm_engine import AsyncLLMEngine
 from pagellm.engine.request_stream import RequestStream
-from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exception, not_supported
+from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exception
 from pagellm.entrypoints.openai.protocol import ChatMessage, PromptField, SamplingFields
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
-
-
-# Sampling fields the engine does not implement yet, each with the value that means "off". A request may send
-# that value; any other is refused with a 400 naming the field, never silently ignored. Drop an entry when
-# the engine implements the field (logprobs also need formatting into responses first).
-NOT_YET_SUPPORTED: dict[str, object] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "logit_bias": None,
-    "logprobs": None,
-    "prompt_logprobs": None,
-    "top_logprobs": None,
-    "best_of": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
-}
-PASS_THROUGH_WHEN_SUPPORTED = frozenset({"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"})
-
-
-def refuse_unsupported(values: dict[str, object]) -> None:
-    for name, value in values.items():
-        neutral = NOT_YET_SUPPORTED.get(name)
-        is_off = (value is None or value is False or (isinstance(value, (dict, list)) and not value)
-                  or (neutral is not None and value == neutral))
-        if not is_off:
-            raise not_supported(name, value)
 
 
 @dataclass
@@ -75,6 +48,8 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -163,14 +138,33 @@ class OpenAIServing:
 
     # ---- sampling ---------------------------------------------------------------------------------
 
-    def check_supported(self, request: SamplingFields) -> None:
-        refuse_unsupported(request.model_dump(include=set(NOT_YET_SUPPORTED)))
+    def check_stream_options(self, request: SamplingFields) -> None:
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed with stream=true.", "stream_options")
 
-    def sampling_params(self, request: SamplingFields, max_tokens: int | None, choice: int) -> SamplingParams:
-        """One choice's parameters; choice i of a seeded request samples with seed + i, so that n choices
-        differ from each other yet each is reproducible."""
+    def logit_bias(self, bias: object) -> dict[int, float] | None:
+        """OpenAI's {"token id": bias} with the ids checked against the vocabulary."""
+        if not bias:
+            return None
+        if not isinstance(bias, dict):
+            raise bad_request(f"logit_bias={bias!r:.80} must be an object mapping token ids to biases.", "logit_bias")
+        parsed = {}
+        for key, value in bias.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad_request(f"logit_bias[{key!r}]={value!r:.40} must be a number from -100 to 100.", "logit_bias")
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias has the key {key!r}, which is not a token id; keys are token ids "
+                                  "as strings, e.g. {\"50256\": -100}.", "logit_bias") from None
+            self.check_token_ids("logit_bias", [token_id])
+            parsed[token_id] = value
+        return parsed
+
+    def sampling_params(self, request: SamplingFields, max_tokens: int | None, choice: int,
+                        logprobs: int | None = None) -> SamplingParams:
+        """One choice's parameters; choice i of a seeded request samples with seed + i (as the engine's own
+        n > 1 does), so that n choices differ from each other yet each is reproducible."""
         if request.stop_token_ids:
             self.check_token_ids("stop_token_ids", request.stop_token_ids)
         top_k = request.top_k or 0
@@ -186,15 +180,16 @@ class OpenAIServing:
             ignore_eos=request.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=request.min_tokens,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            logit_bias=self.logit_bias(request.logit_bias),
+            logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
-        # Fields the engine has gained since (dropped from NOT_YET_SUPPORTED) pass straight through.
-        for name in PASS_THROUGH_WHEN_SUPPORTED - set(NOT_YET_SUPPORTED):
-            if getattr(request, name, None) is not None:
-                kwargs[name] = getattr(request, name)
         return build_sampling_params(kwargs)
 
     # ---- running ----------------------------------------------------------------------------------
@@ -236,6 +231,9 @@ def record(choice: Choice, output: RequestOutput) -> None:
     completion = output.outputs[0]
     choice.text_parts.append(completion.text)
     choice.num_tokens += len(completion.token_ids)
+    choice.token_ids.extend(completion.token_ids)
+    if completion.logprobs:
+        choice.logprobs.extend(completion.logprobs)
     if output.finished:
         choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
 

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from pagellm.entrypoints.openai.errors import bad_request, from_exception, not_supported
+from pagellm.entrypoints.openai.logprobs import chat_logprobs
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -21,6 +22,8 @@ from pagellm.entrypoints.openai.serving import SSE_DONE, Choice, OpenAIServing, 
 
 
 def _check_chat_supported(request: ChatCompletionRequest) -> None:
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
     if request.tools:
         raise not_supported("tools", f"<{len(request.tools)} tools>")
     if request.response_format is not None and request.response_format.type != "text":
@@ -35,19 +38,20 @@ def _check_chat_supported(request: ChatCompletionRequest) -> None:
 
 async def create_chat_completion(serving: OpenAIServing, request: ChatCompletionRequest, raw_request: Request):
     serving.check_model(request.model)
-    serving.check_supported(request)
+    serving.check_stream_options(request)
     _check_chat_supported(request)
     max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
     prompt = serving.chat_prompt(request.messages, request.add_generation_prompt, request.chat_template_kwargs)
     serving.check_length(prompt, max_tokens, "messages", max_tokens_param)
-    params = [serving.sampling_params(request, max_tokens, i) for i in range(request.n)]
+    num_top = (request.top_logprobs or 0) if request.logprobs else None
+    params = [serving.sampling_params(request, max_tokens, i, num_top) for i in range(request.n)]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = serving.submit(request_id, [prompt], params)
     prompt_tokens = len(prompt.token_ids)
     if request.stream:
-        stream = _stream(serving, request, raw_request, request_id, choices, prompt_tokens)
+        stream = _stream(serving, request, raw_request, request_id, choices, prompt_tokens, num_top)
         return StreamingResponse(stream, media_type="text/event-stream")
 
     await serving.run_to_completion(raw_request, choices)
@@ -56,7 +60,9 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
         model=serving.model_name,
         choices=[
             ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
-                       stop_reason=c.stop_reason)
+                       stop_reason=c.stop_reason,
+                       logprobs=None if num_top is None else chat_logprobs(c.token_ids, c.logprobs, num_top,
+                                                                           serving.tokenizer))
             for c in choices
         ],
         usage=UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)),
@@ -71,14 +77,15 @@ async def _stream(
     request_id: str,
     choices: list[Choice],
     prompt_tokens: int,
+    num_top: int | None,
 ) -> AsyncIterator[str]:
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     created = int(time.time())
 
     def chunk(index: int | None, delta: dict, finish: str | None = None, stop_reason=None,
-              usage: UsageInfo | None = None) -> str:
+              usage: UsageInfo | None = None, logprobs: dict | None = None) -> str:
         choice_payloads = [] if index is None else [
-            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
         ]
         payload = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                    "model": serving.model_name, "choices": choice_payloads}
@@ -94,8 +101,12 @@ async def _stream(
             async for choice, output in merge_outputs(serving.engine, choices):
                 completion = output.outputs[0]
                 choice.num_tokens += len(completion.token_ids)
-                if completion.text:
-                    yield chunk(choice.index, {"content": completion.text})
+                logprobs = None
+                if num_top is not None and completion.token_ids:
+                    logprobs = chat_logprobs(completion.token_ids, completion.logprobs or [], num_top,
+                                             serving.tokenizer).model_dump()
+                if completion.text or logprobs:
+                    yield chunk(choice.index, {"content": completion.text}, logprobs=logprobs)
                 if output.finished:
                     yield chunk(choice.index, {}, completion.finish_reason, completion.stop_reason)
         if include_usage:

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from pagellm.entrypoints.openai.errors import from_exception, not_supported
+from pagellm.entrypoints.openai.errors import bad_request, from_exception, not_supported
+from pagellm.entrypoints.openai.logprobs import completion_logprobs
 from pagellm.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from pagellm.entrypoints.openai.serving import (
     SSE_DONE,
@@ -24,15 +25,18 @@ from pagellm.entrypoints.openai.serving import (
 
 async def create_completion(serving: OpenAIServing, request: CompletionRequest, raw_request: Request):
     serving.check_model(request.model)
-    if request.best_of == request.n:
-        request.best_of = None  # best_of = n samples n and keeps them all: plain n
-    serving.check_supported(request)
+    serving.check_stream_options(request)
+    if request.best_of is not None and request.best_of != request.n:
+        raise not_supported("best_of", request.best_of)
     if request.suffix is not None:
         raise not_supported("suffix", request.suffix)
+    if request.echo and request.logprobs is not None:
+        raise bad_request("echo with logprobs would need the prompt's log-probabilities, which this server does "
+                          "not return yet; drop echo or logprobs.", "echo", "unsupported_parameter")
     prompts = serving.completion_prompts(request.prompt)
     for prompt in prompts:
         serving.check_length(prompt, request.max_tokens, "prompt")
-    params = [serving.sampling_params(request, request.max_tokens, i) for i in range(request.n)]
+    params = [serving.sampling_params(request, request.max_tokens, i, request.logprobs) for i in range(request.n)]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     choices = serving.submit(request_id, prompts, params)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
@@ -41,20 +45,16 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest, 
         return StreamingResponse(stream, media_type="text/event-stream")
 
     await serving.run_to_completion(raw_request, choices)
-    response = CompletionResponse(
-        id=request_id,
-        model=serving.model_name,
-        choices=[
-            CompletionChoice(
-                index=c.index,
-                text=(_echo_text(serving, prompts[c.prompt_index]) if request.echo else "") + c.text,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in choices
-        ],
-        usage=UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)),
-    )
+    response_choices = []
+    for c in choices:
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = completion_logprobs(c.token_ids, c.logprobs, request.logprobs, 0, serving.tokenizer)
+        echo = _echo_text(serving, prompts[c.prompt_index]) if request.echo else ""
+        response_choices.append(CompletionChoice(index=c.index, text=echo + c.text, logprobs=logprobs,
+                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    response = CompletionResponse(id=request_id, model=serving.model_name, choices=response_choices,
+                                  usage=UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)))
     return JSONResponse(response.model_dump())
 
 
@@ -78,6 +78,8 @@ async def _stream(
         return sse(payload)
 
     echo_pending = {c.index for c in choices} if request.echo else set()
+    # Where each choice's next token text starts, for logprobs' text_offset.
+    text_offsets = {c.index: 0 for c in choices}
     try:
         async with abort_on_disconnect(raw_request, serving.engine, choices):
             async for choice, output in merge_outputs(serving.engine, choices):
@@ -87,10 +89,16 @@ async def _stream(
                 if choice.index in echo_pending:
                     echo_pending.discard(choice.index)
                     text = _echo_text(serving, prompts[choice.prompt_index]) + text
-                if not text and not output.finished:
+                logprobs = None
+                if request.logprobs is not None and completion.token_ids:
+                    logprobs = completion_logprobs(completion.token_ids, completion.logprobs or [], request.logprobs,
+                                                   text_offsets[choice.index], serving.tokenizer)
+                    text_offsets[choice.index] += sum(len(token) for token in logprobs.tokens)
+                if not text and logprobs is None and not output.finished:
                     continue  # held back (a partial character, or what may begin a stop string)
                 finish = completion.finish_reason if output.finished else None
-                yield chunk([{"index": choice.index, "text": text, "logprobs": None, "finish_reason": finish,
+                yield chunk([{"index": choice.index, "text": text,
+                              "logprobs": logprobs.model_dump() if logprobs else None, "finish_reason": finish,
                               "stop_reason": completion.stop_reason if output.finished else None}])
         if include_usage:
             yield chunk([], UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)))
