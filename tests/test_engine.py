@@ -295,3 +295,24 @@ def test_delta_outputs_add_up_to_the_cumulative_result(llm):
     assert all(stop not in "".join(o.outputs[0].text for o in deltas[: i + 1]) for i in range(len(deltas)))
     assert len(final) == 1 and final[0].finished and final[0].outputs[0].text == expected
     assert [o.finished for o in cumulative] == [False] * (len(cumulative) - 1) + [True]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field_name",
+    [
+        ({"stop_token_ids": [10**7], "min_tokens": 2}, "stop_token_ids"),
+        ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+        ({"logit_bias": {10**7: 1.0}}, "logit_bias"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_at_add(llm, kwargs, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
+    _assert_no_blocks_used(llm)
+
+
+def test_huge_top_k_is_the_whole_vocabulary(llm):
+    huge = SamplingParams(temperature=1.0, top_k=2**62, seed=3, max_tokens=4, ignore_eos=True)
+    plain = SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+    assert llm.generate([PROMPTS[0]], huge, use_tqdm=False)[0].outputs[0].token_ids == \
+        llm.generate([PROMPTS[0]], plain, use_tqdm=False)[0].outputs[0].token_ids

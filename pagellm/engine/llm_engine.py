@@ -75,6 +75,20 @@ class LLMEngine:
                 "is off; raise max_num_batched_tokens, enable chunked prefill, or shorten the prompt."
             )
 
+    def _check_token_ids_in_vocab(self, params: SamplingParams) -> None:
+        """Ids the sampler indexes logits with must exist, or one request would fail the whole step."""
+        fields = {
+            "stop_token_ids": params.stop_token_ids,
+            "allowed_token_ids": params.allowed_token_ids or [],
+            "logit_bias": list(params.logit_bias or {}),
+        }
+        for name, ids in fields.items():
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} contains token id {bad[0]}, outside the vocabulary; allowed: ids in [0, {self.vocab_size})."
+                )
+
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
     ) -> None:
@@ -83,6 +97,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
         text, token_ids = self.process_prompt(prompt)
         self._check_prompt_length(len(token_ids))
+        self._check_token_ids_in_vocab(params)
         params = params.clone()
         eos = set() if params.ignore_eos else set(self.core.model_info.eos_token_ids)
         params.all_stop_token_ids = eos | set(params.stop_token_ids)

@@ -317,7 +317,8 @@ class ModelRunner:
         top_k = top_p = min_p = None
         if not all_greedy:
             if any(p.top_k for p in params):
-                top_k = torch.tensor([p.top_k or self.vocab_size for p in params], device=self.device)
+                top_k = torch.tensor([min(p.top_k or self.vocab_size, self.vocab_size) for p in params],
+                                     device=self.device)
             if any(p.top_p < 1 for p in params):
                 top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
             if any(p.min_p > 0 for p in params):
