@@ -110,7 +110,17 @@ class PrometheusStatLogger:
                                              buckets=ITL_BUCKETS, **common).labels(model_name)
         self.e2e_latency = Histogram("pagellm:e2e_request_latency_seconds", "Arrival to finish of a request.",
                                      buckets=E2E_BUCKETS, **common).labels(model_name)
+        self.prefix_cache_queries = Counter("pagellm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                            **common).labels(model_name)
+        self.prefix_cache_hits = Counter("pagellm:prefix_cache_hits", "Prompt tokens the prefix cache held.",
+                                         **common).labels(model_name)
+        self.kv_cache_shared_blocks = gauge(
+            "pagellm:kv_cache_shared_blocks", "KV blocks in use by more than one sequence (n > 1, beam search)."
+        )
+        self.cow_copies = Counter("pagellm:kv_cache_cow_copies", "Shared blocks copied on write.",
+                                  **common).labels(model_name)
         self._seen_preemptions = 0
+        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_cow_copies": 0}
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self.num_requests_running.set(scheduler_stats.num_running)
@@ -120,6 +130,13 @@ class PrometheusStatLogger:
         # The scheduler counts preemptions since start; the counter takes the increase.
         self.num_preemptions.inc(max(0, scheduler_stats.num_preemptions - self._seen_preemptions))
         self._seen_preemptions = max(self._seen_preemptions, scheduler_stats.num_preemptions)
+        kv = scheduler_stats.kv_cache
+        self.kv_cache_shared_blocks.set(kv.num_shared_blocks)
+        for name, counter in (("prefix_cache_queries", self.prefix_cache_queries),
+                              ("prefix_cache_hits", self.prefix_cache_hits), ("num_cow_copies", self.cow_copies)):
+            total = getattr(kv, name)
+            counter.inc(max(0, total - self._seen[name]))
+            self._seen[name] = max(self._seen[name], total)
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.inc(iteration_stats.num_generation_tokens)
         for seconds in iteration_stats.time_to_first_tokens:

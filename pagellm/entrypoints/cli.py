@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of prompt prefixes seen before (default: on)")
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="compute long prompts over several steps alongside running decodes (default: on)")
     return parser
 
 
@@ -70,6 +74,8 @@ def engine_args_from(args: argparse.Namespace) -> AsyncEngineArgs:
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         max_num_queued_requests=args.max_num_queued_requests,
     )
 

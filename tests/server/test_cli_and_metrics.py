@@ -33,6 +33,10 @@ def test_serve_flags_reach_the_engine_args():
     assert (engine_args.max_num_seqs, engine_args.block_size, engine_args.max_model_len) == (8, 32, 300)
     assert (engine_args.kv_cache_memory_bytes, engine_args.dtype, engine_args.seed) == (64 << 20, "float32", 7)
     assert engine_args.max_num_queued_requests == 5
+    assert engine_args.enable_prefix_caching and engine_args.enable_chunked_prefill
+    off = engine_args_from(build_parser().parse_args(["serve", "--no-enable-prefix-caching",
+                                                      "--no-enable-chunked-prefill"]))
+    assert not off.enable_prefix_caching and not off.enable_chunked_prefill
     assert (args.served_model_name, args.api_key, args.port, args.host) == (["a", "b"], "k", 9000, "127.0.0.1")
 
 
@@ -68,9 +72,11 @@ def test_parse_size_refuses_what_is_not_a_size():
         parse_size("lots")
 
 
-def _stats(used: int, preemptions: int = 0) -> SchedulerStats:
+def _stats(used: int, preemptions: int = 0, queries: int = 0, hits: int = 0) -> SchedulerStats:
     return SchedulerStats(1, 2, preemptions, KVCacheStats(num_blocks=10, num_used_blocks=used, num_free_blocks=10 - used,
-                                                          block_size=16, num_stored_tokens=used * 12))
+                                                          block_size=16, num_stored_tokens=used * 12,
+                                                          prefix_cache_queries=queries, prefix_cache_hits=hits,
+                                                          num_shared_blocks=1, num_cow_copies=2))
 
 
 def test_prometheus_logger_records_into_its_own_registry():
@@ -98,5 +104,10 @@ def test_prometheus_logger_records_into_its_own_registry():
     assert metric_value(text, "pagellm:request_success_total", {**labels, "finished_reason": "length"}) == 1
     assert metric_value(generate_latest(second.registry).decode(), "pagellm:kv_cache_usage_perc", labels) == 0
     # The scheduler's preemption count is cumulative; the counter adds only the increase.
-    first.record(_stats(used=4, preemptions=5), IterationStats())
-    assert metric_value(generate_latest(first.registry).decode(), "pagellm:num_preemptions_total", labels) == 5
+    first.record(_stats(used=4, preemptions=5, queries=100, hits=64), IterationStats())
+    text = generate_latest(first.registry).decode()
+    assert metric_value(text, "pagellm:num_preemptions_total", labels) == 5
+    assert metric_value(text, "pagellm:prefix_cache_queries_total", labels) == 100
+    assert metric_value(text, "pagellm:prefix_cache_hits_total", labels) == 64
+    assert metric_value(text, "pagellm:kv_cache_shared_blocks", labels) == 1
+    assert metric_value(text, "pagellm:kv_cache_cow_copies_total", labels) == 2
