@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -230,8 +231,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@dataclass(frozen=True)
+class MachineLoad:
+    """How busy the machine was: on a shared box other processes' load explains much of a run's time."""
+
+    cpus: int
+    load_at_start: float
+    load_at_end: float
+
+    def describe(self) -> str:
+        return (f"{self.cpus} CPUs available; 1-minute load average {self.load_at_start:.2f} at start, "
+                f"{self.load_at_end:.2f} at end (above {self.cpus} means other processes competed for the CPUs)")
+
+
 def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
     args = parse_args(argv)
+    load_at_start = os.getloadavg()[0]
     tokenizer = load_tokenizer(args.model)
     workload = generate_workload(WorkloadSpec.from_args(args), sampleable_token_ids(tokenizer))
     print(f"Workload: {workload.describe()}; everything submitted at once, greedy, EOS ignored.")
@@ -251,10 +266,13 @@ def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
               f"token positions computed for {tokens.useful_prompt_tokens:,} and {tokens.useful_output_tokens:,} "
               f"useful ones ({tokens.padding_fraction:.1%} padding)")
 
+    load = MachineLoad(len(os.sched_getaffinity(0)), load_at_start, os.getloadavg()[0])
     print()
     print_report(results)
+    print(load.describe())
     for r in results:
         line = r.as_json()
+        line.update(cpus=load.cpus, loadavg_start=load.load_at_start, loadavg_end=load.load_at_end)
         if r.engine == "pagellm":
             line.update(startup_core_s=round(startup.core_seconds, 3), startup_ready_s=round(startup.ready_seconds, 3))
         print(json.dumps(line))

@@ -48,4 +48,5 @@ def test_pagellm_and_hf_on_the_tiny_model(tiny_llama_dir, capsys):
         assert line["num_output_tokens"] == workload.num_output_tokens == result.num_output_tokens
         assert line["output_tokens_per_s"] > 0 and line["total_tokens_per_s"] > line["output_tokens_per_s"]
     assert lines[0]["startup_core_s"] > 0 and lines[0]["startup_ready_s"] >= lines[0]["startup_core_s"]
-    assert "pagellm start-up:" in out and "% padding" in out
+    assert "pagellm start-up:" in out and "% padding" in out and "load average" in out
+    assert all(line["cpus"] >= 1 and line["loadavg_start"] >= 0 for line in lines)
