@@ -17,7 +17,7 @@ A request counts as completed only if its stream ends with `data: [DONE]`; HTTP 
 broken connections and requests still running at `--timeout` are failed and reported with their reason.
 The process exits with status 1 when no request completed.
 
-    .venv/bin/pagellm serve &    # or any OpenAI-compatible server
+    .venv/bin/python -m pagellm.entrypoints.cli serve &    # pagellm serve; or any OpenAI-compatible server
     .venv/bin/python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rate 4
 """
 
