@@ -220,7 +220,7 @@ class Scheduler:
         new: list[NewRequestData] = []
         self._preempted_this_step = False
 
-        index = 0
+        index = len(self.running) if self._prefill_needs_own_step(budget) else 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -282,6 +282,19 @@ class Scheduler:
 
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         return SchedulerOutput(new, cached, num_scheduled, finished, self.kv.take_block_copies())
+
+    def _prefill_needs_own_step(self, budget: int) -> bool:
+        """Without chunking, a prompt that fits only a step's whole budget would wait behind the running
+        decodes for as long as any of them runs; such a prompt gets a step of its own (decodes pause
+        for that one step), as a prefill-first scheduler would give it."""
+        if self.config.enable_chunked_prefill or not self.waiting or not self.running:
+            return False
+        head = self.waiting[0]
+        need = head.num_tokens - head.num_computed_tokens
+        decodes = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        if need > budget or need + decodes <= budget or head.num_preemptions:
+            return False
+        return self.kv.num_blocks_needed(head.request_id, need) <= self.kv.pool.num_free_blocks
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(

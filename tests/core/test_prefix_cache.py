@@ -226,3 +226,18 @@ def test_a_reused_parent_block_orphans_the_children_keyed_on_it():
     y_tokens = [7, 7, 3, 3, 5]
     kv.publish_full_blocks("Y", y_tokens, 2)
     assert kv.find_cached_prefix(y_tokens).num_tokens == 2, "X's (3, 3) block was computed after (1, 1)"
+
+
+def test_unchunked_prompt_that_needs_the_whole_budget_gets_a_step_of_its_own():
+    kv = KVCacheManager(64, 4)
+    scheduler = Scheduler(SchedulerConfig(16, 4, 48, enable_chunked_prefill=False), kv)
+    runner = ContentCheckingRunner(scheduler, 0)
+    scheduler.add_request(Request("dec", [7] * 3, SamplingParams(max_tokens=30), 0, 30))
+    runner.step()
+    runner.step()
+    scheduler.add_request(Request("long", [8] * 16, SamplingParams(max_tokens=1), 1, 1))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"long": 16}, "the decode pauses for one step instead of starving the prompt"
+    scheduler.update_from_output(out, ModelRunnerOutput({"long": 1}))
+    assert "long" not in scheduler.requests
+    assert scheduler.schedule().num_scheduled_tokens == {"dec": 1}

@@ -240,14 +240,11 @@ def test_later_smaller_request_does_not_jump_the_queue():
     sched.add_request(make_request("big", 4, 1, max_tokens=1))
     sched.add_request(make_request("small", 1, 2, max_tokens=1))
     out, _ = step(sched, runner)
-    # big does not fit beside a's decode and may not chunk; small, which would fit, waits behind it.
-    assert out.num_scheduled_tokens == {"a": 1}
-    out, _ = step(sched, runner)
-    assert out.num_scheduled_tokens == {"a": 1}
-    out, _ = step(sched, runner)
+    # big does not fit beside a's decode and may not chunk: it gets a step of its own (a pauses once)
+    # rather than waiting for a to finish; small, which would fit beside a, does not jump ahead of it.
     assert out.num_scheduled_tokens == {"big": 4}
     out, _ = step(sched, runner)
-    assert out.num_scheduled_tokens == {"small": 1}
+    assert out.num_scheduled_tokens == {"a": 1, "small": 1}
 
 
 def test_new_request_data_contents():
@@ -321,11 +318,12 @@ def test_prompt_equal_to_budget_runs_whole_when_chunking_disabled():
     sched.add_request(make_request("b", 8, 1, max_tokens=2))
     runner = FakeRunner(sched)
     out, _ = step(sched, runner)
-    # b does not fit beside a's prompt and is not chunked: it waits for a whole step's worth of budget.
+    # b does not fit beside a's prompt and is not chunked: the next step is b's alone (a's decode
+    # pauses once) instead of b waiting for a to finish.
     assert out.num_scheduled_tokens == {"a": 2}
     out, _ = step(sched, runner)
-    assert out.num_scheduled_tokens == {"a": 1}
-    outs = run_to_completion(sched, runner, 30)
+    assert out.num_scheduled_tokens == {"b": 8}
+    outs = [out] + run_to_completion(sched, runner, 30)
     b_chunks = [o.num_scheduled_tokens["b"] for o in outs if "b" in o.num_scheduled_tokens]
     assert b_chunks[0] == 8  # whole prompt in one step
     assert all(o.total_num_scheduled_tokens <= 8 for o in outs)
