@@ -117,8 +117,10 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockKey, KVBlock] = {}
-        # Token slots filled across blocks in use.
+        # Token slots filled across blocks in use, and blocks held by more than one owner: kept
+        # up to date on every ref-count change so that stats cost nothing per step.
         self.num_stored_tokens = 0
+        self.num_shared_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -153,6 +155,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
                 self.num_stored_tokens += block.num_tokens
+            elif block.ref_cnt == 1:
+                self.num_shared_blocks += 1
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -161,7 +165,9 @@ class BlockPool:
             if block.ref_cnt <= 0:
                 raise BlockAccountingError(f"double free of {block}")
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 1:
+                self.num_shared_blocks -= 1
+            elif block.ref_cnt == 0:
                 self.num_stored_tokens -= block.num_tokens
                 self.free_queue.append(block)
 

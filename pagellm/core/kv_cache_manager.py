@@ -239,6 +239,6 @@ class KVCacheManager:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_cached_blocks=len(self.pool.cached),
-            num_shared_blocks=sum(1 for block in self.pool.blocks if block.ref_cnt > 1),
+            num_shared_blocks=self.pool.num_shared_blocks,
             num_cow_copies=self.num_cow_copies,
         )

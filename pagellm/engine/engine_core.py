@@ -97,7 +97,8 @@ class EngineCore:
         # A step can never hold more than max_num_seqs sequences of max_model_len tokens.
         profile_tokens = min(budget, args.max_num_seqs * max_model_len)
         activation_peak = self._profile(spec, profile_tokens, min(args.max_num_seqs, budget), max_model_len, device)
-        num_blocks, kv_bytes = self._num_blocks(args, spec, device, total_memory, weights_bytes, activation_peak)
+        num_blocks, kv_bytes, kv_reason = self._num_blocks(args, spec, device, total_memory, weights_bytes,
+                                                           activation_peak)
         _check_fits(num_blocks, args.block_size, max_model_len)
         self.runner.set_kv_pool(allocate_kv_cache(spec, num_blocks, device))
 
@@ -110,7 +111,7 @@ class EngineCore:
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s); %.1f requests of max_model_len=%d fit at "
             "once. Weights %.2f GiB, activation peak %.2f GiB, device %s, dtype %s, ready in %.1f s.",
-            num_blocks, args.block_size, self.startup.num_tokens, kv_bytes / GiB, self._kv_reason,
+            num_blocks, args.block_size, self.startup.num_tokens, kv_bytes / GiB, kv_reason,
             self.startup.max_concurrency, max_model_len, weights_bytes / GiB, activation_peak / GiB, device,
             str(dtype).removeprefix("torch."), self.startup.seconds,
         )
@@ -125,15 +126,16 @@ class EngineCore:
             del scratch
         return measured["peak"]
 
-    def _num_blocks(self, args, spec, device, total_memory, weights_bytes, activation_peak) -> tuple[int, int]:
+    @staticmethod
+    def _num_blocks(args, spec, device, total_memory, weights_bytes, activation_peak) -> tuple[int, int, str]:
+        """(blocks, bytes, what decided the size) of the KV pool."""
         if args.num_gpu_blocks_override is not None:
-            self._kv_reason = "num_gpu_blocks_override"
-            return args.num_gpu_blocks_override, args.num_gpu_blocks_override * spec.bytes_per_block
+            blocks = args.num_gpu_blocks_override
+            return blocks, blocks * spec.bytes_per_block, "num_gpu_blocks_override"
         budget = kv_cache_budget(device, args.gpu_memory_utilization, total_memory, weights_bytes,
                                  activation_peak, args.kv_cache_memory_bytes)
-        self._kv_reason = budget.reason
         num_blocks = budget.kv_cache // spec.bytes_per_block
-        return num_blocks, num_blocks * spec.bytes_per_block
+        return num_blocks, num_blocks * spec.bytes_per_block, budget.reason
 
     # ---- requests ----------------------------------------------------------------------------------
 

@@ -80,6 +80,8 @@ class ModelRunner:
         self.num_blocks = np.zeros(0, dtype=np.int64)
         self.row_of: dict[str, int] = {}
         self.rows: dict[int, _RowState] = {}
+        # Rows whose requests asked for prompt_logprobs: the only ones a step must look at for them.
+        self.prompt_scoring_rows: set[int] = set()
         self.free_rows: list[int] = []
         self._grow_rows(max_num_seqs)
         generator = torch.Generator(device=device)
@@ -119,11 +121,14 @@ class ModelRunner:
         stop_ids = sorted(params.all_stop_token_ids) if params.min_tokens else []
         self.rows[row] = _RowState(new.request_id, params, new.num_prompt_tokens, new.sample_index,
                                    new.num_samples_at_first, new.appends_sampled_tokens, stop_ids)
+        if params.prompt_logprobs is not None:
+            self.prompt_scoring_rows.add(row)
 
     def _remove_request(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
         if row is not None:
             del self.rows[row]
+            self.prompt_scoring_rows.discard(row)
             self.free_rows.append(row)
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -241,10 +246,8 @@ class ModelRunner:
         ) if len(sample_positions) else np.zeros(0, dtype=np.int64)
         logits_index = [np.repeat(ends[sample_positions] - 1, fanout)]
         prompt_positions = []
-        for position in range(len(rows)):
-            state = self.rows.get(int(rows[position]))
-            if state is None or state.params.prompt_logprobs is None:
-                continue  # (no state: the start-up profiling run)
+        for position in np.nonzero(np.isin(rows, list(self.prompt_scoring_rows)))[0].tolist():
+            state = self.rows[int(rows[position])]
             absolute = np.arange(computed[position], context_lens[position])
             keep = absolute + 1 < state.num_prompt_tokens
             if keep.any():

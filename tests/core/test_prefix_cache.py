@@ -79,6 +79,7 @@ def check_invariants(scheduler: Scheduler) -> None:
     for key, block in pool.cached.items():
         assert block.key == key
     assert pool.num_used_blocks == len(owners)
+    assert pool.num_shared_blocks == sum(1 for n in owners.values() if n > 1)
 
 
 def run_workload(data, block_size: int, num_blocks: int, max_model_len: int, seed: int) -> ContentCheckingRunner:
