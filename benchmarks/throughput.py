@@ -93,6 +93,38 @@ def _warn_on_short_outputs(engine: str, requests: Sequence[BenchRequest], genera
               "the table counts what it generated", file=sys.stderr)
 
 
+# ---- vLLM ------------------------------------------------------------------------------------------
+
+
+def run_vllm(workload: Workload, args: argparse.Namespace) -> tuple[ThroughputResult, float]:
+    """The same workload on vLLM (run this file with a Python that has vllm installed, --engine vllm)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    options = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed,
+                   enforce_eager=args.enforce_eager)
+    for name in ("max_num_batched_tokens", "max_model_len"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    llm = LLM(**options)
+    ready = time.perf_counter() - started
+    prompts = [TokensPrompt(prompt_token_ids=request.prompt_token_ids) for request in workload.requests]
+    params = [SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
+              for request in workload.requests]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    seconds = time.perf_counter() - started
+    generated = [len(output.outputs[0].token_ids) for output in outputs]
+    _warn_on_short_outputs("vllm", workload.requests, generated)
+    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    import vllm
+
+    result = ThroughputResult(f"vLLM {vllm.__version__}", dtype, len(outputs), workload.num_prompt_tokens,
+                              sum(generated), seconds)
+    return result, ready
+
+
 # ---- transformers static batching ------------------------------------------------------------------
 
 

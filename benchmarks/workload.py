@@ -178,16 +178,22 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_tokenizer(name: str | None):
     """The tokenizer of a local HF directory or .gguf file; None means the default model's (SmolLM2)."""
-    from pagellm.models.gguf_loader import default_model_path, load_gguf_tokenizer
-
+    # pagellm's GGUF reader is imported only for GGUF models, so that another engine's environment
+    # (vLLM's, for --engine vllm) can build the same workload from an HF directory without pagellm.
     if name is None or name in ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        from pagellm.models.gguf_loader import default_model_path, load_gguf_tokenizer
+
         return load_gguf_tokenizer(default_model_path())
     path = pathlib.Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        from pagellm.models.gguf_loader import load_gguf_tokenizer
+
         return load_gguf_tokenizer(path)
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "tokenizer_config.json").is_file() and len(ggufs) == 1:
+            from pagellm.models.gguf_loader import load_gguf_tokenizer
+
             return load_gguf_tokenizer(ggufs[0])
         from transformers import AutoTokenizer
 

@@ -1,37 +1,57 @@
-"""Paged attention with torch ops: write K/V by slot, gather through block tables, one batched SDPA.
+"""Paged attention: write K/V by slot, then attend decodes in one batched call and prefill chunks one by one.
 
-A step's tokens arrive flattened, decodes first (one token each), then prefill chunks. Decodes attend
-with a key-padding mask; prefill chunks are padded to the longest chunk and attend with a causal mask
-aligned to the lower right, because a chunk's first query may sit far into its sequence (chunked or
-resumed prefill), which `is_causal=True` (top-left aligned) gets wrong.
+A step's tokens arrive flattened, decodes first (one query token each), then prefill chunks.
+
+Decodes run on the native kernel where there is one (CPU, float32: `native.py`), which reads each
+sequence's blocks through its block table; otherwise they gather their blocks into a padded batch and
+attend with a key-padding mask (the torch path, which also serves as the reference in tests).
+
+Each prefill chunk attends on its own: a chunk that starts its sequence uses the step's own keys and
+values with `is_causal=True`, with no gather and no padding; a chunk that continues a sequence (chunked
+prefill, a prefix-cache hit, a resumed request) gathers its context and attends with a causal mask
+aligned to the lower right, because its first query sits `num_computed` tokens into the sequence.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention.native import DecodeKernel
+
 
 @dataclass
-class PrefillMetadata:
-    # Flat token index (within the prefill part) of each padded query position; padding repeats a real one.
-    query_index: torch.Tensor  # [num_prefills * max_query_len]
-    # Padded position of each real prefill token, in flat order: un-pads the output.
-    output_index: torch.Tensor  # [num_prefill_tokens]
-    block_tables: torch.Tensor  # [num_prefills, max_blocks]
-    mask: torch.Tensor  # [num_prefills, 1, max_query_len, max_blocks * block_size], True = attend
-    max_query_len: int
+class PrefillChunk:
+    # Token range of this chunk within the prefill part of the step's tokens.
+    start: int
+    end: int
+    # Set only for a chunk with context before it: the sequence's blocks up to its context length, and
+    # the [chunk, context] mask (True = attend) that makes the chunk causal at its real positions.
+    block_table: torch.Tensor | None = None
+    context_len: int = 0
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class DecodeMetadata:
+    # Host arrays, read by the native kernel.
+    block_tables: np.ndarray  # [num_decodes, max_blocks] int64
+    context_lens: np.ndarray  # [num_decodes] int64
+    # The torch path's padded batch; None when the native kernel runs.
+    block_tables_tensor: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens], where each token's K/V goes in the flattened pool
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]
-    prefill: PrefillMetadata | None
+    decode: DecodeMetadata | None
+    prefill_chunks: list[PrefillChunk]
+    native_decode: DecodeKernel | None = None
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -48,10 +68,30 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return gathered.transpose(1, 2)
 
 
-def _attend(q, k, v, mask, scale) -> torch.Tensor:
+def _attend(q, k, v, mask, scale, is_causal: bool = False) -> torch.Tensor:
     # q: [B, H, Q, D]; k/v: [B, KVH, L, D]. enable_gqa maps query head h to kv head h // (H / KVH)
     # without materialising repeated K/V (measured ~3x faster on a decode batch, bit-identical).
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _decode_attention(q, k_cache, v_cache, decode: DecodeMetadata, kernel: DecodeKernel | None, scale) -> torch.Tensor:
+    if kernel is not None:
+        return kernel(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale)
+    k = gather_kv(k_cache, decode.block_tables_tensor)
+    v = gather_kv(v_cache, decode.block_tables_tensor)
+    return _attend(q.unsqueeze(2), k, v, decode.mask, scale).squeeze(2)
+
+
+def _chunk_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale) -> torch.Tensor:
+    """q: [chunk, H, D]; k, v: the chunk's own [chunk, KVH, D]. Returns [chunk, H, D]."""
+    if chunk.block_table is not None:
+        k = gather_kv(k_cache, chunk.block_table[None])[0, :, : chunk.context_len]
+        v = gather_kv(v_cache, chunk.block_table[None])[0, :, : chunk.context_len]
+    else:
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    out = _attend(q.transpose(0, 1)[None], k[None], v[None], chunk.mask, scale, is_causal=chunk.mask is None)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(
@@ -68,17 +108,9 @@ def paged_attention(
     num_decodes = meta.num_decode_tokens
     parts = []
     if num_decodes:
-        qd = q[:num_decodes].unsqueeze(2)  # [B, H, 1, D]
-        kd = gather_kv(k_cache, meta.decode_block_tables)
-        vd = gather_kv(v_cache, meta.decode_block_tables)
-        parts.append(_attend(qd, kd, vd, meta.decode_mask, scale).squeeze(2))
-    if meta.prefill is not None:
-        pre = meta.prefill
-        qp = q[num_decodes:].index_select(0, pre.query_index)
-        num_prefills = pre.block_tables.shape[0]
-        qp = qp.view(num_prefills, pre.max_query_len, q.shape[1], q.shape[2]).transpose(1, 2)
-        kp = gather_kv(k_cache, pre.block_tables)
-        vp = gather_kv(v_cache, pre.block_tables)
-        out = _attend(qp, kp, vp, pre.mask, scale).transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
-        parts.append(out.index_select(0, pre.output_index))
+        parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode, meta.native_decode, scale))
+    offset = num_decodes
+    for chunk in meta.prefill_chunks:
+        start, end = offset + chunk.start, offset + chunk.end
+        parts.append(_chunk_attention(q[start:end], k[start:end], v[start:end], k_cache, v_cache, chunk, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

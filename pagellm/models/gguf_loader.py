@@ -18,6 +18,8 @@ import transformers
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
+from pagellm.cache_dir import cache_root
+
 _DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SUPPORTED_ARCHS = ("llama", "qwen2")
 
@@ -105,14 +107,6 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedToken
         tokenizer.chat_template = template
     _save_atomically(tokenizer, cached)
     return tokenizer
-
-
-def cache_root() -> pathlib.Path:
-    """Where pagellm keeps derived files: $PAGELLM_CACHE_DIR, else $XDG_CACHE_HOME/pagellm or ~/.cache/pagellm."""
-    if os.environ.get("PAGELLM_CACHE_DIR"):
-        return pathlib.Path(os.environ["PAGELLM_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "pagellm"
 
 
 def _tokenizer_cache_dir(path: pathlib.Path) -> pathlib.Path:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagellm.attention.paged import AttentionMetadata, PrefillMetadata
+from pagellm.attention.native import decode_kernel
+from pagellm.attention.paged import AttentionMetadata, DecodeMetadata, PrefillChunk
 from pagellm.core.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from pagellm.models.llama import LlamaForCausalLM
 from pagellm.sample.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
@@ -89,6 +90,8 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        dtype = next(model.parameters()).dtype
+        self.native_decode = decode_kernel() if device.type == "cpu" and dtype == torch.float32 else None
 
     def set_kv_pool(self, pool: torch.Tensor) -> None:
         """pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
@@ -259,17 +262,11 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
             num_decode_tokens=num_decodes,
-            decode_block_tables=None,
-            decode_mask=None,
-            prefill=None,
+            decode=self._decode_metadata(rows[:num_decodes], context_lens[:num_decodes]) if num_decodes else None,
+            prefill_chunks=self._prefill_chunks(rows[num_decodes:], num_scheduled[num_decodes:],
+                                                computed[num_decodes:], context_lens[num_decodes:]),
+            native_decode=self.native_decode,
         )
-        if num_decodes:
-            meta.decode_block_tables, meta.decode_mask = self._decode_metadata(rows[:num_decodes], context_lens[:num_decodes])
-        if num_decodes < len(rows):
-            meta.prefill = self._prefill_metadata(
-                rows[num_decodes:], num_scheduled[num_decodes:], computed[num_decodes:], context_lens[num_decodes:],
-                offset[num_decodes:],
-            )
         return _StepInputs(
             input_ids=self._to_device(input_ids),
             positions=self._to_device(positions),
@@ -285,31 +282,31 @@ class ModelRunner:
         first_sample = self.num_tokens[row] == state.num_prompt_tokens
         return state.num_samples_at_first if first_sample else 1
 
-    def _decode_metadata(self, rows: np.ndarray, context_lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_metadata(self, rows: np.ndarray, context_lens: np.ndarray) -> DecodeMetadata:
         max_blocks = -(-int(context_lens.max()) // self.block_size)
-        tables = self.block_table[rows, :max_blocks]
-        keys = np.arange(max_blocks * self.block_size)
-        mask = keys[None, :] < context_lens[:, None]
-        return self._to_device(tables), self._to_device(mask)[:, None, None, :]
+        decode = DecodeMetadata(self.block_table[rows, :max_blocks], context_lens)
+        if self.native_decode is None:
+            keys = np.arange(max_blocks * self.block_size)
+            decode.block_tables_tensor = self._to_device(decode.block_tables)
+            decode.mask = self._to_device(keys[None, :] < context_lens[:, None])[:, None, None, :]
+        return decode
 
-    def _prefill_metadata(self, rows, num_scheduled, computed, context_lens, token_offsets) -> PrefillMetadata:
-        num_prefills = len(rows)
-        max_query = int(num_scheduled.max())
-        max_blocks = -(-int(context_lens.max()) // self.block_size)
-        starts = np.cumsum(num_scheduled) - num_scheduled
-        padded = np.arange(max_query)
-        query_index = starts[:, None] + np.minimum(padded[None, :], num_scheduled[:, None] - 1)
-        output_index = np.repeat(np.arange(num_prefills) * max_query, num_scheduled) + token_offsets
-        keys = np.arange(max_blocks * self.block_size)
-        query_positions = computed[:, None] + padded[None, :]
-        mask = (keys[None, None, :] <= query_positions[:, :, None]) & (keys[None, None, :] < context_lens[:, None, None])
-        return PrefillMetadata(
-            query_index=self._to_device(query_index.reshape(-1)),
-            output_index=self._to_device(output_index),
-            block_tables=self._to_device(self.block_table[rows, :max_blocks]),
-            mask=self._to_device(mask)[:, None],
-            max_query_len=max_query,
-        )
+    def _prefill_chunks(self, rows, num_scheduled, computed, context_lens) -> list[PrefillChunk]:
+        ends = np.cumsum(num_scheduled)
+        chunks = []
+        for row, start, end, num_computed, context_len in zip(
+            rows.tolist(), (ends - num_scheduled).tolist(), ends.tolist(), computed.tolist(), context_lens.tolist()
+        ):
+            chunk = PrefillChunk(start, end)
+            if num_computed:
+                # Query i sits at position num_computed + i and sees keys up to and including it.
+                num_blocks = -(-context_len // self.block_size)
+                chunk.block_table = self._to_device(self.block_table[row, :num_blocks])
+                chunk.context_len = context_len
+                keys = np.arange(context_len)
+                chunk.mask = self._to_device(keys[None, :] <= num_computed + np.arange(end - start)[:, None])
+            chunks.append(chunk)
+        return chunks
 
     def _sampling_batch(self, rows: np.ndarray, fork_index: np.ndarray) -> SamplingBatch:
         states = [self.rows[int(r)] for r in rows]
