@@ -31,15 +31,18 @@ from pagellm.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCE = pathlib.Path(__file__).with_name("csrc") / "paged_attention.c"
-# -fassociative-math (without the rest of -ffast-math, so -inf and NaN keep their meaning) lets the
-# compiler vectorise the dot products' and softmax's reductions.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-          "-fassociative-math", "-fno-signed-zeros"]
+# No -ffast-math: the kernel is vectorised by hand, and its summation order and exp must stay as written.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 class DecodeKernel:
     """paged_decode_attention_f32 with its argument types declared; see the C source for layouts."""
+
+    @staticmethod
+    def supports(head_dim: int) -> bool:
+        # The kernel works in 8-float vectors.
+        return head_dim % 8 == 0
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._function = library.paged_decode_attention_f32
@@ -71,8 +74,10 @@ class DecodeKernel:
             block_tables.shape[1], context_lens.ctypes.data, out.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
         )
-        if failed:
+        if failed == 1:
             raise MemoryError("the native decode-attention kernel could not allocate its score buffer")
+        if failed:
+            raise ValueError(f"head_dim={head_dim} is not a multiple of 8, which the native kernel needs")
         return out
 
 

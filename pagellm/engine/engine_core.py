@@ -93,7 +93,7 @@ class EngineCore:
         self.runner = ModelRunner(model, device, args.block_size, max_model_len, args.max_num_seqs, args.seed, eos_ids)
         spec = KVCacheSpec(hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim_of(hf_config),
                            args.block_size, dtype)
-        weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        weights_bytes = model.weights_bytes()
         # A step can never hold more than max_num_seqs sequences of max_model_len tokens.
         profile_tokens = min(budget, args.max_num_seqs * max_model_len)
         activation_peak = self._profile(spec, profile_tokens, min(args.max_num_seqs, budget), max_model_len, device)

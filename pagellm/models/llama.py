@@ -24,6 +24,32 @@ _STACKED_PARAMS = (
 )
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can run on a copy of its weight packed into oneDNN's blocked layout.
+
+    On CPU in float32, oneDNN's GEMM on a pre-packed weight beat F.linear (MKL) on this model's layer
+    shapes: 2.6x at 4 rows, 1.6x at 16 and 1.25x at 64, the decode batches, and level at 2048. Packing
+    replaces the plain weight, so the weights are not held twice.
+    """
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        # The layout oneDNN picks depends a little on the row count it is told to expect; 64 did best
+        # across 4..2048 rows in a sweep.
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -101,9 +127,9 @@ class LlamaAttention(nn.Module):
             bias = True
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -127,8 +153,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; the Llama family uses 'silu'")
 
@@ -172,12 +198,23 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def pack_for_cpu(self) -> None:
+        """Run every linear layer on oneDNN-packed weights (call after load_weights; see Linear)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+
+    def weights_bytes(self) -> int:
+        packed = [m.packed_weight for m in self.modules() if isinstance(m, Linear) and m.packed_weight is not None]
+        tensors = list(self.parameters()) + packed
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

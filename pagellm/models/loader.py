@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from pagellm.config import DEFAULT_MODEL
-from pagellm.models.llama import LlamaForCausalLM, RotaryEmbedding
+from pagellm.models.llama import LlamaForCausalLM, RotaryEmbedding, can_pack_for_cpu
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _DEFAULT_ALIASES = (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}")
@@ -91,6 +91,8 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     weights = gguf_state_dict.items() if gguf_state_dict is not None else _iter_hf_weights(source.path)
     model.load_weights(weights)
+    if can_pack_for_cpu(device, dtype):
+        model.pack_for_cpu()
     return model.eval()
 
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagellm.attention.native import decode_kernel
+from pagellm.attention.native import DecodeKernel, decode_kernel
 from pagellm.attention.paged import AttentionMetadata, DecodeMetadata, PrefillChunk
 from pagellm.core.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
-from pagellm.models.llama import LlamaForCausalLM
+from pagellm.models.llama import LlamaForCausalLM, head_dim_of
 from pagellm.sample.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.kv_cache import layer_views
@@ -90,8 +90,14 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.native_decode = self._native_decode_kernel(model, device)
+
+    @staticmethod
+    def _native_decode_kernel(model: LlamaForCausalLM, device: torch.device) -> DecodeKernel | None:
         dtype = next(model.parameters()).dtype
-        self.native_decode = decode_kernel() if device.type == "cpu" and dtype == torch.float32 else None
+        if device.type != "cpu" or dtype != torch.float32 or not DecodeKernel.supports(head_dim_of(model.config)):
+            return None
+        return decode_kernel()
 
     def set_kv_pool(self, pool: torch.Tensor) -> None:
         """pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
