@@ -47,25 +47,34 @@ class DecodeMetadata:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens], where each token's K/V goes in the flattened pool
+    # Rows of the cache viewed as [num_blocks * kv_heads * block_size, head_dim] that receive each
+    # token's K/V, token-major then head: [num_tokens * kv_heads] (see kv_write_index).
+    kv_write_index: torch.Tensor
     num_decode_tokens: int
     decode: DecodeMetadata | None
     prefill_chunks: list[PrefillChunk]
     native_decode: DecodeKernel | None = None
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+def kv_write_index(block_ids: np.ndarray, offsets: np.ndarray, num_kv_heads: int, block_size: int) -> np.ndarray:
+    """Cache rows for tokens at (block, offset in block): every head of a block is its own contiguous
+    [block_size, head_dim] run, so head h of a token lands at row (block * kv_heads + h) * block_size + offset."""
+    heads = np.arange(num_kv_heads)
+    return ((block_ids[:, None] * num_kv_heads + heads[None, :]) * block_size + offsets[:, None]).reshape(-1)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor) -> None:
+    head_dim = k.shape[-1]
+    k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
+    v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim))
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[num_seqs, num_kv_heads, max_blocks * block_size, head_dim] keys or values of each sequence."""
-    _, block_size, num_kv_heads, head_dim = cache.shape
+    _, num_kv_heads, block_size, head_dim = cache.shape
     num_seqs, max_blocks = block_tables.shape
-    gathered = cache[block_tables].view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-    return gathered.transpose(1, 2)
+    gathered = cache[block_tables]  # [num_seqs, max_blocks, kv_heads, block_size, head_dim]
+    return gathered.transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
 
 
 def _attend(q, k, v, mask, scale, is_causal: bool = False) -> torch.Tensor:
@@ -104,7 +113,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Returns [T, H, D]."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    write_kv(k, v, k_cache, v_cache, meta.kv_write_index)
     num_decodes = meta.num_decode_tokens
     parts = []
     if num_decodes:

@@ -7,11 +7,13 @@ Parameter names follow HuggingFace's, except that q/k/v and gate/up are fused in
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata, paged_attention
 
 # (fused parameter, checkpoint shard name, shard index)
@@ -25,23 +27,25 @@ _STACKED_PARAMS = (
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run on a copy of its weight packed into oneDNN's blocked layout.
+    """nn.Linear that, on CPU in float32, also keeps its weight packed into oneDNN's blocked layout.
 
-    On CPU in float32, oneDNN's GEMM on a pre-packed weight beat F.linear (MKL) on this model's layer
-    shapes: 2.6x at 4 rows, 1.6x at 16 and 1.25x at 64, the decode batches, and level at 2048. Packing
-    replaces the plain weight, so the weights are not held twice.
+    No one CPU GEMM wins at every row count on this model's shapes. oneDNN on a pre-packed weight beat
+    F.linear (MKL) 2.6x at 4 rows, 1.6x at 16 and 1.25x at 64 (decode batches); MKL on the plain weight
+    beat oneDNN by 7% at 1024 rows and 12% at 2048 (prefill). So both are kept, at the cost of holding
+    the linear weights twice, and each call takes the faster one for its row count.
     """
 
+    # Row count from which MKL on the plain weight is at least as fast as oneDNN (they tie at 512).
+    MKL_MIN_ROWS = 512
     packed_weight: torch.Tensor | None = None
 
     def pack_for_cpu(self) -> None:
         # The layout oneDNN picks depends a little on the row count it is told to expect; 64 did best
         # across 4..2048 rows in a sweep.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
-        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is None:
+        if self.packed_weight is None or x.shape[0] >= self.MKL_MIN_ROWS:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
@@ -51,12 +55,25 @@ def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class RMSNorm(nn.Module):
+    # The fused kernels (CPU, float32) when the model runs on them; else torch ops.
+    ops: CpuOps | None = None
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, given the residual stream, (norm(x + residual), x + residual)."""
+        if self.ops is not None:
+            out = self.ops.add_rms_norm(x, residual, self.weight, self.eps)  # adds into residual in place
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 statistics whatever the weights' dtype, as the reference implementation computes them.
         dtype = x.dtype
         x32 = x.float()
@@ -82,12 +99,24 @@ class RotaryEmbedding(nn.Module):
         self.cos = (emb.cos() * self.scaling).to(device)
         self.sin = (emb.sin() * self.scaling).to(device)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [tokens, 1, head_dim] of the step's positions: once per step, shared by all layers."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+@dataclass
+class RopeInputs:
+    positions: torch.Tensor
+    # The torch path's cos/sin [tokens, 1, head_dim] (RotaryEmbedding.lookup); None when the native
+    # kernel rotates in place, reading the whole tables by position.
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    tables: RotaryEmbedding
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -115,13 +144,14 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_index: int, rotary: RotaryEmbedding) -> None:
+    ops: CpuOps | None = None
+
+    def __init__(self, config, layer_index: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         self.layer_index = layer_index
-        self.rotary = rotary
         bias = bool(getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False))
         if getattr(config, "model_type", "") == "qwen2":
             bias = True
@@ -134,21 +164,29 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: RopeInputs,
         hidden: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.ops is not None:
+            # Query and key heads lead each row of qkv: rotate them where they are.
+            self.ops.rotary_inplace(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope.tables.cos,
+                                    rope.tables.sin, rope.positions)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if self.ops is None:
+            q, k = apply_rotary(q, k, (rope.cos, rope.sin))
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
+    ops: CpuOps | None = None
+
     def __init__(self, config) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
@@ -159,37 +197,53 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; the Llama family uses 'silu'")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_index: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, layer_index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, rotary)
+        self.self_attn = LlamaAttention(config, layer_index)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope, hidden, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream travels beside the layer's output, so each norm can add it in (fused)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         """Runs as many layers as `kv_caches` has entries (all of them, except in profiling runs)."""
         hidden = self.embed_tokens(input_ids)
+        residual = None
+        uses_kernels = self.norm.ops is not None
+        cos, sin = (None, None) if uses_kernels else self.rotary.lookup(positions, hidden.dtype)
+        rope = RopeInputs(positions, cos, sin, self.rotary)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -204,6 +258,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def use_cpu_ops(self, ops: CpuOps) -> None:
+        """Run norms, rotary and SiLU-and-multiply on the fused float32 CPU kernels."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+                module.ops = ops
 
     def pack_for_cpu(self) -> None:
         """Run every linear layer on oneDNN-packed weights (call after load_weights; see Linear)."""

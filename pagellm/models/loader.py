@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from pagellm.attention.native import CpuOps, cpu_ops
 from pagellm.config import DEFAULT_MODEL
 from pagellm.models.llama import LlamaForCausalLM, RotaryEmbedding, can_pack_for_cpu
 
@@ -93,6 +94,9 @@ def load_model(
     model.load_weights(weights)
     if can_pack_for_cpu(device, dtype):
         model.pack_for_cpu()
+    ops = cpu_ops() if device.type == "cpu" and dtype == torch.float32 else None
+    if ops is not None and CpuOps.supports(config.hidden_size, config.intermediate_size):
+        model.use_cpu_ops(ops)
     return model.eval()
 
 

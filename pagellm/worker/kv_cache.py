@@ -32,18 +32,21 @@ class KVCacheSpec:
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """One pool tensor [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim].
+    """One pool tensor [num_layers, 2 (K, V), num_blocks, kv_heads, block_size, head_dim].
+
+    Head before position: a block's keys for one head are one contiguous run, which is what decode
+    attention streams through per (sequence, kv head).
 
     Zeroed because masked-out slots still enter the attention product with weight 0, and stale
     NaN/inf bytes times 0 would be NaN.
     """
-    shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (spec.num_layers, 2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
     pool = _zeroed_cpu(shape, spec.dtype) if device.type == "cpu" else torch.zeros(shape, dtype=spec.dtype, device=device)
     return pool
 
 
 def layer_views(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, the (K, V) views [num_blocks, block_size, kv_heads, head_dim] of the pool."""
+    """Per layer, the (K, V) views [num_blocks, kv_heads, block_size, head_dim] of the pool."""
     return [(pool[i, 0], pool[i, 1]) for i in range(pool.shape[0])]
 
 

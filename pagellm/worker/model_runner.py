@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.native import DecodeKernel, decode_kernel
-from pagellm.attention.paged import AttentionMetadata, DecodeMetadata, PrefillChunk
+from pagellm.attention.paged import AttentionMetadata, DecodeMetadata, PrefillChunk, kv_write_index
 from pagellm.core.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of
 from pagellm.sample.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
@@ -73,6 +73,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.vocab_size = model.config.vocab_size
+        self.num_kv_heads = model.config.num_key_value_heads
         self.max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((0, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(0, dtype=np.int64)
@@ -100,7 +101,7 @@ class ModelRunner:
         return decode_kernel()
 
     def set_kv_pool(self, pool: torch.Tensor) -> None:
-        """pool: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+        """pool: [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]."""
         self.kv_pool = pool
         self.kv_caches = layer_views(pool)
 
@@ -246,7 +247,7 @@ class ModelRunner:
         token_rows = rows[seq_of_token]
         input_ids = self.token_ids[token_rows, positions]
         block_ids = self.block_table[token_rows, positions // self.block_size]
-        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        write_index = kv_write_index(block_ids, positions % self.block_size, self.num_kv_heads, self.block_size)
         context_lens = computed + num_scheduled
 
         sample_positions = np.nonzero(context_lens == self.num_tokens[rows])[0]
@@ -266,7 +267,7 @@ class ModelRunner:
 
         num_decodes = int(np.count_nonzero(num_scheduled == 1))
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
+            kv_write_index=self._to_device(write_index),
             num_decode_tokens=num_decodes,
             decode=self._decode_metadata(rows[:num_decodes], context_lens[:num_decodes]) if num_decodes else None,
             prefill_chunks=self._prefill_chunks(rows[num_decodes:], num_scheduled[num_decodes:],

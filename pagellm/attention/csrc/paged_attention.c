@@ -7,7 +7,7 @@
  *
  * Layouts (all contiguous, float32):
  *   q, out        [num_seqs, num_heads, head_dim]
- *   k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]
+ *   k/v_cache     [num_blocks, num_kv_heads, block_size, head_dim]: one head of a block is contiguous
  *   block_tables  [num_seqs, table_stride] int64
  *   context_lens  [num_seqs] int64, each >= 1
  *
@@ -48,7 +48,7 @@ static inline f32x8 exp8_nonpositive(f32x8 x) {
     return p * (f32x8)((n + 127) << 23);
 }
 
-/* Four keys `stride` floats apart against one query: four independent FMA chains, so the adds do not
+/* Four consecutive keys (`stride` floats apart) against one query: four independent FMA chains, so the adds do not
  * wait on each other's latency as one chain per dot product would. */
 static inline void dot4(const float *restrict query, const float *restrict key, int64_t stride, int64_t head_dim,
                         float scale, float *restrict out) {
@@ -76,10 +76,10 @@ static inline float dot1(const float *restrict query, const float *restrict key,
  * for the whole context (accumulating in memory made every key a store-to-load round trip). */
 static void weighted_sum64(const float *restrict weights, const float *restrict v_cache,
                            const int64_t *restrict table, int64_t context_len, int64_t block_size,
-                           int64_t token_stride, int64_t offset, float *restrict out) {
+                           int64_t block_stride, int64_t offset, int64_t token_stride, float *restrict out) {
     f32x8 a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t start = 0; start < context_len; start += block_size) {
-        const float *block = v_cache + table[start / block_size] * block_size * token_stride + offset;
+        const float *block = v_cache + table[start / block_size] * block_stride + offset;
         const int64_t count = context_len - start < block_size ? context_len - start : block_size;
         for (int64_t i = 0; i < count; ++i) {
             const float *value = block + i * token_stride;
@@ -135,10 +135,11 @@ static void attend_one(const float *restrict q, const float *restrict k_cache, c
                        const int64_t *restrict table, int64_t context_len, int64_t kv_head, int64_t group,
                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                        float *restrict scores, float *restrict out) {
-    const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t head_offset = kv_head * head_dim;
+    const int64_t token_stride = head_dim;
+    const int64_t block_stride = num_kv_heads * block_size * head_dim;
+    const int64_t head_offset = kv_head * block_size * head_dim;
     for (int64_t start = 0; start < context_len; start += block_size) {
-        const float *block = k_cache + table[start / block_size] * block_size * token_stride + head_offset;
+        const float *block = k_cache + table[start / block_size] * block_stride + head_offset;
         const int64_t count = context_len - start < block_size ? context_len - start : block_size;
         for (int64_t g = 0; g < group; ++g) {
             const float *query = q + g * head_dim;
@@ -152,13 +153,13 @@ static void attend_one(const float *restrict q, const float *restrict k_cache, c
     if (head_dim % 64 == 0) {
         for (int64_t g = 0; g < group; ++g)
             for (int64_t d = 0; d < head_dim; d += 64)
-                weighted_sum64(scores + g * context_len, v_cache, table, context_len, block_size, token_stride,
-                               head_offset + d, out + g * head_dim + d);
+                weighted_sum64(scores + g * context_len, v_cache, table, context_len, block_size, block_stride,
+                               head_offset + d, token_stride, out + g * head_dim + d);
         return;
     }
     memset(out, 0, sizeof(float) * group * head_dim);
     for (int64_t start = 0; start < context_len; start += block_size) {
-        const float *block = v_cache + table[start / block_size] * block_size * token_stride + head_offset;
+        const float *block = v_cache + table[start / block_size] * block_stride + head_offset;
         const int64_t count = context_len - start < block_size ? context_len - start : block_size;
         for (int64_t i = 0; i < count; ++i) {
             const float *value = block + i * token_stride;

@@ -1,8 +1,9 @@
-"""Paged attention against dense causal attention on each sequence's own keys and values.
+"""The attention path and the native CPU kernels against plain torch references.
 
-Every case builds a pool with sequences scattered over shuffled blocks, writes their keys and values
+Paged attention: every case builds a pool with sequences scattered over shuffled blocks, writes their keys and values
 through `paged_attention`, and checks each output row against plain softmax attention over that
 sequence's contiguous history, for the native decode kernel and for the torch path.
+Fused ops (RMSNorm with residual, SiLU-and-multiply, rotary): against the torch expressions they replace.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from pagellm.attention import native
-from pagellm.attention.paged import AttentionMetadata, DecodeMetadata, PrefillChunk, paged_attention
+from pagellm.attention.paged import AttentionMetadata, DecodeMetadata, PrefillChunk, kv_write_index, paged_attention
 
 
 def _dense_reference(q, keys, values, first_position, scale):
@@ -29,32 +30,34 @@ def _dense_reference(q, keys, values, first_position, scale):
 class _Pool:
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim, seed):
         self.block_size = block_size
-        self.k = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim)
         self.v = torch.zeros_like(self.k)
         self.free = list(np.random.default_rng(seed).permutation(num_blocks))
 
     def table_for(self, length):
         return np.array([self.free.pop() for _ in range(-(-length // self.block_size))], dtype=np.int64)
 
-    def slots(self, table, positions):
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+    def rows(self, table, positions):
+        return kv_write_index(table[positions // self.block_size], positions % self.block_size,
+                              self.k.shape[1], self.block_size)
 
 
 def _run_step(pool, histories, computed, scheduled, kernel, scale, num_heads, seed):
     """One step: sequence i has computed[i] tokens cached and schedules scheduled[i] more (1 = decode)."""
     gen = torch.Generator().manual_seed(seed)
-    num_kv_heads, head_dim = pool.k.shape[2], pool.k.shape[3]
+    num_kv_heads, head_dim = pool.k.shape[1], pool.k.shape[3]
     tables = [pool.table_for(c + n) for c, n in zip(computed, scheduled)]
     # The cached part is already in the pool, as earlier steps would have left it.
     for table, history, c in zip(tables, histories, computed):
-        slots = torch.from_numpy(pool.slots(table, np.arange(c)))
-        pool.k.view(-1, num_kv_heads, head_dim)[slots] = history[0][:c]
-        pool.v.view(-1, num_kv_heads, head_dim)[slots] = history[1][:c]
+        positions = np.arange(c)
+        blocks, offsets = table[positions // pool.block_size], positions % pool.block_size
+        pool.k[blocks, :, offsets] = history[0][:c]
+        pool.v[blocks, :, offsets] = history[1][:c]
     order = sorted(range(len(scheduled)), key=lambda i: scheduled[i] > 1)
     q = [torch.randn(scheduled[i], num_heads, head_dim, generator=gen) for i in order]
     k = [histories[i][0][computed[i] : computed[i] + scheduled[i]] for i in order]
     v = [histories[i][1][computed[i] : computed[i] + scheduled[i]] for i in order]
-    slot_mapping = np.concatenate([pool.slots(tables[i], computed[i] + np.arange(scheduled[i])) for i in order])
+    write_rows = np.concatenate([pool.rows(tables[i], computed[i] + np.arange(scheduled[i])) for i in order])
     decodes = [i for i in order if scheduled[i] == 1]
     max_blocks = max((len(tables[i]) for i in decodes), default=0)
     decode = None
@@ -76,7 +79,7 @@ def _run_step(pool, histories, computed, scheduled, kernel, scale, num_heads, se
             chunk.mask = torch.from_numpy(np.arange(context)[None, :] <= computed[i] + np.arange(scheduled[i])[:, None])
         chunks.append(chunk)
         offset += scheduled[i]
-    meta = AttentionMetadata(torch.from_numpy(slot_mapping), len(decodes), decode, chunks, kernel)
+    meta = AttentionMetadata(torch.from_numpy(write_rows), len(decodes), decode, chunks, kernel)
     out = paged_attention(torch.cat(q), torch.cat(k), torch.cat(v), pool.k, pool.v, meta, scale)
     expected = torch.cat([
         _dense_reference(qi, histories[i][0][: computed[i] + scheduled[i]],
@@ -126,21 +129,80 @@ def test_native_kernel_equals_torch_path_on_long_contexts():
 
 
 def test_native_kernel_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv("PAGELLM_NATIVE_ATTENTION", "0")
-    native.decode_kernel.cache_clear()
+    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
+    native.native_library.cache_clear()
     try:
         assert native.decode_kernel() is None
     finally:
-        monkeypatch.delenv("PAGELLM_NATIVE_ATTENTION")
-        native.decode_kernel.cache_clear()
+        monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
+        native.native_library.cache_clear()
 
 
 def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    native.decode_kernel.cache_clear()
+    native.native_library.cache_clear()
     try:
         assert native.decode_kernel() is None
-        assert "using the torch path" in caplog.text
+        assert "using torch ops" in caplog.text
     finally:
-        native.decode_kernel.cache_clear()
+        native.native_library.cache_clear()
+
+
+# ---- fused CPU ops --------------------------------------------------------------------------------
+
+
+def _ops():
+    ops = native.cpu_ops()
+    if ops is None:
+        pytest.skip("no C compiler")
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_rms_norm_matches_torch(rows):
+    from pagellm.models.llama import RMSNorm
+
+    ops = _ops()
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen) * 3
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.rand(576, generator=gen) + 0.5
+    expected_out, expected_sum = norm(x, residual.clone())
+    stream = residual.clone()
+    out = ops.add_rms_norm(x, stream, norm.weight, 1e-5)
+    torch.testing.assert_close(stream, expected_sum, rtol=0, atol=0)  # the same float additions
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ops.add_rms_norm(x, None, norm.weight, 1e-5), norm(x), rtol=1e-5, atol=1e-6)
+
+
+def test_silu_and_mul_matches_torch_including_extremes():
+    ops = _ops()
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(33, 2 * 1536, generator=gen) * 4
+    gate_up[0, :8] = torch.tensor([-200.0, -88.0, -20.0, -1e-8, 0.0, 1e-8, 20.0, 200.0])
+    gate, up = gate_up.split(1536, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_rotary_inplace_matches_torch():
+    from transformers import LlamaConfig
+
+    from pagellm.models.llama import RotaryEmbedding, apply_rotary
+
+    ops = _ops()
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    rotary = RotaryEmbedding(LlamaConfig(rope_theta=100000.0), head_dim, 4096)
+    rotary.reset_cache(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(20, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    positions = torch.tensor([0, 1, 4095] + list(range(100, 117)))
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    expected_q, expected_k = apply_rotary(q.reshape(20, num_heads, head_dim), k.reshape(20, num_kv_heads, head_dim),
+                                          rotary.lookup(positions, torch.float32))
+    expected_v = v.clone()
+    ops.rotary_inplace(qkv, num_heads + num_kv_heads, head_dim, rotary.cos, rotary.sin, positions)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    torch.testing.assert_close(q.reshape(20, num_heads, head_dim), expected_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k.reshape(20, num_kv_heads, head_dim), expected_k, rtol=1e-5, atol=1e-6)
+    assert torch.equal(v, expected_v)

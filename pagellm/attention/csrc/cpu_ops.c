@@ -1,0 +1,99 @@
+/* Fused elementwise layers for the CPU in float32: each is one pass over its rows where the torch
+ * expressions they replace take four to eight (RMSNorm: cast, square, mean, rsqrt, two products;
+ * rotary: slices, negation, concatenation, two products and a sum per tensor). At decode batch sizes
+ * those kernels are launch- and memory-bound, so the passes are what costs.
+ *
+ * Numerics follow the reference (transformers' Llama) expression by expression, in float32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+static inline f32x8 load8(const float *p) { f32x8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
+static inline f32x8 splat8(float x) { return (f32x8){x, x, x, x, x, x, x, x}; }
+static inline float sum8(f32x8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+/* Below this many elements a parallel region costs more than it saves. */
+#define PARALLEL_MIN_ELEMENTS 32768
+
+/* residual (if not NULL) += x, then out = weight * h / sqrt(mean(h^2) + eps) with h the sum (or x).
+ * Rows of `hidden` floats; hidden a multiple of 8. */
+void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                      int64_t hidden, float eps) {
+#pragma omp parallel for if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *in = x + r * hidden;
+        float *h = residual ? residual + r * hidden : (float *)in;
+        f32x8 squares = splat8(0.0f);
+        for (int64_t i = 0; i < hidden; i += 8) {
+            f32x8 v = load8(in + i);
+            if (residual) {
+                v += load8(h + i);
+                store8(h + i, v);
+            }
+            squares += v * v;
+        }
+        const float inverse_rms = 1.0f / sqrtf(sum8(squares) / (float)hidden + eps);
+        float *o = out + r * hidden;
+        for (int64_t i = 0; i < hidden; i += 8) store8(o + i, load8(weight + i) * (load8(h + i) * inverse_rms));
+    }
+}
+
+/* e^x for x <= 0; see paged_attention.c. */
+static inline f32x8 exp8_nonpositive(f32x8 x) {
+    const i32x8 tiny = x < splat8(-87.0f);
+    x = (f32x8)(((i32x8)x & ~tiny) | ((i32x8)splat8(-87.0f) & tiny));
+    const i32x8 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x8);
+    const f32x8 nf = __builtin_convertvector(n, f32x8);
+    const f32x8 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+    f32x8 p = splat8(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    return p * (f32x8)((n + 127) << 23);
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, width + i]; silu(g) = g * sigmoid(g), with the sigmoid
+ * taken from e^-|g| so the exponential never overflows. width a multiple of 8. */
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t width) {
+#pragma omp parallel for if (rows * width >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *gate = gate_up + r * 2 * width, *up = gate + width;
+        float *o = out + r * width;
+        for (int64_t i = 0; i < width; i += 8) {
+            const f32x8 g = load8(gate + i);
+            const i32x8 negative = g < splat8(0.0f);
+            const f32x8 magnitude = (f32x8)((i32x8)g & ~(i32x8)splat8(-0.0f));
+            const f32x8 e = exp8_nonpositive(-magnitude);
+            const f32x8 numerator = (f32x8)(((i32x8)splat8(1.0f) & ~negative) | ((i32x8)e & negative));
+            store8(o + i, g * (numerator / (1.0f + e)) * load8(up + i));
+        }
+    }
+}
+
+/* Rotary embedding in place on the first num_heads heads of each row (the query and key heads at the
+ * start of the fused qkv projection's output): x * cos + rotate_half(x) * sin, with cos/sin rows
+ * [max_positions][head_dim] looked up by position. */
+void rotary_inplace_f32(float *qkv, int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim,
+                        const float *cos_table, const float *sin_table, const int64_t *positions) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for if (rows * num_heads * head_dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *cos = cos_table + positions[r] * head_dim, *sin = sin_table + positions[r] * head_dim;
+        for (int64_t h = 0; h < num_heads; ++h) {
+            float *x = qkv + r * row_stride + h * head_dim;
+            for (int64_t i = 0; i < half; ++i) {
+                const float first = x[i], second = x[i + half];
+                x[i] = first * cos[i] + (-second) * sin[i];
+                x[i + half] = second * cos[i + half] + first * sin[i + half];
+            }
+        }
+    }
+}
