@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 
-def export(gguf_path: Path, out: Path) -> None:
+def export(gguf_path: Path, out: Path, with_tokenizer: bool = True) -> None:
     import torch
     import transformers
 
@@ -30,7 +30,8 @@ def export(gguf_path: Path, out: Path) -> None:
     if missing:
         raise ValueError(f"{gguf_path} left {len(missing)} parameters unset, e.g. {missing[:3]}")
     model.save_pretrained(out)
-    load_gguf_tokenizer(gguf_path).save_pretrained(out)
+    if with_tokenizer:
+        load_gguf_tokenizer(gguf_path).save_pretrained(out)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,6 +52,21 @@ def test_chunked_prefill_and_block_sizes_match_hf(tiny_llama_dir, references, bl
     _check(llm, references)
 
 
+def test_torch_ops_path_matches_hf(tiny_llama_dir, references, monkeypatch):
+    # The model without the C kernels (no compiler, or switched off): the reference path stays exact too.
+    from pagellm.attention import native
+
+    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
+    native.native_library.cache_clear()
+    try:
+        llm = LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=32, kv_cache_memory_bytes=32 << 20)
+        assert llm.llm_engine.core.runner.native_decode is None
+        _check(llm, references)
+    finally:
+        monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
+        native.native_library.cache_clear()
+
+
 def test_one_at_a_time_equals_batched(tiny_llama_dir, references):
     llm = LLM(tiny_llama_dir, dtype="float32", max_num_seqs=1, kv_cache_memory_bytes=32 << 20)
     _check(llm, references)

@@ -48,69 +48,50 @@ static inline f32x8 exp8_nonpositive(f32x8 x) {
     return p * (f32x8)((n + 127) << 23);
 }
 
-/* Four consecutive keys (`stride` floats apart) against one query: four independent FMA chains, so the adds do not
- * wait on each other's latency as one chain per dot product would. */
-static inline void dot4(const float *restrict query, const float *restrict key, int64_t stride, int64_t head_dim,
-                        float scale, float *restrict out) {
-    f32x8 a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t d = 0; d < head_dim; d += 8) {
-        const f32x8 qv = load8(query + d);
-        a0 += qv * load8(key + d);
-        a1 += qv * load8(key + stride + d);
-        a2 += qv * load8(key + 2 * stride + d);
-        a3 += qv * load8(key + 3 * stride + d);
-    }
-    out[0] = sum8(a0) * scale;
-    out[1] = sum8(a1) * scale;
-    out[2] = sum8(a2) * scale;
-    out[3] = sum8(a3) * scale;
+/* Query heads that share a kv head are handled up to this many at a time, so that each key and value is
+ * read once for all of them while their accumulators still fit in registers. */
+#define MAX_HEADS_PER_PASS 4
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* Each block of one head is its own run of memory (4 KB at block_size 16, head_dim 64), often a page of
+ * its own, and hardware prefetchers stop at page boundaries: ask for the next block while this one is used. */
+static ALWAYS_INLINE void prefetch_run(const float *run, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(run + i, 0, 3);
 }
 
-static inline float dot1(const float *restrict query, const float *restrict key, int64_t head_dim) {
-    f32x8 acc = splat8(0.0f);
-    for (int64_t d = 0; d < head_dim; d += 8) acc += load8(query + d) * load8(key + d);
-    return sum8(acc);
-}
-
-/* out[0..64) = sum over keys t of weights[t] * value_t[0..64): eight accumulators that stay in registers
- * for the whole context (accumulating in memory made every key a store-to-load round trip). */
-static void weighted_sum64(const float *restrict weights, const float *restrict v_cache,
-                           const int64_t *restrict table, int64_t context_len, int64_t block_size,
-                           int64_t block_stride, int64_t offset, int64_t token_stride, float *restrict out) {
-    f32x8 a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    for (int64_t start = 0; start < context_len; start += block_size) {
-        const float *block = v_cache + table[start / block_size] * block_stride + offset;
-        const int64_t count = context_len - start < block_size ? context_len - start : block_size;
-        for (int64_t i = 0; i < count; ++i) {
-            const float *value = block + i * token_stride;
-            const f32x8 w = splat8(weights[start + i]);
-            a0 += w * load8(value);
-            a1 += w * load8(value + 8);
-            a2 += w * load8(value + 16);
-            a3 += w * load8(value + 24);
-            a4 += w * load8(value + 32);
-            a5 += w * load8(value + 40);
-            a6 += w * load8(value + 48);
-            a7 += w * load8(value + 56);
+/* scores[h * context_len + i] = scale * q_h . key_i for the `count` keys of one block; `heads` is a
+ * constant after inlining, so the per-head loops unroll and the accumulators stay in registers. */
+static ALWAYS_INLINE void block_scores(const float *restrict q, const float *restrict keys, int64_t count,
+                                       int64_t head_dim, const int heads, float scale, float *restrict scores,
+                                       int64_t context_len) {
+    for (int64_t i = 0; i < count; ++i) {
+        const float *key = keys + i * head_dim;
+        f32x8 acc[MAX_HEADS_PER_PASS];
+        for (int h = 0; h < heads; ++h) acc[h] = splat8(0.0f);
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            const f32x8 k = load8(key + d);
+            for (int h = 0; h < heads; ++h) acc[h] += load8(q + h * head_dim + d) * k;
         }
+        for (int h = 0; h < heads; ++h) scores[h * context_len + i] = sum8(acc[h]) * scale;
     }
-    store8(out, a0);
-    store8(out + 8, a1);
-    store8(out + 16, a2);
-    store8(out + 24, a3);
-    store8(out + 32, a4);
-    store8(out + 40, a5);
-    store8(out + 48, a6);
-    store8(out + 56, a7);
 }
 
-/* Softmax of row[0..n) in place, max-subtracted like SDPA. */
-static void softmax(float *restrict row, int64_t n) {
-    float max = row[0];
-    for (int64_t t = 1; t < n; ++t) max = row[t] > max ? row[t] : max;
-    f32x8 totals = splat8(0.0f);
+/* Softmax numerators of row[0..n) in place (e^(x - max), max-subtracted like SDPA); returns 1 / their sum,
+ * which the value pass applies once per output instead of once per score. */
+static float softmax_numerators(float *restrict row, int64_t n) {
+    f32x8 maxes = splat8(row[0]);
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
+        const f32x8 v = load8(row + t);
+        const i32x8 greater = v > maxes;
+        maxes = (f32x8)(((i32x8)v & greater) | ((i32x8)maxes & ~greater));
+    }
+    float max = maxes[0];
+    for (int i = 1; i < 8; ++i) max = maxes[i] > max ? maxes[i] : max;
+    for (; t < n; ++t) max = row[t] > max ? row[t] : max;
+    f32x8 totals = splat8(0.0f);
+    for (t = 0; t + 8 <= n; t += 8) {
         const f32x8 e = exp8_nonpositive(load8(row + t) - max);
         store8(row + t, e);
         totals += e;
@@ -125,59 +106,94 @@ static void softmax(float *restrict row, int64_t n) {
             total += e[i];
         }
     }
-    const float inverse = 1.0f / total;
-    for (int64_t i = 0; i < n; ++i) row[i] *= inverse;
+    return 1.0f / total;
 }
 
-/* One (sequence, kv head): the `group` query heads that share it, head_dim a multiple of 8.
+/* Floats of every head's output accumulated per pass over the values: 4 vectors x up to 4 heads fill the
+ * registers, and two passes cover a 64-float head, each streaming half of every value row. */
+#define PIECE_VECTORS 4
+#define PIECE_FLOATS (8 * PIECE_VECTORS)
+
+/* out[h][offset .. offset + PIECE_FLOATS) = inverse[h] * sum over keys t of weights[h][t] * value_t[same range]:
+ * one piece of every head at a time, so each value line is read once for all heads. */
+static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, int64_t context_len,
+                                             const float *restrict v_cache, const int64_t *restrict table,
+                                             int64_t block_size, int64_t block_stride, int64_t head_offset,
+                                             int64_t head_dim, int64_t offset, const int heads,
+                                             const float *restrict inverse, float *restrict out) {
+    f32x8 acc[MAX_HEADS_PER_PASS][PIECE_VECTORS];
+    for (int h = 0; h < heads; ++h)
+        for (int c = 0; c < PIECE_VECTORS; ++c) acc[h][c] = splat8(0.0f);
+    for (int64_t start = 0; start < context_len; start += block_size) {
+        const float *block = v_cache + table[start / block_size] * block_stride + head_offset + offset;
+        const int64_t count = context_len - start < block_size ? context_len - start : block_size;
+        if (offset == 0 && start + block_size < context_len)
+            prefetch_run(v_cache + table[start / block_size + 1] * block_stride + head_offset, block_size * head_dim);
+        for (int64_t i = 0; i < count; ++i) {
+            const float *value = block + i * head_dim;
+            for (int h = 0; h < heads; ++h) {
+                const f32x8 w = splat8(weights[h * context_len + start + i]);
+                for (int c = 0; c < PIECE_VECTORS; ++c) acc[h][c] += w * load8(value + 8 * c);
+            }
+        }
+    }
+    for (int h = 0; h < heads; ++h)
+        for (int c = 0; c < PIECE_VECTORS; ++c) store8(out + h * head_dim + offset + 8 * c, acc[h][c] * inverse[h]);
+}
+
+/* Attention of `heads` (<= MAX_HEADS_PER_PASS) query heads over one kv head's context.
+ * q and out are [heads][head_dim]; scores is [heads][context_len]. */
+static ALWAYS_INLINE void attend_heads(const float *restrict q, const float *restrict k_cache,
+                                       const float *restrict v_cache, const int64_t *restrict table,
+                                       int64_t context_len, int64_t block_size, int64_t block_stride,
+                                       int64_t head_offset, int64_t head_dim, const int heads, float scale,
+                                       float *restrict scores, float *restrict out) {
+    for (int64_t start = 0; start < context_len; start += block_size) {
+        const float *keys = k_cache + table[start / block_size] * block_stride + head_offset;
+        const int64_t count = context_len - start < block_size ? context_len - start : block_size;
+        if (start + block_size < context_len)
+            prefetch_run(k_cache + table[start / block_size + 1] * block_stride + head_offset, block_size * head_dim);
+        block_scores(q, keys, count, head_dim, heads, scale, scores + start, context_len);
+    }
+    float inverse[MAX_HEADS_PER_PASS];
+    for (int h = 0; h < heads; ++h) inverse[h] = softmax_numerators(scores + h * context_len, context_len);
+    for (int64_t offset = 0; offset < head_dim; offset += PIECE_FLOATS)
+        piece_weighted_sum(scores, context_len, v_cache, table, block_size, block_stride, head_offset, head_dim,
+                           offset, heads, inverse, out);
+}
+
+/* One (sequence, kv head): the `group` query heads that share it, head_dim a multiple of PIECE_FLOATS.
  * scores is [group][context_len]; out is [group][head_dim]. */
 static void attend_one(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
                        const int64_t *restrict table, int64_t context_len, int64_t kv_head, int64_t group,
                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                        float *restrict scores, float *restrict out) {
-    const int64_t token_stride = head_dim;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t head_offset = kv_head * block_size * head_dim;
-    for (int64_t start = 0; start < context_len; start += block_size) {
-        const float *block = k_cache + table[start / block_size] * block_stride + head_offset;
-        const int64_t count = context_len - start < block_size ? context_len - start : block_size;
-        for (int64_t g = 0; g < group; ++g) {
-            const float *query = q + g * head_dim;
-            float *row = scores + g * context_len + start;
-            int64_t i = 0;
-            for (; i + 4 <= count; i += 4) dot4(query, block + i * token_stride, token_stride, head_dim, scale, row + i);
-            for (; i < count; ++i) row[i] = dot1(query, block + i * token_stride, head_dim) * scale;
-        }
-    }
-    for (int64_t g = 0; g < group; ++g) softmax(scores + g * context_len, context_len);
-    if (head_dim % 64 == 0) {
-        for (int64_t g = 0; g < group; ++g)
-            for (int64_t d = 0; d < head_dim; d += 64)
-                weighted_sum64(scores + g * context_len, v_cache, table, context_len, block_size, block_stride,
-                               head_offset + d, token_stride, out + g * head_dim + d);
-        return;
-    }
-    memset(out, 0, sizeof(float) * group * head_dim);
-    for (int64_t start = 0; start < context_len; start += block_size) {
-        const float *block = v_cache + table[start / block_size] * block_stride + head_offset;
-        const int64_t count = context_len - start < block_size ? context_len - start : block_size;
-        for (int64_t i = 0; i < count; ++i) {
-            const float *value = block + i * token_stride;
-            for (int64_t g = 0; g < group; ++g) {
-                const f32x8 weight = splat8(scores[g * context_len + start + i]);
-                float *acc = out + g * head_dim;
-                for (int64_t d = 0; d < head_dim; d += 8) store8(acc + d, load8(acc + d) + weight * load8(value + d));
-            }
+    for (int64_t first = 0; first < group; first += MAX_HEADS_PER_PASS) {
+        const int64_t heads = group - first < MAX_HEADS_PER_PASS ? group - first : MAX_HEADS_PER_PASS;
+        const float *hq = q + first * head_dim;
+        float *hs = scores + first * context_len, *ho = out + first * head_dim;
+        /* A constant head count per call, so attend_heads specialises for each. */
+        switch (heads) {
+        case 1: attend_heads(hq, k_cache, v_cache, table, context_len, block_size, block_stride, head_offset,
+                             head_dim, 1, scale, hs, ho); break;
+        case 2: attend_heads(hq, k_cache, v_cache, table, context_len, block_size, block_stride, head_offset,
+                             head_dim, 2, scale, hs, ho); break;
+        case 3: attend_heads(hq, k_cache, v_cache, table, context_len, block_size, block_stride, head_offset,
+                             head_dim, 3, scale, hs, ho); break;
+        default: attend_heads(hq, k_cache, v_cache, table, context_len, block_size, block_stride, head_offset,
+                              head_dim, 4, scale, hs, ho); break;
         }
     }
 }
 
-/* Returns 1 if a thread could not allocate its score buffer, 2 if head_dim is not a multiple of 8. */
+/* Returns 1 if a thread could not allocate its score buffer, 2 if head_dim is not a multiple of PIECE_FLOATS. */
 int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
                                const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                                float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t block_size, float scale) {
-    if (head_dim % 8 != 0) return 2;
+    if (head_dim % PIECE_FLOATS != 0) return 2;
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_context = 0;
     for (int64_t s = 0; s < num_seqs; ++s) max_context = context_lens[s] > max_context ? context_lens[s] : max_context;
