@@ -206,3 +206,20 @@ def test_rotary_inplace_matches_torch():
     torch.testing.assert_close(q.reshape(20, num_heads, head_dim), expected_q, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(k.reshape(20, num_kv_heads, head_dim), expected_k, rtol=1e-5, atol=1e-6)
     assert torch.equal(v, expected_v)
+
+
+def test_half_linear_upcast_matches_a_half_gemm_with_float32_accumulation():
+    from pagellm.models.llama import Linear
+
+    gen = torch.Generator().manual_seed(3)
+    layer = Linear(64, 48, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 64, generator=gen))
+        layer.bias.copy_(torch.randn(48, generator=gen))
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
+    layer.upcast_to = torch.float32
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)

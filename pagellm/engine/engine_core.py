@@ -25,6 +25,7 @@ from pagellm.worker.kv_cache import (
     layer_views,
     measure_peak,
 )
+from pagellm.cpu_features import cpu_has_native
 from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -195,19 +196,11 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
         return named[name]
     if device.type == "cpu":
         # Without native bf16 (AVX512-BF16/AMX) CPU bf16 matmuls are emulated and slower than fp32.
-        return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if cpu_has_native(torch.bfloat16) else torch.float32
     config_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     if config_dtype in (torch.float16, "float16"):
         return torch.float16
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _check_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from pagellm.attention.native import CpuOps, cpu_ops
 from pagellm.config import DEFAULT_MODEL
+from pagellm.cpu_features import cpu_has_native
 from pagellm.models.llama import LlamaForCausalLM, RotaryEmbedding, can_pack_for_cpu
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -94,6 +95,8 @@ def load_model(
     model.load_weights(weights)
     if can_pack_for_cpu(device, dtype):
         model.pack_for_cpu()
+    elif device.type == "cpu" and not cpu_has_native(dtype):
+        model.upcast_linear_layers(torch.float32)
     ops = cpu_ops() if device.type == "cpu" and dtype == torch.float32 else None
     if ops is not None and CpuOps.supports(config.hidden_size, config.intermediate_size):
         model.use_cpu_ops(ops)

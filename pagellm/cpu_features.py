@@ -1,0 +1,32 @@
+"""What this CPU computes natively: decides the default dtype and how half-precision matmuls run."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# /proc/cpuinfo flags that mean hardware dot products in each half type (AVX512/AMX/AVX-NE-CONVERT).
+_NATIVE_FLAGS = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16", "avx_ne_convert"),
+    torch.float16: ("avx512_fp16", "amx_fp16", "avx_ne_convert"),
+}
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    """True for float32, and for a half type only where the CPU has instructions for it."""
+    if dtype == torch.float32:
+        return True
+    return any(flag in _cpu_flags() for flag in _NATIVE_FLAGS.get(dtype, ()))
