@@ -218,8 +218,25 @@ def test_half_linear_upcast_matches_a_half_gemm_with_float32_accumulation():
         layer.bias.copy_(torch.randn(48, generator=gen))
     x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
     expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
-    layer.upcast_to = torch.float32
+    layer.upcast_to, layer.upcast_buffer = torch.float32, torch.empty(48 * 64)
     out = layer(x)
     assert out.dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16
     assert torch.equal(out, expected)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(native.decode_kernel() is None, reason="no C compiler")
+def test_native_kernel_reads_bfloat16_caches_exactly():
+    # bf16 is widened to float32 on load, so a bf16 cache gives the float32 result of the same values.
+    kernel = native.decode_kernel()
+    gen = torch.Generator().manual_seed(8)
+    num_blocks, num_kv_heads, block_size, head_dim, num_heads = 40, 2, 16, 64, 6
+    k = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen).to(torch.bfloat16)
+    tables = np.random.default_rng(8).permutation(num_blocks)[:30].reshape(3, 10).astype(np.int64)
+    context_lens = np.array([1, 77, 160], dtype=np.int64)
+    q = torch.randn(3, num_heads, head_dim, generator=gen)
+    from_bf16 = kernel(q, k, v, tables, context_lens, 0.125)
+    from_f32 = kernel(q, k.float(), v.float(), tables, context_lens, 0.125)
+    assert from_bf16.dtype == torch.float32 and torch.equal(from_bf16, from_f32)
+    assert kernel(q.to(torch.bfloat16), k, v, tables, context_lens, 0.125).dtype == torch.bfloat16

@@ -40,7 +40,12 @@ _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 class DecodeKernel:
-    """paged_decode_attention_f32 with its argument types declared; see the C source for layouts."""
+    """paged_decode_attention with its argument types declared; see the C source for layouts.
+
+    Caches may be float32 or bfloat16; queries and outputs cross the boundary in float32.
+    """
+
+    CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
     @staticmethod
     def supports(head_dim: int) -> bool:
@@ -48,9 +53,10 @@ class DecodeKernel:
         return head_dim % 32 == 0
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._function = library.paged_decode_attention_f32
+        self._function = library.paged_decode_attention
         self._function.restype = ctypes.c_int
-        self._function.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32]
+        self._function.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                                   _I64, _F32]
 
     def __call__(
         self,
@@ -61,8 +67,11 @@ class DecodeKernel:
         context_lens: np.ndarray,
         scale: float,
     ) -> torch.Tensor:
-        """q: [num_seqs, num_heads, head_dim] float32; caches: [num_blocks, kv_heads, block_size, head_dim]."""
-        q = q.contiguous()
+        """q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, kv_heads, block_size, head_dim]."""
+        if k_cache.dtype not in self.CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+            raise TypeError(f"the native kernel reads float32 or bfloat16 caches, not {k_cache.dtype}")
+        query_dtype = q.dtype
+        q = q.to(torch.float32).contiguous()
         num_seqs, num_heads, head_dim = q.shape
         _, num_kv_heads, block_size, _ = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -73,7 +82,8 @@ class DecodeKernel:
         context_lens = np.ascontiguousarray(context_lens)
         out = torch.empty_like(q)
         failed = self._function(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.ctypes.data,
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            block_tables.ctypes.data,
             block_tables.shape[1], context_lens.ctypes.data, out.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
         )
@@ -81,7 +91,7 @@ class DecodeKernel:
             raise MemoryError("the native decode-attention kernel could not allocate its score buffer")
         if failed:
             raise ValueError(f"head_dim={head_dim} is not a multiple of 32, which the native kernel needs")
-        return out
+        return out.to(query_dtype)
 
 
 class CpuOps:

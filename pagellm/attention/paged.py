@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.native import DecodeKernel
+from pagellm.cpu_features import cpu_has_native
 
 
 @dataclass
@@ -80,8 +81,14 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 def _attend(q, k, v, mask, scale, is_causal: bool = False) -> torch.Tensor:
     # q: [B, H, Q, D]; k/v: [B, KVH, L, D]. enable_gqa maps query head h to kv head h // (H / KVH)
     # without materialising repeated K/V (measured ~3x faster on a decode batch, bit-identical).
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    dtype = q.dtype
+    if q.device.type == "cpu" and not cpu_has_native(dtype):
+        # Emulated half SDPA is several times slower than float32 SDPA on widened inputs (which
+        # accumulates in float32 as the half kernel does).
+        q, k, v = q.float(), k.float(), v.float()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.to(dtype)
 
 
 def _decode_attention(q, k_cache, v_cache, decode: DecodeMetadata, kernel: DecodeKernel | None, scale) -> torch.Tensor:

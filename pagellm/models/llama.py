@@ -43,6 +43,9 @@ class Linear(nn.Linear):
     # rounded back, the arithmetic of a half GEMM with float32 accumulation, while the weights stay half
     # in memory.
     upcast_to: torch.dtype | None = None
+    # Shared by all layers of a model (they run one at a time): widening into a fresh tensor each call
+    # would fault in new pages every time (113 MB for this model's lm_head).
+    upcast_buffer: torch.Tensor | None = None
 
     def pack_for_cpu(self) -> None:
         # The layout oneDNN picks depends a little on the row count it is told to expect; 64 did best
@@ -51,8 +54,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.upcast_to is not None:
+            weight = self.upcast_buffer[: self.weight.numel()].view(self.weight.shape)
+            weight.copy_(self.weight)
             bias = self.bias.to(self.upcast_to) if self.bias is not None else None
-            return F.linear(x.to(self.upcast_to), self.weight.to(self.upcast_to), bias).to(x.dtype)
+            return F.linear(x.to(self.upcast_to), weight, bias).to(x.dtype)
         if self.packed_weight is None or x.shape[0] >= self.MKL_MIN_ROWS:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -281,9 +286,11 @@ class LlamaForCausalLM(nn.Module):
 
     def upcast_linear_layers(self, dtype: torch.dtype) -> None:
         """Run linear layers in `dtype` (float32) on half weights; see Linear.upcast_to."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.upcast_to = dtype
+        layers = [module for module in self.modules() if isinstance(module, Linear)]
+        buffer = torch.empty(max(layer.weight.numel() for layer in layers), dtype=dtype,
+                             device=layers[0].weight.device)
+        for layer in layers:
+            layer.upcast_to, layer.upcast_buffer = dtype, buffer
 
     def weights_bytes(self) -> int:
         packed = [m.packed_weight for m in self.modules() if isinstance(m, Linear) and m.packed_weight is not None]

@@ -5,9 +5,10 @@
  * reads it again, and pays for padding up to the longest context. Here each (sequence, kv head) pair
  * reads its keys and values once, through the block table, for all the query heads that share them.
  *
- * Layouts (all contiguous, float32):
- *   q, out        [num_seqs, num_heads, head_dim]
- *   k/v_cache     [num_blocks, num_kv_heads, block_size, head_dim]: one head of a block is contiguous
+ * Layouts (all contiguous):
+ *   q, out        [num_seqs, num_heads, head_dim] float32
+ *   k/v_cache     [num_blocks, num_kv_heads, block_size, head_dim]: one head of a block is contiguous;
+ *                 float32, or bfloat16 (widened to float32 as it is loaded; all arithmetic is float32)
  *   block_tables  [num_seqs, table_stride] int64
  *   context_lens  [num_seqs] int64, each >= 1
  *
@@ -23,6 +24,7 @@
  * NEON registers on Arm, with no intrinsics to port. */
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
 
 static inline f32x8 load8(const float *p) { f32x8 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store8(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
@@ -56,21 +58,35 @@ static inline f32x8 exp8_nonpositive(f32x8 x) {
 
 /* Each block of one head is its own run of memory (4 KB at block_size 16, head_dim 64), often a page of
  * its own, and hardware prefetchers stop at page boundaries: ask for the next block while this one is used. */
-static ALWAYS_INLINE void prefetch_run(const float *run, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(run + i, 0, 3);
+static ALWAYS_INLINE void prefetch_run(const void *run, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)run + i, 0, 3);
 }
 
-/* scores[h * context_len + i] = scale * q_h . key_i for the `count` keys of one block; `heads` is a
- * constant after inlining, so the per-head loops unroll and the accumulators stay in registers. */
-static ALWAYS_INLINE void block_scores(const float *restrict q, const float *restrict keys, int64_t count,
-                                       int64_t head_dim, const int heads, float scale, float *restrict scores,
-                                       int64_t context_len) {
+/* Eight cache elements from `index` on, as float32. `bf16` is a constant after inlining: a bfloat16 is
+ * the top half of a float32, so widening is a shift. */
+static ALWAYS_INLINE f32x8 load_kv(const void *cache, int64_t index, const int bf16) {
+    if (!bf16) return load8((const float *)cache + index);
+    u16x8 raw;
+    memcpy(&raw, (const uint16_t *)cache + index, sizeof raw);
+    return (f32x8)(__builtin_convertvector(raw, i32x8) << 16);
+}
+
+static ALWAYS_INLINE const void *element(const void *cache, int64_t index, const int bf16) {
+    return bf16 ? (const void *)((const uint16_t *)cache + index) : (const void *)((const float *)cache + index);
+}
+
+/* scores[h * context_len + i] = scale * q_h . key_i for the `count` keys of one block, starting at element
+ * `keys` of the cache; `heads` is a constant after inlining, so the per-head loops unroll and the
+ * accumulators stay in registers. */
+static ALWAYS_INLINE void block_scores(const float *restrict q, const void *restrict k_cache, int64_t keys,
+                                       int64_t count, int64_t head_dim, const int heads, const int bf16, float scale,
+                                       float *restrict scores, int64_t context_len) {
     for (int64_t i = 0; i < count; ++i) {
-        const float *key = keys + i * head_dim;
+        const int64_t key = keys + i * head_dim;
         f32x8 acc[MAX_HEADS_PER_PASS];
         for (int h = 0; h < heads; ++h) acc[h] = splat8(0.0f);
         for (int64_t d = 0; d < head_dim; d += 8) {
-            const f32x8 k = load8(key + d);
+            const f32x8 k = load_kv(k_cache, key + d, bf16);
             for (int h = 0; h < heads; ++h) acc[h] += load8(q + h * head_dim + d) * k;
         }
         for (int h = 0; h < heads; ++h) scores[h * context_len + i] = sum8(acc[h]) * scale;
@@ -117,23 +133,26 @@ static float softmax_numerators(float *restrict row, int64_t n) {
 /* out[h][offset .. offset + PIECE_FLOATS) = inverse[h] * sum over keys t of weights[h][t] * value_t[same range]:
  * one piece of every head at a time, so each value line is read once for all heads. */
 static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, int64_t context_len,
-                                             const float *restrict v_cache, const int64_t *restrict table,
+                                             const void *restrict v_cache, const int64_t *restrict table,
                                              int64_t block_size, int64_t block_stride, int64_t head_offset,
-                                             int64_t head_dim, int64_t offset, const int heads,
+                                             int64_t head_dim, int64_t offset, const int heads, const int bf16,
                                              const float *restrict inverse, float *restrict out) {
     f32x8 acc[MAX_HEADS_PER_PASS][PIECE_VECTORS];
     for (int h = 0; h < heads; ++h)
         for (int c = 0; c < PIECE_VECTORS; ++c) acc[h][c] = splat8(0.0f);
     for (int64_t start = 0; start < context_len; start += block_size) {
-        const float *block = v_cache + table[start / block_size] * block_stride + head_offset + offset;
+        const int64_t block = table[start / block_size] * block_stride + head_offset + offset;
         const int64_t count = context_len - start < block_size ? context_len - start : block_size;
         if (offset == 0 && start + block_size < context_len)
-            prefetch_run(v_cache + table[start / block_size + 1] * block_stride + head_offset, block_size * head_dim);
+            prefetch_run(element(v_cache, table[start / block_size + 1] * block_stride + head_offset, bf16),
+                         block_size * head_dim * (bf16 ? 2 : 4));
         for (int64_t i = 0; i < count; ++i) {
-            const float *value = block + i * head_dim;
+            const int64_t value = block + i * head_dim;
+            f32x8 v[PIECE_VECTORS];
+            for (int c = 0; c < PIECE_VECTORS; ++c) v[c] = load_kv(v_cache, value + 8 * c, bf16);
             for (int h = 0; h < heads; ++h) {
                 const f32x8 w = splat8(weights[h * context_len + start + i]);
-                for (int c = 0; c < PIECE_VECTORS; ++c) acc[h][c] += w * load8(value + 8 * c);
+                for (int c = 0; c < PIECE_VECTORS; ++c) acc[h][c] += w * v[c];
             }
         }
     }
@@ -143,30 +162,31 @@ static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, int6
 
 /* Attention of `heads` (<= MAX_HEADS_PER_PASS) query heads over one kv head's context.
  * q and out are [heads][head_dim]; scores is [heads][context_len]. */
-static ALWAYS_INLINE void attend_heads(const float *restrict q, const float *restrict k_cache,
-                                       const float *restrict v_cache, const int64_t *restrict table,
+static ALWAYS_INLINE void attend_heads(const float *restrict q, const void *restrict k_cache,
+                                       const void *restrict v_cache, const int64_t *restrict table,
                                        int64_t context_len, int64_t block_size, int64_t block_stride,
-                                       int64_t head_offset, int64_t head_dim, const int heads, float scale,
-                                       float *restrict scores, float *restrict out) {
+                                       int64_t head_offset, int64_t head_dim, const int heads, const int bf16,
+                                       float scale, float *restrict scores, float *restrict out) {
     for (int64_t start = 0; start < context_len; start += block_size) {
-        const float *keys = k_cache + table[start / block_size] * block_stride + head_offset;
+        const int64_t keys = table[start / block_size] * block_stride + head_offset;
         const int64_t count = context_len - start < block_size ? context_len - start : block_size;
         if (start + block_size < context_len)
-            prefetch_run(k_cache + table[start / block_size + 1] * block_stride + head_offset, block_size * head_dim);
-        block_scores(q, keys, count, head_dim, heads, scale, scores + start, context_len);
+            prefetch_run(element(k_cache, table[start / block_size + 1] * block_stride + head_offset, bf16),
+                         block_size * head_dim * (bf16 ? 2 : 4));
+        block_scores(q, k_cache, keys, count, head_dim, heads, bf16, scale, scores + start, context_len);
     }
     float inverse[MAX_HEADS_PER_PASS];
     for (int h = 0; h < heads; ++h) inverse[h] = softmax_numerators(scores + h * context_len, context_len);
     for (int64_t offset = 0; offset < head_dim; offset += PIECE_FLOATS)
         piece_weighted_sum(scores, context_len, v_cache, table, block_size, block_stride, head_offset, head_dim,
-                           offset, heads, inverse, out);
+                           offset, heads, bf16, inverse, out);
 }
 
 /* One (sequence, kv head): the `group` query heads that share it, head_dim a multiple of PIECE_FLOATS.
  * scores is [group][context_len]; out is [group][head_dim]. */
-static void attend_one(const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+static void attend_one(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
                        const int64_t *restrict table, int64_t context_len, int64_t kv_head, int64_t group,
-                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int bf16, float scale,
                        float *restrict scores, float *restrict out) {
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t head_offset = kv_head * block_size * head_dim;
@@ -174,25 +194,29 @@ static void attend_one(const float *restrict q, const float *restrict k_cache, c
         const int64_t heads = group - first < MAX_HEADS_PER_PASS ? group - first : MAX_HEADS_PER_PASS;
         const float *hq = q + first * head_dim;
         float *hs = scores + first * context_len, *ho = out + first * head_dim;
-        /* A constant head count per call, so attend_heads specialises for each. */
-        switch (heads) {
-        case 1: attend_heads(hq, k_cache, v_cache, table, context_len, block_size, block_stride, head_offset,
-                             head_dim, 1, scale, hs, ho); break;
-        case 2: attend_heads(hq, k_cache, v_cache, table, context_len, block_size, block_stride, head_offset,
-                             head_dim, 2, scale, hs, ho); break;
-        case 3: attend_heads(hq, k_cache, v_cache, table, context_len, block_size, block_stride, head_offset,
-                             head_dim, 3, scale, hs, ho); break;
-        default: attend_heads(hq, k_cache, v_cache, table, context_len, block_size, block_stride, head_offset,
-                              head_dim, 4, scale, hs, ho); break;
+        /* Constant head counts and cache types per call, so attend_heads specialises for each. */
+#define ATTEND(HEADS, BF16)                                                                                  \
+    attend_heads(hq, k_cache, v_cache, table, context_len, block_size, block_stride, head_offset, head_dim, \
+                 HEADS, BF16, scale, hs, ho)
+        switch (heads * 2 + (bf16 != 0)) {
+        case 2: ATTEND(1, 0); break;
+        case 3: ATTEND(1, 1); break;
+        case 4: ATTEND(2, 0); break;
+        case 5: ATTEND(2, 1); break;
+        case 6: ATTEND(3, 0); break;
+        case 7: ATTEND(3, 1); break;
+        case 8: ATTEND(4, 0); break;
+        default: ATTEND(4, 1); break;
         }
+#undef ATTEND
     }
 }
 
 /* Returns 1 if a thread could not allocate its score buffer, 2 if head_dim is not a multiple of PIECE_FLOATS. */
-int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                               const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
-                               float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, float scale) {
+int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_is_bf16,
+                           const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
+                           float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale) {
     if (head_dim % PIECE_FLOATS != 0) return 2;
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_context = 0;
@@ -213,7 +237,8 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
             const int64_t first_head = kv_head * group;
             attend_one(q + (seq * num_heads + first_head) * head_dim, k_cache, v_cache,
                        block_tables + seq * table_stride, context_lens[seq], kv_head, group, num_kv_heads,
-                       head_dim, block_size, scale, scores, out + (seq * num_heads + first_head) * head_dim);
+                       head_dim, block_size, kv_is_bf16, scale, scores,
+                       out + (seq * num_heads + first_head) * head_dim);
         }
         free(scores);
     }
