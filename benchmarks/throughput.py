@@ -83,16 +83,21 @@ def run_pagellm(workload: Workload, args: argparse.Namespace) -> tuple[Throughpu
     dtype = str(core.model_info.dtype).removeprefix("torch.")
 
     prompts = [{"prompt_token_ids": request.prompt_token_ids} for request in workload.requests]
-    params = [SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
-              for request in workload.requests]
+    generated, seconds = _timed_generate("pagellm", llm, prompts, SamplingParams, workload.requests)
+    result = ThroughputResult("pagellm", dtype, len(generated), workload.num_prompt_tokens, sum(generated), seconds)
+    return result, startup
+
+
+def _timed_generate(engine: str, llm, prompts: list, params_class, requests: Sequence[BenchRequest]):
+    """(tokens generated per request, seconds) of one greedy, EOS-ignoring `llm.generate` over the workload;
+    pagellm's and vLLM's LLM and SamplingParams take the same arguments."""
+    params = [params_class(temperature=0, max_tokens=request.output_len, ignore_eos=True) for request in requests]
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     seconds = time.perf_counter() - started
-
     generated = [len(output.outputs[0].token_ids) for output in outputs]
-    _warn_on_short_outputs("pagellm", workload.requests, generated)
-    result = ThroughputResult("pagellm", dtype, len(outputs), workload.num_prompt_tokens, sum(generated), seconds)
-    return result, startup
+    _warn_on_short_outputs(engine, requests, generated)
+    return generated, seconds
 
 
 def _warn_on_short_outputs(engine: str, requests: Sequence[BenchRequest], generated: Sequence[int]) -> None:
@@ -119,17 +124,11 @@ def run_vllm(workload: Workload, args: argparse.Namespace) -> tuple[ThroughputRe
     llm = LLM(**options)
     ready = time.perf_counter() - started
     prompts = [TokensPrompt(prompt_token_ids=request.prompt_token_ids) for request in workload.requests]
-    params = [SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
-              for request in workload.requests]
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
-    seconds = time.perf_counter() - started
-    generated = [len(output.outputs[0].token_ids) for output in outputs]
-    _warn_on_short_outputs("vllm", workload.requests, generated)
+    generated, seconds = _timed_generate("vllm", llm, prompts, SamplingParams, workload.requests)
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     import vllm
 
-    result = ThroughputResult(f"vLLM {vllm.__version__}", dtype, len(outputs), workload.num_prompt_tokens,
+    result = ThroughputResult(f"vLLM {vllm.__version__}", dtype, len(generated), workload.num_prompt_tokens,
                               sum(generated), seconds)
     return result, ready
 

@@ -34,6 +34,7 @@ from pagellm.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = [pathlib.Path(__file__).with_name("csrc") / name for name in ("paged_attention.c", "cpu_ops.c")]
+_HEADERS = [pathlib.Path(__file__).with_name("csrc") / "vec8.h"]
 # No -ffast-math: the kernel is vectorised by hand, and its summation order and exp must stay as written.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -165,7 +166,7 @@ def _build() -> pathlib.Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-    sources = [source.read_bytes() for source in _SOURCES]
+    sources = [source.read_bytes() for source in _SOURCES + _HEADERS]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([*sources, " ".join(_FLAGS).encode(), version.encode(), _cpu_identity()]))
     target = cache_root() / "kernels" / f"pagellm_cpu-{key.hexdigest()[:20]}.so"

@@ -9,16 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-
-static inline f32x8 load8(const float *p) { f32x8 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
-static inline f32x8 splat8(float x) { return (f32x8){x, x, x, x, x, x, x, x}; }
-static inline float sum8(f32x8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
-
-/* Below this many elements a parallel region costs more than it saves. */
-#define PARALLEL_MIN_ELEMENTS 32768
+#include "vec8.h"
 
 /* residual (if not NULL) += x, then out = weight * h / sqrt(mean(h^2) + eps) with h the sum (or x).
  * Rows of `hidden` floats; hidden a multiple of 8. */
@@ -41,23 +32,6 @@ void add_rms_norm_f32(const float *x, float *residual, const float *weight, floa
         float *o = out + r * hidden;
         for (int64_t i = 0; i < hidden; i += 8) store8(o + i, load8(weight + i) * (load8(h + i) * inverse_rms));
     }
-}
-
-/* e^x for x <= 0; see paged_attention.c. */
-static inline f32x8 exp8_nonpositive(f32x8 x) {
-    const i32x8 tiny = x < splat8(-87.0f);
-    x = (f32x8)(((i32x8)x & ~tiny) | ((i32x8)splat8(-87.0f) & tiny));
-    const i32x8 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x8);
-    const f32x8 nf = __builtin_convertvector(n, f32x8);
-    const f32x8 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
-    f32x8 p = splat8(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    return p * (f32x8)((n + 127) << 23);
 }
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, width + i]; silu(g) = g * sigmoid(g), with the sigmoid
