@@ -91,8 +91,10 @@ def _run_step(pool, histories, computed, scheduled, kernel, scale, num_heads, se
 
 def _histories(lengths, num_kv_heads, head_dim, seed):
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(n, num_kv_heads, head_dim, generator=gen), torch.randn(n, num_kv_heads, head_dim, generator=gen))
-            for n in lengths]
+    def draw(n):
+        return torch.randn(n, num_kv_heads, head_dim, generator=gen)
+
+    return [(draw(n), draw(n)) for n in lengths]
 
 
 def _kernels():

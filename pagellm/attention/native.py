@@ -1,7 +1,8 @@
 """pagellm's C kernels for the CPU: compiled on first use, cached, called via ctypes.
 
-csrc/paged_attention.c is decode attention straight from the paged cache; csrc/cpu_ops.c holds the
-fused RMSNorm (with the residual add), SiLU-and-multiply and in-place rotary embedding, all float32.
+csrc/paged_attention.c is decode attention straight from the paged cache (float32 or bfloat16 caches,
+float32 arithmetic); csrc/cpu_ops.c holds the float32 fused RMSNorm (with the residual add),
+SiLU-and-multiply and in-place rotary embedding; csrc/vec8.h the vector helpers both use.
 
 Compiling needs only a C compiler (cc/gcc) and takes about a second; the shared object is cached under
 pagellm's cache directory, keyed by the source, the compiler and this CPU, so later starts just load it.

@@ -1,4 +1,4 @@
-"""Paged attention: write K/V by slot, then attend decodes in one batched call and prefill chunks one by one.
+"""Paged attention: write the step's K/V into its blocks, attend decodes in one call, prefill chunks one by one.
 
 A step's tokens arrive flattened, decodes first (one query token each), then prefill chunks.
 

@@ -127,7 +127,9 @@ class RopeInputs:
     tables: RotaryEmbedding
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = rope
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 

@@ -96,7 +96,9 @@ class ModelRunner:
     @staticmethod
     def _native_decode_kernel(model: LlamaForCausalLM, device: torch.device) -> DecodeKernel | None:
         dtype = next(model.parameters()).dtype
-        if device.type != "cpu" or dtype not in DecodeKernel.CACHE_DTYPES or not DecodeKernel.supports(head_dim_of(model.config)):
+        if device.type != "cpu" or dtype not in DecodeKernel.CACHE_DTYPES:
+            return None
+        if not DecodeKernel.supports(head_dim_of(model.config)):
             return None
         return decode_kernel()
 
