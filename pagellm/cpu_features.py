@@ -14,7 +14,8 @@ _NATIVE_FLAGS = {
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """The feature flags /proc/cpuinfo lists for this CPU (empty where there is no such file)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
@@ -25,8 +26,10 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
 def cpu_has_native(dtype: torch.dtype) -> bool:
-    """True for float32, and for a half type only where the CPU has instructions for it."""
+    """True for float32, and for a half type only where the CPU has instructions for it (asked per
+    attention call, hence cached)."""
     if dtype == torch.float32:
         return True
-    return any(flag in _cpu_flags() for flag in _NATIVE_FLAGS.get(dtype, ()))
+    return any(flag in cpu_flags() for flag in _NATIVE_FLAGS.get(dtype, ()))

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pagellm.cache_dir import cache_root
+from pagellm.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -188,14 +189,8 @@ def _build() -> pathlib.Path:
 
 def _cpu_identity() -> bytes:
     """-march=native code is only valid on CPUs with the same features: the cache key includes them."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith(("flags", "Features")):
-                    return line.encode()
-    except OSError:
-        pass
-    return platform.processor().encode() + platform.machine().encode()
+    flags = " ".join(sorted(cpu_flags())) or platform.processor() + platform.machine()
+    return flags.encode()
 
 
 def _first_line(error: Exception) -> str:

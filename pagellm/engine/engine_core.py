@@ -14,6 +14,7 @@ from pagellm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig, SchedulerStats
+from pagellm.cpu_features import cpu_has_native
 from pagellm.models import loader
 from pagellm.models.llama import head_dim_of
 from pagellm.worker.kv_cache import (
@@ -25,7 +26,6 @@ from pagellm.worker.kv_cache import (
     layer_views,
     measure_peak,
 )
-from pagellm.cpu_features import cpu_has_native
 from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -306,9 +306,9 @@ def _dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
     return weights
 
 
-# gguf's dequantize works through rows in small groups; these do the whole tensor in a few numpy passes,
-# with the same arithmetic (tested bit for bit against it), and took start-up's weight loading from
-# 2.1 s to a fraction of that for the default model.
+# gguf's dequantize works through rows in small groups (2.06 s for the default model's tensors); these do
+# the whole tensor in a few numpy passes with the same arithmetic, tested bit for bit against it
+# (load_gguf under cProfile: 4.02 s -> 2.38 s, most of the rest being transformers' config import).
 _WHOLE_TENSOR_DEQUANTIZERS = {
     GGMLQuantizationType.Q4_1: _dequantize_q4_1,
     GGMLQuantizationType.Q8_0: _dequantize_q8_0,

@@ -240,6 +240,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # With the fused kernels, rotary runs in place per layer and needs no per-step cos/sin gather.
+    ops: CpuOps | None = None
+
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -251,8 +254,7 @@ class LlamaModel(nn.Module):
         """Runs as many layers as `kv_caches` has entries (all of them, except in profiling runs)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        uses_kernels = self.norm.ops is not None
-        cos, sin = (None, None) if uses_kernels else self.rotary.lookup(positions, hidden.dtype)
+        cos, sin = (None, None) if self.ops is not None else self.rotary.lookup(positions, hidden.dtype)
         rope = RopeInputs(positions, cos, sin, self.rotary)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
@@ -277,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
     def use_cpu_ops(self, ops: CpuOps) -> None:
         """Run norms, rotary and SiLU-and-multiply on the fused float32 CPU kernels."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+            if isinstance(module, (LlamaModel, RMSNorm, LlamaAttention, LlamaMLP)):
                 module.ops = ops
 
     def pack_for_cpu(self) -> None:

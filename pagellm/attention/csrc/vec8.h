@@ -35,7 +35,4 @@ static inline f32x8 exp8_nonpositive(f32x8 x) {
     return p * (f32x8)((n + 127) << 23);
 }
 
-/* Below this many elements a parallel region costs more than it saves. */
-#define PARALLEL_MIN_ELEMENTS 32768
-
 #endif
