@@ -31,6 +31,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     disable_log_stats: bool = True
+    # "dummy": random weights of the model's shape and dtype, made on the device (benchmarks with no checkpoint).
+    load_format: str = "auto"
+    # Run every step eagerly: no CUDA graphs for decode steps.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -54,6 +58,8 @@ class EngineArgs:
             )
         if self.dtype not in ("auto", "float32", "float", "float16", "half", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported; use auto, float32, float16 or bfloat16.")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r} is not supported; use auto or dummy.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={self.device!r} is not supported; use auto, cpu or cuda.")
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from hypothesis import settings
+
+# Triton's kernels run under its interpreter where there is no GPU (tests/test_triton_kernels.py). Triton reads this
+# switch as it decorates its own library functions, at its first import, which some tests trigger indirectly.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Reproducible property tests: derandomized, no wall-clock deadline on a loaded 2-core machine.
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60, print_blob=True)

@@ -1,4 +1,5 @@
-"""Paged attention: write the step's K/V into its blocks, attend decodes in one call, prefill chunks one by one.
+"""The torch attention backend: write the step's K/V into its blocks, attend decodes in one call, prefill
+chunks one by one. It is the reference the other backends (backend.py) are tested against.
 
 A step's tokens arrive flattened, decodes first (one query token each), then prefill chunks.
 
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention.backend import AttentionShape, StepAttentionInputs
 from pagellm.attention.native import DecodeKernel
 from pagellm.cpu_features import cpu_has_native
 
@@ -55,6 +57,8 @@ class AttentionMetadata:
     decode: DecodeMetadata | None
     prefill_chunks: list[PrefillChunk]
     native_decode: DecodeKernel | None = None
+    # The backend whose forward serves this metadata; None is the torch path below.
+    backend: object | None = None
 
 
 def kv_write_index(block_ids: np.ndarray, offsets: np.ndarray, num_kv_heads: int, block_size: int) -> np.ndarray:
@@ -119,7 +123,16 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Returns [T, H, D]."""
+    """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Returns [T, H, D].
+
+    Dispatches to the backend that built `meta`; metadata without one runs the torch path.
+    """
+    if meta.backend is not None:
+        return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     write_kv(k, v, k_cache, v_cache, meta.kv_write_index)
     num_decodes = meta.num_decode_tokens
     parts = []
@@ -130,3 +143,76 @@ def paged_attention(
         start, end = offset + chunk.start, offset + chunk.end
         parts.append(_chunk_attention(q[start:end], k[start:end], v[start:end], k_cache, v_cache, chunk, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+class TorchAttentionBackend:
+    """Torch ops (and the native CPU decode kernel when given one) behind the backend interface."""
+
+    name = "torch"
+    supports_cuda_graphs = False
+
+    def __init__(self, shape: AttentionShape, device: torch.device, native_decode: DecodeKernel | None) -> None:
+        self.shape = shape
+        self.device = device
+        self.native_decode = native_decode
+        if native_decode is not None:
+            self.name = "cpu-native"
+
+    def build_metadata(self, step: StepAttentionInputs) -> AttentionMetadata:
+        block_size = self.shape.block_size
+        slots = step.slot_mapping
+        write_index = kv_write_index(slots // block_size, slots % block_size, self.shape.num_kv_heads, block_size)
+        num_decodes = step.num_decodes
+        return AttentionMetadata(
+            kv_write_index=self._to_device(write_index),
+            num_decode_tokens=num_decodes,
+            decode=self._decode_metadata(step.block_tables[:num_decodes], step.seq_lens[:num_decodes])
+            if num_decodes else None,
+            prefill_chunks=self._prefill_chunks(step.query_lens[num_decodes:], step.seq_lens[num_decodes:],
+                                                step.block_tables[num_decodes:]),
+            native_decode=self.native_decode,
+        )
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        write_kv(k, v, k_cache, v_cache, meta.kv_write_index)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+    def _decode_metadata(self, block_tables: np.ndarray, context_lens: np.ndarray) -> DecodeMetadata:
+        max_blocks = -(-int(context_lens.max()) // self.shape.block_size)
+        decode = DecodeMetadata(np.ascontiguousarray(block_tables[:, :max_blocks]), context_lens)
+        if self.native_decode is None:
+            keys = np.arange(max_blocks * self.shape.block_size)
+            decode.block_tables_tensor = self._to_device(decode.block_tables)
+            decode.mask = self._to_device(keys[None, :] < context_lens[:, None])[:, None, None, :]
+        return decode
+
+    def _prefill_chunks(self, query_lens, seq_lens, block_tables) -> list[PrefillChunk]:
+        ends = np.cumsum(query_lens)
+        chunks = []
+        for start, end, seq_len, table in zip((ends - query_lens).tolist(), ends.tolist(), seq_lens.tolist(),
+                                              block_tables):
+            chunk = PrefillChunk(start, end)
+            num_computed = seq_len - (end - start)
+            if num_computed:
+                # Query i sits at position num_computed + i and sees keys up to and including it.
+                num_blocks = -(-seq_len // self.shape.block_size)
+                chunk.block_table = self._to_device(table[:num_blocks])
+                chunk.context_len = seq_len
+                keys = np.arange(seq_len)
+                chunk.mask = self._to_device(keys[None, :] <= num_computed + np.arange(end - start)[:, None])
+            chunks.append(chunk)
+        return chunks
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return to_device(array, self.device)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`. On CUDA through pinned memory, so the copy is asynchronous: a copy from
+    pageable memory would wait for the stream's earlier work."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

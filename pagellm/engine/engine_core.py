@@ -84,7 +84,8 @@ class EngineCore:
         loader.check_architecture(hf_config)
         max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
         dtype = resolve_dtype(args.dtype, hf_config, device)
-        model = loader.load_model(source, hf_config, gguf_state_dict, dtype, device, max_model_len)
+        model = loader.load_model(source, hf_config, gguf_state_dict, dtype, device, max_model_len,
+                                  args.load_format, args.seed)
         del gguf_state_dict
         tokenizer = loader.load_tokenizer(source, args.tokenizer)
         eos_ids = frozenset(loader.eos_token_ids(source, hf_config, tokenizer))
@@ -97,11 +98,17 @@ class EngineCore:
         weights_bytes = model.weights_bytes()
         # A step can never hold more than max_num_seqs sequences of max_model_len tokens.
         profile_tokens = min(budget, args.max_num_seqs * max_model_len)
-        activation_peak = self._profile(spec, profile_tokens, min(args.max_num_seqs, budget), max_model_len, device)
+        use_graphs = not args.enforce_eager and self.runner.can_capture_cuda_graphs()
+        prefill_peak, decode_peak = self._profile(spec, profile_tokens, min(args.max_num_seqs, budget), max_model_len,
+                                                  device)
+        activation_peak = max(prefill_peak, decode_peak)
+        # The graphs' pool keeps about one worst decode step's temporaries for good, beside the activations.
+        graph_reserve = decode_peak if use_graphs else 0
         num_blocks, kv_bytes, kv_reason = self._num_blocks(args, spec, device, total_memory, weights_bytes,
-                                                           activation_peak)
+                                                           activation_peak + graph_reserve)
         _check_fits(num_blocks, args.block_size, max_model_len)
         self.runner.set_kv_pool(allocate_kv_cache(spec, num_blocks, device))
+        graph_bytes = self.runner.capture_cuda_graphs() if use_graphs else 0
 
         self.scheduler = Scheduler(
             SchedulerConfig(budget, args.max_num_seqs, max_model_len, args.enable_chunked_prefill),
@@ -111,21 +118,29 @@ class EngineCore:
                                      weights_bytes, activation_peak, max_model_len)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s); %.1f requests of max_model_len=%d fit at "
-            "once. Weights %.2f GiB, activation peak %.2f GiB, device %s, dtype %s, ready in %.1f s.",
+            "once. Weights %.2f GiB, activation peak %.2f GiB (prefill %.2f, decode of %d + sampler %.2f), %s, "
+            "device %s, dtype %s, attention %s, ready in %.1f s.",
             num_blocks, args.block_size, self.startup.num_tokens, kv_bytes / GiB, kv_reason,
-            self.startup.max_concurrency, max_model_len, weights_bytes / GiB, activation_peak / GiB, device,
-            str(dtype).removeprefix("torch."), self.startup.seconds,
+            self.startup.max_concurrency, max_model_len, weights_bytes / GiB, activation_peak / GiB,
+            prefill_peak / GiB, min(args.max_num_seqs, budget), decode_peak / GiB,
+            f"CUDA graphs for {len(self.runner.graphs.sizes)} decode batch sizes up to {self.runner.graphs.sizes[-1]} "
+            f"({graph_bytes / GiB:.2f} GiB, {graph_reserve / GiB:.2f} reserved)" if use_graphs else "eager steps",
+            device, str(dtype).removeprefix("torch."), self.runner.attn_backend.name, self.startup.seconds,
         )
 
-    def _profile(self, spec: KVCacheSpec, budget: int, sampling_rows: int, max_model_len: int, device) -> int:
+    def _profile(self, spec: KVCacheSpec, budget: int, num_decodes: int, max_model_len: int,
+                 device) -> tuple[int, int]:
+        """Activation peaks of the largest prefill step and of the worst decode step with its sampler."""
         seq_len = min(budget, max_model_len)
         blocks = cdiv(budget, seq_len) * cdiv(seq_len, spec.block_size)
         one_layer = dataclasses.replace(spec, num_layers=1)
-        with measure_peak(device) as measured:
-            scratch = layer_views(allocate_kv_cache(one_layer, blocks, device))
-            self.runner.profile_run(budget, sampling_rows, scratch)
-            del scratch
-        return measured["peak"]
+        scratch = layer_views(allocate_kv_cache(one_layer, blocks, device))
+        with measure_peak(device) as prefill:
+            self.runner.profile_prefill(budget, scratch)
+        with measure_peak(device) as decode:
+            self.runner.profile_decode(num_decodes, scratch)
+        del scratch
+        return prefill["peak"], decode["peak"]
 
     @staticmethod
     def _num_blocks(args, spec, device, total_memory, weights_bytes, activation_peak) -> tuple[int, int, str]:

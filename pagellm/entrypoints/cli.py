@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reuse the KV blocks of prompt prefixes seen before (default: on)")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="compute long prompts over several steps alongside running decodes (default: on)")
+    engine.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights of the model's shape, for benchmarks without a checkpoint")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="run every step eagerly (no CUDA graphs)")
     return parser
 
 
@@ -76,6 +80,8 @@ def engine_args_from(args: argparse.Namespace) -> AsyncEngineArgs:
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
         max_num_queued_requests=args.max_num_queued_requests,
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -80,19 +81,30 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> LlamaForCausalLM:
+    """The model in `dtype` on `device`, its weights from the checkpoint, or random with load_format="dummy".
+
+    Built on the meta device and cast there, so parameters are first allocated on the device already in
+    `dtype` (an 8B model never exists in float32 on the GPU); checkpoint tensors are then cast on the host
+    and copied in one at a time, so at most one tensor is in flight beside the model.
+    """
     check_architecture(config)
-    # Built on the meta device so that no time goes into random init of weights we overwrite.
+    # Meta tensors hold no values: no time goes into random init of weights we overwrite.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_cache(device)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    weights = gguf_state_dict.items() if gguf_state_dict is not None else _iter_hf_weights(source.path)
-    model.load_weights(weights)
+    if load_format == "dummy":
+        initialize_dummy_weights(model, seed)
+    else:
+        weights = gguf_state_dict.items() if gguf_state_dict is not None else _iter_hf_weights(source.path)
+        model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
     if can_pack_for_cpu(device, dtype):
         model.pack_for_cpu()
     elif device.type == "cpu" and not cpu_has_native(dtype):
@@ -103,8 +115,35 @@ def load_model(
     return model.eval()
 
 
+@torch.no_grad()
+def initialize_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e-3, high: float = 1e-3) -> None:
+    """Every parameter uniform in [low, high], drawn on its device in its dtype (vLLM's dummy format):
+    small enough that activations stay finite through any depth, random enough not to be all ties."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for param in model.parameters():
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.uniform_(low, high, generator=generators[param.device])
+
+
+def checkpoint_files(directory: Path) -> list[str]:
+    """The safetensors files of a HF directory: those model.safetensors.index.json names, where it exists
+    (a directory may hold other .safetensors files, e.g. a consolidated copy), else every *.safetensors."""
+    index = Path(directory) / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index} has no weight_map; it should map each tensor name to its file")
+        files = [str(Path(directory) / name) for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"{index} names files that are not there: {missing[:3]}")
+        return files
+    return sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+
+
 def _iter_hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    safetensors_files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    safetensors_files = checkpoint_files(directory)
     if safetensors_files:
         from safetensors import safe_open
 

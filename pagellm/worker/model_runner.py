@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagellm.attention.native import DecodeKernel, decode_kernel
-from pagellm.attention.paged import AttentionMetadata, DecodeMetadata, PrefillChunk, kv_write_index
+from pagellm.attention.backend import AttentionShape, StepAttentionInputs, select_backend
+from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of
 from pagellm.sample.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
@@ -45,9 +45,10 @@ class _RowState:
 
 @dataclass
 class _StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: AttentionMetadata
+    # Host arrays: the eager path moves them to the device, a CUDA-graph replay copies them into its buffers.
+    input_ids: np.ndarray
+    positions: np.ndarray
+    attention: StepAttentionInputs
     # Batch positions of the requests that sample, and how many samples each draws at once.
     sample_positions: np.ndarray
     fanout: np.ndarray
@@ -91,21 +92,33 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.native_decode = self._native_decode_kernel(model, device)
+        config = model.config
+        shape = AttentionShape(config.num_attention_heads, config.num_key_value_heads, head_dim_of(config), block_size)
+        self.attn_backend = select_backend(device, next(model.parameters()).dtype, shape)
+        self.max_num_seqs = max_num_seqs
+        # Captured after the KV pool exists (capture_cuda_graphs); None runs every step eagerly.
+        self.graphs = None  # a cuda_graphs.DecodeGraphs
 
-    @staticmethod
-    def _native_decode_kernel(model: LlamaForCausalLM, device: torch.device) -> DecodeKernel | None:
-        dtype = next(model.parameters()).dtype
-        if device.type != "cpu" or dtype not in DecodeKernel.CACHE_DTYPES:
-            return None
-        if not DecodeKernel.supports(head_dim_of(model.config)):
-            return None
-        return decode_kernel()
+    @property
+    def native_decode(self):
+        """The native CPU decode kernel the attention backend runs decodes on, or None."""
+        return getattr(self.attn_backend, "native_decode", None)
 
     def set_kv_pool(self, pool: torch.Tensor) -> None:
         """pool: [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]."""
         self.kv_pool = pool
         self.kv_caches = layer_views(pool)
+
+    def can_capture_cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs
+
+    def capture_cuda_graphs(self) -> int:
+        """Capture decode steps at bucketed batch sizes over the KV pool; returns the graph pool's bytes."""
+        from pagellm.worker.cuda_graphs import DecodeGraphs  # imports triton, which CPU-only installs may lack
+
+        self.graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self.max_num_seqs,
+                                   self.max_blocks, self.max_model_len, self.device)
+        return self.graphs.capture()
 
     # ---- sequence state ----------------------------------------------------------------------------
 
@@ -184,24 +197,37 @@ class ModelRunner:
         rows, num_scheduled = rows[order], num_scheduled[order]
 
         inputs = self._prepare_inputs(rows, num_scheduled)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        num_samples = int(inputs.fanout.sum())
+        # Built (and sent to the device) before the forward is queued: building it after would make each
+        # host-to-device copy wait for the forward, and the GPU would idle while the sampler is launched.
+        sampling = self._step_sampling_batch(rows, inputs) if num_samples else None
+        hidden = self._run_model(inputs)
         output = ModelRunnerOutput()
         if len(inputs.logits_index):
             logits = self.model.compute_logits(hidden[inputs.logits_index])
-            num_samples = int(inputs.fanout.sum())
             if num_samples:
-                self._sample(logits[:num_samples], rows, inputs, output)
+                self._sample(logits[:num_samples], rows, inputs, sampling, output)
             if inputs.prompt_logprob_positions:
                 self._score_prompt(logits[num_samples:], rows, inputs, output)
         self.num_computed[rows] += num_scheduled
         return output
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray, inputs: _StepInputs, output: ModelRunnerOutput) -> None:
-        sample_rows = rows[inputs.sample_positions]
-        expanded_rows = np.repeat(sample_rows, inputs.fanout)
+    def _run_model(self, inputs: _StepInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(inputs.attention):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.attention)
+        meta = self.attn_backend.build_metadata(inputs.attention)
+        return self.model(self._to_device(inputs.input_ids), self._to_device(inputs.positions), self.kv_caches, meta)
+
+    def _step_sampling_batch(self, rows: np.ndarray, inputs: _StepInputs) -> SamplingBatch:
+        expanded_rows = np.repeat(rows[inputs.sample_positions], inputs.fanout)
         fork_index = np.arange(len(expanded_rows)) - np.repeat(np.cumsum(inputs.fanout) - inputs.fanout, inputs.fanout)
-        result = self.sampler(logits, self._sampling_batch(expanded_rows, fork_index))
-        tokens = result.token_ids.tolist()
+        return self._sampling_batch(expanded_rows, fork_index)
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, inputs: _StepInputs, sampling: SamplingBatch,
+                output: ModelRunnerOutput) -> None:
+        sample_rows = rows[inputs.sample_positions]
+        result = self.sampler(logits, sampling)
+        tokens = result.token_ids.tolist()  # the step's one wait on the device
         offset = 0
         appending = []
         for row, fanout in zip(sample_rows.tolist(), inputs.fanout.tolist()):
@@ -249,7 +275,7 @@ class ModelRunner:
         token_rows = rows[seq_of_token]
         input_ids = self.token_ids[token_rows, positions]
         block_ids = self.block_table[token_rows, positions // self.block_size]
-        write_index = kv_write_index(block_ids, positions % self.block_size, self.num_kv_heads, self.block_size)
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
         context_lens = computed + num_scheduled
 
         sample_positions = np.nonzero(context_lens == self.num_tokens[rows])[0]
@@ -268,18 +294,13 @@ class ModelRunner:
                 logits_index.append(flat)
 
         num_decodes = int(np.count_nonzero(num_scheduled == 1))
-        meta = AttentionMetadata(
-            kv_write_index=self._to_device(write_index),
-            num_decode_tokens=num_decodes,
-            decode=self._decode_metadata(rows[:num_decodes], context_lens[:num_decodes]) if num_decodes else None,
-            prefill_chunks=self._prefill_chunks(rows[num_decodes:], num_scheduled[num_decodes:],
-                                                computed[num_decodes:], context_lens[num_decodes:]),
-            native_decode=self.native_decode,
-        )
+        max_blocks = -(-int(context_lens.max()) // self.block_size)
+        attention = StepAttentionInputs(num_decodes, num_scheduled, context_lens,
+                                        self.block_table[rows, :max_blocks], slot_mapping)
         return _StepInputs(
-            input_ids=self._to_device(input_ids),
-            positions=self._to_device(positions),
-            attn_metadata=meta,
+            input_ids=input_ids,
+            positions=positions,
+            attention=attention,
             sample_positions=sample_positions,
             fanout=fanout,
             logits_index=self._to_device(np.concatenate(logits_index)),
@@ -291,47 +312,21 @@ class ModelRunner:
         first_sample = self.num_tokens[row] == state.num_prompt_tokens
         return state.num_samples_at_first if first_sample else 1
 
-    def _decode_metadata(self, rows: np.ndarray, context_lens: np.ndarray) -> DecodeMetadata:
-        max_blocks = -(-int(context_lens.max()) // self.block_size)
-        decode = DecodeMetadata(self.block_table[rows, :max_blocks], context_lens)
-        if self.native_decode is None:
-            keys = np.arange(max_blocks * self.block_size)
-            decode.block_tables_tensor = self._to_device(decode.block_tables)
-            decode.mask = self._to_device(keys[None, :] < context_lens[:, None])[:, None, None, :]
-        return decode
-
-    def _prefill_chunks(self, rows, num_scheduled, computed, context_lens) -> list[PrefillChunk]:
-        ends = np.cumsum(num_scheduled)
-        chunks = []
-        for row, start, end, num_computed, context_len in zip(
-            rows.tolist(), (ends - num_scheduled).tolist(), ends.tolist(), computed.tolist(), context_lens.tolist()
-        ):
-            chunk = PrefillChunk(start, end)
-            if num_computed:
-                # Query i sits at position num_computed + i and sees keys up to and including it.
-                num_blocks = -(-context_len // self.block_size)
-                chunk.block_table = self._to_device(self.block_table[row, :num_blocks])
-                chunk.context_len = context_len
-                keys = np.arange(context_len)
-                chunk.mask = self._to_device(keys[None, :] <= num_computed + np.arange(end - start)[:, None])
-            chunks.append(chunk)
-        return chunks
-
     def _sampling_batch(self, rows: np.ndarray, fork_index: np.ndarray) -> SamplingBatch:
         states = [self.rows[int(r)] for r in rows]
         params = [s.params for s in states]
         num_outputs = self.num_tokens[rows] - np.array([s.num_prompt_tokens for s in states], dtype=np.int64)
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
+        temperature = self._to_device(np.array([p.temperature for p in params], dtype=np.float32))
         all_greedy = all(p.temperature == 0 for p in params)
         top_k = top_p = min_p = None
         if not all_greedy:
             if any(p.top_k for p in params):
-                top_k = torch.tensor([min(p.top_k or self.vocab_size, self.vocab_size) for p in params],
-                                     device=self.device)
+                top_k = self._to_device(np.array([min(p.top_k or self.vocab_size, self.vocab_size) for p in params],
+                                               dtype=np.int64))
             if any(p.top_p < 1 for p in params):
-                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
+                top_p = self._to_device(np.array([p.top_p for p in params], dtype=np.float32))
             if any(p.min_p > 0 for p in params):
-                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
+                min_p = self._to_device(np.array([p.min_p for p in params], dtype=np.float32))
         # Sample j of a sequence with completion index i uses seed + i + j: the same draws as a
         # separate request with that seed (vLLM's convention for n > 1).
         seeded = [
@@ -383,7 +378,7 @@ class ModelRunner:
         seen.scatter_add_(1, tokens, valid.to(torch.float32))
 
         def column(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=self.device)
+            return self._to_device(np.array([getattr(p, name) for p in params], dtype=np.float32))
 
         return Penalties(column("presence_penalty"), column("frequency_penalty"), column("repetition_penalty"),
                          counts, seen > 0)
@@ -408,50 +403,68 @@ class ModelRunner:
         return mask
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+        return to_device(array, self.device)
 
     # ---- start-up ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int, num_sampling_rows: int, kv_caches) -> None:
-        """A forward over `num_tokens` prompt tokens and sampling over `num_sampling_rows` rows, on
-        throwaway state, so that the caller can measure the activation peak.
+    def profile_prefill(self, num_tokens: int, kv_caches) -> None:
+        """A forward over `num_tokens` prompt tokens on throwaway state, so that the caller can measure
+        the activation peak of the largest prefill step.
 
         `kv_caches` may cover fewer layers than the model has: every layer frees its temporaries before
         the next starts and all layers have one shape, so one layer's peak is the whole forward's, at a
         fraction of the start-up time.
         """
+        seq_len = min(num_tokens, self.max_model_len)
+        num_seqs = -(-num_tokens // seq_len)
+        lengths = np.full(num_seqs, seq_len, dtype=np.int64)
+        lengths[-1] = num_tokens - seq_len * (num_seqs - 1)
+        blocks = np.arange(num_seqs * -(-seq_len // self.block_size)).reshape(num_seqs, -1)
+        self._profile_step(lengths, blocks, kv_caches, sample=False)
+
+    @torch.inference_mode()
+    def profile_decode(self, num_seqs: int, kv_caches) -> None:
+        """The worst decode step: `num_seqs` one-token sequences, their logits and the sampler with every
+        filter on (a CUDA graph's pool holds about this forward's temporaries).
+
+        Each sequence has a one-token context, all in block 0: the backends that read K/V through the block
+        table (Triton, the native CPU kernel) need no memory that grows with the context; the torch path's
+        gather of long contexts is not counted.
+        """
+        self._profile_step(np.ones(num_seqs, dtype=np.int64), np.zeros((num_seqs, 1), dtype=np.int64), kv_caches,
+                           sample=True)
+
+    def _profile_step(self, lengths: np.ndarray, blocks: np.ndarray, kv_caches, sample: bool) -> None:
+        num_seqs = len(lengths)
+        if len(self.num_tokens) < num_seqs:
+            self._grow_rows(num_seqs - len(self.num_tokens))
+        rows = np.arange(num_seqs)
         saved_caches, self.kv_caches = self.kv_caches, kv_caches
+        saved = (self.token_ids[rows].copy(), self.num_tokens[rows].copy(), self.num_computed[rows].copy(),
+                 self.block_table[rows].copy())
         try:
-            seq_len = min(num_tokens, self.max_model_len)
-            num_seqs = -(-num_tokens // seq_len)
-            if len(self.num_tokens) < num_seqs:
-                self._grow_rows(num_seqs - len(self.num_tokens))
-            lengths = np.full(num_seqs, seq_len, dtype=np.int64)
-            lengths[-1] = num_tokens - seq_len * (num_seqs - 1)
-            blocks_per_seq = -(-seq_len // self.block_size)
-            rows = np.arange(num_seqs)
-            saved = (self.token_ids[rows].copy(), self.num_tokens[rows].copy(), self.num_computed[rows].copy(),
-                     self.block_table[rows].copy())
             self.token_ids[rows] = 0
-            self.num_tokens[rows] = lengths + 1  # no row samples: the sampler is probed on its own below
+            self.num_tokens[rows] = lengths + 1  # no row samples through the runner: the sampler is probed below
             self.num_computed[rows] = 0
-            self.block_table[rows, :blocks_per_seq] = np.arange(num_seqs * blocks_per_seq).reshape(num_seqs, -1)
-            inputs = self._prepare_inputs(rows, lengths)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-            logits = self.model.compute_logits(hidden[-1:].expand(num_sampling_rows, -1))
-            probe = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
-            self.sampler(logits, SamplingBatch(
-                temperature=torch.full((num_sampling_rows,), probe.temperature, device=self.device),
-                top_k=torch.full((num_sampling_rows,), probe.top_k, device=self.device),
-                top_p=torch.full((num_sampling_rows,), probe.top_p, device=self.device),
-                min_p=torch.full((num_sampling_rows,), probe.min_p, device=self.device),
-                all_greedy=False, seeded_rows=[], banned_tokens=[],
-            ))
-            (self.token_ids[rows], self.num_tokens[rows], self.num_computed[rows], self.block_table[rows]) = saved
+            self.block_table[rows, : blocks.shape[1]] = blocks
+            hidden = self._run_model(self._prepare_inputs(rows, lengths))
+            if sample:
+                self._probe_sampler(self.model.compute_logits(hidden))
         finally:
+            (self.token_ids[rows], self.num_tokens[rows], self.num_computed[rows], self.block_table[rows]) = saved
             self.kv_caches = saved_caches
+
+    def _probe_sampler(self, logits: torch.Tensor) -> None:
+        rows = logits.shape[0]
+        probe = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
+        self.sampler(logits, SamplingBatch(
+            temperature=torch.full((rows,), probe.temperature, device=self.device),
+            top_k=torch.full((rows,), probe.top_k, device=self.device),
+            top_p=torch.full((rows,), probe.top_p, device=self.device),
+            min_p=torch.full((rows,), probe.min_p, device=self.device),
+            all_greedy=False, seeded_rows=[], banned_tokens=[],
+        ))
 
 
 def _token_logprobs(result: SamplerOutput, i: int, k: int) -> TokenLogprobs:

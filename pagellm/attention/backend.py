@@ -1,0 +1,98 @@
+"""The attention-backend seam: what the model runner hands every backend, and how one is chosen.
+
+A step's attention inputs are host (numpy) arrays, built once per step by the runner
+(`StepAttentionInputs`). A backend turns them into its own metadata once per step (`build_metadata`),
+and every layer calls `forward(q, k, v, k_cache, v_cache, metadata, scale)`, which writes the step's
+K/V into the pool by slot mapping and attends. The metadata carries its backend, so the model calls
+one function (`paged.paged_attention`) whatever backend built it.
+
+Backends:
+- `TorchAttentionBackend` (paged.py): torch ops; the reference every other backend is tested against.
+  With a native `DecodeKernel` it is the CPU fast path (decodes through the C kernel).
+- `TritonAttentionBackend` (triton_backend.py): paged decode (split-K, GQA) and paged prefill kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass
+class StepAttentionInputs:
+    """One step's attention inputs on the host. Sequences are ordered decodes first (one query each),
+    then prefill chunks; tokens are flattened in that order."""
+
+    num_decodes: int
+    query_lens: np.ndarray  # [num_seqs] int64
+    seq_lens: np.ndarray  # [num_seqs] int64: tokens in the cache once this step's are written
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int64, covering seq_lens
+    slot_mapping: np.ndarray  # [num_tokens] int64: block * block_size + offset of each token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.slot_mapping)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+
+class AttentionBackend(Protocol):
+    name: str
+    # Whether a decode-only step's metadata can live in static buffers and be replayed in a CUDA graph.
+    supports_cuda_graphs: bool
+
+    def build_metadata(self, step: StepAttentionInputs): ...
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 metadata) -> None: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, metadata, scale: float) -> torch.Tensor: ...
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> AttentionBackend:
+    """Triton on CUDA (torch if triton is missing); on CPU torch ops with the native decode kernel
+    where it serves the dtype and head size."""
+    from pagellm.attention.paged import TorchAttentionBackend
+
+    if device.type == "cuda":
+        if triton_available():
+            from pagellm.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend(shape, device)
+        logger.warning("triton is not importable: CUDA attention runs on the torch reference path (slow)")
+        return TorchAttentionBackend(shape, device, None)
+    from pagellm.attention.native import DecodeKernel, decode_kernel
+
+    native = None
+    if dtype in DecodeKernel.CACHE_DTYPES and DecodeKernel.supports(shape.head_dim):
+        native = decode_kernel()
+    return TorchAttentionBackend(shape, device, native)
