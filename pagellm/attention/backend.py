@@ -15,6 +15,7 @@ Backends:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,12 +79,24 @@ def triton_available() -> bool:
     return True
 
 
+# Overrides the choice: "torch" (the reference, on any device), "triton" (also on CPU under TRITON_INTERPRET=1,
+# for tests), or "native" (CPU). For tests and benchmarks; unset, the device decides.
+BACKEND_ENV = "PAGELLM_ATTENTION_BACKEND"
+
+
 def select_backend(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> AttentionBackend:
     """Triton on CUDA (torch if triton is missing); on CPU torch ops with the native decode kernel
     where it serves the dtype and head size."""
     from pagellm.attention.paged import TorchAttentionBackend
 
-    if device.type == "cuda":
+    forced = os.environ.get(BACKEND_ENV, "")
+    if forced not in ("", "torch", "triton", "native"):
+        raise ValueError(f"{BACKEND_ENV}={forced!r} is not a backend; use torch, triton or native (or unset it)")
+    if forced == "torch":
+        return TorchAttentionBackend(shape, device, None)
+    if forced == "native" and device.type != "cpu":
+        raise ValueError(f"{BACKEND_ENV}=native runs on the CPU only; this engine runs on {device}")
+    if forced == "triton" or (device.type == "cuda" and not forced):
         if triton_available():
             from pagellm.attention.triton_backend import TritonAttentionBackend
 

@@ -58,13 +58,12 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            meta = self.backend.static_decode_metadata(self.buffers, size, self.max_model_len)
             # An eager run first: compiles this bucket's kernels, which must not happen during capture.
-            self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+            self.forward_static(size)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                output = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+                output = self.forward_static(size)
             self.graphs[size] = (graph, output)
         torch.cuda.synchronize(self.device)
         return max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
@@ -74,6 +73,13 @@ class DecodeGraphs:
                 and step.block_tables.shape[1] <= self.max_blocks)
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, step: StepAttentionInputs) -> torch.Tensor:
+        size = self.fill(input_ids, positions, step)
+        graph, output = self.graphs[size]
+        graph.replay()
+        return output[: step.num_decodes]
+
+    def fill(self, input_ids: np.ndarray, positions: np.ndarray, step: StepAttentionInputs) -> int:
+        """Copy a decode step into the static buffers, padded to its bucket; returns the bucket size."""
         num = step.num_decodes
         size = self.sizes[bisect.bisect_left(self.sizes, num)]
         padded = np.zeros((2, size), dtype=np.int64)
@@ -82,6 +88,9 @@ class DecodeGraphs:
         self.input_ids[:size].copy_(padded[0], non_blocking=True)
         self.positions[:size].copy_(padded[1], non_blocking=True)
         self.buffers.fill(step, size)
-        graph, output = self.graphs[size]
-        graph.replay()
-        return output[:num]
+        return size
+
+    def forward_static(self, size: int) -> torch.Tensor:
+        """The model over the first `size` rows of the static buffers: what a graph captures."""
+        meta = self.backend.static_decode_metadata(self.buffers, size, self.max_model_len)
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
