@@ -50,6 +50,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
         self.buffers = StaticDecodeBuffers.allocate(largest, max_blocks, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_replays = 0
 
     @torch.inference_mode()
     def capture(self) -> int:
@@ -76,6 +77,7 @@ class DecodeGraphs:
         size = self.fill(input_ids, positions, step)
         graph, output = self.graphs[size]
         graph.replay()
+        self.num_replays += 1
         return output[: step.num_decodes]
 
     def fill(self, input_ids: np.ndarray, positions: np.ndarray, step: StepAttentionInputs) -> int:
