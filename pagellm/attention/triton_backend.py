@@ -26,6 +26,7 @@ from pagellm.attention.paged import to_device
 PREFILL_BLOCK_M = 64
 PREFILL_TILE_N = 32
 DECODE_TILE_N = 32
+DECODE_NUM_WARPS = 4
 # Splits are added until the decode grid has this many programs per multiprocessor...
 DECODE_PROGRAMS_PER_SM = 4
 # ...while each split keeps at least this many keys.
@@ -193,7 +194,7 @@ class TritonAttentionBackend:
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             GROUP=shape.group, GROUP_PAD=self.group_pad, BLOCK_SIZE=shape.block_size, TILE_N=DECODE_TILE_N,
-            NUM_SPLITS=num_splits, IEEE=ieee, **common,
+            NUM_SPLITS=num_splits, IEEE=ieee, num_warps=DECODE_NUM_WARPS, **common,
         )
         if num_splits > 1:
             kernels.reduce_splits_kernel[(num_seqs, shape.num_heads)](

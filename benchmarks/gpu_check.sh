@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The device check: GPU tests, decode-attention bandwidth, 8B-shaped throughput vs transformers; one table.
+#
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_check.sh            # from the repository root, on a CUDA machine
+#
+# Each section runs on its own under a timeout, so one failing or hanging section does not stop the others;
+# the table says each section's exit status. With OUT set, the table and the logs are written there too.
+# Section timeouts (seconds) can be lowered for a short lease: TESTS_S, ATTENTION_S, PAGELLM_S, HF_S.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PYTHON=${PYTHON:-python3}
+DEST=${OUT:-$(mktemp -d)}
+RESULTS="$DEST/gpu_results.jsonl"
+: > "$RESULTS"
+started=$(date +%s)
+
+section() {  # section NAME TIMEOUT COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (timeout ${limit}s) ==="
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$DEST/$name.log"
+  local status=${PIPESTATUS[0]}
+  local note="$(( $(date +%s) - t0 )) s"
+  [ "$status" = 124 ] && note="$note, timed out"
+  printf '{"section": "section", "name": "%s", "status": %d, "note": "%s"}\n' "$name" "$status" "$note" >> "$RESULTS"
+}
+
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | tee "$DEST/gpu.txt"
+$PYTHON -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+
+section tests "${TESTS_S:-140}" $PYTHON -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+summary=$(grep -E '^[0-9]+ (passed|failed)|passed|failed|error' "$DEST/tests.log" | tail -1)
+printf '{"section": "tests", "name": "pytest -m gpu tests/gpu", "summary": "%s"}\n' "${summary//\"/}" >> "$RESULTS"
+
+section attention "${ATTENTION_S:-80}" $PYTHON benchmarks/gpu_bench.py attention --results "$RESULTS"
+section pagellm "${PAGELLM_S:-150}" $PYTHON benchmarks/gpu_bench.py pagellm --results "$RESULTS"
+section hf "${HF_S:-90}" $PYTHON benchmarks/gpu_bench.py hf --results "$RESULTS"
+
+echo "=== table ($(( $(date +%s) - started )) s in all) ==="
+$PYTHON benchmarks/gpu_bench.py table --results "$RESULTS" --out "$DEST/gpu_check.md"
