@@ -89,7 +89,7 @@ def bench_attention(args) -> None:
     # The torch reference on the same step, for a correctness check at this size.
     reference = _reference_decode(q, k_cache, v_cache, tables, context, shape)
     configs = []
-    for tile_n in (16, 32, 64):
+    for tile_n in (32, 64):
         for warps in (4, 8):
             for splits in sorted({1, meta.num_splits}):
                 configs.append((tile_n, warps, splits))
