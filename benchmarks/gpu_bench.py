@@ -189,6 +189,8 @@ def bench_pagellm(args) -> None:
     llm.generate(prompts[: min(8, len(prompts))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up: kernels of every step shape compiled before the clock starts
     torch.cuda.synchronize()
+    runner = llm.llm_engine.core.runner
+    in_runner = _time_calls(runner, "execute")
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
@@ -202,7 +204,27 @@ def bench_pagellm(args) -> None:
         total_tokens_per_s=(generated + args.num_prompts * args.input_len) / seconds,
         limit_seconds=limit["limit_seconds"], fraction_of_limit=limit["limit_seconds"] / seconds,
         ready_seconds=ready, kv_blocks=startup.num_blocks, kv_gib=startup.kv_cache_bytes / 2**30,
-        max_concurrency=startup.max_concurrency))
+        max_concurrency=startup.max_concurrency, steps=in_runner["calls"], runner_seconds=in_runner["seconds"],
+        graph_replays=runner.graphs.num_replays if runner.graphs is not None else 0))
+
+
+def _time_calls(obj, name: str) -> dict:
+    """Wrap obj.name to add up its calls and wall time. ModelRunner.execute ends on reading the sampled ids,
+    so its time is the device's time for the step plus the runner's own host work; the rest of the wall
+    time is the engine's host work between steps (scheduling, output processing), when the GPU idles."""
+    totals = {"calls": 0, "seconds": 0.0}
+    method = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            totals["calls"] += 1
+            totals["seconds"] += time.perf_counter() - started
+
+    setattr(obj, name, timed)
+    return totals
 
 
 def bench_hf(args) -> None:
@@ -269,7 +291,10 @@ def table(args) -> None:
             if "fraction_of_limit" in row:
                 against = (f"limit {row['limit_seconds']:.2f} s: {100 * row['fraction_of_limit']:.0f}% of it; "
                            f"KV {row['kv_blocks']} blocks, {row['kv_gib']:.1f} GiB, "
-                           f"{row['max_concurrency']:.0f} x max_model_len; ready in {row['ready_seconds']:.0f} s")
+                           f"{row['max_concurrency']:.0f} x max_model_len; ready in {row['ready_seconds']:.0f} s; "
+                           f"{row['steps']} steps ({row['graph_replays']} graph replays), "
+                           f"{1000 * row['runner_seconds'] / row['steps']:.1f} ms each in the runner, "
+                           f"{1000 * (row['seconds'] - row['runner_seconds']) / row['steps']:.1f} ms between steps")
             lines.append(f"| throughput | {name}, {row['workload']} | {row['output_tokens_per_s']:.0f} output tok/s, "
                          f"{row['total_tokens_per_s']:.0f} total tok/s ({row['seconds']:.1f} s) | {against} |")
         elif section == "section":

@@ -28,7 +28,8 @@ section() {  # section NAME TIMEOUT COMMAND...
 }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | tee "$DEST/gpu.txt"
-$PYTHON -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+$PYTHON -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__,
+                                                          'transformers', t.__version__)"
 
 section tests "${TESTS_S:-140}" $PYTHON -m pytest -q -m gpu tests/gpu -p no:cacheprovider
 summary=$(grep -E '^[0-9]+ (passed|failed)|passed|failed|error' "$DEST/tests.log" | tail -1)

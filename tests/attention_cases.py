@@ -33,5 +33,6 @@ def make_step(shape: AttentionShape, computed: list[int], scheduled: list[int], 
     q = torch.randn(tokens, shape.num_heads, shape.head_dim, generator=gen)
     # k and v as strided views of one fused projection, as the model hands them over.
     qkv = torch.randn(tokens, 2 * shape.num_kv_heads * shape.head_dim, generator=gen)
-    k, v = (t.view(tokens, shape.num_kv_heads, shape.head_dim) for t in qkv.split(shape.num_kv_heads * shape.head_dim, -1))
+    kv_width = shape.num_kv_heads * shape.head_dim
+    k, v = (t.view(tokens, shape.num_kv_heads, shape.head_dim) for t in qkv.split(kv_width, -1))
     return step, q, k, v, k_cache, v_cache

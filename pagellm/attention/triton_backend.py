@@ -25,7 +25,9 @@ from pagellm.attention.paged import to_device
 # Query rows (queries x group heads) per prefill program, and keys per inner-loop tile.
 PREFILL_BLOCK_M = 64
 PREFILL_TILE_N = 32
-DECODE_TILE_N = 32
+# Measured on an H200 (benchmarks/gpu_check.sh; README): 64-key tiles with 4 warps read K/V fastest of
+# tiles 32/64 x warps 4/8.
+DECODE_TILE_N = 64
 DECODE_NUM_WARPS = 4
 # Splits are added until the decode grid has this many programs per multiprocessor...
 DECODE_PROGRAMS_PER_SM = 4

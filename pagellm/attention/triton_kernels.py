@@ -39,7 +39,8 @@ def write_kv_kernel(
         mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
         k = tl.load(k_ptr + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :], mask=mask)
         v = tl.load(v_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :], mask=mask)
-        dest = block * stride_cache_block + offset * stride_cache_pos + heads[:, None] * stride_cache_head + dims[None, :]
+        dest = (block * stride_cache_block + offset * stride_cache_pos + heads[:, None] * stride_cache_head
+                + dims[None, :])
         tl.store(k_cache_ptr + dest, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dest, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

@@ -124,7 +124,8 @@ class EngineCore:
             self.startup.max_concurrency, max_model_len, weights_bytes / GiB, activation_peak / GiB,
             prefill_peak / GiB, min(args.max_num_seqs, budget), decode_peak / GiB,
             f"CUDA graphs for {len(self.runner.graphs.sizes)} decode batch sizes up to {self.runner.graphs.sizes[-1]} "
-            f"({graph_bytes / GiB:.2f} GiB, {graph_reserve / GiB:.2f} reserved)" if use_graphs else "eager steps",
+            f"({graph_bytes / 2**20:.0f} MiB, {graph_reserve / 2**20:.0f} MiB reserved)"
+            if use_graphs else "eager steps",
             device, str(dtype).removeprefix("torch."), self.runner.attn_backend.name, self.startup.seconds,
         )
 
