@@ -369,11 +369,11 @@ class ModelRunner:
         prompt_lens = np.array([s.num_prompt_tokens for s in states], dtype=np.int64)
         width = int(lengths.max())
         columns = np.arange(width)
-        tokens = torch.from_numpy(self.token_ids[rows, :width]).to(self.device)
-        valid = torch.from_numpy(columns[None, :] < lengths[:, None]).to(self.device)
-        in_output = torch.from_numpy((columns[None, :] >= prompt_lens[:, None]) & (columns[None, :] < lengths[:, None]))
+        tokens = self._to_device(self.token_ids[rows, :width])
+        valid = self._to_device(columns[None, :] < lengths[:, None])
+        in_output = self._to_device((columns[None, :] >= prompt_lens[:, None]) & (columns[None, :] < lengths[:, None]))
         counts = torch.zeros(num_rows, vocab, device=self.device)
-        counts.scatter_add_(1, tokens, in_output.to(self.device, torch.float32))
+        counts.scatter_add_(1, tokens, in_output.to(torch.float32))
         seen = torch.zeros(num_rows, vocab, device=self.device)
         seen.scatter_add_(1, tokens, valid.to(torch.float32))
 
@@ -389,8 +389,8 @@ class ModelRunner:
         if not entries:
             return None
         rows, ids, biases = zip(*entries)
-        return (torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device),
-                torch.tensor(biases, dtype=torch.float32, device=self.device))
+        return (self._to_device(np.array(rows, dtype=np.int64)), self._to_device(np.array(ids, dtype=np.int64)),
+                self._to_device(np.array(biases, dtype=np.float32)))
 
     def _allowed_mask(self, params: list[SamplingParams]) -> torch.Tensor | None:
         if not any(p.allowed_token_ids for p in params):
