@@ -289,12 +289,13 @@ def table(args) -> None:
             throughput[name] = row
             against = ""
             if "fraction_of_limit" in row:
+                steps = max(1, row["steps"])
                 against = (f"limit {row['limit_seconds']:.2f} s: {100 * row['fraction_of_limit']:.0f}% of it; "
                            f"KV {row['kv_blocks']} blocks, {row['kv_gib']:.1f} GiB, "
                            f"{row['max_concurrency']:.0f} x max_model_len; ready in {row['ready_seconds']:.0f} s; "
                            f"{row['steps']} steps ({row['graph_replays']} graph replays), "
-                           f"{1000 * row['runner_seconds'] / row['steps']:.1f} ms each in the runner, "
-                           f"{1000 * (row['seconds'] - row['runner_seconds']) / row['steps']:.1f} ms between steps")
+                           f"{1000 * row['runner_seconds'] / steps:.1f} ms each in the runner, "
+                           f"{1000 * (row['seconds'] - row['runner_seconds']) / steps:.1f} ms between steps")
             lines.append(f"| throughput | {name}, {row['workload']} | {row['output_tokens_per_s']:.0f} output tok/s, "
                          f"{row['total_tokens_per_s']:.0f} total tok/s ({row['seconds']:.1f} s) | {against} |")
         elif section == "section":
