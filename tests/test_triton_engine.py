@@ -67,3 +67,24 @@ def test_graph_buffers_step_equals_eager_step(triton_llm):
         static = graphs.forward_static(size)
     assert torch.allclose(static[:3], eager, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(static).all(), "the padding row reads nothing and stays finite"
+
+
+def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
+    from pagellm.worker.cuda_graphs import MAX_CAPTURE_SIZE, capture_sizes
+
+    assert capture_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(10_000)[-1] == MAX_CAPTURE_SIZE
+
+
+def test_decode_splits_fill_the_gpu_only_over_long_contexts():
+    from pagellm.attention.backend import AttentionShape
+    from pagellm.attention.triton_backend import TritonAttentionBackend
+
+    backend = TritonAttentionBackend(AttentionShape(32, 8, 128, 16), torch.device("cpu"))
+    backend.num_sms = 132
+    assert backend.decode_splits(1, 100) == 1, "a short context is not worth splitting"
+    assert backend.decode_splits(1, 8192) == 16
+    assert backend.decode_splits(256, 8192) == 1, "256 x 8 programs already fill the GPU"
+    assert all(s & (s - 1) == 0 for n in (1, 3, 7, 20) for s in [backend.decode_splits(n, 5000)])
