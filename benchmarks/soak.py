@@ -252,6 +252,8 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> int:
     print(f"{'server RSS (MiB) end (mean)':<32}{statistics.mean(tail):>8.1f}  (growth {growth:+.1f}, "
           f"limit {args.max_rss_growth_mib})")
     print(f"{'server RSS (MiB) min / max':<32}{min(m for _, m in rss):>8.1f} / {max(m for _, m in rss):.1f}")
+    per_minute = {int(t // 60): mib for t, mib in rss}  # the last sample of each minute
+    print("server RSS (MiB) by minute: " + " ".join(f"{m}:{mib:.0f}" for m, mib in sorted(per_minute.items())))
     for failure in tally.failures:
         print("  FAILURE", failure)
     problems = []

@@ -284,12 +284,11 @@ class AsyncLLMEngine:
                         self._cond.wait()
                     if self._stopping:
                         break
-                    ops, self._ops = self._ops, []
+                    self._ops_in_hand, self._ops = self._ops, []
                     # Until the scheduler's count is read again below, count the taken adds as waiting.
                     self._num_waiting += self._num_pending_sequences
                     self._num_pending_sequences = 0
-                self._ops_in_hand = ops
-                self._iterate(ops)
+                self._iterate()
         except BaseException as exc:  # noqa: BLE001 - whatever stops the loop must reach every waiting caller
             if not isinstance(exc, EngineDeadError):
                 logger.exception("The engine loop crashed")
@@ -300,7 +299,7 @@ class AsyncLLMEngine:
             return
         self._die(EngineDeadError("the engine was shut down; restart the server to serve again."))
 
-    def _iterate(self, ops: list[_AddOp | _AbortOp]) -> None:
+    def _iterate(self) -> None:
         stats = IterationStats()
         deliveries: list[_Delivery] = []
         try:
