@@ -63,6 +63,10 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        # Types first, strictly: a JSON "false" must not read as true, nor "abc" as ["abc"], in any route.
+        for name in _BOOL_FIELDS:
+            _check_bool(name, getattr(self, name))
+        self.output_kind = _check_output_kind(self.output_kind)
         self.stop = _as_list("stop", self.stop, str)
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, int)
         if isinstance(self.top_k, int) and self.top_k == -1:
@@ -87,10 +91,10 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias={self.logit_bias!r} must be a dict of token id -> bias.")
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             for token_id, bias in self.logit_bias.items():
                 _check_int("logit_bias", token_id, lo=0)
                 _check_real("logit_bias", bias, "-100 <= bias <= 100", lambda v: -100 <= v <= 100)
+            self.logit_bias = {token_id: float(bias) for token_id, bias in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids, int)
             if not self.allowed_token_ids:
@@ -98,7 +102,14 @@ class SamplingParams:
             for token_id in self.allowed_token_ids:
                 _check_int("allowed_token_ids", token_id, lo=0)
         if self.bad_words is not None:
-            self.bad_words = _as_list("bad_words", self.bad_words, str)
+            # A list only: a lone string here is more likely a mistake than one banned word.
+            if not isinstance(self.bad_words, (list, tuple)):
+                raise ValueError(f"bad_words={self.bad_words!r:.80} must be a list of str.")
+            self.bad_words = list(self.bad_words)
+            for word in self.bad_words:
+                if not isinstance(word, str) or not word.strip():
+                    raise ValueError(f"bad_words={word!r:.80}: every bad word must be a non-blank str.")
+                check_text("bad_words", word)
         _check_real("temperature", self.temperature, "temperature >= 0", lambda v: v >= 0)
         _check_real("top_p", self.top_p, "0 < top_p <= 1", lambda v: 0 < v <= 1)
         _check_int("top_k", self.top_k, lo=0, extra="(0 or -1 disables it)")
@@ -118,6 +129,7 @@ class SamplingParams:
         for stop in self.stop:
             if not isinstance(stop, str) or stop == "":
                 raise ValueError(f"stop={stop!r}: every stop string must be a non-empty str.")
+            check_text("stop", stop)
 
     @property
     def num_sequences(self) -> int:
@@ -168,6 +180,35 @@ class BeamSearchParams:
         _check_real("length_penalty", self.length_penalty, "a finite number", lambda v: True)
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping={self.early_stopping!r}; allowed: True, False or 'never'.")
+
+
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+
+
+def check_text(name: str, text: str) -> None:
+    """Text must be encodable as UTF-8: JSON's "\\ud800" decodes to a lone surrogate, which the tokenizer
+    cannot take (a TypeError deep inside it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{name} contains a lone surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}, which is "
+            "not valid Unicode text; send valid UTF-8 (surrogates only in pairs) or remove it."
+        ) from None
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r:.80} must be a bool (true or false).")
+
+
+def _check_output_kind(value: object) -> RequestOutputKind:
+    if isinstance(value, RequestOutputKind):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value in RequestOutputKind._value2member_map_:
+        return RequestOutputKind(value)
+    raise ValueError(f"output_kind={value!r:.80} must be a RequestOutputKind "
+                     f"({', '.join(kind.name for kind in RequestOutputKind)}).")
 
 
 def _as_list(name: str, value: object, item_type: type) -> list:

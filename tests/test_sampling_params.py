@@ -69,6 +69,22 @@ INVALID = [
     ("stop", {"stop": ["ok", ""]}),
     ("stop", {"stop": [1]}),
     ("stop", {"stop": [None]}),
+    # Types are strict (issue 13): JSON's "false" must not read as true, nor "abc" as ["abc"].
+    ("skip_special_tokens", {"skip_special_tokens": "false"}),
+    ("ignore_eos", {"ignore_eos": "false"}),
+    ("ignore_eos", {"ignore_eos": 0}),
+    ("spaces_between_special_tokens", {"spaces_between_special_tokens": None}),
+    ("include_stop_str_in_output", {"include_stop_str_in_output": 1}),
+    ("bad_words", {"bad_words": "abc"}),
+    ("bad_words", {"bad_words": [1]}),
+    ("bad_words", {"bad_words": [" "]}),
+    ("logit_bias", {"logit_bias": {"abc": 1}}),
+    ("logit_bias", {"logit_bias": {"5": 1}}),
+    ("logit_bias", {"logit_bias": {5: "1"}}),
+    ("output_kind", {"output_kind": "delta"}),
+    # Text must be Unicode: a lone surrogate (JSON's "\ud800") would reach the tokenizer and fail the step.
+    ("stop", {"stop": "\ud800abc"}),
+    ("bad_words", {"bad_words": ["\udfffx"]}),
 ]
 
 

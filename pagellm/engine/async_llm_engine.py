@@ -4,6 +4,9 @@ The LLMEngine is not thread-safe, so one thread owns it. Event loops hand it add
 lock-protected queue that it drains between steps; it sleeps on a condition when there is nothing to do,
 and hands each step's outputs to per-request streams on their own loops with `call_soon_threadsafe`, so
 a slow or cancelled consumer never holds up the step or anyone else's tokens.
+
+A request with n > 1 or best_of is one engine request: the scheduler computes its prompt once and forks
+the samples off it (sharing its blocks), and the stream carries all of them.
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ class EngineStepError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """More requests wait for the engine than max_num_queued_requests allows."""
+    """More requests wait for a slot than max_num_queued_requests allows."""
+
+    # What a client is told to wait before retrying (HTTP Retry-After), in seconds.
+    retry_after_s = 1
 
 
 @dataclass
@@ -55,6 +61,13 @@ class _AddOp:
     params: SamplingParams
     stream: RequestStream
     arrival_time: float
+
+
+@dataclass
+class _FailAllOp:
+    """Ends every request in flight with `error` (a server that shuts down); the engine goes on."""
+
+    error: BaseException
 
 
 @dataclass
@@ -95,17 +108,23 @@ class AsyncLLMEngine:
 
         # Shared between the engine thread and callers; guarded by _cond.
         self._cond = threading.Condition()
-        self._ops: list[_AddOp | _AbortOp] = []
-        self._num_pending_adds = 0
-        self._num_waiting = 0  # in the scheduler's queue, as of the last iteration (plus adds since taken)
+        self._ops: list[_AddOp | _AbortOp | _FailAllOp] = []
+        # Sequences asked for by adds not yet applied, and the scheduler's running and waiting counts as of
+        # the last iteration (plus the adds taken since): what the 429 compares with max_num_seqs.
+        self._num_pending_sequences = 0
+        self._num_running = 0
+        self._num_waiting = 0
+        self._max_num_seqs = engine.args.max_num_seqs
         self._request_ids: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead_error: EngineDeadError | None = None
         self._stats: SchedulerStats = engine.get_stats()
 
-        # Owned by the engine thread.
+        # Owned by the engine thread. The ops taken but not yet applied: if the loop dies part-way through
+        # them, their callers are failed too, never left waiting.
         self._live: dict[str, _LiveRequest] = {}
+        self._ops_in_hand: list[_AddOp | _AbortOp | _FailAllOp] = []
         self._consecutive_failures = 0
 
     @classmethod
@@ -131,15 +150,11 @@ class AsyncLLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None) -> RequestStream:
         """Queues a request at once, raising here (not at the first output) when it cannot be taken:
         QueueFullError, EngineDeadError, or ValueError for a reused id. Pass the stream to `outputs`, or
-        abort it; bad prompts and parameters are reported by the stream."""
+        abort it; bad prompts and parameters are reported by the stream. With n > 1 each output carries
+        the completions that moved (CompletionOutput.index tells them apart)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        if params.n != 1:
-            raise ValueError(
-                f"n={params.n}: AsyncLLMEngine streams one sequence per request; submit n requests instead "
-                "(with seed + i each, as the OpenAI server does for n > 1)."
-            )
         stream = RequestStream(request_id, params.output_kind, asyncio.get_running_loop())
         engine_params = params.clone()
         engine_params.output_kind = RequestOutputKind.DELTA
@@ -150,16 +165,16 @@ class AsyncLLMEngine:
                 raise EngineDeadError("the engine is shutting down; it takes no new requests.")
             if request_id in self._request_ids:
                 raise ValueError(f"request_id={request_id!r} is already in use; request ids must be unique.")
-            queued = self._num_pending_adds + self._num_waiting
+            queued = self._num_waiting_for_a_slot()
             if queued >= self.max_num_queued_requests:
                 raise QueueFullError(
-                    f"{queued} requests are already waiting for the engine, the limit is "
-                    f"max_num_queued_requests={self.max_num_queued_requests}; retry later, or raise "
-                    "--max-num-queued-requests."
+                    f"{queued} requests are already waiting for one of the max_num_seqs={self._max_num_seqs} "
+                    f"slots, the limit is max_num_queued_requests={self.max_num_queued_requests}; retry later, or "
+                    "raise --max-num-queued-requests."
                 )
             self._request_ids.add(request_id)
             self._ops.append(_AddOp(request_id, prompt, engine_params, stream, time.monotonic()))
-            self._num_pending_adds += 1
+            self._num_pending_sequences += engine_params.num_sequences
             self._ensure_started()
             self._cond.notify()
         return stream
@@ -197,9 +212,30 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting_requests(self) -> int:
-        """Requests not yet running: queued for the engine thread or waiting in the scheduler."""
+        """Requests (or samples) that wait for a slot: beyond max_num_seqs, counting those running, those
+        in the scheduler's queue and those not yet handed to it. What --max-num-queued-requests bounds."""
         with self._cond:
-            return self._num_pending_adds + self._num_waiting
+            return self._num_waiting_for_a_slot()
+
+    def _num_waiting_for_a_slot(self) -> int:
+        # A request that arrives while fewer than max_num_seqs run is scheduled in the next step: it waits
+        # for nothing, so it must not count against the bound (it did, and 32 of 40 requests got 429s).
+        wanted = self._num_running + self._num_waiting + self._num_pending_sequences
+        return max(0, wanted - self._max_num_seqs)
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        """Requests added and not yet finished, failed or aborted."""
+        with self._cond:
+            return len(self._request_ids)
+
+    def fail_all_requests(self, error: BaseException) -> None:
+        """Ends every request in flight (their streams raise `error`) and frees their blocks; the engine
+        goes on and takes new requests."""
+        with self._cond:
+            if self._dead_error is None and self._thread is not None:
+                self._ops.append(_FailAllOp(error))
+                self._cond.notify()
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         with self._cond:
@@ -248,11 +284,11 @@ class AsyncLLMEngine:
                         self._cond.wait()
                     if self._stopping:
                         break
-                    ops, self._ops = self._ops, []
+                    self._ops_in_hand, self._ops = self._ops, []
                     # Until the scheduler's count is read again below, count the taken adds as waiting.
-                    self._num_waiting += self._num_pending_adds
-                    self._num_pending_adds = 0
-                self._iterate(ops)
+                    self._num_waiting += self._num_pending_sequences
+                    self._num_pending_sequences = 0
+                self._iterate()
         except BaseException as exc:  # noqa: BLE001 - whatever stops the loop must reach every waiting caller
             if not isinstance(exc, EngineDeadError):
                 logger.exception("The engine loop crashed")
@@ -263,15 +299,13 @@ class AsyncLLMEngine:
             return
         self._die(EngineDeadError("the engine was shut down; restart the server to serve again."))
 
-    def _iterate(self, ops: list[_AddOp | _AbortOp]) -> None:
+    def _iterate(self) -> None:
         stats = IterationStats()
         deliveries: list[_Delivery] = []
         try:
-            for op in ops:
-                if isinstance(op, _AddOp):
-                    self._apply_add(op, deliveries)
-                else:
-                    self._apply_abort(op.request_id, op.stream, stats, deliveries)
+            while self._ops_in_hand:
+                self._apply(self._ops_in_hand[0], stats, deliveries)
+                self._ops_in_hand.pop(0)
             if self.engine.has_unfinished_requests():
                 self._step(stats, deliveries)
             # Published before the outputs go out: a consumer that sees its request finish also sees its blocks freed.
@@ -290,9 +324,42 @@ class AsyncLLMEngine:
             except Exception:
                 logger.exception("A stat logger failed; serving goes on")
 
+    def _apply(self, op: _AddOp | _AbortOp | _FailAllOp, stats: IterationStats, deliveries: list[_Delivery]) -> None:
+        """One op; one that raises fails its own request (or, for a fail-all, the requests) and no other."""
+        try:
+            if isinstance(op, _AddOp):
+                self._apply_add(op, deliveries)
+            elif isinstance(op, _AbortOp):
+                self._apply_abort(op.request_id, op.stream, stats, deliveries)
+            else:
+                self._fail_requests(list(self._live), op.error, stats, deliveries)
+        except Exception as exc:
+            logger.exception("Handing a request to the engine failed; failing that request alone")
+            request_ids = list(self._live) if isinstance(op, _FailAllOp) else [op.request_id]
+            self._fail_requests(request_ids, exc, stats, deliveries, stream=getattr(op, "stream", None))
+
+    def _fail_requests(self, request_ids: list[str], error: BaseException, stats: IterationStats,
+                       deliveries: list[_Delivery], stream: RequestStream | None = None) -> None:
+        """Ends these requests with `error`: out of the engine (blocks freed) and their streams told."""
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception as abort_exc:
+            raise EngineDeadError(
+                f"requests could not be freed after {error!r} ({abort_exc!r}); restart the server."
+            ) from abort_exc
+        now = time.monotonic()
+        for request_id in request_ids:
+            live = self._forget(request_id)
+            if live is not None:
+                live.timer.on_finish("error", now, stats)
+                deliveries.append((live.stream, error))
+            elif stream is not None:  # an add that failed before it was live
+                deliveries.append((stream, error))
+
     def _publish_stats(self) -> SchedulerStats:
         scheduler_stats = self.engine.get_stats()
         with self._cond:
+            self._num_running = scheduler_stats.num_running
             self._num_waiting = scheduler_stats.num_waiting
             self._stats = scheduler_stats
         return scheduler_stats
@@ -307,7 +374,7 @@ class AsyncLLMEngine:
     def _apply_add(self, op: _AddOp, deliveries: list[_Delivery]) -> None:
         try:
             self.engine.add_request(op.request_id, op.prompt, op.params)
-        except Exception as exc:  # bad input (ValueError) or not, it is this request's failure alone
+        except ValueError as exc:  # bad input: this request's failure alone, and nothing of it was added
             self._forget(op.request_id)
             deliveries.append((op.stream, exc))
             return
@@ -319,8 +386,8 @@ class AsyncLLMEngine:
         live = self._live.get(request_id)
         if live is None or (stream is not None and live.stream is not stream):
             return  # finished, failed, never admitted, or the id now names a newer request
-        self._forget(request_id)
         outputs = self.engine.abort_request([request_id])
+        self._forget(request_id)
         live.timer.on_finish("abort", time.monotonic(), stats)
         deliveries.extend((live.stream, output) for output in outputs)
 
@@ -351,23 +418,15 @@ class AsyncLLMEngine:
                 f"{self._consecutive_failures} engine steps in a row failed (the limit is "
                 f"{self.max_consecutive_step_failures}); the last with {exc!r}. Restart the server."
             ) from exc
-        scheduled = [r for r in self.engine.core.last_scheduled_request_ids if r in self._live]
+        # The step scheduled sequences: a request with n > 1 runs several, under its own id and forks of it.
+        sequences = self.engine.core.scheduler.requests
+        scheduled = {sequences[s].group_id if s in sequences else s for s in self.engine.core.last_scheduled_request_ids}
         # With nothing scheduled, nothing could make progress: every request is part of the failure.
-        failed = scheduled or list(self._live)
+        failed = [r for r in self._live if r in scheduled] or list(self._live)
         logger.error("An engine step failed; failing its %d requests %s", len(failed), failed[:8], exc_info=exc)
-        try:
-            self.engine.abort_request(failed)
-        except Exception as abort_exc:
-            raise EngineDeadError(
-                f"a step failed with {exc!r} and its requests could not be freed ({abort_exc!r}); restart the server."
-            ) from abort_exc
-        now = time.monotonic()
-        for request_id in failed:
-            live = self._forget(request_id)
-            live.timer.on_finish("error", now, stats)
-            error = EngineStepError(f"the engine step that request {request_id} was part of failed: {exc!r}")
-            error.__cause__ = exc
-            deliveries.append((live.stream, error))
+        error = EngineStepError(f"the engine step that these requests were part of failed: {exc!r}")
+        error.__cause__ = exc
+        self._fail_requests(failed, error, stats, deliveries)
 
     def _deliver(self, deliveries: list[_Delivery]) -> list[RequestStream]:
         """Hands outputs to their loops, one callback per loop; returns the streams whose loop has closed."""
@@ -385,11 +444,12 @@ class AsyncLLMEngine:
     def _die(self, error: EngineDeadError) -> None:
         with self._cond:
             self._dead_error = error
-            pending, self._ops = self._ops, []
-            self._num_pending_adds = 0
+            pending, self._ops = self._ops_in_hand + self._ops, []
+            self._ops_in_hand = []
+            self._num_pending_sequences = 0
             self._request_ids.clear()
         streams = [live.stream for live in self._live.values()]
-        streams += [op.stream for op in pending if isinstance(op, _AddOp)]
+        streams += [op.stream for op in pending if isinstance(op, _AddOp) and op.request_id not in self._live]
         self._live.clear()
         self._deliver([(stream, EngineDeadError(str(error))) for stream in streams])
 

@@ -12,7 +12,7 @@ from pagellm.core.scheduler import SchedulerStats
 from pagellm.engine.engine_core import EngineCore
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, check_text
 
 PromptType = Union[str, Mapping]
 
@@ -50,6 +50,7 @@ class LLMEngine:
         if token_ids is None:
             if not isinstance(text, str):
                 raise ValueError(f"prompt={text!r:.80} must be a str.")
+            check_text("prompt", text)
             token_ids = self.tokenizer.encode(text)
         token_ids = list(token_ids)
         if not token_ids:

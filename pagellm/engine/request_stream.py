@@ -3,15 +3,54 @@
 The engine thread always runs requests in DELTA mode and drops each step's delta here (through the
 consumer's event loop); the stream turns deltas into the output kind the caller asked for. A consumer that
 falls behind gets the deltas that piled up merged into one output, so it catches up in one read instead of
-replaying every step.
+replaying every step. A request with n > 1 (or best_of) carries one completion per sample, each followed
+on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind
+
+
+@dataclass
+class _Completion:
+    """One sample's text, tokens and logprobs so far, and how much of them the consumer was handed."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_text: int = 0
+    sent_tokens: int = 0
+    changed: bool = False
+
+    def accept(self, delta: CompletionOutput) -> None:
+        self.changed = True
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(delta.logprobs)
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+    def take(self, kind: RequestOutputKind) -> CompletionOutput:
+        if kind == RequestOutputKind.DELTA:
+            text, token_ids = self.text[self.sent_text :], self.token_ids[self.sent_tokens :]
+            logprobs = None if self.logprobs is None else self.logprobs[self.sent_tokens :]
+        else:
+            text, token_ids = self.text, list(self.token_ids)
+            logprobs = None if self.logprobs is None else list(self.logprobs)
+        self.sent_text, self.sent_tokens = len(self.text), len(self.token_ids)
+        self.changed = False
+        return CompletionOutput(self.index, text, token_ids, self.cumulative_logprob, logprobs, self.finish_reason,
+                                self.stop_reason)
 
 
 class RequestStream:
@@ -23,16 +62,7 @@ class RequestStream:
         self.loop = loop
         self.finished = False
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._text = ""
-        self._token_ids: list[int] = []
-        self._logprobs: list[PositionLogprobs] | None = None
-        self._cumulative_logprob: float | None = None
-        self._finish_reason: str | None = None
-        self._stop_reason: int | str | None = None
-        # Where the text, tokens and logprobs the consumer has not been handed yet begin (DELTA hands out
-        # only those).
-        self._sent_text = 0
-        self._sent_tokens = 0
+        self._completions: dict[int, _Completion] = {}
         self._changed = False
         self._last: RequestOutput | None = None
 
@@ -56,16 +86,12 @@ class RequestStream:
         self._last = item
         self.finished = item.finished
         self._changed = self._changed or item.finished
-        if not item.outputs:
-            return  # a step that produced nothing for this sequence (e.g. a prompt chunk)
-        delta = item.outputs[0]
-        self._changed = True
-        self._text += delta.text
-        self._token_ids.extend(delta.token_ids)
-        if delta.logprobs is not None:
-            self._logprobs = (self._logprobs or []) + list(delta.logprobs)
-        self._cumulative_logprob = delta.cumulative_logprob
-        self._finish_reason, self._stop_reason = delta.finish_reason, delta.stop_reason
+        for delta in item.outputs:  # none in a step that produced nothing for this request (a prompt chunk)
+            self._changed = True
+            completion = self._completions.get(delta.index)
+            if completion is None:
+                completion = self._completions[delta.index] = _Completion(delta.index)
+            completion.accept(delta)
 
     def _take(self) -> RequestOutput | None:
         last = self._last
@@ -73,15 +99,11 @@ class RequestStream:
             return None
         if self.output_kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
+        completions = [self._completions[index] for index in sorted(self._completions)]
         if self.output_kind == RequestOutputKind.DELTA:
-            text, token_ids = self._text[self._sent_text :], self._token_ids[self._sent_tokens :]
-            logprobs = None if self._logprobs is None else self._logprobs[self._sent_tokens :]
-        else:
-            text, token_ids = self._text, list(self._token_ids)
-            logprobs = None if self._logprobs is None else list(self._logprobs)
-        self._sent_text, self._sent_tokens = len(self._text), len(self._token_ids)
+            # Only what moved; a finished request still sends one (empty) output to say so.
+            completions = [c for c in completions if c.changed] or completions[:1]
         self._changed = False
-        completion = CompletionOutput(0, text, token_ids, self._cumulative_logprob, logprobs, self._finish_reason,
-                                      self._stop_reason)
-        return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, [completion], last.finished,
+        return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
+                             [c.take(self.output_kind) for c in completions], last.finished,
                              prompt_logprobs=last.prompt_logprobs, num_cached_tokens=last.num_cached_tokens)

@@ -54,6 +54,8 @@ async def generate(raw_request: Request) -> Response:
                           unknown[0], "unknown_field")
     if body.get("n", 1) != 1:
         raise bad_request(f"n={body['n']!r}: /generate returns one text; for several, use /v1/completions with n.", "n")
+    # From here on the fields are SamplingParams' own, checked (types included) by SamplingParams itself,
+    # as the offline API checks them.
     for name in NOT_RETURNED:
         if body.get(name) is not None:
             raise bad_request(f"{name}={body[name]!r}: /generate returns only text; use /v1/completions for {name}.",
@@ -65,9 +67,9 @@ async def generate(raw_request: Request) -> Response:
     for name in ("stop_token_ids", "allowed_token_ids"):
         if getattr(params, name):
             serving.check_token_ids(name, getattr(params, name))
-    (prompt_input,) = serving.completion_prompts(prompt)
+    (prompt_input,) = await serving.completion_prompts(prompt)
     serving.check_length(prompt_input, params.max_tokens, "prompt")
-    choices = serving.submit(f"generate-{uuid.uuid4().hex}", [prompt_input], [params])
+    choices = serving.submit(f"generate-{uuid.uuid4().hex}", [prompt_input], params)
     if stream:
         return StreamingResponse(_stream(serving, raw_request, choices), media_type="application/x-ndjson")
     await serving.run_to_completion(raw_request, choices)

@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-num-queued-requests", type=int, default=DEFAULT_MAX_NUM_QUEUED_REQUESTS,
                         help="requests that may wait for the engine before new ones get HTTP 429 "
                              f"(default: {DEFAULT_MAX_NUM_QUEUED_REQUESTS})")
+    server.add_argument("--max-request-body-bytes", type=parse_size, default=None,
+                        help="refuse bodies larger than this with HTTP 413, e.g. 4MiB (default: 64 bytes per token "
+                             "of --max-model-len, at least 1 MiB)")
+    server.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="on SIGINT/SIGTERM, seconds that running requests may go on (new ones get 503) before "
+                             "their streams are ended (default: 10)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     engine = serve.add_argument_group("engine")
@@ -97,7 +103,10 @@ def serve(args: argparse.Namespace) -> None:
     from pagellm.entrypoints.openai.serving import ServerConfig
 
     model_root = args.model or DEFAULT_MODEL
-    config = ServerConfig(args.served_model_name or [model_root], model_root, args.api_key)
+    if args.shutdown_timeout < 0:
+        sys.exit(f"pagellm serve: --shutdown-timeout={args.shutdown_timeout} must be >= 0 (seconds).")
+    config = ServerConfig(args.served_model_name or [model_root], model_root, args.api_key,
+                          args.max_request_body_bytes, args.shutdown_timeout)
     try:
         engine = AsyncLLMEngine.from_engine_args(engine_args)
     except ValueError as exc:  # a model that cannot load or a pool that cannot hold one request: say why

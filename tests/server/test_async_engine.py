@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pagellm import SamplingParams
+from pagellm import LLM, SamplingParams
 from pagellm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from pagellm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, EngineStepError, QueueFullError
 from pagellm.sampling_params import RequestOutputKind
@@ -231,3 +231,157 @@ def test_repeated_step_failures_kill_the_engine(tiny_llama_dir):
     finally:
         engine.shutdown()
     assert [type(e) for e in errors] == [EngineStepError, EngineStepError, EngineDeadError]
+
+
+class _PeakBlocks:
+    """A stat logger that remembers the most KV blocks in use after any iteration."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        self.peak = max(self.peak, scheduler_stats.kv_cache.num_used_blocks)
+
+
+def test_n_samples_share_the_prompt_blocks_and_equal_the_offline_samples(engine, tiny_llama_dir):
+    block_size = engine.get_stats().kv_cache.block_size
+    prompt = {"prompt_token_ids": [(7 * i) % 900 + 10 for i in range(10 * block_size)]}  # 10 full blocks
+    params = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+    peak = _PeakBlocks()
+    engine.add_stat_logger(peak)
+
+    async def run():
+        return await _final(engine, prompt, params, "n3")
+
+    try:
+        output = asyncio.run(run())
+    finally:
+        engine.stat_loggers.remove(peak)
+    assert [c.index for c in output.outputs] == [0, 1, 2] and output.finished
+    assert all(len(c.token_ids) == 6 for c in output.outputs)
+    # The prompt's 10 blocks are held once; each sample adds one block for its own tokens (three fanned-out
+    # requests would hold 33).
+    assert peak.peak <= 10 + 3, peak.peak
+    assert _idle(engine)
+
+    offline = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=512)
+    (expected,) = offline.generate([prompt], params, use_tqdm=False)
+    assert [c.token_ids for c in output.outputs] == [c.token_ids for c in expected.outputs]
+    assert [c.text for c in output.outputs] == [c.text for c in expected.outputs]
+
+
+def test_best_of_returns_the_n_best_and_a_failed_step_frees_every_sample(engine, fault):
+    async def run():
+        best = await _final(engine, PROMPTS[2], SamplingParams(n=1, best_of=3, temperature=1.0, seed=3, max_tokens=5),
+                            "best-of")
+        doomed = asyncio.create_task(_final(engine, PROMPTS[3], SamplingParams(n=3, seed=1, max_tokens=300,
+                                                                                ignore_eos=True), "doomed-n3"))
+        await _wait_for(lambda: engine.get_stats().num_running == 3, "three samples running")
+        fault.remaining = 1
+        failure = (await asyncio.gather(doomed, return_exceptions=True))[0]
+        after = await _final(engine, PROMPTS[0], _greedy(4), "after-n3")
+        return best, failure, after
+
+    best, failure, after = asyncio.run(run())
+    assert len(best.outputs) == 1 and len(best.outputs[0].token_ids) == 5
+    # The step ran only forks of "doomed-n3" besides the request itself: all of them are its failure.
+    assert isinstance(failure, EngineStepError), failure
+    assert len(after.outputs[0].token_ids) == 4
+    assert _idle(engine) and engine.dead_error is None
+
+
+def _hand_out_together(engine: AsyncLLMEngine, fault: StepFault, names: list[str]):
+    """Runs a request, holds the engine inside a step, queues its abort and one add per name, lets go:
+    the engine thread takes all of them in one batch. The adds' results (or errors) by name."""
+
+    async def run():
+        holder = asyncio.create_task(_final(engine, PROMPTS[0], _greedy(300), "holder"))
+        await _wait_for(lambda: engine.get_stats().num_running == 1, "one running request")
+        fault.gate.clear()
+        await _wait_for(fault.waiting.is_set, "the engine to hold inside a step")
+        engine.abort_request("holder")
+        tasks = [asyncio.create_task(_final(engine, PROMPTS[i], _greedy(5), name)) for i, name in enumerate(names)]
+        await _wait_for(lambda: len(engine._ops) == 1 + len(names), "the abort and the adds to be queued")
+        fault.gate.set()
+        # Before the fix, the adds after a failing op were dropped: their callers waited here forever.
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=60)
+        return dict(zip(names, results)), (await asyncio.gather(holder, return_exceptions=True))[0]
+
+    try:
+        return asyncio.run(run())
+    finally:
+        fault.gate.set()
+
+
+def test_an_op_that_fails_part_way_fails_only_its_own_caller(engine, fault, monkeypatch):
+    real_add, real_abort = engine.engine.output_processor.add_request, engine.engine.abort_request
+    faults = {"abort": 1}
+
+    def add_or_fail(request_id, *args):
+        if request_id == "poisoned":  # after the core took the request: it must be taken out again
+            raise RuntimeError("injected fault while adding a request")
+        return real_add(request_id, *args)
+
+    def abort_or_fail(request_ids):
+        if faults["abort"] and "holder" in request_ids:
+            faults["abort"] -= 1
+            raise RuntimeError("injected fault while aborting a request")
+        return real_abort(request_ids)
+
+    monkeypatch.setattr(engine.engine.output_processor, "add_request", add_or_fail)
+    monkeypatch.setattr(engine.engine, "abort_request", abort_or_fail)
+    results, holder = _hand_out_together(engine, fault, ["before", "poisoned", "after-1", "after-2"])
+    assert "injected fault while aborting" in str(holder)
+    assert "injected fault while adding" in str(results.pop("poisoned"))
+    assert all(len(r.outputs[0].token_ids) == 5 for r in results.values()), results
+    assert _idle(engine) and engine.dead_error is None
+
+
+def test_an_engine_that_dies_part_way_through_the_adds_fails_every_caller(tiny_llama_dir):
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_llama_dir, **ENGINE_KWARGS))
+    fault = StepFault(engine.engine.core.runner.model)
+
+    def abort_fails(request_ids):
+        raise RuntimeError("injected fault: the pool cannot free blocks")
+
+    engine.engine.abort_request = abort_fails
+    try:
+        results, holder = _hand_out_together(engine, fault, ["a", "b"])
+    finally:
+        engine.shutdown()
+    assert isinstance(holder, EngineDeadError)
+    assert all(isinstance(r, EngineDeadError) for r in results.values()), results
+
+
+def test_a_lone_surrogate_in_a_prompt_is_a_value_error(engine):
+    with pytest.raises(ValueError, match=r"prompt contains a lone surrogate \(U\+D800\)"):
+        engine.engine.process_prompt("\ud800abc")
+
+    async def run():
+        return await _final(engine, "\ud800abc", _greedy(4), "surrogate")
+
+    with pytest.raises(ValueError, match="lone surrogate"):
+        asyncio.run(run())
+
+
+def test_the_queue_bound_counts_only_requests_waiting_for_a_slot(tiny_llama_dir):
+    """40 requests at once, 64 slots, at most 8 queued: none is waiting for a slot, none is refused."""
+    args = AsyncEngineArgs(model=tiny_llama_dir, **{**ENGINE_KWARGS, "max_num_seqs": 64}, max_num_queued_requests=8)
+    engine = AsyncLLMEngine.from_engine_args(args)
+
+    async def run():
+        results = await asyncio.gather(*(_final(engine, PROMPTS[i % 8], _greedy(3), f"burst-{i}") for i in range(40)))
+        assert engine.num_waiting_requests == 0
+        # Past the slots, the bound holds: 64 long requests fill them, 8 more wait, the next is refused.
+        streams = [engine.add_request(f"fill-{i}", PROMPTS[0], _greedy(400)) for i in range(64 + 8)]
+        with pytest.raises(QueueFullError, match="8 requests are already waiting"):
+            engine.add_request("refused", PROMPTS[0], _greedy(4))
+        for stream in streams:
+            engine.abort_request(stream.request_id)
+        return results
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert all(len(r.outputs[0].token_ids) == 3 for r in results)

@@ -26,7 +26,7 @@ def test_serve_flags_reach_the_engine_args():
         "serve", "/models/x", "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "1024",
         "--max-num-seqs", "8", "--block-size", "32", "--max-model-len", "300", "--kv-cache-memory-bytes", "64MiB",
         "--dtype", "float32", "--seed", "7", "--max-num-queued-requests", "5", "--served-model-name", "a", "b",
-        "--api-key", "k", "--port", "9000",
+        "--api-key", "k", "--port", "9000", "--max-request-body-bytes", "4MiB", "--shutdown-timeout", "2.5",
     ])
     engine_args = engine_args_from(args)
     assert (engine_args.model, engine_args.gpu_memory_utilization, engine_args.max_num_batched_tokens) == ("/models/x", 0.5, 1024)
@@ -38,6 +38,9 @@ def test_serve_flags_reach_the_engine_args():
                                                       "--no-enable-chunked-prefill"]))
     assert not off.enable_prefix_caching and not off.enable_chunked_prefill
     assert (args.served_model_name, args.api_key, args.port, args.host) == (["a", "b"], "k", 9000, "127.0.0.1")
+    assert (args.max_request_body_bytes, args.shutdown_timeout) == (4 << 20, 2.5)
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.max_request_body_bytes, defaults.shutdown_timeout) == (None, 10.0)
 
 
 def test_serve_defaults_to_the_embedded_model_on_loopback():

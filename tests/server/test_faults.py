@@ -4,6 +4,7 @@ a step that raises, a step that holds on until the queue is full, an engine that
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -11,7 +12,7 @@ import pytest
 
 from pagellm.engine.arg_utils import AsyncEngineArgs
 from pagellm.engine.async_llm_engine import AsyncLLMEngine
-from pagellm.entrypoints.openai.api_server import build_app
+from pagellm.entrypoints.openai.api_server import admission_of, build_app, drain
 from pagellm.entrypoints.openai.serving import ServerConfig
 from tests.server.utils import StepFault
 
@@ -38,7 +39,10 @@ def fault(engine) -> StepFault:
 
 
 def _client(engine: AsyncLLMEngine, model_dir: str) -> httpx.AsyncClient:
-    app = build_app(engine, ServerConfig(["tiny"], model_dir))
+    return _app_client(build_app(engine, ServerConfig(["tiny"], model_dir)))
+
+
+def _app_client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pagellm.test", timeout=60)
 
 
@@ -94,6 +98,7 @@ def test_a_full_waiting_queue_answers_429(engine, fault, tiny_llama_dir):
     error = refused.json()["error"]
     assert error["code"] == "queue_full" and "max_num_queued_requests=2" in error["message"]
     assert "--max-num-queued-requests" in error["message"]
+    assert refused.headers["retry-after"] == "1"
     # Refusing one request harmed none of those already taken.
     assert [r.status_code for r in [running, *waiting]] == [200, 200, 200]
 
@@ -116,3 +121,110 @@ def test_an_engine_that_cannot_go_on_answers_503(tiny_llama_dir):
     assert statuses == [500, 500, 503]
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
     assert after.status_code == 503
+
+
+class _HeldTokenizer:
+    """The serving tokenizer, whose `encode` holds (on whatever thread calls it) until the test lets go."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.released_by_test = False
+
+    def encode(self, *args, **kwargs):
+        self.entered.set()
+        # A bound, so that a tokenizer run on the event loop (which the test cannot release) ends the test.
+        self.released_by_test = self.release.wait(timeout=10)
+        return self.tokenizer.encode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_health_answers_while_a_big_prompt_is_tokenized(engine, tiny_llama_dir, monkeypatch):
+    app = build_app(engine, ServerConfig(["tiny"], tiny_llama_dir))
+    held = _HeldTokenizer(app.state.serving.tokenizer)
+    monkeypatch.setattr(app.state.serving, "tokenizer", held)
+
+    async def run():
+        async with _app_client(app) as client:
+            big = asyncio.create_task(client.post("/v1/completions", json={**BODY, "prompt": "Hello " * 50}))
+            await _until(held.entered.is_set, "the prompt to be tokenized")
+            health = await asyncio.wait_for(client.get("/health"), timeout=30)
+            held.release.set()
+            return health, await big
+
+    health, big = asyncio.run(run())
+    assert health.status_code == 200
+    assert held.released_by_test, "the tokenizer ran on the event loop: /health waited for it"
+    assert big.status_code == 200, big.text
+
+
+def _events(response: httpx.Response) -> list[str]:
+    return [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def test_draining_refuses_new_requests_and_lets_running_ones_finish(engine, tiny_llama_dir):
+    app = build_app(engine, ServerConfig(["tiny"], tiny_llama_dir))
+    admission = admission_of(app)
+
+    async def run():
+        async with _app_client(app) as client:
+            running = asyncio.create_task(client.post("/v1/completions", json={**BODY, "max_tokens": 40,
+                                                                               "stream": True}))
+            await _until(lambda: engine.get_stats().num_running == 1, "the stream to run")
+            draining = asyncio.create_task(drain(admission, engine, timeout=60))
+            await _until(lambda: admission.draining, "the server to drain")
+            refused, health = await client.post("/v1/completions", json=BODY), await client.get("/health")
+            await draining
+            return refused, health, await running
+
+    refused, health, running = asyncio.run(run())
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+    assert health.status_code == 503
+    events = _events(running)
+    assert events[-1] == "[DONE]" and '"finish_reason": "length"' in events[-2], events[-3:]
+
+
+def test_draining_past_the_timeout_ends_streams_with_an_error_event(engine, tiny_llama_dir):
+    app = build_app(engine, ServerConfig(["tiny"], tiny_llama_dir))
+    admission = admission_of(app)
+
+    async def run():
+        async with _app_client(app) as client:
+            body = {**BODY, "max_tokens": 400}
+            running = [asyncio.create_task(client.post("/v1/completions", json={**body, "stream": True})),
+                       asyncio.create_task(client.post("/v1/completions", json=body))]
+            await _until(lambda: engine.num_requests_in_flight == 2 and engine.get_stats().num_running == 1,
+                         "one request to run and one to wait")
+            await drain(admission, engine, timeout=0)
+            return await asyncio.gather(*running)
+
+    streamed, plain = asyncio.run(run())
+    events = _events(streamed)
+    assert events[-1] == "[DONE]" and '"server_shutting_down"' in events[-2], events[-3:]
+    assert "--shutdown-timeout=0" in events[-2]
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "server_shutting_down"
+    assert _idle(engine)
+
+
+def _idle(engine: AsyncLLMEngine) -> bool:
+    stats = engine.get_stats()
+    return stats.kv_cache.num_used_blocks == 0 and stats.num_running == 0
+
+
+def test_the_bound_on_queued_requests_ignores_requests_that_will_run_and_429_says_when_to_retry(tiny_llama_dir):
+    """40 concurrent requests, max_num_queued_requests=8, 64 slots: none waits for a slot, none is refused."""
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_llama_dir, **{
+        **ENGINE_KWARGS, "max_num_seqs": 64, "max_num_queued_requests": 8}))
+
+    async def run():
+        async with _client(engine, tiny_llama_dir) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=BODY) for _ in range(40)))
+
+    try:
+        responses = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert [r.status_code for r in responses] == [200] * 40

@@ -91,7 +91,7 @@ def test_prompt_as_token_ids_and_as_a_list_of_strings(client, offline):
     assert echoed.choices[0].text == PROMPTS[1] + by_text.choices[0].text
 
 
-def test_n_choices_fan_out_with_seed_plus_index_and_exact_usage(client, offline):
+def test_n_choices_with_seed_plus_index_and_exact_usage(client, offline):
     prompts = [PROMPTS[0], PROMPTS[1]]
     kwargs = dict(model="tiny", prompt=prompts, n=3, max_tokens=7, temperature=1.0, seed=1234,
                   extra_body={"ignore_eos": True})

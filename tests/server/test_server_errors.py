@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import httpx
 import openai
 import pytest
@@ -66,7 +69,8 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": "Hi", "logit_bias": {"ten": 1}}, 400, "logit_bias", ["not a token id"]),
     ({"model": "tiny", "prompt": "Hi", "logit_bias": {"99999": 1}}, 400, "logit_bias", ["outside the vocabulary"]),
     ({"model": "tiny", "prompt": "Hi", "logit_bias": {"42": 500}}, 400, "logit_bias", ["-100 <= bias <= 100"]),
-    ({"model": "tiny", "prompt": "Hi", "best_of": 3}, 400, "best_of", ["not supported yet"]),
+    ({"model": "tiny", "prompt": "Hi", "best_of": 3, "stream": True}, 400, "best_of", ["cannot stream"]),
+    ({"model": "tiny", "prompt": "Hi", "n": 3, "best_of": 2}, 400, "best_of", ["best_of must be >= n"]),
     ({"model": "tiny", "prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options", []),
     ({"model": "gpt-4", "prompt": "Hi"}, 404, "model", ["gpt-4", "does not exist", "tiny"]),
 ]
@@ -146,3 +150,84 @@ def test_the_openai_client_sees_typed_errors(server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+# ---- one schema, types included, on every route (issue 13, item 1) --------------------------------
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+MISTYPED = [
+    # (route, body, the field named). Each would have been coerced ("false" read as true, "abc" as ["abc"]).
+    ("/generate", {"prompt": "Hi", "skip_special_tokens": "false"}, "skip_special_tokens"),
+    ("/generate", {"prompt": "Hi", "ignore_eos": "false"}, "ignore_eos"),
+    ("/generate", {"prompt": "Hi", "bad_words": "abc"}, "bad_words"),
+    ("/generate", {"prompt": "Hi", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ("/generate", {"prompt": "Hi", "max_tokens": 4.0}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "skip_special_tokens": "false"}, "skip_special_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "ignore_eos": "false"}, "ignore_eos"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": "4"}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "echo": 0}, "echo"),
+    ("/v1/chat/completions", {**CHAT, "ignore_eos": "false"}, "ignore_eos"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": "true"}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "temperature": "0"}, "temperature"),
+    ("/tokenize", {"prompt": "Hi", "add_special_tokens": "false"}, "add_special_tokens"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "param"), MISTYPED, ids=[f"{r}|{p}" for r, _, p in MISTYPED])
+def test_a_mistyped_field_is_a_400_and_its_neighbours_finish(server, route, body, param):
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as client:
+            neighbour = {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+            neighbours = [client.post("/generate", json=neighbour) for _ in range(4)]
+            return await asyncio.gather(client.post(route, json=body), *neighbours)
+
+    bad, *neighbours = asyncio.run(run())
+    _assert_error(bad, 400, param)
+    assert all(r.status_code == 200 and r.json()["finish_reason"] == "length" for r in neighbours), \
+        [r.text for r in neighbours]
+
+
+# ---- text that is not Unicode (issue 13, item 2) --------------------------------------------------
+
+LONE_SURROGATE = "\ud800abc"
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/completions", {"model": "tiny", "prompt": LONE_SURROGATE}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["fine", LONE_SURROGATE]}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "stop": [LONE_SURROGATE]}, "stop"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": LONE_SURROGATE}]},
+     "messages.0.content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": LONE_SURROGATE}]}]}, "messages.0.content"),
+    ("/generate", {"prompt": LONE_SURROGATE}, "prompt"),
+    ("/tokenize", {"prompt": LONE_SURROGATE}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": LONE_SURROGATE}]}, "messages.0.content"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(http, route, body, param):
+    # JSON's escape "\ud800" is how a client sends one (Python's json writes it so).
+    raw = json.dumps(body).encode()
+    response = http.post(route, content=raw, headers={"content-type": "application/json"})
+    _assert_error(response, 400, param, "lone surrogate", "U+D800")
+    _assert_serving(http)
+
+
+# ---- request size (issue 13, item 5) --------------------------------------------------------------
+
+
+def test_an_oversized_body_is_a_413_naming_its_size_the_limit_and_the_flag(http):
+    # The server's max_model_len is 512: the limit is the 1 MiB floor.
+    body = json.dumps({"model": "tiny", "prompt": "Hi " * 400_000}).encode()
+    sized = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    error = _assert_error(sized, 413, None, str(len(body)), "1048576", "--max-request-body-bytes", "max_model_len=512")
+    assert error["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit is found while reading
+        for start in range(0, len(body), 1 << 16):
+            yield body[start : start + (1 << 16)]
+
+    chunked = http.post("/generate", content=chunks(), headers={"content-type": "application/json"})
+    _assert_error(chunked, 413, None, "1048576", "--max-request-body-bytes")
+    small_chunked = http.post("/generate", content=iter([b'{"prompt": "Hi",', b' "max_tokens": 2}']))
+    assert small_chunked.status_code == 200, small_chunked.text
+    _assert_serving(http)

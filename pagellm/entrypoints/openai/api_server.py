@@ -1,15 +1,23 @@
-"""The HTTP server: one AsyncLLMEngine behind the OpenAI-compatible routes and the seed's /generate."""
+"""The HTTP server: one AsyncLLMEngine behind the OpenAI-compatible routes and the seed's /generate.
+
+Around the routes: the API key, a limit on request bodies (413 before a byte of an oversized body is
+parsed), and admission: on SIGINT/SIGTERM new requests get 503 while running ones finish, for up to
+--shutdown-timeout; then open streams end with an error event and [DONE], and the process exits cleanly.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
+import signal
 from contextlib import asynccontextmanager
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagellm
 from pagellm.engine.async_llm_engine import AsyncLLMEngine
@@ -23,6 +31,161 @@ logger = logging.getLogger(__name__)
 
 # Probes and scrapers must reach these without the API key.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+# The default body limit: generous per token of context (a token is ~4 characters of text, up to 12 bytes
+# once JSON escapes a non-ASCII one, 6 as an id in a list, plus a chat's framing), and never below 1 MiB.
+BODY_BYTES_PER_TOKEN = 64
+MIN_DEFAULT_BODY_BYTES = 1 << 20
+
+
+def default_max_request_body_bytes(max_model_len: int) -> int:
+    return max(MIN_DEFAULT_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
+
+
+class BodySizeLimit:
+    """Answers 413 to a body over `limit` bytes: at once when Content-Length says so, else as soon as the
+    chunks read exceed it. A prompt that could never fit the context is refused before it is parsed."""
+
+    def __init__(self, app: ASGIApp, limit: int, how_derived: str) -> None:
+        self.app = app
+        self.limit = limit
+        self.how_derived = how_derived
+
+    def _error(self, size: str) -> OpenAIError:
+        return OpenAIError(413, f"the request body has {size} bytes, more than the limit of {self.limit} bytes "
+                                f"({self.how_derived}); send a smaller request, or raise --max-request-body-bytes.",
+                           None, "request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await self._error(length.decode()).response()(scope, receive, send)
+            return
+        if length is not None:
+            await self.app(scope, receive, send)
+            return
+        # A chunked body: read it here, within the limit, and hand it on whole.
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.limit:
+                await self._error(f"more than {size}").response()(scope, receive, send)
+                return
+        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def receive_replayed() -> Message:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, receive_replayed, send)
+
+
+class Admission:
+    """Counts the API requests in flight, and refuses new ones (503) once the server drains."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.draining = False
+        self.in_flight = 0
+        self._idle: asyncio.Event | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["path"] in OPEN_PATHS and scope["path"] != "/health"):
+            await self.app(scope, receive, send)
+            return
+        if self.draining:
+            error = OpenAIError(503, "the server is shutting down and takes no new requests; retry on another "
+                                     "replica or after it restarts.", None, "server_shutting_down")
+            await error.response()(scope, receive, send)
+            return
+        if scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0 and self._idle is not None:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no API request is in flight; False if some still are after `timeout` seconds."""
+        if self.in_flight == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+
+class ShuttingDownError(OpenAIError):
+    def __init__(self, timeout: float) -> None:
+        super().__init__(503, f"the server shut down before this request finished (it waited --shutdown-timeout="
+                              f"{timeout:g} s for running requests); retry it.", None, "server_shutting_down")
+
+
+async def drain(admission: Admission, engine: AsyncLLMEngine, timeout: float) -> None:
+    """Stops admitting, lets running requests finish for up to `timeout` seconds, then ends the rest
+    (their streams get an error event and [DONE]) and waits for their responses to close."""
+    admission.draining = True
+    logger.info("Shutting down: refusing new requests, waiting up to %g s for %d running ones",
+                timeout, admission.in_flight)
+    if await admission.wait_idle(timeout):
+        return
+    logger.warning("Ending %d requests still running after --shutdown-timeout=%g s", admission.in_flight, timeout)
+    engine.fail_all_requests(ShuttingDownError(timeout))
+    await admission.wait_idle(CLOSE_TIMEOUT_S)
+
+
+# After the requests were ended, how long their responses may take to close.
+CLOSE_TIMEOUT_S = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose first SIGINT/SIGTERM drains (see `drain`) before it exits; a second one
+    exits at once. The signal is not raised again afterwards: the process ends with status 0, and no
+    KeyboardInterrupt traceback."""
+
+    def __init__(self, config: uvicorn.Config, admission: Admission, engine: AsyncLLMEngine,
+                 shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.admission = admission
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._loop is None or self.admission.draining or self.should_exit:
+            logger.info("Second %s: exiting now", signal.Signals(sig).name)
+            self.should_exit = self.force_exit = True
+            return
+        logger.info("Received %s", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await drain(self.admission, self.engine, self.shutdown_timeout)
+        finally:
+            self.should_exit = True
 
 
 class ApiKeyMiddleware:
@@ -66,16 +229,37 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     app.include_router(routes.router)
     app.include_router(api_server.router)
+    # Outermost last: the key is checked first, then the body's size, then admission.
+    app.add_middleware(Admission)
+    limit = config.max_request_body_bytes
+    how = "--max-request-body-bytes"
+    if limit is None:
+        limit = default_max_request_body_bytes(engine.max_model_len)
+        how = (f"the default: {BODY_BYTES_PER_TOKEN} bytes per token of max_model_len={engine.max_model_len}, "
+               f"at least {MIN_DEFAULT_BODY_BYTES}")
+    app.add_middleware(BodySizeLimit, limit=limit, how_derived=how)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app
 
 
+def admission_of(app: FastAPI) -> Admission:
+    """The app's Admission middleware (built when the app first starts)."""
+    app.middleware_stack = app.middleware_stack or app.build_middleware_stack()
+    layer = app.middleware_stack
+    while not isinstance(layer, Admission):
+        layer = layer.app
+    return layer
+
+
 def run_server(engine: AsyncLLMEngine, config: ServerConfig, host: str, port: int, log_level: str = "info") -> None:
     app = build_app(engine, config)
     logger.info("Serving %s on http://%s:%d (OpenAI API under /v1)", config.served_model_names[0], host, port)
+    uvicorn_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                    timeout_graceful_shutdown=CLOSE_TIMEOUT_S)
+    server = DrainingServer(uvicorn_config, admission_of(app), engine, config.shutdown_timeout)
     try:
-        # A short grace on shutdown: an open stream would otherwise hold the process up to its last token.
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        server.run()
     finally:
         engine.shutdown()
+    logger.info("Shut down")

@@ -24,6 +24,7 @@ _TYPES = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -31,12 +32,14 @@ _TYPES = {
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return {
@@ -49,7 +52,7 @@ class OpenAIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> OpenAIError:
@@ -63,8 +66,8 @@ def not_supported(param: str, value: object) -> OpenAIError:
     )
 
 
-# SamplingParams and the engine start their messages with "name=value".
-_NAMED_VALUE = re.compile(r"^(\w+)=")
+# SamplingParams and the engine start their messages with "name=value" or "name contains ...".
+_NAMED_VALUE = re.compile(r"^(\w+)(?:=| contains )")
 
 
 def from_exception(exc: BaseException) -> OpenAIError:
@@ -72,7 +75,7 @@ def from_exception(exc: BaseException) -> OpenAIError:
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, QueueFullError):
-        return OpenAIError(429, str(exc), None, "queue_full")
+        return OpenAIError(429, str(exc), None, "queue_full", {"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, f"the engine cannot serve requests: {exc}", None, "engine_dead")
     if isinstance(exc, EngineStepError):
@@ -96,12 +99,15 @@ def _is_union_tag(part: object) -> bool:
 
 
 def _field_path(location: tuple) -> tuple[str | None, list[str]]:
-    """('body', 'prompt', 'list[int]') -> ('prompt', ['list[int]'])."""
+    """('body', 'prompt', 'list[int]') -> ('prompt', ['list[int]']); a body that is one of several models
+    (/tokenize) names the model first: ('body', 'TokenizeChatRequest', 'messages') -> ('messages', [])."""
     parts, tags = [], []
     for part in location:
         if part == "body" and not parts:
             continue
         if _is_union_tag(part):
+            if not parts:
+                continue
             tags.append(str(part))
             break
         parts.append(str(part))

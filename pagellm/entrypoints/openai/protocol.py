@@ -1,22 +1,23 @@
 """Request and response bodies of the OpenAI-compatible API (the fields the OpenAI API and vLLM define).
 
 Unknown request fields are refused (400, naming the field) rather than ignored, as the OpenAI API does: a
-misspelt `max_token` should not silently fall back to a default.
+misspelt `max_token` should not silently fall back to a default. Types are strict, as SamplingParams checks
+them for the offline API and /generate: `"false"` is not a boolean and `"5"` is not a number.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 # Token ids first: pydantic's smart union then keeps [1, 2, 3] as ids, and a list of strings stays text.
 PromptField = Union[list[int], list[list[int]], str, list[str]]
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(StrictModel):
@@ -70,7 +71,7 @@ class TextContentPart(StrictModel):
 
 class ChatMessage(BaseModel):
     # Extra keys (tool_calls, tool_call_id, ...) pass through to the chat template.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
@@ -107,6 +108,15 @@ class TokenizeChatRequest(StrictModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+
+
+# A body with "messages" is a chat; errors then name the fields of that form only.
+TokenizeRequest = Annotated[
+    Union[Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")],
+          Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")]],
+    Discriminator(lambda body: "TokenizeChatRequest" if isinstance(body, dict) and "messages" in body
+                  else "TokenizeCompletionRequest"),
+]
 
 
 class DetokenizeRequest(StrictModel):

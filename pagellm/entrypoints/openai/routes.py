@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Union
-
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -17,7 +15,7 @@ from pagellm.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
 )
 from pagellm.entrypoints.openai.serving import OpenAIServing
 from pagellm.entrypoints.openai.serving_chat import create_chat_completion
@@ -49,13 +47,13 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
 
 
 @router.post("/tokenize")
-async def tokenize(request: Union[TokenizeCompletionRequest, TokenizeChatRequest], raw_request: Request) -> JSONResponse:
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> JSONResponse:
     serving = _serving(raw_request)
     serving.check_model(request.model)
     if isinstance(request, TokenizeChatRequest):
-        token_ids = serving.chat_prompt(request.messages, request.add_generation_prompt).token_ids
+        token_ids = (await serving.chat_prompt(request.messages, request.add_generation_prompt)).token_ids
     else:
-        token_ids = serving.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        token_ids = await serving.encode(request.prompt, "prompt", request.add_special_tokens)
     return JSONResponse({"count": len(token_ids), "max_model_len": serving.max_model_len, "tokens": token_ids})
 
 
@@ -64,7 +62,7 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONRe
     serving = _serving(raw_request)
     serving.check_model(request.model)
     serving.check_token_ids("tokens", request.tokens)
-    return JSONResponse({"prompt": serving.tokenizer.decode(request.tokens)})
+    return JSONResponse({"prompt": await serving.decode(request.tokens)})
 
 
 @router.get("/health")

@@ -1,11 +1,16 @@
 """What every generating route shares: model check, prompt processing and limits, sampling parameters,
-fanning one HTTP request out to engine requests, and aborting them when the client goes away."""
+one engine request per prompt (its n choices share the prompt's blocks), and aborting it when the client
+goes away.
+
+Tokenizing and detokenizing run on a worker thread of their own, never on the event loop: a 5 MB prompt takes
+seconds to tokenize, and /health and every stream must go on meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -16,7 +21,7 @@ from pagellm.engine.request_stream import RequestStream
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exception
 from pagellm.entrypoints.openai.protocol import ChatMessage, PromptField, SamplingFields
 from pagellm.outputs import PositionLogprobs, RequestOutput
-from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams, check_text
 
 
 @dataclass
@@ -25,6 +30,10 @@ class ServerConfig:
     # What the model was loaded from (a path, or the default model's name), reported as `root`.
     model_root: str
     api_key: str | None = None
+    # None: derived from max_model_len (see api_server.default_max_request_body_bytes).
+    max_request_body_bytes: int | None = None
+    # On SIGINT/SIGTERM, how long running requests may go on before their streams are ended.
+    shutdown_timeout: float = 10.0
 
 
 @dataclass
@@ -38,12 +47,13 @@ class PromptInput:
 
 @dataclass
 class Choice:
-    """One engine request behind one choice of a response."""
+    """One choice of a response: completion `sample_index` of the engine request `request_id`."""
 
     index: int
     prompt_index: int
     request_id: str
     stream: RequestStream
+    sample_index: int = 0
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -63,6 +73,22 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.engine.vocab_size
+        # One thread: the tokenizer is not shared between threads, and a second big prompt waits its turn
+        # rather than taking a core from the engine.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-tokenizer")
+
+    async def off_loop(self, fn: Callable, *args):
+        """fn(*args) on the tokenizer thread: what may take long on big inputs stays off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        check_text_param(param, text)
+        if not text:
+            return []
+        return await self.off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self.off_loop(self.tokenizer.decode, token_ids)
 
     @property
     def model_name(self) -> str:
@@ -77,7 +103,7 @@ class OpenAIServing:
 
     # ---- prompts ----------------------------------------------------------------------------------
 
-    def completion_prompts(self, prompt: PromptField) -> list[PromptInput]:
+    async def completion_prompts(self, prompt: PromptField) -> list[PromptInput]:
         """A string, a list of strings, a list of token ids or a list of those, as one input each."""
         if isinstance(prompt, str):
             items: list = [prompt]
@@ -90,23 +116,31 @@ class OpenAIServing:
         inputs = []
         for item in items:
             if isinstance(item, str):
-                inputs.append(PromptInput(item, self.tokenizer.encode(item) if item else []))
+                inputs.append(PromptInput(item, await self.encode(item, "prompt")))
             else:
                 self.check_token_ids("prompt", item)
                 inputs.append(PromptInput(None, list(item)))
         return inputs
 
-    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                    template_kwargs: dict | None = None) -> PromptInput:
+    async def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                          template_kwargs: dict | None = None) -> PromptInput:
         conversation = [_template_message(m) for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
+        for index, message in enumerate(conversation):
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_text_param(f"messages.{index}.{key}", value)
+
+        def render() -> str:
+            return self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
             )
+
+        try:
+            text = await self.off_loop(render)
         except Exception as exc:  # a template raises on conversations it does not accept (e.g. role order)
             raise bad_request(f"the chat template refused these messages: {exc}", "messages") from exc
         # The template already wrote any special tokens (BOS) it wants; encoding must not add them twice.
-        return PromptInput(text, self.tokenizer.encode(text, add_special_tokens=False))
+        return PromptInput(text, await self.encode(text, "messages", add_special_tokens=False))
 
     def check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
         for token_id in token_ids:
@@ -161,10 +195,10 @@ class OpenAIServing:
             parsed[token_id] = value
         return parsed
 
-    def sampling_params(self, request: SamplingFields, max_tokens: int | None, choice: int,
-                        logprobs: int | None = None) -> SamplingParams:
-        """One choice's parameters; choice i of a seeded request samples with seed + i (as the engine's own
-        n > 1 does), so that n choices differ from each other yet each is reproducible."""
+    def sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None = None,
+                        best_of: int | None = None) -> SamplingParams:
+        """The parameters of the request's engine request: its n choices are n samples of one engine
+        request (sample i of a seeded request samples with seed + i), which computes the prompt once."""
         if request.stop_token_ids:
             self.check_token_ids("stop_token_ids", request.stop_token_ids)
         top_k = request.top_k or 0
@@ -174,7 +208,9 @@ class OpenAIServing:
             # A top_k at or past the vocabulary keeps every token, which is what 0 means.
             top_k=0 if top_k >= self.vocab_size else top_k,
             min_p=0.0 if request.min_p is None else request.min_p,
-            seed=None if request.seed is None else request.seed + choice,
+            n=request.n,
+            best_of=best_of,
+            seed=request.seed,
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
@@ -194,19 +230,19 @@ class OpenAIServing:
 
     # ---- running ----------------------------------------------------------------------------------
 
-    def submit(self, base_id: str, prompts: Sequence[PromptInput], params: Sequence[SamplingParams]) -> list[Choice]:
-        """len(params) engine requests per prompt, all queued or none (an error aborts those already queued)."""
+    def submit(self, base_id: str, prompts: Sequence[PromptInput], params: SamplingParams) -> list[Choice]:
+        """One engine request per prompt, with params.n choices each; all queued or none (an error aborts
+        those already queued)."""
         choices: list[Choice] = []
         try:
             for prompt_index, prompt in enumerate(prompts):
-                for i, choice_params in enumerate(params):
-                    index = prompt_index * len(params) + i
-                    request_id = f"{base_id}-{index}"
-                    stream = self.engine.add_request(request_id, prompt.engine_prompt(), choice_params)
-                    choices.append(Choice(index, prompt_index, request_id, stream))
+                request_id = f"{base_id}-{prompt_index}"
+                stream = self.engine.add_request(request_id, prompt.engine_prompt(), params)
+                choices += [Choice(prompt_index * params.n + i, prompt_index, request_id, stream, sample_index=i)
+                            for i in range(params.n)]
         except BaseException as exc:
-            for choice in choices:
-                self.engine.abort_request(choice.request_id)
+            for request_id in {choice.request_id for choice in choices}:
+                self.engine.abort_request(request_id)
             raise from_exception(exc) from exc
         return choices
 
@@ -218,6 +254,13 @@ class OpenAIServing:
                     record(choice, output)
         except Exception as exc:  # the engine's verdict on a request (bad input, failed step, dead engine)
             raise from_exception(exc) from exc
+
+
+def check_text_param(param: str, text: str) -> None:
+    try:
+        check_text(param, text)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
 
 
 def build_sampling_params(kwargs: dict) -> SamplingParams:
@@ -249,29 +292,42 @@ def _template_message(message: ChatMessage) -> dict:
 
 
 async def merge_outputs(engine: AsyncLLMEngine, choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
-    """Outputs of several engine requests as they come. Leaving early (or an error in one) ends all of them."""
-    queue: asyncio.Queue[tuple[Choice, RequestOutput | BaseException | None]] = asyncio.Queue()
+    """Each choice's outputs as they come, as RequestOutputs of that one completion (finished when the
+    completion is). Leaving early (or an error in one engine request) ends all of them."""
+    queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+    by_sample = {(choice.request_id, choice.sample_index): choice for choice in choices}
+    streams = {choice.request_id: choice.stream for choice in choices}
 
-    async def pump(choice: Choice) -> None:
+    async def pump(stream: RequestStream) -> None:
         try:
-            async for output in engine.outputs(choice.stream):
-                queue.put_nowait((choice, output))
+            async for output in engine.outputs(stream):
+                queue.put_nowait(output)
         except Exception as exc:
-            queue.put_nowait((choice, exc))
+            queue.put_nowait(exc)
         else:
-            queue.put_nowait((choice, None))
+            queue.put_nowait(None)
 
-    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams.values()]
+    finished: set[int] = set()
     try:
         remaining = len(tasks)
         while remaining:
-            choice, item = await queue.get()
+            item = await queue.get()
             if item is None:
                 remaining -= 1
-            elif isinstance(item, BaseException):
+                continue
+            if isinstance(item, BaseException):
                 raise item
-            else:
-                yield choice, item
+            for completion in item.outputs:
+                choice = by_sample[(item.request_id, completion.index)]
+                if choice.index in finished:
+                    continue
+                done = completion.finish_reason is not None
+                if done:
+                    finished.add(choice.index)
+                yield choice, RequestOutput(item.request_id, item.prompt, item.prompt_token_ids, [completion], done,
+                                            prompt_logprobs=item.prompt_logprobs,
+                                            num_cached_tokens=item.num_cached_tokens)
     finally:
         # Cancelling a pump throws into its `outputs` generator, whose cleanup aborts the engine request.
         for task in tasks:
@@ -287,8 +343,8 @@ async def abort_on_disconnect(raw_request: Request, engine: AsyncLLMEngine, choi
         while True:
             message = await raw_request.receive()
             if message["type"] == "http.disconnect":
-                for choice in choices:
-                    engine.abort_request(choice.request_id)
+                for request_id in {choice.request_id for choice in choices}:
+                    engine.abort_request(request_id)
                 return
 
     watcher = asyncio.create_task(watch())

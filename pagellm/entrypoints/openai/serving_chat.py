@@ -43,10 +43,10 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
     max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
-    prompt = serving.chat_prompt(request.messages, request.add_generation_prompt, request.chat_template_kwargs)
+    prompt = await serving.chat_prompt(request.messages, request.add_generation_prompt, request.chat_template_kwargs)
     serving.check_length(prompt, max_tokens, "messages", max_tokens_param)
     num_top = (request.top_logprobs or 0) if request.logprobs else None
-    params = [serving.sampling_params(request, max_tokens, i, num_top) for i in range(request.n)]
+    params = serving.sampling_params(request, max_tokens, num_top)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = serving.submit(request_id, [prompt], params)
     prompt_tokens = len(prompt.token_ids)

@@ -26,17 +26,18 @@ from pagellm.entrypoints.openai.serving import (
 async def create_completion(serving: OpenAIServing, request: CompletionRequest, raw_request: Request):
     serving.check_model(request.model)
     serving.check_stream_options(request)
-    if request.best_of is not None and request.best_of != request.n:
-        raise not_supported("best_of", request.best_of)
+    if request.best_of is not None and request.best_of > request.n and request.stream:
+        raise bad_request(f"best_of={request.best_of} > n={request.n} cannot stream: which n completions are "
+                          "returned is known only at the end; drop stream or best_of.", "best_of")
     if request.suffix is not None:
         raise not_supported("suffix", request.suffix)
     if request.echo and request.logprobs is not None:
         raise bad_request("echo with logprobs would need the prompt's log-probabilities, which this server does "
                           "not return yet; drop echo or logprobs.", "echo", "unsupported_parameter")
-    prompts = serving.completion_prompts(request.prompt)
+    prompts = await serving.completion_prompts(request.prompt)
     for prompt in prompts:
         serving.check_length(prompt, request.max_tokens, "prompt")
-    params = [serving.sampling_params(request, request.max_tokens, i, request.logprobs) for i in range(request.n)]
+    params = serving.sampling_params(request, request.max_tokens, request.logprobs, request.best_of)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     choices = serving.submit(request_id, prompts, params)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
@@ -50,7 +51,7 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest, 
         logprobs = None
         if request.logprobs is not None:
             logprobs = completion_logprobs(c.token_ids, c.logprobs, request.logprobs, 0, serving.tokenizer)
-        echo = _echo_text(serving, prompts[c.prompt_index]) if request.echo else ""
+        echo = await _echo_text(serving, prompts[c.prompt_index]) if request.echo else ""
         response_choices.append(CompletionChoice(index=c.index, text=echo + c.text, logprobs=logprobs,
                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     response = CompletionResponse(id=request_id, model=serving.model_name, choices=response_choices,
@@ -88,7 +89,7 @@ async def _stream(
                 text = completion.text
                 if choice.index in echo_pending:
                     echo_pending.discard(choice.index)
-                    text = _echo_text(serving, prompts[choice.prompt_index]) + text
+                    text = await _echo_text(serving, prompts[choice.prompt_index]) + text
                 logprobs = None
                 if request.logprobs is not None and completion.token_ids:
                     logprobs = completion_logprobs(completion.token_ids, completion.logprobs or [], request.logprobs,
@@ -107,5 +108,5 @@ async def _stream(
     yield SSE_DONE
 
 
-def _echo_text(serving: OpenAIServing, prompt: PromptInput) -> str:
-    return prompt.text if prompt.text is not None else serving.tokenizer.decode(prompt.token_ids)
+async def _echo_text(serving: OpenAIServing, prompt: PromptInput) -> str:
+    return prompt.text if prompt.text is not None else await serving.decode(prompt.token_ids)
