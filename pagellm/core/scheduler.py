@@ -114,6 +114,20 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+@dataclass
+class _StepBuilder:
+    """What one schedule() call has handed out so far, and the token budget it has left."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    cached: list[CachedRequestData] = field(default_factory=list)
+    new: list[NewRequestData] = field(default_factory=list)
+
+    def add(self, request_id: str, num_tokens: int) -> None:
+        self.num_scheduled[request_id] = num_tokens
+        self.budget -= num_tokens
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     num_running: int
@@ -214,29 +228,34 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        cached: list[CachedRequestData] = []
-        new: list[NewRequestData] = []
+        step = _StepBuilder(self.config.max_num_batched_tokens)
         self._preempted_this_step = False
+        # A prompt that needs a step of its own is admitted first; if it cannot be admitted after all,
+        # the running requests take the step as usual, so that no step schedules nothing while
+        # something could run.
+        if not (self._prefill_needs_own_step(step.budget) and self._admit_waiting(step)):
+            self._schedule_running(step)
+            self._admit_waiting(step)
+        finished, self._finished_since_last_step = self._finished_since_last_step, set()
+        return SchedulerOutput(step.new, step.cached, step.num_scheduled, finished, self.kv.take_block_copies())
 
-        index = len(self.running) if self._prefill_needs_own_step(budget) else 0
-        while index < len(self.running) and budget > 0:
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        index = 0
+        while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             if num_new == 0:
                 index += 1  # a beam candidate waiting for the caller to choose its next token
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_new)
             if new_block_ids is None:
                 break  # the request preempted itself, and everything after it went first
-            num_scheduled[request.request_id] = num_new
             if request.request_id in self._unseen_by_runner:
                 self._unseen_by_runner.discard(request.request_id)
                 self.kv.take_replaced_blocks(request.request_id)
-                new.append(self._new_request_data(request))
+                step.new.append(self._new_request_data(request))
             else:
-                cached.append(
+                step.cached.append(
                     CachedRequestData(
                         request.request_id,
                         new_block_ids,
@@ -244,28 +263,31 @@ class Scheduler:
                         self._appended.pop(request.request_id, []),
                     )
                 )
-            budget -= num_new
+            step.add(request.request_id, num_new)
             index += 1
 
+    def _admit_waiting(self, step: _StepBuilder) -> bool:
+        """Admits waiting requests in arrival order while budget, seats and blocks last; True if any was."""
+        admitted = False
         # Admitting while preempting would just take back the blocks the preemption freed.
         while (
             not self._preempted_this_step
             and self.waiting
-            and budget > 0
+            and step.budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            if len(self.running) + 1 + request.num_pending_forks > self.config.max_num_seqs and self.running:
+            if not self._has_seats_for(request):
                 break  # its n sequences would not fit under max_num_seqs once forked
             # Prompt log-probabilities need logits at every prompt position, so nothing may be skipped.
             wants_prompt_scores = request.sampling_params.prompt_logprobs is not None
             prefix = NO_CACHED_PREFIX if wants_prompt_scores else self.kv.find_cached_prefix(request.all_token_ids)
             num_new = request.num_tokens - prefix.num_tokens
-            if num_new > budget:
+            if num_new > step.budget:
                 may_chunk = self.config.enable_chunked_prefill or request.num_preemptions > 0
                 if not may_chunk:
                     break
-                num_new = budget
+                num_new = step.budget
             new_block_ids = self.kv.allocate_slots(request.request_id, prefix.num_tokens + num_new, prefix)
             if new_block_ids is None:
                 break
@@ -276,12 +298,16 @@ class Scheduler:
             request.num_computed_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.order_key)
-            num_scheduled[request.request_id] = num_new
-            new.append(self._new_request_data(request))
-            budget -= num_new
+            step.new.append(self._new_request_data(request))
+            step.add(request.request_id, num_new)
+            admitted = True
+        return admitted
 
-        finished, self._finished_since_last_step = self._finished_since_last_step, set()
-        return SchedulerOutput(new, cached, num_scheduled, finished, self.kv.take_block_copies())
+    def _has_seats_for(self, request: Request) -> bool:
+        """Whether the request's sequences (n of them once forked) fit under max_num_seqs beside the running
+        ones; alone it is always let in, or a request with n > max_num_seqs could never run."""
+        seats = len(self.running) + 1 + request.num_pending_forks
+        return seats <= self.config.max_num_seqs or not self.running
 
     def _prefill_needs_own_step(self, budget: int) -> bool:
         """Without chunking, a prompt that fits only a step's whole budget would wait behind the running
@@ -292,7 +318,7 @@ class Scheduler:
         head = self.waiting[0]
         need = head.num_tokens - head.num_computed_tokens
         decodes = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
-        if need > budget or need + decodes <= budget or head.num_preemptions:
+        if need > budget or need + decodes <= budget or head.num_preemptions or not self._has_seats_for(head):
             return False
         return self.kv.num_blocks_needed(head.request_id, need) <= self.kv.pool.num_free_blocks
 

@@ -329,6 +329,25 @@ def test_prompt_equal_to_budget_runs_whole_when_chunking_disabled():
     assert all(o.total_num_scheduled_tokens <= 8 for o in outs)
 
 
+def test_whole_budget_prompt_without_a_free_seat_lets_the_decodes_run():
+    # Issue 13 item 3: two decodes hold both seats (max_num_seqs=2) and the waiting prompt fits only a
+    # whole step's budget. It cannot be admitted until a seat frees, so pausing the decodes for it would
+    # schedule nothing; the decodes must run until one of them finishes.
+    sched = make_scheduler(num_blocks=64, block_size=16, budget=64, max_num_seqs=2, max_model_len=64, chunked=False)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 5, 0, max_tokens=3, max_model_len=64))
+    sched.add_request(make_request("b", 5, 1, max_tokens=6, max_model_len=64))
+    step(sched, runner)
+    sched.add_request(make_request("long", 63, 2, max_tokens=1, max_model_len=64))
+    scheduled = []
+    for out in run_to_completion(sched, runner, 20):
+        assert not out.is_empty, "a step scheduled nothing while requests could run"
+        scheduled.append(out.num_scheduled_tokens)
+    assert scheduled[0] == {"a": 1, "b": 1}
+    # a finishes with its 3rd token, which frees a seat and leaves room for the prompt beside b's decode.
+    assert scheduled[2] == {"b": 1, "long": 63}
+
+
 # ---- preemption -----------------------------------------------------------------------------
 
 
