@@ -62,6 +62,9 @@ class Request:
     # next tokens (and forks) instead of the sampler.
     appends_sampled_tokens: bool = True
     cumulative_logprob: float = 0.0
+    # Prompt tokens whose log-probabilities were reported (tokens 1..this); a request recomputed after
+    # preemption scores its prompt again, and those repeats are not reported twice.
+    num_prompt_logprobs_reported: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

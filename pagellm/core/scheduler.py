@@ -197,6 +197,8 @@ class Scheduler:
         child.sample_index = sample_index
         child.appends_sampled_tokens = parent.appends_sampled_tokens
         child.cumulative_logprob = parent.cumulative_logprob
+        # The prompt's scores belong to the parent: a child recomputed after preemption reports none.
+        child.num_prompt_logprobs_reported = parent.num_prompt_tokens - 1
         self._fork_counter += 1
         child.fork_order = self._fork_counter
         child.status = parent.status
@@ -378,9 +380,11 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            computed_before = request.num_computed_tokens
             request.num_computed_tokens += num_tokens
             self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
-            prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+            prompt_logprobs = self._new_prompt_logprobs(request, computed_before,
+                                                        runner_output.prompt_logprobs.get(request_id))
             token_id = sampled.get(request_id)
             if token_id is None:
                 if request.num_computed_tokens >= request.num_tokens:
@@ -407,6 +411,18 @@ class Scheduler:
                 outputs.append(self._output(sequence, [token], status, entry,
                                             prompt_logprobs if sequence is request else None))
         return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, computed_before: int,
+                             entries: list[TokenLogprobs] | None) -> list[TokenLogprobs] | None:
+        """The prompt log-probabilities of this step not reported before. Entry i scores prompt token
+        computed_before + i + 1; after a preemption the recomputation scores tokens already reported."""
+        if not entries:
+            return entries
+        fresh = entries[max(0, request.num_prompt_logprobs_reported - computed_before):]
+        request.num_prompt_logprobs_reported = max(request.num_prompt_logprobs_reported,
+                                                   computed_before + len(entries))
+        return fresh
 
     def _fork_first_samples(self, request: Request, tokens: list[int]) -> list[Request]:
         """At its first sample a request with n > 1 becomes n sequences sharing the prompt's blocks."""
