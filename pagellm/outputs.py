@@ -43,3 +43,6 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # Set when processing this request inside an engine step raised: it finished with finish_reason
+    # "error" and only it did (the other requests of that step went on).
+    error: str | None = None

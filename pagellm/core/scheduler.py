@@ -108,6 +108,8 @@ class EngineCoreOutput:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
+    # Why the request failed, when finish_reason is "error".
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -173,13 +175,17 @@ class Scheduler:
             members = self.groups.get(request_id, {request_id}) if whole_groups else {request_id}
             for member in sorted(members):
                 request = self.requests.get(member)
-                if request is None:
-                    continue
-                if request.status == RequestStatus.RUNNING:
-                    self.running.remove(request)
-                else:
-                    self.waiting.remove(request)
-                self._finish(request, status)
+                if request is not None:
+                    self._dequeue_and_finish(request, status)
+
+    def _dequeue_and_finish(self, request: Request, status: RequestStatus) -> None:
+        # Looked up rather than inferred from the status: a request that failed part-way through its
+        # update may have left the running list already.
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, status)
 
     def fork_request(self, parent_id: str, child_id: str, sample_index: int = 0) -> Request:
         """A new sequence with the parent's tokens, progress and blocks (shared, copy-on-write)."""
@@ -374,43 +380,64 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
+        """Appends each request's sampled token and checks it for a stop. Whatever raises while one request
+        is handled ends that request's group alone, with finish_reason "error"; the others go on."""
         outputs: list[EngineCoreOutput] = []
-        sampled = runner_output.sampled_token_ids
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            computed_before = request.num_computed_tokens
-            request.num_computed_tokens += num_tokens
-            self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
-            prompt_logprobs = self._new_prompt_logprobs(request, computed_before,
-                                                        runner_output.prompt_logprobs.get(request_id))
-            token_id = sampled.get(request_id)
-            if token_id is None:
-                if request.num_computed_tokens >= request.num_tokens:
-                    raise RuntimeError(f"request {request_id} reached the end of its sequence but got no token")
-                if prompt_logprobs:  # a prefill chunk: only prompt log-probabilities to report
-                    outputs.append(self._output(request, [], None, None, prompt_logprobs))
-                continue
-            logprobs = runner_output.logprobs.get(request_id)
-            if not request.appends_sampled_tokens:
-                outputs.append(self._output(request, [], None, logprobs, prompt_logprobs))
-                continue
-            siblings = self._fork_first_samples(request, runner_output.forked_token_ids.get(request_id, []))
-            for index, sequence in enumerate([request, *siblings]):
-                token = token_id if sequence is request else sequence.all_token_ids[-1]
-                entry = logprobs[index : index + 1] if logprobs else None
-                if sequence is request:
-                    sequence.append_token(token)
-                if entry:
-                    sequence.cumulative_logprob += entry[0].logprob
-                status = sequence.check_stop()
-                if status is not None:
-                    self.running.remove(sequence)
-                    self._finish(sequence, status)
-                outputs.append(self._output(sequence, [token], status, entry,
-                                            prompt_logprobs if sequence is request else None))
+            try:
+                outputs.extend(self._update_request(request, num_tokens, runner_output))
+            except Exception as exc:  # noqa: BLE001 - one request's fault must not end its neighbours
+                outputs.append(self._fail_group(request, exc))
         return outputs
+
+    def _update_request(
+        self, request: Request, num_tokens: int, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """One scheduled request after the forward: its progress, its sampled token, its stop check."""
+        request_id = request.request_id
+        computed_before = request.num_computed_tokens
+        request.num_computed_tokens += num_tokens
+        self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+        prompt_logprobs = self._new_prompt_logprobs(request, computed_before,
+                                                    runner_output.prompt_logprobs.get(request_id))
+        token_id = runner_output.sampled_token_ids.get(request_id)
+        if token_id is None:
+            if request.num_computed_tokens >= request.num_tokens:
+                raise RuntimeError(f"request {request_id} reached the end of its sequence but got no token")
+            # A prefill chunk: only prompt log-probabilities to report.
+            return [self._output(request, [], None, None, prompt_logprobs)] if prompt_logprobs else []
+        logprobs = runner_output.logprobs.get(request_id)
+        if not request.appends_sampled_tokens:
+            return [self._output(request, [], None, logprobs, prompt_logprobs)]
+        outputs = []
+        siblings = self._fork_first_samples(request, runner_output.forked_token_ids.get(request_id, []))
+        for index, sequence in enumerate([request, *siblings]):
+            token = token_id if sequence is request else sequence.all_token_ids[-1]
+            entry = logprobs[index : index + 1] if logprobs else None
+            if sequence is request:
+                sequence.append_token(token)
+            if entry:
+                sequence.cumulative_logprob += entry[0].logprob
+            status = sequence.check_stop()
+            if status is not None:
+                self.running.remove(sequence)
+                self._finish(sequence, status)
+            outputs.append(self._output(sequence, [token], status, entry,
+                                        prompt_logprobs if sequence is request else None))
+        return outputs
+
+    def _fail_group(self, request: Request, exc: Exception) -> EngineCoreOutput:
+        """Ends every sequence of the request's group with FINISHED_ERROR, freeing their blocks."""
+        logger.error("Request %s failed while its step results were processed; it alone is ended",
+                     request.group_id, exc_info=exc)
+        for member_id in sorted(self.groups.get(request.group_id, ())):
+            self._dequeue_and_finish(self.requests[member_id], RequestStatus.FINISHED_ERROR)
+        output = self._output(request, [], RequestStatus.FINISHED_ERROR, None, None)
+        output.error = f"{type(exc).__name__}: {exc}"
+        return output
 
     @staticmethod
     def _new_prompt_logprobs(request: Request, computed_before: int,

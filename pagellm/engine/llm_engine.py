@@ -149,10 +149,14 @@ class LLMEngine:
     # ---- stepping ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One engine step. A request whose results fail to process (in the core or the output processor)
+        comes back finished with finish_reason "error" and `RequestOutput.error`; only it is ended."""
         core_outputs = self.core.step()
-        outputs, stopped = self.output_processor.process(core_outputs)
+        outputs, stopped, failed = self.output_processor.process(core_outputs)
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED, whole_groups=False)
+        if failed:
+            self.core.abort_requests(failed, RequestStatus.FINISHED_ERROR)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -1,7 +1,14 @@
-"""Token ids -> text: incremental detokenization, stop strings, RequestOutputs."""
+"""Token ids -> text: incremental detokenization, stop strings, RequestOutputs.
+
+One request's fault is its own: whatever raises while one request's results are processed
+(`OutputProcessor.update_request`: detokenizing, stop strings, logprobs; or `to_output`) fails that
+request alone, with finish_reason "error" and `RequestOutput.error`; the other requests of the step go
+on. Tests inject such faults per request by patching `OutputProcessor.update_request`.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from pagellm.core.scheduler import EngineCoreOutput, TokenLogprobs
@@ -11,6 +18,8 @@ from pagellm.sampling_params import RequestOutputKind, SamplingParams
 # Tokens before the first new one that are decoded with it, so that a leading space or a multi-token
 # character comes out as the whole text would have it.
 _CONTEXT_TOKENS = 5
+
+logger = logging.getLogger(__name__)
 
 
 class IncrementalDetokenizer:
@@ -149,32 +158,50 @@ class OutputProcessor:
         state.sequences[index] = sequence
         return sequence
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """RequestOutputs for this step, and the core sequence ids a stop string finished (the core
-        must free them)."""
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """RequestOutputs for this step; the core sequence ids a stop string finished; and the user
+        requests that failed here (the core must free both)."""
         stopped_by_string: list[str] = []
+        failed: dict[str, str] = {}
         touched: dict[str, RequestState] = {}
         for core_output in core_outputs:
             state = self.states.get(core_output.group_id or core_output.request_id)
-            if state is None:
+            if state is None or state.request_id in failed:
                 continue
             touched[state.request_id] = state
-            state.num_cached_tokens = core_output.num_cached_tokens
-            if core_output.prompt_logprobs:
-                state.prompt_logprobs.extend(self._position_logprobs(e) for e in core_output.prompt_logprobs)
-            if not core_output.new_token_ids and not core_output.finished:
+            if core_output.error is not None:  # the core already ended the request
+                failed[state.request_id] = core_output.error
                 continue
-            sequence = state.sequences.get(core_output.sample_index) or self._new_sequence(state, core_output.sample_index)
-            if self._advance(state.params, sequence, core_output):
-                stopped_by_string.append(core_output.request_id)
+            try:
+                if self.update_request(state, core_output):
+                    stopped_by_string.append(core_output.request_id)
+            except Exception as exc:  # noqa: BLE001 - one request's fault must not end its neighbours
+                failed[state.request_id] = _describe_failure(state.request_id, exc)
         outputs = []
         for state in touched.values():
-            output = state.to_output()
+            output = None
+            if state.request_id not in failed:
+                try:
+                    output = state.to_output()
+                except Exception as exc:  # noqa: BLE001 - as above
+                    failed[state.request_id] = _describe_failure(state.request_id, exc)
+            if state.request_id in failed:
+                output = _failed_output(state, failed[state.request_id])
             if output is not None:
                 outputs.append(output)
-            if state.finished:
+            if state.request_id in failed or state.finished:
                 del self.states[state.request_id]
-        return outputs, stopped_by_string
+        return outputs, stopped_by_string, list(failed)
+
+    def update_request(self, state: RequestState, core_output: EngineCoreOutput) -> bool:
+        """Adds one core output to its request; True when a stop string ended the sequence before the core did."""
+        state.num_cached_tokens = core_output.num_cached_tokens
+        if core_output.prompt_logprobs:
+            state.prompt_logprobs.extend(self._position_logprobs(e) for e in core_output.prompt_logprobs)
+        if not core_output.new_token_ids and not core_output.finished:
+            return False
+        sequence = state.sequences.get(core_output.sample_index) or self._new_sequence(state, core_output.sample_index)
+        return self._advance(state.params, sequence, core_output)
 
     def _advance(self, params: SamplingParams, sequence: SequenceState, core_output: EngineCoreOutput) -> bool:
         """Adds the step's tokens to a sequence; True when a stop string ended it before the core did."""
@@ -205,6 +232,28 @@ class OutputProcessor:
             token_id: Logprob(value, rank, self.tokenizer.decode([token_id]))
             for token_id, value, rank in zip(ids, values, ranks)
         }
+
+
+def _describe_failure(request_id: str, exc: Exception) -> str:
+    logger.error("Processing the outputs of request %s failed; it alone is ended", request_id, exc_info=exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _failed_output(state: RequestState, error: str) -> RequestOutput:
+    """The last output of a request that failed: what each sequence had so far, finish_reason "error".
+    Built from plain fields only, since the request's own processing is what raised."""
+    delta = state.params.output_kind == RequestOutputKind.DELTA
+    completions = []
+    for index in range(state.params.n):
+        sequence = state.sequences.get(index)
+        if sequence is None:
+            completions.append(CompletionOutput(index, "", [], finish_reason="error"))
+            continue
+        text_from, tokens_from = (sequence.sent_text_len, sequence.sent_tokens) if delta else (0, 0)
+        completions.append(CompletionOutput(index, sequence.text[text_from:], sequence.token_ids[tokens_from:],
+                                            sequence.cumulative_logprob, finish_reason="error"))
+    return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True,
+                         num_cached_tokens=state.num_cached_tokens, error=error)
 
 
 def _find_stop_string(sequence: SequenceState, stops: list[str], delta: str) -> tuple[str, int] | None:
