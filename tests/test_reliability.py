@@ -72,3 +72,136 @@ def test_prompt_logprobs_are_reported_once_after_preemption(tiny_llama_dir):
             assert logprob.rank == want[token_id].rank
     assert preempted.outputs[0].token_ids == alone.outputs[0].token_ids
     _assert_pool_empty(llm)
+
+
+# ---- item 1: one request's fault inside a step is its own ----------------------------------------
+
+
+def _request_of_update(processor, state, core_output) -> str:
+    return state.request_id
+
+
+def _request_of_advance(processor, params, sequence, core_output) -> str:
+    return core_output.group_id or core_output.request_id
+
+
+def _request_of_check_stop(request) -> str:
+    return request.group_id
+
+
+# Where a fault is injected: the output processor's documented per-request hook, its detokenize and
+# stop-string step, and the core's per-request stop check.
+FAULT_SITES = {
+    "output_processor_hook": ("pagellm.engine.output_processor.OutputProcessor", "update_request", _request_of_update),
+    "detokenize": ("pagellm.engine.output_processor.OutputProcessor", "_advance", _request_of_advance),
+    "core_stop_check": ("pagellm.core.request.Request", "check_stop", _request_of_check_stop),
+}
+
+
+def _inject_fault(monkeypatch, site: str, bad_request_id: str, after_calls: int = 2) -> None:
+    """Makes `site` raise for one request, from its (after_calls + 1)-th call on."""
+    import importlib
+
+    module_name, class_name = FAULT_SITES[site][0].rsplit(".", 1)
+    owner = getattr(importlib.import_module(module_name), class_name)
+    method, request_of = FAULT_SITES[site][1], FAULT_SITES[site][2]
+    original = getattr(owner, method)
+    calls = {"count": 0}
+
+    def faulty(*args, **kwargs):
+        if request_of(*args) == bad_request_id:
+            calls["count"] += 1
+            if calls["count"] > after_calls:
+                raise RuntimeError(f"injected fault in {method}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, method, faulty)
+
+
+NEIGHBOURS = {
+    "plain": (PROMPTS[1], _greedy(16)),
+    "stop-string": (PROMPTS[2], _greedy(16, stop=["zzzz"])),
+    "logprobs": (PROMPTS[3], _greedy(16, logprobs=2)),
+    "n2": (PROMPTS[4], _greedy(16, n=2)),
+}
+BAD = (PROMPTS[6], _greedy(16, logprobs=1))
+
+
+@pytest.fixture(scope="module")
+def fault_llm(tiny_llama_dir) -> LLM:
+    return LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def neighbours_alone(fault_llm):
+    return {name: [c.token_ids for c in fault_llm.generate([prompt], params, use_tqdm=False)[0].outputs]
+            for name, (prompt, params) in NEIGHBOURS.items()}
+
+
+@pytest.mark.parametrize("site", sorted(FAULT_SITES))
+def test_a_fault_in_one_request_fails_it_alone_offline(fault_llm, neighbours_alone, monkeypatch, site):
+    engine = fault_llm.llm_engine
+    _inject_fault(monkeypatch, site, "bad")
+    engine.add_request("bad", *BAD)
+    for name, (prompt, params) in NEIGHBOURS.items():
+        engine.add_request(name, prompt, params)
+    finished = {}
+    for _ in range(100):
+        for output in engine.step():
+            assert output.request_id not in finished
+            if output.finished:
+                finished[output.request_id] = output
+        if not engine.has_unfinished_requests():
+            break
+    bad = finished.pop("bad")
+    assert bad.error is not None and "injected fault" in bad.error
+    assert [c.finish_reason for c in bad.outputs] == ["error"]
+    # The fault struck at the bad request's third call, while every neighbour was still running.
+    assert all(not output.error for output in finished.values())
+    assert {name: [c.token_ids for c in output.outputs] for name, output in finished.items()} == neighbours_alone
+    assert all(c.finish_reason == "length" for output in finished.values() for c in output.outputs)
+    _assert_pool_empty(fault_llm)
+    monkeypatch.undo()
+    # The engine goes on serving, and the failed request's id may be used again.
+    again = fault_llm.generate([NEIGHBOURS["plain"][0]], NEIGHBOURS["plain"][1], use_tqdm=False)[0]
+    assert [again.outputs[0].token_ids] == neighbours_alone["plain"]
+
+
+@pytest.mark.parametrize("site", ["output_processor_hook", "core_stop_check"])
+def test_a_fault_in_one_request_fails_only_its_async_stream(tiny_llama_dir, neighbours_alone, monkeypatch, site):
+    import asyncio
+
+    from pagellm.engine.arg_utils import AsyncEngineArgs
+    from pagellm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
+
+    engine = AsyncLLMEngine.from_engine_args(
+        AsyncEngineArgs(model=tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256))
+    _inject_fault(monkeypatch, site, "bad")
+
+    async def final(request_id, prompt, params):
+        last = None
+        async for output in engine.generate(prompt, params, request_id):
+            last = output
+        return last
+
+    async def run_all():
+        # n > 1 is the server's fan-out in the async engine: each sample its own request.
+        jobs = {"bad": final("bad", *BAD)}
+        for name, (prompt, params) in NEIGHBOURS.items():
+            if params.n == 1:
+                jobs[name] = final(name, prompt, params)
+        results = await asyncio.gather(*jobs.values(), return_exceptions=True)
+        assert engine.dead_error is None
+        return dict(zip(jobs, results))
+
+    try:
+        results = asyncio.run(run_all())
+    finally:
+        engine.shutdown()
+    bad = results.pop("bad")
+    assert isinstance(bad, EngineStepError) and "injected fault" in str(bad)
+    assert {name: [output.outputs[0].token_ids] for name, output in results.items()} == {
+        name: neighbours_alone[name] for name in results}
+    assert len(results) == 3
+    stats = engine.get_stats()
+    assert (stats.kv_cache.num_used_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0)

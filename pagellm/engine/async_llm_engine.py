@@ -403,6 +403,12 @@ class AsyncLLMEngine:
             live = self._live.get(output.request_id)
             if live is None:
                 continue
+            if output.error is not None:  # this request alone failed inside the step; the engine ended it
+                self._forget(output.request_id)
+                live.timer.on_finish("error", now, stats)
+                error = EngineStepError(f"request {output.request_id} failed: {output.error}")
+                deliveries.append((live.stream, error))
+                continue
             num_new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
             live.timer.on_tokens(num_new_tokens, len(output.prompt_token_ids), now, stats)
             deliveries.append((live.stream, output))
