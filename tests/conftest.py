@@ -18,8 +18,10 @@ settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 TINY_CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=128,
+    # head_dim 32 (128 / 4): the smallest head size the native CPU decode kernel takes
+    # (pagellm/attention/native.py DecodeKernel.supports), so every engine test runs the kernel users run.
+    hidden_size=128,
+    intermediate_size=256,
     num_hidden_layers=3,
     num_attention_heads=4,
     num_key_value_heads=2,

@@ -35,6 +35,37 @@ def hf_greedy(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, igno
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_greedy_with_top_logprobs(model, prompt_ids: list[int], max_new_tokens: int, k: int):
+    """HF greedy continuation and, per generated position, the top-k {token id: logprob}."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                             output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    tops = []
+    for scores in out.scores:
+        values, indices = scores[0].float().log_softmax(-1).topk(k)
+        tops.append(dict(zip(indices.tolist(), values.tolist())))
+    return tokens, tops
+
+
+def check_logprobs_close(ours: tuple[list[int], list[dict]], theirs: tuple[list[int], list[dict]]) -> int:
+    """vLLM's check_logprobs_close: the greedy sequences agree token for token up to their first difference,
+    and there each side's token is among the other's top-k (a near-tie that rounding may flip), after which
+    the continuations are not compared. Returns how many leading tokens agree exactly."""
+    our_tokens, our_tops = ours
+    their_tokens, their_tops = theirs
+    for position, (mine, theirs_token) in enumerate(zip(our_tokens, their_tokens)):
+        if mine == theirs_token:
+            continue
+        assert mine in their_tops[position], f"position {position}: our {mine} not in their top-k {their_tops[position]}"
+        assert theirs_token in our_tops[position], (
+            f"position {position}: their {theirs_token} not in our top-k {our_tops[position]}")
+        return position
+    assert len(our_tokens) == len(their_tokens), "one side stopped while the other went on with the same tokens"
+    return len(our_tokens)
+
+
 def hf_load_gguf(path: pathlib.Path) -> transformers.PreTrainedModel:
     """transformers' own GGUF loading of `path`, dequantized to float32."""
     with pytest.MonkeyPatch.context() as mp:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm import LLM, SamplingParams
-from tests.helpers import PROMPTS, hf_greedy
+from tests.helpers import PROMPTS, check_logprobs_close, hf_greedy, hf_greedy_with_top_logprobs
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -29,6 +29,8 @@ def _check(llm: LLM, references) -> None:
 
 def test_batched_prompts_match_hf(tiny_llama_dir, references):
     llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=32 << 20)
+    # The test model's head size is one the native decode kernel takes: engine tests run the users' kernel.
+    assert llm.llm_engine.core.runner.native_decode is not None
     _check(llm, references)
     stats = llm.llm_engine.get_stats()
     assert stats.num_preemptions == 0
@@ -90,3 +92,26 @@ def test_default_smollm2_matches_hf(hf_smollm2, default_tokenizer):
         expected = hf_greedy(hf_smollm2, default_tokenizer, ids, 32)
         assert output.outputs[0].token_ids == expected, prompt
         assert output.outputs[0].text == default_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_default_smollm2_bf16_matches_hf_bf16(hf_smollm2, default_tokenizer):
+    """End to end in bfloat16 on the default model, against transformers in bfloat16 on the same weights.
+    Two bf16 implementations round differently, so near-ties may flip: compared as vLLM's
+    check_logprobs_close does (exact up to the first difference, each side's token in the other's top 5)."""
+    import copy
+
+    import torch
+
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    assert llm.llm_engine.core.model_info.dtype == torch.bfloat16
+    assert llm.llm_engine.core.runner.native_decode is not None
+    hf_bf16 = copy.deepcopy(hf_smollm2).to(torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=5)
+    outputs = llm.generate(SMOLLM2_PROMPTS, params, use_tqdm=False)
+    agreed = []
+    for prompt, output in zip(SMOLLM2_PROMPTS, outputs):
+        completion = output.outputs[0]
+        ours = (completion.token_ids, [{t: lp.logprob for t, lp in position.items()} for position in completion.logprobs])
+        agreed.append(check_logprobs_close(ours, hf_greedy_with_top_logprobs(hf_bf16, output.prompt_token_ids, 24, 5)))
+    # Most of each greedy continuation agrees exactly; a flip, if any, comes after a common start.
+    assert sum(agreed) >= len(SMOLLM2_PROMPTS) * 8, agreed

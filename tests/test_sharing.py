@@ -112,7 +112,7 @@ def test_beam_search_equals_hf_without_eos(llm, hf_tiny, default_tokenizer, widt
     (result,) = llm.beam_search([PROMPT], BeamSearchParams(beam_width=width, max_tokens=10, ignore_eos=True))
     tokens, scores = _hf_beams(hf_tiny, prompt_ids, width, 10, eos_token_id=None, pad_token_id=0)
     assert [s.tokens[len(prompt_ids):] for s in result.sequences] == tokens
-    assert [s.score for s in result.sequences] == pytest.approx(scores, rel=1e-6, abs=1e-5)  # fp32 sums
+    assert [s.score for s in result.sequences] == pytest.approx(scores, abs=5e-5)  # fp32 sums of 12 log-softmaxes
     assert result.sequences[0].text == default_tokenizer.decode(result.sequences[0].tokens, skip_special_tokens=True)
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 
@@ -120,7 +120,7 @@ def test_beam_search_equals_hf_without_eos(llm, hf_tiny, default_tokenizer, widt
 @pytest.fixture(scope="module")
 def eos_model(tiny_llama_dir, tmp_path_factory, llm, default_tokenizer):
     """The tiny model with EOS set to a token its beams often produce, so hypotheses end early."""
-    (result,) = llm.beam_search([PROMPT], BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True))
+    (result,) = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))
     counts: dict[int, int] = {}
     prompt_len = len(default_tokenizer.encode(PROMPT))
     for sequence in result.sequences:
@@ -151,7 +151,7 @@ def test_beam_search_equals_hf_with_eos(eos_model, hf_tiny, default_tokenizer, e
     assert any(s.finish_reason == "stop" for s in result.sequences) == ends_by_eos
     for mine, theirs in zip(ours, tokens):
         assert theirs[: len(mine)] == mine and set(theirs[len(mine):]) <= {eos}
-    assert [s.score for s in result.sequences] == pytest.approx(scores, rel=1e-6, abs=1e-5)  # fp32 sums
+    assert [s.score for s in result.sequences] == pytest.approx(scores, abs=5e-5)  # fp32 sums of 12 log-softmaxes
 
 
 def test_beam_search_params_are_validated():
