@@ -244,6 +244,8 @@ class Scheduler:
         if not (self._prefill_needs_own_step(step.budget) and self._admit_waiting(step)):
             self._schedule_running(step)
             self._admit_waiting(step)
+        if not step.num_scheduled and self.waiting:
+            self._admit_by_preempting_idle(step)
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         return SchedulerOutput(step.new, step.cached, step.num_scheduled, finished, self.kv.take_block_copies())
 
@@ -310,6 +312,23 @@ class Scheduler:
             step.add(request.request_id, num_new)
             admitted = True
         return admitted
+
+    def _admit_by_preempting_idle(self, step: _StepBuilder) -> None:
+        """Nothing could be scheduled: every running sequence waits for the caller (beam candidates that
+        reported their next token while a sibling was preempted), and they hold the blocks or seats the
+        waiting head needs. They are preempted, newest first, until the head is admitted. Each goes to the
+        back of the queue, behind its siblings that have not reported yet: it has nothing to compute
+        before the caller extends it, and at the front it would be readmitted ahead of them forever."""
+        while not step.num_scheduled and self.waiting:
+            idle = [r for r in self.running if r.num_computed_tokens == r.num_tokens]
+            if not idle:
+                return
+            victim = idle[-1]
+            self.running.remove(victim)
+            self._preempt(victim)
+            self.waiting.append(self.waiting.popleft())
+            self._preempted_this_step = False  # the blocks were freed for the head, not for a running request
+            self._admit_waiting(step)
 
     def _has_seats_for(self, request: Request) -> bool:
         """Whether the request's sequences (n of them once forked) fit under max_num_seqs beside the running
