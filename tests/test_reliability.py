@@ -205,3 +205,87 @@ def test_a_fault_in_one_request_fails_only_its_async_stream(tiny_llama_dir, neig
     assert len(results) == 3
     stats = engine.get_stats()
     assert (stats.kv_cache.num_used_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0)
+
+
+# ---- item 3 on the tiny model: random configurations, progress, no leak, equal to the run alone -------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tests.core.test_prefix_cache import check_invariants as check_ref_counts  # noqa: E402
+
+ENGINE_MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def alone_reference(tiny_llama_dir):
+    """Greedy tokens of one request run alone on a roomy engine, memoized."""
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=ENGINE_MAX_MODEL_LEN)
+    memo: dict[tuple, list[int]] = {}
+
+    def reference(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+        key = (prompt, max_tokens)
+        if key not in memo:
+            output = llm.generate([{"prompt_token_ids": list(prompt)}], _greedy(max_tokens), use_tqdm=False)[0]
+            memo[key] = output.outputs[0].token_ids
+        return memo[key]
+
+    return reference
+
+
+@st.composite
+def engine_workloads(draw):
+    block_size = draw(st.sampled_from([4, 16]))
+    chunked = draw(st.booleans())
+    prompts = []
+    for _ in range(draw(st.integers(2, 4))):
+        # Two shared beginnings, so that prefix caching has hits.
+        start = draw(st.sampled_from([list(range(400, 420)), list(range(600, 608)), []]))
+        tail = draw(st.lists(st.integers(1000, 5000), min_size=1, max_size=20))
+        prompts.append((tuple((start + tail)[:40]), draw(st.integers(1, 12)), draw(st.sampled_from([1, 1, 2])),
+                        draw(st.integers(0, 4))))
+    longest = max(len(p) for p, *_ in prompts)
+    # Without chunking, often a budget that the longest prompt fills whole (issue 13 item 3's case).
+    budget = draw(st.integers(8, 64)) if chunked else draw(st.sampled_from([longest, longest, 64]))
+    min_blocks = -(-ENGINE_MAX_MODEL_LEN // block_size)
+    num_blocks = min_blocks + draw(st.sampled_from([0, 1, 4]))
+    aborts = draw(st.lists(st.tuples(st.integers(0, 10), st.integers(0, 9)), max_size=1))
+    return dict(block_size=block_size, enable_chunked_prefill=chunked, max_num_batched_tokens=budget,
+                num_gpu_blocks_override=num_blocks, max_num_seqs=draw(st.integers(1, 4)),
+                enable_prefix_caching=draw(st.booleans())), prompts, aborts
+
+
+@given(workload=engine_workloads())
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+def test_random_engine_configurations_progress_and_equal_the_run_alone(tiny_llama_dir, alone_reference, workload):
+    engine_kwargs, prompts, aborts = workload
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=ENGINE_MAX_MODEL_LEN, **engine_kwargs)
+    engine, scheduler = llm.llm_engine, llm.llm_engine.core.scheduler
+    pending = sorted(range(len(prompts)), key=lambda i: prompts[i][3], reverse=True)
+    finished, aborted = {}, set()
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and prompts[pending[-1]][3] <= step:
+            index = pending.pop()
+            prompt, max_tokens, n, _ = prompts[index]
+            engine.add_request(f"r{index}", {"prompt_token_ids": list(prompt)}, _greedy(max_tokens, n=n))
+        for when, pick in aborts:
+            if when == step and scheduler.groups:
+                victim = sorted(scheduler.groups)[pick % len(scheduler.groups)]
+                engine.abort_request(victim)
+                aborted.add(victim)
+        if engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+            assert engine.core.last_scheduled_request_ids, f"step {step} scheduled nothing"
+            check_ref_counts(scheduler)
+        step += 1
+        assert step < 400, "no progress"
+    _assert_pool_empty(llm)
+    for index, (prompt, max_tokens, n, _) in enumerate(prompts):
+        if f"r{index}" in aborted:
+            continue
+        output = finished[f"r{index}"]
+        assert [c.token_ids for c in output.outputs] == [alone_reference(prompt, max_tokens)] * n, engine_kwargs
