@@ -58,7 +58,8 @@ def check_logprobs_close(ours: tuple[list[int], list[dict]], theirs: tuple[list[
     for position, (mine, theirs_token) in enumerate(zip(our_tokens, their_tokens)):
         if mine == theirs_token:
             continue
-        assert mine in their_tops[position], f"position {position}: our {mine} not in their top-k {their_tops[position]}"
+        assert mine in their_tops[position], (
+            f"position {position}: our {mine} not in their top-k {their_tops[position]}")
         assert theirs_token in our_tops[position], (
             f"position {position}: their {theirs_token} not in our top-k {our_tops[position]}")
         return position

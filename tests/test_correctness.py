@@ -111,7 +111,8 @@ def test_default_smollm2_bf16_matches_hf_bf16(hf_smollm2, default_tokenizer):
     agreed = []
     for prompt, output in zip(SMOLLM2_PROMPTS, outputs):
         completion = output.outputs[0]
-        ours = (completion.token_ids, [{t: lp.logprob for t, lp in position.items()} for position in completion.logprobs])
+        our_tops = [{t: lp.logprob for t, lp in position.items()} for position in completion.logprobs]
+        ours = (completion.token_ids, our_tops)
         agreed.append(check_logprobs_close(ours, hf_greedy_with_top_logprobs(hf_bf16, output.prompt_token_ids, 24, 5)))
     # Most of each greedy continuation agrees exactly; a flip, if any, comes after a common start.
     assert sum(agreed) >= len(SMOLLM2_PROMPTS) * 8, agreed

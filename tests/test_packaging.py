@@ -22,7 +22,8 @@ def test_torch_free_modules_load_no_torch(module):
 
 def test_public_names_import_lazily():
     code = ("import sys; from pagellm import LLM, SamplingParams, AsyncLLMEngine, EngineArgs; import pagellm; "
-            "print(LLM.__name__, SamplingParams.__name__, 'torch' in sys.modules, set(pagellm.__all__) <= set(dir(pagellm)))")
+            "print(LLM.__name__, SamplingParams.__name__, 'torch' in sys.modules, "
+            "set(pagellm.__all__) <= set(dir(pagellm)))")
     assert _run(code) == "LLM SamplingParams True True"
 
 

@@ -3,9 +3,18 @@ request's failure inside a step is that request's alone."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagellm import LLM, SamplingParams
+from pagellm.core.kv_cache_manager import cdiv
+from pagellm.engine.arg_utils import AsyncEngineArgs
+from pagellm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
+from tests.core.test_prefix_cache import check_invariants as check_ref_counts
 from tests.helpers import PROMPTS
 
 
@@ -100,8 +109,6 @@ FAULT_SITES = {
 
 def _inject_fault(monkeypatch, site: str, bad_request_id: str, after_calls: int = 2) -> None:
     """Makes `site` raise for one request, from its (after_calls + 1)-th call on."""
-    import importlib
-
     module_name, class_name = FAULT_SITES[site][0].rsplit(".", 1)
     owner = getattr(importlib.import_module(module_name), class_name)
     method, request_of = FAULT_SITES[site][1], FAULT_SITES[site][2]
@@ -169,11 +176,6 @@ def test_a_fault_in_one_request_fails_it_alone_offline(fault_llm, neighbours_alo
 
 @pytest.mark.parametrize("site", ["output_processor_hook", "core_stop_check"])
 def test_a_fault_in_one_request_fails_only_its_async_stream(tiny_llama_dir, neighbours_alone, monkeypatch, site):
-    import asyncio
-
-    from pagellm.engine.arg_utils import AsyncEngineArgs
-    from pagellm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
-
     engine = AsyncLLMEngine.from_engine_args(
         AsyncEngineArgs(model=tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256))
     _inject_fault(monkeypatch, site, "bad")
@@ -209,11 +211,6 @@ def test_a_fault_in_one_request_fails_only_its_async_stream(tiny_llama_dir, neig
 
 # ---- item 3 on the tiny model: random configurations, progress, no leak, equal to the run alone -------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from tests.core.test_prefix_cache import check_invariants as check_ref_counts  # noqa: E402
-
 ENGINE_MAX_MODEL_LEN = 64
 
 
@@ -247,7 +244,7 @@ def engine_workloads(draw):
     longest = max(len(p) for p, *_ in prompts)
     # Without chunking, often a budget that the longest prompt fills whole (issue 13 item 3's case).
     budget = draw(st.integers(8, 64)) if chunked else draw(st.sampled_from([longest, longest, 64]))
-    min_blocks = -(-ENGINE_MAX_MODEL_LEN // block_size)
+    min_blocks = cdiv(ENGINE_MAX_MODEL_LEN, block_size)
     num_blocks = min_blocks + draw(st.sampled_from([0, 1, 4]))
     aborts = draw(st.lists(st.tuples(st.integers(0, 10), st.integers(0, 9)), max_size=1))
     return dict(block_size=block_size, enable_chunked_prefill=chunked, max_num_batched_tokens=budget,

@@ -224,7 +224,8 @@ def test_every_step_makes_progress_and_every_request_equals_its_run_alone(data):
         out = scheduler.schedule()
         assert out.total_num_scheduled_tokens > 0, f"step {step} scheduled nothing: {scheduler.get_stats()}"
         assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
-        if all(len(members) == 1 and specs[int(group[1:])][1] == "greedy" for group, members in scheduler.groups.items()):
+        kinds = [specs[int(group[1:])][1] for group in scheduler.groups]
+        if all(kind == "greedy" for kind in kinds):
             assert len(scheduler.running) <= config.max_num_seqs  # n > 1 and beams may fork past it
         outputs = scheduler.update_from_output(out, runner.execute(out))
         for output in outputs:
@@ -236,7 +237,7 @@ def test_every_step_makes_progress_and_every_request_equals_its_run_alone(data):
         beams.after_step(outputs)
         check_ref_counts(scheduler)
         step += 1
-        assert step < 300, f"no progress: {scheduler.get_stats()} {[(r.request_id, r.num_tokens, r.num_computed_tokens, r.status.name) for r in scheduler.requests.values()]}"
+        assert step < 300, f"no end after 300 steps: {scheduler.get_stats()}"
 
     stats = scheduler.kv.stats()
     event(f"preempted={scheduler.num_preemptions > 0}")
