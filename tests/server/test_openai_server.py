@@ -129,13 +129,13 @@ def test_stop_string_ends_the_completion(client, offline):
 
 
 def test_penalties_and_logit_bias_reach_the_engine(client, offline):
-    # This prompt's greedy continuation repeats a token within 32, so the penalties change it.
+    # This prompt's greedy continuation repeats a token within 96, so the penalties change it.
     penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
-    expected = offline.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **penalties),
+    expected = offline.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=96, ignore_eos=True, **penalties),
                                 use_tqdm=False)[0].outputs[0].text
-    plain = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=32, **GREEDY).choices[0].text
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=96, **GREEDY).choices[0].text
     penalized = client.completions.create(
-        model="tiny", prompt=PROMPTS[1], max_tokens=32, temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
+        model="tiny", prompt=PROMPTS[2], max_tokens=96, temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
         extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
     ).choices[0].text
     assert penalized == expected != plain
