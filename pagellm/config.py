@@ -30,6 +30,15 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    # Across hosts (tensor_parallel_size ranks split evenly over nnodes): this engine is node 0 and hosts
+    # the rendezvous at master_addr:master_port; the other nodes run `pagellm worker`. On one host the
+    # defaults (127.0.0.1, a free port) need no setting.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    # How long the ranks wait for each other: at the rendezvous, and inside a step's collectives.
+    distributed_timeout_seconds: float = 300.0
     disable_log_stats: bool = True
     # "dummy": random weights of the model's shape and dtype, made on the device (benchmarks with no checkpoint).
     load_format: str = "auto"
@@ -51,17 +60,37 @@ class EngineArgs:
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: this engine version runs on one device; "
-                "use tensor_parallel_size=1."
-            )
+        self._validate_parallel()
         if self.dtype not in ("auto", "float32", "float", "float16", "half", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported; use auto, float32, float16 or bfloat16.")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r} is not supported; use auto or dummy.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={self.device!r} is not supported; use auto, cpu or cuda.")
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            _positive(name, getattr(self, name))
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} does not split evenly over nnodes={self.nnodes}; "
+                "use a tensor_parallel_size that is a multiple of nnodes (the same number of ranks on every node)."
+            )
+        if self.node_rank != 0:
+            raise ValueError(
+                f"node_rank={self.node_rank}: the engine (with its server) runs on node 0; start the other nodes "
+                "with `pagellm worker --node-rank K`."
+            )
+        if self.master_port is not None and not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
+            raise ValueError(f"master_port={self.master_port!r} is out of range; allowed: 1..65535.")
+        if self.nnodes > 1 and (self.master_addr is None or self.master_port is None):
+            raise ValueError(
+                f"nnodes={self.nnodes} needs master_addr and master_port: the address of this host that the other "
+                "nodes can reach, and a free port on it."
+            )
+        if not self.distributed_timeout_seconds > 0:
+            raise ValueError(f"distributed_timeout_seconds={self.distributed_timeout_seconds!r} is out of range; "
+                             "allowed: > 0 seconds.")
 
     @classmethod
     def field_names(cls) -> set[str]:

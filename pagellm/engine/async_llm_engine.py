@@ -28,6 +28,7 @@ from pagellm.core.scheduler import SchedulerStats
 from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_QUEUED_REQUESTS, AsyncEngineArgs
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.engine.request_stream import RequestStream
+from pagellm.executor import ExecutorDeadError
 from pagellm.metrics import IterationStats, RequestTimer, StatLogger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -203,8 +204,8 @@ class AsyncLLMEngine:
         return self.tokenizer
 
     async def check_health(self) -> None:
-        if self._dead_error is not None:
-            raise EngineDeadError(str(self._dead_error))
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
 
     def get_stats(self) -> SchedulerStats:
         """Scheduler and KV-cache counts as of the end of the engine's last iteration."""
@@ -243,6 +244,9 @@ class AsyncLLMEngine:
 
     @property
     def dead_error(self) -> EngineDeadError | None:
+        # A tensor-parallel worker that died while the engine was idle is news before the next step.
+        if self._dead_error is None and self.engine.core.executor.failure is not None:
+            return EngineDeadError(f"{self.engine.core.executor.failure}; restart the server.")
         return self._dead_error
 
     @property
@@ -261,6 +265,7 @@ class AsyncLLMEngine:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        self.engine.core.shutdown()
 
     def _queue_abort(self, request_id: str, stream: RequestStream | None) -> None:
         with self._cond:
@@ -418,6 +423,8 @@ class AsyncLLMEngine:
                 live.timer.on_finish(reason or "stop", now, stats)
 
     def _fail_step(self, exc: Exception, stats: IterationStats, deliveries: list[_Delivery]) -> None:
+        if isinstance(exc, ExecutorDeadError):  # the model's ranks are gone: no later step can succeed
+            raise EngineDeadError(f"{exc} Restart the server.") from exc
         self._consecutive_failures += 1
         if self._consecutive_failures >= self.max_consecutive_step_failures:
             raise EngineDeadError(

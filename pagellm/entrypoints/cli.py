@@ -68,7 +68,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dummy: random weights of the model's shape, for benchmarks without a checkpoint")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="run every step eagerly (no CUDA graphs)")
+    parallel = serve.add_argument_group("tensor parallelism")
+    parallel.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                          help="ranks (processes; one GPU each on CUDA) that split every layer (default: 1)")
+    _add_rendezvous_arguments(parallel)
+    worker = commands.add_parser("worker", help="run this host's tensor-parallel ranks of an engine on another host")
+    _add_rendezvous_arguments(worker)
     return parser
+
+
+def _add_rendezvous_arguments(group) -> None:
+    """Flags shared by `serve` (node 0) and `worker` (the other nodes); defaults from torchrun's variables."""
+    env = os.environ
+    group.add_argument("--nnodes", type=int, default=int(env.get("NNODES", 1)),
+                       help="hosts the ranks are spread over, equally (default: $NNODES or 1)")
+    group.add_argument("--node-rank", type=int, default=int(env.get("NODE_RANK", 0)),
+                       help="this host's index: 0 runs `pagellm serve`, 1.. run `pagellm worker` "
+                            "(default: $NODE_RANK or 0)")
+    group.add_argument("--master-addr", default=env.get("MASTER_ADDR"),
+                       help="address of node 0, where the ranks meet (default: $MASTER_ADDR; 127.0.0.1 on one host)")
+    group.add_argument("--master-port", type=int, default=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None,
+                       help="port of the rendezvous on node 0 (default: $MASTER_PORT; a free port on one host)")
+    group.add_argument("--distributed-timeout-seconds", type=float, default=300.0,
+                       help="how long ranks wait for each other at the rendezvous and in a step (default: 300)")
 
 
 def engine_args_from(args: argparse.Namespace) -> AsyncEngineArgs:
@@ -89,6 +111,12 @@ def engine_args_from(args: argparse.Namespace) -> AsyncEngineArgs:
         load_format=args.load_format,
         enforce_eager=args.enforce_eager,
         max_num_queued_requests=args.max_num_queued_requests,
+        tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        distributed_timeout_seconds=args.distributed_timeout_seconds,
     )
 
 
@@ -107,9 +135,13 @@ def serve(args: argparse.Namespace) -> None:
         sys.exit(f"pagellm serve: --shutdown-timeout={args.shutdown_timeout} must be >= 0 (seconds).")
     config = ServerConfig(args.served_model_name or [model_root], model_root, args.api_key,
                           args.max_request_body_bytes, args.shutdown_timeout)
+    from pagellm.distributed.launch import RendezvousError
+    from pagellm.executor import ExecutorDeadError
+
     try:
         engine = AsyncLLMEngine.from_engine_args(engine_args)
-    except ValueError as exc:  # a model that cannot load or a pool that cannot hold one request: say why
+    except (ValueError, RendezvousError, ExecutorDeadError) as exc:
+        # A model that cannot load, a pool that cannot hold one request, ranks that cannot meet: say why.
         sys.exit(f"pagellm serve: {exc}")
     run_server(engine, config, args.host, args.port, args.uvicorn_log_level)
 
@@ -118,6 +150,21 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         serve(args)
+    elif args.command == "worker":
+        worker(args)
+
+
+def worker(args: argparse.Namespace) -> None:
+    from pagellm.distributed.launch import RendezvousError, run_node
+
+    if args.master_addr is None or args.master_port is None:
+        sys.exit("pagellm worker: pass --master-addr and --master-port (node 0's address and rendezvous port).")
+    try:
+        status = run_node(args.node_rank, args.nnodes, args.master_addr, args.master_port,
+                          args.distributed_timeout_seconds)
+    except (RendezvousError, ValueError) as exc:
+        sys.exit(f"pagellm worker: {exc}")
+    sys.exit(status)
 
 
 if __name__ == "__main__":

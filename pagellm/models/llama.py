@@ -6,6 +6,7 @@ Parameter names follow HuggingFace's, except that q/k/v and gate/up are fused in
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata, paged_attention
+from pagellm.distributed.parallel_state import TensorParallelGroup, current_group
 
 # (fused parameter, checkpoint shard name, shard index)
 _STACKED_PARAMS = (
@@ -61,6 +63,19 @@ class Linear(nn.Linear):
         if self.packed_weight is None or x.shape[0] >= self.MKL_MIN_ROWS:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+class RowParallelLinear(Linear):
+    """A linear layer whose input features are split across the tensor-parallel ranks: each computes a
+    partial product over its slice, and one all-reduce sums them. Only rank 0 holds the real bias (the
+    others hold zeros), so that the sum adds it once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: TensorParallelGroup) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
@@ -158,13 +173,55 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one tensor-parallel rank holds: query heads [q_start, q_start + num_q) and
+    KV heads [kv_start, kv_start + num_kv). With more ranks than KV heads, each KV head is held by
+    size // num_key_value_heads ranks (replicated, as vLLM does), each rank holding one."""
+
+    q_start: int
+    num_q: int
+    kv_start: int
+    num_kv: int
+
+
+def head_shard(config, rank: int, size: int) -> HeadShard:
+    num_q = config.num_attention_heads // size
+    total_kv = config.num_key_value_heads
+    if total_kv >= size:
+        num_kv = total_kv // size
+        return HeadShard(rank * num_q, num_q, rank * num_kv, num_kv)
+    return HeadShard(rank * num_q, num_q, rank // (size // total_kv), 1)
+
+
+def allowed_tensor_parallel_sizes(config) -> list[int]:
+    """Sizes that split query heads and the MLP evenly, and KV heads evenly or by whole replication."""
+    heads, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    return [n for n in range(1, heads + 1)
+            if heads % n == 0 and inter % n == 0 and (kv % n == 0 or n % kv == 0)]
+
+
+def check_tensor_parallel_size(config, size: int) -> None:
+    allowed = allowed_tensor_parallel_sizes(config)
+    if size not in allowed:
+        raise ValueError(
+            f"tensor_parallel_size={size} cannot split this model (num_attention_heads="
+            f"{config.num_attention_heads}, num_key_value_heads={config.num_key_value_heads}, intermediate_size="
+            f"{config.intermediate_size}): each rank needs whole query heads, an equal share of the MLP, and KV "
+            f"heads split evenly or replicated whole; allowed sizes: {allowed}."
+        )
+
+
 class LlamaAttention(nn.Module):
     ops: CpuOps | None = None
 
     def __init__(self, config, layer_index: int) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        group = current_group()
+        # Column-parallel q/k/v (this rank's heads), row-parallel o_proj (Megatron's split).
+        self.shard = head_shard(config, group.rank, group.size)
+        self.num_heads = self.shard.num_q
+        self.num_kv_heads = self.shard.num_kv
         self.head_dim = head_dim_of(config)
         self.layer_index = layer_index
         bias = bool(getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False))
@@ -174,7 +231,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, o_bias, group)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -205,9 +262,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        group = current_group()
+        # This rank's share of the intermediate features: gate/up split by columns, down_proj by rows.
+        self.intermediate_size = config.intermediate_size // group.size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias, group)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; the Llama family uses 'silu'")
 
@@ -263,15 +322,47 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual)[0]
 
 
+LM_HEAD_MODES = ("replicated", "vocab_parallel")
+
+
+def lm_head_mode() -> str:
+    """How the LM head runs under tensor parallelism (PAGELLM_TP_LM_HEAD): "vocab_parallel", each rank
+    computing the logits of its slice of the vocabulary and rank 0 gathering them, or "replicated", rank 0
+    alone running the whole head. README ("Tensor parallelism") has the measurement behind the default."""
+    mode = os.environ.get("PAGELLM_TP_LM_HEAD", "replicated")
+    if mode not in LM_HEAD_MODES:
+        raise ValueError(f"PAGELLM_TP_LM_HEAD={mode!r} is not a mode; use one of {LM_HEAD_MODES}.")
+    return mode
+
+
 class LlamaForCausalLM(nn.Module):
+    """Built for the tensor-parallel group current at construction (see parallel_state.building_with):
+    this rank's heads and MLP share; the embedding replicated; the LM head replicated or split by vocab."""
+
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
+        self.group = current_group()
         self.model = LlamaModel(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if self.tie_word_embeddings:
+        self.split_lm_head = self.group.size > 1 and lm_head_mode() == "vocab_parallel"
+        # Rows of the LM head on this rank: a ceil share of the vocabulary (the last rank's tail is padding).
+        self.vocab_shard = -(-config.vocab_size // self.group.size) if self.split_lm_head else config.vocab_size
+        self.lm_head = Linear(config.hidden_size, self.vocab_shard, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make the LM head the embedding where they are one tensor (a vocab-split head holds a copy of its slice)."""
+        if self.tie_word_embeddings and not self.split_lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_heads_per_rank(self) -> int:
+        return self.model.layers[0].self_attn.num_heads
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self.model.layers[0].self_attn.num_kv_heads
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
@@ -301,7 +392,13 @@ class LlamaForCausalLM(nn.Module):
         tensors = list(self.parameters()) + packed
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [rows, vocab] in float32 on rank 0; None on the other tensor-parallel ranks."""
+        if self.split_lm_head:
+            logits = self.group.gather_to_first(self.lm_head(hidden))
+            return None if logits is None else logits[:, : self.config.vocab_size].float()
+        if self.group.rank != 0:
+            return None
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
@@ -317,7 +414,14 @@ class LlamaForCausalLM(nn.Module):
             target, shard = _fused_target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            if self.split_lm_head and self.tie_word_embeddings and target == "model.embed_tokens.weight":
+                self._load_lm_head_shard(params["lm_head.weight"], tensor, name)
+            if self.split_lm_head and target == "lm_head.weight":
+                self._load_lm_head_shard(params[target], tensor, name)
+                loaded.add(target)
+                continue
             param = params[target]
+            tensor = self._rank_slice(target, shard, tensor)
             if shard is None:
                 _copy_checked(param, tensor, name)
             else:
@@ -327,6 +431,32 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _rank_slice(self, target: str, shard: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of a full checkpoint tensor that this tensor-parallel rank holds."""
+        if self.group.size == 1:
+            return tensor
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        head_dim, rank = attn.head_dim, self.group.rank
+        if "qkv_proj" in target:
+            heads = attn.shard
+            start, count = (heads.q_start, heads.num_q) if shard == 0 else (heads.kv_start, heads.num_kv)
+            return tensor.narrow(0, start * head_dim, count * head_dim)
+        if "gate_up_proj" in target:
+            return tensor.narrow(0, rank * mlp.intermediate_size, mlp.intermediate_size)
+        if target.endswith("o_proj.weight"):
+            return tensor.narrow(1, attn.shard.q_start * head_dim, attn.q_size)
+        if target.endswith("down_proj.weight"):
+            return tensor.narrow(1, rank * mlp.intermediate_size, mlp.intermediate_size)
+        if target.endswith(("o_proj.bias", "down_proj.bias")) and rank != 0:
+            return torch.zeros_like(tensor)  # the all-reduce adds rank 0's bias once
+        return tensor
+
+    def _load_lm_head_shard(self, param: torch.Tensor, full: torch.Tensor, name: str) -> None:
+        start = self.group.rank * self.vocab_shard
+        rows = max(0, min(self.vocab_shard, full.shape[0] - start))
+        param.zero_()  # padding rows past the vocabulary give logits that the gather trims off
+        _copy_checked(param.narrow(0, 0, rows), full.narrow(0, start, rows), name)
 
     def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
         layer = self.model.layers[0]

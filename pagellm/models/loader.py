@@ -98,8 +98,7 @@ def load_model(
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_cache(device)
-    if model.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_weights()
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
     else:

@@ -74,7 +74,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.vocab_size = model.config.vocab_size
-        self.num_kv_heads = model.config.num_key_value_heads
+        self.num_kv_heads = model.num_kv_heads_per_rank  # this tensor-parallel rank's share of the pool
         self.max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((0, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(0, dtype=np.int64)
@@ -90,10 +90,12 @@ class ModelRunner:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
+        # Under tensor parallelism only rank 0 samples; the other ranks skip building sampling inputs.
+        self.samples = model.group.rank == 0
         self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        config = model.config
-        shape = AttentionShape(config.num_attention_heads, config.num_key_value_heads, head_dim_of(config), block_size)
+        # This rank's heads (all of them without tensor parallelism).
+        shape = AttentionShape(model.num_heads_per_rank, self.num_kv_heads, head_dim_of(model.config), block_size)
         self.attn_backend = select_backend(device, next(model.parameters()).dtype, shape)
         self.max_num_seqs = max_num_seqs
         # Captured after the KV pool exists (capture_cuda_graphs); None runs every step eagerly.
@@ -200,11 +202,12 @@ class ModelRunner:
         num_samples = int(inputs.fanout.sum())
         # Built (and sent to the device) before the forward is queued: building it after would make each
         # host-to-device copy wait for the forward, and the GPU would idle while the sampler is launched.
-        sampling = self._step_sampling_batch(rows, inputs) if num_samples else None
+        sampling = self._step_sampling_batch(rows, inputs) if num_samples and self.samples else None
         hidden = self._run_model(inputs)
         output = ModelRunnerOutput()
-        if len(inputs.logits_index):
-            logits = self.model.compute_logits(hidden[inputs.logits_index])
+        logits = self.model.compute_logits(hidden[inputs.logits_index]) if len(inputs.logits_index) else None
+        # None on tensor-parallel ranks other than 0: rank 0 samples, and sends its tokens with the next step.
+        if logits is not None:
             if num_samples:
                 self._sample(logits[:num_samples], rows, inputs, sampling, output)
             if inputs.prompt_logprob_positions:
@@ -242,6 +245,14 @@ class ModelRunner:
             if state.appends_sampled_tokens:
                 appending.append((row, tokens[offset]))
             offset += fanout
+        self._append_tokens(appending)
+
+    def append_sampled_tokens(self, sampled_token_ids: dict[str, int]) -> None:
+        """On a tensor-parallel rank that does not sample: the tokens rank 0 sampled last step."""
+        self._append_tokens([(self.row_of[request_id], token) for request_id, token in sampled_token_ids.items()
+                             if request_id in self.row_of and self.rows[self.row_of[request_id]].appends_sampled_tokens])
+
+    def _append_tokens(self, appending: list[tuple[int, int]]) -> None:
         if appending:
             append_rows, append_tokens = (np.array(x, dtype=np.int64) for x in zip(*appending))
             self.token_ids[append_rows, self.num_tokens[append_rows]] = append_tokens
@@ -449,8 +460,9 @@ class ModelRunner:
             self.num_computed[rows] = 0
             self.block_table[rows, : blocks.shape[1]] = blocks
             hidden = self._run_model(self._prepare_inputs(rows, lengths))
-            if sample:
-                self._probe_sampler(self.model.compute_logits(hidden))
+            logits = self.model.compute_logits(hidden) if sample else None
+            if logits is not None:  # None on tensor-parallel ranks that do not sample
+                self._probe_sampler(logits)
         finally:
             (self.token_ids[rows], self.num_tokens[rows], self.num_computed[rows], self.block_table[rows]) = saved
             self.kv_caches = saved_caches

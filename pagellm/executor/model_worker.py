@@ -1,0 +1,181 @@
+"""One rank's share of the model: its weights, its model runner and the KV pool of its KV heads.
+
+With tensor_parallel_size=1 the engine process holds the only one; with N ranks each process holds one,
+and all of them size their pools together (the smallest that every rank can hold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from pagellm.core.kv_cache_manager import cdiv
+from pagellm.cpu_features import cpu_has_native
+from pagellm.distributed.parallel_state import SINGLE, TensorParallelGroup, building_with
+from pagellm.models import loader
+from pagellm.models.llama import check_tensor_parallel_size, head_dim_of
+from pagellm.worker.kv_cache import (
+    GiB,
+    KVCacheSpec,
+    allocate_kv_cache,
+    device_memory_at_start,
+    kv_cache_budget,
+    layer_views,
+    measure_peak,
+)
+from pagellm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    source: loader.ModelSource
+    hf_config: object
+    tokenizer: object  # None on ranks other than 0, which never see text
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class ModelWorker:
+    def __init__(self, args: EngineArgs, group: TensorParallelGroup = SINGLE, device: torch.device | None = None,
+                 ranks_on_host: int = 1) -> None:
+        device = device or pick_device(args.device)
+        if device.type == "cpu" and group.size == 1:
+            # Every core this process may run on; torch's default can count cores outside the affinity mask.
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
+        total_memory, free_memory = device_memory_at_start(device)
+        if device.type == "cpu":
+            # Ranks on one host share its memory.
+            total_memory, free_memory = total_memory // ranks_on_host, free_memory // ranks_on_host
+        if device.type == "cuda" and free_memory < args.gpu_memory_utilization * total_memory:
+            raise ValueError(
+                f"only {free_memory / GiB:.2f} GiB of {total_memory / GiB:.2f} GiB device memory is free, less than "
+                f"gpu_memory_utilization={args.gpu_memory_utilization} asks for; lower gpu_memory_utilization "
+                "or free the device."
+            )
+        source = loader.resolve_model(args.model)
+        hf_config, gguf_state_dict = loader.load_hf_config(source)
+        loader.check_architecture(hf_config)
+        check_tensor_parallel_size(hf_config, group.size)
+        max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
+        dtype = resolve_dtype(args.dtype, hf_config, device)
+        with building_with(group):
+            model = loader.load_model(source, hf_config, gguf_state_dict, dtype, device, max_model_len,
+                                      args.load_format, args.seed)
+        del gguf_state_dict
+        tokenizer, eos_ids = None, frozenset()
+        if group.rank == 0:
+            tokenizer = loader.load_tokenizer(source, args.tokenizer)
+            eos_ids = frozenset(loader.eos_token_ids(source, hf_config, tokenizer))
+        self.model_info = ModelInfo(source, hf_config, tokenizer, eos_ids, max_model_len, dtype, device)
+        self.group = group
+
+        self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[device.type]
+        budget = self.max_num_batched_tokens
+        self.runner = ModelRunner(model, device, args.block_size, max_model_len, args.max_num_seqs, args.seed, eos_ids)
+        spec = KVCacheSpec(hf_config.num_hidden_layers, model.num_kv_heads_per_rank, head_dim_of(hf_config),
+                           args.block_size, dtype)
+        self.weights_bytes = model.weights_bytes()
+        # A step can never hold more than max_num_seqs sequences of max_model_len tokens.
+        profile_tokens = min(budget, args.max_num_seqs * max_model_len)
+        self.num_profiled_decodes = min(args.max_num_seqs, budget)
+        # A captured decode step would hold its collectives too, and the ranks would have to capture and replay
+        # the same batch sizes in lockstep; that is not built, so tensor-parallel steps run eagerly.
+        self.use_graphs = not args.enforce_eager and group.size == 1 and self.runner.can_capture_cuda_graphs()
+        self.prefill_peak, self.decode_peak = self._profile(spec, profile_tokens, self.num_profiled_decodes,
+                                                            max_model_len, device)
+        self.activation_peak = max(self.prefill_peak, self.decode_peak)
+        # The graphs' pool keeps about one worst decode step's temporaries for good, beside the activations.
+        self.graph_reserve = self.decode_peak if self.use_graphs else 0
+        num_blocks, _, self.kv_reason = self._num_blocks(args, spec, device, total_memory, self.weights_bytes,
+                                                         self.activation_peak + self.graph_reserve)
+        # Every rank addresses the same block ids: the pool is as large as the smallest rank can hold.
+        smallest = group.min_over_ranks(num_blocks)
+        if smallest < num_blocks:
+            self.kv_reason += f"; the smallest of {group.size} ranks' pools"
+        self.num_blocks = smallest
+        self.kv_bytes = smallest * spec.bytes_per_block
+        _check_fits(self.num_blocks, args.block_size, max_model_len)
+        self.runner.set_kv_pool(allocate_kv_cache(spec, self.num_blocks, device))
+        self.graph_bytes = self.runner.capture_cuda_graphs() if self.use_graphs else 0
+
+    def _profile(self, spec: KVCacheSpec, budget: int, num_decodes: int, max_model_len: int,
+                 device) -> tuple[int, int]:
+        """Activation peaks of the largest prefill step and of the worst decode step with its sampler."""
+        seq_len = min(budget, max_model_len)
+        blocks = cdiv(budget, seq_len) * cdiv(seq_len, spec.block_size)
+        one_layer = dataclasses.replace(spec, num_layers=1)
+        scratch = layer_views(allocate_kv_cache(one_layer, blocks, device))
+        with measure_peak(device) as prefill:
+            self.runner.profile_prefill(budget, scratch)
+        with measure_peak(device) as decode:
+            self.runner.profile_decode(num_decodes, scratch)
+        del scratch
+        return prefill["peak"], decode["peak"]
+
+    @staticmethod
+    def _num_blocks(args, spec, device, total_memory, weights_bytes, activation_peak) -> tuple[int, int, str]:
+        """(blocks, bytes, what decided the size) of the KV pool."""
+        if args.num_gpu_blocks_override is not None:
+            blocks = args.num_gpu_blocks_override
+            return blocks, blocks * spec.bytes_per_block, "num_gpu_blocks_override"
+        budget = kv_cache_budget(device, args.gpu_memory_utilization, total_memory, weights_bytes,
+                                 activation_peak, args.kv_cache_memory_bytes)
+        num_blocks = budget.kv_cache // spec.bytes_per_block
+        return num_blocks, num_blocks * spec.bytes_per_block, budget.reason
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu' or 'auto'.")
+    return torch.device(name)
+
+
+def resolve_max_model_len(requested: int | None, hf_config) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and getattr(hf_config, "model_type", "") == "mistral":
+        # Attention here is full, which equals sliding-window attention only within one window.
+        limit = min(limit, window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds what the model supports ({limit}, from max_position_embeddings"
+            f"{' and sliding_window' if window else ''}); pass max_model_len <= {limit}."
+        )
+    return requested
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    named = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+             "bfloat16": torch.bfloat16}
+    if name != "auto":
+        return named[name]
+    if device.type == "cpu":
+        # Without native bf16 (AVX512-BF16/AMX) CPU bf16 matmuls are emulated and slower than fp32.
+        return torch.bfloat16 if cpu_has_native(torch.bfloat16) else torch.float32
+    config_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if config_dtype in (torch.float16, "float16"):
+        return torch.float16
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def _check_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    need = cdiv(max_model_len, block_size)
+    if num_blocks < need:
+        raise ValueError(
+            f"the KV cache has room for {num_blocks} blocks ({num_blocks * block_size} tokens), but one request of "
+            f"max_model_len={max_model_len} needs {need} blocks ({max_model_len} tokens). Raise "
+            "gpu_memory_utilization or kv_cache_memory_bytes (or num_gpu_blocks_override), or lower max_model_len."
+        )

@@ -1,0 +1,94 @@
+"""Tensor parallelism gives TP=1's tokens, token for token in fp32: batched, preempted, chunked, prefix-cached,
+n > 1 with seeds, beam search and logprobs, on 2 and 4 ranks (the tiny 4-KV-head Llama) and on 3 (SmolLM2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from pagellm.sampling_params import BeamSearchParams
+from tests.helpers import PROMPTS
+
+# A small pool (preemption), a 32-token budget (chunked prefill) and 4-token blocks (many copy-on-writes).
+ENGINE = dict(dtype="float32", block_size=4, num_gpu_blocks_override=48, max_num_batched_tokens=32,
+              max_model_len=192, distributed_timeout_seconds=60)
+# PROMPTS[2] again: a prefix-cache hit once the first one's blocks are computed.
+BATCH = PROMPTS[:6] + [PROMPTS[2]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(n=3, temperature=0.9, top_p=0.95, seed=7, max_tokens=8, ignore_eos=True)
+LOGPROBS = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+BEAM = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+
+
+def _run(llm: LLM) -> dict:
+    greedy = llm.generate(BATCH, GREEDY, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    sampled = llm.generate(PROMPTS[:2], SAMPLED, use_tqdm=False)
+    scored = llm.generate(PROMPTS[3:5], LOGPROBS, use_tqdm=False)
+    beams = llm.beam_search([{"prompt": p} for p in PROMPTS[:2]], BEAM)
+    return {
+        "greedy": [o.outputs[0].token_ids for o in greedy],
+        "preemptions": stats.num_preemptions,
+        "sampled": [[c.token_ids for c in o.outputs] for o in sampled],
+        "logprob_tokens": [[{k: v.rank for k, v in step.items()} for step in o.outputs[0].logprobs] for o in scored],
+        "logprob_values": [[max(v.logprob for v in step.values()) for step in o.outputs[0].logprobs] for o in scored],
+        "prompt_logprob_tokens": [[sorted(step) if step else None for step in o.prompt_logprobs] for o in scored],
+        "beams": [[s.tokens for s in b.sequences] for b in beams],
+        "free_blocks_after": llm.llm_engine.get_stats().kv_cache.num_used_blocks,
+    }
+
+
+def _engine(model: str, tp: int, **overrides) -> LLM:
+    return LLM(model, tensor_parallel_size=tp, **{**ENGINE, **overrides})
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_4kv_dir) -> dict:
+    llm = _engine(tiny_4kv_dir, 1)
+    result = _run(llm)
+    assert result["preemptions"] > 0, "the reference run must preempt, or the TP runs test nothing of it"
+    return result
+
+
+def _assert_same(result: dict, reference: dict) -> None:
+    for key in ("greedy", "preemptions", "sampled", "logprob_tokens", "prompt_logprob_tokens", "beams"):
+        assert result[key] == reference[key], key
+    for ours, theirs in zip(result["logprob_values"], reference["logprob_values"]):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+    assert result["free_blocks_after"] == 0
+
+
+def test_tp2_equals_tp1(tiny_4kv_dir, reference):
+    llm = _engine(tiny_4kv_dir, 2)
+    try:
+        assert llm.llm_engine.core.runner.num_kv_heads == 2
+        _assert_same(_run(llm), reference)
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
+def test_tp4_vocab_parallel_lm_head_equals_tp1(tiny_4kv_dir, reference, monkeypatch):
+    # Four ranks on two cores (they share them), one KV head each, and the LM head split by vocabulary.
+    monkeypatch.setenv("PAGELLM_TP_LM_HEAD", "vocab_parallel")
+    llm = _engine(tiny_4kv_dir, 4)
+    try:
+        assert llm.llm_engine.core.runner.model.split_lm_head
+        result = _run(llm)
+        for key in ("greedy", "sampled"):
+            assert result[key] == reference[key], key
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
+def test_smollm2_tp3_equals_tp1():
+    # 9 query heads and 3 KV heads: 3 ranks of 3 + 1. Short: SmolLM2 is 30 layers.
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[7]]
+    kwargs = dict(max_model_len=128, num_gpu_blocks_override=64, max_num_batched_tokens=32, block_size=16)
+    expected = [o.outputs[0].token_ids for o in _engine(None, 1, **kwargs).generate(prompts, params, use_tqdm=False)]
+    llm = _engine(None, 3, **kwargs)
+    try:
+        assert llm.llm_engine.core.runner.num_kv_heads == 1
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        llm.llm_engine.core.shutdown()
