@@ -100,7 +100,8 @@ _current = SINGLE
 def build_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta,
                 idle_timeout: timedelta) -> TensorParallelGroup:
     """Joins the ranks that meet on `store`; returns once all `size` have joined (or raises on timeout)."""
-    cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, idle_timeout)
+    cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
+    cpu_group.set_timeout(idle_timeout)  # after the rendezvous, which `timeout` bounds
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

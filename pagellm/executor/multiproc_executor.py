@@ -85,7 +85,7 @@ class MultiprocExecutor:
             output = self.driver.runner.execute(scheduler_output)
         except Exception as exc:
             # Give a dying worker a moment to be reaped, so that the error names it rather than the socket.
-            deadline = time.monotonic() + 2.0
+            deadline = time.monotonic() + 0.5
             while self._worker_failure() is None and time.monotonic() < deadline and self.processes:
                 time.sleep(0.02)
             self.failure = self._worker_failure() or f"a tensor-parallel step failed on rank 0: {exc!r}"
@@ -148,7 +148,8 @@ class MultiprocExecutor:
                 self.group.broadcast_object(None)
             except Exception:  # noqa: BLE001 - a worker that cannot hear it is terminated below
                 pass
-        launch.stop_processes(self.processes)
+        # After a failure the workers may be stuck in a collective that will never complete: no grace.
+        launch.stop_processes(self.processes, grace_s=0.0 if self.failure else 5.0)
         if self.group is not None:
             self.group.shutdown()
         os.sched_setaffinity(0, self._saved_affinity)
