@@ -65,7 +65,7 @@ class StartupTimes:
 # ---- pagellm ---------------------------------------------------------------------------------------
 
 
-def run_pagellm(workload: Workload, args: argparse.Namespace) -> tuple[ThroughputResult, StartupTimes]:
+def run_pagellm(workload: Workload, args: argparse.Namespace) -> tuple[ThroughputResult, StartupTimes, "StepProfile | None"]:
     from pagellm import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -76,6 +76,7 @@ def run_pagellm(workload: Workload, args: argparse.Namespace) -> tuple[Throughpu
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     ready = time.perf_counter() - started
     core = llm.llm_engine.core
@@ -83,9 +84,62 @@ def run_pagellm(workload: Workload, args: argparse.Namespace) -> tuple[Throughpu
     dtype = str(core.model_info.dtype).removeprefix("torch.")
 
     prompts = [{"prompt_token_ids": request.prompt_token_ids} for request in workload.requests]
+    profile = StepProfile.attach(core.executor)
     generated, seconds = _timed_generate("pagellm", llm, prompts, SamplingParams, workload.requests)
+    core.shutdown()
     result = ThroughputResult("pagellm", dtype, len(generated), workload.num_prompt_tokens, sum(generated), seconds)
-    return result, startup
+    return result, startup, profile
+
+
+@dataclass
+class StepProfile:
+    """Where rank 0's step time goes under tensor parallelism: the model's all-reduces (waiting for the
+    slowest rank included), the step broadcast, and the LM head's gather, timed around each call."""
+
+    step_s: float = 0.0
+    num_steps: int = 0
+    all_reduce_s: float = 0.0
+    num_all_reduces: int = 0
+    broadcast_s: float = 0.0
+    gather_s: float = 0.0
+
+    @classmethod
+    def attach(cls, executor) -> StepProfile | None:
+        group = getattr(executor, "group", None)
+        if group is None:
+            return None
+        profile = cls()
+        profile._wrap(executor, "execute", "step_s", "num_steps")
+        profile._wrap(group, "all_reduce", "all_reduce_s", "num_all_reduces")
+        profile._wrap(group, "broadcast_object", "broadcast_s", None)
+        profile._wrap(group, "gather_to_first", "gather_s", None)
+        return profile
+
+    def _wrap(self, owner, method: str, seconds_field: str, count_field: str | None) -> None:
+        original = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                setattr(self, seconds_field, getattr(self, seconds_field) + time.perf_counter() - started)
+                if count_field:
+                    setattr(self, count_field, getattr(self, count_field) + 1)
+
+        setattr(owner, method, timed)
+
+    def describe(self) -> str:
+        share = self.all_reduce_s / self.step_s if self.step_s else 0.0
+        mean_us = 1e6 * self.all_reduce_s / self.num_all_reduces if self.num_all_reduces else 0.0
+        return (f"rank 0 step time {self.step_s:.2f} s over {self.num_steps} steps: all-reduce {self.all_reduce_s:.2f} s "
+                f"({share:.0%}; {self.num_all_reduces} calls, {mean_us:.0f} us each), step broadcast "
+                f"{self.broadcast_s:.2f} s, logits gather {self.gather_s:.2f} s")
+
+    def as_json(self) -> dict:
+        return {"step_s": round(self.step_s, 3), "all_reduce_s": round(self.all_reduce_s, 3),
+                "num_all_reduces": self.num_all_reduces, "broadcast_s": round(self.broadcast_s, 3),
+                "gather_s": round(self.gather_s, 3)}
 
 
 def _timed_generate(engine: str, llm, prompts: list, params_class, requests: Sequence[BenchRequest]):
@@ -117,7 +171,7 @@ def run_vllm(workload: Workload, args: argparse.Namespace) -> tuple[ThroughputRe
 
     started = time.perf_counter()
     options = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed,
-                   enforce_eager=args.enforce_eager)
+                   enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
     for name in ("max_num_batched_tokens", "max_model_len"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
@@ -263,6 +317,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="pagellm: token budget per step (default: the engine's, 2048 on CPU)")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="pagellm: longest sequence (default: the model's max_position_embeddings)")
+    engine.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                        help="ranks that split the model (processes; cores are divided between them); "
+                             "on pagellm, also prints where rank 0's step time goes (default: %(default)s)")
     engine.add_argument("--engine", choices=["pagellm", "vllm"], default="pagellm",
                         help="the engine to measure; vllm needs a Python with vllm installed and --model an HF "
                              "directory (default: %(default)s)")
@@ -298,10 +355,12 @@ def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
 
     if args.engine == "vllm":
         result, vllm_ready = run_vllm(workload, args)
-        startup = None
+        startup = profile = None
         print(f"vLLM start-up: {vllm_ready:.2f} s wall clock to ready")
     else:
-        result, startup = run_pagellm(workload, args)
+        result, startup, profile = run_pagellm(workload, args)
+        if profile is not None:
+            print(f"tensor_parallel_size={args.tensor_parallel_size}: {profile.describe()}")
         print(f"pagellm start-up: {startup.core_seconds:.2f} s in the engine core (weights, profiling pass, KV pool "
               f"of {startup.num_blocks:,} blocks x {startup.block_size}), {startup.ready_seconds:.2f} s wall clock "
               "to ready")
@@ -326,6 +385,9 @@ def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
         line.update(cpus=load.cpus, loadavg_start=load.load_at_start, loadavg_end=load.load_at_end)
         if r.engine == "pagellm" and startup is not None:
             line.update(startup_core_s=round(startup.core_seconds, 3), startup_ready_s=round(startup.ready_seconds, 3))
+            line.update(tensor_parallel_size=args.tensor_parallel_size)
+            if profile is not None:
+                line.update(profile.as_json())
         elif r.engine.startswith("vLLM"):
             line.update(startup_ready_s=round(vllm_ready, 3))
         print(json.dumps(line))

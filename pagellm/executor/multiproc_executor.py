@@ -66,6 +66,8 @@ class MultiprocExecutor:
             self.driver = ModelWorker(args, self.group, device, spec.ranks_per_node)
         except BaseException as exc:
             reason = self._worker_failure()
+            # The other ranks may be inside a collective that rank 0 will never join: stop them, without asking.
+            self.failure = reason or f"start-up failed on rank 0: {exc!r}"
             self.shutdown()
             if reason is not None and not isinstance(exc, ValueError):
                 raise ExecutorDeadError(f"tensor-parallel start-up failed: {reason}") from exc

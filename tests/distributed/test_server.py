@@ -29,3 +29,19 @@ def test_serve_tp2_answers_and_ctrl_c_leaves_no_process(tiny_4kv_dir, tmp_path):
         assert shared_memory_entries() <= shm_before
     finally:
         server.stop()
+
+
+def test_throughput_benchmark_runs_tp2_and_profiles_all_reduce(tiny_4kv_dir, capsys):
+    import json
+
+    from benchmarks import throughput
+
+    throughput.main(["--model", tiny_4kv_dir, "--dtype", "float32", "--num-prompts", "3", "--input-len", "8",
+                     "--output-len", "4", "--tensor-parallel-size", "2"])
+    out = capsys.readouterr().out
+    (line,) = [json.loads(text) for text in out.splitlines() if text.startswith("{")]
+    assert line["tensor_parallel_size"] == 2 and line["num_output_tokens"] == 12
+    # 3 layers x 2 row-parallel layers per forward, one forward per step.
+    assert line["num_all_reduces"] > 0 and line["num_all_reduces"] % 6 == 0
+    assert 0 < line["all_reduce_s"] < line["step_s"]
+    assert "all-reduce" in out
