@@ -1,5 +1,6 @@
 """Tensor parallelism gives TP=1's tokens, token for token in fp32: batched, preempted, chunked, prefix-cached,
-n > 1 with seeds, beam search and logprobs, on 2 and 4 ranks (the tiny 4-KV-head Llama) and on 3 (SmolLM2)."""
+n > 1 with seeds, beam search and logprobs, on 2 ranks (the tiny 4-KV-head Llama) and on 3 (SmolLM2). Four
+ranks (one KV head each, the LM head split by vocabulary) run the same batch in test_rendezvous.py."""
 
 from __future__ import annotations
 
@@ -63,19 +64,6 @@ def test_tp2_equals_tp1(tiny_4kv_dir, reference):
     try:
         assert llm.llm_engine.core.runner.num_kv_heads == 2
         _assert_same(_run(llm), reference)
-    finally:
-        llm.llm_engine.core.shutdown()
-
-
-def test_tp4_vocab_parallel_lm_head_equals_tp1(tiny_4kv_dir, reference, monkeypatch):
-    # Four ranks on two cores (they share them), one KV head each, and the LM head split by vocabulary.
-    monkeypatch.setenv("PAGELLM_TP_LM_HEAD", "vocab_parallel")
-    llm = _engine(tiny_4kv_dir, 4)
-    try:
-        assert llm.llm_engine.core.runner.model.split_lm_head
-        result = _run(llm)
-        for key in ("greedy", "sampled"):
-            assert result[key] == reference[key], key
     finally:
         llm.llm_engine.core.shutdown()
 
