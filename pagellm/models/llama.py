@@ -16,7 +16,7 @@ from torch import nn
 
 from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata, paged_attention
-from pagellm.distributed.parallel_state import TensorParallelGroup, current_group
+from pagellm.distributed.parallel_state import TensorParallelGroup, current_group, tp_all_reduce, tp_rank, tp_size
 
 # (fused parameter, checkpoint shard name, shard index)
 _STACKED_PARAMS = (
@@ -75,7 +75,7 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(super().forward(x))
+        return tp_all_reduce(super().forward(x), self.group)
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
@@ -217,9 +217,8 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config, layer_index: int) -> None:
         super().__init__()
-        group = current_group()
         # Column-parallel q/k/v (this rank's heads), row-parallel o_proj (Megatron's split).
-        self.shard = head_shard(config, group.rank, group.size)
+        self.shard = head_shard(config, tp_rank(), tp_size())
         self.num_heads = self.shard.num_q
         self.num_kv_heads = self.shard.num_kv
         self.head_dim = head_dim_of(config)
@@ -231,7 +230,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, o_bias, group)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, o_bias, current_group())
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -262,11 +261,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        group = current_group()
         # This rank's share of the intermediate features: gate/up split by columns, down_proj by rows.
-        self.intermediate_size = config.intermediate_size // group.size
+        self.intermediate_size = config.intermediate_size // tp_size()
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
-        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias, group)
+        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias, current_group())
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; the Llama family uses 'silu'")
 

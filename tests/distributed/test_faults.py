@@ -10,10 +10,12 @@ import signal
 import httpx
 import pytest
 
+from pagellm import LLM
 from pagellm.engine.arg_utils import AsyncEngineArgs
 from pagellm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from pagellm.entrypoints.openai.api_server import build_app
 from pagellm.entrypoints.openai.serving import ServerConfig
+from pagellm.executor import ExecutorDeadError
 from pagellm.sampling_params import SamplingParams
 from tests.distributed.conftest import children_of, is_running, shared_memory_entries
 from tests.server.utils import StepFault, wait_until
@@ -87,3 +89,39 @@ def test_exception_in_rank0_forward_fails_requests_and_stops_workers(tiny_4kv_di
 
     asyncio.run(run())
     _assert_clean_shutdown(engine, workers, shm_before)
+
+
+# Loaded by every new interpreter that has its directory on PYTHONPATH: here only the worker, started after the
+# test sets the variable (this process is already running). Its third step raises as a failed allocation would.
+WORKER_FAULT = """
+from pagellm.worker import model_runner
+
+_execute = model_runner.ModelRunner.execute
+_calls = [0]
+
+
+def execute(self, scheduler_output):
+    _calls[0] += 1
+    if _calls[0] == 3:
+        raise MemoryError("injected: the worker ran out of memory in its forward")
+    return _execute(self, scheduler_output)
+
+
+model_runner.ModelRunner.execute = execute
+"""
+
+
+def test_exception_in_a_workers_forward_reaches_the_caller(tiny_4kv_dir, tmp_path, monkeypatch):
+    (tmp_path / "sitecustomize.py").write_text(WORKER_FAULT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    shm_before = shared_memory_entries()
+    llm = LLM(tiny_4kv_dir, dtype="float32", tensor_parallel_size=2, max_model_len=256,
+              kv_cache_memory_bytes=16 << 20, distributed_timeout_seconds=30)
+    workers = [p.pid for p in llm.llm_engine.core.executor.processes]
+    with pytest.raises(ExecutorDeadError, match=r"rank 1 .*exited with status 1: MemoryError: injected"):
+        llm.generate(["Hello there"], LONG, use_tqdm=False)
+    with pytest.raises(ExecutorDeadError):  # and it stays failed
+        llm.generate(["Hello"], LONG, use_tqdm=False)
+    llm.llm_engine.core.shutdown()
+    assert not any(is_running(pid) for pid in workers)
+    assert shared_memory_entries() <= shm_before
