@@ -18,6 +18,13 @@ def tiny_4kv_dir(tmp_path_factory, default_tokenizer) -> str:
     return _save_tiny(tmp_path_factory.mktemp("tiny-llama-4kv"), default_tokenizer, **TINY_4KV)
 
 
+@pytest.fixture(scope="session")
+def tiny_mqa_dir(tmp_path_factory, default_tokenizer) -> str:
+    """One KV head for four query heads: two ranks must replicate it."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama-mqa"), default_tokenizer,
+                      **{**TINY_4KV, "num_key_value_heads": 1})
+
+
 def children_of(pid: int) -> list[int]:
     """Live child processes of `pid` (from /proc, no psutil)."""
     children = []

@@ -68,6 +68,17 @@ def test_tp2_equals_tp1(tiny_4kv_dir, reference):
         llm.llm_engine.core.shutdown()
 
 
+def test_replicated_kv_head_tp2_equals_tp1(tiny_mqa_dir):
+    # One KV head and two ranks: each rank holds a copy of it (vLLM's replication) for its own query heads.
+    expected = [o.outputs[0].token_ids for o in _engine(tiny_mqa_dir, 1).generate(BATCH, GREEDY, use_tqdm=False)]
+    llm = _engine(tiny_mqa_dir, 2)
+    try:
+        assert llm.llm_engine.core.runner.num_kv_heads == 1
+        assert [o.outputs[0].token_ids for o in llm.generate(BATCH, GREEDY, use_tqdm=False)] == expected
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
 def test_smollm2_tp3_equals_tp1():
     # 9 query heads and 3 KV heads: 3 ranks of 3 + 1. Short: SmolLM2 is 30 layers.
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
