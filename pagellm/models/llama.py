@@ -344,14 +344,18 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.split_lm_head = self.group.size > 1 and lm_head_mode() == "vocab_parallel"
-        # Rows of the LM head on this rank: a ceil share of the vocabulary (the last rank's tail is padding).
-        self.vocab_shard = -(-config.vocab_size // self.group.size) if self.split_lm_head else config.vocab_size
+        # Rows of the LM head on this rank: a ceil share of the vocabulary (the last rank's tail is padding);
+        # replicated, only rank 0 holds it (the others compute no logits and hold an empty head).
+        if self.split_lm_head:
+            self.vocab_shard = -(-config.vocab_size // self.group.size)
+        else:
+            self.vocab_shard = config.vocab_size if self.group.rank == 0 else 0
         self.lm_head = Linear(config.hidden_size, self.vocab_shard, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Make the LM head the embedding where they are one tensor (a vocab-split head holds a copy of its slice)."""
-        if self.tie_word_embeddings and not self.split_lm_head:
+        if self.tie_word_embeddings and not self.split_lm_head and self.vocab_shard:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
@@ -374,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_for_cpu(self) -> None:
         """Run every linear layer on oneDNN-packed weights (call after load_weights; see Linear)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.weight.numel():
                 module.pack_for_cpu()
 
     def upcast_linear_layers(self, dtype: torch.dtype) -> None:
@@ -414,8 +418,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             if self.split_lm_head and self.tie_word_embeddings and target == "model.embed_tokens.weight":
                 self._load_lm_head_shard(params["lm_head.weight"], tensor, name)
-            if self.split_lm_head and target == "lm_head.weight":
-                self._load_lm_head_shard(params[target], tensor, name)
+            if target == "lm_head.weight" and (self.split_lm_head or not self.vocab_shard):
+                if self.vocab_shard:
+                    self._load_lm_head_shard(params[target], tensor, name)
                 loaded.add(target)
                 continue
             param = params[target]
