@@ -265,7 +265,7 @@ class AsyncLLMEngine:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
-        self.engine.core.shutdown()
+        self.engine.shutdown()
 
     def _queue_abort(self, request_id: str, stream: RequestStream | None) -> None:
         with self._cond:

@@ -164,3 +164,7 @@ class LLMEngine:
 
     def get_stats(self) -> SchedulerStats:
         return self.core.get_stats()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (interpreter exit does it too)."""
+        self.core.shutdown()

@@ -122,6 +122,6 @@ def test_exception_in_a_workers_forward_reaches_the_caller(tiny_4kv_dir, tmp_pat
         llm.generate(["Hello there"], LONG, use_tqdm=False)
     with pytest.raises(ExecutorDeadError):  # and it stays failed
         llm.generate(["Hello"], LONG, use_tqdm=False)
-    llm.llm_engine.core.shutdown()
+    llm.llm_engine.shutdown()
     assert not any(is_running(pid) for pid in workers)
     assert shared_memory_entries() <= shm_before

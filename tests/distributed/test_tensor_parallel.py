@@ -65,7 +65,7 @@ def test_tp2_equals_tp1(tiny_4kv_dir, reference):
         assert llm.llm_engine.core.runner.num_kv_heads == 2
         _assert_same(_run(llm), reference)
     finally:
-        llm.llm_engine.core.shutdown()
+        llm.llm_engine.shutdown()
 
 
 def test_replicated_kv_head_tp2_equals_tp1(tiny_mqa_dir):
@@ -76,7 +76,7 @@ def test_replicated_kv_head_tp2_equals_tp1(tiny_mqa_dir):
         assert llm.llm_engine.core.runner.num_kv_heads == 1
         assert [o.outputs[0].token_ids for o in llm.generate(BATCH, GREEDY, use_tqdm=False)] == expected
     finally:
-        llm.llm_engine.core.shutdown()
+        llm.llm_engine.shutdown()
 
 
 def test_smollm2_tp3_equals_tp1():
@@ -90,4 +90,4 @@ def test_smollm2_tp3_equals_tp1():
         assert llm.llm_engine.core.runner.num_kv_heads == 1
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     finally:
-        llm.llm_engine.core.shutdown()
+        llm.llm_engine.shutdown()
