@@ -65,7 +65,9 @@ class StartupTimes:
 # ---- pagellm ---------------------------------------------------------------------------------------
 
 
-def run_pagellm(workload: Workload, args: argparse.Namespace) -> tuple[ThroughputResult, StartupTimes, "StepProfile | None"]:
+def run_pagellm(
+    workload: Workload, args: argparse.Namespace
+) -> tuple[ThroughputResult, StartupTimes, StepProfile | None]:
     from pagellm import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -132,7 +134,8 @@ class StepProfile:
     def describe(self) -> str:
         share = self.all_reduce_s / self.step_s if self.step_s else 0.0
         mean_us = 1e6 * self.all_reduce_s / self.num_all_reduces if self.num_all_reduces else 0.0
-        return (f"rank 0 step time {self.step_s:.2f} s over {self.num_steps} steps: all-reduce {self.all_reduce_s:.2f} s "
+        return (f"rank 0 step time {self.step_s:.2f} s over {self.num_steps} steps: "
+                f"all-reduce {self.all_reduce_s:.2f} s "
                 f"({share:.0%}; {self.num_all_reduces} calls, {mean_us:.0f} us each), step broadcast "
                 f"{self.broadcast_s:.2f} s, logits gather {self.gather_s:.2f} s")
 

@@ -7,7 +7,6 @@ and all of them size their pools together (the smallest that every rank can hold
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass
 
@@ -29,9 +28,6 @@ from pagellm.worker.kv_cache import (
     measure_peak,
 )
 from pagellm.worker.model_runner import ModelRunner
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class ModelInfo:
