@@ -4,11 +4,15 @@ ranks (one KV head each, the LM head split by vocabulary) run the same batch in 
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.sampling_params import BeamSearchParams
 from tests.helpers import PROMPTS
+from tests.server.utils import wait_until
 
 # A small pool (preemption), a 32-token budget (chunked prefill) and 4-token blocks (many copy-on-writes).
 ENGINE = dict(dtype="float32", block_size=4, num_gpu_blocks_override=48, max_num_batched_tokens=32,
@@ -68,13 +72,18 @@ def test_tp2_equals_tp1(tiny_4kv_dir, reference):
         llm.llm_engine.shutdown()
 
 
-def test_replicated_kv_head_tp2_equals_tp1(tiny_mqa_dir):
+def test_replicated_kv_head_tp2_equals_tp1_then_an_idle_worker_death_is_noticed(tiny_mqa_dir):
     # One KV head and two ranks: each rank holds a copy of it (vLLM's replication) for its own query heads.
     expected = [o.outputs[0].token_ids for o in _engine(tiny_mqa_dir, 1).generate(BATCH, GREEDY, use_tqdm=False)]
     llm = _engine(tiny_mqa_dir, 2)
     try:
         assert llm.llm_engine.core.runner.num_kv_heads == 1
         assert [o.outputs[0].token_ids for o in llm.generate(BATCH, GREEDY, use_tqdm=False)] == expected
+        # With no request running, the executor's watch still notices the worker's death (health turns 503).
+        executor = llm.llm_engine.core.executor
+        os.kill(executor.processes[0].pid, signal.SIGKILL)
+        wait_until(lambda: executor.failure is not None, 10, "the executor to notice the dead worker")
+        assert "rank 1" in executor.failure and "SIGKILL" in executor.failure
     finally:
         llm.llm_engine.shutdown()
 
