@@ -201,7 +201,7 @@ def test_pool_that_cannot_hold_one_request_fails_at_start(tiny_llama_dir):
         ({"block_size": 3}, "block_size=3"),
         ({"max_num_seqs": 0}, "max_num_seqs=0"),
         ({"max_num_batched_tokens": -1}, "max_num_batched_tokens=-1"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size=0"),
         ({"dtype": "int8"}, "dtype='int8'"),
     ],
 )
