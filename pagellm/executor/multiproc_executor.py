@@ -87,10 +87,11 @@ class MultiprocExecutor:
             output = self.driver.runner.execute(scheduler_output)
         except Exception as exc:
             # Give a dying worker a moment to be reaped, so that the error names it rather than the socket.
-            deadline = time.monotonic() + 0.5
+            deadline = time.monotonic() + 2.0
             while self._worker_failure() is None and time.monotonic() < deadline and self.processes:
                 time.sleep(0.02)
-            self.failure = self._worker_failure() or f"a tensor-parallel step failed on rank 0: {exc!r}"
+            self.failure = (self._worker_failure() or self._remote_failure()
+                            or f"a tensor-parallel step failed on rank 0: {exc!r}")
             raise ExecutorDeadError(f"{self.failure}; the engine cannot go on.") from exc
         self._sampled = output.sampled_token_ids
         return output
@@ -104,13 +105,25 @@ class MultiprocExecutor:
             if code is None:
                 continue
             how = (f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}")
+            reported = self._reported_error(rank)
             reason = f"tensor-parallel worker rank {rank} (pid {process.pid}) {how}"
-            try:
-                if self.store.check([launch.error_key(rank)]):
-                    reason += f": {self.store.get(launch.error_key(rank)).decode()}"
-            except Exception:  # noqa: BLE001 - the store is only a source of detail here
-                pass
-            return reason
+            return f"{reason}: {reported}" if reported else reason
+        return None
+
+    def _remote_failure(self) -> str | None:
+        """The error a rank on another host left on the store before it exited, if any."""
+        for rank in range(len(self.processes) + 1, self.args.tensor_parallel_size):
+            reported = self._reported_error(rank)
+            if reported:
+                return f"tensor-parallel worker rank {rank} (on another host) failed: {reported}"
+        return None
+
+    def _reported_error(self, rank: int) -> str | None:
+        try:
+            if self.store.check([launch.error_key(rank)]):
+                return self.store.get(launch.error_key(rank)).decode()
+        except Exception:  # noqa: BLE001 - the store is only a source of detail here
+            pass
         return None
 
     def _watch_workers(self) -> None:
