@@ -129,15 +129,14 @@ def serve(args: argparse.Namespace) -> None:
     from pagellm.engine.async_llm_engine import AsyncLLMEngine
     from pagellm.entrypoints.openai.api_server import run_server
     from pagellm.entrypoints.openai.serving import ServerConfig
+    from pagellm.distributed.launch import RendezvousError
+    from pagellm.executor import ExecutorDeadError
 
     model_root = args.model or DEFAULT_MODEL
     if args.shutdown_timeout < 0:
         sys.exit(f"pagellm serve: --shutdown-timeout={args.shutdown_timeout} must be >= 0 (seconds).")
     config = ServerConfig(args.served_model_name or [model_root], model_root, args.api_key,
                           args.max_request_body_bytes, args.shutdown_timeout)
-    from pagellm.distributed.launch import RendezvousError
-    from pagellm.executor import ExecutorDeadError
-
     try:
         engine = AsyncLLMEngine.from_engine_args(engine_args)
     except (ValueError, RendezvousError, ExecutorDeadError) as exc:
