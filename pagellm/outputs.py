@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagellm.core.kv_usage import KVUsage
+
 
 @dataclass
 class Logprob:
@@ -46,3 +48,6 @@ class RequestOutput:
     # Set when processing this request inside an engine step raised: it finished with finish_reason
     # "error" and only it did (the other requests of that step went on).
     error: str | None = None
+    # The request's KV memory so far (all its sequences): peak blocks, sharing, copies, prefix-cache
+    # tokens, preemptions, waste. All zero for a request that ended before it held a block.
+    kv: KVUsage | None = None

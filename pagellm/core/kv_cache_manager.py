@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagellm.core.block_pool import BlockKey, BlockPool, KVBlock
+from pagellm.core.kv_usage import KVAccount
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class KVCacheManager:
         self._pending_copies: list[tuple[int, int]] = []
         self._replaced: dict[str, list[tuple[int, int]]] = {}
         self.num_cow_copies = 0
+        # Per sequence, the account of the user request it belongs to (shared by a request's sequences).
+        self._accounts: dict[str, KVAccount] = {}
 
     # ---- prefix cache ------------------------------------------------------------------------------
 
@@ -128,10 +131,12 @@ class KVCacheManager:
         return max(0, cdiv(num_tokens, self.block_size) - have)
 
     def allocate_slots(
-        self, request_id: str, num_tokens: int, cached: CachedPrefix = NO_CACHED_PREFIX
+        self, request_id: str, num_tokens: int, cached: CachedPrefix = NO_CACHED_PREFIX,
+        account: KVAccount | None = None,
     ) -> list[int] | None:
         """Give the request slots for its first `num_tokens` tokens, starting from `cached` blocks
-        for a request that has no table yet.
+        for a request that has no table yet. `account` (for a request without a table) is charged
+        with its blocks; by default it gets one of its own.
 
         Returns the ids of the blocks newly taken from the free pool (possibly none), or None, taking
         nothing, when the pool has too few free blocks.
@@ -149,14 +154,19 @@ class KVCacheManager:
             self._copy_on_write(request_id, shared_tail)
         if table is None:
             table = self._tables[request_id] = []
+            self._accounts[request_id] = account or KVAccount(self.block_size)
             if cached.blocks:
                 self.pool.touch(cached.blocks)
                 table.extend(cached.blocks)
+                self._accounts[request_id].add(cached.blocks, from_prefix_cache=True)
                 self._num_published[request_id] = len(cached.blocks)
                 self._last_published[request_id] = cached.blocks[-1].identity
         new_blocks = self.pool.allocate(need)
         table.extend(new_blocks)
+        account = self._accounts[request_id]
+        account.add(new_blocks)
         self._fill(request_id, table, num_tokens)
+        account.update_peaks()
         return [block.block_id for block in new_blocks]
 
     def _shared_tail_index(self, request_id: str, num_tokens: int) -> int | None:
@@ -175,6 +185,10 @@ class KVCacheManager:
         self.pool.set_num_tokens(private, shared.num_tokens)
         table[index] = private
         self.pool.free([shared])
+        account = self._accounts[request_id]
+        account.add([private])
+        account.remove([shared])
+        account.cow_copies += 1
         self._pending_copies.append((shared.block_id, private.block_id))
         self._replaced.setdefault(request_id, []).append((index, private.block_id))
         self.num_cow_copies += 1
@@ -196,6 +210,9 @@ class KVCacheManager:
             return
         self.pool.touch(table)
         self._tables[child_id] = list(table)
+        account = self._accounts[child_id] = self._accounts[parent_id]
+        account.add(table)
+        account.update_peaks()
         self._num_slots[child_id] = self._num_slots.get(parent_id, 0)
         if parent_id in self._num_published:
             self._num_published[child_id] = self._num_published[parent_id]
@@ -208,8 +225,13 @@ class KVCacheManager:
         if num_tokens <= old:
             return
         size = self.block_size
+        filled = 0
         for index in range(old // size, cdiv(num_tokens, size)):
-            self.pool.set_num_tokens(table[index], min(size, num_tokens - index * size))
+            block = table[index]
+            count = min(size, num_tokens - index * size)
+            filled += count - block.num_tokens
+            self.pool.set_num_tokens(block, count)
+        self._accounts[request_id].fill(filled)
         self._num_slots[request_id] = num_tokens
 
     def free(self, request_id: str) -> None:
@@ -219,9 +241,15 @@ class KVCacheManager:
         self._num_published.pop(request_id, None)
         self._last_published.pop(request_id, None)
         self._replaced.pop(request_id, None)
+        account = self._accounts.pop(request_id, None)
         if table:
             # Tail first: under memory pressure a sequence's end is evicted before its shared start.
             self.pool.free(reversed(table))
+            account.remove(table)
+
+    def account_of(self, request_id: str) -> KVAccount | None:
+        """The account charged with the request's blocks, while it holds a table."""
+        return self._accounts.get(request_id)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._tables.get(request_id, ())]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pagellm.core.kv_usage import KVAccount
 from pagellm.sampling_params import SamplingParams
 
 
@@ -68,6 +69,8 @@ class Request:
     # Prompt tokens whose log-probabilities were reported (tokens 1..this); a request recomputed after
     # preemption scores its prompt again, and those repeats are not reported twice.
     num_prompt_logprobs_reported: int = 0
+    # The KV memory the user request's sequences hold and held (one account per group, set when added).
+    kv_account: KVAccount | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagellm.core.kv_cache_manager import NO_CACHED_PREFIX, KVCacheManager, KVCacheStats
+from pagellm.core.kv_usage import KVAccount
 from pagellm.core.request import Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
 
@@ -165,6 +166,8 @@ class Scheduler:
             raise ValueError(f"request_id={request.request_id!r} is already in use; request ids must be unique")
         self.requests[request.request_id] = request
         self.groups[request.group_id] = {request.request_id}
+        if request.kv_account is None:
+            request.kv_account = KVAccount(self.kv.block_size)
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus, whole_groups: bool = False) -> None:
@@ -203,6 +206,7 @@ class Scheduler:
         child.sample_index = sample_index
         child.appends_sampled_tokens = parent.appends_sampled_tokens
         child.cumulative_logprob = parent.cumulative_logprob
+        child.kv_account = parent.kv_account
         # The prompt's scores belong to the parent: a child recomputed after preemption reports none.
         child.num_prompt_logprobs_reported = parent.num_prompt_tokens - 1
         self._fork_counter += 1
@@ -298,13 +302,15 @@ class Scheduler:
                 if not may_chunk:
                     break
                 num_new = step.budget
-            new_block_ids = self.kv.allocate_slots(request.request_id, prefix.num_tokens + num_new, prefix)
+            new_block_ids = self.kv.allocate_slots(request.request_id, prefix.num_tokens + num_new, prefix,
+                                                   request.kv_account)
             if new_block_ids is None:
                 break
             self.waiting.popleft()
             self.kv.record_prefix_query(request.num_tokens, prefix.num_tokens)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = prefix.num_tokens
+                request.kv_account.cached_tokens = prefix.num_tokens
             request.num_computed_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.order_key)
@@ -381,6 +387,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.kv_account.preemptions += 1
         self.num_preemptions += 1
         self._preempted_this_step = True
         self._finished_since_last_step.add(request.request_id)

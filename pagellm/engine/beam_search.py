@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.core.kv_usage import KVAccount, KVUsage
 from pagellm.core.request import RequestStatus
 from pagellm.sampling_params import BeamSearchParams
 
@@ -36,6 +37,8 @@ class BeamSearchSequence:
 @dataclass
 class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
+    # The KV memory of the whole search for this prompt (every beam's blocks).
+    kv: KVUsage = field(default_factory=KVUsage)
 
 
 @dataclass
@@ -49,6 +52,7 @@ class _Beam:
 class _PromptSearch:
     prompt: list[int]
     beams: list[_Beam]
+    kv_account: KVAccount
     # (length-penalized score, generated tokens, ended by EOS, raw sum of log-probabilities)
     finished: list[tuple[torch.Tensor, list[int], bool, float]] = field(default_factory=list)
     improvement_possible: bool = True
@@ -68,7 +72,8 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) -> l
     for prompt in prompts:
         request_id = f"beam-{next(ids)}"
         engine.add_beam_request(request_id, prompt, beams_to_keep, params.max_tokens)
-        searches.append(_PromptSearch(prompt, [_Beam(request_id, [], torch.zeros((), dtype=torch.float32))]))
+        beam = _Beam(request_id, [], torch.zeros((), dtype=torch.float32))
+        searches.append(_PromptSearch(prompt, [beam], core.scheduler.requests[request_id].kv_account))
     try:
         while not all(s.done for s in searches):
             top = _next_token_logprobs(core, {b.request_id for s in searches if not s.done for b in s.beams})
@@ -167,4 +172,4 @@ def _result(search: _PromptSearch, params: BeamSearchParams) -> BeamSearchOutput
     for score, generated, eos, cum_logprob in search.finished:
         sequences.append(BeamSearchSequence(search.prompt + generated, cum_logprob, float(score),
                                             finish_reason="stop" if eos else "length"))
-    return BeamSearchOutput(sequences)
+    return BeamSearchOutput(sequences, search.kv_account.snapshot())

@@ -115,7 +115,7 @@ class LLMEngine:
             num_pending_forks=params.num_sequences - 1,
         )
         self.core.add_request(request)
-        self.output_processor.add_request(request_id, text, token_ids, params)
+        self.output_processor.add_request(request_id, text, token_ids, params, request.kv_account)
 
     def add_beam_request(self, request_id: str, token_ids: list[int], num_logprobs: int, max_tokens: int) -> None:
         """A beam-search sequence: it reports its next token's top log-probabilities each step and

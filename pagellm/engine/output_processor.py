@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from pagellm.core.kv_usage import KVAccount, KVUsage
 from pagellm.core.scheduler import EngineCoreOutput, TokenLogprobs
 from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -101,6 +102,11 @@ class RequestState:
     sequences: dict[int, SequenceState] = field(default_factory=dict)
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    kv_account: KVAccount | None = None
+
+    def kv_usage(self) -> KVUsage:
+        # A request that never reached a step (aborted while waiting) held no blocks.
+        return KVUsage() if self.kv_account is None else self.kv_account.snapshot()
 
     @property
     def finished(self) -> bool:
@@ -123,7 +129,7 @@ class RequestState:
                 completion.index = index  # the n returned, numbered as if only they had been generated
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
-            prompt_logprobs=self.prompt_logprobs, num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs, num_cached_tokens=self.num_cached_tokens, kv=self.kv_usage(),
         )
 
 
@@ -132,8 +138,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        state = RequestState(request_id, prompt, prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_account: KVAccount | None = None) -> None:
+        state = RequestState(request_id, prompt, prompt_token_ids, params, kv_account=kv_account)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored on
         self.states[request_id] = state
@@ -253,7 +260,7 @@ def _failed_output(state: RequestState, error: str) -> RequestOutput:
         completions.append(CompletionOutput(index, sequence.text[text_from:], sequence.token_ids[tokens_from:],
                                             sequence.cumulative_logprob, finish_reason="error"))
     return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True,
-                         num_cached_tokens=state.num_cached_tokens, error=error)
+                         num_cached_tokens=state.num_cached_tokens, error=error, kv=state.kv_usage())
 
 
 def _find_stop_string(sequence: SequenceState, stops: list[str], delta: str) -> tuple[str, int] | None:

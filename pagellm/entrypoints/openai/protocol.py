@@ -142,6 +142,18 @@ class UsageInfo(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class KVInfo(BaseModel):
+    """pagellm's extra `kv` object beside `usage`: the request's KV memory (RequestOutput.kv; several
+    engine requests, e.g. a list of prompts, add up field by field)."""
+
+    peak_blocks: int = 0
+    shared_blocks: int = 0
+    cow_copies: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    peak_waste_slots: int = 0
+
+
 class CompletionLogprobs(BaseModel):
     """The legacy completions format: parallel lists, one entry per generated token."""
 
@@ -180,6 +192,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv: KVInfo | None = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -202,6 +215,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv: KVInfo | None = None
 
 
 class ModelCard(BaseModel):

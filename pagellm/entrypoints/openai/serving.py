@@ -19,7 +19,8 @@ from starlette.requests import Request
 from pagellm.engine.async_llm_engine import AsyncLLMEngine
 from pagellm.engine.request_stream import RequestStream
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exception
-from pagellm.entrypoints.openai.protocol import ChatMessage, PromptField, SamplingFields
+from pagellm.core.kv_usage import KVUsage
+from pagellm.entrypoints.openai.protocol import ChatMessage, KVInfo, PromptField, SamplingFields
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, check_text
 
@@ -60,10 +61,18 @@ class Choice:
     text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # The latest KV figures of its engine request (shared by the request's n choices).
+    kv: KVUsage | None = None
 
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+
+def kv_info(choices: Sequence[Choice]) -> KVInfo:
+    """The response's `kv` object: each engine request's figures once, added up."""
+    per_request = {choice.request_id: choice.kv for choice in choices if choice.kv is not None}
+    return KVInfo(**sum(per_request.values(), KVUsage()).to_dict())
 
 
 class OpenAIServing:
@@ -296,6 +305,9 @@ async def merge_outputs(engine: AsyncLLMEngine, choices: Sequence[Choice]) -> As
     completion is). Leaving early (or an error in one engine request) ends all of them."""
     queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
     by_sample = {(choice.request_id, choice.sample_index): choice for choice in choices}
+    by_request: dict[str, list[Choice]] = {}
+    for choice in choices:
+        by_request.setdefault(choice.request_id, []).append(choice)
     streams = {choice.request_id: choice.stream for choice in choices}
 
     async def pump(stream: RequestStream) -> None:
@@ -318,6 +330,8 @@ async def merge_outputs(engine: AsyncLLMEngine, choices: Sequence[Choice]) -> As
                 continue
             if isinstance(item, BaseException):
                 raise item
+            for choice in by_request[item.request_id]:
+                choice.kv = item.kv
             for completion in item.outputs:
                 choice = by_sample[(item.request_id, completion.index)]
                 if choice.index in finished:
@@ -327,7 +341,7 @@ async def merge_outputs(engine: AsyncLLMEngine, choices: Sequence[Choice]) -> As
                     finished.add(choice.index)
                 yield choice, RequestOutput(item.request_id, item.prompt, item.prompt_token_ids, [completion], done,
                                             prompt_logprobs=item.prompt_logprobs,
-                                            num_cached_tokens=item.num_cached_tokens)
+                                            num_cached_tokens=item.num_cached_tokens, kv=item.kv)
     finally:
         # Cancelling a pump throws into its `outputs` generator, whose cleanup aborts the engine request.
         for task in tasks:

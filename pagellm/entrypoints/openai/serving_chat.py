@@ -18,7 +18,15 @@ from pagellm.entrypoints.openai.protocol import (
     ChatResponseMessage,
     UsageInfo,
 )
-from pagellm.entrypoints.openai.serving import SSE_DONE, Choice, OpenAIServing, abort_on_disconnect, merge_outputs, sse
+from pagellm.entrypoints.openai.serving import (
+    SSE_DONE,
+    Choice,
+    OpenAIServing,
+    abort_on_disconnect,
+    kv_info,
+    merge_outputs,
+    sse,
+)
 
 
 def _check_chat_supported(request: ChatCompletionRequest) -> None:
@@ -66,6 +74,7 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
             for c in choices
         ],
         usage=UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)),
+        kv=kv_info(choices),
     )
     return JSONResponse(response.model_dump())
 
@@ -91,6 +100,8 @@ async def _stream(
                    "model": serving.model_name, "choices": choice_payloads}
         if include_usage:
             payload["usage"] = usage.model_dump() if usage else None
+        if usage:
+            payload["kv"] = kv_info(choices).model_dump()
         return sse(payload)
 
     try:

@@ -18,6 +18,7 @@ from pagellm.entrypoints.openai.serving import (
     OpenAIServing,
     PromptInput,
     abort_on_disconnect,
+    kv_info,
     merge_outputs,
     sse,
 )
@@ -55,7 +56,8 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest, 
         response_choices.append(CompletionChoice(index=c.index, text=echo + c.text, logprobs=logprobs,
                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     response = CompletionResponse(id=request_id, model=serving.model_name, choices=response_choices,
-                                  usage=UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)))
+                                  usage=UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)),
+                                  kv=kv_info(choices))
     return JSONResponse(response.model_dump())
 
 
@@ -76,6 +78,8 @@ async def _stream(
                    "choices": choice_payloads}
         if include_usage:
             payload["usage"] = usage.model_dump() if usage else None
+        if usage:
+            payload["kv"] = kv_info(choices).model_dump()
         return sse(payload)
 
     echo_pending = {c.index for c in choices} if request.echo else set()
