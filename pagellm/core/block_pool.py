@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class BlockKey:
@@ -121,6 +123,10 @@ class BlockPool:
         # up to date on every ref-count change so that stats cost nothing per step.
         self.num_stored_tokens = 0
         self.num_shared_blocks = 0
+        # Mirrors of each block's ref count and cached flag, written in bulk as blocks change hands, so
+        # that a picture of the whole pool (the /kv page) is an array copy, not a walk over the blocks.
+        self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        self.cached_flags = np.zeros(num_blocks, dtype=np.bool_)
 
     @property
     def num_blocks(self) -> int:
@@ -144,6 +150,8 @@ class BlockPool:
             block.generation += 1
             block.num_tokens = 0
             block.ref_cnt = 1
+        if taken:
+            self.ref_counts[[block.block_id for block in taken]] = 1
         return taken
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -151,6 +159,7 @@ class BlockPool:
 
         A free block that is hit again leaves the free queue from wherever it sits.
         """
+        ids = []
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
@@ -158,9 +167,12 @@ class BlockPool:
             elif block.ref_cnt == 1:
                 self.num_shared_blocks += 1
             block.ref_cnt += 1
+            ids.append(block.block_id)
+        np.add.at(self.ref_counts, ids, 1)
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one owner of each block; a block whose last owner left goes to the free queue's tail."""
+        ids = []
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise BlockAccountingError(f"double free of {block}")
@@ -170,6 +182,8 @@ class BlockPool:
             elif block.ref_cnt == 0:
                 self.num_stored_tokens -= block.num_tokens
                 self.free_queue.append(block)
+            ids.append(block.block_id)
+        np.subtract.at(self.ref_counts, ids, 1)
 
     def set_num_tokens(self, block: KVBlock, num_tokens: int) -> None:
         self.num_stored_tokens += num_tokens - block.num_tokens
@@ -188,6 +202,7 @@ class BlockPool:
             return existing
         block.key = key
         self.cached[key] = block
+        self.cached_flags[block.block_id] = True
         return block
 
     def _evict(self, block: KVBlock) -> None:
@@ -195,3 +210,4 @@ class BlockPool:
             if self.cached.get(block.key) is block:
                 del self.cached[block.key]
             block.key = None
+            self.cached_flags[block.block_id] = False

@@ -251,6 +251,10 @@ class KVCacheManager:
         """The account charged with the request's blocks, while it holds a table."""
         return self._accounts.get(request_id)
 
+    def tables(self):
+        """(request id, its blocks) of every table, for pictures of the pool (the /kv page)."""
+        return self._tables.items()
+
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._tables.get(request_id, ())]
 

@@ -106,4 +106,5 @@ class RequestStream:
         self._changed = False
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
                              [c.take(self.output_kind) for c in completions], last.finished,
-                             prompt_logprobs=last.prompt_logprobs, num_cached_tokens=last.num_cached_tokens)
+                             prompt_logprobs=last.prompt_logprobs, num_cached_tokens=last.num_cached_tokens,
+                             kv=last.kv)

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagellm
 from pagellm.engine.async_llm_engine import AsyncLLMEngine
-from pagellm.entrypoints import api_server
+from pagellm.entrypoints import api_server, kv_map
 from pagellm.entrypoints.openai import routes
 from pagellm.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from pagellm.entrypoints.openai.serving import OpenAIServing, ServerConfig
@@ -30,7 +30,7 @@ from pagellm.metrics import PrometheusStatLogger
 logger = logging.getLogger(__name__)
 
 # Probes and scrapers must reach these without the API key.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"}) | kv_map.OPEN_PATHS
 
 # The default body limit: generous per token of context (a token is ~4 characters of text, up to 12 bytes
 # once JSON escapes a non-ASCII one, 6 as an id in a list, plus a chat's framing), and never below 1 MiB.
@@ -229,6 +229,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     app.include_router(routes.router)
     app.include_router(api_server.router)
+    kv_map.install(app, engine)
     # Outermost last: the key is checked first, then the body's size, then admission.
     app.add_middleware(Admission)
     limit = config.max_request_body_bytes
