@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test generate serve clean
+.PHONY: install test generate serve browser clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ generate: $(STAMP)
 # The OpenAI-compatible server on the default model, reachable from this machine only.
 serve: $(STAMP)
 	$(VENV)/bin/pagellm serve --host 127.0.0.1 --port 8000
+
+# Debian's Chromium, for the /kv page's browser test (tests/server/test_kv_map_browser.py skips without it).
+# Needs root and apt; `make test` does not depend on it.
+browser:
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

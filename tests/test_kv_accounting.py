@@ -8,8 +8,11 @@ from __future__ import annotations
 import pytest
 
 from pagellm import LLM, SamplingParams
+from pagellm.core.block_map import CACHED, FREE, NO_OWNER, USED, take_block_map
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_usage import KVUsage
+from pagellm.core.request import Request
+from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.sampling_params import BeamSearchParams
 
 PROMPT_40 = {"prompt_token_ids": list(range(1000, 1040))}
@@ -93,3 +96,23 @@ def test_the_account_follows_forks_copies_and_frees_in_the_manager():
     kv.free("p")
     assert account.num_blocks == 0 and account.waste == 0
     assert account.snapshot() == KVUsage(peak_blocks=3, shared_blocks=2, cow_copies=1, peak_waste_slots=3)
+
+
+def test_the_block_map_shows_states_and_owners_from_the_pools_arrays():
+    scheduler = Scheduler(SchedulerConfig(64, 4, 64), KVCacheManager(6, 4, enable_prefix_caching=True))
+    request = Request("a", list(range(6)), SamplingParams(max_tokens=1), 0, 1)
+    scheduler.add_request(request)
+    scheduler.kv.allocate_slots("a", 6, account=request.kv_account)  # blocks 0 (full) and 1 (2 of 4)
+    scheduler.kv.publish_full_blocks("a", request.all_token_ids, 6)
+    scheduler.fork_request("a", "a#1")  # a waiting parent: the child waits too, with no blocks of its own
+    scheduler.kv.fork("a", "a#1")
+    scheduler.kv.allocate_slots("a#1", 7)  # copies block 1 into block 2
+    picture = take_block_map(scheduler)
+    assert picture.states.tolist() == [USED + 1, USED, USED, FREE, FREE, FREE]
+    serial = request.kv_account.serial
+    assert picture.owners.tolist() == [serial, serial, serial, NO_OWNER, NO_OWNER, NO_OWNER]
+    assert picture.owner_ids == {serial: "a"}
+    scheduler.kv.free("a")
+    scheduler.kv.free("a#1")
+    picture = take_block_map(scheduler)
+    assert picture.states.tolist() == [CACHED, FREE, FREE, FREE, FREE, FREE] and picture.owner_ids == {}

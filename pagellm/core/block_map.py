@@ -1,7 +1,7 @@
 """A picture of the whole KV pool: each block's state and owner, as compact arrays (the /kv page's data).
 
-Cheap enough to take between steps: the states come from the pool's ref-count and cached-flag arrays in
-a few vectorised operations; only the owners walk the block tables (the blocks in use, not the pool).
+Cheap enough to take between steps: states and owners come from arrays the pool and the KV-cache manager
+keep up to date as blocks change hands, in a few vectorised operations; nothing walks the blocks.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ NO_OWNER = -1
 @dataclass(frozen=True)
 class BlockMap:
     states: np.ndarray  # uint8 per block
-    # Per block, the index in `owner_ids` of the user request holding it (the last one found for a block
-    # that several requests share); NO_OWNER for free blocks.
+    # Per block, the serial of the account (user request) that last took it; NO_OWNER for free blocks.
     owners: np.ndarray  # int32 per block
-    owner_ids: list[str]
+    # Serial -> user request id, for the requests holding blocks. A block shared with a request that took
+    # it later and has since finished names no one here.
+    owner_ids: dict[int, str]
     num_running: int
     num_waiting: int
     num_preemptions: int
@@ -48,16 +49,9 @@ def take_block_map(scheduler) -> BlockMap:
     states = (np.minimum(refs, MAX_STATE - 1) + 1).astype(np.uint8)
     free = refs == 0
     states[free] = np.where(pool.cached_flags[free], CACHED, FREE)
-    owners = np.full(len(refs), NO_OWNER, dtype=np.int32)
-    owner_ids: list[str] = []
-    index_of: dict[str, int] = {}
-    for request_id, table in scheduler.kv.tables():
-        request = scheduler.requests.get(request_id)
-        group = request.group_id if request is not None else request_id
-        index = index_of.setdefault(group, len(owner_ids))
-        if index == len(owner_ids):
-            owner_ids.append(group)
-        owners[[block.block_id for block in table]] = index
+    # Owners as account serials (not renumbered: sorting them would cost more than all the rest).
+    owners = np.where(free, NO_OWNER, scheduler.kv.owners).astype(np.int32)
+    owner_ids = scheduler.kv.owner_labels()
     stats = scheduler.get_stats()
     return BlockMap(states, owners, owner_ids, stats.num_running, stats.num_waiting, stats.num_preemptions,
                     stats.kv_cache, time.time(), time.perf_counter() - started)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from pagellm.core.block_pool import BlockKey, BlockPool, KVBlock
 from pagellm.core.kv_usage import KVAccount
 
@@ -73,6 +75,9 @@ class KVCacheManager:
         self.num_cow_copies = 0
         # Per sequence, the account of the user request it belongs to (shared by a request's sequences).
         self._accounts: dict[str, KVAccount] = {}
+        # Per block, the serial of the account that last took it (its owner while it is in use), written
+        # in bulk as tables gain blocks: a picture of the pool reads owners without walking the tables.
+        self.owners = np.full(num_blocks, -1, dtype=np.int32)
 
     # ---- prefix cache ------------------------------------------------------------------------------
 
@@ -154,17 +159,19 @@ class KVCacheManager:
             self._copy_on_write(request_id, shared_tail)
         if table is None:
             table = self._tables[request_id] = []
-            self._accounts[request_id] = account or KVAccount(self.block_size)
+            self._accounts[request_id] = account or KVAccount(self.block_size, request_id)
             if cached.blocks:
                 self.pool.touch(cached.blocks)
                 table.extend(cached.blocks)
                 self._accounts[request_id].add(cached.blocks, from_prefix_cache=True)
+                self._set_owner(cached.blocks, self._accounts[request_id])
                 self._num_published[request_id] = len(cached.blocks)
                 self._last_published[request_id] = cached.blocks[-1].identity
         new_blocks = self.pool.allocate(need)
         table.extend(new_blocks)
         account = self._accounts[request_id]
         account.add(new_blocks)
+        self._set_owner(new_blocks, account)
         self._fill(request_id, table, num_tokens)
         account.update_peaks()
         return [block.block_id for block in new_blocks]
@@ -188,6 +195,7 @@ class KVCacheManager:
         account = self._accounts[request_id]
         account.add([private])
         account.remove([shared])
+        self.owners[private.block_id] = account.serial
         account.cow_copies += 1
         self._pending_copies.append((shared.block_id, private.block_id))
         self._replaced.setdefault(request_id, []).append((index, private.block_id))
@@ -218,6 +226,10 @@ class KVCacheManager:
             self._num_published[child_id] = self._num_published[parent_id]
         if parent_id in self._last_published:
             self._last_published[child_id] = self._last_published[parent_id]
+
+    def _set_owner(self, blocks: list[KVBlock], account: KVAccount) -> None:
+        if blocks:
+            self.owners[[block.block_id for block in blocks]] = account.serial
 
     def _fill(self, request_id: str, table: list[KVBlock], num_tokens: int) -> None:
         """Record which slots now hold (or are about to hold) tokens, for the waste figure."""
@@ -251,9 +263,9 @@ class KVCacheManager:
         """The account charged with the request's blocks, while it holds a table."""
         return self._accounts.get(request_id)
 
-    def tables(self):
-        """(request id, its blocks) of every table, for pictures of the pool (the /kv page)."""
-        return self._tables.items()
+    def owner_labels(self) -> dict[int, str]:
+        """Account serial -> user request id, for the accounts holding blocks now."""
+        return {account.serial: account.label for account in self._accounts.values()}
 
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._tables.get(request_id, ())]

@@ -7,6 +7,7 @@ block taken, forked, copied or freed, never per token.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -42,11 +43,18 @@ class KVUsage:
 class KVAccount:
     """The live figures behind a request's `KVUsage`: which blocks it holds, and how often each."""
 
-    __slots__ = ("block_size", "_refs", "_hits", "_filled", "_shared", "peak_blocks", "peak_shared",
+    __slots__ = ("block_size", "label", "serial", "_refs", "_hits", "_filled", "_shared", "peak_blocks", "peak_shared",
                  "peak_waste", "cow_copies", "cached_tokens", "preemptions")
 
-    def __init__(self, block_size: int) -> None:
+    # Serials fit the pool's int32 owner array: they wrap after 2**31 requests (a label is then ambiguous
+    # only between requests two billion apart).
+    _serials = itertools.count()
+
+    def __init__(self, block_size: int, label: str = "") -> None:
         self.block_size = block_size
+        # The user request's id, and a number naming the account in the pool's per-block owner array.
+        self.label = label
+        self.serial = next(KVAccount._serials) % (1 << 31)
         # block id -> how many of the request's block tables reference it.
         self._refs: dict[int, int] = {}
         # Held blocks that came from the prefix cache.

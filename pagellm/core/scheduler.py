@@ -167,7 +167,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.groups[request.group_id] = {request.request_id}
         if request.kv_account is None:
-            request.kv_account = KVAccount(self.kv.block_size)
+            request.kv_account = KVAccount(self.kv.block_size, request.group_id)
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus, whole_groups: bool = False) -> None:

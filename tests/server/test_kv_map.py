@@ -79,7 +79,7 @@ def test_kv_state_describes_every_block_and_agrees_with_metrics(http):
     assert state["used_blocks"] + state["cached_blocks"] + state["free_blocks"] == state["num_blocks"]
     assert (state["used_blocks"], state["running"], state["waiting"]) == (0, 0, 0)
     assert int((states == 1).sum()) == state["cached_blocks"] > 0  # the prompts' full blocks stay cached
-    assert (owners == -1).all() and state["owner_ids"] == []
+    assert (owners == -1).all() and state["owner_ids"] == {}
     metrics = http.get("/metrics").text
     assert metric_value(metrics, "pagellm:kv_cache_usage_perc") == 0.0
     assert metric_value(metrics, "pagellm:kv_cache_cow_copies_total") == state["cow_copies"] >= 3

@@ -83,7 +83,7 @@ def state_dict(snapshot: BlockMap, include_blocks: bool = True) -> dict:
     if include_blocks:
         state["states"] = base64.b64encode(snapshot.states.tobytes()).decode()
         state["owners"] = base64.b64encode(snapshot.owners.astype("<i4").tobytes()).decode()
-        state["owner_ids"] = snapshot.owner_ids
+        state["owner_ids"] = {str(serial): label for serial, label in snapshot.owner_ids.items()}
     return state
 
 

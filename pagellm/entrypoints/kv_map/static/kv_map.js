@@ -84,7 +84,7 @@
     const set = (id, text) => { document.getElementById(id).textContent = text; };
     for (const id of ["used_blocks", "cached_blocks", "free_blocks", "shared_blocks", "cow_copies", "preemptions",
                       "running", "waiting"]) set(id, fmt(state[id]));
-    set("waste", `${fmt(state.waste_slots)} (${(100 * state.waste).toFixed(1)}%)`);
+    set("waste", `${fmt(state.waste_slots)} slots (${(100 * state.waste).toFixed(1)}%)`);
     set("pool", `${fmt(state.num_blocks)} × ${state.block_size} tokens`);
     const when = new Date(state.taken_at * 1000).toLocaleTimeString();
     set("status", `updated ${when} · snapshot ${state.snapshot_ms.toFixed(2)} ms`);
@@ -98,7 +98,8 @@
       const s = states[from];
       const what = s === 0 ? "free" : s === 1 ? "free, holds a cached prefix" : s === 2 ? "used by one sequence"
         : `shared by ${s === 255 ? "254+" : s - 1} sequences`;
-      const owner = owners[from] >= 0 ? ` · ${state.owner_ids[owners[from]]}` : "";
+      const name = state.owner_ids[owners[from]];
+      const owner = name ? ` · ${name}` : "";
       return `block ${from}: ${what}${owner}`;
     }
     let used = 0, shared = 0, cached = 0;
@@ -107,7 +108,8 @@
       if (states[b] >= 2) used++;
       if (states[b] >= 3) shared++;
       if (states[b] === 1) cached++;
-      if (owners[b] >= 0) requests.add(state.owner_ids[owners[b]]);
+      const name = state.owner_ids[owners[b]];
+      if (name) requests.add(name);
     }
     const names = [...requests].slice(0, 3).join(", ") + (requests.size > 3 ? ", …" : "");
     return `blocks ${from}–${to - 1}: ${used} used (${shared} shared), ${cached} cached` + (names ? ` · ${names}` : "");
