@@ -7,12 +7,15 @@ PAGELLM_KV_SCREENSHOT=path to keep the screenshot taken mid-run (docs/kv_map.png
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import shutil
 import threading
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.server.utils import metric_value, wait_until
@@ -116,3 +119,37 @@ def test_the_page_follows_a_run_and_agrees_with_the_server(server, page, tmp_pat
     first = page.evaluate("window.kvMap.states[0]")
     assert rgb[:3] == ([150, 196, 230] if first == 1 else [228, 228, 228])
     assert screenshot.stat().st_size > 0
+
+
+@pytest.mark.parametrize("num_blocks", [100_000, 1_000_000])
+def test_large_pools_draw_fast_and_aggregate_below_a_pixel(server, page, num_blocks):
+    """A synthetic /kv/state (the route intercepted in the browser) for pools the tiny server cannot have."""
+    states = np.zeros(num_blocks, dtype=np.uint8)
+    states[: num_blocks // 2] = 2  # the first half in use, a quarter of it shared by 4
+    states[: num_blocks // 8] = 5
+    owners = np.where(states > 0, 7, -1).astype("<i4")
+    state = {"taken_at": 1.0, "snapshot_ms": 0.1, "block_size": 16, "num_blocks": num_blocks,
+             "used_blocks": num_blocks // 2, "cached_blocks": 0, "free_blocks": num_blocks - num_blocks // 2,
+             "shared_blocks": num_blocks // 8, "stored_tokens": 0, "waste_slots": 0, "waste": 0.0, "cow_copies": 0,
+             "prefix_cache_hits": 0, "prefix_cache_queries": 0, "preemptions": 0, "running": 1, "waiting": 0,
+             "states": base64.b64encode(states.tobytes()).decode(),
+             "owners": base64.b64encode(owners.tobytes()).decode(), "owner_ids": {"7": "cmpl-big"}}
+    body = json.dumps(state)
+    page.route("**/kv/state*", lambda route: route.fulfill(status=200, content_type="application/json", body=body))
+    try:
+        page.goto(f"{server.url}/kv")
+        page.wait_for_function("window.kvMap && window.kvMap.draws > 0", timeout=30_000)
+        layout = page.evaluate("window.kvMap.layout")
+        width = page.evaluate("document.getElementById('canvas').width")
+        height = page.evaluate("document.getElementById('canvas').height")
+        # Every block is drawn: one cell each while they fit the canvas, else runs of blocks per pixel.
+        assert layout["cols"] * layout["rows"] * layout["perCell"] >= num_blocks
+        assert layout["rows"] * layout["cell"] <= height and layout["cols"] * layout["cell"] <= width
+        assert (layout["perCell"] > 1) == (num_blocks > width * height)
+        assert page.evaluate("window.kvMap.drawMs") < 1000
+        assert page.inner_text("#used_blocks") == f"{num_blocks // 2:,}"
+        box = page.locator("#canvas").bounding_box()
+        page.mouse.move(box["x"] + 1, box["y"] + 1)
+        assert "cmpl-big" in page.inner_text("#tip")
+    finally:
+        page.unroute("**/kv/state*")

@@ -48,6 +48,7 @@
   function draw() {
     const { states } = view;
     if (!states) return;
+    const started = performance.now();
     const dpr = window.devicePixelRatio || 1;
     const width = Math.max(1, Math.floor(canvas.clientWidth * dpr));
     const height = Math.max(1, Math.floor(canvas.clientHeight * dpr));
@@ -76,6 +77,7 @@
     }
     ctx.putImageData(image, 0, 0);
     view.draws++;
+    view.drawMs = performance.now() - started;
     view.drawnAt = view.state.taken_at;
   }
 
