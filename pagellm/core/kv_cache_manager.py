@@ -157,23 +157,29 @@ class KVCacheManager:
             return []
         if shared_tail is not None:
             self._copy_on_write(request_id, shared_tail)
-        if table is None:
+        fresh = table is None
+        if fresh:
             table = self._tables[request_id] = []
-            self._accounts[request_id] = account or KVAccount(self.block_size, request_id)
+            account = self._accounts[request_id] = account or KVAccount(self.block_size, request_id)
             if cached.blocks:
                 self.pool.touch(cached.blocks)
                 table.extend(cached.blocks)
-                self._accounts[request_id].add(cached.blocks, from_prefix_cache=True)
-                self._set_owner(cached.blocks, self._accounts[request_id])
+                account.add(cached.blocks, from_prefix_cache=True)
+                self._set_owner(cached.blocks, account)
                 self._num_published[request_id] = len(cached.blocks)
                 self._last_published[request_id] = cached.blocks[-1].identity
-        new_blocks = self.pool.allocate(need)
-        table.extend(new_blocks)
-        account = self._accounts[request_id]
-        account.add(new_blocks)
-        self._set_owner(new_blocks, account)
-        self._fill(request_id, table, num_tokens)
-        account.update_peaks()
+        else:
+            account = self._accounts[request_id]
+        new_blocks = self.pool.allocate(need) if need else []
+        if new_blocks:
+            table.extend(new_blocks)
+            account.add(new_blocks)
+            self._set_owner(new_blocks, account)
+        self._fill(request_id, table, num_tokens, account)
+        # The peaks can rise only when the request gains blocks (new, cached, or a copy beside the
+        # original); a plain decode step fills a slot and skips this.
+        if new_blocks or fresh or shared_tail is not None:
+            account.update_peaks()
         return [block.block_id for block in new_blocks]
 
     def _shared_tail_index(self, request_id: str, num_tokens: int) -> int | None:
@@ -228,10 +234,9 @@ class KVCacheManager:
             self._last_published[child_id] = self._last_published[parent_id]
 
     def _set_owner(self, blocks: list[KVBlock], account: KVAccount) -> None:
-        if blocks:
-            self.owners[[block.block_id for block in blocks]] = account.serial
+        self.owners[[block.block_id for block in blocks]] = account.serial
 
-    def _fill(self, request_id: str, table: list[KVBlock], num_tokens: int) -> None:
+    def _fill(self, request_id: str, table: list[KVBlock], num_tokens: int, account: KVAccount) -> None:
         """Record which slots now hold (or are about to hold) tokens, for the waste figure."""
         old = self._num_slots.get(request_id, 0)
         if num_tokens <= old:
@@ -243,7 +248,7 @@ class KVCacheManager:
             count = min(size, num_tokens - index * size)
             filled += count - block.num_tokens
             self.pool.set_num_tokens(block, count)
-        self._accounts[request_id].fill(filled)
+        account.fill(filled)
         self._num_slots[request_id] = num_tokens
 
     def free(self, request_id: str) -> None:
