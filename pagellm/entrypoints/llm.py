@@ -11,7 +11,7 @@ from pagellm.config import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
 from pagellm.engine.beam_search import BeamSearchOutput, beam_search
-from pagellm.sampling_params import BeamSearchParams, SamplingParams
+from pagellm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -115,10 +115,15 @@ class LLM:
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = [str(next(self._request_ids)) for _ in prompts]
+        # Only finished outputs are read here: the engine builds nothing for the steps in between (vLLM's
+        # FINAL_ONLY). The caller's params are left as they were; equal ones share one copy.
+        final_only: dict[int, SamplingParams] = {}
         added: list[str] = []
         try:
             for request_id, prompt, params in zip(request_ids, prompts, params_list):
-                engine.add_request(request_id, prompt, params)
+                if id(params) not in final_only:
+                    final_only[id(params)] = _final_only(params)
+                engine.add_request(request_id, prompt, final_only[id(params)])
                 added.append(request_id)
         except Exception:
             engine.abort_request(added)
@@ -137,3 +142,11 @@ class LLM:
         finally:
             progress.close()
         return [finished[r] for r in request_ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if not isinstance(params, SamplingParams) or params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params  # add_request names a wrong type
+    params = params.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params

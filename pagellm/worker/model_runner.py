@@ -42,6 +42,22 @@ class _RowState:
     def num_logprobs(self) -> int:
         return self.params.logprobs or 0
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing else to apply or report: its sample is the argmax, one token, appended."""
+        params = self.params
+        return (
+            params.temperature == 0
+            and self.num_samples_at_first == 1
+            and self.appends_sampled_tokens
+            and not self.wants_logprobs
+            and not self.min_tokens_stop_ids
+            and not params.bad_words_token_ids
+            and not params.has_penalties
+            and not params.logit_bias
+            and not params.allowed_token_ids
+        )
+
 
 @dataclass
 class _StepInputs:
@@ -83,6 +99,14 @@ class ModelRunner:
         self.num_blocks = np.zeros(0, dtype=np.int64)
         self.row_of: dict[str, int] = {}
         self.rows: dict[int, _RowState] = {}
+        # Per row, in arrays so that a step reads them for the whole batch at once (see _RowState).
+        self.num_prompt_tokens = np.zeros(0, dtype=np.int64)
+        self.num_samples_at_first = np.zeros(0, dtype=np.int64)
+        self.plain_greedy = np.zeros(0, dtype=bool)
+        self.row_request_ids = np.zeros(0, dtype=object)
+        # A batch of plain greedy rows needs no per-row settings: its SamplingBatch is the same every step of
+        # its size, built once.
+        self._greedy_batches: dict[int, SamplingBatch] = {}
         # Rows whose requests asked for prompt_logprobs: the only ones a step must look at for them.
         self.prompt_scoring_rows: set[int] = set()
         self.free_rows: list[int] = []
@@ -129,8 +153,10 @@ class ModelRunner:
         old = len(self.num_tokens)
         self.token_ids = np.concatenate([self.token_ids, np.zeros((extra, self.max_model_len), np.int64)])
         self.block_table = np.concatenate([self.block_table, np.zeros((extra, self.max_blocks), np.int64)])
-        for name in ("num_tokens", "num_computed", "num_blocks"):
+        for name in ("num_tokens", "num_computed", "num_blocks", "num_prompt_tokens", "num_samples_at_first"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, np.int64)]))
+        self.plain_greedy = np.concatenate([self.plain_greedy, np.zeros(extra, bool)])
+        self.row_request_ids = np.concatenate([self.row_request_ids, np.zeros(extra, object)])
         self.free_rows.extend(range(old + extra - 1, old - 1, -1))
 
     def _add_request(self, new: NewRequestData) -> None:
@@ -146,8 +172,12 @@ class ModelRunner:
         self._append_blocks(row, new.block_ids)
         params = new.sampling_params
         stop_ids = sorted(params.all_stop_token_ids) if params.min_tokens else []
-        self.rows[row] = _RowState(new.request_id, params, new.num_prompt_tokens, new.sample_index,
-                                   new.num_samples_at_first, new.appends_sampled_tokens, stop_ids)
+        state = self.rows[row] = _RowState(new.request_id, params, new.num_prompt_tokens, new.sample_index,
+                                           new.num_samples_at_first, new.appends_sampled_tokens, stop_ids)
+        self.num_prompt_tokens[row] = new.num_prompt_tokens
+        self.num_samples_at_first[row] = new.num_samples_at_first
+        self.plain_greedy[row] = state.is_plain_greedy
+        self.row_request_ids[row] = new.request_id
         if params.prompt_logprobs is not None:
             self.prompt_scoring_rows.add(row)
 
@@ -155,6 +185,7 @@ class ModelRunner:
         row = self.row_of.pop(request_id, None)
         if row is not None:
             del self.rows[row]
+            self.plain_greedy[row] = False
             self.prompt_scoring_rows.discard(row)
             self.free_rows.append(row)
 
@@ -231,6 +262,12 @@ class ModelRunner:
         sample_rows = rows[inputs.sample_positions]
         result = self.sampler(logits, sampling)
         tokens = result.token_ids.tolist()  # the step's one wait on the device
+        if self.plain_greedy[sample_rows].all():
+            # One token per row, no log-probabilities, each appended: the whole batch at once.
+            output.sampled_token_ids.update(zip(self.row_request_ids[sample_rows].tolist(), tokens))
+            self.token_ids[sample_rows, self.num_tokens[sample_rows]] = tokens
+            self.num_tokens[sample_rows] += 1
+            return
         offset = 0
         appending = []
         for row, fanout in zip(sample_rows.tolist(), inputs.fanout.tolist()):
@@ -290,9 +327,10 @@ class ModelRunner:
         context_lens = computed + num_scheduled
 
         sample_positions = np.nonzero(context_lens == self.num_tokens[rows])[0]
-        fanout = np.array(
-            [self._fanout(int(rows[p])) for p in sample_positions], dtype=np.int64
-        ) if len(sample_positions) else np.zeros(0, dtype=np.int64)
+        # A request samples all its n sequences at its first sample (n > 1 / best_of), one afterwards.
+        sample_rows = rows[sample_positions]
+        first_sample = self.num_tokens[sample_rows] == self.num_prompt_tokens[sample_rows]
+        fanout = np.where(first_sample, self.num_samples_at_first[sample_rows], 1)
         logits_index = [np.repeat(ends[sample_positions] - 1, fanout)]
         prompt_positions = []
         for position in np.nonzero(np.isin(rows, list(self.prompt_scoring_rows)))[0].tolist():
@@ -318,12 +356,15 @@ class ModelRunner:
             prompt_logprob_positions=prompt_positions,
         )
 
-    def _fanout(self, row: int) -> int:
-        state = self.rows[row]
-        first_sample = self.num_tokens[row] == state.num_prompt_tokens
-        return state.num_samples_at_first if first_sample else 1
-
     def _sampling_batch(self, rows: np.ndarray, fork_index: np.ndarray) -> SamplingBatch:
+        if self.plain_greedy[rows].all():
+            batch = self._greedy_batches.get(len(rows))
+            if batch is None:
+                batch = self._greedy_batches[len(rows)] = self._full_sampling_batch(rows, fork_index)
+            return batch
+        return self._full_sampling_batch(rows, fork_index)
+
+    def _full_sampling_batch(self, rows: np.ndarray, fork_index: np.ndarray) -> SamplingBatch:
         states = [self.rows[int(r)] for r in rows]
         params = [s.params for s in states]
         num_outputs = self.num_tokens[rows] - np.array([s.num_prompt_tokens for s in states], dtype=np.int64)
