@@ -23,7 +23,9 @@ Each size: N requests of `--input-len` random prompt tokens are added and prefil
 - host total:       the whole LLMEngine.step() minus forward+sample
 
 Figures are medians over steps, and over `--repeats` runs of the steps; the CPU and the load average are printed
-beside them, since the numbers mean little without them.
+beside them, since the numbers mean little without them. On a machine shared with other work, `--clock cpu` (this
+thread's CPU time) leaves out the time other processes held the core, which wall time counts in whichever stage
+it fell. Stage medians need not add up to the median host total.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Wall time by default; --clock cpu reads this thread's CPU time instead, which a shared, loaded machine does not
+# inflate with the time other processes hold the core (the forward runs on this thread too, with --threads 1).
+_now = time.perf_counter
 
 STAGES = ("scheduler", "runner prep", "forward+sample", "runner rest", "scheduler update", "output", "other",
           "host total")
@@ -84,11 +90,11 @@ class StageClock:
         method = getattr(obj, name)
 
         def timed(*args, **kwargs):
-            started = time.perf_counter()
+            started = _now()
             try:
                 return method(*args, **kwargs)
             finally:
-                self.step[stage] = self.step.get(stage, 0.0) + time.perf_counter() - started
+                self.step[stage] = self.step.get(stage, 0.0) + _now() - started
 
         setattr(obj, name, timed)
 
@@ -100,11 +106,11 @@ class _TimedCallable:
         self.target, self.clock, self.stage = target, clock, stage
 
     def __call__(self, *args, **kwargs):
-        started = time.perf_counter()
+        started = _now()
         try:
             return self.target(*args, **kwargs)
         finally:
-            self.clock.step[self.stage] = self.clock.step.get(self.stage, 0.0) + time.perf_counter() - started
+            self.clock.step[self.stage] = self.clock.step.get(self.stage, 0.0) + _now() - started
 
     def __getattr__(self, name):
         return getattr(self.target, name)
@@ -165,13 +171,13 @@ def run_size(model_dir: str, num_seqs: int, args) -> dict:
         per_step["step"] = []
         for _ in range(args.steps):
             clock.step = {}
-            started = time.perf_counter()
+            started = _now()
             if profiler is not None:
                 profiler.enable()
             engine.step()
             if profiler is not None:
                 profiler.disable()
-            total = time.perf_counter() - started
+            total = _now() - started
             s = clock.step
             forward, prep = s.get("forward+sample", 0.0), s.get("runner prep", 0.0)
             values = {
@@ -198,6 +204,18 @@ def run_size(model_dir: str, num_seqs: int, args) -> dict:
     return result
 
 
+def _malloc_without_mmap() -> None:
+    """On CPU a step's logits ([sequences, 49k] float32: 50 MB at 256) are a fresh mmap each step, whose pages
+    the kernel zeroes on first touch and unmaps on free. glibc's M_MMAP_MAX=0 keeps such blocks in the heap
+    (and M_TRIM_THRESHOLD keeps the heap from shrinking), which shows how much of the runner's time that is."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_max = -1, -4
+    if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 1 << 30)):
+        raise RuntimeError("mallopt refused M_MMAP_MAX / M_TRIM_THRESHOLD")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 512], help="running sequences")
@@ -208,8 +226,17 @@ def main() -> None:
     parser.add_argument("--output-kind", choices=["cumulative", "delta", "final_only"], default="final_only",
                         help="what each step's RequestOutputs carry (LLM.generate reads final outputs only)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the forward")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall time, or this thread's CPU time (steadier on a machine shared with other work)")
+    parser.add_argument("--malloc-no-mmap", action="store_true",
+                        help="glibc: serve large allocations from the heap, not fresh mmaps (see _malloc_without_mmap)")
     parser.add_argument("--profile", default=None, help="cProfile the timed steps into PATH.<size>")
     args = parser.parse_args()
+    if args.malloc_no_mmap:
+        _malloc_without_mmap()
+    if args.clock == "cpu":
+        global _now
+        _now = time.thread_time
 
     with tempfile.TemporaryDirectory() as tmp:
         max_len = args.input_len + args.warmup + args.steps * args.repeats + 16
@@ -217,7 +244,7 @@ def main() -> None:
         results = {n: run_size(model_dir, n, args) for n in args.sizes}
     load = os.getloadavg()
     print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores usable; load average {load[0]:.2f} {load[1]:.2f} "
-          f"{load[2]:.2f}; output_kind {args.output_kind}; prompts of {args.input_len} tokens; "
+          f"{load[2]:.2f}; {args.clock} clock; output_kind {args.output_kind}{'; malloc without mmap' if args.malloc_no_mmap else ''}; prompts of {args.input_len} tokens; "
           f"median ms per decode step over {args.steps} steps x {args.repeats} repeats")
     header = ["sequences", *STAGES, "step"]
     print("| " + " | ".join(header) + " |")
@@ -225,7 +252,7 @@ def main() -> None:
     for n, r in results.items():
         print(f"| {n} | " + " | ".join(f"{r[stage]:.2f}" for stage in (*STAGES, "step")) + " |")
     for n, r in results.items():
-        print(json.dumps({"sequences": n, "output_kind": args.output_kind, "cpu": cpu_name(),
+        print(json.dumps({"sequences": n, "clock": args.clock, "output_kind": args.output_kind, "cpu": cpu_name(),
                           "loadavg": [round(x, 2) for x in load],
                           **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}}))
 

@@ -207,6 +207,9 @@ class OutputProcessor:
                 failed[state.request_id] = _describe_failure(state.request_id, exc)
         outputs = []
         for state in touched.values():
+            if state.params.output_kind == RequestOutputKind.FINAL_ONLY and state.request_id not in failed \
+                    and not state.finished:
+                continue  # nothing to build or to forget until it finishes
             output = None
             if state.request_id not in failed:
                 try:
