@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import os
 import statistics
@@ -200,6 +201,10 @@ def run_size(model_dir: str, num_seqs: int, args) -> dict:
         profiler.dump_stats(path)
         print(f"cProfile of the timed steps at {num_seqs} sequences: {path}", file=sys.stderr)
     result = {stage: statistics.median(r[stage] for r in repeats) for stage in (*STAGES, "step")}
+    # What one full collection (the collector's oldest generation) would pause a step for, with the engine running.
+    started = time.perf_counter()
+    gc.collect()
+    result["full gc ms"] = round(1000 * (time.perf_counter() - started), 2)
     result["host total per repeat"] = [round(r["host total"], 2) for r in repeats]
     return result
 
@@ -251,6 +256,8 @@ def main() -> None:
     print("|" + " --- |" * len(header))
     for n, r in results.items():
         print(f"| {n} | " + " | ".join(f"{r[stage]:.2f}" for stage in (*STAGES, "step")) + " |")
+    print("A full garbage collection with the engine running: "
+          + ", ".join(f"{r['full gc ms']:.1f} ms at {n}" for n, r in results.items()))
     for n, r in results.items():
         print(json.dumps({"sequences": n, "clock": args.clock, "output_kind": args.output_kind, "cpu": cpu_name(),
                           "loadavg": [round(x, 2) for x in load],

@@ -46,6 +46,10 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs) -> None:
         started = time.perf_counter()
+        # What an earlier engine of this process froze is collectable again: a dropped engine held in a
+        # reference cycle must not keep its KV pool while this one allocates another.
+        gc.unfreeze()
+        gc.collect()
         # Loads the model (on every tensor-parallel rank) and sizes the KV pool.
         self.executor = create_executor(args)
         worker = self.executor.driver
@@ -75,15 +79,7 @@ class EngineCore:
             f"tensor_parallel_size={args.tensor_parallel_size} (sizes per rank)" if args.tensor_parallel_size > 1
             else "one rank", self.startup.seconds,
         )
-        # Everything made so far (the model's modules, the tokenizer, the block pool) lives as long as the
-        # engine: out of the collector's sight, a full collection during serving scans only what serving made,
-        # instead of pausing a step for every object of start-up (as vLLM freezes its heap after start-up).
-        # Unfrozen at exit, so that interpreter shutdown still frees them (nanobind, under triton, reports
-        # every object it finds alive then as leaked).
-        gc.collect()
-        gc.freeze()
-        atexit.unregister(gc.unfreeze)
-        atexit.register(gc.unfreeze)
+        freeze_startup_heap()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
@@ -114,3 +110,14 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
+
+
+def freeze_startup_heap() -> None:
+    """Everything made so far (the model's modules, the tokenizer, the block pool) lives as long as the engine:
+    out of the collector's sight, a full collection during serving scans only what serving made, instead of
+    pausing a step for every object of start-up (vLLM freezes its heap after start-up likewise). Unfrozen at
+    exit, so that interpreter shutdown still frees them (nanobind, under triton, reports any it finds alive)."""
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
