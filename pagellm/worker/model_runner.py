@@ -56,6 +56,8 @@ class _RowState:
             and not params.has_penalties
             and not params.logit_bias
             and not params.allowed_token_ids
+            # A structured-output grammar constrains every sample (the field exists once structured outputs do).
+            and getattr(params, "structured_outputs", None) is None
         )
 
 
