@@ -18,6 +18,49 @@ class RequestOutputKind(IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, a regex, one of several strings, an EBNF grammar or any
+    JSON object (exactly one of them), with vLLM's names and meanings."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs sets {given or 'none'} of {list(_STRUCTURED_KINDS)}; set exactly one of them."
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json={self.json!r:.80} must be a JSON schema (a dict or a str).")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}={value!r:.80} must be a non-empty str.")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"structured_outputs.choice={self.choice!r:.80} must be a non-empty list of str.")
+            self.choice = list(self.choice)
+            for option in self.choice:
+                if not isinstance(option, str) or not option:
+                    raise ValueError(f"structured_outputs.choice contains {option!r:.80}; every choice must be a "
+                                     "non-empty str.")
+                check_text("structured_outputs.choice", option)
+        if self.json_object is not None:
+            _check_bool("structured_outputs.json_object", self.json_object)
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -58,9 +101,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer/config; not user knobs.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # The compiled grammar of structured_outputs: a concurrent Future, compiling off the engine thread.
+    structured_grammar: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Types first, strictly: a JSON "false" must not read as true, nor "abc" as ["abc"], in any route.
@@ -110,6 +156,8 @@ class SamplingParams:
                 if not isinstance(word, str) or not word.strip():
                     raise ValueError(f"bad_words={word!r:.80}: every bad word must be a non-blank str.")
                 check_text("bad_words", word)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs={self.structured_outputs!r:.80} must be a StructuredOutputsParams.")
         _check_real("temperature", self.temperature, "temperature >= 0", lambda v: v >= 0)
         _check_real("top_p", self.top_p, "0 < top_p <= 1", lambda v: 0 < v <= 1)
         _check_int("top_k", self.top_k, lo=0, extra="(0 or -1 disables it)")
@@ -146,6 +194,11 @@ class SamplingParams:
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
+    def __getstate__(self) -> dict:
+        # The compiled grammar's Future (a lock inside) stays in this process: tensor-parallel ranks other than
+        # rank 0 receive the params pickled, and take rank 0's sampled tokens rather than sample themselves.
+        return {**self.__dict__, "structured_grammar": None}
+
     def clone(self) -> SamplingParams:
         copy = SamplingParams.__new__(SamplingParams)
         copy.__dict__.update(self.__dict__)
@@ -175,6 +228,8 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, lo=1)
         _check_int("max_tokens", self.max_tokens, lo=1)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs={self.structured_outputs!r:.80} must be a StructuredOutputsParams.")
         _check_real("temperature", self.temperature, "temperature = 0 (beam search here is deterministic)",
                     lambda v: v == 0)
         _check_real("length_penalty", self.length_penalty, "a finite number", lambda v: True)

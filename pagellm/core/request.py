@@ -101,6 +101,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def grammar_ready(self) -> bool:
+        """False while the structured-output grammar compiles in the background (a Future not yet done)."""
+        grammar = self.sampling_params.structured_grammar
+        return grammar is None or grammar.done()
+
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 

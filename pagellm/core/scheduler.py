@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -95,6 +96,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Per request with prompt_logprobs: one entry per prompt position computed this step (from 1 on).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests whose structured-output grammar allows no further token, with why: they stop unsampled.
+    structured_stops: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -290,7 +293,9 @@ class Scheduler:
             and step.budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self._next_admissible()
+            if request is None:
+                break  # every waiting request still waits for its grammar to compile
             if not self._has_seats_for(request):
                 break  # its n sequences would not fit under max_num_seqs once forked
             # Prompt log-probabilities need logits at every prompt position, so nothing may be skipped.
@@ -306,7 +311,7 @@ class Scheduler:
                                                    request.kv_account)
             if new_block_ids is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.kv.record_prefix_query(request.num_tokens, prefix.num_tokens)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = prefix.num_tokens
@@ -341,6 +346,18 @@ class Scheduler:
         ones; alone it is always let in, or a request with n > max_num_seqs could never run."""
         seats = len(self.running) + 1 + request.num_pending_forks
         return seats <= self.config.max_num_seqs or not self.running
+
+    def _next_admissible(self) -> Request | None:
+        """The oldest waiting request that can run: one whose structured-output grammar is still compiling
+        (off the engine thread) is passed over, so it delays no one behind it."""
+        for request in self.waiting:
+            if request.grammar_ready:
+                return request
+        return None
+
+    def grammar_futures_pending(self) -> list:
+        """Compile futures of waiting requests that cannot run until their grammar is ready."""
+        return [r.sampling_params.structured_grammar for r in self.waiting if not r.grammar_ready]
 
     def _prefill_needs_own_step(self, budget: int) -> bool:
         """Without chunking, a prompt that fits only a step's whole budget would wait behind the running
@@ -429,6 +446,8 @@ class Scheduler:
         self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
         prompt_logprobs = self._new_prompt_logprobs(request, computed_before,
                                                     runner_output.prompt_logprobs.get(request_id))
+        if request_id in runner_output.structured_stops:
+            return self._stop_unsampled(request, runner_output.structured_stops[request_id], prompt_logprobs)
         token_id = runner_output.sampled_token_ids.get(request_id)
         if token_id is None:
             if request.num_computed_tokens >= request.num_tokens:
@@ -476,6 +495,17 @@ class Scheduler:
         request.num_prompt_logprobs_reported = max(request.num_prompt_logprobs_reported,
                                                    computed_before + len(entries))
         return fresh
+
+    def _stop_unsampled(self, request: Request, reason: str, prompt_logprobs) -> list[EngineCoreOutput]:
+        """Finish a sequence that has no token to take ("stop", with the reason); at its first sample, the
+        sequences it would have forked end the same way, so the user request still gets all n."""
+        request.stop_reason = reason
+        pending, request.num_pending_forks = request.num_pending_forks, 0
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        output = self._output(request, [], RequestStatus.FINISHED_STOPPED, None, prompt_logprobs)
+        forks = [dataclasses.replace(output, sample_index=index, prompt_logprobs=None) for index in range(1, pending + 1)]
+        return [output, *forks]
 
     def _fork_first_samples(self, request: Request, tokens: list[int]) -> list[Request]:
         """At its first sample a request with n > 1 becomes n sequences sharing the prompt's blocks."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import gc
 import logging
 import time
@@ -18,6 +19,9 @@ from pagellm.executor.model_worker import ModelInfo, pick_device, resolve_dtype,
 from pagellm.worker.kv_cache import GiB
 
 logger = logging.getLogger(__name__)
+
+# How long an idle step waits for a compiling grammar before returning (the caller steps again).
+_GRAMMAR_WAIT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,11 @@ class EngineCore:
         self.last_scheduled_request_ids = frozenset()
         scheduler_output = self.scheduler.schedule()
         self.last_scheduled_request_ids = frozenset(scheduler_output.num_scheduled_tokens)
-        if scheduler_output.is_empty and self.scheduler.has_unfinished_requests():
+        pending_grammars = self.scheduler.grammar_futures_pending() if scheduler_output.is_empty else []
+        if pending_grammars:
+            # Nothing else can run: wait for a grammar (the next step schedules it), not spin.
+            concurrent.futures.wait(pending_grammars, timeout=_GRAMMAR_WAIT_S, return_when="FIRST_COMPLETED")
+        elif scheduler_output.is_empty and self.scheduler.has_unfinished_requests():
             stats = self.scheduler.get_stats()
             raise RuntimeError(f"the scheduler could schedule nothing although requests are waiting: {stats}")
         runner_output = self.executor.execute(scheduler_output)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Mapping
 from typing import Union
@@ -13,6 +14,7 @@ from pagellm.engine.engine_core import EngineCore
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams, check_text
+from pagellm.structured_output.grammar import GrammarCompiler
 
 PromptType = Union[str, Mapping]
 
@@ -27,6 +29,11 @@ class LLMEngine:
         self.vocab_size = info.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self._arrivals = itertools.count()
+
+    @functools.cached_property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built at the first structured-output request: it imports xgrammar and indexes the vocabulary."""
+        return GrammarCompiler(self.tokenizer, self.vocab_size, self.core.model_info.eos_token_ids)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -103,6 +110,8 @@ class LLMEngine:
         eos = set() if params.ignore_eos else set(self.core.model_info.eos_token_ids)
         params.all_stop_token_ids = eos | set(params.stop_token_ids)
         params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
+        if params.structured_outputs is not None:
+            params.structured_grammar = self.grammar_compiler.submit(params.structured_outputs)
         room = self.max_model_len - len(token_ids)
         max_output = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(

@@ -7,9 +7,11 @@ frequency and repetition penalties; then temperature, min-p, top-k and top-p; th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from pagellm.structured_output.matcher import apply_token_bitmask
 
 # Mixes a request's seed with the index of the token it samples, so a seeded request's k-th token
 # depends on (seed, k, logits) alone: not on what else is in the batch, nor on preemption.
@@ -44,6 +46,10 @@ class SamplingBatch:
     allowed_mask: torch.Tensor | None = None  # [S, V] bool
     # Most top log-probabilities any row asked for; None when no row needs log-probabilities.
     num_logprobs: int | None = None
+    # [S, ceil(V/32)] int32: the tokens each row's structured-output grammar allows (all bits set elsewhere).
+    token_bitmask: torch.Tensor | None = None
+    # Rows whose grammar allows no token (batch index -> why): finished by the runner, not sampled.
+    structured_stops: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,6 +92,8 @@ class Sampler:
 
 
 def _apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.token_bitmask is not None:
+        apply_token_bitmask(logits, batch.token_bitmask)
     if batch.allowed_mask is not None:
         logits = logits.masked_fill(~batch.allowed_mask, float("-inf"))
     if batch.banned_tokens:

@@ -18,6 +18,7 @@ from pagellm.core.scheduler import ModelRunnerOutput, NewRequestData, SchedulerO
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of
 from pagellm.sample.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_output.matcher import SequenceGrammar
 from pagellm.worker.kv_cache import layer_views
 
 
@@ -31,6 +32,8 @@ class _RowState:
     appends_sampled_tokens: bool
     # Stop tokens masked until min_tokens are out.
     min_tokens_stop_ids: list[int]
+    # The matcher of a request with structured_outputs, else None.
+    grammar: SequenceGrammar | None = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -56,8 +59,8 @@ class _RowState:
             and not params.has_penalties
             and not params.logit_bias
             and not params.allowed_token_ids
-            # A structured-output grammar constrains every sample (the field exists once structured outputs do).
-            and getattr(params, "structured_outputs", None) is None
+            # A structured-output grammar constrains every sample.
+            and params.structured_outputs is None
         )
 
 
@@ -174,8 +177,9 @@ class ModelRunner:
         self._append_blocks(row, new.block_ids)
         params = new.sampling_params
         stop_ids = sorted(params.all_stop_token_ids) if params.min_tokens else []
+        grammar = SequenceGrammar(params.structured_grammar) if params.structured_grammar is not None else None
         state = self.rows[row] = _RowState(new.request_id, params, new.num_prompt_tokens, new.sample_index,
-                                           new.num_samples_at_first, new.appends_sampled_tokens, stop_ids)
+                                           new.num_samples_at_first, new.appends_sampled_tokens, stop_ids, grammar)
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_samples_at_first[row] = new.num_samples_at_first
         self.plain_greedy[row] = state.is_plain_greedy
@@ -274,6 +278,11 @@ class ModelRunner:
         appending = []
         for row, fanout in zip(sample_rows.tolist(), inputs.fanout.tolist()):
             state = self.rows[row]
+            stop_reason = sampling.structured_stops.get(offset)
+            if stop_reason is not None:
+                output.structured_stops[state.request_id] = stop_reason
+                offset += fanout
+                continue
             output.sampled_token_ids[state.request_id] = tokens[offset]
             if fanout > 1:
                 output.forked_token_ids[state.request_id] = tokens[offset + 1 : offset + fanout]
@@ -395,12 +404,15 @@ class ModelRunner:
         ]
         banned += self._bad_word_bans(rows, states, num_outputs)
         wanting = [s.num_logprobs for s in states if s.wants_logprobs]
+        token_bitmask, structured_stops = self._grammar_bitmask(rows, states)
         return SamplingBatch(
             temperature, top_k, top_p, min_p, all_greedy, seeded, banned,
             penalties=self._penalties(rows, params, states) if any(p.has_penalties for p in params) else None,
             logit_bias=self._logit_bias(params),
             allowed_mask=self._allowed_mask(params),
+            token_bitmask=token_bitmask,
             num_logprobs=max(wanting) if wanting else None,
+            structured_stops=structured_stops,
         )
 
     def _bad_word_bans(self, rows, states, num_outputs) -> list[tuple[int, list[int]]]:
@@ -445,6 +457,25 @@ class ModelRunner:
         rows, ids, biases = zip(*entries)
         return (self._to_device(np.array(rows, dtype=np.int64)), self._to_device(np.array(ids, dtype=np.int64)),
                 self._to_device(np.array(biases, dtype=np.float32)))
+
+    def _grammar_bitmask(self, rows: np.ndarray, states: list[_RowState]) -> tuple[torch.Tensor | None, dict[int, str]]:
+        """The grammar-allowed tokens of every sampling row ([S, ceil(V/32)] int32 bits, all set for unconstrained
+        rows; None when no row is constrained), and the rows whose grammar allows nothing (finished with the
+        reason instead of sampled)."""
+        constrained = [i for i, s in enumerate(states) if s.grammar is not None]
+        if not constrained:
+            return None, {}
+        bitmask = torch.full((len(states), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        stops: dict[int, str] = {}
+        for i in constrained:
+            row, state = int(rows[i]), states[i]
+            # A no-op for the repeats of a row that samples several sequences at once (fanout).
+            state.grammar.catch_up(self.token_ids[row, state.num_prompt_tokens : self.num_tokens[row]])
+            reason = state.grammar.fill_bitmask(bitmask, i)
+            if reason is not None:
+                stops[i] = reason
+                bitmask[i] = -1  # the row is not sampled; an all-allowed row keeps the sampler's math finite
+        return bitmask.to(self.device, non_blocking=True), stops
 
     def _allowed_mask(self, params: list[SamplingParams]) -> torch.Tensor | None:
         if not any(p.allowed_token_ids for p in params):
