@@ -4,10 +4,13 @@ naming it) and compiled against the vocabulary in a thread pool, once per distin
 from __future__ import annotations
 
 import json
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagellm.sampling_params import StructuredOutputsParams
+
+_XGRAMMAR_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
 
 # Compiling walks the whole vocabulary per grammar state; two threads keep a slow schema from delaying the
 # next one while leaving the cores to the forward pass.
@@ -38,8 +41,9 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
-def parse_grammar(params: StructuredOutputsParams):
-    """The tokenizer-independent xgrammar.Grammar; a ValueError naming the part xgrammar could not take."""
+def parse_grammar(params: StructuredOutputsParams, name: str | None = None):
+    """The tokenizer-independent xgrammar.Grammar; a ValueError naming the part xgrammar could not take
+    (`name` says where the grammar came from, structured_outputs.<kind> by default)."""
     import xgrammar as xgr
 
     kind, text = grammar_key(params)
@@ -54,9 +58,10 @@ def parse_grammar(params: StructuredOutputsParams):
             return xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
         return xgr.Grammar.from_ebnf(params.grammar)
     except (RuntimeError, ValueError, TypeError) as exc:
-        reason = " ".join(str(exc).split())[:500]
+        # xgrammar prefixes its messages with a time and its C++ source line, which tell a client nothing.
+        reason = _XGRAMMAR_PREFIX.sub("", " ".join(str(exc).split()))[:500]
         raise ValueError(
-            f"structured_outputs.{kind}={_preview(getattr(params, kind))} cannot be compiled: {reason}. "
+            f"{name or 'structured_outputs.' + kind}={_preview(getattr(params, kind))} cannot be compiled: {reason}. "
             f"Supported: JSON Schema (json), regular expressions (regex), lists of strings (choice), EBNF in "
             "xgrammar/GBNF syntax (grammar) and json_object."
         ) from None

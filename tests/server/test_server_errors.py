@@ -94,7 +94,7 @@ BAD_CHATS = [
     ({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 30},
      400, "top_logprobs", ["less than or equal to 20"]),
     ({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]},
-     400, "tools", ["not supported yet"]),
+     400, "tools.0", ["function"]),
     ({"model": "nope", "messages": [{"role": "user", "content": "Hi"}]}, 404, "model", ["nope"]),
 ]
 

@@ -24,6 +24,12 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class ResponseFormat(StrictModel):
+    type: str
+    # {"name": ..., "schema": {...}, "strict": ..., "description": ...} as OpenAI's clients send it.
+    json_schema: dict[str, Any] | None = None
+
+
 class SamplingFields(StrictModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions, with OpenAI's ranges."""
 
@@ -49,6 +55,13 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* (one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # vLLM's default cap on log-probabilities per position; OpenAI allows 5 (completions) and 20 (chat).
@@ -78,11 +91,6 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ResponseFormat(StrictModel):
-    type: str
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -92,7 +100,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     # vLLM's extensions.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -197,7 +204,8 @@ class CompletionResponse(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

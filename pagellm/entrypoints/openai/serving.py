@@ -22,7 +22,7 @@ from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exc
 from pagellm.core.kv_usage import KVUsage
 from pagellm.entrypoints.openai.protocol import ChatMessage, KVInfo, PromptField, SamplingFields
 from pagellm.outputs import PositionLogprobs, RequestOutput
-from pagellm.sampling_params import RequestOutputKind, SamplingParams, check_text
+from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, check_text
 
 
 @dataclass
@@ -205,7 +205,8 @@ class OpenAIServing:
         return parsed
 
     def sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None = None,
-                        best_of: int | None = None) -> SamplingParams:
+                        best_of: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """The parameters of the request's engine request: its n choices are n samples of one engine
         request (sample i of a seeded request samples with seed + i), which computes the prompt once."""
         if request.stop_token_ids:
@@ -234,6 +235,7 @@ class OpenAIServing:
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured,
         )
         return build_sampling_params(kwargs)
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from pagellm.entrypoints.openai.errors import bad_request, from_exception, not_supported
+from pagellm.entrypoints.openai.errors import bad_request, from_exception
 from pagellm.entrypoints.openai.logprobs import chat_logprobs
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -27,15 +27,37 @@ from pagellm.entrypoints.openai.serving import (
     merge_outputs,
     sse,
 )
+from pagellm.entrypoints.openai.structured import (
+    ToolPlan,
+    plan_tools,
+    requested_structured_outputs,
+    tool_calls_of,
+)
+
+
+def _structured_outputs(request: ChatCompletionRequest) -> tuple[ToolPlan | None, object]:
+    """The tool plan and the output constraint of a chat request: tools or response_format, not both."""
+    plan = plan_tools(request.tools, request.tool_choice)
+    structured = requested_structured_outputs(request)
+    if plan is not None and structured is not None:
+        raise bad_request("a tool call (tool_choice) and a structured output (response_format / guided_*) both "
+                          "constrain the output; pass one of them.", "tool_choice")
+    return plan, plan.structured if plan is not None else structured
+
+
+def _message(plan: ToolPlan | None, choice: Choice) -> tuple[ChatResponseMessage, str | None]:
+    """The assistant message of a finished choice, and its finish_reason: tool_calls parsed from the constrained
+    output, or the plain text when the output was cut short (finish_reason "length") and does not parse."""
+    if plan is None or choice.finish_reason != "stop":
+        return ChatResponseMessage(content=choice.text), choice.finish_reason
+    calls = tool_calls_of(plan, choice.text)
+    # OpenAI reports "stop" when the caller named the function, "tool_calls" when the model chose to call.
+    return ChatResponseMessage(content=None, tool_calls=calls), "stop" if plan.named else "tool_calls"
 
 
 def _check_chat_supported(request: ChatCompletionRequest) -> None:
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
-    if request.tools:
-        raise not_supported("tools", f"<{len(request.tools)} tools>")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise not_supported("response_format", request.response_format.type)
     if request.max_tokens is not None and request.max_completion_tokens is not None \
             and request.max_tokens != request.max_completion_tokens:
         raise bad_request(
@@ -51,28 +73,32 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
     max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
-    prompt = await serving.chat_prompt(request.messages, request.add_generation_prompt, request.chat_template_kwargs)
+    plan, structured = _structured_outputs(request)
+    template_kwargs = dict(request.chat_template_kwargs or {})
+    if request.tools:
+        template_kwargs.setdefault("tools", request.tools)
+    prompt = await serving.chat_prompt(request.messages, request.add_generation_prompt, template_kwargs)
     serving.check_length(prompt, max_tokens, "messages", max_tokens_param)
     num_top = (request.top_logprobs or 0) if request.logprobs else None
-    params = serving.sampling_params(request, max_tokens, num_top)
+    params = serving.sampling_params(request, max_tokens, num_top, structured=structured)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = serving.submit(request_id, [prompt], params)
     prompt_tokens = len(prompt.token_ids)
     if request.stream:
-        stream = _stream(serving, request, raw_request, request_id, choices, prompt_tokens, num_top)
+        stream = _stream(serving, request, raw_request, request_id, choices, prompt_tokens, num_top, plan)
         return StreamingResponse(stream, media_type="text/event-stream")
 
     await serving.run_to_completion(raw_request, choices)
+    response_choices = []
+    for c in choices:
+        message, finish_reason = _message(plan, c)
+        logprobs = None if num_top is None else chat_logprobs(c.token_ids, c.logprobs, num_top, serving.tokenizer)
+        response_choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
+                                           stop_reason=c.stop_reason, logprobs=logprobs))
     response = ChatCompletionResponse(
         id=request_id,
         model=serving.model_name,
-        choices=[
-            ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
-                       stop_reason=c.stop_reason,
-                       logprobs=None if num_top is None else chat_logprobs(c.token_ids, c.logprobs, num_top,
-                                                                           serving.tokenizer))
-            for c in choices
-        ],
+        choices=response_choices,
         usage=UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)),
         kv=kv_info(choices),
     )
@@ -87,6 +113,7 @@ async def _stream(
     choices: list[Choice],
     prompt_tokens: int,
     num_top: int | None,
+    plan: ToolPlan | None,
 ) -> AsyncIterator[str]:
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     created = int(time.time())
@@ -116,12 +143,26 @@ async def _stream(
                 if num_top is not None and completion.token_ids:
                     logprobs = chat_logprobs(completion.token_ids, completion.logprobs or [], num_top,
                                              serving.tokenizer).model_dump()
-                if completion.text or logprobs:
+                if plan is not None:
+                    # Tool calls go out whole at the end: arguments are only known to parse once complete.
+                    choice.text_parts.append(completion.text)
+                elif completion.text or logprobs:
                     yield chunk(choice.index, {"content": completion.text}, logprobs=logprobs)
                 if output.finished:
-                    yield chunk(choice.index, {}, completion.finish_reason, completion.stop_reason)
+                    finish = completion.finish_reason
+                    if plan is not None:
+                        choice.finish_reason = finish
+                        message, finish = _message(plan, choice)
+                        yield chunk(choice.index, _tool_delta(message), logprobs=logprobs)
+                    yield chunk(choice.index, {}, finish, completion.stop_reason)
         if include_usage:
             yield chunk(None, {}, usage=UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)))
     except Exception as exc:  # headers are out: the error travels in the stream
         yield sse(from_exception(exc).body())
     yield SSE_DONE
+
+
+def _tool_delta(message: ChatResponseMessage) -> dict:
+    if message.tool_calls is None:
+        return {"content": message.content}
+    return {"tool_calls": [{"index": index, **call} for index, call in enumerate(message.tool_calls)]}

@@ -22,6 +22,7 @@ from pagellm.entrypoints.openai.serving import (
     merge_outputs,
     sse,
 )
+from pagellm.entrypoints.openai.structured import requested_structured_outputs
 
 
 async def create_completion(serving: OpenAIServing, request: CompletionRequest, raw_request: Request):
@@ -38,7 +39,8 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest, 
     prompts = await serving.completion_prompts(request.prompt)
     for prompt in prompts:
         serving.check_length(prompt, request.max_tokens, "prompt")
-    params = serving.sampling_params(request, request.max_tokens, request.logprobs, request.best_of)
+    params = serving.sampling_params(request, request.max_tokens, request.logprobs, request.best_of,
+                                     requested_structured_outputs(request))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     choices = serving.submit(request_id, prompts, params)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)

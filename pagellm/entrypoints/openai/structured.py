@@ -1,0 +1,147 @@
+"""How OpenAI and vLLM clients ask for structured output, as StructuredOutputsParams: response_format,
+vLLM's structured_outputs and guided_* fields, and tools with tool_choice "required" or a named function."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.sampling_params import StructuredOutputsParams
+from pagellm.structured_output.grammar import parse_grammar
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def requested_structured_outputs(request) -> StructuredOutputsParams | None:
+    """The one structured-output constraint a request asks for (400 if it asks for two), parsed now so
+    that a schema the engine cannot take is a 400 before any streaming starts."""
+    asked: list[tuple[str, StructuredOutputsParams]] = []
+    response_format = request.response_format
+    if response_format is not None and response_format.type != "text":
+        asked.append(("response_format", _from_response_format(response_format)))
+    if request.structured_outputs is not None:
+        asked.append(("structured_outputs", _build("structured_outputs", request.structured_outputs)))
+    for field_name, kind in _GUIDED.items():
+        value = getattr(request, field_name)
+        if value is not None:
+            asked.append((field_name, _build(field_name, {kind: value})))
+    if len(asked) > 1:
+        names = [name for name, _ in asked]
+        raise bad_request(f"{' and '.join(names)} both constrain the output; pass only one of them.", names[1])
+    if not asked:
+        return None
+    param, structured = asked[0]
+    return check_compiles(param, structured, f"{param}.{structured.kind}" if param == "structured_outputs" else param)
+
+
+def check_compiles(param: str, structured: StructuredOutputsParams, name: str) -> StructuredOutputsParams:
+    try:
+        parse_grammar(structured, name)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
+    return structured
+
+
+def _build(param: str, fields: dict) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except (TypeError, ValueError) as exc:
+        raise bad_request(f"{param}: {exc}", param) from None
+
+
+def _from_response_format(response_format) -> StructuredOutputsParams:
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if response_format.type == "json_schema":
+        spec = response_format.json_schema
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request('response_format.json_schema must be {"name": ..., "schema": {...}}, with the JSON '
+                              "schema under \"schema\".", "response_format.json_schema")
+        return StructuredOutputsParams(json=schema)
+    raise bad_request(f"response_format.type={response_format.type!r} is not supported; allowed: 'text', "
+                      "'json_object', 'json_schema'.", "response_format.type")
+
+
+# ---- tools ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request's tools make of its output: None for plain text, else a constrained JSON that
+    becomes tool_calls: the arguments of `named` alone, or a list of {"name", "parameters"} calls."""
+
+    structured: StructuredOutputsParams
+    named: str | None = None
+
+
+def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict | None) -> ToolPlan | None:
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise bad_request(f"tool_choice={tool_choice!r} needs tools; pass tools or drop tool_choice.",
+                              "tool_choice")
+        return None
+    schemas = _tool_schemas(tools)
+    if tool_choice == "none":
+        return None
+    if tool_choice in (None, "auto"):
+        raise bad_request(
+            "tool_choice='auto' (the default with tools) needs the model's own tool-call format, which this model's "
+            "chat template does not define; pass tool_choice='required' or {\"type\": \"function\", \"function\": "
+            "{\"name\": ...}} (the arguments are then constrained to the function's parameters), or 'none'.",
+            "tool_choice", "unsupported_parameter")
+    if tool_choice == "required":
+        calls = {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for name, schema in schemas.items()
+        ]}
+        array = {"type": "array", "minItems": 1, "items": calls}
+        return ToolPlan(check_compiles("tools", StructuredOutputsParams(json=array), "tools"))
+    name = _named_choice(tool_choice)
+    if name not in schemas:
+        raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools "
+                          f"{sorted(schemas)}.", "tool_choice")
+    return ToolPlan(check_compiles("tools", StructuredOutputsParams(json=schemas[name]), f"tools.{name}.parameters"),
+                    named=name)
+
+
+def _named_choice(tool_choice: object) -> str:
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not (isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(name, str)):
+        raise bad_request(f"tool_choice={tool_choice!r:.120} is not supported; allowed: 'none', 'required' or "
+                          '{"type": "function", "function": {"name": ...}}.', "tool_choice")
+    return name
+
+
+def _tool_schemas(tools: list[dict[str, Any]]) -> dict[str, dict]:
+    """Function name -> its parameters schema (an empty object when it has none)."""
+    schemas: dict[str, dict] = {}
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if tool.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"tools.{index} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                              "\"parameters\": {...}}}}.", f"tools.{index}")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise bad_request(f"tools.{index}.function.parameters must be a JSON schema object.",
+                              f"tools.{index}.function.parameters")
+        schemas[name] = parameters
+    return schemas
+
+
+def tool_calls_of(plan: ToolPlan, text: str) -> list[dict]:
+    """OpenAI's tool_calls from the constrained output (arguments as JSON text)."""
+    if plan.named is not None:
+        return [tool_call(plan.named, text)]
+    calls = json.loads(text)
+    return [tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
