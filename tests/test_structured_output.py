@@ -163,3 +163,14 @@ def test_a_compile_failure_in_the_pool_stops_all_n_sequences_with_the_reason(llm
     assert [c.finish_reason for c in output.outputs] == ["stop"] * 3
     assert all("out of memory while compiling" in c.stop_reason and not c.token_ids for c in output.outputs)
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
+
+
+def test_default_model_outputs_under_a_json_schema_all_validate():
+    # The target on the real model, one batch (benchmarks/structured.py runs the full 100).
+    from benchmarks.structured import PROMPT, constrained, person_error
+
+    llm = LLM(seed=0, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+    outputs = llm.generate([PROMPT] * 8, [constrained(seed, 128) for seed in range(8)], use_tqdm=False)
+    errors = [(o.outputs[0].text, person_error(o.outputs[0].text)) for o in outputs]
+    assert [e for e in errors if e[1] is not None] == []
+    assert len({text for text, _ in errors}) > 4, "temperature 1.0 samples differ"
