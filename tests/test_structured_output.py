@@ -174,3 +174,10 @@ def test_default_model_outputs_under_a_json_schema_all_validate():
     errors = [(o.outputs[0].text, person_error(o.outputs[0].text)) for o in outputs]
     assert [e for e in errors if e[1] is not None] == []
     assert len({text for text, _ in errors}) > 4, "temperature 1.0 samples differ"
+
+
+def test_structured_outputs_may_be_given_as_a_dict():
+    params = SamplingParams(structured_outputs={"choice": ["a", "b"]})
+    assert params.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    with pytest.raises(ValueError, match="allowed keys"):
+        SamplingParams(structured_outputs={"schema": {}})
