@@ -181,3 +181,14 @@ def test_structured_outputs_may_be_given_as_a_dict():
     assert params.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
     with pytest.raises(ValueError, match="allowed keys"):
         SamplingParams(structured_outputs={"schema": {}})
+
+
+def test_params_pickle_without_the_compile_future(llm):
+    # Tensor-parallel ranks receive params pickled; the Future (holding a lock) stays with rank 0.
+    import pickle
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    params.structured_grammar = llm.llm_engine.grammar_compiler.submit(params.structured_outputs)
+    copy = pickle.loads(pickle.dumps(params))
+    assert copy.structured_grammar is None and copy.structured_outputs == params.structured_outputs
+    assert params.structured_grammar is not None
