@@ -234,14 +234,6 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, lo=1)
         _check_int("max_tokens", self.max_tokens, lo=1)
-        if isinstance(self.structured_outputs, dict):  # as JSON routes (/generate) carry it
-            try:
-                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-            except TypeError as exc:
-                raise ValueError(f"structured_outputs: {exc}; allowed keys: {list(_STRUCTURED_KINDS)}.") from None
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs={self.structured_outputs!r:.80} must be a StructuredOutputsParams "
-                             "(or a dict of its fields).")
         _check_real("temperature", self.temperature, "temperature = 0 (beam search here is deterministic)",
                     lambda v: v == 0)
         _check_real("length_penalty", self.length_penalty, "a finite number", lambda v: True)

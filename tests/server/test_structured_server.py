@@ -143,3 +143,10 @@ def test_required_tool_choice_picks_among_the_tools(client):
             arguments = json.loads(call.function.arguments)
             assert call.function.name in ("get_weather", "get_time")
             assert set(arguments) == ({"city", "unit"} if call.function.name == "get_weather" else {"zone"})
+
+
+def test_a_tool_call_cut_short_comes_back_as_text(client):
+    response = _chat(client, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=3, n=1)
+    choice = response.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content.startswith("[")

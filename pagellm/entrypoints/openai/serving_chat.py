@@ -47,10 +47,13 @@ def _structured_outputs(request: ChatCompletionRequest) -> tuple[ToolPlan | None
 
 def _message(plan: ToolPlan | None, choice: Choice) -> tuple[ChatResponseMessage, str | None]:
     """The assistant message of a finished choice, and its finish_reason: tool_calls parsed from the constrained
-    output, or the plain text when the output was cut short (finish_reason "length") and does not parse."""
+    output, or the plain text when the output was cut short (max_tokens, a stop string) and does not parse."""
     if plan is None or choice.finish_reason != "stop":
         return ChatResponseMessage(content=choice.text), choice.finish_reason
-    calls = tool_calls_of(plan, choice.text)
+    try:
+        calls = tool_calls_of(plan, choice.text)
+    except ValueError:  # cut short by a stop string: what was generated is the answer, as text
+        return ChatResponseMessage(content=choice.text), choice.finish_reason
     # OpenAI reports "stop" when the caller named the function, "tool_calls" when the model chose to call.
     return ChatResponseMessage(content=None, tool_calls=calls), "stop" if plan.named else "tool_calls"
 
