@@ -54,17 +54,6 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_atte
             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.3)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def make_model_dir(path: Path, max_len: int) -> str:
     """A 1-layer random Llama with the default model's tokenizer, saved as a HF directory."""
     import torch
@@ -247,8 +236,10 @@ def main() -> None:
         max_len = args.input_len + args.warmup + args.steps * args.repeats + 16
         model_dir = make_model_dir(Path(tmp) / "tiny-1-layer", max_len)
         results = {n: run_size(model_dir, n, args) for n in args.sizes}
+    from pagellm.cpu_features import cpu_description
+
     load = os.getloadavg()
-    print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores usable; load average {load[0]:.2f} {load[1]:.2f} "
+    print(f"CPU: {cpu_description()}, {len(os.sched_getaffinity(0))} cores usable; load average {load[0]:.2f} {load[1]:.2f} "
           f"{load[2]:.2f}; {args.clock} clock; output_kind {args.output_kind}{'; malloc without mmap' if args.malloc_no_mmap else ''}; prompts of {args.input_len} tokens; "
           f"median ms per decode step over {args.steps} steps x {args.repeats} repeats")
     header = ["sequences", *STAGES, "step"]
@@ -259,7 +250,7 @@ def main() -> None:
     print("A full garbage collection with the engine running: "
           + ", ".join(f"{r['full gc ms']:.1f} ms at {n}" for n, r in results.items()))
     for n, r in results.items():
-        print(json.dumps({"sequences": n, "clock": args.clock, "output_kind": args.output_kind, "cpu": cpu_name(),
+        print(json.dumps({"sequences": n, "clock": args.clock, "output_kind": args.output_kind, "cpu": cpu_description(),
                           "loadavg": [round(x, 2) for x in load],
                           **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}}))
 

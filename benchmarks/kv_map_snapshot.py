@@ -58,6 +58,9 @@ def main() -> None:
         state_dict(snapshot)
         encode_ms.append((time.perf_counter() - started) * 1e3)
     stats = scheduler.kv.stats()
+    from pagellm.cpu_features import cpu_description
+
+    print(f"CPU: {cpu_description()}")
     print(f"pool {args.num_blocks} blocks, {stats.num_used_blocks} in use ({stats.num_shared_blocks} shared), "
           f"{len(snapshot.owner_ids)} requests")
     print(f"snapshot (engine thread): median {statistics.median(snapshot_ms):.3f} ms, max {max(snapshot_ms):.3f} ms")

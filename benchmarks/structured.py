@@ -175,6 +175,10 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed runs of each batch (best kept)")
     args = parser.parse_args(argv)
     result = run(args)
+    from pagellm.cpu_features import cpu_description
+
+    result["cpu"] = cpu_description()
+    print(f"CPU: {result['cpu']}")
     print(format_table(result))
     print(json.dumps(result))
 

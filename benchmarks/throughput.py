@@ -343,9 +343,10 @@ class MachineLoad:
     cpus: int
     load_at_start: float
     load_at_end: float
+    cpu: str  # model name and speed-relevant flags: figures from different CPUs must never be mixed up
 
     def describe(self) -> str:
-        return (f"{self.cpus} CPUs available; 1-minute load average {self.load_at_start:.2f} at start, "
+        return (f"CPU: {self.cpu}; {self.cpus} CPUs available; 1-minute load average {self.load_at_start:.2f} at start, "
                 f"{self.load_at_end:.2f} at end (above {self.cpus} means other processes competed for the CPUs)")
 
 
@@ -379,13 +380,15 @@ def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
               f"token positions computed for {tokens.useful_prompt_tokens:,} and {tokens.useful_output_tokens:,} "
               f"useful ones ({tokens.padding_fraction:.1%} padding)")
 
-    load = MachineLoad(len(os.sched_getaffinity(0)), load_at_start, os.getloadavg()[0])
+    from pagellm.cpu_features import cpu_description
+
+    load = MachineLoad(len(os.sched_getaffinity(0)), load_at_start, os.getloadavg()[0], cpu_description())
     print()
     print_report(results)
     print(load.describe())
     for r in results:
         line = r.as_json()
-        line.update(cpus=load.cpus, loadavg_start=load.load_at_start, loadavg_end=load.load_at_end)
+        line.update(cpu=load.cpu, cpus=load.cpus, loadavg_start=load.load_at_start, loadavg_end=load.load_at_end)
         if r.engine == "pagellm" and startup is not None:
             line.update(startup_core_s=round(startup.core_seconds, 3), startup_ready_s=round(startup.ready_seconds, 3))
             line.update(tensor_parallel_size=args.tensor_parallel_size)

@@ -26,6 +26,29 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# The flags that decide which CPU kernels and dtypes run fast; benchmarks print them beside their figures.
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_model_name() -> str:
+    """/proc/cpuinfo's model name ('unknown CPU' where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def cpu_description() -> str:
+    """Model name and the speed-relevant flags present, e.g. 'AMD EPYC ... (avx2 avx512f avx512_bf16)'."""
+    present = [flag for flag in SPEED_FLAGS if flag in cpu_flags()]
+    return f"{cpu_model_name()} ({' '.join(present) or 'none of ' + ', '.join(SPEED_FLAGS)})"
+
+
 @functools.cache
 def cpu_has_native(dtype: torch.dtype) -> bool:
     """True for float32, and for a half type only where the CPU has instructions for it (asked per
