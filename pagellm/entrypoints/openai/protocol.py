@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from pagellm.core.kv_usage import KVUsage
+
 # Token ids first: pydantic's smart union then keeps [1, 2, 3] as ids, and a list of strings stays text.
 PromptField = Union[list[int], list[list[int]], str, list[str]]
 
@@ -149,18 +151,6 @@ class UsageInfo(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
-class KVInfo(BaseModel):
-    """pagellm's extra `kv` object beside `usage`: the request's KV memory (RequestOutput.kv; several
-    engine requests, e.g. a list of prompts, add up field by field)."""
-
-    peak_blocks: int = 0
-    shared_blocks: int = 0
-    cow_copies: int = 0
-    cached_tokens: int = 0
-    preemptions: int = 0
-    peak_waste_slots: int = 0
-
-
 class CompletionLogprobs(BaseModel):
     """The legacy completions format: parallel lists, one entry per generated token."""
 
@@ -199,7 +189,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
-    kv: KVInfo | None = None
+    # pagellm's extra object beside `usage`: the KV memory of its engine requests, added up field by field.
+    kv: KVUsage | None = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -223,7 +214,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    kv: KVInfo | None = None
+    # As CompletionResponse.kv.
+    kv: KVUsage | None = None
 
 
 class ModelCard(BaseModel):

@@ -20,7 +20,7 @@ from pagellm.engine.async_llm_engine import AsyncLLMEngine
 from pagellm.engine.request_stream import RequestStream
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exception
 from pagellm.core.kv_usage import KVUsage
-from pagellm.entrypoints.openai.protocol import ChatMessage, KVInfo, PromptField, SamplingFields
+from pagellm.entrypoints.openai.protocol import ChatMessage, PromptField, SamplingFields
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, check_text
 
@@ -69,10 +69,10 @@ class Choice:
         return "".join(self.text_parts)
 
 
-def kv_info(choices: Sequence[Choice]) -> KVInfo:
+def kv_info(choices: Sequence[Choice]) -> KVUsage:
     """The response's `kv` object: each engine request's figures once, added up."""
     per_request = {choice.request_id: choice.kv for choice in choices if choice.kv is not None}
-    return KVInfo(**sum(per_request.values(), KVUsage()).to_dict())
+    return sum(per_request.values(), KVUsage())
 
 
 class OpenAIServing:

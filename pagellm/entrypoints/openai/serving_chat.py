@@ -131,7 +131,7 @@ async def _stream(
         if include_usage:
             payload["usage"] = usage.model_dump() if usage else None
         if usage:
-            payload["kv"] = kv_info(choices).model_dump()
+            payload["kv"] = kv_info(choices).to_dict()
         return sse(payload)
 
     try:
