@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
-from tests.server.utils import ServerProcess
+from tests.server.utils import API_KEY, AUTH, ServerProcess
 
 # Small limits keep a server cheap: a 16 MiB KV pool holds ~680 blocks of the tiny model.
 TINY_SERVER_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "16MiB", "--max-model-len", "512",
@@ -26,6 +27,19 @@ def start_server(tiny_llama_dir, tmp_path_factory):
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(start_server) -> ServerProcess:
+    """A tiny-model server behind `--api-key API_KEY`, for the modules that check errors and auth."""
+    return start_server("--api-key", API_KEY)
+
+
+@pytest.fixture(scope="module")
+def http(keyed_server):
+    """An httpx client of `keyed_server` that presents the key."""
+    with httpx.Client(base_url=keyed_server.url, headers=AUTH, timeout=120) as client:
+        yield client
 
 
 @pytest.hookimpl(hookwrapper=True)

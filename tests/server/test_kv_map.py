@@ -7,23 +7,8 @@ import json
 
 import httpx
 import numpy as np
-import pytest
 
 from tests.server.utils import metric_value, wait_until
-
-API_KEY = "kv-secret"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-@pytest.fixture(scope="module")
-def server(start_server):
-    return start_server("--api-key", API_KEY)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120, headers=AUTH) as client:
-        yield client
 
 
 def kv_state(http, blocks: bool = True) -> dict:
@@ -61,12 +46,12 @@ def test_chat_and_the_last_streamed_chunk_carry_kv(http):
     assert all("kv" not in chunk for chunk in chunks[:-1])
 
 
-def test_kv_state_needs_the_key_and_the_page_does_not(server, http):
-    assert httpx.get(f"{server.url}/kv/state").status_code == 401
-    page = httpx.get(f"{server.url}/kv")
+def test_kv_state_needs_the_key_and_the_page_does_not(keyed_server, http):
+    assert httpx.get(f"{keyed_server.url}/kv/state").status_code == 401
+    page = httpx.get(f"{keyed_server.url}/kv")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert '<script src="/kv/kv_map.js">' in page.text and "http" not in page.text.split("<body>")[1]
-    script = httpx.get(f"{server.url}/kv/kv_map.js")
+    script = httpx.get(f"{keyed_server.url}/kv/kv_map.js")
     assert script.status_code == 200 and "/kv/state" in script.text
 
 

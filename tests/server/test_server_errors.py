@@ -9,19 +9,7 @@ import httpx
 import openai
 import pytest
 
-API_KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-@pytest.fixture(scope="module")
-def server(start_server):
-    return start_server("--api-key", API_KEY)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:
-        yield client
+from tests.server.utils import API_KEY, AUTH
 
 
 def _assert_error(response: httpx.Response, status: int, param: str | None, *fragments: str) -> dict:
@@ -130,25 +118,25 @@ def test_bad_generate_requests(http, body, param, fragment):
     assert http.post("/generate", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
-def test_api_key_is_required_on_api_routes_only(server, http):
+def test_api_key_is_required_on_api_routes_only(keyed_server, http):
     for headers, fragment in [({}, "no API key"), ({"Authorization": "Bearer wrong"}, "wrong")]:
         for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/generate"),
                              ("POST", "/tokenize")]:
-            response = httpx.request(method, f"{server.url}{path}", headers=headers, json={"prompt": "Hi"})
+            response = httpx.request(method, f"{keyed_server.url}{path}", headers=headers, json={"prompt": "Hi"})
             _assert_error(response, 401, None, fragment)
     for path in ("/health", "/metrics", "/version"):
-        assert httpx.get(f"{server.url}{path}").status_code == 200
+        assert httpx.get(f"{keyed_server.url}{path}").status_code == 200
     _assert_serving(http)
 
 
-def test_the_openai_client_sees_typed_errors(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+def test_the_openai_client_sees_typed_errors(keyed_server):
+    client = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="tiny", prompt="Hi", temperature=9)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "Hi"}])
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+        openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="wrong", max_retries=0).models.list()
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
@@ -174,9 +162,9 @@ MISTYPED = [
 
 
 @pytest.mark.parametrize(("route", "body", "param"), MISTYPED, ids=[f"{r}|{p}" for r, _, p in MISTYPED])
-def test_a_mistyped_field_is_a_400_and_its_neighbours_finish(server, route, body, param):
+def test_a_mistyped_field_is_a_400_and_its_neighbours_finish(keyed_server, route, body, param):
     async def run():
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=keyed_server.url, headers=AUTH, timeout=60) as client:
             neighbour = {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
             neighbours = [client.post("/generate", json=neighbour) for _ in range(4)]
             return await asyncio.gather(client.post(route, json=body), *neighbours)

@@ -16,6 +16,9 @@ import httpx
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Enough for torch's import and a model load on a busy 2-core machine; a server that needs longer is broken.
 STARTUP_TIMEOUT_S = 180.0
+# The key of `keyed_server` (tests/server/conftest.py), and the header that presents it.
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def free_port() -> int:
