@@ -111,9 +111,5 @@ class GrammarCompiler:
             compiler = self._compiler
         return compiler.compile_grammar(grammar)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._compiled)
-
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
