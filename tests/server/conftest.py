@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 
 from tests.server.utils import API_KEY, AUTH, ServerProcess
@@ -27,6 +28,18 @@ def start_server(tiny_llama_dir, tmp_path_factory):
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(start_server) -> ServerProcess:
+    """A tiny-model server with the default flags; a module that needs other flags defines its own `server`."""
+    return start_server()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    """The official openai client of `server`."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,6 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
-def server(start_server):
-    return start_server()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def offline(tiny_llama_dir) -> LLM:
     return LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=512)
 

@@ -7,7 +7,6 @@ import re
 from typing import Literal
 
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel
 
@@ -32,16 +31,6 @@ TIME_TOOL = {"type": "function", "function": {
 class Pick(BaseModel):
     color: Literal["red", "green", "blue"]
     ok: bool
-
-
-@pytest.fixture(scope="module")
-def server(start_server):
-    return start_server()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _chat(client, **kwargs):
