@@ -52,10 +52,6 @@ class StepAttentionInputs:
     def num_tokens(self) -> int:
         return len(self.slot_mapping)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
 
 class AttentionBackend(Protocol):
     name: str

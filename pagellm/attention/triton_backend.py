@@ -104,7 +104,6 @@ class TritonAttentionBackend:
 
     def build_metadata(self, step: StepAttentionInputs) -> TritonMetadata:
         nd = step.num_decodes
-        num_decode_tokens = nd
         dev = self.device
         decode_tables = decode_lens = None
         num_splits = 1
@@ -126,7 +125,7 @@ class TritonAttentionBackend:
             first = (np.arange(len(seqs)) - np.repeat(tile_starts, tiles_per_seq)) * self.block_q
             tile_seqs, tile_first = to_device(seqs, dev), to_device(first.astype(np.int32), dev)
             num_tiles = len(seqs)
-        return TritonMetadata(self, to_device(step.slot_mapping.astype(np.int64), dev), num_decode_tokens,
+        return TritonMetadata(self, to_device(step.slot_mapping.astype(np.int64), dev), nd,
                               int(query_lens.sum()), decode_tables, decode_lens, num_splits, prefill_tables,
                               prefill_lens, query_starts, tile_seqs, tile_first, num_tiles)
 

@@ -132,7 +132,3 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _current.size
-
-
-def tp_all_reduce(tensor: torch.Tensor, group: TensorParallelGroup | None = None) -> torch.Tensor:
-    return (group or _current).all_reduce(tensor)

@@ -14,8 +14,8 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig, SchedulerStats
 from pagellm.executor import create_executor
-# Re-exported: model resolution lives with the per-rank worker now; callers still import it from here.
-from pagellm.executor.model_worker import ModelInfo, pick_device, resolve_dtype, resolve_max_model_len  # noqa: F401
+# Re-exported for benchmarks/memory.py and throughput.py: model resolution lives with the per-rank worker now.
+from pagellm.executor.model_worker import resolve_dtype, resolve_max_model_len  # noqa: F401
 from pagellm.worker.kv_cache import GiB
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from torch import nn
 
 from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata, paged_attention
-from pagellm.distributed.parallel_state import TensorParallelGroup, current_group, tp_all_reduce, tp_rank, tp_size
+from pagellm.distributed.parallel_state import TensorParallelGroup, current_group, tp_rank, tp_size
 
 # (fused parameter, checkpoint shard name, shard index)
 _STACKED_PARAMS = (
@@ -75,7 +75,7 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tp_all_reduce(super().forward(x), self.group)
+        return self.group.all_reduce(super().forward(x))
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:

@@ -378,7 +378,7 @@ class ModelRunner:
     def _full_sampling_batch(self, rows: np.ndarray, fork_index: np.ndarray) -> SamplingBatch:
         states = [self.rows[int(r)] for r in rows]
         params = [s.params for s in states]
-        num_outputs = self.num_tokens[rows] - np.array([s.num_prompt_tokens for s in states], dtype=np.int64)
+        num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]
         temperature = self._to_device(np.array([p.temperature for p in params], dtype=np.float32))
         all_greedy = all(p.temperature == 0 for p in params)
         top_k = top_p = min_p = None
@@ -407,7 +407,7 @@ class ModelRunner:
         token_bitmask, structured_stops = self._grammar_bitmask(rows, states)
         return SamplingBatch(
             temperature, top_k, top_p, min_p, all_greedy, seeded, banned,
-            penalties=self._penalties(rows, params, states) if any(p.has_penalties for p in params) else None,
+            penalties=self._penalties(rows, params) if any(p.has_penalties for p in params) else None,
             logit_bias=self._logit_bias(params),
             allowed_mask=self._allowed_mask(params),
             token_bitmask=token_bitmask,
@@ -429,10 +429,10 @@ class ModelRunner:
                 bans.append((i, banned))
         return bans
 
-    def _penalties(self, rows: np.ndarray, params: list[SamplingParams], states: list[_RowState]) -> Penalties:
+    def _penalties(self, rows: np.ndarray, params: list[SamplingParams]) -> Penalties:
         num_rows, vocab = len(rows), self.vocab_size
         lengths = self.num_tokens[rows]
-        prompt_lens = np.array([s.num_prompt_tokens for s in states], dtype=np.int64)
+        prompt_lens = self.num_prompt_tokens[rows]
         width = int(lengths.max())
         columns = np.arange(width)
         tokens = self._to_device(self.token_ids[rows, :width])
