@@ -344,7 +344,8 @@ class ModelRunner:
         fanout = np.where(first_sample, self.num_samples_at_first[sample_rows], 1)
         logits_index = [np.repeat(ends[sample_positions] - 1, fanout)]
         prompt_positions = []
-        for position in np.nonzero(np.isin(rows, list(self.prompt_scoring_rows)))[0].tolist():
+        scoring = np.nonzero(np.isin(rows, list(self.prompt_scoring_rows)))[0] if self.prompt_scoring_rows else ()
+        for position in scoring:
             state = self.rows[int(rows[position])]
             absolute = np.arange(computed[position], context_lens[position])
             keep = absolute + 1 < state.num_prompt_tokens
