@@ -99,11 +99,11 @@ class RequestState:
     sequences: dict[int, SequenceState] = field(default_factory=dict)
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    kv_account: KVAccount | None = None
+    # The scheduler's account for the request (set when it was added): all zero until it holds a block.
+    kv_account: KVAccount = field(kw_only=True)
 
     def kv_usage(self) -> KVUsage:
-        # A request that never reached a step (aborted while waiting) held no blocks.
-        return KVUsage() if self.kv_account is None else self.kv_account.snapshot()
+        return self.kv_account.snapshot()
 
     @property
     def finished(self) -> bool:
@@ -136,7 +136,7 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_account: KVAccount | None = None) -> None:
+                    kv_account: KVAccount) -> None:
         state = RequestState(request_id, prompt, prompt_token_ids, params, kv_account=kv_account)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored on
