@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pagellm.core.kv_usage import KVAccount, KVUsage
 from pagellm.core.scheduler import EngineCoreOutput, TokenLogprobs
-from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagellm.outputs import CompletionOutput, CompletionProgress, Logprob, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 # Tokens before the first new one that are decoded with it, so that a leading space or a multi-token
@@ -74,25 +74,10 @@ class IncrementalDetokenizer:
 
 
 @dataclass
-class SequenceState:
-    """One completion of a request (a request with n > 1 has n)."""
+class SequenceState(CompletionProgress):
+    """One completion of a request (a request with n > 1 has n), with the detokenizer that extends its text."""
 
-    index: int
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # How much text and how many tokens earlier DELTA outputs already carried.
-    sent_text_len: int = 0
-    sent_tokens: int = 0
-    changed: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    detokenizer: IncrementalDetokenizer = field(kw_only=True)
 
     def visible_text_len(self, stops: list[str]) -> int:
         """While running, the tail that could still turn out to begin a stop string is held back."""
@@ -102,16 +87,7 @@ class SequenceState:
         return max(self.sent_text_len, len(self.text) - hold)
 
     def completion(self, params: SamplingParams) -> CompletionOutput:
-        visible = self.visible_text_len(params.stop)
-        if params.output_kind == RequestOutputKind.DELTA:
-            text, token_ids = self.text[self.sent_text_len : visible], self.token_ids[self.sent_tokens :]
-            logprobs = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
-            self.sent_text_len, self.sent_tokens = visible, len(self.token_ids)
-        else:
-            text, token_ids, logprobs = self.text[:visible], list(self.token_ids), self.logprobs
-        self.changed = False
-        return CompletionOutput(self.index, text, token_ids, self.cumulative_logprob,
-                                None if logprobs is None else list(logprobs), self.finish_reason, self.stop_reason)
+        return self.take(params.output_kind == RequestOutputKind.DELTA, self.visible_text_len(params.stop))
 
 
 @dataclass
@@ -123,11 +99,11 @@ class RequestState:
     sequences: dict[int, SequenceState] = field(default_factory=dict)
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    kv_account: KVAccount | None = None
+    # The scheduler's account for the request (set when it was added): all zero until it holds a block.
+    kv_account: KVAccount = field(kw_only=True)
 
     def kv_usage(self) -> KVUsage:
-        # A request that never reached a step (aborted while waiting) held no blocks.
-        return KVUsage() if self.kv_account is None else self.kv_account.snapshot()
+        return self.kv_account.snapshot()
 
     @property
     def finished(self) -> bool:
@@ -160,7 +136,7 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_account: KVAccount | None = None) -> None:
+                    kv_account: KVAccount) -> None:
         state = RequestState(request_id, prompt, prompt_token_ids, params, kv_account=kv_account)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored on
@@ -179,7 +155,8 @@ class OutputProcessor:
         return outputs
 
     def _new_sequence(self, state: RequestState, index: int) -> SequenceState:
-        sequence = SequenceState(index, IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, state.params))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, state.params)
+        sequence = SequenceState(index, detokenizer=detokenizer)
         if state.params.logprobs is not None:
             sequence.logprobs = []
             sequence.cumulative_logprob = 0.0

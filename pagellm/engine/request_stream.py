@@ -10,26 +10,12 @@ on its own.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-
-from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagellm.outputs import CompletionOutput, CompletionProgress, RequestOutput
 from pagellm.sampling_params import RequestOutputKind
 
 
-@dataclass
-class _Completion:
-    """One sample's text, tokens and logprobs so far, and how much of them the consumer was handed."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    sent_text: int = 0
-    sent_tokens: int = 0
-    changed: bool = False
+class _Completion(CompletionProgress):
+    """One sample as the consumer has received it, built up from the engine's deltas."""
 
     def accept(self, delta: CompletionOutput) -> None:
         self.changed = True
@@ -39,18 +25,6 @@ class _Completion:
             self.logprobs = (self.logprobs or []) + list(delta.logprobs)
         self.cumulative_logprob = delta.cumulative_logprob
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-
-    def take(self, kind: RequestOutputKind) -> CompletionOutput:
-        if kind == RequestOutputKind.DELTA:
-            text, token_ids = self.text[self.sent_text :], self.token_ids[self.sent_tokens :]
-            logprobs = None if self.logprobs is None else self.logprobs[self.sent_tokens :]
-        else:
-            text, token_ids = self.text, list(self.token_ids)
-            logprobs = None if self.logprobs is None else list(self.logprobs)
-        self.sent_text, self.sent_tokens = len(self.text), len(self.token_ids)
-        self.changed = False
-        return CompletionOutput(self.index, text, token_ids, self.cumulative_logprob, logprobs, self.finish_reason,
-                                self.stop_reason)
 
 
 class RequestStream:
@@ -105,6 +79,6 @@ class RequestStream:
             completions = [c for c in completions if c.changed] or completions[:1]
         self._changed = False
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
-                             [c.take(self.output_kind) for c in completions], last.finished,
+                             [c.take(self.output_kind == RequestOutputKind.DELTA) for c in completions], last.finished,
                              prompt_logprobs=last.prompt_logprobs, num_cached_tokens=last.num_cached_tokens,
                              kv=last.kv)
