@@ -175,5 +175,8 @@ class LLMEngine:
         return self.core.get_stats()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes, if any (interpreter exit does it too)."""
+        """Stop the tensor-parallel worker processes, if any (interpreter exit does it too), and the grammar
+        compile threads if a structured-output request started them."""
+        if "grammar_compiler" in self.__dict__:  # the cached_property was built
+            self.grammar_compiler.shutdown()
         self.core.shutdown()
