@@ -42,6 +42,9 @@ CASES = [
      [("get_weather", WEATHER)]),
     ("mistral", 'Checking. [TOOL_CALLS] [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"q": "[x]"}}]',
      "Checking.", [("a", {}), ("b", {"q": "[x]"})]),
+    # Tokenizer v11 and later: name[ARGS]arguments, one marker per call.
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "C"}[TOOL_CALLS]b[ARGS]{}', None,
+     [("get_weather", WEATHER), ("b", {})]),
     ("mistral", "Just text with [brackets] and TOOL_CALLS.", "Just text with [brackets] and TOOL_CALLS.", []),
 ]
 
@@ -56,6 +59,7 @@ MALFORMED = [
     ("llama3_json", '{"name": "a", "parameters": {"x": 1'),
     ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {}'),
     ("mistral", "[TOOL_CALLS]not json"),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g{"y": 2}'),
 ]
 
 
