@@ -27,13 +27,13 @@ from pagellm.entrypoints.openai.serving import (
     merge_outputs,
     sse,
 )
-from pagellm.entrypoints.openai.tool_parsers import ParsedDelta, ToolCallStream
 from pagellm.entrypoints.openai.structured import (
     ToolPlan,
     plan_tools,
     requested_structured_outputs,
     tool_calls_of,
 )
+from pagellm.entrypoints.openai.tool_parsers import ParsedDelta, ToolCallStream
 
 
 def _structured_outputs(request: ChatCompletionRequest, auto_tool_parser: str | None) -> tuple[ToolPlan | None, object]:
