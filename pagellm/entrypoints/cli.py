@@ -9,6 +9,7 @@ import sys
 
 from pagellm.config import DEFAULT_MODEL
 from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_QUEUED_REQUESTS, AsyncEngineArgs
+from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -46,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="on SIGINT/SIGTERM, seconds that running requests may go on (new ones get 503) before "
                              "their streams are ended (default: 10)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='answer tool_choice "auto" (the default with tools): the model calls tools in its own '
+                             "format, which --tool-call-parser reads")
+    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="the model family's tool-call format: hermes (Qwen2.5/Qwen3, Hermes, SmolLM3), "
+                             "llama3_json (Llama 3.1/3.2), mistral")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     engine = serve.add_argument_group("engine")
@@ -135,8 +142,12 @@ def serve(args: argparse.Namespace) -> None:
     model_root = args.model or DEFAULT_MODEL
     if args.shutdown_timeout < 0:
         sys.exit(f"pagellm serve: --shutdown-timeout={args.shutdown_timeout} must be >= 0 (seconds).")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        sys.exit("pagellm serve: --enable-auto-tool-choice needs --tool-call-parser NAME, the model's tool-call "
+                 f"format; NAME is one of {sorted(TOOL_PARSERS)}.")
     config = ServerConfig(args.served_model_name or [model_root], model_root, args.api_key,
-                          args.max_request_body_bytes, args.shutdown_timeout)
+                          args.max_request_body_bytes, args.shutdown_timeout,
+                          auto_tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     try:
         engine = AsyncLLMEngine.from_engine_args(engine_args)
     except (ValueError, RendezvousError, ExecutorDeadError) as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -21,8 +22,11 @@ from pagellm.engine.request_stream import RequestStream
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exception
 from pagellm.core.kv_usage import KVUsage
 from pagellm.entrypoints.openai.protocol import ChatMessage, PromptField, SamplingFields
+from pagellm.entrypoints.openai.structured import template_renders_tools, template_tool_calls
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, check_text
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,6 +39,9 @@ class ServerConfig:
     max_request_body_bytes: int | None = None
     # On SIGINT/SIGTERM, how long running requests may go on before their streams are ended.
     shutdown_timeout: float = 10.0
+    # tool_choice "auto": the --tool-call-parser that reads the model's calls; None without
+    # --enable-auto-tool-choice (then "auto" is a 400).
+    auto_tool_parser: str | None = None
 
 
 @dataclass
@@ -85,6 +92,9 @@ class OpenAIServing:
         # One thread: the tokenizer is not shared between threads, and a second big prompt waits its turn
         # rather than taking a core from the engine.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-tokenizer")
+        if config.auto_tool_parser is not None and not template_renders_tools(self.tokenizer):
+            logger.warning("--enable-auto-tool-choice: this model's chat template does not write the request's tools "
+                           "into the prompt, so the model is not told about them and will rarely call one.")
 
     async def off_loop(self, fn: Callable, *args):
         """fn(*args) on the tokenizer thread: what may take long on big inputs stays off the event loop."""
@@ -299,7 +309,7 @@ def _template_message(message: ChatMessage) -> dict:
         entry["content"] = "\n".join(part.text for part in content)
     elif content is None:
         entry["content"] = ""
-    return entry
+    return template_tool_calls(entry)
 
 
 async def merge_outputs(engine: AsyncLLMEngine, choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:

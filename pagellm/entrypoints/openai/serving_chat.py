@@ -33,21 +33,32 @@ from pagellm.entrypoints.openai.structured import (
     requested_structured_outputs,
     tool_calls_of,
 )
+from pagellm.entrypoints.openai.tool_parsers import ParsedDelta, ToolCallStream
 
 
-def _structured_outputs(request: ChatCompletionRequest) -> tuple[ToolPlan | None, object]:
-    """The tool plan and the output constraint of a chat request: tools or response_format, not both."""
-    plan = plan_tools(request.tools, request.tool_choice)
+def _structured_outputs(request: ChatCompletionRequest, auto_tool_parser: str | None) -> tuple[ToolPlan | None, object]:
+    """The tool plan and the output constraint of a chat request: a constrained tool call or response_format,
+    not both (tool_choice "auto" constrains nothing, so a structured output may shape its free text)."""
+    plan = plan_tools(request.tools, request.tool_choice, auto_tool_parser)
     structured = requested_structured_outputs(request)
-    if plan is not None and structured is not None:
-        raise bad_request("a tool call (tool_choice) and a structured output (response_format / guided_*) both "
-                          "constrain the output; pass one of them.", "tool_choice")
-    return plan, plan.structured if plan is not None else structured
+    if plan is not None and plan.structured is not None:
+        if structured is not None:
+            raise bad_request("a tool call (tool_choice) and a structured output (response_format / guided_*) both "
+                              "constrain the output; pass one of them.", "tool_choice")
+        structured = plan.structured
+    return plan, structured
 
 
 def _message(plan: ToolPlan | None, choice: Choice) -> tuple[ChatResponseMessage, str | None]:
     """The assistant message of a finished choice, and its finish_reason: tool_calls parsed from the constrained
-    output, or the plain text when the output was cut short (max_tokens, a stop string) and does not parse."""
+    output, or the plain text when the output was cut short (max_tokens, a stop string) and does not parse;
+    with tool_choice "auto", the calls the parser finds in the text and the text around them."""
+    if plan is not None and plan.parser is not None:
+        extracted = plan.parser.extract(choice.text)
+        if not extracted.calls:
+            return ChatResponseMessage(content=extracted.content), choice.finish_reason
+        calls = [call.to_openai() for call in extracted.calls]
+        return ChatResponseMessage(content=extracted.content, tool_calls=calls), _auto_finish_reason(choice.finish_reason)
     if plan is None or choice.finish_reason != "stop":
         return ChatResponseMessage(content=choice.text), choice.finish_reason
     try:
@@ -56,6 +67,20 @@ def _message(plan: ToolPlan | None, choice: Choice) -> tuple[ChatResponseMessage
         return ChatResponseMessage(content=choice.text), choice.finish_reason
     # OpenAI reports "stop" when the caller named the function, "tool_calls" when the model chose to call.
     return ChatResponseMessage(content=None, tool_calls=calls), "stop" if plan.named else "tool_calls"
+
+
+def _auto_finish_reason(engine_finish_reason: str | None) -> str | None:
+    """A reply with calls ends with "tool_calls", unless it was cut short ("length": a later call may be lost)."""
+    return "tool_calls" if engine_finish_reason == "stop" else engine_finish_reason
+
+
+def _without_stop_token_text(text: str, token_ids: list[int], stop_reason, tokenizer) -> str:
+    """`text` less the text of the stop token (EOS) that ended it. Decoding keeps special tokens for parsers whose
+    call marker is one, and would then show the EOS too, which no reply carries."""
+    if not token_ids or isinstance(stop_reason, str):
+        return text
+    stop_text = tokenizer.decode(token_ids[-1:], skip_special_tokens=False)
+    return text[: -len(stop_text)] if stop_text and text.endswith(stop_text) else text
 
 
 def _check_chat_supported(request: ChatCompletionRequest) -> None:
@@ -76,7 +101,10 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
     max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
-    plan, structured = _structured_outputs(request)
+    plan, structured = _structured_outputs(request, serving.config.auto_tool_parser)
+    keeps_special_tokens = plan is not None and plan.parser is not None and plan.parser.marker_is_special_token
+    if keeps_special_tokens and request.skip_special_tokens:
+        request = request.model_copy(update={"skip_special_tokens": False})
     template_kwargs = dict(request.chat_template_kwargs or {})
     if request.tools:
         template_kwargs.setdefault("tools", request.tools)
@@ -88,12 +116,15 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
     choices = serving.submit(request_id, [prompt], params)
     prompt_tokens = len(prompt.token_ids)
     if request.stream:
-        stream = _stream(serving, request, raw_request, request_id, choices, prompt_tokens, num_top, plan)
+        stream = _stream(serving, request, raw_request, request_id, choices, prompt_tokens, num_top, plan,
+                         keeps_special_tokens)
         return StreamingResponse(stream, media_type="text/event-stream")
 
     await serving.run_to_completion(raw_request, choices)
     response_choices = []
     for c in choices:
+        if keeps_special_tokens and c.finish_reason == "stop":
+            c.text_parts = [_without_stop_token_text(c.text, c.token_ids, c.stop_reason, serving.tokenizer)]
         message, finish_reason = _message(plan, c)
         logprobs = None if num_top is None else chat_logprobs(c.token_ids, c.logprobs, num_top, serving.tokenizer)
         response_choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
@@ -117,6 +148,7 @@ async def _stream(
     prompt_tokens: int,
     num_top: int | None,
     plan: ToolPlan | None,
+    keeps_special_tokens: bool,
 ) -> AsyncIterator[str]:
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     created = int(time.time())
@@ -134,6 +166,7 @@ async def _stream(
             payload["kv"] = kv_info(choices).to_dict()
         return sse(payload)
 
+    auto_streams = {choice.index: plan.parser.stream() for choice in choices} if plan and plan.parser else {}
     try:
         # The role comes first, as OpenAI sends it, before any token is ready.
         for choice in choices:
@@ -146,6 +179,20 @@ async def _stream(
                 if num_top is not None and completion.token_ids:
                     logprobs = chat_logprobs(completion.token_ids, completion.logprobs or [], num_top,
                                              serving.tokenizer).model_dump()
+                if auto_streams:
+                    text = completion.text
+                    if keeps_special_tokens and output.finished and completion.finish_reason == "stop":
+                        text = _without_stop_token_text(text, completion.token_ids, completion.stop_reason,
+                                                        serving.tokenizer)
+                    for delta in _auto_tool_deltas(auto_streams[choice.index], text, output.finished, logprobs):
+                        yield chunk(choice.index, delta, logprobs=logprobs)
+                        logprobs = None
+                    if output.finished:
+                        finish = completion.finish_reason
+                        if auto_streams[choice.index].num_calls:
+                            finish = _auto_finish_reason(finish)
+                        yield chunk(choice.index, {}, finish, completion.stop_reason)
+                    continue
                 if plan is not None:
                     # Tool calls go out whole at the end: arguments are only known to parse once complete.
                     choice.text_parts.append(completion.text)
@@ -163,6 +210,20 @@ async def _stream(
     except Exception as exc:  # headers are out: the error travels in the stream
         yield sse(from_exception(exc).body())
     yield SSE_DONE
+
+
+def _auto_tool_deltas(stream: ToolCallStream, text: str, finished: bool, logprobs: dict | None) -> list[dict]:
+    """The deltas one piece of text makes under tool_choice "auto": content as it comes (a possible call marker
+    held back), then each call whole, once it is complete and parses, numbered across the reply."""
+    first_index = stream.num_calls
+    parsed = stream.feed(text)
+    if finished:
+        rest = stream.finish()
+        parsed = ParsedDelta(parsed.content + rest.content, parsed.calls + rest.calls)
+    deltas = [{"content": parsed.content}] if parsed.content or (logprobs and not parsed.calls) else []
+    deltas += [{"tool_calls": [{"index": first_index + offset, **call.to_openai()}]}
+               for offset, call in enumerate(parsed.calls)]
+    return deltas
 
 
 def _tool_delta(message: ChatResponseMessage) -> dict:

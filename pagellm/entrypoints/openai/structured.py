@@ -1,14 +1,15 @@
 """How OpenAI and vLLM clients ask for structured output, as StructuredOutputsParams: response_format,
-vLLM's structured_outputs and guided_* fields, and tools with tool_choice "required" or a named function."""
+vLLM's structured_outputs and guided_* fields, and tools with tool_choice "required" or a named function;
+tool_choice "auto" instead leaves the output free and reads the calls out of it (tool_parsers/)."""
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser, openai_tool_call
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.structured_output.grammar import parse_grammar
 
@@ -71,14 +72,18 @@ def _from_response_format(response_format) -> StructuredOutputsParams:
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a chat request's tools make of its output: None for plain text, else a constrained JSON that
-    becomes tool_calls: the arguments of `named` alone, or a list of {"name", "parameters"} calls."""
+    """What a chat request's tools make of its output. tool_choice "required" or named: a constrained JSON
+    (`structured`) that becomes tool_calls: the arguments of `named` alone, or a list of {"name", "parameters"}
+    calls. tool_choice "auto": free text, in which `parser` finds the calls the model chose to make."""
 
-    structured: StructuredOutputsParams
+    structured: StructuredOutputsParams | None
     named: str | None = None
+    parser: ToolParser | None = None
 
 
-def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict | None) -> ToolPlan | None:
+def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict | None,
+               auto_tool_parser: str | None = None) -> ToolPlan | None:
+    """auto_tool_parser: the server's --tool-call-parser when --enable-auto-tool-choice is on, else None."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise bad_request(f"tool_choice={tool_choice!r} needs tools; pass tools or drop tool_choice.",
@@ -88,11 +93,14 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict | Non
     if tool_choice == "none":
         return None
     if tool_choice in (None, "auto"):
-        raise bad_request(
-            "tool_choice='auto' (the default with tools) needs the model's own tool-call format, which this model's "
-            "chat template does not define; pass tool_choice='required' or {\"type\": \"function\", \"function\": "
-            "{\"name\": ...}} (the arguments are then constrained to the function's parameters), or 'none'.",
-            "tool_choice", "unsupported_parameter")
+        if auto_tool_parser is None:
+            raise bad_request(
+                "tool_choice='auto' (the default with tools) needs the server started with --enable-auto-tool-choice "
+                f"and --tool-call-parser NAME (the model's tool-call format, one of {sorted(TOOL_PARSERS)}); or pass "
+                "tool_choice='required' or {\"type\": \"function\", \"function\": {\"name\": ...}} (the arguments "
+                "are then constrained to the function's parameters), or 'none'.",
+                "tool_choice", "unsupported_parameter")
+        return ToolPlan(None, parser=get_tool_parser(auto_tool_parser))
     if tool_choice == "required":
         calls = {"anyOf": [
             {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
@@ -138,10 +146,36 @@ def _tool_schemas(tools: list[dict[str, Any]]) -> dict[str, dict]:
 def tool_calls_of(plan: ToolPlan, text: str) -> list[dict]:
     """OpenAI's tool_calls from the constrained output (arguments as JSON text)."""
     if plan.named is not None:
-        return [tool_call(plan.named, text)]
+        return [openai_tool_call(plan.named, text)]
     calls = json.loads(text)
-    return [tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
+    return [openai_tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
 
 
-def tool_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+def template_tool_calls(message: dict) -> dict:
+    """An assistant message's tool_calls as chat templates read them: OpenAI sends function.arguments as JSON
+    text, transformers' templates expect the object (and would write the text as one quoted string)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    converted = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                call = {**call, "function": {**function, "arguments": json.loads(arguments)}}
+            except ValueError:
+                pass  # not JSON: the template gets the text as sent
+        converted.append(call)
+    return {**message, "tool_calls": converted}
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the chat template writes a tool list into the prompt at all (some, like SmolLM2's, ignore it)."""
+    conversation = [{"role": "user", "content": "hi"}]
+    probe = [{"type": "function", "function": {"name": "probe_tool_name", "parameters": {"type": "object"}}}]
+    try:
+        with_tools = tokenizer.apply_chat_template(conversation, tools=probe, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template that refuses tools certainly does not render them
+        return False
+    return "probe_tool_name" in with_tools
