@@ -55,6 +55,20 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert len(held.token_ids) >= first + 3
 
 
+def test_the_stop_token_is_in_the_token_ids_but_not_the_text(llm, default_tokenizer):
+    # As in vLLM: the token that ended the sequence stays out of the text, even where special tokens are kept
+    # (a tool-call parser whose marker is one would otherwise see the EOS text), unless asked for.
+    full = _greedy(llm, PROMPTS[2])
+    stop_token = full.token_ids[3]
+    first = full.token_ids.index(stop_token)
+    for skip_special_tokens in (True, False):
+        out = _greedy(llm, PROMPTS[2], stop_token_ids=[stop_token], skip_special_tokens=skip_special_tokens)
+        assert out.token_ids[-1] == stop_token
+        assert out.text == default_tokenizer.decode(out.token_ids[:-1], skip_special_tokens=skip_special_tokens)
+    kept = _greedy(llm, PROMPTS[2], stop_token_ids=[stop_token], include_stop_str_in_output=True)
+    assert kept.text == default_tokenizer.decode(full.token_ids[: first + 1], skip_special_tokens=True)
+
+
 def test_eos_from_generation_config_stops_unless_ignored(tiny_llama_dir, tmp_path, llm):
     full = _greedy(llm, PROMPTS[0])
     eos = full.token_ids[2]

@@ -219,7 +219,7 @@ class OutputProcessor:
             sequence.logprobs.extend(self._position_logprobs(e) for e in core_output.logprobs)
         if core_output.cumulative_logprob is not None and (params.logprobs is not None or params.num_sequences > params.n):
             sequence.cumulative_logprob = core_output.cumulative_logprob
-        delta = sequence.detokenizer.add(core_output.new_token_ids, final=core_output.finished)
+        delta = sequence.detokenizer.add(_text_token_ids(params, core_output), final=core_output.finished)
         sequence.finish_reason, sequence.stop_reason = core_output.finish_reason, core_output.stop_reason
         if not delta:
             return False
@@ -240,6 +240,17 @@ class OutputProcessor:
             token_id: Logprob(value, rank, self.tokenizer.decode([token_id]))
             for token_id, value, rank in zip(ids, values, ranks)
         }
+
+
+def _text_token_ids(params: SamplingParams, core_output: EngineCoreOutput) -> list[int]:
+    """The step's tokens that become text: a stop token (EOS or one of `stop_token_ids`) is kept in the token ids
+    but not in the text unless `include_stop_str_in_output` asks for it, as in vLLM. Otherwise a request that keeps
+    special tokens (a tool-call parser whose marker is one) would end its reply with the EOS text."""
+    ids = core_output.new_token_ids
+    ended_by_stop_token = core_output.finish_reason == "stop" and not isinstance(core_output.stop_reason, str)
+    if ended_by_stop_token and ids and not params.include_stop_str_in_output:
+        return ids[:-1]
+    return ids
 
 
 def _describe_failure(request_id: str, exc: Exception) -> str:

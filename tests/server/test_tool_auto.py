@@ -15,7 +15,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagellm.entrypoints.cli import main
-from pagellm.entrypoints.openai.serving_chat import _without_stop_token_text
 from tests.server.conftest import TINY_SERVER_ARGS
 from tests.server.utils import ServerProcess
 
@@ -180,13 +179,3 @@ def test_auto_tool_choice_flags_are_checked_before_loading(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "qwen9"])
     assert "invalid choice: 'qwen9'" in capsys.readouterr().err
-
-
-def test_the_stop_token_text_is_cut_when_special_tokens_are_kept(default_tokenizer):
-    # Parsers whose marker is a special token (mistral, llama3_json) decode with special tokens kept, which
-    # writes the EOS that ended the reply too; the reply must not carry it.
-    eos = default_tokenizer.eos_token_id
-    text = '[TOOL_CALLS][{"name": "a", "arguments": {}}]' + default_tokenizer.decode([eos])
-    assert _without_stop_token_text(text, [5, eos], None, default_tokenizer) == text.removesuffix("<|im_end|>")
-    # A stop string ended it (stop_reason is the string): the text is already cut there.
-    assert _without_stop_token_text("abc", [5, 6], "c", default_tokenizer) == "abc"

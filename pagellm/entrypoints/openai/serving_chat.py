@@ -74,15 +74,6 @@ def _auto_finish_reason(engine_finish_reason: str | None) -> str | None:
     return "tool_calls" if engine_finish_reason == "stop" else engine_finish_reason
 
 
-def _without_stop_token_text(text: str, token_ids: list[int], stop_reason, tokenizer) -> str:
-    """`text` less the text of the stop token (EOS) that ended it. Decoding keeps special tokens for parsers whose
-    call marker is one, and would then show the EOS too, which no reply carries."""
-    if not token_ids or isinstance(stop_reason, str):
-        return text
-    stop_text = tokenizer.decode(token_ids[-1:], skip_special_tokens=False)
-    return text[: -len(stop_text)] if stop_text and text.endswith(stop_text) else text
-
-
 def _check_chat_supported(request: ChatCompletionRequest) -> None:
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
@@ -116,15 +107,12 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
     choices = serving.submit(request_id, [prompt], params)
     prompt_tokens = len(prompt.token_ids)
     if request.stream:
-        stream = _stream(serving, request, raw_request, request_id, choices, prompt_tokens, num_top, plan,
-                         keeps_special_tokens)
+        stream = _stream(serving, request, raw_request, request_id, choices, prompt_tokens, num_top, plan)
         return StreamingResponse(stream, media_type="text/event-stream")
 
     await serving.run_to_completion(raw_request, choices)
     response_choices = []
     for c in choices:
-        if keeps_special_tokens and c.finish_reason == "stop":
-            c.text_parts = [_without_stop_token_text(c.text, c.token_ids, c.stop_reason, serving.tokenizer)]
         message, finish_reason = _message(plan, c)
         logprobs = None if num_top is None else chat_logprobs(c.token_ids, c.logprobs, num_top, serving.tokenizer)
         response_choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
@@ -148,7 +136,6 @@ async def _stream(
     prompt_tokens: int,
     num_top: int | None,
     plan: ToolPlan | None,
-    keeps_special_tokens: bool,
 ) -> AsyncIterator[str]:
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     created = int(time.time())
@@ -180,11 +167,8 @@ async def _stream(
                     logprobs = chat_logprobs(completion.token_ids, completion.logprobs or [], num_top,
                                              serving.tokenizer).model_dump()
                 if auto_streams:
-                    text = completion.text
-                    if keeps_special_tokens and output.finished and completion.finish_reason == "stop":
-                        text = _without_stop_token_text(text, completion.token_ids, completion.stop_reason,
-                                                        serving.tokenizer)
-                    for delta in _auto_tool_deltas(auto_streams[choice.index], text, output.finished, logprobs):
+                    for delta in _auto_tool_deltas(auto_streams[choice.index], completion.text, output.finished,
+                                                   logprobs):
                         yield chunk(choice.index, delta, logprobs=logprobs)
                         logprobs = None
                     if output.finished:
