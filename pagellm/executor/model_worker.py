@@ -138,17 +138,14 @@ def pick_device(name: str) -> torch.device:
 
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:
+    # Sliding-window layers attend through their window (models/sliding_window.py), so the window is no limit.
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and getattr(hf_config, "model_type", "") == "mistral":
-        # Attention here is full, which equals sliding-window attention only within one window.
-        limit = min(limit, window)
     if requested is None:
         return limit
     if requested > limit:
         raise ValueError(
-            f"max_model_len={requested} exceeds what the model supports ({limit}, from max_position_embeddings"
-            f"{' and sliding_window' if window else ''}); pass max_model_len <= {limit}."
+            f"max_model_len={requested} exceeds what the model supports ({limit}, from max_position_embeddings); "
+            f"pass max_model_len <= {limit}."
         )
     return requested
 
