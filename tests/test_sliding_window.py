@@ -11,6 +11,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.attention import native
 from pagellm.attention.backend import BACKEND_ENV, AttentionShape, triton_available
 from pagellm.attention.paged import TorchAttentionBackend, kv_write_index, write_kv
+from pagellm.core.kv_cache_manager import cdiv
 from pagellm.models.sliding_window import layer_sliding_window, model_sliding_window
 from tests.attention_cases import make_step
 from tests.helpers import PROMPTS, hf_greedy
@@ -180,12 +181,22 @@ def _generate(llm, prompts=ENGINE_PROMPTS):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def test_batched_and_single_match_hf(sliding_model):
+def test_batched_and_single_match_hf_and_slid_out_blocks_are_freed(sliding_model, default_tokenizer):
     path, expected = sliding_model
-    llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory_bytes=16 << 20)
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=32, enable_prefix_caching=False,
+              kv_cache_memory_bytes=16 << 20)
     assert llm.llm_engine.core.runner.native_decode is not None
     assert _generate(llm) == expected
-    assert _generate(llm, ENGINE_PROMPTS[3:4]) == expected[3:4]
+    (single,) = llm.generate(ENGINE_PROMPTS[3:4], GREEDY, use_tqdm=False)
+    assert single.outputs[0].token_ids == expected[3]
+    num_tokens = len(default_tokenizer.encode(ENGINE_PROMPTS[3])) + MAX_TOKENS
+    if "mistral" in path:
+        # Every layer slides: the sequence holds its window and the 32-token chunk being computed, not all
+        # of its blocks.
+        assert cdiv(32, 4) < single.kv.peak_blocks <= cdiv(WINDOW - 1 + 32, 4) + 1 < cdiv(num_tokens, 4)
+    else:
+        assert single.kv.peak_blocks == cdiv(num_tokens - 1, 4)  # a global layer keeps every block
+    assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 
 
 def test_chunked_prefix_cached_and_torch_path_match_hf(sliding_model, monkeypatch):

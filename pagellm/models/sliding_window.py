@@ -37,7 +37,7 @@ def layer_sliding_window(config, layer_index: int) -> int | None:
 def model_sliding_window(config) -> int | None:
     """The window past which no layer reads a key: the widest layer window, or None when any layer attends
     to everything. Blocks wholly before it can be given back while a sequence runs."""
-    windows = [layer_sliding_window(config, index) for index in range(config.num_hidden_layers)]
+    windows = [layer_sliding_window(config, index) for index in range(getattr(config, "num_hidden_layers", 0))]
     if not windows or any(window is None for window in windows):
         return None
     return max(windows)
