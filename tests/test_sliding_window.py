@@ -209,3 +209,20 @@ def test_chunked_prefix_cached_and_torch_path_match_hf(sliding_model, monkeypatc
     for _ in range(2):  # the second round starts from the prompts' cached blocks
         assert _generate(llm) == expected
     assert llm.llm_engine.get_stats().kv_cache.prefix_cache_hits > 0
+
+
+def test_a_prompt_longer_than_the_whole_pool_runs_when_every_layer_slides(sliding_model, default_tokenizer):
+    """max_model_len is the model's max_position_embeddings, far past the window, and the pool only has to
+    hold a window plus a chunk: 13 blocks of 4 tokens for a 120-token sequence. A model with a global layer
+    (Qwen2's layer 0 here) keeps every block, and the same pool is refused with the numbers."""
+    path, expected = sliding_model
+    settings = dict(dtype="float32", block_size=4, max_num_batched_tokens=32, enable_prefix_caching=False,
+                    num_gpu_blocks_override=cdiv(WINDOW - 1 + 32, 4) + 1)
+    if "qwen2" in path:
+        with pytest.raises(ValueError, match="needs 128 blocks at once"):
+            LLM(path, **settings)
+        return
+    llm = LLM(path, **settings)
+    assert llm.llm_engine.core.model_info.max_model_len == 512 > WINDOW
+    assert len(default_tokenizer.encode(ENGINE_PROMPTS[3])) + MAX_TOKENS > 13 * 4
+    assert _generate(llm, ENGINE_PROMPTS[3:4]) == expected[3:4]
