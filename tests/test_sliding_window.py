@@ -133,9 +133,9 @@ def test_backends_attend_within_the_window_and_never_read_before_it(make_backend
 # ---- the engine against transformers -----------------------------------------------------------------
 
 WINDOW = 16
-MAX_TOKENS = 20
-# Three to eight windows long, and one shorter than a window.
-ENGINE_PROMPTS = [PROMPTS[2], PROMPTS[1], PROMPTS[5], PROMPTS[8], PROMPTS[6]]
+MAX_TOKENS = 12
+# Two to seven windows long, and one shorter than a window.
+ENGINE_PROMPTS = [PROMPTS[2], PROMPTS[1], PROMPTS[5], PROMPTS[8]]
 
 
 def _save_sliding(path, tokenizer, model_type: str) -> str:
@@ -183,8 +183,8 @@ def _generate(llm, prompts=ENGINE_PROMPTS):
 
 def test_batched_and_single_match_hf_and_slid_out_blocks_are_freed(sliding_model, default_tokenizer):
     path, expected = sliding_model
-    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=32, enable_prefix_caching=False,
-              kv_cache_memory_bytes=16 << 20)
+    llm = LLM(path, dtype="float32", block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+              enable_prefix_caching=False, kv_cache_memory_bytes=16 << 20)
     assert llm.llm_engine.core.runner.native_decode is not None
     assert _generate(llm) == expected
     (single,) = llm.generate(ENGINE_PROMPTS[3:4], GREEDY, use_tqdm=False)
@@ -202,9 +202,9 @@ def test_batched_and_single_match_hf_and_slid_out_blocks_are_freed(sliding_model
 def test_chunked_prefix_cached_and_torch_path_match_hf(sliding_model, monkeypatch):
     path, expected = sliding_model
     monkeypatch.setenv(BACKEND_ENV, "torch")
-    # 12-token chunks: shorter than the window, so every chunk of a long prompt reads cached keys of the window.
-    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=12, enable_prefix_caching=True,
-              kv_cache_memory_bytes=16 << 20)
+    # 14-token chunks: shorter than the window, so every chunk of a long prompt reads cached keys of the window.
+    llm = LLM(path, dtype="float32", block_size=4, max_num_seqs=8, max_num_batched_tokens=14,
+              enable_prefix_caching=True, kv_cache_memory_bytes=16 << 20)
     assert llm.llm_engine.core.runner.native_decode is None
     for _ in range(2):  # the second round starts from the prompts' cached blocks
         assert _generate(llm) == expected
@@ -216,8 +216,8 @@ def test_a_prompt_longer_than_the_whole_pool_runs_when_every_layer_slides(slidin
     hold a window plus a chunk: 13 blocks of 4 tokens for a 120-token sequence. A model with a global layer
     (Qwen2's layer 0 here) keeps every block, and the same pool is refused with the numbers."""
     path, expected = sliding_model
-    settings = dict(dtype="float32", block_size=4, max_num_batched_tokens=32, enable_prefix_caching=False,
-                    num_gpu_blocks_override=cdiv(WINDOW - 1 + 32, 4) + 1)
+    settings = dict(dtype="float32", block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                    enable_prefix_caching=False, num_gpu_blocks_override=cdiv(WINDOW - 1 + 32, 4) + 1)
     if "qwen2" in path:
         with pytest.raises(ValueError, match="needs 128 blocks at once"):
             LLM(path, **settings)

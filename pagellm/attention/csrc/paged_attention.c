@@ -156,8 +156,8 @@ static ALWAYS_INLINE void attend_heads(const float *restrict q, const void *rest
     for (int h = 0; h < heads; ++h)
         inverse[h] = softmax_numerators(scores + h * context_len + first_key, context_len - first_key);
     for (int64_t offset = 0; offset < head_dim; offset += PIECE_FLOATS)
-        piece_weighted_sum(scores, first_key, context_len, v_cache, table, block_size, block_stride, head_offset, head_dim,
-                           offset, heads, bf16, inverse, out);
+        piece_weighted_sum(scores, first_key, context_len, v_cache, table, block_size, block_stride, head_offset,
+                           head_dim, offset, heads, bf16, inverse, out);
 }
 
 /* One (sequence, kv head): the `group` query heads that share it, head_dim a multiple of PIECE_FLOATS.
@@ -214,7 +214,8 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
             if (scores == NULL) continue;
             const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
             const int64_t first_head = kv_head * group, context_len = context_lens[seq];
-            const int64_t first_key = sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
+            const int64_t first_key =
+                sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
             attend_one(q + (seq * num_heads + first_head) * head_dim, k_cache, v_cache,
                        block_tables + seq * table_stride, first_key, context_len, kv_head, group, num_kv_heads,
                        head_dim, block_size, kv_is_bf16, scale, scores,
