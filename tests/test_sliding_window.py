@@ -226,3 +226,18 @@ def test_a_prompt_longer_than_the_whole_pool_runs_when_every_layer_slides(slidin
     assert llm.llm_engine.core.model_info.max_model_len == 512 > WINDOW
     assert len(default_tokenizer.encode(ENGINE_PROMPTS[3])) + MAX_TOKENS > 13 * 4
     assert _generate(llm, ENGINE_PROMPTS[3:4]) == expected[3:4]
+
+
+@pytest.mark.skipif(not triton_available() or torch.cuda.is_available(),
+                    reason="the Triton interpreter run is for machines without CUDA (tests/gpu run the kernels)")
+def test_triton_backend_with_freed_blocks_matches_hf(sliding_model, monkeypatch):
+    path, expected = sliding_model
+    if "qwen2" in path:
+        pytest.skip("one model is enough for the slow interpreter; the kernel cases cover mixed layers")
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    llm = LLM(path, dtype="float32", block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
+              enable_prefix_caching=False, kv_cache_memory_bytes=4 << 20)
+    assert llm.llm_engine.core.runner.attn_backend.name == "triton"
+    (output,) = llm.generate(ENGINE_PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert output.outputs[0].token_ids == expected[0]
+    assert output.kv.peak_blocks <= cdiv(WINDOW - 1 + 16, 4) + 1
