@@ -59,7 +59,7 @@ class DecodeKernel:
         self._function = library.paged_decode_attention
         self._function.restype = ctypes.c_int
         self._function.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
-                                   _I64, _F32]
+                                   _I64, _F32, _I64]
 
     def __call__(
         self,
@@ -69,8 +69,11 @@ class DecodeKernel:
         block_tables: np.ndarray,
         context_lens: np.ndarray,
         scale: float,
+        sliding_window: int = 0,
     ) -> torch.Tensor:
-        """q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, kv_heads, block_size, head_dim]."""
+        """q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, kv_heads, block_size, head_dim].
+
+        sliding_window > 0 reads only the last sliding_window keys of each sequence (0: all of them)."""
         if k_cache.dtype not in self.CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
             raise TypeError(f"the native kernel reads float32 or bfloat16 caches, not {k_cache.dtype}")
         query_dtype = q.dtype
@@ -88,7 +91,7 @@ class DecodeKernel:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
             block_tables.ctypes.data,
             block_tables.shape[1], context_lens.ctypes.data, out.data_ptr(),
-            num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+            num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
         )
         if failed == 1:
             raise MemoryError("the native decode-attention kernel could not allocate its score buffer")

@@ -11,11 +11,16 @@ Each prefill chunk attends on its own: a chunk that starts its sequence uses the
 values with `is_causal=True`, with no gather and no padding; a chunk that continues a sequence (chunked
 prefill, a prefix-cache hit, a resumed request) gathers its context and attends with a causal mask
 aligned to the lower right, because its first query sits `num_computed` tokens into the sequence.
+
+A layer with a sliding window of W tokens (`models/sliding_window.py`) lets the query at position p see
+keys in (p - W, p] only. Its decodes and chunks read only the blocks that window touches: block-table
+entries before it may be holes (`core.block_pool.HOLE`, blocks already given back to the pool), so they are
+never gathered. The windowed views are built the first time a layer with that window asks, once per step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +41,8 @@ class PrefillChunk:
     block_table: torch.Tensor | None = None
     context_len: int = 0
     mask: torch.Tensor | None = None
+    # Per sliding window: (block table from the window's first block or None, keys, mask); see _chunk_view.
+    windows: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -46,6 +53,8 @@ class DecodeMetadata:
     # The torch path's padded batch; None when the native kernel runs.
     block_tables_tensor: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    # Per sliding window, the torch path's (block tables, mask) over the blocks the window touches.
+    windows: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -95,16 +104,51 @@ def _attend(q, k, v, mask, scale, is_causal: bool = False) -> torch.Tensor:
     return out.to(dtype)
 
 
-def _decode_attention(q, k_cache, v_cache, decode: DecodeMetadata, kernel: DecodeKernel | None, scale) -> torch.Tensor:
+def _decode_attention(q, k_cache, v_cache, decode: DecodeMetadata, kernel: DecodeKernel | None, scale,
+                      sliding_window: int | None = None) -> torch.Tensor:
     if kernel is not None:
-        return kernel(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale)
-    k = gather_kv(k_cache, decode.block_tables_tensor)
-    v = gather_kv(v_cache, decode.block_tables_tensor)
-    return _attend(q.unsqueeze(2), k, v, decode.mask, scale).squeeze(2)
+        return kernel(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale, sliding_window or 0)
+    tables, mask = decode.block_tables_tensor, decode.mask
+    if sliding_window is not None:
+        tables, mask = _decode_window(decode, sliding_window, k_cache.shape[2])
+    k = gather_kv(k_cache, tables)
+    v = gather_kv(v_cache, tables)
+    return _attend(q.unsqueeze(2), k, v, mask, scale).squeeze(2)
 
 
-def _chunk_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale) -> torch.Tensor:
+def _decode_window(decode: DecodeMetadata, window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode's blocks from the first its window touches, padded to the widest, and the key mask."""
+    view = decode.windows.get(window)
+    if view is None:
+        lens = decode.context_lens
+        first_key = np.maximum(lens - window, 0)
+        first_block = first_key // block_size
+        width = int((-(-lens // block_size) - first_block).max())
+        columns = first_block[:, None] + np.arange(width)
+        # Columns past a sequence's last block repeat its last one: masked, never a hole.
+        columns = np.minimum(columns, (-(-lens // block_size) - 1)[:, None])
+        device = decode.block_tables_tensor.device
+        tables = torch.gather(decode.block_tables_tensor, 1, to_device(columns, device))
+        keys = first_block[:, None] * block_size + np.arange(width * block_size)
+        visible = (keys >= first_key[:, None]) & (keys < lens[:, None])
+        view = decode.windows[window] = (tables, to_device(visible, device)[:, None, None, :])
+    return view
+
+
+def _chunk_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale,
+                     sliding_window: int | None = None) -> torch.Tensor:
     """q: [chunk, H, D]; k, v: the chunk's own [chunk, KVH, D]. Returns [chunk, H, D]."""
+    num_queries = chunk.end - chunk.start
+    seq_len = chunk.context_len or num_queries
+    if sliding_window is not None and seq_len > sliding_window:
+        table, num_keys, mask = _chunk_window(chunk, sliding_window, k_cache.shape[2], q.device)
+        if table is None:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        else:
+            k = gather_kv(k_cache, table[None])[0, :, :num_keys]
+            v = gather_kv(v_cache, table[None])[0, :, :num_keys]
+        out = _attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale)
+        return out[0].transpose(0, 1)
     if chunk.block_table is not None:
         k = gather_kv(k_cache, chunk.block_table[None])[0, :, : chunk.context_len]
         v = gather_kv(v_cache, chunk.block_table[None])[0, :, : chunk.context_len]
@@ -112,6 +156,25 @@ def _chunk_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale) -> t
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     out = _attend(q.transpose(0, 1)[None], k[None], v[None], chunk.mask, scale, is_causal=chunk.mask is None)
     return out[0].transpose(0, 1)
+
+
+def _chunk_window(chunk: PrefillChunk, window: int, block_size: int, device) -> tuple:
+    """(block table from the first block the chunk's window touches, or None when the chunk starts its
+    sequence and attends to its own keys; how many keys from that block's start; the [chunk, keys] mask
+    that is causal and windowed)."""
+    view = chunk.windows.get(window)
+    if view is None:
+        num_queries = chunk.end - chunk.start
+        num_computed = chunk.context_len - num_queries if chunk.block_table is not None else 0
+        queries = num_computed + torch.arange(num_queries, device=device)
+        table, first_key = None, 0
+        if chunk.block_table is not None:
+            first_block = max(0, num_computed - window + 1) // block_size
+            table, first_key = chunk.block_table[first_block:], first_block * block_size
+        keys = torch.arange(first_key, num_computed + num_queries, device=device)
+        mask = (keys[None, :] <= queries[:, None]) & (keys[None, :] > queries[:, None] - window)
+        view = chunk.windows[window] = (table, len(keys), mask)
+    return view
 
 
 def paged_attention(
@@ -122,26 +185,31 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Returns [T, H, D].
 
+    With `sliding_window`, the query at position p attends to keys in (p - sliding_window, p] only.
     Dispatches to the backend that built `meta`; metadata without one runs the torch path.
     """
     if meta.backend is not None:
-        return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
-    return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
 
 
-def torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+def torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale: float,
+                          sliding_window: int | None = None) -> torch.Tensor:
     write_kv(k, v, k_cache, v_cache, meta.kv_write_index)
     num_decodes = meta.num_decode_tokens
     parts = []
     if num_decodes:
-        parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode, meta.native_decode, scale))
+        parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode, meta.native_decode, scale,
+                                       sliding_window))
     offset = num_decodes
     for chunk in meta.prefill_chunks:
         start, end = offset + chunk.start, offset + chunk.end
-        parts.append(_chunk_attention(q[start:end], k[start:end], v[start:end], k_cache, v_cache, chunk, scale))
+        parts.append(_chunk_attention(q[start:end], k[start:end], v[start:end], k_cache, v_cache, chunk, scale,
+                                      sliding_window))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -176,8 +244,9 @@ class TorchAttentionBackend:
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         write_kv(k, v, k_cache, v_cache, meta.kv_write_index)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
 
     def _decode_metadata(self, block_tables: np.ndarray, context_lens: np.ndarray) -> DecodeMetadata:
         max_blocks = -(-int(context_lens.max()) // self.shape.block_size)

@@ -163,7 +163,8 @@ class TritonAttentionBackend:
             HEAD_DIM=shape.head_dim, DIM_PAD=self.dim_pad, BLOCK_SIZE=shape.block_size,
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (strided views are fine, the last dim contiguous)."""
         for t in (q, k, v):
             if t.stride(-1) != 1:
@@ -171,14 +172,16 @@ class TritonAttentionBackend:
         self.write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decode_tokens
+        window = sliding_window or kernels.NO_WINDOW
         if nd:
             self.decode(out[:nd], q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                        meta.num_splits, scale)
+                        meta.num_splits, scale, window)
         if meta.num_tiles:
-            self.prefill(out[nd:], q[nd:], k_cache, v_cache, meta, scale)
+            self.prefill(out[nd:], q[nd:], k_cache, v_cache, meta, scale, window)
         return out
 
-    def decode(self, out, q, k_cache, v_cache, block_tables, seq_lens, num_splits: int, scale: float) -> None:
+    def decode(self, out, q, k_cache, v_cache, block_tables, seq_lens, num_splits: int, scale: float,
+               window: int = kernels.NO_WINDOW) -> None:
         shape = self.shape
         num_seqs = q.shape[0]
         ieee = q.dtype == torch.float32
@@ -191,7 +194,7 @@ class TritonAttentionBackend:
             partial_max = torch.empty((num_seqs, shape.num_heads, num_splits), dtype=torch.float32, device=q.device)
             partial_sum = torch.empty_like(partial_max)
         kernels.paged_decode_kernel[(num_seqs, shape.num_kv_heads, num_splits)](
-            out, partial_out, partial_max, partial_sum, q, k_cache, v_cache, block_tables, seq_lens, scale,
+            out, partial_out, partial_max, partial_sum, q, k_cache, v_cache, block_tables, seq_lens, scale, window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             GROUP=shape.group, GROUP_PAD=self.group_pad, BLOCK_SIZE=shape.block_size, TILE_N=DECODE_TILE_N,
@@ -203,11 +206,12 @@ class TritonAttentionBackend:
                 NUM_SPLITS=num_splits, **common,
             )
 
-    def prefill(self, out, q, k_cache, v_cache, meta: TritonMetadata, scale: float) -> None:
+    def prefill(self, out, q, k_cache, v_cache, meta: TritonMetadata, scale: float,
+                window: int = kernels.NO_WINDOW) -> None:
         shape = self.shape
         kernels.paged_prefill_kernel[(meta.num_tiles, shape.num_kv_heads)](
             out, q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_starts,
-            meta.tile_seqs, meta.tile_first_queries, scale,
+            meta.tile_seqs, meta.tile_first_queries, scale, window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.prefill_block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             GROUP=shape.group, BLOCK_Q=self.block_q, BLOCK_M=self.prefill_block_m, HEAD_DIM=shape.head_dim,

@@ -11,12 +11,20 @@ decode is bound by K/V bytes, not by the wasted matrix rows.
 They run on CUDA and, under TRITON_INTERPRET=1, on CPU tensors (fp32/fp16; the interpreter mishandles
 bf16). float32 dots ask for IEEE precision: Triton's default for a float32 dot on a GPU is tf32, which
 would break equality with the float32 reference.
+
+Sliding windows: the attention kernels take `window` (in tokens; a value past any sequence length, such as
+NO_WINDOW, means full attention). The query at position p sees keys in (p - window, p]; key tiles wholly
+before the lowest window start are skipped and positions before it are never loaded, so block-table
+entries there may be holes (blocks given back to the pool).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# The window argument meaning full attention: wider than any sequence.
+NO_WINDOW = 1 << 30
 
 
 @triton.jit
@@ -48,17 +56,18 @@ def write_kv_kernel(
 @triton.jit
 def _attend_tile(
     q, m, l, acc, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, start, seq_len, query_positions,
-    scale, stride_cache_block, stride_cache_head, stride_cache_pos,
+    key_lo, window, scale, stride_cache_block, stride_cache_head, stride_cache_pos,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One online-softmax step over keys start..start+TILE_N of one sequence, through its block table.
 
     q: [M, DIM_PAD]; m, l: [M] running max and sum; acc: [M, DIM_PAD] unnormalised output.
-    With CAUSAL, row r sees keys at positions <= query_positions[r] (lower-right aligned chunks).
+    With CAUSAL, row r sees keys at positions in (query_positions[r] - window, query_positions[r]] (lower-right
+    aligned chunks). Positions below key_lo are neither read nor seen.
     """
     positions = start + tl.arange(0, TILE_N)
-    in_seq = positions < seq_len
+    in_seq = (positions < seq_len) & (positions >= key_lo)
     blocks = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
     rows = blocks * stride_cache_block + kv_head * stride_cache_head + (positions % BLOCK_SIZE) * stride_cache_pos
     dims = tl.arange(0, DIM_PAD)
@@ -70,7 +79,8 @@ def _attend_tile(
         scores = tl.dot(q, tl.trans(k))
     scores = scores * scale
     if CAUSAL:
-        visible = in_seq[None, :] & (positions[None, :] <= query_positions[:, None])
+        visible = (in_seq[None, :] & (positions[None, :] <= query_positions[:, None])
+                   & (positions[None, :] > query_positions[:, None] - window))
     else:
         visible = in_seq[None, :] & (query_positions[:, None] >= 0)
     scores = tl.where(visible, scores, float("-inf"))
@@ -92,7 +102,7 @@ def _attend_tile(
 @triton.jit
 def paged_decode_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, scale,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, scale, window,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
     stride_cache_block, stride_cache_head, stride_cache_pos,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
@@ -105,10 +115,13 @@ def paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, TILE_N)
+    # The one query sits at seq_len - 1: its window starts at key_lo, and the splits share the tiles from there.
+    key_lo = tl.maximum(seq_len - window, 0)
+    window_tile = key_lo // TILE_N
+    num_tiles = tl.cdiv(seq_len, TILE_N) - window_tile
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    first_tile = split * tiles_per_split
-    last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
+    first_tile = window_tile + split * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, window_tile + num_tiles)
 
     group_rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + group_rows
@@ -124,8 +137,9 @@ def paged_decode_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     for tile in range(first_tile, last_tile):
         m, l, acc = _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, tile * TILE_N,
-                                 seq_len, query_positions, scale, stride_cache_block, stride_cache_head,
-                                 stride_cache_pos, HEAD_DIM, DIM_PAD, BLOCK_SIZE, TILE_N, False, IEEE)
+                                 seq_len, query_positions, key_lo, window, scale, stride_cache_block,
+                                 stride_cache_head, stride_cache_pos, HEAD_DIM, DIM_PAD, BLOCK_SIZE, TILE_N, False,
+                                 IEEE)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     store_mask = row_mask[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
@@ -167,7 +181,7 @@ def reduce_splits_kernel(
 @triton.jit
 def paged_prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_starts_ptr,
-    tile_seqs_ptr, tile_first_queries_ptr, scale,
+    tile_seqs_ptr, tile_first_queries_ptr, scale, window,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_block_table,
     stride_cache_block, stride_cache_head, stride_cache_pos,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -201,11 +215,13 @@ def paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     # The tile's last query sees keys up to its own position; nothing past it is read.
     key_end = tl.minimum(seq_len, context_len + first_query + BLOCK_Q)
+    # ... and the first query's window starts at key_lo: nothing before it is read.
+    key_lo = tl.maximum(context_len + first_query - window + 1, 0)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
-    for start in range(0, key_end, TILE_N):
+    for start in range((key_lo // TILE_N) * TILE_N, key_end, TILE_N):
         m, l, acc = _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, start, seq_len,
-                                 query_positions, scale, stride_cache_block, stride_cache_head, stride_cache_pos,
-                                 HEAD_DIM, DIM_PAD, BLOCK_SIZE, TILE_N, True, IEEE)
+                                 query_positions, key_lo, window, scale, stride_cache_block, stride_cache_head,
+                                 stride_cache_pos, HEAD_DIM, DIM_PAD, BLOCK_SIZE, TILE_N, True, IEEE)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])

@@ -23,6 +23,13 @@ class BlockKey:
     extra: tuple = ()
 
 
+# The block id in a block table (the core's `block_ids`, the runner's numpy table) of a hole: an entry whose
+# block was given back to the pool because every layer's sliding window has moved past it. Holes only ever
+# precede a sequence's window; attention starts reading at the window, so nothing dereferences a hole. In
+# the KV-cache manager's own tables a hole is None.
+HOLE = -1
+
+
 class BlockAccountingError(RuntimeError):
     """A block was freed more often than it was taken: a bug in the caller, never a user error."""
 

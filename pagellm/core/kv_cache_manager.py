@@ -1,4 +1,16 @@
-"""Per-request block tables over the shared block pool, with automatic prefix caching."""
+"""Per-request block tables over the shared block pool, with automatic prefix caching.
+
+Sliding windows: when every layer of the model attends through a window (`models/sliding_window.py`; the
+widest one is what counts), blocks a sequence has moved past are given back to the pool while it runs. The
+table entry becomes a hole (None here, `block_pool.HOLE` in block ids), and holes are always a prefix of the
+table. A chunk whose first query sits at position p needs keys from p - window + 1 on, so a block is released
+once it lies wholly before that for the sequence's next token; a request admitted on a prefix-cache hit
+takes only the cached blocks its window touches, the earlier ones start as holes.
+
+Prefix caching with holes: a block is published before it is released, so it stays in the prefix cache as
+a free, evictable block (as vLLM does). A hit is a chain of cached blocks from the first one, each still
+holding its contents, so a request never starts from a prefix with a hole in it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagellm.core.block_pool import BlockKey, BlockPool, KVBlock
+from pagellm.core.block_pool import HOLE, BlockKey, BlockPool, KVBlock
 from pagellm.core.kv_usage import KVAccount
 
 
@@ -53,14 +65,33 @@ class CachedPrefix:
 NO_CACHED_PREFIX = CachedPrefix([], 0)
 
 
-class KVCacheManager:
-    """Owns every block table. Tables are append-only: a block is added only when a token needs a slot."""
+def max_blocks_per_sequence(max_model_len: int, block_size: int, sliding_window: int | None,
+                            max_chunk_tokens: int) -> int:
+    """The most blocks one sequence of up to max_model_len tokens holds at once: all of them, or with a
+    sliding window the window before a chunk of up to max_chunk_tokens plus that chunk (and one block of
+    misalignment)."""
+    every_block = cdiv(max_model_len, block_size)
+    if sliding_window is None:
+        return every_block
+    return min(every_block, cdiv(sliding_window - 1 + min(max_chunk_tokens, max_model_len), block_size) + 1)
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+
+class KVCacheManager:
+    """Owns every block table. Tables grow only at the end, when a token needs a slot; with a sliding window
+    their leading entries become holes as the window moves on."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window}: a window must hold at least one token")
         self.block_size = block_size
+        # Keys older than this many tokens before a query are read by no layer (None: every key is).
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        self._tables: dict[str, list[KVBlock]] = {}
+        # None entries are holes (released blocks), always a prefix of the table.
+        self._tables: dict[str, list[KVBlock | None]] = {}
+        self._num_holes: dict[str, int] = {}
         self._num_slots: dict[str, int] = {}
         # Per request: how many leading blocks are published in the prefix cache, and the identity
         # of the cached block holding the last of them (the parent of the next key).
@@ -148,8 +179,11 @@ class KVCacheManager:
         """
         table = self._tables.get(request_id)
         need = max(0, self.num_blocks_needed(request_id, num_tokens) - len(cached.blocks))
+        # Cached blocks before the window of the first query are not taken: they start as holes.
+        skipped = self._first_kept_block(cached.num_tokens) if table is None else 0
+        kept = cached.blocks[skipped:]
         # Cached blocks that nobody holds sit in the free queue: taking them uses up free blocks too.
-        revived = sum(1 for block in cached.blocks if block.ref_cnt == 0)
+        revived = sum(1 for block in kept if block.ref_cnt == 0)
         shared_tail = self._shared_tail_index(request_id, num_tokens)
         if need + revived + (shared_tail is not None) > self.pool.num_free_blocks:
             return None
@@ -162,10 +196,11 @@ class KVCacheManager:
             table = self._tables[request_id] = []
             account = self._accounts[request_id] = account or KVAccount(self.block_size, request_id)
             if cached.blocks:
-                self.pool.touch(cached.blocks)
-                table.extend(cached.blocks)
-                account.add(cached.blocks, from_prefix_cache=True)
-                self._set_owner(cached.blocks, account)
+                self.pool.touch(kept)
+                table.extend([None] * skipped + kept)
+                self._num_holes[request_id] = skipped
+                account.add(kept, from_prefix_cache=True)
+                self._set_owner(kept, account)
                 self._num_published[request_id] = len(cached.blocks)
                 self._last_published[request_id] = cached.blocks[-1].identity
         else:
@@ -181,6 +216,31 @@ class KVCacheManager:
         if new_blocks or fresh or shared_tail is not None:
             account.update_peaks()
         return [block.block_id for block in new_blocks]
+
+    def _first_kept_block(self, first_query_position: int) -> int:
+        """Index of the first block a query at this position (and every later one) may read."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_query_position - self.sliding_window + 1) // self.block_size
+
+    def release_slid_out_blocks(self, request_id: str, num_computed_tokens: int) -> int:
+        """Give back the blocks of a sequence with `num_computed_tokens` computed that its next token's window
+        has moved past; their entries become holes. Returns how many entries became holes."""
+        table = self._tables.get(request_id)
+        if table is None or self.sliding_window is None:
+            return 0
+        first = self._num_holes.get(request_id, 0)
+        kept = min(self._first_kept_block(num_computed_tokens), len(table))
+        if kept <= first:
+            return 0
+        released = table[first:kept]
+        table[first:kept] = [None] * (kept - first)
+        self._num_holes[request_id] = kept
+        self.pool.free(released)
+        self._accounts[request_id].remove(released)
+        replaced = self._replaced.setdefault(request_id, [])
+        replaced.extend((index, HOLE) for index in range(first, kept))
+        return kept - first
 
     def _shared_tail_index(self, request_id: str, num_tokens: int) -> int | None:
         """Index of the partly filled, shared block that the next tokens would be written into."""
@@ -222,10 +282,12 @@ class KVCacheManager:
         table = self._tables.get(parent_id)
         if table is None:
             return
-        self.pool.touch(table)
+        held = [block for block in table if block is not None]
+        self.pool.touch(held)
         self._tables[child_id] = list(table)
+        self._num_holes[child_id] = self._num_holes.get(parent_id, 0)
         account = self._accounts[child_id] = self._accounts[parent_id]
-        account.add(table)
+        account.add(held)
         account.update_peaks()
         self._num_slots[child_id] = self._num_slots.get(parent_id, 0)
         if parent_id in self._num_published:
@@ -236,14 +298,14 @@ class KVCacheManager:
     def _set_owner(self, blocks: list[KVBlock], account: KVAccount) -> None:
         self.owners[[block.block_id for block in blocks]] = account.serial
 
-    def _fill(self, request_id: str, table: list[KVBlock], num_tokens: int, account: KVAccount) -> None:
+    def _fill(self, request_id: str, table: list[KVBlock | None], num_tokens: int, account: KVAccount) -> None:
         """Record which slots now hold (or are about to hold) tokens, for the waste figure."""
         old = self._num_slots.get(request_id, 0)
         if num_tokens <= old:
             return
         size = self.block_size
         filled = 0
-        for index in range(old // size, cdiv(num_tokens, size)):
+        for index in range(max(old // size, self._num_holes.get(request_id, 0)), cdiv(num_tokens, size)):
             block = table[index]
             count = min(size, num_tokens - index * size)
             filled += count - block.num_tokens
@@ -254,15 +316,17 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release the request's blocks; unknown ids are fine (a request that never got a block)."""
         table = self._tables.pop(request_id, None)
+        holes = self._num_holes.pop(request_id, 0)
         self._num_slots.pop(request_id, None)
         self._num_published.pop(request_id, None)
         self._last_published.pop(request_id, None)
         self._replaced.pop(request_id, None)
         account = self._accounts.pop(request_id, None)
         if table:
+            held = table[holes:]
             # Tail first: under memory pressure a sequence's end is evicted before its shared start.
-            self.pool.free(reversed(table))
-            account.remove(table)
+            self.pool.free(reversed(held))
+            account.remove(held)
 
     def account_of(self, request_id: str) -> KVAccount | None:
         """The account charged with the request's blocks, while it holds a table."""
@@ -273,7 +337,12 @@ class KVCacheManager:
         return {account.serial: account.label for account in self._accounts.values()}
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self._tables.get(request_id, ())]
+        """The request's block table; HOLE for a released block."""
+        return [HOLE if block is None else block.block_id for block in self._tables.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Table entries of the request that are blocks, not holes."""
+        return len(self._tables.get(request_id, ())) - self._num_holes.get(request_id, 0)
 
     def has_blocks(self, request_id: str) -> bool:
         return request_id in self._tables

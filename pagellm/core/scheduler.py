@@ -444,6 +444,8 @@ class Scheduler:
         computed_before = request.num_computed_tokens
         request.num_computed_tokens += num_tokens
         self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+        # After publishing: a released block stays in the prefix cache, free and evictable.
+        self.kv.release_slid_out_blocks(request_id, request.num_computed_tokens)
         prompt_logprobs = self._new_prompt_logprobs(request, computed_before,
                                                     runner_output.prompt_logprobs.get(request_id))
         if request_id in runner_output.structured_stops:

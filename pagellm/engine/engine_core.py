@@ -16,6 +16,7 @@ from pagellm.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig,
 from pagellm.executor import create_executor
 # Re-exported for benchmarks/memory.py and throughput.py: model resolution lives with the per-rank worker now.
 from pagellm.executor.model_worker import resolve_dtype, resolve_max_model_len  # noqa: F401
+from pagellm.models.sliding_window import model_sliding_window
 from pagellm.worker.kv_cache import GiB
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(worker.max_num_batched_tokens, args.max_num_seqs, max_model_len,
                             args.enable_chunked_prefill),
-            KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching),
+            KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                           model_sliding_window(self.model_info.hf_config)),
         )
         self.startup = StartupReport(time.perf_counter() - started, num_blocks, args.block_size, worker.kv_bytes,
                                      worker.weights_bytes, worker.activation_peak, max_model_len)

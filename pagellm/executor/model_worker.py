@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
-from pagellm.core.kv_cache_manager import cdiv
+from pagellm.core.kv_cache_manager import cdiv, max_blocks_per_sequence
 from pagellm.cpu_features import cpu_has_native
 from pagellm.distributed.parallel_state import SINGLE, TensorParallelGroup, building_with
 from pagellm.models import loader
 from pagellm.models.llama import check_tensor_parallel_size, head_dim_of
+from pagellm.models.sliding_window import model_sliding_window
 from pagellm.worker.kv_cache import (
     GiB,
     KVCacheSpec,
@@ -99,7 +100,7 @@ class ModelWorker:
             self.kv_reason += f"; the smallest of {group.size} ranks' pools"
         self.num_blocks = smallest
         self.kv_bytes = smallest * spec.bytes_per_block
-        _check_fits(self.num_blocks, args.block_size, max_model_len)
+        _check_fits(self.num_blocks, args.block_size, max_model_len, model_sliding_window(hf_config), budget)
         self.runner.set_kv_pool(allocate_kv_cache(spec, self.num_blocks, device))
         self.graph_bytes = self.runner.capture_cuda_graphs() if self.use_graphs else 0
 
@@ -138,17 +139,14 @@ def pick_device(name: str) -> torch.device:
 
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:
+    # Sliding-window layers attend through their window (models/sliding_window.py), so the window is no limit.
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and getattr(hf_config, "model_type", "") == "mistral":
-        # Attention here is full, which equals sliding-window attention only within one window.
-        limit = min(limit, window)
     if requested is None:
         return limit
     if requested > limit:
         raise ValueError(
-            f"max_model_len={requested} exceeds what the model supports ({limit}, from max_position_embeddings"
-            f"{' and sliding_window' if window else ''}); pass max_model_len <= {limit}."
+            f"max_model_len={requested} exceeds what the model supports ({limit}, from max_position_embeddings); "
+            f"pass max_model_len <= {limit}."
         )
     return requested
 
@@ -167,11 +165,14 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def _check_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
-    need = cdiv(max_model_len, block_size)
+def _check_fits(num_blocks: int, block_size: int, max_model_len: int, sliding_window: int | None,
+                max_chunk_tokens: int) -> None:
+    # With a sliding window on every layer a sequence holds only its window and the chunk being computed.
+    need = max_blocks_per_sequence(max_model_len, block_size, sliding_window, max_chunk_tokens)
     if num_blocks < need:
+        window = f" with sliding_window={sliding_window}" if sliding_window is not None else ""
         raise ValueError(
             f"the KV cache has room for {num_blocks} blocks ({num_blocks * block_size} tokens), but one request of "
-            f"max_model_len={max_model_len} needs {need} blocks ({max_model_len} tokens). Raise "
+            f"max_model_len={max_model_len}{window} needs {need} blocks at once. Raise "
             "gpu_memory_utilization or kv_cache_memory_bytes (or num_gpu_blocks_override), or lower max_model_len."
         )

@@ -17,6 +17,7 @@ from torch import nn
 from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata, paged_attention
 from pagellm.distributed.parallel_state import TensorParallelGroup, current_group, tp_rank, tp_size
+from pagellm.models.sliding_window import layer_sliding_window
 
 # (fused parameter, checkpoint shard name, shard index)
 _STACKED_PARAMS = (
@@ -232,6 +233,7 @@ class LlamaAttention(nn.Module):
         o_bias = bool(getattr(config, "attention_bias", False))
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, o_bias, current_group())
         self.scale = self.head_dim**-0.5
+        self.sliding_window = layer_sliding_window(config, layer_index)
 
     def forward(
         self,
@@ -251,7 +253,8 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.ops is None:
             q, k = apply_rotary(q, k, (rope.cos, rope.sin))
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                              sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -11,6 +11,8 @@
  *                 float32, or bfloat16 (widened to float32 as it is loaded; all arithmetic is float32)
  *   block_tables  [num_seqs, table_stride] int64
  *   context_lens  [num_seqs] int64, each >= 1
+ *   sliding_window  0, or W > 0: only keys at positions >= context_len - W are read; table entries wholly
+ *                 before them may be holes (blocks given back to the pool) and are never dereferenced
  *
  * Built with OpenMP against the runtime torch already loaded (same soname), so the kernel shares
  * torch's thread pool and thread count instead of competing with it.
@@ -105,7 +107,7 @@ static float softmax_numerators(float *restrict row, int64_t n) {
 
 /* out[h][offset .. offset + PIECE_FLOATS) = inverse[h] * sum over keys t of weights[h][t] * value_t[same range]:
  * one piece of every head at a time, so each value line is read once for all heads. */
-static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, int64_t context_len,
+static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, int64_t first_key, int64_t context_len,
                                              const void *restrict v_cache, const int64_t *restrict table,
                                              int64_t block_size, int64_t block_stride, int64_t head_offset,
                                              int64_t head_dim, int64_t offset, const int heads, const int bf16,
@@ -113,10 +115,11 @@ static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, int6
     f32x8 acc[MAX_HEADS_PER_PASS][PIECE_VECTORS];
     for (int h = 0; h < heads; ++h)
         for (int c = 0; c < PIECE_VECTORS; ++c) acc[h][c] = splat8(0.0f);
-    for (int64_t start = 0; start < context_len; start += block_size) {
-        const int64_t block = table[start / block_size] * block_stride + head_offset + offset;
-        const int64_t count = context_len - start < block_size ? context_len - start : block_size;
-        if (offset == 0 && start + block_size < context_len)
+    for (int64_t start = first_key; start < context_len; start = (start / block_size + 1) * block_size) {
+        const int64_t skip = start % block_size, next = start - skip + block_size;
+        const int64_t block = table[start / block_size] * block_stride + head_offset + skip * head_dim + offset;
+        const int64_t count = (context_len < next ? context_len : next) - start;
+        if (offset == 0 && next < context_len)
             prefetch_run(element(v_cache, table[start / block_size + 1] * block_stride + head_offset, bf16),
                          block_size * head_dim * (bf16 ? 2 : 4));
         for (int64_t i = 0; i < count; ++i) {
@@ -133,32 +136,35 @@ static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, int6
         for (int c = 0; c < PIECE_VECTORS; ++c) store8(out + h * head_dim + offset + 8 * c, acc[h][c] * inverse[h]);
 }
 
-/* Attention of `heads` (<= MAX_HEADS_PER_PASS) query heads over one kv head's context.
- * q and out are [heads][head_dim]; scores is [heads][context_len]. */
+/* Attention of `heads` (<= MAX_HEADS_PER_PASS) query heads over one kv head's keys first_key..context_len-1.
+ * q and out are [heads][head_dim]; scores is [heads][context_len] (entries before first_key unused). */
 static ALWAYS_INLINE void attend_heads(const float *restrict q, const void *restrict k_cache,
                                        const void *restrict v_cache, const int64_t *restrict table,
-                                       int64_t context_len, int64_t block_size, int64_t block_stride,
+                                       int64_t first_key, int64_t context_len, int64_t block_size, int64_t block_stride,
                                        int64_t head_offset, int64_t head_dim, const int heads, const int bf16,
                                        float scale, float *restrict scores, float *restrict out) {
-    for (int64_t start = 0; start < context_len; start += block_size) {
-        const int64_t keys = table[start / block_size] * block_stride + head_offset;
-        const int64_t count = context_len - start < block_size ? context_len - start : block_size;
-        if (start + block_size < context_len)
+    for (int64_t start = first_key; start < context_len; start = (start / block_size + 1) * block_size) {
+        const int64_t skip = start % block_size, next = start - skip + block_size;
+        const int64_t keys = table[start / block_size] * block_stride + head_offset + skip * head_dim;
+        const int64_t count = (context_len < next ? context_len : next) - start;
+        if (next < context_len)
             prefetch_run(element(k_cache, table[start / block_size + 1] * block_stride + head_offset, bf16),
                          block_size * head_dim * (bf16 ? 2 : 4));
         block_scores(q, k_cache, keys, count, head_dim, heads, bf16, scale, scores + start, context_len);
     }
     float inverse[MAX_HEADS_PER_PASS];
-    for (int h = 0; h < heads; ++h) inverse[h] = softmax_numerators(scores + h * context_len, context_len);
+    for (int h = 0; h < heads; ++h)
+        inverse[h] = softmax_numerators(scores + h * context_len + first_key, context_len - first_key);
     for (int64_t offset = 0; offset < head_dim; offset += PIECE_FLOATS)
-        piece_weighted_sum(scores, context_len, v_cache, table, block_size, block_stride, head_offset, head_dim,
-                           offset, heads, bf16, inverse, out);
+        piece_weighted_sum(scores, first_key, context_len, v_cache, table, block_size, block_stride, head_offset,
+                           head_dim, offset, heads, bf16, inverse, out);
 }
 
 /* One (sequence, kv head): the `group` query heads that share it, head_dim a multiple of PIECE_FLOATS.
  * scores is [group][context_len]; out is [group][head_dim]. */
 static void attend_one(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
-                       const int64_t *restrict table, int64_t context_len, int64_t kv_head, int64_t group,
+                       const int64_t *restrict table, int64_t first_key, int64_t context_len, int64_t kv_head,
+                       int64_t group,
                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int bf16, float scale,
                        float *restrict scores, float *restrict out) {
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
@@ -169,7 +175,7 @@ static void attend_one(const float *restrict q, const void *restrict k_cache, co
         float *hs = scores + first * context_len, *ho = out + first * head_dim;
         /* Constant head counts and cache types per call, so attend_heads specialises for each. */
 #define ATTEND(HEADS, BF16)                                                                                  \
-    attend_heads(hq, k_cache, v_cache, table, context_len, block_size, block_stride, head_offset, head_dim, \
+    attend_heads(hq, k_cache, v_cache, table, first_key, context_len, block_size, block_stride, head_offset, head_dim, \
                  HEADS, BF16, scale, hs, ho)
         switch (heads * 2 + (bf16 != 0)) {
         case 2: ATTEND(1, 0); break;
@@ -189,7 +195,7 @@ static void attend_one(const float *restrict q, const void *restrict k_cache, co
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_is_bf16,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                            float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale) {
+                           int64_t head_dim, int64_t block_size, float scale, int64_t sliding_window) {
     if (head_dim % PIECE_FLOATS != 0) return 2;
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_context = 0;
@@ -207,9 +213,11 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {
             if (scores == NULL) continue;
             const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-            const int64_t first_head = kv_head * group;
+            const int64_t first_head = kv_head * group, context_len = context_lens[seq];
+            const int64_t first_key =
+                sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
             attend_one(q + (seq * num_heads + first_head) * head_dim, k_cache, v_cache,
-                       block_tables + seq * table_stride, context_lens[seq], kv_head, group, num_kv_heads,
+                       block_tables + seq * table_stride, first_key, context_len, kv_head, group, num_kv_heads,
                        head_dim, block_size, kv_is_bf16, scale, scores,
                        out + (seq * num_heads + first_head) * head_dim);
         }
