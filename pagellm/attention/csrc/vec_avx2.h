@@ -1,0 +1,14 @@
+/* AVX2 width: eight floats, one ymm register. */
+#ifndef PAGELLM_VEC_WIDTH_H
+#define PAGELLM_VEC_WIDTH_H
+
+#define VEC 8
+#define ISA_NAME "avx2"
+typedef float fvec __attribute__((vector_size(32)));
+typedef int32_t ivec __attribute__((vector_size(32)));
+typedef uint32_t uvec __attribute__((vector_size(32)));
+typedef uint16_t hvec __attribute__((vector_size(16)));
+
+static inline float vsum(fvec v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+#endif

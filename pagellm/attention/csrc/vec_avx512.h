@@ -1,0 +1,27 @@
+/* AVX-512 width: sixteen floats, one zmm register; with avx512_bf16, rounding to bfloat16 is one
+ * instruction (VCVTNEPS2BF16, round-to-nearest-even like torch) instead of five integer operations. */
+#ifndef PAGELLM_VEC_WIDTH_H
+#define PAGELLM_VEC_WIDTH_H
+
+#include <immintrin.h>
+
+#define VEC 16
+#define ISA_NAME "avx512"
+typedef float fvec __attribute__((vector_size(64)));
+typedef int32_t ivec __attribute__((vector_size(64)));
+typedef uint32_t uvec __attribute__((vector_size(64)));
+typedef uint16_t hvec __attribute__((vector_size(32)));
+
+static inline float vsum(fvec v) { return _mm512_reduce_add_ps((__m512)v); }
+
+#ifdef __AVX512BF16__
+#define HAVE_NATIVE_BF16_ROUND 1
+static inline hvec to_bf16_bits(fvec v) {
+    const __m256bh rounded = _mm512_cvtneps_pbh((__m512)v);
+    hvec bits;
+    memcpy(&bits, &rounded, sizeof bits);
+    return bits;
+}
+#endif
+
+#endif

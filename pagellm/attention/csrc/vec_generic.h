@@ -1,0 +1,15 @@
+/* Generic width: four floats, the vector every 64-bit target has in hardware (SSE2, NEON). Built without
+ * -march, so the compiler lowers the vector extensions to whatever the baseline target has. */
+#ifndef PAGELLM_VEC_WIDTH_H
+#define PAGELLM_VEC_WIDTH_H
+
+#define VEC 4
+#define ISA_NAME "generic"
+typedef float fvec __attribute__((vector_size(16)));
+typedef int32_t ivec __attribute__((vector_size(16)));
+typedef uint32_t uvec __attribute__((vector_size(16)));
+typedef uint16_t hvec __attribute__((vector_size(8)));
+
+static inline float vsum(fvec v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+
+#endif
