@@ -7,10 +7,13 @@
  * in bfloat16, every place where the reference's torch op would store a bfloat16 tensor rounds to bfloat16
  * (to nearest even) at the same point, so the results are those of the unfused bfloat16 model, not merely
  * close to them. In float32 those roundings are no-ops and vanish after inlining.
- * Rows are always split across threads: measured from 1 to 2,048 rows, the parallel region never cost
- * more than 0.5 us and halved the time at 2,048 rows.
+ * Rows are split across threads from PARALLEL_MIN_ELEMENTS elements on (torch's grain size): on a quiet
+ * machine a parallel region costs under 0.5 us, but when other processes hold the cores, a decode-sized
+ * call (16 x 576) that waits for a second thread took 20 ms instead of 18 us.
  */
 #include "vec.h"
+
+#define PARALLEL_MIN_ELEMENTS 32768
 
 /* The value a torch op of the model's dtype would store: rounded in bfloat16, as is in float32. */
 static ALWAYS_INLINE fvec as_stored(fvec v, const int bf16) { return bf16 ? round_bf16(v) : v; }
@@ -33,7 +36,7 @@ static ALWAYS_INLINE int64_t piece(int64_t index, int64_t length) { return lengt
 static ALWAYS_INLINE void add_rms_norm_rows(const void *x, void *residual, const void *weight, void *out, int64_t rows,
                                             int64_t hidden, float eps, const int bf16) {
     const int64_t size = bf16 ? 2 : 4;
-#pragma omp parallel for
+#pragma omp parallel for if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; ++r) {
         const char *in = (const char *)x + r * hidden * size;
         char *h = residual ? (char *)residual + r * hidden * size : (char *)in;
@@ -69,7 +72,7 @@ void add_rms_norm(const void *x, void *residual, const void *weight, void *out, 
 static ALWAYS_INLINE void silu_and_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t width,
                                             const int bf16) {
     const int64_t size = bf16 ? 2 : 4;
-#pragma omp parallel for
+#pragma omp parallel for if (rows * width >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; ++r) {
         const char *gate = (const char *)gate_up + r * 2 * width * size, *up = gate + width * size;
         char *o = (char *)out + r * width * size;
@@ -98,7 +101,7 @@ static ALWAYS_INLINE void rotary_rows(void *qkv, int64_t rows, int64_t row_strid
                                       int64_t head_dim, const float *cos_table, const float *sin_table,
                                       const int64_t *positions, const int bf16) {
     const int64_t half = head_dim / 2, size = bf16 ? 2 : 4;
-#pragma omp parallel for
+#pragma omp parallel for if (rows * num_heads * head_dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; ++r) {
         const float *cos = cos_table + positions[r] * head_dim, *sin = sin_table + positions[r] * head_dim;
         for (int64_t h = 0; h < num_heads; ++h) {

@@ -3,6 +3,8 @@
 #define PAGELLM_VEC_WIDTH_H
 
 #define VEC 8
+/* The 16-bit lanes holding the high halves of VEC little-endian 32-bit lanes. */
+#define HIGH_HALVES 1, 3, 5, 7, 9, 11, 13, 15
 #define ISA_NAME "avx2"
 typedef float fvec __attribute__((vector_size(32)));
 typedef int32_t ivec __attribute__((vector_size(32)));

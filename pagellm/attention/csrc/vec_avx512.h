@@ -6,6 +6,8 @@
 #include <immintrin.h>
 
 #define VEC 16
+/* The 16-bit lanes holding the high halves of VEC little-endian 32-bit lanes. */
+#define HIGH_HALVES 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
 #define ISA_NAME "avx512"
 typedef float fvec __attribute__((vector_size(64)));
 typedef int32_t ivec __attribute__((vector_size(64)));

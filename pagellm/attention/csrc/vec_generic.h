@@ -4,6 +4,8 @@
 #define PAGELLM_VEC_WIDTH_H
 
 #define VEC 4
+/* The 16-bit lanes holding the high halves of VEC little-endian 32-bit lanes. */
+#define HIGH_HALVES 1, 3, 5, 7
 #define ISA_NAME "generic"
 typedef float fvec __attribute__((vector_size(16)));
 typedef int32_t ivec __attribute__((vector_size(16)));
