@@ -150,8 +150,7 @@ def _decode_reference(q, k_cache, v_cache, tables, context_lens, scale, window=0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 1, 128), (4, 4, 96)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 8), (4, 4, 96, 32)])
 def test_decode_kernel_matches_reference(isa, dtype, block_size, num_heads, num_kv_heads, head_dim):
     kernel = native.decode_kernel(isa)
     assert kernel.isa == isa
@@ -164,7 +163,7 @@ def test_decode_kernel_matches_reference(isa, dtype, block_size, num_heads, num_
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [1, 5, 16, 40, 1000])
+@pytest.mark.parametrize("window", [1, 13, 1000])
 def test_decode_kernel_sliding_window_never_reads_slid_out_blocks(isa, dtype, window):
     block_size, head_dim = 8, 64
     kernel = native.decode_kernel(isa)
@@ -244,8 +243,8 @@ def test_every_isa_compiles(tmp_path):
               "avx512_bf16": native.compiler_flags("avx512", native_bf16=True)}
     jobs = []
     for name, flags in builds.items():
-        # -O1: the same target checks (always_inline intrinsics need their instruction set) in less time.
-        flags = ["-O1" if flag == "-O3" else flag for flag in flags]
+        # -O0: the same target checks (always_inline intrinsics need their instruction set) in less time.
+        flags = ["-O0" if flag == "-O3" else flag for flag in flags]
         for source in native._SOURCES:
             command = [compiler, *flags, "-Werror", "-c", str(source), "-o", str(tmp_path / f"{name}-{source.stem}.o")]
             jobs.append((name, subprocess.Popen(command, stderr=subprocess.PIPE, text=True)))
