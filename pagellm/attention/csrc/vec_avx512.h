@@ -24,6 +24,16 @@ static inline hvec to_bf16_bits(fvec v) {
     memcpy(&bits, &rounded, sizeof bits);
     return bits;
 }
+
+#define HAVE_BF16_DOT 1
+/* acc[i] += a[2i] * b[2i] + a[2i + 1] * b[2i + 1] over 2 * VEC bfloat16 values (VDPBF16PS: exact products,
+ * float32 sums; subnormal inputs count as zero). */
+static inline fvec dot_bf16_pairs(fvec acc, const uint16_t *a, const uint16_t *b) {
+    __m512bh pairs_a, pairs_b;
+    memcpy(&pairs_a, a, sizeof pairs_a);
+    memcpy(&pairs_b, b, sizeof pairs_b);
+    return (fvec)_mm512_dpbf16_ps((__m512)acc, pairs_a, pairs_b);
+}
 #endif
 
 #endif
