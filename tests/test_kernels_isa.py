@@ -112,7 +112,7 @@ def test_fused_ops_refuse_other_dtypes():
     assert not native.CpuOps.supports(576, 1536, torch.float16)
     with pytest.raises(TypeError, match="float16"):
         ops.silu_and_mul(torch.zeros(2, 16, dtype=torch.float16))
-    with pytest.raises(TypeError, match="weight is torch.float32"):
+    with pytest.raises(TypeError, match="weight must be torch.bfloat16"):
         ops.add_rms_norm(torch.zeros(2, 16, dtype=torch.bfloat16), None, torch.ones(16), 1e-5)
 
 

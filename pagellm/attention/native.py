@@ -46,7 +46,7 @@ _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_attention.c", "cpu_ops.c")]
 _HEADERS = [_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h")]
 # No -ffast-math: the kernel is vectorised by hand, and its summation order and exp must stay as written.
-_COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
 
 ISAS = ("avx512", "avx2", "generic")
 # Per instruction set: the /proc/cpuinfo flags it needs and the compiler flags that target them. AVX-512
@@ -94,7 +94,7 @@ def compiler_flags(isa: str, native_bf16: bool | None = None) -> list[str]:
         native_bf16 = "avx512_bf16" in cpu_flags()
     if isa == "avx512" and native_bf16:
         flags.append("-mavx512bf16")
-    return [flag for flag in _COMMON_FLAGS if flag != "-shared"] + flags
+    return _COMMON_FLAGS + flags
 
 
 def library_isa(library: ctypes.CDLL) -> str:
@@ -105,8 +105,8 @@ def library_isa(library: ctypes.CDLL) -> str:
 
 def _check_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
     if tensor.dtype != dtype:
-        raise TypeError(f"{name} is {tensor.dtype} but the kernel was given {dtype} data; pass all of them in one "
-                        f"dtype (float32 or bfloat16)")
+        raise TypeError(f"{name} must be {dtype} here, not {tensor.dtype} (the activations, residual and norm "
+                        f"weight share one dtype; rotary tables are float32, positions int64)")
 
 
 class DecodeKernel:
