@@ -28,6 +28,18 @@ static ALWAYS_INLINE void store_n(void *p, int64_t index, int64_t n, fvec v, con
     else store_part(p, index, n, v, bf16);
 }
 
+/* Stores v (rounded in bfloat16) and returns what was stored, widened: one rounding for both uses. */
+static ALWAYS_INLINE fvec store_n_stored(void *p, int64_t index, int64_t n, fvec v, const int bf16) {
+    if (!bf16) {
+        store_n(p, index, n, v, 0);
+        return v;
+    }
+    const hvec bits = to_bf16_bits(v);
+    if (n == VEC) memcpy((uint16_t *)p + index, &bits, sizeof bits);
+    else memcpy((uint16_t *)p + index, &bits, n * sizeof(uint16_t));
+    return from_bf16_bits(bits);
+}
+
 static ALWAYS_INLINE int64_t piece(int64_t index, int64_t length) { return length - index < VEC ? length - index : VEC; }
 
 /* residual (if not NULL) += x, then out = weight * norm(h) with h the sum (or x). transformers' LlamaRMSNorm
@@ -44,10 +56,7 @@ static ALWAYS_INLINE void add_rms_norm_rows(const void *x, void *residual, const
         for (int64_t i = 0; i < hidden; i += VEC) {
             const int64_t n = piece(i, hidden);
             fvec v = load_n(in, i, n, bf16);
-            if (residual) {
-                v = as_stored(v + load_n(h, i, n, bf16), bf16);
-                store_n(h, i, n, v, bf16);
-            }
+            if (residual) v = store_n_stored(h, i, n, v + load_n(h, i, n, bf16), bf16);
             squares += v * v;
         }
         const float inverse_rms = 1.0f / sqrtf(vsum(squares) / (float)hidden + eps);

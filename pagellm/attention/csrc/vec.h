@@ -47,8 +47,17 @@ static ALWAYS_INLINE hvec to_bf16_bits(fvec v) {
 }
 #endif
 
-/* v rounded to bfloat16 and widened back: the value a bfloat16 torch op stores between two steps. */
-static ALWAYS_INLINE fvec round_bf16(fvec v) { return from_bf16_bits(to_bf16_bits(v)); }
+/* v rounded to bfloat16 and widened back: the value a bfloat16 torch op stores between two steps. Without
+ * the rounding instruction this stays in 32-bit lanes (clearing the low half), with no narrowing shuffles;
+ * a NaN stays a NaN. */
+static ALWAYS_INLINE fvec round_bf16(fvec v) {
+#ifdef HAVE_NATIVE_BF16_ROUND
+    return from_bf16_bits(to_bf16_bits(v));
+#else
+    const uvec bits = (uvec)v;
+    return vselect(v != v, v, (fvec)((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u));
+#endif
+}
 
 /* VEC elements from element `index` of a float32 (bf16 == 0) or bfloat16 array, as float32. `bf16` is a
  * constant after inlining, so each caller specialises. */
