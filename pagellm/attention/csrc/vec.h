@@ -32,7 +32,10 @@ static ALWAYS_INLINE fvec vselect(ivec mask, fvec yes, fvec no) {
 
 /* ---- bfloat16: the top half of a float32 ---- */
 
-static ALWAYS_INLINE fvec from_bf16_bits(hvec bits) { return (fvec)(__builtin_convertvector(bits, uvec) << 16); }
+static ALWAYS_INLINE fvec from_bf16_bits(hvec bits) {
+    typedef uint16_t halves __attribute__((vector_size(sizeof(fvec))));
+    return (fvec)(halves)__builtin_shufflevector((hvec){0}, bits, WIDEN_LANES);
+}
 
 #ifndef HAVE_NATIVE_BF16_ROUND
 /* Round to nearest even, as torch's float -> bfloat16 cast does (c10::round_to_nearest_even): add 0x7fff

@@ -6,6 +6,8 @@
 #define VEC 4
 /* The 16-bit lanes holding the high halves of VEC little-endian 32-bit lanes. */
 #define HIGH_HALVES 1, 3, 5, 7
+/* 16-bit lanes of (zeros, bits) that put each bfloat16 in the high half of a 32-bit lane. */
+#define WIDEN_LANES 0, 4, 0, 5, 0, 6, 0, 7
 #define ISA_NAME "generic"
 typedef float fvec __attribute__((vector_size(16)));
 typedef int32_t ivec __attribute__((vector_size(16)));
