@@ -40,7 +40,10 @@ static ALWAYS_INLINE fvec store_n_stored(void *p, int64_t index, int64_t n, fvec
     return from_bf16_bits(bits);
 }
 
-static ALWAYS_INLINE int64_t piece(int64_t index, int64_t length) { return length - index < VEC ? length - index : VEC; }
+/* Elements of a row of `length` from `index` on that one vector holds. */
+static ALWAYS_INLINE int64_t piece(int64_t index, int64_t length) {
+    return length - index < VEC ? length - index : VEC;
+}
 
 /* residual (if not NULL) += x, then out = weight * norm(h) with h the sum (or x). transformers' LlamaRMSNorm
  * takes the statistics in float32, casts the normalised row back to the model's dtype, and only then

@@ -191,9 +191,9 @@ static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *
 
 /* One (sequence, kv head): the `group` query heads that share it, head_dim a multiple of PIECE_FLOATS.
  * q and out are [group][head_dim] float32; scores is [group][keys attended]. */
-static void attend_one(const float *restrict q, const uint16_t *restrict q16, const void *restrict k_cache, const void *restrict v_cache,
-                       const KeyRange *keys, int64_t group, int bf16, float scale, float *restrict scores,
-                       float *restrict out) {
+static void attend_one(const float *restrict q, const uint16_t *restrict q16, const void *restrict k_cache,
+                       const void *restrict v_cache, const KeyRange *keys, int64_t group, int bf16, float scale,
+                       float *restrict scores, float *restrict out) {
     const int64_t count = keys->context_len - keys->first;
     for (int64_t first = 0; first < group; first += MAX_HEADS_PER_PASS) {
         const int64_t heads = group - first < MAX_HEADS_PER_PASS ? group - first : MAX_HEADS_PER_PASS;
@@ -228,6 +228,11 @@ static void narrow(const float *from, void *to, int64_t n, int bf16) {
     }
 }
 
+/* The first key position a sequence of context_len attends. */
+static int64_t first_key(int64_t context_len, int64_t sliding_window) {
+    return sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
+}
+
 /* Returns 1 if a thread could not allocate its buffers, 2 if head_dim is not a multiple of PIECE_FLOATS. */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int kv_is_bf16, int q_is_bf16,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
@@ -237,7 +242,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_keys = 1;
     for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t keys = sliding_window > 0 && context_lens[s] > sliding_window ? sliding_window : context_lens[s];
+        const int64_t keys = context_lens[s] - first_key(context_lens[s], sliding_window);
         max_keys = keys > max_keys ? keys : max_keys;
     }
     int failed = 0;
@@ -258,7 +263,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
             const int64_t context_len = context_lens[seq];
             const KeyRange keys = {
                 .table = block_tables + seq * table_stride,
-                .first = sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0,
+                .first = first_key(context_len, sliding_window),
                 .context_len = context_len,
                 .block_size = block_size,
                 .block_stride = num_kv_heads * block_size * head_dim,

@@ -1,5 +1,6 @@
 /* AVX-512 width: sixteen floats, one zmm register; with avx512_bf16, rounding to bfloat16 is one
- * instruction (VCVTNEPS2BF16, round-to-nearest-even like torch) instead of five integer operations. */
+ * instruction (VCVTNEPS2BF16, round-to-nearest-even like torch) instead of integer rounding and a shuffle,
+ * and bfloat16 dot products are another (VDPBF16PS). */
 #ifndef PAGELLM_VEC_WIDTH_H
 #define PAGELLM_VEC_WIDTH_H
 
@@ -9,7 +10,8 @@
 /* The 16-bit lanes holding the high halves of VEC little-endian 32-bit lanes. */
 #define HIGH_HALVES 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
 /* 16-bit lanes of (zeros, bits) that put each bfloat16 in the high half of a 32-bit lane. */
-#define WIDEN_LANES 0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31
+#define WIDEN_LANES \
+    0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31
 #define ISA_NAME "avx512"
 typedef float fvec __attribute__((vector_size(64)));
 typedef int32_t ivec __attribute__((vector_size(64)));
