@@ -3,7 +3,7 @@
 Paged attention: every case builds a pool with sequences scattered over shuffled blocks, writes their keys and values
 through `paged_attention`, and checks each output row against plain softmax attention over that
 sequence's contiguous history, for the native decode kernel and for the torch path.
-Fused ops (RMSNorm with residual, SiLU-and-multiply, rotary): against the torch expressions they replace.
+The fused ops, dtypes and each instruction set's build: tests/test_kernels_isa.py.
 """
 
 from __future__ import annotations
@@ -151,63 +151,7 @@ def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog):
         native.native_library.cache_clear()
 
 
-# ---- fused CPU ops --------------------------------------------------------------------------------
-
-
-def _ops():
-    ops = native.cpu_ops()
-    if ops is None:
-        pytest.skip("no C compiler")
-    return ops
-
-
-@pytest.mark.parametrize("rows", [1, 7, 300])
-def test_add_rms_norm_matches_torch(rows):
-    from pagellm.models.llama import RMSNorm
-
-    ops = _ops()
-    gen = torch.Generator().manual_seed(rows)
-    x, residual = torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen) * 3
-    norm = RMSNorm(576, 1e-5)
-    norm.weight.data = torch.rand(576, generator=gen) + 0.5
-    expected_out, expected_sum = norm(x, residual.clone())
-    stream = residual.clone()
-    out = ops.add_rms_norm(x, stream, norm.weight, 1e-5)
-    torch.testing.assert_close(stream, expected_sum, rtol=0, atol=0)  # the same float additions
-    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ops.add_rms_norm(x, None, norm.weight, 1e-5), norm(x), rtol=1e-5, atol=1e-6)
-
-
-def test_silu_and_mul_matches_torch_including_extremes():
-    ops = _ops()
-    gen = torch.Generator().manual_seed(0)
-    gate_up = torch.randn(33, 2 * 1536, generator=gen) * 4
-    gate_up[0, :8] = torch.tensor([-200.0, -88.0, -20.0, -1e-8, 0.0, 1e-8, 20.0, 200.0])
-    gate, up = gate_up.split(1536, dim=-1)
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-6)
-
-
-def test_rotary_inplace_matches_torch():
-    from transformers import LlamaConfig
-
-    from pagellm.models.llama import RotaryEmbedding, apply_rotary
-
-    ops = _ops()
-    num_heads, num_kv_heads, head_dim = 9, 3, 64
-    rotary = RotaryEmbedding(LlamaConfig(rope_theta=100000.0), head_dim, 4096)
-    rotary.reset_cache(torch.device("cpu"))
-    gen = torch.Generator().manual_seed(1)
-    qkv = torch.randn(20, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
-    positions = torch.tensor([0, 1, 4095] + list(range(100, 117)))
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    expected_q, expected_k = apply_rotary(q.reshape(20, num_heads, head_dim), k.reshape(20, num_kv_heads, head_dim),
-                                          rotary.lookup(positions, torch.float32))
-    expected_v = v.clone()
-    ops.rotary_inplace(qkv, num_heads + num_kv_heads, head_dim, rotary.cos, rotary.sin, positions)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    torch.testing.assert_close(q.reshape(20, num_heads, head_dim), expected_q, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(k.reshape(20, num_kv_heads, head_dim), expected_k, rtol=1e-5, atol=1e-6)
-    assert torch.equal(v, expected_v)
+# ---- linear layers (the fused ops and each instruction set: tests/test_kernels_isa.py) ----------------
 
 
 def test_half_linear_upcast_matches_a_half_gemm_with_float32_accumulation():
@@ -225,20 +169,3 @@ def test_half_linear_upcast_matches_a_half_gemm_with_float32_accumulation():
     assert out.dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16
     assert torch.equal(out, expected)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.skipif(native.decode_kernel() is None, reason="no C compiler")
-def test_native_kernel_reads_bfloat16_caches_exactly():
-    # bf16 is widened to float32 on load, so a bf16 cache gives the float32 result of the same values.
-    kernel = native.decode_kernel()
-    gen = torch.Generator().manual_seed(8)
-    num_blocks, num_kv_heads, block_size, head_dim, num_heads = 40, 2, 16, 64, 6
-    k = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen).to(torch.bfloat16)
-    v = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen).to(torch.bfloat16)
-    tables = np.random.default_rng(8).permutation(num_blocks)[:30].reshape(3, 10).astype(np.int64)
-    context_lens = np.array([1, 77, 160], dtype=np.int64)
-    q = torch.randn(3, num_heads, head_dim, generator=gen)
-    from_bf16 = kernel(q, k, v, tables, context_lens, 0.125)
-    from_f32 = kernel(q, k.float(), v.float(), tables, context_lens, 0.125)
-    assert from_bf16.dtype == torch.float32 and torch.equal(from_bf16, from_f32)
-    assert kernel(q.to(torch.bfloat16), k, v, tables, context_lens, 0.125).dtype == torch.bfloat16

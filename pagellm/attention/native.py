@@ -1,12 +1,19 @@
 """pagellm's C kernels for the CPU: compiled on first use, cached, called via ctypes.
 
-csrc/paged_attention.c is decode attention straight from the paged cache (float32 or bfloat16 caches,
-float32 arithmetic); csrc/cpu_ops.c holds the float32 fused RMSNorm (with the residual add),
-SiLU-and-multiply and in-place rotary embedding; csrc/vec8.h the vector helpers both use.
+csrc/paged_attention.c is decode attention straight from the paged cache (float32 or bfloat16 queries and
+caches, float32 arithmetic, optional sliding window); csrc/cpu_ops.c holds the fused RMSNorm (with the
+residual add), SiLU-and-multiply and in-place rotary embedding in float32 and bfloat16; csrc/vec.h the
+vector helpers both use, over the width header of the instruction set built for (vec_avx512.h,
+vec_avx2.h, vec_generic.h).
+
+The instruction set is chosen from this CPU's flags (`best_isa`): "avx512" (16-float vectors, and
+avx512_bf16's rounding instruction where present), "avx2" (8-float vectors with FMA) or "generic" (no
+-march: 4-float vectors the compiler maps onto the target's baseline, so it builds on any CPU).
+PAGELLM_CPU_ISA=avx512|avx2|generic forces one (tests use it to run every path the machine can).
 
 Compiling needs only a C compiler (cc/gcc) and takes about a second; the shared object is cached under
-pagellm's cache directory, keyed by the source, the compiler and this CPU, so later starts just load it.
-Where there is no compiler, or PAGELLM_NATIVE_KERNELS=0 is set, `decode_kernel()` and `cpu_ops()`
+pagellm's cache directory, keyed by the source, the flags, the compiler and this CPU, so later starts just
+load it. Where there is no compiler, or PAGELLM_NATIVE_KERNELS=0 is set, `decode_kernel()` and `cpu_ops()`
 return None and the model runs on torch ops, which stay the reference the kernels are tested against.
 
 The library is built with -fopenmp and loaded after torch: the dynamic linker resolves its libgomp.so.1
@@ -35,30 +42,91 @@ from pagellm.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [pathlib.Path(__file__).with_name("csrc") / name for name in ("paged_attention.c", "cpu_ops.c")]
-_HEADERS = [pathlib.Path(__file__).with_name("csrc") / "vec8.h"]
+_CSRC = pathlib.Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / name for name in ("paged_attention.c", "cpu_ops.c")]
+_HEADERS = [_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h")]
 # No -ffast-math: the kernel is vectorised by hand, and its summation order and exp must stay as written.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
-_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
+
+ISAS = ("avx512", "avx2", "generic")
+# Per instruction set: the /proc/cpuinfo flags it needs and the compiler flags that target them. AVX-512
+# takes avx512_bf16's instructions only where the CPU has them (the header falls back to integer rounding).
+_ISA_CPU_FLAGS = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"),
+    "avx2": ("avx2", "fma"),
+    "generic": (),
+}
+_ISA_COMPILER_FLAGS = {
+    "avx512": ["-DPAGELLM_ISA_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+               "-mavx512dq"],
+    "avx2": ["-DPAGELLM_ISA_AVX2", "-mavx2", "-mfma", "-mf16c"],
+    "generic": [],
+}
+_I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+# What the kernels read and write: float32, or bfloat16 rounded as torch rounds it.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
+    """The instruction sets this CPU can run, widest first ("generic" always)."""
+    flags = cpu_flags() if flags is None else flags
+    return [isa for isa in ISAS if all(flag in flags for flag in _ISA_CPU_FLAGS[isa])]
+
+
+def best_isa() -> str:
+    """PAGELLM_CPU_ISA if set (checked against the CPU), else the widest this CPU runs."""
+    forced = os.environ.get("PAGELLM_CPU_ISA")
+    if not forced:
+        return runnable_isas()[0]
+    if forced not in ISAS:
+        raise ValueError(f"PAGELLM_CPU_ISA={forced!r} is not an instruction set; use one of {ISAS} or unset it")
+    if forced not in runnable_isas():
+        raise ValueError(f"PAGELLM_CPU_ISA={forced!r} needs CPU flags {_ISA_CPU_FLAGS[forced]}, which this CPU lacks; "
+                         f"it runs {runnable_isas()}")
+    return forced
+
+
+def compiler_flags(isa: str, native_bf16: bool | None = None) -> list[str]:
+    """Flags that build the kernels for `isa` (without -shared/-o), with avx512_bf16's instructions if
+    `native_bf16` (default: if this CPU has them); usable on any machine to compile-check."""
+    flags = list(_ISA_COMPILER_FLAGS[isa])
+    if native_bf16 is None:
+        native_bf16 = "avx512_bf16" in cpu_flags()
+    if isa == "avx512" and native_bf16:
+        flags.append("-mavx512bf16")
+    return _COMMON_FLAGS + flags
+
+
+def library_isa(library: ctypes.CDLL) -> str:
+    """The instruction set a built library targets, as it reports it."""
+    library.pagellm_isa.restype = ctypes.c_char_p
+    return library.pagellm_isa().decode()
+
+
+def _check_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype} here, not {tensor.dtype} (the activations, residual and norm "
+                        f"weight share one dtype; rotary tables are float32, positions int64)")
 
 
 class DecodeKernel:
     """paged_decode_attention with its argument types declared; see the C source for layouts.
 
-    Caches may be float32 or bfloat16; queries and outputs cross the boundary in float32.
+    Queries and caches may be float32 or bfloat16 (each independently); the output has the query's dtype.
     """
 
-    CACHE_DTYPES = (torch.float32, torch.bfloat16)
+    CACHE_DTYPES = KERNEL_DTYPES
 
     @staticmethod
     def supports(head_dim: int) -> bool:
-        # The kernel sums values in 32-float pieces (four 8-float vectors); other head sizes take the torch path.
+        # The kernel sums values in 32-float pieces; other head sizes take the torch path.
         return head_dim % 32 == 0
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        self.isa = library_isa(library)
         self._function = library.paged_decode_attention
-        self._function.restype = ctypes.c_int
-        self._function.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
+        self._function.restype = _INT
+        self._function.argtypes = [_PTR, _PTR, _PTR, _INT, _INT, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
                                    _I64, _F32, _I64]
 
     def __call__(
@@ -73,25 +141,28 @@ class DecodeKernel:
     ) -> torch.Tensor:
         """q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, kv_heads, block_size, head_dim].
 
-        sliding_window > 0 reads only the last sliding_window keys of each sequence (0: all of them)."""
+        sliding_window > 0: each sequence attends only its last sliding_window keys (0: all of them)."""
         if k_cache.dtype not in self.CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
             raise TypeError(f"the native kernel reads float32 or bfloat16 caches, not {k_cache.dtype}")
         query_dtype = q.dtype
-        q = q.to(torch.float32).contiguous()
+        if query_dtype not in KERNEL_DTYPES:  # float16: computed from float32 and returned in float16
+            q = q.to(torch.float32)
+        q = q.contiguous()
         num_seqs, num_heads, head_dim = q.shape
         _, num_kv_heads, block_size, _ = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the KV cache views must be contiguous for the native kernel")
         if block_tables.dtype != np.int64 or context_lens.dtype != np.int64:
             raise TypeError("block_tables and context_lens must be int64 arrays")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window={sliding_window} must be 0 (full attention) or a positive key count")
         block_tables = np.ascontiguousarray(block_tables)
         context_lens = np.ascontiguousarray(context_lens)
         out = torch.empty_like(q)
         failed = self._function(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-            block_tables.ctypes.data,
-            block_tables.shape[1], context_lens.ctypes.data, out.data_ptr(),
-            num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
+            int(q.dtype == torch.bfloat16), block_tables.ctypes.data, block_tables.shape[1], context_lens.ctypes.data,
+            out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
         )
         if failed == 1:
             raise MemoryError("the native decode-attention kernel could not allocate its score buffer")
@@ -101,97 +172,127 @@ class DecodeKernel:
 
 
 class CpuOps:
-    """The fused elementwise kernels; each takes and returns float32 CPU tensors (see cpu_ops.c)."""
+    """The fused elementwise kernels on contiguous CPU tensors of float32 or bfloat16 (see cpu_ops.c); every
+    tensor of one call has the same dtype, and bfloat16 results are rounded where torch's would be."""
 
-    @staticmethod
-    def supports(hidden_size: int, intermediate_size: int) -> bool:
-        return hidden_size % 8 == 0 and intermediate_size % 8 == 0
+    DTYPES = KERNEL_DTYPES
+
+    @classmethod
+    def supports(cls, hidden_size: int, intermediate_size: int, dtype: torch.dtype = torch.float32) -> bool:
+        """Whether a model of these sizes and dtype can run on the fused ops (any size: rows have tails)."""
+        return dtype in cls.DTYPES and hidden_size > 0 and intermediate_size > 0
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._add_rms_norm = library.add_rms_norm_f32
-        self._add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]
-        self._silu_and_mul = library.silu_and_mul_f32
-        self._silu_and_mul.argtypes = [_PTR, _PTR, _I64, _I64]
-        self._rotary = library.rotary_inplace_f32
-        self._rotary.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
+        self.isa = library_isa(library)
+        self._add_rms_norm = library.add_rms_norm
+        self._add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]
+        self._silu_and_mul = library.silu_and_mul
+        self._silu_and_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
+        self._rotary = library.rotary_inplace
+        self._rotary.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _INT]
         for function in (self._add_rms_norm, self._silu_and_mul, self._rotary):
             function.restype = None
 
+    @classmethod
+    def _dtype_flag(cls, x: torch.Tensor) -> int:
+        if x.dtype not in cls.DTYPES:
+            raise TypeError(f"the fused CPU ops take float32 or bfloat16 tensors, not {x.dtype}; "
+                            f"check CpuOps.supports(..., dtype) before enabling them")
+        return int(x.dtype == torch.bfloat16)
+
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
         """RMSNorm of x, or of x + residual after adding x into residual in place (then returns both)."""
+        bf16 = self._dtype_flag(x)
         x = x.contiguous()
+        _check_dtype("weight", weight, x.dtype)
         out = torch.empty_like(x)
         rows, hidden = x.shape
-        if residual is not None and not residual.is_contiguous():
-            raise ValueError("the residual stream must be contiguous")
-        self._add_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
-                           out.data_ptr(), rows, hidden, eps)
+        if residual is not None:
+            _check_dtype("residual", residual, x.dtype)
+            if not residual.is_contiguous():
+                raise ValueError("the residual stream must be contiguous")
+        self._add_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                           weight.contiguous().data_ptr(), out.data_ptr(), rows, hidden, eps, bf16)
         return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        bf16 = self._dtype_flag(gate_up)
         gate_up = gate_up.contiguous()
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, width), dtype=gate_up.dtype)
-        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, width)
+        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, bf16)
         return out
 
     def rotary_inplace(self, qkv: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor,
                        sin: torch.Tensor, positions: torch.Tensor) -> None:
-        """Rotate the first num_heads heads of each row of qkv [tokens, width] (contiguous) in place."""
+        """Rotate the first num_heads heads of each row of qkv [tokens, width] (contiguous) in place;
+        cos/sin are the float32 [max_positions, head_dim] tables, positions int64."""
+        bf16 = self._dtype_flag(qkv)
         if not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("rotary_inplace needs contiguous qkv and cos/sin tables")
+        _check_dtype("cos", cos, torch.float32)
+        _check_dtype("sin", sin, torch.float32)
         positions = positions.contiguous()
+        _check_dtype("positions", positions, torch.int64)
         self._rotary(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, head_dim, cos.data_ptr(),
-                     sin.data_ptr(), positions.data_ptr())
+                     sin.data_ptr(), positions.data_ptr(), bf16)
 
 
 @functools.cache
-def native_library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where they cannot be built or are switched off (torch ops then)."""
+def native_library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernels compiled for `isa` (default: `best_isa()`), or None where they cannot be built or are
+    switched off (torch ops then)."""
     if os.environ.get("PAGELLM_NATIVE_KERNELS", "1") == "0":
         return None
+    isa = isa or best_isa()
     try:
-        return ctypes.CDLL(str(_build()))
+        return ctypes.CDLL(str(_build(isa)))
     except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
         logger.warning("native CPU kernels unavailable (%s); using torch ops", _first_line(error))
         return None
 
 
-def decode_kernel() -> DecodeKernel | None:
-    library = native_library()
+def decode_kernel(isa: str | None = None) -> DecodeKernel | None:
+    library = native_library(isa)
     return DecodeKernel(library) if library is not None else None
 
 
-def cpu_ops() -> CpuOps | None:
-    library = native_library()
+def cpu_ops(isa: str | None = None) -> CpuOps | None:
+    library = native_library(isa)
     return CpuOps(library) if library is not None else None
 
 
-def _build() -> pathlib.Path:
+def find_compiler() -> str:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
+    return compiler
+
+
+def _build(isa: str) -> pathlib.Path:
+    compiler = find_compiler()
+    flags = compiler_flags(isa) + ["-shared"]
     sources = [source.read_bytes() for source in _SOURCES + _HEADERS]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([*sources, " ".join(_FLAGS).encode(), version.encode(), _cpu_identity()]))
-    target = cache_root() / "kernels" / f"pagellm_cpu-{key.hexdigest()[:20]}.so"
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(flags).encode(), version.encode(), _cpu_identity()]))
+    target = cache_root() / "kernels" / f"pagellm_cpu_{isa}-{key.hexdigest()[:20]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Compile next to the target and rename: concurrent engines never load half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = pathlib.Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(built), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise subprocess.CalledProcessError(result.returncode, compiler, stderr=result.stderr)
         os.replace(built, target)
-    logger.info("compiled the native CPU kernels: %s", target)
+    logger.info("compiled the native CPU kernels for %s: %s", isa, target)
     return target
 
 
 def _cpu_identity() -> bytes:
-    """-march=native code is only valid on CPUs with the same features: the cache key includes them."""
+    """The flags decide which instructions the build may use: the cache key includes them."""
     flags = " ".join(sorted(cpu_flags())) or platform.processor() + platform.machine()
     return flags.encode()
 

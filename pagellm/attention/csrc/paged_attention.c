@@ -6,30 +6,27 @@
  * reads its keys and values once, through the block table, for all the query heads that share them.
  *
  * Layouts (all contiguous):
- *   q, out        [num_seqs, num_heads, head_dim] float32
+ *   q, out        [num_seqs, num_heads, head_dim] float32, or bfloat16 (q widened on entry, out rounded to
+ *                 nearest even once on store, as SDPA in bfloat16 does; all arithmetic is float32)
  *   k/v_cache     [num_blocks, num_kv_heads, block_size, head_dim]: one head of a block is contiguous;
- *                 float32, or bfloat16 (widened to float32 as it is loaded; all arithmetic is float32)
+ *                 float32, or bfloat16 (widened to float32 as it is loaded)
  *   block_tables  [num_seqs, table_stride] int64
  *   context_lens  [num_seqs] int64, each >= 1
- *   sliding_window  0, or W > 0: only keys at positions >= context_len - W are read; table entries wholly
- *                 before them may be holes (blocks given back to the pool) and are never dereferenced
+ *   sliding_window  0 for full attention; else a sequence of context_len L attends only the keys at
+ *                 positions >= L - sliding_window, and block-table entries wholly before them are never read
+ *                 (they may be freed holes)
  *
  * Built with OpenMP against the runtime torch already loaded (same soname), so the kernel shares
  * torch's thread pool and thread count instead of competing with it.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#include "vec8.h"
+#include "vec.h"
 
 
 /* Query heads that share a kv head are handled up to this many at a time, so that each key and value is
  * read once for all of them while their accumulators still fit in registers. */
 #define MAX_HEADS_PER_PASS 4
-
-#define ALWAYS_INLINE inline __attribute__((always_inline))
 
 /* Each block of one head is its own run of memory (4 KB at block_size 16, head_dim 64), often a page of
  * its own, and hardware prefetchers stop at page boundaries: ask for the next block while this one is used. */
@@ -37,61 +34,88 @@ static ALWAYS_INLINE void prefetch_run(const void *run, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)run + i, 0, 3);
 }
 
-/* Eight cache elements from `index` on, as float32. `bf16` is a constant after inlining: a bfloat16 is
- * the top half of a float32, so widening is a shift. */
-static ALWAYS_INLINE f32x8 load_kv(const void *cache, int64_t index, const int bf16) {
-    if (!bf16) return load8((const float *)cache + index);
-    u16x8 raw;
-    memcpy(&raw, (const uint16_t *)cache + index, sizeof raw);
-    return (f32x8)(__builtin_convertvector(raw, i32x8) << 16);
-}
-
 static ALWAYS_INLINE const void *element(const void *cache, int64_t index, const int bf16) {
     return bf16 ? (const void *)((const uint16_t *)cache + index) : (const void *)((const float *)cache + index);
 }
 
-/* scores[h * context_len + i] = scale * q_h . key_i for the `count` keys of one block, starting at element
- * `keys` of the cache; `heads` is a constant after inlining, so the per-head loops unroll and the
- * accumulators stay in registers. */
-static ALWAYS_INLINE void block_scores(const float *restrict q, const void *restrict k_cache, int64_t keys,
-                                       int64_t count, int64_t head_dim, const int heads, const int bf16, float scale,
-                                       float *restrict scores, int64_t context_len) {
+/* The keys a sequence attends, [first, context_len), walked block by block: `run` keys of the block holding
+ * position `position`, starting at cache element `start` (its first key's first element). */
+typedef struct {
+    const int64_t *table;
+    int64_t first, context_len, block_size, block_stride, head_offset, head_dim;
+} KeyRange;
+
+static ALWAYS_INLINE int64_t run_start(const KeyRange *keys, int64_t position) {
+    return keys->table[position / keys->block_size] * keys->block_stride + keys->head_offset +
+           (position % keys->block_size) * keys->head_dim;
+}
+
+static ALWAYS_INLINE int64_t run_length(const KeyRange *keys, int64_t position) {
+    const int64_t to_block_end = keys->block_size - position % keys->block_size;
+    return keys->context_len - position < to_block_end ? keys->context_len - position : to_block_end;
+}
+
+/* Prefetch the block after the one holding `position`, if the range reaches into it. */
+static ALWAYS_INLINE void prefetch_next_block(const KeyRange *keys, const void *cache, int64_t position,
+                                              const int bf16) {
+    const int64_t next = (position / keys->block_size + 1) * keys->block_size;
+    if (next < keys->context_len)
+        prefetch_run(element(cache, run_start(keys, next), bf16), keys->block_size * keys->head_dim * (bf16 ? 2 : 4));
+}
+
+/* scores[h * stride + i] = scale * q_h . key_i for the `count` keys of one run, starting at element
+ * `start` of the cache; `heads` is a constant after inlining, so the per-head loops unroll and the
+ * accumulators stay in registers. q16, where not NULL, is q in bfloat16 (then the cache is bfloat16 too):
+ * with avx512_bf16, one VDPBF16PS multiplies 32 pairs and adds them in float32, where widening the keys and
+ * multiplying in float32 takes five instructions per 16. */
+static ALWAYS_INLINE void run_scores(const float *restrict q, const uint16_t *restrict q16,
+                                     const void *restrict k_cache, int64_t start, int64_t count, int64_t head_dim,
+                                     const int heads, const int bf16, float scale, float *restrict scores,
+                                     int64_t stride) {
     for (int64_t i = 0; i < count; ++i) {
-        const int64_t key = keys + i * head_dim;
-        f32x8 acc[MAX_HEADS_PER_PASS];
-        for (int h = 0; h < heads; ++h) acc[h] = splat8(0.0f);
-        for (int64_t d = 0; d < head_dim; d += 8) {
-            const f32x8 k = load_kv(k_cache, key + d, bf16);
-            for (int h = 0; h < heads; ++h) acc[h] += load8(q + h * head_dim + d) * k;
+        const int64_t key = start + i * head_dim;
+        fvec acc[MAX_HEADS_PER_PASS];
+        for (int h = 0; h < heads; ++h) acc[h] = splat(0.0f);
+#ifdef HAVE_BF16_DOT
+        if (bf16 && q16 != NULL) {
+            for (int64_t d = 0; d < head_dim; d += 2 * VEC)
+                for (int h = 0; h < heads; ++h)
+                    acc[h] = dot_bf16_pairs(acc[h], q16 + h * head_dim + d, (const uint16_t *)k_cache + key + d);
+        } else
+#endif
+        {
+            for (int64_t d = 0; d < head_dim; d += VEC) {
+                const fvec k = load_any(k_cache, key + d, bf16);
+                for (int h = 0; h < heads; ++h) acc[h] += vload(q + h * head_dim + d) * k;
+            }
         }
-        for (int h = 0; h < heads; ++h) scores[h * context_len + i] = sum8(acc[h]) * scale;
+        for (int h = 0; h < heads; ++h) scores[h * stride + i] = vsum(acc[h]) * scale;
     }
 }
 
 /* Softmax numerators of row[0..n) in place (e^(x - max), max-subtracted like SDPA); returns 1 / their sum,
  * which the value pass applies once per output instead of once per score. */
 static float softmax_numerators(float *restrict row, int64_t n) {
-    f32x8 maxes = splat8(row[0]);
+    fvec maxes = splat(row[0]);
     int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
-        const f32x8 v = load8(row + t);
-        const i32x8 greater = v > maxes;
-        maxes = (f32x8)(((i32x8)v & greater) | ((i32x8)maxes & ~greater));
+    for (; t + VEC <= n; t += VEC) {
+        const fvec v = vload(row + t);
+        maxes = vselect(v > maxes, v, maxes);
     }
     float max = maxes[0];
-    for (int i = 1; i < 8; ++i) max = maxes[i] > max ? maxes[i] : max;
+    for (int i = 1; i < VEC; ++i) max = maxes[i] > max ? maxes[i] : max;
     for (; t < n; ++t) max = row[t] > max ? row[t] : max;
-    f32x8 totals = splat8(0.0f);
-    for (t = 0; t + 8 <= n; t += 8) {
-        const f32x8 e = exp8_nonpositive(load8(row + t) - max);
-        store8(row + t, e);
+    fvec totals = splat(0.0f);
+    for (t = 0; t + VEC <= n; t += VEC) {
+        const fvec e = exp_nonpositive(vload(row + t) - max);
+        vstore(row + t, e);
         totals += e;
     }
-    float total = sum8(totals);
+    float total = vsum(totals);
     if (t < n) {
-        float tail[8];
-        for (int i = 0; i < 8; ++i) tail[i] = t + i < n ? row[t + i] - max : -INFINITY;
-        const f32x8 e = exp8_nonpositive(load8(tail));
+        float tail[VEC];
+        for (int i = 0; i < VEC; ++i) tail[i] = t + i < n ? row[t + i] - max : -INFINITY;
+        const fvec e = exp_nonpositive(vload(tail));
         for (int i = 0; t + i < n; ++i) {
             row[t + i] = e[i];
             total += e[i];
@@ -100,83 +124,84 @@ static float softmax_numerators(float *restrict row, int64_t n) {
     return 1.0f / total;
 }
 
-/* Floats of every head's output accumulated per pass over the values: 4 vectors x up to 4 heads fill the
- * registers, and two passes cover a 64-float head, each streaming half of every value row. */
-#define PIECE_VECTORS 4
-#define PIECE_FLOATS (8 * PIECE_VECTORS)
+/* Floats of every head's output accumulated per pass over the values: up to 4 heads x 4 vectors of
+ * accumulators fill the registers (16 of AVX2's 16 ymm; 16 of AVX-512's 32 zmm, leaving room for the value
+ * vectors), so a 64-float head takes one pass with AVX-512 and two with AVX2, each streaming its part of every
+ * value row. head_dim must be a multiple of PIECE_FLOATS; WIDE_PIECE_FLOATS is used while enough is left
+ * (measured with AVX-512 at 48 x 512 keys in bf16: 1.21 ms in one 64-float pass, 1.33-1.39 in two). */
+#define PIECE_FLOATS 32
+#define WIDE_PIECE_FLOATS (VEC == 16 ? 64 : PIECE_FLOATS)
+#define MAX_PIECE_VECTORS (WIDE_PIECE_FLOATS / VEC)
 
-/* out[h][offset .. offset + PIECE_FLOATS) = inverse[h] * sum over keys t of weights[h][t] * value_t[same range]:
- * one piece of every head at a time, so each value line is read once for all heads. */
-static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, int64_t first_key, int64_t context_len,
-                                             const void *restrict v_cache, const int64_t *restrict table,
-                                             int64_t block_size, int64_t block_stride, int64_t head_offset,
-                                             int64_t head_dim, int64_t offset, const int heads, const int bf16,
-                                             const float *restrict inverse, float *restrict out) {
-    f32x8 acc[MAX_HEADS_PER_PASS][PIECE_VECTORS];
+/* out[h][offset .. offset + vectors * VEC) = inverse[h] * sum over keys t of weights[h][t] * value_t[same
+ * range]: one piece of every head at a time, so each value line is read once for all heads. */
+static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, const KeyRange *keys,
+                                             const void *restrict v_cache, int64_t offset, const int vectors,
+                                             const int heads, const int bf16, const float *restrict inverse,
+                                             float *restrict out) {
+    const int64_t count = keys->context_len - keys->first, head_dim = keys->head_dim;
+    fvec acc[MAX_HEADS_PER_PASS][MAX_PIECE_VECTORS];
     for (int h = 0; h < heads; ++h)
-        for (int c = 0; c < PIECE_VECTORS; ++c) acc[h][c] = splat8(0.0f);
-    for (int64_t start = first_key; start < context_len; start = (start / block_size + 1) * block_size) {
-        const int64_t skip = start % block_size, next = start - skip + block_size;
-        const int64_t block = table[start / block_size] * block_stride + head_offset + skip * head_dim + offset;
-        const int64_t count = (context_len < next ? context_len : next) - start;
-        if (offset == 0 && next < context_len)
-            prefetch_run(element(v_cache, table[start / block_size + 1] * block_stride + head_offset, bf16),
-                         block_size * head_dim * (bf16 ? 2 : 4));
-        for (int64_t i = 0; i < count; ++i) {
-            const int64_t value = block + i * head_dim;
-            f32x8 v[PIECE_VECTORS];
-            for (int c = 0; c < PIECE_VECTORS; ++c) v[c] = load_kv(v_cache, value + 8 * c, bf16);
+        for (int c = 0; c < vectors; ++c) acc[h][c] = splat(0.0f);
+    for (int64_t position = keys->first; position < keys->context_len;) {
+        const int64_t start = run_start(keys, position) + offset, length = run_length(keys, position);
+        if (offset == 0) prefetch_next_block(keys, v_cache, position, bf16);
+        const float *w = weights + (position - keys->first);
+        for (int64_t i = 0; i < length; ++i) {
+            const int64_t value = start + i * head_dim;
+            fvec v[MAX_PIECE_VECTORS];
+            for (int c = 0; c < vectors; ++c) v[c] = load_any(v_cache, value + VEC * c, bf16);
             for (int h = 0; h < heads; ++h) {
-                const f32x8 w = splat8(weights[h * context_len + start + i]);
-                for (int c = 0; c < PIECE_VECTORS; ++c) acc[h][c] += w * v[c];
+                const fvec weight = splat(w[h * count + i]);
+                for (int c = 0; c < vectors; ++c) acc[h][c] += weight * v[c];
             }
         }
+        position += length;
     }
     for (int h = 0; h < heads; ++h)
-        for (int c = 0; c < PIECE_VECTORS; ++c) store8(out + h * head_dim + offset + 8 * c, acc[h][c] * inverse[h]);
+        for (int c = 0; c < vectors; ++c) vstore(out + h * head_dim + offset + VEC * c, acc[h][c] * inverse[h]);
 }
 
-/* Attention of `heads` (<= MAX_HEADS_PER_PASS) query heads over one kv head's keys first_key..context_len-1.
- * q and out are [heads][head_dim]; scores is [heads][context_len] (entries before first_key unused). */
-static ALWAYS_INLINE void attend_heads(const float *restrict q, const void *restrict k_cache,
-                                       const void *restrict v_cache, const int64_t *restrict table,
-                                       int64_t first_key, int64_t context_len, int64_t block_size, int64_t block_stride,
-                                       int64_t head_offset, int64_t head_dim, const int heads, const int bf16,
-                                       float scale, float *restrict scores, float *restrict out) {
-    for (int64_t start = first_key; start < context_len; start = (start / block_size + 1) * block_size) {
-        const int64_t skip = start % block_size, next = start - skip + block_size;
-        const int64_t keys = table[start / block_size] * block_stride + head_offset + skip * head_dim;
-        const int64_t count = (context_len < next ? context_len : next) - start;
-        if (next < context_len)
-            prefetch_run(element(k_cache, table[start / block_size + 1] * block_stride + head_offset, bf16),
-                         block_size * head_dim * (bf16 ? 2 : 4));
-        block_scores(q, k_cache, keys, count, head_dim, heads, bf16, scale, scores + start, context_len);
+/* Attention of `heads` (<= MAX_HEADS_PER_PASS) query heads over one kv head's keys in `keys`.
+ * q and out are [heads][head_dim] float32; scores is [heads][keys attended]. */
+static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *restrict q16,
+                                       const void *restrict k_cache,
+                                       const void *restrict v_cache, const KeyRange *keys, const int heads,
+                                       const int bf16, float scale, float *restrict scores, float *restrict out) {
+    const int64_t count = keys->context_len - keys->first;
+    for (int64_t position = keys->first; position < keys->context_len;) {
+        const int64_t length = run_length(keys, position);
+        prefetch_next_block(keys, k_cache, position, bf16);
+        run_scores(q, q16, k_cache, run_start(keys, position), length, keys->head_dim, heads, bf16, scale,
+                   scores + (position - keys->first), count);
+        position += length;
     }
     float inverse[MAX_HEADS_PER_PASS];
-    for (int h = 0; h < heads; ++h)
-        inverse[h] = softmax_numerators(scores + h * context_len + first_key, context_len - first_key);
-    for (int64_t offset = 0; offset < head_dim; offset += PIECE_FLOATS)
-        piece_weighted_sum(scores, first_key, context_len, v_cache, table, block_size, block_stride, head_offset,
-                           head_dim, offset, heads, bf16, inverse, out);
+    for (int h = 0; h < heads; ++h) inverse[h] = softmax_numerators(scores + h * count, count);
+    for (int64_t offset = 0; offset < keys->head_dim;) {
+        if (keys->head_dim - offset >= WIDE_PIECE_FLOATS) {
+            piece_weighted_sum(scores, keys, v_cache, offset, WIDE_PIECE_FLOATS / VEC, heads, bf16, inverse, out);
+            offset += WIDE_PIECE_FLOATS;
+        } else {
+            piece_weighted_sum(scores, keys, v_cache, offset, PIECE_FLOATS / VEC, heads, bf16, inverse, out);
+            offset += PIECE_FLOATS;
+        }
+    }
 }
 
 /* One (sequence, kv head): the `group` query heads that share it, head_dim a multiple of PIECE_FLOATS.
- * scores is [group][context_len]; out is [group][head_dim]. */
-static void attend_one(const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
-                       const int64_t *restrict table, int64_t first_key, int64_t context_len, int64_t kv_head,
-                       int64_t group,
-                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int bf16, float scale,
+ * q and out are [group][head_dim] float32; scores is [group][keys attended]. */
+static void attend_one(const float *restrict q, const uint16_t *restrict q16, const void *restrict k_cache,
+                       const void *restrict v_cache, const KeyRange *keys, int64_t group, int bf16, float scale,
                        float *restrict scores, float *restrict out) {
-    const int64_t block_stride = num_kv_heads * block_size * head_dim;
-    const int64_t head_offset = kv_head * block_size * head_dim;
+    const int64_t count = keys->context_len - keys->first;
     for (int64_t first = 0; first < group; first += MAX_HEADS_PER_PASS) {
         const int64_t heads = group - first < MAX_HEADS_PER_PASS ? group - first : MAX_HEADS_PER_PASS;
-        const float *hq = q + first * head_dim;
-        float *hs = scores + first * context_len, *ho = out + first * head_dim;
+        const float *hq = q + first * keys->head_dim;
+        const uint16_t *hq16 = q16 != NULL ? q16 + first * keys->head_dim : NULL;
+        float *hs = scores + first * count, *ho = out + first * keys->head_dim;
         /* Constant head counts and cache types per call, so attend_heads specialises for each. */
-#define ATTEND(HEADS, BF16)                                                                                  \
-    attend_heads(hq, k_cache, v_cache, table, first_key, context_len, block_size, block_stride, head_offset, head_dim, \
-                 HEADS, BF16, scale, hs, ho)
+#define ATTEND(HEADS, BF16) attend_heads(hq, hq16, k_cache, v_cache, keys, HEADS, BF16, scale, hs, ho)
         switch (heads * 2 + (bf16 != 0)) {
         case 2: ATTEND(1, 0); break;
         case 3: ATTEND(1, 1); break;
@@ -191,35 +216,65 @@ static void attend_one(const float *restrict q, const void *restrict k_cache, co
     }
 }
 
-/* Returns 1 if a thread could not allocate its score buffer, 2 if head_dim is not a multiple of PIECE_FLOATS. */
-int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_is_bf16,
+/* n floats from a float32 or bfloat16 array (n a multiple of VEC), and back. */
+static void widen(const void *from, float *to, int64_t n, int bf16) {
+    for (int64_t i = 0; i < n; i += VEC) vstore(to + i, bf16 ? load_any(from, i, 1) : load_any(from, i, 0));
+}
+
+static void narrow(const float *from, void *to, int64_t n, int bf16) {
+    for (int64_t i = 0; i < n; i += VEC) {
+        if (bf16) store_any(to, i, vload(from + i), 1);
+        else store_any(to, i, vload(from + i), 0);
+    }
+}
+
+/* The first key position a sequence of context_len attends. */
+static int64_t first_key(int64_t context_len, int64_t sliding_window) {
+    return sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
+}
+
+/* Returns 1 if a thread could not allocate its buffers, 2 if head_dim is not a multiple of PIECE_FLOATS. */
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int kv_is_bf16, int q_is_bf16,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
-                           float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                           void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, float scale, int64_t sliding_window) {
     if (head_dim % PIECE_FLOATS != 0) return 2;
     const int64_t group = num_heads / num_kv_heads;
-    int64_t max_context = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) max_context = context_lens[s] > max_context ? context_lens[s] : max_context;
+    int64_t max_keys = 1;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t keys = context_lens[s] - first_key(context_lens[s], sliding_window);
+        max_keys = keys > max_keys ? keys : max_keys;
+    }
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * group * (max_context > 0 ? max_context : 1));
+        /* Per thread: the scores of one group of heads, and its queries and outputs in float32. */
+        float *scores = malloc(sizeof(float) * group * (max_keys + 2 * head_dim));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
+        float *q32 = scores + group * max_keys, *out32 = q32 + group * head_dim;
         /* Longest sequences vary most in cost: dynamic scheduling keeps both threads busy. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {
             if (scores == NULL) continue;
             const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-            const int64_t first_head = kv_head * group, context_len = context_lens[seq];
-            const int64_t first_key =
-                sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
-            attend_one(q + (seq * num_heads + first_head) * head_dim, k_cache, v_cache,
-                       block_tables + seq * table_stride, first_key, context_len, kv_head, group, num_kv_heads,
-                       head_dim, block_size, kv_is_bf16, scale, scores,
-                       out + (seq * num_heads + first_head) * head_dim);
+            const int64_t context_len = context_lens[seq];
+            const KeyRange keys = {
+                .table = block_tables + seq * table_stride,
+                .first = first_key(context_len, sliding_window),
+                .context_len = context_len,
+                .block_size = block_size,
+                .block_stride = num_kv_heads * block_size * head_dim,
+                .head_offset = kv_head * block_size * head_dim,
+                .head_dim = head_dim,
+            };
+            const int64_t first_element = (seq * num_heads + kv_head * group) * head_dim;
+            widen(element(q, first_element, q_is_bf16), q32, group * head_dim, q_is_bf16);
+            const uint16_t *q16 = q_is_bf16 && kv_is_bf16 ? (const uint16_t *)q + first_element : NULL;
+            attend_one(q32, q16, k_cache, v_cache, &keys, group, kv_is_bf16, scale, scores, out32);
+            narrow(out32, (void *)element(out, first_element, q_is_bf16), group * head_dim, q_is_bf16);
         }
         free(scores);
     }

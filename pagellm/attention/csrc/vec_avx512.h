@@ -1,0 +1,43 @@
+/* AVX-512 width: sixteen floats, one zmm register; with avx512_bf16, rounding to bfloat16 is one
+ * instruction (VCVTNEPS2BF16, round-to-nearest-even like torch) instead of integer rounding and a shuffle,
+ * and bfloat16 dot products are another (VDPBF16PS). */
+#ifndef PAGELLM_VEC_WIDTH_H
+#define PAGELLM_VEC_WIDTH_H
+
+#include <immintrin.h>
+
+#define VEC 16
+/* The 16-bit lanes holding the high halves of VEC little-endian 32-bit lanes. */
+#define HIGH_HALVES 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+/* 16-bit lanes of (zeros, bits) that put each bfloat16 in the high half of a 32-bit lane. */
+#define WIDEN_LANES \
+    0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31
+#define ISA_NAME "avx512"
+typedef float fvec __attribute__((vector_size(64)));
+typedef int32_t ivec __attribute__((vector_size(64)));
+typedef uint32_t uvec __attribute__((vector_size(64)));
+typedef uint16_t hvec __attribute__((vector_size(32)));
+
+static inline float vsum(fvec v) { return _mm512_reduce_add_ps((__m512)v); }
+
+#ifdef __AVX512BF16__
+#define HAVE_NATIVE_BF16_ROUND 1
+static inline hvec to_bf16_bits(fvec v) {
+    const __m256bh rounded = _mm512_cvtneps_pbh((__m512)v);
+    hvec bits;
+    memcpy(&bits, &rounded, sizeof bits);
+    return bits;
+}
+
+#define HAVE_BF16_DOT 1
+/* acc[i] += a[2i] * b[2i] + a[2i + 1] * b[2i + 1] over 2 * VEC bfloat16 values (VDPBF16PS: exact products,
+ * float32 sums; subnormal inputs count as zero). */
+static inline fvec dot_bf16_pairs(fvec acc, const uint16_t *a, const uint16_t *b) {
+    __m512bh pairs_a, pairs_b;
+    memcpy(&pairs_a, a, sizeof pairs_a);
+    memcpy(&pairs_b, b, sizeof pairs_b);
+    return (fvec)_mm512_dpbf16_ps((__m512)acc, pairs_a, pairs_b);
+}
+#endif
+
+#endif
