@@ -1,0 +1,168 @@
+"""Qwen3, Gemma 3 and Phi-3 from HF checkpoint directories: greedy output equals transformers' generate token
+for token in fp32 (batched, chunked prefill, prefix-cached), and unsupported checkpoints are refused by name.
+
+Each family is a tiny random model (2 layers, GQA, small dims) saved with transformers' save_pretrained,
+with the default model's tokenizer; the configs turn on the family's particular features.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from tests.helpers import PROMPTS, hf_greedy
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Short and long prompts (the longest ~110 tokens), so one batch mixes prefills of very different lengths.
+FAMILY_PROMPTS = [PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[5], PROMPTS[8]]
+SHARED_PREFIX = PROMPTS[8]
+
+COMMON = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    # A wide init gives peaked logits, so that greedy argmax is not decided by 1e-7 rounding.
+    initializer_range=0.3,
+)
+
+
+def _qwen3(tie: bool):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # head_dim 64 is not hidden_size / heads (32): Qwen3 takes it from the config.
+    config = Qwen3Config(**COMMON, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=tie)
+    return Qwen3ForCausalLM, config
+
+
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # Layer 0 local (sliding), layer 1 global, each with its own rotary base; the global one linearly scaled
+    # as Gemma 3 4B+ are. Prompts and outputs stay inside the window, where sliding equals full attention.
+    config = Gemma3TextConfig(
+        **COMMON, head_dim=32, rms_norm_eps=1e-6, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=256, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0,
+    )
+    return Gemma3ForCausalLM, config
+
+
+VARIANTS = {
+    "qwen3": lambda: _qwen3(tie=False),
+    "qwen3-tied": lambda: _qwen3(tie=True),
+    "gemma3": _gemma3,
+}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, default_tokenizer):
+    """Checkpoint directories saved on first use, one per variant."""
+    saved: dict[str, str] = {}
+
+    def get(variant: str) -> str:
+        if variant not in saved:
+            model_class, config = VARIANTS[variant]()
+            config.vocab_size = len(default_tokenizer)
+            config.bos_token_id, config.eos_token_id = default_tokenizer.bos_token_id, default_tokenizer.eos_token_id
+            torch.manual_seed(0)
+            path = tmp_path_factory.mktemp(variant)
+            model = model_class(config).to(torch.float32)
+            with torch.no_grad():
+                # Norms start as all ones (or zeros); perturbed, a norm weight loaded into the wrong place shows.
+                for name, param in model.named_parameters():
+                    if "norm" in name:
+                        param.add_(torch.randn_like(param) * 0.2)
+            model.save_pretrained(path)
+            default_tokenizer.save_pretrained(path)
+            saved[variant] = str(path)
+        return saved[variant]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf_references(family_dirs, default_tokenizer):
+    """transformers' greedy continuation of each prompt, per variant, computed on first use."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[str, dict[str, list[int]]] = {}
+
+    def get(variant: str, prompts: list[str]) -> list[list[int]]:
+        known = cache.setdefault(variant, {})
+        missing = [p for p in prompts if p not in known]
+        if missing:
+            model = AutoModelForCausalLM.from_pretrained(family_dirs(variant), dtype=torch.float32).eval()
+            for prompt in missing:
+                known[prompt] = hf_greedy(model, default_tokenizer, default_tokenizer.encode(prompt), MAX_TOKENS,
+                                          ignore_eos=True)
+        return [known[p] for p in prompts]
+
+    return get
+
+
+def _check_greedy(llm: LLM, prompts: list[str], expected: list[list[int]]) -> list:
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for output, reference in zip(outputs, expected):
+        assert output.outputs[0].token_ids == reference, output.prompt
+    return outputs
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_batched_greedy_matches_hf(variant, family_dirs, hf_references):
+    llm = LLM(family_dirs(variant), dtype="float32", kv_cache_memory_bytes=16 << 20)
+    assert llm.llm_engine.core.runner.native_decode is not None
+    _check_greedy(llm, FAMILY_PROMPTS, hf_references(variant, FAMILY_PROMPTS))
+    assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
+
+
+def test_gemma3_logprobs_match_hf_with_softcapped_logits(family_dirs, default_tokenizer):
+    # Soft-capping is monotonic, so greedy tokens cannot show it; the logprobs do.
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import hf_greedy_with_top_logprobs
+
+    path = family_dirs("gemma3")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt_ids = default_tokenizer.encode(PROMPTS[1])
+    tokens, tops = hf_greedy_with_top_logprobs(model, prompt_ids, 4, 3)
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=16 << 20)
+    [output] = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)
+    assert output.outputs[0].token_ids == tokens
+    for ours, theirs in zip(output.outputs[0].logprobs, tops):
+        assert set(ours) == set(theirs)
+        for token, logprob in theirs.items():
+            assert ours[token].logprob == pytest.approx(logprob, abs=1e-4)
+
+
+@pytest.fixture
+def torch_ops_only(monkeypatch):
+    """The model without the fused C kernels (the families' torch path); the decode kernel goes too."""
+    from pagellm.attention import native
+
+    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
+    native.native_library.cache_clear()
+    yield
+    monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
+    native.native_library.cache_clear()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_chunked_prefill_and_prefix_cache_match_hf(variant, family_dirs, hf_references, torch_ops_only):
+    # A 32-token budget splits the long prompts into chunks beside other requests' decodes; then a request
+    # sharing the long prompt's prefix starts from its cached blocks. Runs the torch path of every op, where
+    # the batched test above runs the fused kernels.
+    llm = LLM(family_dirs(variant), dtype="float32", max_num_batched_tokens=32, block_size=8,
+              enable_prefix_caching=True, kv_cache_memory_bytes=16 << 20)
+    _check_greedy(llm, FAMILY_PROMPTS, hf_references(variant, FAMILY_PROMPTS))
+    follow_up = [SHARED_PREFIX + " And once more:"]
+    [output] = _check_greedy(llm, follow_up, hf_references(variant, follow_up))
+    assert output.num_cached_tokens >= 64, "the shared prefix came from the cache"
+    assert llm.llm_engine.core.runner.native_decode is None
