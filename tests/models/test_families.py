@@ -55,11 +55,43 @@ def _gemma3():
     return Gemma3ForCausalLM, config
 
 
+def _phi3(longrope: bool):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    if not longrope:
+        return Phi3ForCausalLM, Phi3Config(**COMMON, rms_norm_eps=1e-5, rope_theta=10000.0)
+    # Phi-4-mini's shape of config: half of each head rotates, LongRoPE, tied embeddings. Positions from
+    # LONGROPE_ORIGINAL on rotate with the long factors, which the generated tokens reach.
+    half_rotary = 32 // 2 // 2
+    config = Phi3Config(
+        **COMMON, rms_norm_eps=1e-5, partial_rotary_factor=0.5, tie_word_embeddings=True,
+        original_max_position_embeddings=LONGROPE_ORIGINAL,
+        rope_scaling={"rope_type": "longrope", "rope_theta": 10000.0,
+                      "short_factor": [1.0 + 0.1 * i for i in range(half_rotary)],
+                      "long_factor": [2.0 + 0.7 * i for i in range(half_rotary)]},
+    )
+    return Phi3ForCausalLM, config
+
+
+# transformers rotates with LongRoPE's short factors while a sequence fits in original_max_position_embeddings
+# and with the long ones, for all positions, once it is longer; pagellm fixes the set by max_model_len
+# (pagellm/models/phi3.py). Checked both ways: prompts longer than LONGROPE_ORIGINAL at the default
+# max_model_len (long), and sequences within it at max_model_len=LONGROPE_ORIGINAL (short).
+LONGROPE_ORIGINAL = 48
+LONG_PROMPTS = [PROMPTS[5], PROMPTS[8]]  # 73 and 101 tokens
+SHORT_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[4], PROMPTS[6], PROMPTS[7]]  # 1 to 23 tokens
+
 VARIANTS = {
     "qwen3": lambda: _qwen3(tie=False),
     "qwen3-tied": lambda: _qwen3(tie=True),
     "gemma3": _gemma3,
+    "phi3": lambda: _phi3(longrope=False),
+    "phi3-longrope-partial": lambda: _phi3(longrope=True),
 }
+# Per variant where not the defaults: (prompts, LLM arguments) of the batched test, and (prompts, prompt whose
+# prefix a follow-up request shares, LLM arguments) of the chunked/prefix-cached one.
+BATCHED_CASES = {"phi3-longrope-partial": (LONG_PROMPTS, {})}
+CHUNKED_CASES = {"phi3-longrope-partial": (SHORT_PROMPTS, PROMPTS[6], {"max_model_len": LONGROPE_ORIGINAL})}
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +149,10 @@ def _check_greedy(llm: LLM, prompts: list[str], expected: list[list[int]]) -> li
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_batched_greedy_matches_hf(variant, family_dirs, hf_references):
-    llm = LLM(family_dirs(variant), dtype="float32", kv_cache_memory_bytes=16 << 20)
+    prompts, llm_args = BATCHED_CASES.get(variant, (FAMILY_PROMPTS, {}))
+    llm = LLM(family_dirs(variant), dtype="float32", kv_cache_memory_bytes=16 << 20, **llm_args)
     assert llm.llm_engine.core.runner.native_decode is not None
-    _check_greedy(llm, FAMILY_PROMPTS, hf_references(variant, FAMILY_PROMPTS))
+    _check_greedy(llm, prompts, hf_references(variant, prompts))
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 
 
@@ -159,10 +192,11 @@ def test_chunked_prefill_and_prefix_cache_match_hf(variant, family_dirs, hf_refe
     # A 32-token budget splits the long prompts into chunks beside other requests' decodes; then a request
     # sharing the long prompt's prefix starts from its cached blocks. Runs the torch path of every op, where
     # the batched test above runs the fused kernels.
+    prompts, shared_prefix, llm_args = CHUNKED_CASES.get(variant, (FAMILY_PROMPTS, SHARED_PREFIX, {}))
     llm = LLM(family_dirs(variant), dtype="float32", max_num_batched_tokens=32, block_size=8,
-              enable_prefix_caching=True, kv_cache_memory_bytes=16 << 20)
-    _check_greedy(llm, FAMILY_PROMPTS, hf_references(variant, FAMILY_PROMPTS))
-    follow_up = [SHARED_PREFIX + " And once more:"]
+              enable_prefix_caching=True, kv_cache_memory_bytes=16 << 20, **llm_args)
+    _check_greedy(llm, prompts, hf_references(variant, prompts))
+    follow_up = [shared_prefix + " And once more:"]
     [output] = _check_greedy(llm, follow_up, hf_references(variant, follow_up))
-    assert output.num_cached_tokens >= 64, "the shared prefix came from the cache"
+    assert output.num_cached_tokens >= 16, "the shared prefix came from the cache"
     assert llm.llm_engine.core.runner.native_decode is None
