@@ -15,8 +15,10 @@ import torch
 from pagellm import LLM, SamplingParams
 from tests.helpers import PROMPTS, hf_greedy
 
-MAX_TOKENS = 16
+MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Small engine limits keep start-up cheap (the profiling run sizes itself by them).
+ENGINE_ARGS = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_seqs=8, max_model_len=256)
 # Short and long prompts (the longest ~110 tokens), so one batch mixes prefills of very different lengths.
 FAMILY_PROMPTS = [PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[5], PROMPTS[8]]
 SHARED_PREFIX = PROMPTS[8]
@@ -88,6 +90,8 @@ VARIANTS = {
     "phi3": lambda: _phi3(longrope=False),
     "phi3-longrope-partial": lambda: _phi3(longrope=True),
 }
+# Whether the variant's attention runs the fused CPU kernels (norms, rotary) when they are there.
+FUSED_ATTENTION = {"qwen3": True, "qwen3-tied": True, "gemma3": False, "phi3": True, "phi3-longrope-partial": False}
 # Per variant where not the defaults: (prompts, LLM arguments) of the batched test, and (prompts, prompt whose
 # prefix a follow-up request shares, LLM arguments) of the chunked/prefix-cached one.
 BATCHED_CASES = {"phi3-longrope-partial": (LONG_PROMPTS, {})}
@@ -150,8 +154,10 @@ def _check_greedy(llm: LLM, prompts: list[str], expected: list[list[int]]) -> li
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_batched_greedy_matches_hf(variant, family_dirs, hf_references):
     prompts, llm_args = BATCHED_CASES.get(variant, (FAMILY_PROMPTS, {}))
-    llm = LLM(family_dirs(variant), dtype="float32", kv_cache_memory_bytes=16 << 20, **llm_args)
+    llm = LLM(family_dirs(variant), **{**ENGINE_ARGS, **llm_args})
     assert llm.llm_engine.core.runner.native_decode is not None
+    attention = llm.llm_engine.core.runner.model.model.layers[0].self_attn
+    assert (attention.ops is not None) == FUSED_ATTENTION[variant]
     _check_greedy(llm, prompts, hf_references(variant, prompts))
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 
@@ -166,7 +172,7 @@ def test_gemma3_logprobs_match_hf_with_softcapped_logits(family_dirs, default_to
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt_ids = default_tokenizer.encode(PROMPTS[1])
     tokens, tops = hf_greedy_with_top_logprobs(model, prompt_ids, 4, 3)
-    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=16 << 20)
+    llm = LLM(path, **ENGINE_ARGS)
     [output] = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)
     assert output.outputs[0].token_ids == tokens
     for ours, theirs in zip(output.outputs[0].logprobs, tops):
@@ -187,16 +193,89 @@ def torch_ops_only(monkeypatch):
     native.native_library.cache_clear()
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+# Tied embeddings change only what is loaded; the batched test covers them.
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "qwen3-tied"])
 def test_chunked_prefill_and_prefix_cache_match_hf(variant, family_dirs, hf_references, torch_ops_only):
     # A 32-token budget splits the long prompts into chunks beside other requests' decodes; then a request
     # sharing the long prompt's prefix starts from its cached blocks. Runs the torch path of every op, where
     # the batched test above runs the fused kernels.
     prompts, shared_prefix, llm_args = CHUNKED_CASES.get(variant, (FAMILY_PROMPTS, SHARED_PREFIX, {}))
-    llm = LLM(family_dirs(variant), dtype="float32", max_num_batched_tokens=32, block_size=8,
-              enable_prefix_caching=True, kv_cache_memory_bytes=16 << 20, **llm_args)
+    llm = LLM(family_dirs(variant), **{**ENGINE_ARGS, "max_num_batched_tokens": 32, "block_size": 8,
+                                       "enable_prefix_caching": True, **llm_args})
     _check_greedy(llm, prompts, hf_references(variant, prompts))
     follow_up = [shared_prefix + " And once more:"]
     [output] = _check_greedy(llm, follow_up, hf_references(variant, follow_up))
     assert output.num_cached_tokens >= 16, "the shared prefix came from the cache"
     assert llm.llm_engine.core.runner.native_decode is None
+
+
+def test_pagellm_serve_runs_a_family_directory(family_dirs, hf_references, default_tokenizer, tmp_path):
+    """`pagellm serve <dir>` on a Gemma 3 directory (the family least like Llama) answers as transformers does."""
+    import httpx
+
+    from tests.server.utils import ServerProcess
+
+    prompt = FAMILY_PROMPTS[1]
+    [expected] = hf_references("gemma3", [prompt])
+    server = ServerProcess(family_dirs("gemma3"), ["--dtype", "float32", "--kv-cache-memory-bytes", "16MiB",
+                                                   "--max-model-len", "256", "--max-num-seqs", "8"],
+                           tmp_path / "server.log")
+    try:
+        server.wait_healthy()
+        body = {"model": family_dirs("gemma3"), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == default_tokenizer.decode(expected, skip_special_tokens=True)
+    finally:
+        server.stop()
+
+
+def _write_config(directory, **fields) -> str:
+    """A checkpoint directory holding only config.json: a refusal must come before any weight is looked for."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(fields))
+    return str(directory)
+
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), "GPT2LMHeadModel"),
+    # transformers does not know this model type: refused before AutoConfig would fail on it.
+    (dict(architectures=["NoSuchModelForCausalLM"], model_type="no_such_model"), "NoSuchModelForCausalLM"),
+    (dict(model_type="no_such_model"), "no_such_model"),
+    (dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3"), "multimodal"),
+])
+def test_unsupported_architecture_is_refused_naming_the_supported(tmp_path, fields, named):
+    with pytest.raises(ValueError) as refusal:
+        LLM(_write_config(tmp_path / "model", **fields), dtype="float32")
+    message = str(refusal.value)
+    assert named in message and "not supported" in message
+    assert all(arch in message for arch in SUPPORTED), message
+
+
+@pytest.mark.parametrize("quantization", [
+    {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+])
+def test_quantized_checkpoints_are_refused_before_loading(tmp_path, quantization):
+    # A supported architecture, quantized: AWQ/GPTQ store qweight/qzeros/scales that no layer here reads.
+    directory = _write_config(tmp_path / "model", architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                              quantization_config=quantization)
+    with pytest.raises(ValueError) as refusal:
+        LLM(directory, dtype="float32")
+    message = str(refusal.value)
+    assert f"quant_method={quantization['quant_method']!r}" in message
+    assert all(arch in message for arch in SUPPORTED), message
+
+
+def test_config_without_architectures_is_matched_by_model_type():
+    from transformers import Gemma3TextConfig, Phi3Config, Qwen3Config
+
+    from pagellm.models import registry
+
+    for config, family in ((Qwen3Config(), "Qwen3"), (Gemma3TextConfig(), "Gemma 3"), (Phi3Config(), "Phi-3")):
+        config.architectures = None
+        assert registry.family_of(config).name == family
