@@ -209,6 +209,19 @@ def test_chunked_prefill_and_prefix_cache_match_hf(variant, family_dirs, hf_refe
     assert llm.llm_engine.core.runner.native_decode is None
 
 
+@pytest.mark.parametrize("variant", ["qwen3", "phi3-longrope-partial"])
+def test_two_tensor_parallel_ranks_match_hf(variant, family_dirs, hf_references):
+    # Each rank holds one of the 2 KV heads: Qwen3's per-head norms work per rank, Phi-3's fused checkpoint
+    # tensors are split by head and by MLP share.
+    prompts, llm_args = BATCHED_CASES.get(variant, (FAMILY_PROMPTS, {}))
+    llm = LLM(family_dirs(variant), **{**ENGINE_ARGS, **llm_args}, tensor_parallel_size=2,
+              distributed_timeout_seconds=60)
+    try:
+        _check_greedy(llm, prompts, hf_references(variant, prompts))
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_pagellm_serve_runs_a_family_directory(family_dirs, hf_references, default_tokenizer, tmp_path):
     """`pagellm serve <dir>` on a Gemma 3 directory (the family least like Llama) answers as transformers does."""
     import httpx
