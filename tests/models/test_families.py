@@ -244,6 +244,13 @@ def test_pagellm_serve_runs_a_family_directory(family_dirs, hf_references, defau
         server.stop()
 
 
+def test_max_model_len_beyond_the_sliding_window_is_refused(family_dirs):
+    # Gemma 3's local layers see the last 256 tokens; attention here reads the whole sequence, the same only
+    # within one window.
+    with pytest.raises(ValueError, match=r"max_model_len=512 is longer than this model's sliding_window=256"):
+        LLM(family_dirs("gemma3"), **{**ENGINE_ARGS, "max_model_len": 512})
+
+
 def _write_config(directory, **fields) -> str:
     """A checkpoint directory holding only config.json: a refusal must come before any weight is looked for."""
     directory.mkdir(parents=True, exist_ok=True)
