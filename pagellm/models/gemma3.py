@@ -17,6 +17,8 @@ are Llama's (packed on CPU, sharded under tensor parallelism the same way).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,11 @@ from pagellm.models.llama import (
 )
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+# Where a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its language model: transformers 5's
+# layout and the hub's older one. Its vision tower and projector are not used for text.
+_LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                            ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
 
 
 def check_gemma3_config(config) -> None:
@@ -47,6 +54,17 @@ def check_gemma3_config(config) -> None:
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=True (an embedding model's setting) is not supported: "
                          "pagellm generates with causal attention.")
+
+
+def _language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
+                break
+        yield name, tensor
 
 
 class GemmaRMSNorm(nn.Module):
@@ -149,6 +167,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__(config, max_positions)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_language_model_weights(weights))
 
     def use_cpu_ops(self, ops: CpuOps) -> None:
         """Nothing to fuse: the fused kernels compute Llama's norm and SiLU, which Gemma 3 does not use."""

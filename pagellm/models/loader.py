@@ -72,7 +72,7 @@ def load_hf_config(source: ModelSource):
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_path} is not valid JSON ({error}); it should be the model's HF config") from None
     registry.family_of(raw)
-    return AutoConfig.from_pretrained(source.path), None
+    return registry.language_model_config(AutoConfig.from_pretrained(source.path)), None
 
 
 def check_architecture(config) -> None:

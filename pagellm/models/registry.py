@@ -22,6 +22,9 @@ class ModelFamily:
     model_types: tuple[str, ...]
     module: str
     class_name: str
+    # Multimodal architectures whose language model this family runs (text in, text out): their config's
+    # text_config describes it, and the family's load_weights skips the vision tensors.
+    text_of: tuple[str, ...] = ()
 
     def model_class(self) -> type[nn.Module]:
         return getattr(importlib.import_module(self.module), self.class_name)
@@ -31,18 +34,14 @@ FAMILIES = (
     ModelFamily("Llama", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
                 ("llama", "mistral", "qwen2"), "pagellm.models.llama", "LlamaForCausalLM"),
     ModelFamily("Qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "pagellm.models.qwen3", "Qwen3ForCausalLM"),
-    ModelFamily("Gemma 3", ("Gemma3ForCausalLM",), ("gemma3_text",), "pagellm.models.gemma3", "Gemma3ForCausalLM"),
+    ModelFamily("Gemma 3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3"),
+                "pagellm.models.gemma3", "Gemma3ForCausalLM", text_of=("Gemma3ForConditionalGeneration",)),
     ModelFamily("Phi-3", ("Phi3ForCausalLM",), ("phi3",), "pagellm.models.phi3", "Phi3ForCausalLM"),
 )
 SUPPORTED_ARCHITECTURES = tuple(arch for family in FAMILIES for arch in family.architectures)
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 
-# Architectures people try that are close to a supported one, with what to use instead.
-_HINTS = {
-    "Gemma3ForConditionalGeneration": "this is the multimodal Gemma 3 checkpoint (vision tower included); pagellm "
-    "runs text-only Gemma 3 checkpoints (Gemma3ForCausalLM, e.g. gemma-3-270m or gemma-3-1b).",
-}
 
 
 def _field(config, name: str):
@@ -59,11 +58,8 @@ def family_of(config) -> ModelFamily:
         for arch in architectures:
             if arch in _BY_ARCHITECTURE:
                 return _BY_ARCHITECTURE[arch]
-        hint = next((_HINTS[arch] for arch in architectures if arch in _HINTS), None)
         raise ValueError(
-            f"architectures={list(architectures)} is not supported"
-            + (f": {hint} " if hint else "; ")
-            + f"pagellm runs {', '.join(SUPPORTED_ARCHITECTURES)}."
+            f"architectures={list(architectures)} is not supported; pagellm runs {', '.join(SUPPORTED_ARCHITECTURES)}."
         )
     model_type = _field(config, "model_type")
     if model_type is None:
@@ -91,6 +87,20 @@ def check_not_quantized(config) -> None:
         f"{', '.join(SUPPORTED_ARCHITECTURES)}, and GGUF files (quantized GGUF types are dequantized at load). "
         "Use the model's unquantized checkpoint or a GGUF of it."
     )
+
+
+def language_model_config(config):
+    """The config pagellm builds from: a multimodal checkpoint's text_config (named as the family's own
+    architecture), else `config` itself."""
+    family = family_of(config)
+    architectures = getattr(config, "architectures", None) or []
+    is_multimodal = any(arch in family.text_of for arch in architectures) or (
+        not architectures and getattr(config, "text_config", None) is not None)
+    if not is_multimodal:
+        return config
+    text_config = config.text_config
+    text_config.architectures = [family.architectures[0]]
+    return text_config
 
 
 def model_class_for(config) -> type[nn.Module]:

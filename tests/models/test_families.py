@@ -57,6 +57,18 @@ def _gemma3():
     return Gemma3ForCausalLM, config
 
 
+def _gemma3_multimodal():
+    """The multimodal checkpoint layout (Gemma 3 4B and larger): the same language model under
+    model.language_model, beside a vision tower that text-only serving does not use."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    _, text_config = _gemma3()
+    vision_config = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text_config.to_dict(), vision_config=vision_config, mm_tokens_per_image=4)
+    return Gemma3ForConditionalGeneration, config
+
+
 def _phi3(longrope: bool):
     from transformers import Phi3Config, Phi3ForCausalLM
 
@@ -87,11 +99,12 @@ VARIANTS = {
     "qwen3": lambda: _qwen3(tie=False),
     "qwen3-tied": lambda: _qwen3(tie=True),
     "gemma3": _gemma3,
+    "gemma3-multimodal": _gemma3_multimodal,
     "phi3": lambda: _phi3(longrope=False),
     "phi3-longrope-partial": lambda: _phi3(longrope=True),
 }
 # Whether the variant's attention runs the fused CPU kernels (norms, rotary) when they are there.
-FUSED_ATTENTION = {"qwen3": True, "qwen3-tied": True, "gemma3": False, "phi3": True, "phi3-longrope-partial": False}
+FUSED_ATTENTION = {"qwen3": True, "qwen3-tied": True, "gemma3": False, "gemma3-multimodal": False, "phi3": True, "phi3-longrope-partial": False}
 # Per variant where not the defaults: (prompts, LLM arguments) of the batched test, and (prompts, prompt whose
 # prefix a follow-up request shares, LLM arguments) of the chunked/prefix-cached one.
 BATCHED_CASES = {"phi3-longrope-partial": (LONG_PROMPTS, {})}
@@ -106,8 +119,9 @@ def family_dirs(tmp_path_factory, default_tokenizer):
     def get(variant: str) -> str:
         if variant not in saved:
             model_class, config = VARIANTS[variant]()
-            config.vocab_size = len(default_tokenizer)
-            config.bos_token_id, config.eos_token_id = default_tokenizer.bos_token_id, default_tokenizer.eos_token_id
+            for part in (config, getattr(config, "text_config", config)):
+                part.vocab_size = len(default_tokenizer)
+                part.bos_token_id, part.eos_token_id = default_tokenizer.bos_token_id, default_tokenizer.eos_token_id
             torch.manual_seed(0)
             path = tmp_path_factory.mktemp(variant)
             model = model_class(config).to(torch.float32)
@@ -193,8 +207,8 @@ def torch_ops_only(monkeypatch):
     native.native_library.cache_clear()
 
 
-# Tied embeddings change only what is loaded; the batched test covers them.
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "qwen3-tied"])
+# Tied embeddings and the multimodal layout change only what is loaded; the batched test covers them.
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("qwen3-tied", "gemma3-multimodal")])
 def test_chunked_prefill_and_prefix_cache_match_hf(variant, family_dirs, hf_references, torch_ops_only):
     # A 32-token budget splits the long prompts into chunks beside other requests' decodes; then a request
     # sharing the long prompt's prefix starts from its cached blocks. Runs the torch path of every op, where
@@ -258,7 +272,8 @@ def _write_config(directory, **fields) -> str:
     return str(directory)
 
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+             "Gemma3ForConditionalGeneration")
 
 
 @pytest.mark.parametrize("fields, named", [
@@ -266,7 +281,6 @@ SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3
     # transformers does not know this model type: refused before AutoConfig would fail on it.
     (dict(architectures=["NoSuchModelForCausalLM"], model_type="no_such_model"), "NoSuchModelForCausalLM"),
     (dict(model_type="no_such_model"), "no_such_model"),
-    (dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3"), "multimodal"),
 ])
 def test_unsupported_architecture_is_refused_naming_the_supported(tmp_path, fields, named):
     with pytest.raises(ValueError) as refusal:
