@@ -7,8 +7,9 @@ Where Gemma 3 differs from Llama, following transformers' modeling_gemma3:
 - the embedding output is multiplied by sqrt(hidden_size), rounded to the model's dtype first;
 - the MLP is GELU (tanh approximation) gated, `hidden_activation`;
 - per-head RMSNorm on q and k before rotary, and scores scaled by query_pre_attn_scalar ** -0.5;
-- layers alternate local (sliding-window) and global attention (`layer_types`), each kind with its own
-  rotary table: rope_local_base_freq for local layers, rope_theta with any rope scaling for global ones;
+- layers alternate local (sliding-window) and global attention (`layer_types`; the window of each layer
+  comes from models/sliding_window.py through LlamaAttention), each kind with its own rotary table:
+  rope_local_base_freq for local layers, rope_theta with any rope scaling for global ones;
 - the final logits are soft-capped, tanh(logits / cap) * cap, when final_logit_softcapping is set.
 
 It runs on the torch ops (the fused CPU kernels compute Llama's norm and SiLU, not these); its linear layers
@@ -35,7 +36,6 @@ from pagellm.models.llama import (
     head_dim_of,
 )
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 # Where a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its language model: transformers 5's
 # layout and the hub's older one. Its vision tower and projector are not used for text.
 _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -82,10 +82,7 @@ class GemmaRMSNorm(nn.Module):
 class Gemma3Attention(LlamaAttention):
     def __init__(self, config, layer_index: int) -> None:
         super().__init__(config, layer_index)
-        self.layer_type = config.layer_types[layer_index]
         self.scale = config.query_pre_attn_scalar**-0.5
-        if not hasattr(self, "sliding_window"):
-            self.sliding_window = config.sliding_window if self.layer_type == SLIDING else None
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -101,7 +98,8 @@ class Gemma3Attention(LlamaAttention):
         k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, (rope.cos, rope.sin))
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                              sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

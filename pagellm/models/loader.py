@@ -97,7 +97,6 @@ def load_model(
     and copied in one at a time, so at most one tensor is in flight beside the model.
     """
     model_class = registry.model_class_for(config)
-    registry.check_window_covers(config, max_positions)
     # Meta tensors hold no values: no time goes into random init of weights we overwrite.
     with torch.device("meta"):
         model = model_class(config, max_positions)

@@ -83,7 +83,8 @@ class Phi3Attention(LlamaAttention):
         rotated_q, rotated_k = apply_rotary(q[..., : self.rotary_dim], k[..., : self.rotary_dim], (rope.cos, rope.sin))
         q = torch.cat((rotated_q, q[..., self.rotary_dim:]), dim=-1)
         k = torch.cat((rotated_k, k[..., self.rotary_dim:]), dim=-1)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                              sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

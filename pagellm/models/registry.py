@@ -105,28 +105,3 @@ def language_model_config(config):
 
 def model_class_for(config) -> type[nn.Module]:
     return family_of(config).model_class()
-
-
-def smallest_attention_window(config) -> int | None:
-    """The sliding window of the model's local-attention layers, as transformers applies it (None: every
-    layer attends to the whole sequence): Gemma 3 / Qwen3 mark their sliding layers in `layer_types`,
-    Phi-3 slides in every layer when `sliding_window` is set, Mistral unless use_sliding_window is false."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    return window if getattr(config, "use_sliding_window", True) else None
-
-
-def check_window_covers(config, max_model_len: int) -> None:
-    """Attention here reads the whole sequence in every layer, which equals sliding-window attention only
-    while a sequence fits in the window: refuse a max_model_len beyond it rather than answer differently."""
-    window = smallest_attention_window(config)
-    if window is not None and max_model_len > window:
-        raise ValueError(
-            f"max_model_len={max_model_len} is longer than this model's sliding_window={window}: its local "
-            "layers attend to the last sliding_window tokens only, and pagellm attends to the whole sequence, "
-            f"which is the same only within one window; pass max_model_len <= {window}."
-        )
