@@ -113,9 +113,9 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin for every position up to max_positions, computed once; looked up by position."""
 
-    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
-        self.inv_freq, self.scaling = _rope_inv_freq(config, head_dim)
+        self.inv_freq, self.scaling = _rope_inv_freq(config, head_dim, layer_type)
         self.max_positions = max_positions
         self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
@@ -155,8 +155,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def _rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """inv_freq and cos/sin scaling; `layer_type` picks one entry of a config whose rope_parameters are keyed
+    by layer type (Gemma 3: "sliding_attention" and "full_attention" layers rotate with different bases)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -170,7 +174,10 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_type={rope_type!r} is not supported; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    # Some of these create tensors without a device, which the model's meta-device construction would catch.
+    with torch.device("cpu"):
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
     return inv_freq.float(), float(scaling)
 
 
@@ -260,6 +267,8 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     ops: CpuOps | None = None
+    # What `hidden_act` this MLP computes; a family with another activation subclasses with its own.
+    activations: tuple[str, ...] = ("silu",)
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -268,8 +277,12 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size // tp_size()
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias, current_group())
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; the Llama family uses 'silu'")
+        self.check_activation(config)
+
+    def check_activation(self, config) -> None:
+        if getattr(config, "hidden_act", "silu") not in self.activations:
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; {type(self).__name__} computes "
+                             f"{' or '.join(self.activations)}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -280,10 +293,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # Families whose attention or MLP differ (pagellm/models/qwen3.py, ...) swap these in a subclass.
+    attention_class: type[LlamaAttention] = LlamaAttention
+    mlp_class: type[LlamaMLP] = LlamaMLP
+
     def __init__(self, config, layer_index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = self.attention_class(config, layer_index)
+        self.mlp = self.mlp_class(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -302,13 +319,17 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     # With the fused kernels, rotary runs in place per layer and needs no per-step cos/sin gather.
     ops: CpuOps | None = None
+    decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.rotary = self.make_rotary(config, max_positions)
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_rotary(self, config, max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(config, head_dim_of(config), max_positions)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         """Runs as many layers as `kv_caches` has entries (all of them, except in profiling runs)."""
@@ -338,13 +359,16 @@ def lm_head_mode() -> str:
 
 class LlamaForCausalLM(nn.Module):
     """Built for the tensor-parallel group current at construction (see parallel_state.building_with):
-    this rank's heads and MLP share; the embedding replicated; the LM head replicated or split by vocab."""
+    this rank's heads and MLP share; the embedding replicated; the LM head replicated or split by vocab.
+    Other families subclass it (pagellm/models/registry.py lists them) and swap `model_class`."""
+
+    model_class: type[nn.Module] = LlamaModel
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.group = current_group()
-        self.model = LlamaModel(config, max_positions)
+        self.model = self.model_class(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.split_lm_head = self.group.size > 1 and lm_head_mode() == "vocab_parallel"
         # Rows of the LM head on this rank: a ceil share of the vocabulary (the last rank's tail is padding);

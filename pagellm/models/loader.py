@@ -14,9 +14,10 @@ import torch
 from pagellm.attention.native import CpuOps, cpu_ops
 from pagellm.config import DEFAULT_MODEL
 from pagellm.cpu_features import cpu_has_native
+from pagellm.models import registry
 from pagellm.models.llama import LlamaForCausalLM, RotaryEmbedding, can_pack_for_cpu
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = registry.SUPPORTED_ARCHITECTURES
 _DEFAULT_ALIASES = (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}")
 
 
@@ -63,15 +64,20 @@ def load_hf_config(source: ModelSource):
         return load_gguf(source.path)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(source.path), None
+    # Refused from config.json itself: transformers may not know the model type, or may want a quantization
+    # library installed, and either would fail first with an error that does not say what pagellm runs.
+    config_path = source.path / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path} is not valid JSON ({error}); it should be the model's HF config") from None
+    registry.family_of(raw)
+    return registry.language_model_config(AutoConfig.from_pretrained(source.path)), None
 
 
 def check_architecture(config) -> None:
-    architectures = getattr(config, "architectures", None) or ["LlamaForCausalLM"]
-    if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
-        raise ValueError(
-            f"architectures={architectures} is not supported; pagellm runs {', '.join(SUPPORTED_ARCHITECTURES)}."
-        )
+    """Refuses an unsupported architecture or a quantized checkpoint, naming what pagellm runs."""
+    registry.family_of(config)
 
 
 def load_model(
@@ -90,10 +96,10 @@ def load_model(
     `dtype` (an 8B model never exists in float32 on the GPU); checkpoint tensors are then cast on the host
     and copied in one at a time, so at most one tensor is in flight beside the model.
     """
-    check_architecture(config)
+    model_class = registry.model_class_for(config)
     # Meta tensors hold no values: no time goes into random init of weights we overwrite.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = model_class(config, max_positions)
     model = model.to(dtype).to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):

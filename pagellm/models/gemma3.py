@@ -1,0 +1,181 @@
+"""Gemma 3 text models (Gemma3ForCausalLM, model_type gemma3_text) over the paged KV cache.
+
+Where Gemma 3 differs from Llama, following transformers' modeling_gemma3:
+- RMSNorm scales by (1 + weight), computed in float32 and rounded back to the activations' dtype;
+- "sandwich" norms: each of attention and MLP has a norm before and after it, and the residual adds
+  the post-normed output;
+- the embedding output is multiplied by sqrt(hidden_size), rounded to the model's dtype first;
+- the MLP is GELU (tanh approximation) gated, `hidden_activation`;
+- per-head RMSNorm on q and k before rotary, and scores scaled by query_pre_attn_scalar ** -0.5;
+- layers alternate local (sliding-window) and global attention (`layer_types`; the window of each layer
+  comes from models/sliding_window.py through LlamaAttention), each kind with its own rotary table:
+  rope_local_base_freq for local layers, rope_theta with any rope scaling for global ones;
+- the final logits are soft-capped, tanh(logits / cap) * cap, when final_logit_softcapping is set.
+
+It runs on the torch ops (the fused CPU kernels compute Llama's norm and SiLU, not these); its linear layers
+are Llama's (packed on CPU, sharded under tensor parallelism the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.attention.native import CpuOps
+from pagellm.attention.paged import AttentionMetadata, paged_attention
+from pagellm.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    RopeInputs,
+    RotaryEmbedding,
+    apply_rotary,
+    head_dim_of,
+)
+
+# Where a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its language model: transformers 5's
+# layout and the hub's older one. Its vision tower and projector are not used for text.
+_LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                            ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+
+def check_gemma3_config(config) -> None:
+    """Settings of Gemma3TextConfig that this implementation does not compute, refused by name."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"attn_logit_softcapping={config.attn_logit_softcapping} is not supported: pagellm's attention kernels "
+            "do not soft-cap scores (released Gemma 3 checkpoints leave it null; set it to null only if the "
+            "checkpoint was trained without it)."
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention=True (an embedding model's setting) is not supported: "
+                         "pagellm generates with causal attention.")
+
+
+def _language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
+                break
+        yield name, tensor
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Attention(LlamaAttention):
+    def __init__(self, config, layer_index: int) -> None:
+        super().__init__(config, layer_index)
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        rope: RopeInputs,
+        hidden: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, (rope.cos, rope.sin))
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                              sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class Gemma3MLP(LlamaMLP):
+    activations = ("gelu_pytorch_tanh", "gelu_tanh")
+
+    def check_activation(self, config) -> None:
+        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        if activation not in self.activations:
+            raise ValueError(f"hidden_activation={activation!r} is not supported; Gemma 3 computes "
+                             f"{' or '.join(self.activations)}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = Gemma3Attention(config, layer_index)
+        self.mlp = Gemma3MLP(config)
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(self, rope, hidden, kv_cache, meta) -> torch.Tensor:
+        attended = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        check_gemma3_config(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        head_dim = head_dim_of(config)
+        self.layer_types = list(config.layer_types[: config.num_hidden_layers])
+        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(config, head_dim, max_positions, layer_type=kind)
+                                     for kind in sorted(set(self.layer_types))})
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        """Runs as many layers as `kv_caches` has entries (all of them, except in profiling runs)."""
+        embedded = self.embed_tokens(input_ids)
+        # transformers rounds the scale to the weights' dtype before multiplying.
+        hidden = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
+        ropes = {kind: RopeInputs(positions, *table.lookup(positions, hidden.dtype), table)
+                 for kind, table in self.rotary.items()}
+        for layer, kind, kv_cache in zip(self.layers, self.layer_types, kv_caches):
+            hidden = layer(ropes[kind], hidden, kv_cache, meta)
+        return self.norm(hidden)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    model_class = Gemma3Model
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__(config, max_positions)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_language_model_weights(weights))
+
+    def use_cpu_ops(self, ops: CpuOps) -> None:
+        """Nothing to fuse: the fused kernels compute Llama's norm and SiLU, which Gemma 3 does not use."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden)
+        if logits is None or self.final_logit_softcapping is None:
+            return logits
+        cap = self.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap
