@@ -191,24 +191,3 @@ def test_cached_tokenizer_equals_a_fresh_conversion(model_path, tmp_path, monkey
     assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         fresh.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert (cached.bos_token_id, cached.eos_token_id, len(cached)) == (fresh.bos_token_id, fresh.eos_token_id, len(fresh))
-
-
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_whole_tensor_dequantizers_equal_gguf_bit_for_bit(qtype):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quant_shape_to_byte_shape
-
-    from pagellm.models.gguf_loader import _WHOLE_TENSOR_DEQUANTIZERS
-
-    qtype = GGMLQuantizationType[qtype]
-    shape = (48, 96)
-    byte_shape = quant_shape_to_byte_shape(shape, qtype)
-    raw = np.random.default_rng(0).integers(0, 256, size=byte_shape, dtype=np.uint8)
-    # Keep the f16 scales finite: every block starts with one (Q4_1 has a second, the minimum).
-    blocks = raw.reshape(-1, 20 if qtype == GGMLQuantizationType.Q4_1 else 34)
-    blocks[:, 1] &= 0x3B
-    if qtype == GGMLQuantizationType.Q4_1:
-        blocks[:, 3] &= 0x3B
-    expected = dequantize(raw, qtype)
-    actual = _WHOLE_TENSOR_DEQUANTIZERS[qtype](raw).reshape(shape)
-    assert actual.dtype == np.float32 and np.array_equal(actual, expected)

@@ -15,10 +15,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import transformers
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from pagellm.cache_dir import cache_root
+from pagellm.models.gguf_quants import dequantize, quant_format, tensor_nbytes
 
 _DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SUPPORTED_ARCHS = ("llama", "qwen2")
@@ -49,7 +48,7 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 class _TensorInfo(NamedTuple):
     name: str
     shape: tuple[int, ...]  # numpy/torch order, i.e. GGUF dims reversed
-    qtype: GGMLQuantizationType
+    type_id: int  # GGML tensor type (gguf_quants.QUANT_FORMATS)
     offset: int  # absolute byte offset in the file
 
 
@@ -153,7 +152,8 @@ def _read_header(blob: np.ndarray) -> _Header:
         dims = struct.unpack_from(f"<{n_dims}Q", blob, pos + 4)
         qtype, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * n_dims)
         pos += 4 + 8 * n_dims + 12
-        raw_tensors.append((name, tuple(reversed(dims)), GGMLQuantizationType(qtype), offset))
+        quant_format(qtype, name)  # refuse an unsupported type here, before any tensor is read
+        raw_tensors.append((name, tuple(reversed(dims)), qtype, offset))
 
     align = metadata.get("general.alignment", 32)
     data_start = -(-pos // align) * align
@@ -268,51 +268,20 @@ def _permute_heads(config: transformers.PreTrainedConfig, gguf_name: str) -> int
 
 def _load_tensor(blob: np.ndarray, info: _TensorInfo, permute_heads: int | None) -> np.ndarray:
     """Dequantize one tensor to a writable, contiguous float32 array in HF layout."""
-    byte_shape = quant_shape_to_byte_shape(info.shape, info.qtype)
-    raw = blob[info.offset : info.offset + int(np.prod(byte_shape))].reshape(byte_shape)
-    fast = _WHOLE_TENSOR_DEQUANTIZERS.get(info.qtype)
-    weights = fast(raw).reshape(info.shape) if fast is not None else dequantize(raw, info.qtype)
+    nbytes = tensor_nbytes(info.shape, info.type_id, info.name)
+    if info.offset + nbytes > len(blob):
+        raise ValueError(
+            f"GGUF tensor {info.name!r} ends at byte {info.offset + nbytes} but the file has {len(blob)} bytes: "
+            "the file is truncated; download it again."
+        )
+    raw = blob[info.offset : info.offset + nbytes]
+    weights = dequantize(raw, info.type_id, info.shape, info.name)
     if permute_heads is not None:
         # Inverse of llama.cpp's converter permute (same as transformers' _reverse_permute_weights).
         rows = weights.shape[0]
         weights = weights.reshape(permute_heads, rows // permute_heads // 2, 2, *weights.shape[1:])
-        weights = weights.swapaxes(1, 2).reshape(rows, *weights.shape[3:])
-    # F32 tensors come back as views of the read-only mmap; torch needs memory it may own and write.
-    if weights.dtype != np.float32 or not weights.flags.writeable or not weights.flags.c_contiguous:
-        weights = np.array(weights, dtype=np.float32)
+        weights = np.ascontiguousarray(weights.swapaxes(1, 2).reshape(rows, *weights.shape[3:]))
     return weights
-
-
-def _dequantize_q4_1(raw: np.ndarray) -> np.ndarray:
-    """Blocks of 32: f16 scale d, f16 minimum m, 16 bytes of nibbles (low nibbles are weights 0-15)."""
-    blocks = np.asarray(raw).reshape(-1, 20)
-    scale_min = blocks[:, :4].copy().view(np.float16).astype(np.float32)
-    nibbles = blocks[:, 4:]
-    quants = np.empty((len(blocks), 32), dtype=np.uint8)
-    quants[:, :16] = nibbles & 0x0F
-    quants[:, 16:] = nibbles >> 4
-    weights = quants.astype(np.float32)
-    weights *= scale_min[:, :1]
-    weights += scale_min[:, 1:2]
-    return weights
-
-
-def _dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
-    """Blocks of 32: f16 scale d, 32 int8 weights."""
-    blocks = np.asarray(raw).reshape(-1, 34)
-    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    weights = blocks[:, 2:].view(np.int8).astype(np.float32)
-    weights *= scale
-    return weights
-
-
-# gguf's dequantize works through rows in small groups (2.06 s for the default model's tensors); these do
-# the whole tensor in a few numpy passes with the same arithmetic, tested bit for bit against it
-# (load_gguf under cProfile: 4.02 s -> 2.38 s, most of the rest being transformers' config import).
-_WHOLE_TENSOR_DEQUANTIZERS = {
-    GGMLQuantizationType.Q4_1: _dequantize_q4_1,
-    GGMLQuantizationType.Q8_0: _dequantize_q8_0,
-}
 
 
 def _check_complete(config: transformers.PreTrainedConfig, tensors: dict[str, torch.Tensor]) -> None:
