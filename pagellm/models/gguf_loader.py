@@ -1,4 +1,4 @@
-"""Load a llama/qwen2 GGUF checkpoint as a HuggingFace config plus a float32 state dict."""
+"""Load a llama/qwen2/qwen3/gemma3 GGUF checkpoint as a HuggingFace config plus a float32 state dict."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import re
 import shutil
 import struct
 import tempfile
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -20,7 +21,6 @@ from pagellm.cache_dir import cache_root
 from pagellm.models.gguf_quants import dequantize, quant_format, tensor_nbytes
 
 _DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SUPPORTED_ARCHS = ("llama", "qwen2")
 
 # GGUF metadata value types (spec ids) with a fixed width; 8 (string) and 9 (array) are variable.
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -31,7 +31,8 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_BLOCK_NAMES = {
+# llama.cpp's per-layer tensor stems (blk.N.<stem>.weight) and the HF module each one is.
+_LLAMA_BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -41,6 +42,34 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+}
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma's sandwich norms: GGUF's ffn_norm is the norm *before* the MLP there.
+_GEMMA3_NORM_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+@dataclass(frozen=True)
+class _GGUFArch:
+    """What differs between the GGUF architectures pagellm reads."""
+
+    hf_architecture: str
+    block_names: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_BLOCK_NAMES))
+    # llama.cpp's converter permutes q/k rows for its rotary layout (llama only); undone on load.
+    permuted_qk: bool = False
+    # Added to every *norm.weight by llama.cpp's Gemma converter (llama.cpp multiplies by w, HF by 1 + w).
+    norm_offset: float = 0.0
+
+
+_ARCHS = {
+    "llama": _GGUFArch("LlamaForCausalLM", permuted_qk=True),
+    "qwen2": _GGUFArch("Qwen2ForCausalLM"),
+    "qwen3": _GGUFArch("Qwen3ForCausalLM", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES}),
+    "gemma3": _GGUFArch("Gemma3ForCausalLM", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_GEMMA3_NORM_NAMES},
+                        norm_offset=1.0),
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -71,18 +100,19 @@ def default_model_path() -> pathlib.Path:
     return path
 
 
-def load_gguf(
-    path: str | os.PathLike,
-) -> tuple[transformers.LlamaConfig | transformers.Qwen2Config, dict[str, torch.Tensor]]:
-    """Read a GGUF file into a HF config and a float32 state dict with HF parameter names."""
+def load_gguf(path: str | os.PathLike) -> tuple[transformers.PreTrainedConfig, dict[str, torch.Tensor]]:
+    """Read a GGUF file into a HF config and a float32 state dict with HF parameter names and values."""
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     header = _read_header(blob)
+    arch = _gguf_arch(header.metadata)
     config = _build_config(header)
-    tensors = {
-        _hf_name(info.name): torch.from_numpy(_load_tensor(blob, info, _permute_heads(config, info.name)))
-        for info in header.tensors.values()
-    }
-    _check_complete(config, tensors)
+    tensors = {}
+    for info in header.tensors.values():
+        weights = _load_tensor(blob, info, _permute_heads(arch, config, info.name))
+        if arch.norm_offset and info.name.endswith("norm.weight"):
+            weights -= np.float32(arch.norm_offset)
+        tensors[_hf_name(arch, info.name)] = torch.from_numpy(weights)
+    _check_complete(arch, config, tensors)
     return config, tensors
 
 
@@ -187,17 +217,26 @@ def _read_value(blob: np.ndarray, pos: int, vtype: int) -> tuple[Any, int]:
     return count, pos
 
 
-def _build_config(header: _Header) -> transformers.LlamaConfig | transformers.Qwen2Config:
+def _gguf_arch(meta: dict[str, Any]) -> _GGUFArch:
+    name = meta.get("general.architecture")
+    if name not in _ARCHS:
+        raise ValueError(
+            f"GGUF architecture {name!r} is not supported; pagellm reads GGUF files of {', '.join(_ARCHS)}. "
+            "Fix: use one of those, or the model's HF checkpoint if its architecture is supported there."
+        )
+    return _ARCHS[name]
+
+
+def _build_config(header: _Header) -> transformers.PreTrainedConfig:
     meta, tensors = header.metadata, header.tensors
-    arch = meta.get("general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {_SUPPORTED_ARCHS}")
+    arch_name = meta["general.architecture"]
+    arch = _gguf_arch(meta)
     if "rope_freqs.weight" in tensors:
         # llama3-style frequency factors live in a tensor, not metadata; ignoring them would be silently wrong.
         raise ValueError("GGUF rope_freqs.weight (llama3 rope scaling in a tensor) is not supported; use the HF checkpoint")
 
     def key(name: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{name}", default)
+        return meta.get(f"{arch_name}.{name}", default)
 
     hidden, n_heads = key("embedding_length"), key("attention.head_count")
     head_dim = key("attention.key_length", hidden // n_heads)
@@ -209,6 +248,7 @@ def _build_config(header: _Header) -> transformers.LlamaConfig | transformers.Qw
         raise ValueError(f"metadata vocab_size {vocab_size} != embedding rows {embed_rows}")
 
     fields: dict[str, Any] = dict(
+        architectures=[arch.hf_architecture],
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
@@ -218,15 +258,56 @@ def _build_config(header: _Header) -> transformers.LlamaConfig | transformers.Qw
         head_dim=head_dim,
         rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
         max_position_embeddings=key("context_length"),
-        rope_parameters=_rope_parameters(meta, arch),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        rope_parameters=_rope_parameters(meta, arch_name),
         tie_word_embeddings="output.weight" not in tensors,
     )
-    if arch == "qwen2":
+    # Special ids the file lacks keep the config class's defaults, as transformers' GGUF loader leaves them.
+    for field_name, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                                 ("pad_token_id", "padding_token_id")):
+        if f"tokenizer.ggml.{meta_key}" in meta:
+            fields[field_name] = meta[f"tokenizer.ggml.{meta_key}"]
+    has_qkv_bias = "blk.0.attn_q.bias" in tensors
+    if arch_name == "qwen2":
         return transformers.Qwen2Config(**fields)
-    return transformers.LlamaConfig(attention_bias="blk.0.attn_q.bias" in tensors, **fields)
+    if arch_name == "qwen3":
+        return transformers.Qwen3Config(attention_bias=has_qkv_bias, **fields)
+    if arch_name == "gemma3":
+        return _gemma3_config(fields, key)
+    return transformers.LlamaConfig(attention_bias=has_qkv_bias, **fields)
+
+
+def _gemma3_config(fields: dict[str, Any], key: Callable[..., Any]) -> transformers.Gemma3TextConfig:
+    """Gemma 3's extras, as llama.cpp (src/llama-model.cpp, LLM_ARCH_GEMMA3) fills in what the file omits."""
+    n_layers, head_dim = fields["num_hidden_layers"], fields["head_dim"]
+    # llama.cpp scales queries by 1/sqrt(head_dim), except for the 27B (62 layers): 1/sqrt(hidden / heads).
+    query_pre_attn_scalar = fields["hidden_size"] // fields["num_attention_heads"] if n_layers == 62 else head_dim
+    rope_parameters = {
+        # rope scaling (the 4B+ models' linear factor 8) applies to the global layers only, as in llama.cpp.
+        "full_attention": fields.pop("rope_parameters"),
+        "sliding_attention": {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", 10000.0))},
+    }
+    return transformers.Gemma3TextConfig(
+        **fields,
+        rope_parameters=rope_parameters,
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        sliding_window=key("attention.sliding_window"),
+        layer_types=_gemma3_layer_types(key("attention.sliding_window_pattern", 6), n_layers),
+        attn_logit_softcapping=key("attn_logit_softcapping"),
+        final_logit_softcapping=key("final_logit_softcapping"),
+    )
+
+
+def _gemma3_layer_types(pattern: int | list[bool], n_layers: int) -> list[str]:
+    """Per-layer attention kinds: a period n means every n-th layer is global (llama.cpp's set_swa_pattern);
+    a list gives one flag per layer, true for sliding."""
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise ValueError(f"attention.sliding_window_pattern has {len(pattern)} entries for {n_layers} layers")
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        sliding = [(i + 1) % pattern != 0 for i in range(n_layers)]
+    return ["sliding_attention" if flag else "full_attention" for flag in sliding]
 
 
 def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -246,18 +327,18 @@ def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
     return params
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(arch: _GGUFArch, gguf_name: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_RE.fullmatch(gguf_name)
-    if match is None or match[2] not in _BLOCK_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
+    if match is None or match[2] not in arch.block_names:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for this architecture ({arch.hf_architecture})")
+    return f"model.layers.{match[1]}.{arch.block_names[match[2]]}.{match[3]}"
 
 
-def _permute_heads(config: transformers.PreTrainedConfig, gguf_name: str) -> int | None:
+def _permute_heads(arch: _GGUFArch, config: transformers.PreTrainedConfig, gguf_name: str) -> int | None:
     """Head count whose rotary row order llama.cpp permuted in this tensor, else None."""
-    if config.model_type != "llama":
+    if not arch.permuted_qk:
         return None
     if ".attn_q." in gguf_name:
         return config.num_attention_heads
@@ -284,8 +365,8 @@ def _load_tensor(blob: np.ndarray, info: _TensorInfo, permute_heads: int | None)
     return weights
 
 
-def _check_complete(config: transformers.PreTrainedConfig, tensors: dict[str, torch.Tensor]) -> None:
-    per_layer = [f"{name}.weight" for name in _BLOCK_NAMES.values()]
+def _check_complete(arch: _GGUFArch, config: transformers.PreTrainedConfig, tensors: dict[str, torch.Tensor]) -> None:
+    per_layer = [f"{name}.weight" for name in arch.block_names.values()]
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     expected |= {f"model.layers.{i}.{p}" for i in range(config.num_hidden_layers) for p in per_layer}
     if not config.tie_word_embeddings:
