@@ -27,7 +27,6 @@ from tests.helpers import hf_greedy
 
 MAX_TOKENS = 16
 PROMPTS = [
-    "The capital of France is",
     "Water boils at a temperature of",
     "def fibonacci(n):\n    ",
     "<start_of_turn>user\nName three colours of the rainbow.<end_of_turn>\n<start_of_turn>model\n",
@@ -66,7 +65,9 @@ def loaded(model_path):
 
 @pytest.fixture(scope="module")
 def llm(model_path):
-    return LLM(str(model_path), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    # A few short prompts: a small batch keeps the start-up profiling pass (a 262144-wide sampler) small.
+    return LLM(str(model_path), dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128,
+               kv_cache_memory_bytes=64 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -128,5 +129,5 @@ def test_greedy_matches_transformers(llm, hf_model):
         assert output.prompt_token_ids[0] == tokenizer.bos_token_id == 2
         expected = hf_greedy(hf_model, tokenizer, output.prompt_token_ids, MAX_TOKENS, ignore_eos=True)
         assert output.outputs[0].token_ids == expected, (prompt, tokenizer.decode(expected))
-    # Real weights say real things: the capital of France is Paris.
-    assert "Paris" in outputs[0].outputs[0].text
+    # Real weights say real things (which random ones would not).
+    assert "100 degrees" in outputs[0].outputs[0].text and "return" in outputs[1].outputs[0].text
