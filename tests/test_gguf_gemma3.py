@@ -100,6 +100,15 @@ def test_config_is_google_gemma_3_270m(loaded):
     assert [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"] == [5, 11, 17]
 
 
+def test_tokenizer(llm):
+    """The Gemma tokenizer from the file (ids as transformers' AutoTokenizer gives them without a type hint)."""
+    tokenizer = llm.get_tokenizer()
+    assert type(tokenizer).__name__ == "GemmaTokenizer" and len(tokenizer) == 262144
+    assert tokenizer.encode("<start_of_turn>user\nHello<end_of_turn>\n") == [2, 105, 2364, 107, 9259, 106, 107]
+    text = "Paged attention, 한국어 and emoji 🙂"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
 def test_every_tensor_type_in_the_file_equals_gguf(model_path, loaded):
     """One tensor of each type in the file (Q4_K, Q6_K, Q5_0, Q8_0, F32), bit for bit against gguf's
     dequantize, norms less the 1 llama.cpp's converter added."""
