@@ -91,7 +91,8 @@ def test_config_is_google_gemma_3_270m(loaded):
         vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
         num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
         max_position_embeddings=32768, hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
-        attn_logit_softcapping=None, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        attn_logit_softcapping=None, tie_word_embeddings=True, bos_token_id=2, pad_token_id=0,
+        eos_token_id=[1, 106],  # <eos> and <end_of_turn>, as google/gemma-3-270m-it's generation_config.json
     )
     assert {name: getattr(config, name) for name in expected} == expected
     assert config.rms_norm_eps == pytest.approx(1e-6)

@@ -116,7 +116,7 @@ def test_tokenizer_special_ids_match_config(tokenizer, loaded):
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 
-def write_tiny_gguf(path: pathlib.Path, arch: str, tied: bool, seed: int = 0) -> None:
+def write_tiny_gguf(path: pathlib.Path, arch: str, tied: bool, seed: int = 0, tokens: list[str] | None = None) -> None:
     """A 2-layer random model as llama.cpp's converter lays it out: GQA, several tensor types, q/k/v biases
     for qwen2, per-head q/k norms and a head_dim other than hidden/heads for qwen3 and gemma3, and gemma3's
     sandwich norms, sliding window and (1 + w) norm weights."""
@@ -143,6 +143,8 @@ def write_tiny_gguf(path: pathlib.Path, arch: str, tied: bool, seed: int = 0) ->
     writer.add_eos_token_id(2)
     if arch == "gemma3":
         writer.add_sliding_window(16)
+    if tokens is not None:
+        writer.add_token_list(tokens)
 
     T = gguf.GGMLQuantizationType
 
@@ -218,6 +220,18 @@ def test_tiny_gemma3_config(tmp_path):
                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     # The (1 + w) the converter stored is undone: the file's norms are near 1, HF's near 0.
     assert state_dict["model.layers.0.post_feedforward_layernorm.weight"].abs().mean() < 0.5
+
+
+def test_gemma3_end_of_turn_token_ends_generation(tmp_path):
+    """An instruction-tuned Gemma ends its turn with <end_of_turn>: an EOS besides the file's, as in llama.cpp."""
+    path = tmp_path / "tiny-gemma3.gguf"
+    tokens = ["<pad>", "<eos>", "<bos>", *(f"t{i}" for i in range(3, 128))]
+    tokens[6] = "<end_of_turn>"
+    write_tiny_gguf(path, "gemma3", tied=True, tokens=tokens)
+    config, _ = load_gguf(path)
+    assert config.eos_token_id == [2, 6]  # the tiny writer's EOS id is 2
+    write_tiny_gguf(path, "llama", tied=True, tokens=tokens)
+    assert load_gguf(path)[0].eos_token_id == 2, "only Gemma's turns end with <end_of_turn>"
 
 
 def test_gemma3_layer_types_follow_llama_cpp():

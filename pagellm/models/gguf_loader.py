@@ -66,6 +66,9 @@ class _GGUFArch:
     # own config read of the file (a GGUFReader pass over the vocabulary: 19 s of 28 for Gemma 3's 262k).
     # None where transformers maps no class (llama): AutoTokenizer then finds it the slow way.
     tokenizer_type: str | None = None
+    # Tokens that end a turn besides the file's EOS, as llama.cpp treats them (its end-of-generation set) and
+    # as the HF generation config lists them (Gemma 3 -it: eos_token_id [1, 106]); chat would run on otherwise.
+    end_of_turn_tokens: tuple[str, ...] = ()
 
 
 _ARCHS = {
@@ -73,7 +76,7 @@ _ARCHS = {
     "qwen2": _GGUFArch("Qwen2ForCausalLM", tokenizer_type="qwen2"),
     "qwen3": _GGUFArch("Qwen3ForCausalLM", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES}, tokenizer_type="qwen3"),
     "gemma3": _GGUFArch("Gemma3ForCausalLM", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_GEMMA3_NORM_NAMES},
-                        norm_offset=1.0, tokenizer_type="gemma3_text"),
+                        norm_offset=1.0, tokenizer_type="gemma3_text", end_of_turn_tokens=("<end_of_turn>",)),
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -88,6 +91,7 @@ class _TensorInfo(NamedTuple):
 class _Header(NamedTuple):
     metadata: dict[str, Any]
     tensors: dict[str, _TensorInfo]
+    blob: np.ndarray  # the mapped file, for what is read lazily (string arrays)
 
 
 def default_model_path() -> pathlib.Path:
@@ -194,7 +198,7 @@ def _read_header(blob: np.ndarray) -> _Header:
     align = metadata.get("general.alignment", 32)
     data_start = -(-pos // align) * align
     tensors = {n: _TensorInfo(n, shape, q, data_start + off) for n, shape, q, off in raw_tensors}
-    return _Header(metadata, tensors)
+    return _Header(metadata, tensors, blob)
 
 
 def _read_str(blob: np.ndarray, pos: int) -> tuple[str, int]:
@@ -202,8 +206,31 @@ def _read_str(blob: np.ndarray, pos: int) -> tuple[str, int]:
     return bytes(blob[pos + 8 : pos + 8 + length]).decode("utf-8"), pos + 8 + length
 
 
+class _StringArray(NamedTuple):
+    """A string array left in the file (vocabulary, merges): its length and where its first entry starts."""
+
+    count: int
+    offset: int
+
+
+def _string_array_index(blob: np.ndarray, array: _StringArray, wanted: set[str]) -> dict[str, int]:
+    """Index in `array` of each string of `wanted` that it holds (a walk over the entries, until all are found)."""
+    encoded = {text.encode("utf-8"): text for text in wanted}
+    found, pos = {}, array.offset
+    for index in range(array.count):
+        (length,) = struct.unpack_from("<Q", blob, pos)
+        if length <= 64:  # special tokens are short; most of the vocabulary is skipped without a copy
+            text = encoded.get(bytes(blob[pos + 8 : pos + 8 + length]))
+            if text is not None:
+                found.setdefault(text, index)
+                if len(found) == len(wanted):
+                    break  # special tokens sit near the start of a vocabulary: usually a short walk
+        pos += 8 + length
+    return found
+
+
 def _read_value(blob: np.ndarray, pos: int, vtype: int) -> tuple[Any, int]:
-    """One metadata value and the offset after it; string arrays come back as their length only."""
+    """One metadata value and the offset after it; string arrays come back as a _StringArray."""
     if vtype in _SCALAR_FORMATS:
         fmt = "<" + _SCALAR_FORMATS[vtype]
         return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
@@ -218,9 +245,10 @@ def _read_value(blob: np.ndarray, pos: int, vtype: int) -> tuple[Any, int]:
         return list(struct.unpack_from(fmt, blob, pos)), pos + struct.calcsize(fmt)
     if etype != _STRING:
         raise ValueError(f"unsupported GGUF array element type {etype}")
+    start = pos
     for _ in range(count):  # vocab/merges: only their extent matters here
         pos += 8 + struct.unpack_from("<Q", blob, pos)[0]
-    return count, pos
+    return _StringArray(count, start), pos
 
 
 def _gguf_arch(meta: dict[str, Any]) -> _GGUFArch:
@@ -272,6 +300,9 @@ def _build_config(header: _Header) -> transformers.PreTrainedConfig:
                                  ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{meta_key}" in meta:
             fields[field_name] = meta[f"tokenizer.ggml.{meta_key}"]
+    end_of_turn = _end_of_turn_ids(header, arch)
+    if end_of_turn:
+        fields["eos_token_id"] = sorted({fields.get("eos_token_id", end_of_turn[0]), *end_of_turn})
     has_qkv_bias = "blk.0.attn_q.bias" in tensors
     if arch_name == "qwen2":
         return transformers.Qwen2Config(**fields)
@@ -280,6 +311,13 @@ def _build_config(header: _Header) -> transformers.PreTrainedConfig:
     if arch_name == "gemma3":
         return _gemma3_config(fields, key)
     return transformers.LlamaConfig(attention_bias=has_qkv_bias, **fields)
+
+
+def _end_of_turn_ids(header: _Header, arch: _GGUFArch) -> list[int]:
+    vocabulary = header.metadata.get("tokenizer.ggml.tokens")
+    if not arch.end_of_turn_tokens or not isinstance(vocabulary, _StringArray):
+        return []
+    return sorted(_string_array_index(header.blob, vocabulary, set(arch.end_of_turn_tokens)).values())
 
 
 def _gemma3_config(fields: dict[str, Any], key: Callable[..., Any]) -> transformers.Gemma3TextConfig:
