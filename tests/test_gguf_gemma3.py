@@ -106,6 +106,7 @@ def test_tokenizer(llm):
     tokenizer = llm.get_tokenizer()
     assert type(tokenizer).__name__ == "GemmaTokenizer" and len(tokenizer) == 262144
     assert tokenizer.encode("<start_of_turn>user\nHello<end_of_turn>\n") == [2, 105, 2364, 107, 9259, 106, 107]
+    assert set(llm.llm_engine.core.model_info.eos_token_ids) == {1, 106}  # <eos>, <end_of_turn>
     text = "Paged attention, 한국어 and emoji 🙂"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
