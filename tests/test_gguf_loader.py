@@ -113,11 +113,19 @@ def test_tokenizer_special_ids_match_config(tokenizer, loaded):
 # --- tiny synthetic files: the branches the default model does not reach ---------------------
 
 
-def write_tiny_gguf(path: pathlib.Path, arch: str, tied: bool) -> None:
-    """A 2-layer random model: GQA, F32/F16/Q8_0 tensors, q/k/v biases for qwen2."""
-    rng = np.random.default_rng(0)
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def write_tiny_gguf(path: pathlib.Path, arch: str, tied: bool, seed: int = 0, tokens: list[str] | None = None) -> None:
+    """A 2-layer random model as llama.cpp's converter lays it out: GQA, several tensor types, q/k/v biases
+    for qwen2, per-head q/k norms and a head_dim other than hidden/heads for qwen3 and gemma3, and gemma3's
+    sandwich norms, sliding window and (1 + w) norm weights."""
+    rng = np.random.default_rng(seed)
     hidden, ffn, vocab, n_layers, n_heads, n_kv = 64, 96, 128, 2, 4, 2
-    kv_dim = hidden // n_heads * n_kv
+    # transformers' GGUF loader ignores qwen3's key_length and takes Qwen3Config's default head_dim, 128 (that
+    # of every released Qwen3): use it, so that transformers stays a valid oracle.
+    head_dim = {"qwen3": 128, "gemma3": 32}.get(arch, hidden // n_heads)
+    q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(n_layers)
     writer.add_context_length(256)
@@ -125,40 +133,56 @@ def write_tiny_gguf(path: pathlib.Path, arch: str, tied: bool) -> None:
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(n_heads)
     writer.add_head_count_kv(n_kv)
+    if head_dim != hidden // n_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(vocab)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if arch == "gemma3":
+        writer.add_sliding_window(16)
+    if tokens is not None:
+        writer.add_token_list(tokens)
+
+    T = gguf.GGMLQuantizationType
 
     def add(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> None:
         data = rng.standard_normal(shape, dtype=np.float32)
-        if qtype == gguf.GGMLQuantizationType.F16:
+        if name.endswith("norm.weight"):
+            data = 1.0 + 0.1 * data  # a norm weight near 1 (gemma's converter stores 1 + w, also near 1)
+        if qtype == T.F16:
             writer.add_tensor(name, data.astype(np.float16))
-        elif qtype == gguf.GGMLQuantizationType.F32:
+        elif qtype == T.F32:
             writer.add_tensor(name, data)
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
-    f32, f16, q8 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0
-    add("token_embd.weight", (vocab, hidden), q8)
+    add("token_embd.weight", (vocab, hidden), T.Q8_0)
     for i in range(n_layers):
-        add(f"blk.{i}.attn_norm.weight", (hidden,), f32)
-        add(f"blk.{i}.attn_q.weight", (hidden, hidden), q8)
-        add(f"blk.{i}.attn_k.weight", (kv_dim, hidden), f16)
-        add(f"blk.{i}.attn_v.weight", (kv_dim, hidden), q8)
+        add(f"blk.{i}.attn_norm.weight", (hidden,), T.F32)
+        add(f"blk.{i}.attn_q.weight", (q_dim, hidden), T.Q8_0)
+        add(f"blk.{i}.attn_k.weight", (kv_dim, hidden), T.F16)
+        add(f"blk.{i}.attn_v.weight", (kv_dim, hidden), T.Q5_0)
         if arch == "qwen2":
-            add(f"blk.{i}.attn_q.bias", (hidden,), f32)
-            add(f"blk.{i}.attn_k.bias", (kv_dim,), f32)
-            add(f"blk.{i}.attn_v.bias", (kv_dim,), f32)
-        add(f"blk.{i}.attn_output.weight", (hidden, hidden), f16)
-        add(f"blk.{i}.ffn_norm.weight", (hidden,), f32)
-        add(f"blk.{i}.ffn_gate.weight", (ffn, hidden), q8)
-        add(f"blk.{i}.ffn_up.weight", (ffn, hidden), f32)
-        add(f"blk.{i}.ffn_down.weight", (hidden, ffn), q8)
-    add("output_norm.weight", (hidden,), f32)
+            add(f"blk.{i}.attn_q.bias", (q_dim,), T.F32)
+            add(f"blk.{i}.attn_k.bias", (kv_dim,), T.F32)
+            add(f"blk.{i}.attn_v.bias", (kv_dim,), T.F32)
+        if arch in ("qwen3", "gemma3"):
+            add(f"blk.{i}.attn_q_norm.weight", (head_dim,), T.F32)
+            add(f"blk.{i}.attn_k_norm.weight", (head_dim,), T.F32)
+        add(f"blk.{i}.attn_output.weight", (hidden, q_dim), T.BF16)
+        add(f"blk.{i}.ffn_norm.weight", (hidden,), T.F32)
+        if arch == "gemma3":
+            add(f"blk.{i}.post_attention_norm.weight", (hidden,), T.F32)
+            add(f"blk.{i}.post_ffw_norm.weight", (hidden,), T.F32)
+        add(f"blk.{i}.ffn_gate.weight", (ffn, hidden), T.Q4_0)
+        add(f"blk.{i}.ffn_up.weight", (ffn, hidden), T.F32)
+        add(f"blk.{i}.ffn_down.weight", (hidden, ffn), T.Q4_1)
+    add("output_norm.weight", (hidden,), T.F32)
     if not tied:
-        add("output.weight", (vocab, hidden), q8)
+        add("output.weight", (vocab, hidden), T.Q8_0)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -166,14 +190,88 @@ def write_tiny_gguf(path: pathlib.Path, arch: str, tied: bool) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize(("arch", "tied"), [("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize(("arch", "tied"), [("llama", False), ("qwen2", True), ("qwen3", False), ("gemma3", True)])
 def test_tiny_model_matches_transformers(tmp_path, arch, tied):
     path = tmp_path / f"tiny-{arch}.gguf"
     write_tiny_gguf(path, arch, tied)
     config, state_dict = load_gguf(path)
-    assert config.model_type == arch and config.tie_word_embeddings is tied
+    assert config.tie_word_embeddings is tied
     assert ("model.layers.0.self_attn.q_proj.bias" in state_dict) is (arch == "qwen2")
-    assert_matches_transformers(path, config, state_dict, hf_load_gguf(path))
+    assert ("model.layers.0.self_attn.q_norm.weight" in state_dict) is (arch in ("qwen3", "gemma3"))
+    model = hf_load_gguf(path)
+    assert config.architectures == [type(model).__name__]
+    assert_matches_transformers(path, config, state_dict, model)
+
+
+def test_tiny_gemma3_config(tmp_path):
+    """The Gemma 3 fields llama.cpp does not store but fixes in code, as transformers' GGUF loader sets them."""
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_tiny_gguf(path, "gemma3", tied=True)
+    config, state_dict = load_gguf(path)
+    ref = hf_load_gguf(path).config
+    for field in ("head_dim", "sliding_window", "layer_types", "hidden_activation",
+                  "final_logit_softcapping", "attn_logit_softcapping"):
+        assert getattr(config, field) == getattr(ref, field), field
+    assert config.head_dim == 32 and config.sliding_window == 16
+    # llama.cpp scales queries by 1/sqrt(head_dim) (which every released Gemma 3 but the 27B has as its
+    # query_pre_attn_scalar); transformers' GGUF loader keeps the class default 256 whatever the head size.
+    assert config.query_pre_attn_scalar == 32
+    assert config.rope_parameters == {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    # The (1 + w) the converter stored is undone: the file's norms are near 1, HF's near 0.
+    assert state_dict["model.layers.0.post_feedforward_layernorm.weight"].abs().mean() < 0.5
+
+
+def test_gemma3_end_of_turn_token_ends_generation(tmp_path):
+    """An instruction-tuned Gemma ends its turn with <end_of_turn>: an EOS besides the file's, as in llama.cpp."""
+    path = tmp_path / "tiny-gemma3.gguf"
+    tokens = ["<pad>", "<eos>", "<bos>", *(f"t{i}" for i in range(3, 128))]
+    tokens[6] = "<end_of_turn>"
+    write_tiny_gguf(path, "gemma3", tied=True, tokens=tokens)
+    config, _ = load_gguf(path)
+    assert config.eos_token_id == [2, 6]  # the tiny writer's EOS id is 2
+    write_tiny_gguf(path, "llama", tied=True, tokens=tokens)
+    assert load_gguf(path)[0].eos_token_id == 2, "only Gemma's turns end with <end_of_turn>"
+
+
+def test_gemma3_layer_types_follow_llama_cpp():
+    from pagellm.models.gguf_loader import _gemma3_layer_types
+
+    kinds = _gemma3_layer_types(6, 12)
+    assert [i for i, kind in enumerate(kinds) if kind == "full_attention"] == [5, 11]
+    assert _gemma3_layer_types([True, False], 2) == ["sliding_attention", "full_attention"]
+    with pytest.raises(ValueError, match="3 entries for 2 layers"):
+        _gemma3_layer_types([True, True, False], 2)
+
+
+def rewrite_metadata(src: pathlib.Path, dst: pathlib.Path, old: bytes, new: bytes) -> None:
+    """A copy of `src` with one metadata string replaced by another of the same length."""
+    assert len(old) == len(new)
+    blob = src.read_bytes()
+    assert blob.count(old) == 1
+    dst.write_bytes(blob.replace(old, new))
+
+
+def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path):
+    path = tmp_path / "tiny-llama.gguf"
+    write_tiny_gguf(path, "llama", tied=True)
+    renamed = tmp_path / "tiny-llamb.gguf"
+    rewrite_metadata(path, renamed, b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00falco")
+    with pytest.raises(ValueError, match=r"GGUF architecture 'falco' is not supported; .*llama, qwen2, qwen3, gemma3"):
+        load_gguf(renamed)
+
+
+def test_unsupported_tensor_type_is_refused_with_its_name(tmp_path):
+    path = tmp_path / "iq4.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 18), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"IQ4_NL \(id 20\) \(tensor 'token_embd\.weight'\) is not supported; "
+                                         r"pagellm reads F32, F16, .*Q4_K, Q5_K, Q6_K, BF16"):
+        load_gguf(path)
 
 
 def test_cached_tokenizer_equals_a_fresh_conversion(model_path, tmp_path, monkeypatch):
@@ -191,24 +289,3 @@ def test_cached_tokenizer_equals_a_fresh_conversion(model_path, tmp_path, monkey
     assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         fresh.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert (cached.bos_token_id, cached.eos_token_id, len(cached)) == (fresh.bos_token_id, fresh.eos_token_id, len(fresh))
-
-
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_whole_tensor_dequantizers_equal_gguf_bit_for_bit(qtype):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quant_shape_to_byte_shape
-
-    from pagellm.models.gguf_loader import _WHOLE_TENSOR_DEQUANTIZERS
-
-    qtype = GGMLQuantizationType[qtype]
-    shape = (48, 96)
-    byte_shape = quant_shape_to_byte_shape(shape, qtype)
-    raw = np.random.default_rng(0).integers(0, 256, size=byte_shape, dtype=np.uint8)
-    # Keep the f16 scales finite: every block starts with one (Q4_1 has a second, the minimum).
-    blocks = raw.reshape(-1, 20 if qtype == GGMLQuantizationType.Q4_1 else 34)
-    blocks[:, 1] &= 0x3B
-    if qtype == GGMLQuantizationType.Q4_1:
-        blocks[:, 3] &= 0x3B
-    expected = dequantize(raw, qtype)
-    actual = _WHOLE_TENSOR_DEQUANTIZERS[qtype](raw).reshape(shape)
-    assert actual.dtype == np.float32 and np.array_equal(actual, expected)

@@ -1,4 +1,4 @@
-"""Load a llama/qwen2 GGUF checkpoint as a HuggingFace config plus a float32 state dict."""
+"""Load a llama/qwen2/qwen3/gemma3 GGUF checkpoint as a HuggingFace config plus a float32 state dict."""
 
 from __future__ import annotations
 
@@ -10,18 +10,17 @@ import re
 import shutil
 import struct
 import tempfile
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 import transformers
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from pagellm.cache_dir import cache_root
+from pagellm.models.gguf_quants import dequantize, quant_format, tensor_nbytes
 
 _DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SUPPORTED_ARCHS = ("llama", "qwen2")
 
 # GGUF metadata value types (spec ids) with a fixed width; 8 (string) and 9 (array) are variable.
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -32,7 +31,8 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_BLOCK_NAMES = {
+# llama.cpp's per-layer tensor stems (blk.N.<stem>.weight) and the HF module each one is.
+_LLAMA_BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -43,19 +43,55 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma's sandwich norms: GGUF's ffn_norm is the norm *before* the MLP there.
+_GEMMA3_NORM_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+@dataclass(frozen=True)
+class _GGUFArch:
+    """What differs between the GGUF architectures pagellm reads."""
+
+    hf_architecture: str
+    block_names: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_BLOCK_NAMES))
+    # llama.cpp's converter permutes q/k rows for its rotary layout (llama only); undone on load.
+    permuted_qk: bool = False
+    # Added to every *norm.weight by llama.cpp's Gemma converter (llama.cpp multiplies by w, HF by 1 + w).
+    norm_offset: float = 0.0
+    # The HF model_type whose tokenizer class AutoTokenizer would pick; named up front, it skips transformers'
+    # own config read of the file (a GGUFReader pass over the vocabulary: 19 s of 28 for Gemma 3's 262k).
+    # None where transformers maps no class (llama): AutoTokenizer then finds it the slow way.
+    tokenizer_type: str | None = None
+    # Tokens that end a turn besides the file's EOS, as llama.cpp treats them (its end-of-generation set) and
+    # as the HF generation config lists them (Gemma 3 -it: eos_token_id [1, 106]); chat would run on otherwise.
+    end_of_turn_tokens: tuple[str, ...] = ()
+
+
+_ARCHS = {
+    "llama": _GGUFArch("LlamaForCausalLM", permuted_qk=True),
+    "qwen2": _GGUFArch("Qwen2ForCausalLM", tokenizer_type="qwen2"),
+    "qwen3": _GGUFArch("Qwen3ForCausalLM", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES}, tokenizer_type="qwen3"),
+    "gemma3": _GGUFArch("Gemma3ForCausalLM", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_GEMMA3_NORM_NAMES},
+                        norm_offset=1.0, tokenizer_type="gemma3_text", end_of_turn_tokens=("<end_of_turn>",)),
+}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 class _TensorInfo(NamedTuple):
     name: str
     shape: tuple[int, ...]  # numpy/torch order, i.e. GGUF dims reversed
-    qtype: GGMLQuantizationType
+    type_id: int  # GGML tensor type (gguf_quants.QUANT_FORMATS)
     offset: int  # absolute byte offset in the file
 
 
 class _Header(NamedTuple):
     metadata: dict[str, Any]
     tensors: dict[str, _TensorInfo]
+    blob: np.ndarray  # the mapped file, for what is read lazily (string arrays)
 
 
 def default_model_path() -> pathlib.Path:
@@ -72,18 +108,19 @@ def default_model_path() -> pathlib.Path:
     return path
 
 
-def load_gguf(
-    path: str | os.PathLike,
-) -> tuple[transformers.LlamaConfig | transformers.Qwen2Config, dict[str, torch.Tensor]]:
-    """Read a GGUF file into a HF config and a float32 state dict with HF parameter names."""
+def load_gguf(path: str | os.PathLike) -> tuple[transformers.PreTrainedConfig, dict[str, torch.Tensor]]:
+    """Read a GGUF file into a HF config and a float32 state dict with HF parameter names and values."""
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     header = _read_header(blob)
+    arch = _gguf_arch(header.metadata)
     config = _build_config(header)
-    tensors = {
-        _hf_name(info.name): torch.from_numpy(_load_tensor(blob, info, _permute_heads(config, info.name)))
-        for info in header.tensors.values()
-    }
-    _check_complete(config, tensors)
+    tensors = {}
+    for info in header.tensors.values():
+        weights = _load_tensor(blob, info, _permute_heads(arch, config, info.name))
+        if arch.norm_offset and info.name.endswith("norm.weight"):
+            weights -= np.float32(arch.norm_offset)
+        tensors[_hf_name(arch, info.name)] = torch.from_numpy(weights)
+    _check_complete(arch, config, tensors)
     return config, tensors
 
 
@@ -100,8 +137,10 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedToken
             return transformers.AutoTokenizer.from_pretrained(str(cached))
         except (OSError, ValueError):
             shutil.rmtree(cached, ignore_errors=True)  # a damaged cache entry is rebuilt below
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     metadata = _read_header(np.memmap(path, dtype=np.uint8, mode="r")).metadata
+    tokenizer_type = _gguf_arch(metadata).tokenizer_type
+    typed = {"tokenizer_type": tokenizer_type} if tokenizer_type else {}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **typed)
     template = metadata.get("tokenizer.chat_template")
     if template is not None:
         tokenizer.chat_template = template
@@ -153,12 +192,13 @@ def _read_header(blob: np.ndarray) -> _Header:
         dims = struct.unpack_from(f"<{n_dims}Q", blob, pos + 4)
         qtype, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * n_dims)
         pos += 4 + 8 * n_dims + 12
-        raw_tensors.append((name, tuple(reversed(dims)), GGMLQuantizationType(qtype), offset))
+        quant_format(qtype, name)  # refuse an unsupported type here, before any tensor is read
+        raw_tensors.append((name, tuple(reversed(dims)), qtype, offset))
 
     align = metadata.get("general.alignment", 32)
     data_start = -(-pos // align) * align
     tensors = {n: _TensorInfo(n, shape, q, data_start + off) for n, shape, q, off in raw_tensors}
-    return _Header(metadata, tensors)
+    return _Header(metadata, tensors, blob)
 
 
 def _read_str(blob: np.ndarray, pos: int) -> tuple[str, int]:
@@ -166,8 +206,31 @@ def _read_str(blob: np.ndarray, pos: int) -> tuple[str, int]:
     return bytes(blob[pos + 8 : pos + 8 + length]).decode("utf-8"), pos + 8 + length
 
 
+class _StringArray(NamedTuple):
+    """A string array left in the file (vocabulary, merges): its length and where its first entry starts."""
+
+    count: int
+    offset: int
+
+
+def _string_array_index(blob: np.ndarray, array: _StringArray, wanted: set[str]) -> dict[str, int]:
+    """Index in `array` of each string of `wanted` that it holds (a walk over the entries, until all are found)."""
+    encoded = {text.encode("utf-8"): text for text in wanted}
+    found, pos = {}, array.offset
+    for index in range(array.count):
+        (length,) = struct.unpack_from("<Q", blob, pos)
+        if length <= 64:  # special tokens are short; most of the vocabulary is skipped without a copy
+            text = encoded.get(bytes(blob[pos + 8 : pos + 8 + length]))
+            if text is not None:
+                found.setdefault(text, index)
+                if len(found) == len(wanted):
+                    break  # special tokens sit near the start of a vocabulary: usually a short walk
+        pos += 8 + length
+    return found
+
+
 def _read_value(blob: np.ndarray, pos: int, vtype: int) -> tuple[Any, int]:
-    """One metadata value and the offset after it; string arrays come back as their length only."""
+    """One metadata value and the offset after it; string arrays come back as a _StringArray."""
     if vtype in _SCALAR_FORMATS:
         fmt = "<" + _SCALAR_FORMATS[vtype]
         return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
@@ -182,22 +245,32 @@ def _read_value(blob: np.ndarray, pos: int, vtype: int) -> tuple[Any, int]:
         return list(struct.unpack_from(fmt, blob, pos)), pos + struct.calcsize(fmt)
     if etype != _STRING:
         raise ValueError(f"unsupported GGUF array element type {etype}")
+    start = pos
     for _ in range(count):  # vocab/merges: only their extent matters here
         pos += 8 + struct.unpack_from("<Q", blob, pos)[0]
-    return count, pos
+    return _StringArray(count, start), pos
 
 
-def _build_config(header: _Header) -> transformers.LlamaConfig | transformers.Qwen2Config:
+def _gguf_arch(meta: dict[str, Any]) -> _GGUFArch:
+    name = meta.get("general.architecture")
+    if name not in _ARCHS:
+        raise ValueError(
+            f"GGUF architecture {name!r} is not supported; pagellm reads GGUF files of {', '.join(_ARCHS)}. "
+            "Fix: use one of those, or the model's HF checkpoint if its architecture is supported there."
+        )
+    return _ARCHS[name]
+
+
+def _build_config(header: _Header) -> transformers.PreTrainedConfig:
     meta, tensors = header.metadata, header.tensors
-    arch = meta.get("general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {_SUPPORTED_ARCHS}")
+    arch_name = meta["general.architecture"]
+    arch = _gguf_arch(meta)
     if "rope_freqs.weight" in tensors:
         # llama3-style frequency factors live in a tensor, not metadata; ignoring them would be silently wrong.
         raise ValueError("GGUF rope_freqs.weight (llama3 rope scaling in a tensor) is not supported; use the HF checkpoint")
 
     def key(name: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{name}", default)
+        return meta.get(f"{arch_name}.{name}", default)
 
     hidden, n_heads = key("embedding_length"), key("attention.head_count")
     head_dim = key("attention.key_length", hidden // n_heads)
@@ -209,6 +282,7 @@ def _build_config(header: _Header) -> transformers.LlamaConfig | transformers.Qw
         raise ValueError(f"metadata vocab_size {vocab_size} != embedding rows {embed_rows}")
 
     fields: dict[str, Any] = dict(
+        architectures=[arch.hf_architecture],
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
@@ -218,15 +292,66 @@ def _build_config(header: _Header) -> transformers.LlamaConfig | transformers.Qw
         head_dim=head_dim,
         rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
         max_position_embeddings=key("context_length"),
-        rope_parameters=_rope_parameters(meta, arch),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        rope_parameters=_rope_parameters(meta, arch_name),
         tie_word_embeddings="output.weight" not in tensors,
     )
-    if arch == "qwen2":
+    # Special ids the file lacks keep the config class's defaults, as transformers' GGUF loader leaves them.
+    for field_name, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                                 ("pad_token_id", "padding_token_id")):
+        if f"tokenizer.ggml.{meta_key}" in meta:
+            fields[field_name] = meta[f"tokenizer.ggml.{meta_key}"]
+    end_of_turn = _end_of_turn_ids(header, arch)
+    if end_of_turn:
+        fields["eos_token_id"] = sorted({fields.get("eos_token_id", end_of_turn[0]), *end_of_turn})
+    has_qkv_bias = "blk.0.attn_q.bias" in tensors
+    if arch_name == "qwen2":
         return transformers.Qwen2Config(**fields)
-    return transformers.LlamaConfig(attention_bias="blk.0.attn_q.bias" in tensors, **fields)
+    if arch_name == "qwen3":
+        return transformers.Qwen3Config(attention_bias=has_qkv_bias, **fields)
+    if arch_name == "gemma3":
+        return _gemma3_config(fields, key)
+    return transformers.LlamaConfig(attention_bias=has_qkv_bias, **fields)
+
+
+def _end_of_turn_ids(header: _Header, arch: _GGUFArch) -> list[int]:
+    vocabulary = header.metadata.get("tokenizer.ggml.tokens")
+    if not arch.end_of_turn_tokens or not isinstance(vocabulary, _StringArray):
+        return []
+    return sorted(_string_array_index(header.blob, vocabulary, set(arch.end_of_turn_tokens)).values())
+
+
+def _gemma3_config(fields: dict[str, Any], key: Callable[..., Any]) -> transformers.Gemma3TextConfig:
+    """Gemma 3's extras, as llama.cpp (src/llama-model.cpp, LLM_ARCH_GEMMA3) fills in what the file omits."""
+    n_layers, head_dim = fields["num_hidden_layers"], fields["head_dim"]
+    # llama.cpp scales queries by 1/sqrt(head_dim), except for the 27B (62 layers): 1/sqrt(hidden / heads).
+    query_pre_attn_scalar = fields["hidden_size"] // fields["num_attention_heads"] if n_layers == 62 else head_dim
+    rope_parameters = {
+        # rope scaling (the 4B+ models' linear factor 8) applies to the global layers only, as in llama.cpp.
+        "full_attention": fields.pop("rope_parameters"),
+        "sliding_attention": {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", 10000.0))},
+    }
+    return transformers.Gemma3TextConfig(
+        **fields,
+        rope_parameters=rope_parameters,
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        sliding_window=key("attention.sliding_window"),
+        layer_types=_gemma3_layer_types(key("attention.sliding_window_pattern", 6), n_layers),
+        attn_logit_softcapping=key("attn_logit_softcapping"),
+        final_logit_softcapping=key("final_logit_softcapping"),
+    )
+
+
+def _gemma3_layer_types(pattern: int | list[bool], n_layers: int) -> list[str]:
+    """Per-layer attention kinds: a period n means every n-th layer is global (llama.cpp's set_swa_pattern);
+    a list gives one flag per layer, true for sliding."""
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise ValueError(f"attention.sliding_window_pattern has {len(pattern)} entries for {n_layers} layers")
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        sliding = [(i + 1) % pattern != 0 for i in range(n_layers)]
+    return ["sliding_attention" if flag else "full_attention" for flag in sliding]
 
 
 def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -246,18 +371,18 @@ def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
     return params
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(arch: _GGUFArch, gguf_name: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_RE.fullmatch(gguf_name)
-    if match is None or match[2] not in _BLOCK_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
+    if match is None or match[2] not in arch.block_names:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for this architecture ({arch.hf_architecture})")
+    return f"model.layers.{match[1]}.{arch.block_names[match[2]]}.{match[3]}"
 
 
-def _permute_heads(config: transformers.PreTrainedConfig, gguf_name: str) -> int | None:
+def _permute_heads(arch: _GGUFArch, config: transformers.PreTrainedConfig, gguf_name: str) -> int | None:
     """Head count whose rotary row order llama.cpp permuted in this tensor, else None."""
-    if config.model_type != "llama":
+    if not arch.permuted_qk:
         return None
     if ".attn_q." in gguf_name:
         return config.num_attention_heads
@@ -268,55 +393,24 @@ def _permute_heads(config: transformers.PreTrainedConfig, gguf_name: str) -> int
 
 def _load_tensor(blob: np.ndarray, info: _TensorInfo, permute_heads: int | None) -> np.ndarray:
     """Dequantize one tensor to a writable, contiguous float32 array in HF layout."""
-    byte_shape = quant_shape_to_byte_shape(info.shape, info.qtype)
-    raw = blob[info.offset : info.offset + int(np.prod(byte_shape))].reshape(byte_shape)
-    fast = _WHOLE_TENSOR_DEQUANTIZERS.get(info.qtype)
-    weights = fast(raw).reshape(info.shape) if fast is not None else dequantize(raw, info.qtype)
+    nbytes = tensor_nbytes(info.shape, info.type_id, info.name)
+    if info.offset + nbytes > len(blob):
+        raise ValueError(
+            f"GGUF tensor {info.name!r} ends at byte {info.offset + nbytes} but the file has {len(blob)} bytes: "
+            "the file is truncated; download it again."
+        )
+    raw = blob[info.offset : info.offset + nbytes]
+    weights = dequantize(raw, info.type_id, info.shape, info.name)
     if permute_heads is not None:
         # Inverse of llama.cpp's converter permute (same as transformers' _reverse_permute_weights).
         rows = weights.shape[0]
         weights = weights.reshape(permute_heads, rows // permute_heads // 2, 2, *weights.shape[1:])
-        weights = weights.swapaxes(1, 2).reshape(rows, *weights.shape[3:])
-    # F32 tensors come back as views of the read-only mmap; torch needs memory it may own and write.
-    if weights.dtype != np.float32 or not weights.flags.writeable or not weights.flags.c_contiguous:
-        weights = np.array(weights, dtype=np.float32)
+        weights = np.ascontiguousarray(weights.swapaxes(1, 2).reshape(rows, *weights.shape[3:]))
     return weights
 
 
-def _dequantize_q4_1(raw: np.ndarray) -> np.ndarray:
-    """Blocks of 32: f16 scale d, f16 minimum m, 16 bytes of nibbles (low nibbles are weights 0-15)."""
-    blocks = np.asarray(raw).reshape(-1, 20)
-    scale_min = blocks[:, :4].copy().view(np.float16).astype(np.float32)
-    nibbles = blocks[:, 4:]
-    quants = np.empty((len(blocks), 32), dtype=np.uint8)
-    quants[:, :16] = nibbles & 0x0F
-    quants[:, 16:] = nibbles >> 4
-    weights = quants.astype(np.float32)
-    weights *= scale_min[:, :1]
-    weights += scale_min[:, 1:2]
-    return weights
-
-
-def _dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
-    """Blocks of 32: f16 scale d, 32 int8 weights."""
-    blocks = np.asarray(raw).reshape(-1, 34)
-    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    weights = blocks[:, 2:].view(np.int8).astype(np.float32)
-    weights *= scale
-    return weights
-
-
-# gguf's dequantize works through rows in small groups (2.06 s for the default model's tensors); these do
-# the whole tensor in a few numpy passes with the same arithmetic, tested bit for bit against it
-# (load_gguf under cProfile: 4.02 s -> 2.38 s, most of the rest being transformers' config import).
-_WHOLE_TENSOR_DEQUANTIZERS = {
-    GGMLQuantizationType.Q4_1: _dequantize_q4_1,
-    GGMLQuantizationType.Q8_0: _dequantize_q8_0,
-}
-
-
-def _check_complete(config: transformers.PreTrainedConfig, tensors: dict[str, torch.Tensor]) -> None:
-    per_layer = [f"{name}.weight" for name in _BLOCK_NAMES.values()]
+def _check_complete(arch: _GGUFArch, config: transformers.PreTrainedConfig, tensors: dict[str, torch.Tensor]) -> None:
+    per_layer = [f"{name}.weight" for name in arch.block_names.values()]
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     expected |= {f"model.layers.{i}.{p}" for i in range(config.num_hidden_layers) for p in per_layer}
     if not config.tie_word_embeddings:

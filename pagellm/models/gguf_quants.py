@@ -1,0 +1,262 @@
+"""GGML tensor types -> float32, whole tensors at a time, bit for bit equal to the `gguf` package.
+
+`gguf.quants.dequantize` is the reference: it is correct but walks a tensor 16 rows at a time and builds
+several temporaries per step. Here each type is a few numpy passes over a chunk of many thousands of
+blocks, with the same float32 operations in the same order (so the results are identical, NaN for NaN),
+writing straight into the output. tests/test_gguf_quants.py checks every type against gguf's.
+
+Block layouts follow ggml's `block_*` structs (ggml-common.h); QK_K = 256 weights per super-block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+QK_K = 256
+# Blocks per pass: big enough that numpy's per-call cost vanishes, small enough that the temporaries
+# (a few bytes per weight) stay in the CPU's cache.
+_CHUNK_WEIGHTS = 1 << 18
+
+Dequantizer = Callable[[np.ndarray, np.ndarray], None]
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One GGML tensor type: `block_size` weights stored in `block_bytes` bytes, and how to decode them.
+
+    `dequantize(blocks, out)` reads uint8 blocks of shape (n, block_bytes) and writes float32 weights of
+    shape (n, block_size) into `out`.
+    """
+
+    name: str
+    block_size: int
+    block_bytes: int
+    dequantize: Dequantizer
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 at byte `start` of every block, as float32 of shape (n, 1)."""
+    return blocks[:, start : start + 2].view(np.float16).astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """(..., m) bytes -> (..., 2, m): low nibbles first, then high nibbles (ggml's order within a group)."""
+    out = np.empty((*packed.shape[:-1], 2, packed.shape[-1]), dtype=np.uint8)
+    np.bitwise_and(packed, 0x0F, out=out[..., 0, :])
+    np.right_shift(packed, 4, out=out[..., 1, :])
+    return out
+
+
+def _bit_planes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """(..., m) bytes -> (..., 8 // bits, m): field k holds bits [k*bits, (k+1)*bits) of every byte."""
+    shifts = np.arange(0, 8, bits, dtype=np.uint8).reshape(-1, 1)
+    return (packed[..., None, :] >> shifts) & np.uint8((1 << bits) - 1)
+
+
+def _scale_into(out: np.ndarray, quants: np.ndarray, scale: np.ndarray) -> None:
+    """out = float32(quants) * scale, broadcast over the last axis of `quants` (a single rounding, as gguf)."""
+    np.multiply(quants, scale[..., None], out=out, dtype=np.float32)
+
+
+def _dequantize_f32(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[...] = blocks.view(np.float32)
+
+
+def _dequantize_f16(blocks: np.ndarray, out: np.ndarray) -> None:
+    # numpy's cast, not torch's (2.2x faster here) because torch rewrites every NaN as 0x7fffffff, and
+    # gguf's result, the reference, keeps the payload.
+    out[...] = blocks.view(np.float16)
+
+
+def _dequantize_bf16(blocks: np.ndarray, out: np.ndarray) -> None:
+    # bfloat16 is the top half of a float32: shift the bits into place (gguf does the same).
+    out.view(np.int32)[...] = blocks.view(np.int16).astype(np.int32) << 16
+
+
+def _dequantize_q4_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    """block_q4_0: f16 d, 16 bytes of nibbles; w = d * (q - 8)."""
+    quants = _nibbles(blocks[:, 2:]).reshape(len(blocks), 32)
+    quants -= 8  # wraps in uint8; read as int8 it is q - 8
+    _scale_into(out, quants.view(np.int8), _f16(blocks, 0)[:, 0])
+
+
+def _dequantize_q4_1(blocks: np.ndarray, out: np.ndarray) -> None:
+    """block_q4_1: f16 d, f16 m, 16 bytes of nibbles; w = d * q + m."""
+    _scale_into(out, _nibbles(blocks[:, 4:]).reshape(len(blocks), 32), _f16(blocks, 0)[:, 0])
+    out += _f16(blocks, 2)
+
+
+def _q5_quants(blocks: np.ndarray, high_bits_at: int) -> np.ndarray:
+    """The 5-bit quants of block_q5_0/q5_1: bit j of the little-endian u32 qh is the fifth bit of weight j."""
+    high = np.unpackbits(blocks[:, high_bits_at : high_bits_at + 4], axis=1, bitorder="little")
+    quants = _nibbles(blocks[:, high_bits_at + 4 :]).reshape(len(blocks), 32)
+    quants |= high << 4
+    return quants
+
+
+def _dequantize_q5_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    """block_q5_0: f16 d, u32 qh, 16 bytes of nibbles; w = d * (q - 16)."""
+    quants = _q5_quants(blocks, 2)
+    quants -= 16
+    _scale_into(out, quants.view(np.int8), _f16(blocks, 0)[:, 0])
+
+
+def _dequantize_q5_1(blocks: np.ndarray, out: np.ndarray) -> None:
+    """block_q5_1: f16 d, f16 m, u32 qh, 16 bytes of nibbles; w = d * q + m."""
+    _scale_into(out, _q5_quants(blocks, 4), _f16(blocks, 0)[:, 0])
+    out += _f16(blocks, 2)
+
+
+def _dequantize_q8_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    """block_q8_0: f16 d, 32 int8; w = d * q."""
+    _scale_into(out, blocks[:, 2:].view(np.int8), _f16(blocks, 0)[:, 0])
+
+
+def _dequantize_q2_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """block_q2_K: 16 bytes of 4-bit scale | 4-bit min, 64 bytes of 2-bit quants, f16 d, f16 dmin.
+
+    16 groups of 16 weights; w = (d * scale) * q - dmin * min.
+    """
+    n = len(blocks)
+    scales = blocks[:, :16]
+    group_scale = _f16(blocks, 80) * (scales & 0x0F)
+    group_min = _f16(blocks, 82) * (scales >> 4)
+    quants = _bit_planes(blocks[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 16, 16)
+    grouped = out.reshape(n, 16, 16)
+    _scale_into(grouped, quants, group_scale)
+    grouped -= group_min[..., None]
+
+
+def _dequantize_q3_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """block_q3_K: 32 bytes of high bits, 64 bytes of 2-bit low bits, 12 bytes of 6-bit scales, f16 d.
+
+    16 groups of 16 weights; q = low - (4 if the high bit is clear), w = (d * (scale - 32)) * q.
+    """
+    n = len(blocks)
+    packed_scales = blocks[:, 96:108]
+    low4 = _nibbles(packed_scales[:, :8]).reshape(n, 16)
+    high2 = _bit_planes(packed_scales[:, 8:12], 2).reshape(n, 16)
+    scales = (low4 | (high2 << 4)).view(np.int8) - np.int8(32)
+    group_scale = _f16(blocks, 108) * scales
+    low = _bit_planes(blocks[:, 32:96].reshape(n, 2, 32), 2).reshape(n, 16, 16)
+    high = _bit_planes(blocks[:, :32], 1).reshape(n, 16, 16)
+    quants = low.view(np.int8) - ((high ^ 1) << 2).view(np.int8)
+    _scale_into(out.reshape(n, 16, 16), quants, group_scale)
+
+
+def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and 8 six-bit mins packed in 12 bytes (get_scale_min_k4 in ggml)."""
+    n = len(packed)
+    d, m, md = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = np.empty((n, 8), dtype=np.uint8)
+    mins = np.empty((n, 8), dtype=np.uint8)
+    np.bitwise_and(d, 0x3F, out=scales[:, :4])
+    np.bitwise_and(m, 0x3F, out=mins[:, :4])
+    scales[:, 4:] = (md & 0x0F) | ((d >> 2) & 0x30)
+    mins[:, 4:] = (md >> 4) | ((m >> 2) & 0x30)
+    return scales, mins
+
+
+def _k_quant_affine(blocks: np.ndarray, out: np.ndarray, quants: np.ndarray) -> None:
+    """Q4_K/Q5_K: 8 groups of 32 weights; w = (d * scale) * q - dmin * min."""
+    n = len(blocks)
+    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    grouped = out.reshape(n, 8, 32)
+    _scale_into(grouped, quants, _f16(blocks, 0) * scales)
+    grouped -= (_f16(blocks, 2) * mins)[..., None]
+
+
+def _dequantize_q4_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """block_q4_K: f16 d, f16 dmin, 12 bytes of scales/mins, 128 bytes of nibbles."""
+    n = len(blocks)
+    _k_quant_affine(blocks, out, _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32))
+
+
+def _dequantize_q5_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """block_q5_K: f16 d, f16 dmin, 12 bytes of scales/mins, 32 bytes of fifth bits, 128 bytes of nibbles."""
+    n = len(blocks)
+    quants = _nibbles(blocks[:, 48:].reshape(n, 4, 32)).reshape(n, 8, 32)
+    quants |= _bit_planes(blocks[:, 16:48], 1) << 4
+    _k_quant_affine(blocks, out, quants)
+
+
+def _dequantize_q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """block_q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, f16 d.
+
+    16 groups of 16 weights; w = (d * scale) * (q - 32).
+    """
+    n = len(blocks)
+    quants = _nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 8, 32)
+    quants |= _bit_planes(blocks[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 8, 32) << 4
+    quants -= 32
+    group_scale = _f16(blocks, 208) * blocks[:, 192:208].view(np.int8)
+    _scale_into(out.reshape(n, 16, 16), quants.view(np.int8).reshape(n, 16, 16), group_scale)
+
+
+# GGML type id (ggml.h's enum ggml_type, gguf.GGMLQuantizationType) -> format.
+QUANT_FORMATS: dict[int, QuantFormat] = {
+    0: QuantFormat("F32", 1, 4, _dequantize_f32),
+    1: QuantFormat("F16", 1, 2, _dequantize_f16),
+    2: QuantFormat("Q4_0", 32, 18, _dequantize_q4_0),
+    3: QuantFormat("Q4_1", 32, 20, _dequantize_q4_1),
+    6: QuantFormat("Q5_0", 32, 22, _dequantize_q5_0),
+    7: QuantFormat("Q5_1", 32, 24, _dequantize_q5_1),
+    8: QuantFormat("Q8_0", 32, 34, _dequantize_q8_0),
+    10: QuantFormat("Q2_K", QK_K, 84, _dequantize_q2_k),
+    11: QuantFormat("Q3_K", QK_K, 110, _dequantize_q3_k),
+    12: QuantFormat("Q4_K", QK_K, 144, _dequantize_q4_k),
+    13: QuantFormat("Q5_K", QK_K, 176, _dequantize_q5_k),
+    14: QuantFormat("Q6_K", QK_K, 210, _dequantize_q6_k),
+    30: QuantFormat("BF16", 1, 2, _dequantize_bf16),
+}
+
+
+def supported_type_names() -> list[str]:
+    return [fmt.name for fmt in QUANT_FORMATS.values()]
+
+
+def quant_format(type_id: int, tensor_name: str = "") -> QuantFormat:
+    """The format of GGML type `type_id`, or a ValueError naming it and the supported ones."""
+    fmt = QUANT_FORMATS.get(type_id)
+    if fmt is None:
+        where = f" (tensor {tensor_name!r})" if tensor_name else ""
+        raise ValueError(
+            f"GGML tensor type {_type_name(type_id)}{where} is not supported; pagellm reads "
+            f"{', '.join(supported_type_names())}. Fix: use a GGUF quantized to one of those, or the HF checkpoint."
+        )
+    return fmt
+
+
+def _type_name(type_id: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+
+        return f"{GGMLQuantizationType(type_id).name} (id {type_id})"
+    except (ImportError, ValueError):
+        return f"id {type_id}"
+
+
+def tensor_nbytes(shape: tuple[int, ...], type_id: int, tensor_name: str = "") -> int:
+    """Bytes a tensor of `shape` (numpy order, rows last-contiguous) occupies in the file."""
+    fmt = quant_format(type_id, tensor_name)
+    row = shape[-1] if shape else 1
+    if row % fmt.block_size:
+        raise ValueError(
+            f"tensor {tensor_name!r}: row length {row} is not a multiple of the {fmt.name} block size {fmt.block_size}"
+        )
+    return int(np.prod(shape, dtype=np.int64)) // fmt.block_size * fmt.block_bytes
+
+
+def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...], tensor_name: str = "") -> np.ndarray:
+    """A new, writable, C-contiguous float32 array of `shape` from the tensor's raw bytes."""
+    fmt = quant_format(type_id, tensor_name)
+    n_blocks = tensor_nbytes(shape, type_id, tensor_name) // fmt.block_bytes
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(n_blocks, fmt.block_bytes)
+    out = np.empty((n_blocks, fmt.block_size), dtype=np.float32)
+    step = max(1, _CHUNK_WEIGHTS // fmt.block_size)
+    for start in range(0, n_blocks, step):
+        fmt.dequantize(blocks[start : start + step], out[start : start + step])
+    return out.reshape(shape)

@@ -1,0 +1,132 @@
+"""Qwen3 and Gemma 3 from GGUF: a tiny random HF model written out as llama.cpp's converter would (F32, so the
+round trip is exact), then read back by pagellm, equals the HF model: same config, same tensors, and the same
+greedy tokens as transformers."""
+
+from __future__ import annotations
+
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pagellm import LLM, SamplingParams
+from pagellm.models.gguf_loader import _ARCHS, _GLOBAL_NAMES, load_gguf
+from tests.helpers import hf_greedy
+
+MAX_TOKENS = 8
+# Prompts and outputs stay inside Gemma's 64-token window (sliding windows are tested in test_sliding_window.py).
+PROMPTS = ["Hello", "The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,"]
+
+COMMON = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.3)
+HF_CONFIGS = {
+    # head_dim 64, not hidden / heads = 32: the GGUF's key_length must be read.
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=64,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # 6 layers: llama.cpp's fixed pattern makes layer 5 global, the rest sliding.
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**COMMON, "tie_word_embeddings": True}, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=64, architectures=["Gemma3ForCausalLM"],
+    ),
+}
+
+
+def write_gguf_like_llama_cpp(model: transformers.PreTrainedModel, arch: str, path: pathlib.Path) -> None:
+    """The HF model's tensors under llama.cpp's names, in F32, with its metadata keys (convert_hf_to_gguf.py)."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
+
+    gguf_names = {hf: name for name, hf in _GLOBAL_NAMES.items()}
+    block_stems = {hf: stem for stem, hf in _ARCHS[arch].block_names.items()}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if hf_name.startswith("model.layers."):
+            _, _, layer, rest = hf_name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            name = f"blk.{layer}.{block_stems[module]}.{kind}"
+        else:
+            name = gguf_names[hf_name]
+        data = tensor.numpy().astype(np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + np.float32(1)  # llama.cpp multiplies by the weight, HF by 1 + weight
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+def tiny(request, tmp_path_factory, default_tokenizer):
+    """(arch, HF model, HF directory, GGUF path) for one family."""
+    arch = request.param
+    torch.manual_seed(0)
+    config = HF_CONFIGS[arch]()
+    config.vocab_size = len(default_tokenizer)
+    config.bos_token_id, config.eos_token_id = default_tokenizer.bos_token_id, default_tokenizer.eos_token_id
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # Random norms (Gemma's init is all zeros), on a 2^-10 grid so that the converter's + 1 and the
+                # loader's - 1 are exact in float32.
+                param.copy_(torch.round(torch.empty_like(param).uniform_(-0.5, 0.5) * 1024) / 1024)
+    directory = tmp_path_factory.mktemp(f"tiny-{arch}")
+    model.save_pretrained(directory)
+    default_tokenizer.save_pretrained(directory)
+    path = directory / f"tiny-{arch}.gguf"
+    write_gguf_like_llama_cpp(model, arch, path)
+    return arch, model, directory, path
+
+
+def test_gguf_config_and_tensors_equal_the_hf_model(tiny):
+    arch, model, _, path = tiny
+    config, state_dict = load_gguf(path)
+    ref = model.config
+    assert type(config) is type(ref) and config.architectures == [type(model).__name__]
+    fields = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rope_parameters", "tie_word_embeddings", "attention_bias"]
+    if arch == "gemma3":
+        fields += ["sliding_window", "layer_types", "query_pre_attn_scalar", "hidden_activation",
+                   "final_logit_softcapping", "attn_logit_softcapping"]
+        assert "full_attention" in config.layer_types and "sliding_attention" in config.layer_types
+    for field in fields:
+        assert getattr(config, field) == getattr(ref, field), field
+    assert config.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
+
+    expected = model.state_dict()
+    if ref.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    assert state_dict.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(state_dict[name], tensor), name
+
+
+def test_gguf_greedy_equals_transformers(tiny, default_tokenizer):
+    arch, model, directory, path = tiny
+    # Prompts and outputs inside Gemma's 64-token window: windowed attention has its own tests.
+    llm = LLM(str(path), tokenizer=str(directory), dtype="float32", max_model_len=64, kv_cache_memory_bytes=32 << 20)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for output in llm.generate(PROMPTS, greedy, use_tqdm=False):
+        expected = hf_greedy(model, default_tokenizer, output.prompt_token_ids, MAX_TOKENS, ignore_eos=True)
+        assert output.outputs[0].token_ids == expected, (arch, output.prompt)

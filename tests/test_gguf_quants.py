@@ -1,0 +1,74 @@
+"""pagellm.models.gguf_quants against the `gguf` package's reference dequantisers, bit for bit."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from pagellm.models import gguf_quants
+from pagellm.models.gguf_quants import QUANT_FORMATS, dequantize, quant_format, tensor_nbytes
+
+
+def reference(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndarray:
+    qtype = gguf.GGMLQuantizationType(type_id)
+    with np.errstate(all="ignore"):  # random bytes make some f16 scales inf/NaN, in both implementations
+        return gguf.quants.dequantize(raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, qtype)), qtype)
+
+
+def random_tensor_bytes(shape: tuple[int, ...], type_id: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, tensor_nbytes(shape, type_id), dtype=np.uint8)
+
+
+def dequantize_quietly(raw: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndarray:
+    with np.errstate(all="ignore"):  # inf * 0 scales in random blocks
+        return dequantize(raw, type_id, shape)
+
+
+def assert_bit_identical(actual: np.ndarray, expected: np.ndarray) -> None:
+    assert actual.dtype == np.float32 and actual.shape == expected.shape
+    assert actual.flags.c_contiguous and actual.flags.writeable
+    # Same bits, NaNs included: compare the raw words, not the values.
+    assert np.array_equal(actual.view(np.uint32), np.asarray(expected, dtype=np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("type_id", sorted(QUANT_FORMATS), ids=lambda t: QUANT_FORMATS[t].name)
+def test_random_blocks_equal_gguf(type_id):
+    fmt = QUANT_FORMATS[type_id]
+    assert (fmt.block_size, fmt.block_bytes) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
+    shape = (24, 4 * max(fmt.block_size, 64))
+    raw = random_tensor_bytes(shape, type_id, seed=type_id)
+    actual = dequantize_quietly(raw, type_id, shape)
+    assert np.isfinite(actual).mean() > 0.8, "random scales should mostly be finite, else the test proves little"
+    assert_bit_identical(actual, reference(raw, type_id, shape))
+
+
+@pytest.mark.parametrize("type_id", sorted(QUANT_FORMATS), ids=lambda t: QUANT_FORMATS[t].name)
+def test_whole_tensor_across_chunk_boundaries(type_id, monkeypatch):
+    """A 3-d tensor whose blocks span several passes (the chunk is shrunk to 3 blocks' worth of weights)."""
+    fmt = QUANT_FORMATS[type_id]
+    monkeypatch.setattr(gguf_quants, "_CHUNK_WEIGHTS", 3 * fmt.block_size)
+    shape = (3, 5, 2 * max(fmt.block_size, 32))
+    raw = random_tensor_bytes(shape, type_id, seed=100 + type_id)
+    assert_bit_identical(dequantize_quietly(raw, type_id, shape), reference(raw, type_id, shape))
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16"])
+def test_quantized_real_values_round_trip(name):
+    """Weights quantised by gguf (realistic scales, not random bytes) decode as gguf decodes them."""
+    qtype = gguf.GGMLQuantizationType[name]
+    weights = np.random.default_rng(1).standard_normal((16, 256), dtype=np.float32)
+    raw = gguf.quants.quantize(weights, qtype)
+    actual = dequantize(raw, int(qtype), weights.shape)
+    assert_bit_identical(actual, gguf.quants.dequantize(raw, qtype))
+    assert np.abs(actual - weights).max() < 0.5
+
+
+def test_unsupported_type_is_refused_with_its_name_and_the_supported_list():
+    with pytest.raises(ValueError, match=r"IQ2_XXS \(id 16\) \(tensor 'blk\.0\.attn_q\.weight'\) is not supported.*Q4_K.*Q6_K"):
+        quant_format(16, "blk.0.attn_q.weight")
+
+
+def test_row_not_a_whole_number_of_blocks_is_refused():
+    with pytest.raises(ValueError, match=r"row length 100 is not a multiple of the Q4_K block size 256"):
+        tensor_nbytes((4, 100), 12, "w")
