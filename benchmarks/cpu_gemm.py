@@ -76,9 +76,14 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=[name for name, _, _ in SMOLLM2_135M_SHAPES],
                         help="subset of: " + " ".join(name for name, _, _ in SMOLLM2_135M_SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's, one per core); 1 compares fairly on a busy machine, "
+                             "where spinning thread pools suffer from other processes unevenly")
     parser.add_argument("--min-seconds", type=float, default=0.02, help="time per timed batch of calls")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
     shapes = [shape for shape in SMOLLM2_135M_SHAPES if shape[0] in args.shapes]
     print(f"CPU: {cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "

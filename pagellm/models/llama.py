@@ -17,7 +17,7 @@ from torch import nn
 
 from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata, paged_attention
-from pagellm.cpu_features import cpu_has_native
+from pagellm.cpu_features import cpu_flags, cpu_has_native
 from pagellm.distributed.parallel_state import TensorParallelGroup, current_group, tp_rank, tp_size
 from pagellm.models.sliding_window import layer_sliding_window
 
@@ -35,17 +35,17 @@ class Linear(nn.Linear):
     """nn.Linear that, on CPU in float32 or (where the CPU has bf16 instructions) bfloat16, also keeps its
     weight packed into oneDNN's blocked layout.
 
-    float32: no one CPU GEMM wins at every row count on this model's shapes. oneDNN on a pre-packed weight
-    beat F.linear (MKL) 2.6x at 4 rows, 1.6x at 16 and 1.25x at 64 (decode batches); MKL on the plain
-    weight beat oneDNN by 7% at 1024 rows and 12% at 2048 (prefill). So both are kept, at the cost of
-    holding the linear weights twice, and each call takes the faster one for its row count.
-    bfloat16: the packed weight won at every shape and row count from 1 to 2048 (benchmarks/cpu_gemm.py),
-    so only it is kept and the plain copy is freed (where no other module shares it: a tied LM head's
-    weight is the embedding table).
+    float32 on AVX2 CPUs: no one CPU GEMM wins at every row count on this model's shapes. oneDNN on a
+    pre-packed weight beat F.linear (MKL) 2.6x at 4 rows, 1.6x at 16 and 1.25x at 64 (decode batches); MKL
+    on the plain weight beat oneDNN by 7% at 1024 rows and 12% at 2048 (prefill). So both are kept, at the
+    cost of holding the linear weights twice, and each call takes the faster one for its row count.
+    float32 on AVX-512 CPUs, and bfloat16: the packed weight won at every shape and row count from 1 to
+    2048 (benchmarks/cpu_gemm.py), so only it is kept and the plain copy is freed (where no other module
+    shares it: a tied LM head's weight is the embedding table).
     """
 
     # Row count from which MKL on the plain weight is at least as fast as oneDNN (they tie at 512), in
-    # float32; None where the packed weight is the only copy.
+    # float32 on CPUs without AVX-512; None where the packed weight is the only copy.
     plain_min_rows: int | None = None
     FLOAT32_PLAIN_MIN_ROWS = 512
     packed_weight: torch.Tensor | None = None
@@ -59,11 +59,12 @@ class Linear(nn.Linear):
     upcast_buffer: torch.Tensor | None = None
 
     def pack_for_cpu(self, free_plain: bool) -> None:
-        """Pack the weight for oneDNN; with `free_plain` (bfloat16, weight not shared), drop the plain copy."""
+        """Pack the weight for oneDNN; with `free_plain` (the weight is not shared), drop the plain copy where
+        the packed one serves every row count."""
         # The layout oneDNN picks depends a little on the row count it is told to expect; 64 did best
         # across 4..2048 rows in a sweep.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
-        if self.weight.dtype == torch.float32:
+        if self.weight.dtype == torch.float32 and "avx512f" not in cpu_flags():
             self.plain_min_rows = self.FLOAT32_PLAIN_MIN_ROWS
         elif free_plain:
             self.weight.data = self.weight.data.new_empty(0)

@@ -1,4 +1,5 @@
-"""The bfloat16 CPU path: oneDNN-packed linear weights (one copy) against the float32 product of the same weights."""
+"""The CPU GEMM paths: oneDNN-packed linear weights (one copy where they serve every row count) against
+the float32 product of the same weights."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.cpu_features import cpu_has_native
+from pagellm.models import llama
 from pagellm.models.llama import Linear, can_pack_for_cpu
 
 needs_native_bf16 = pytest.mark.skipif(not cpu_has_native(torch.bfloat16),
@@ -48,3 +50,20 @@ def test_shared_weight_keeps_its_plain_copy():
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("flags, keeps_plain", [(frozenset({"avx2", "fma"}), True),
+                                                (frozenset({"avx2", "avx512f"}), False)])
+def test_float32_keeps_the_plain_weight_for_mkl_only_without_avx512(monkeypatch, flags, keeps_plain):
+    """AVX2: MKL on the plain weight for prefill-sized calls, oneDNN below; AVX-512: oneDNN at every size."""
+    monkeypatch.setattr(llama, "cpu_flags", lambda: flags)
+    torch.manual_seed(1)
+    layer = Linear(24, 40, bias=True)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.pack_for_cpu(free_plain=True)
+    assert (layer.weight.numel() > 0) == keeps_plain
+    assert layer.plain_min_rows == (Linear.FLOAT32_PLAIN_MIN_ROWS if keeps_plain else None)
+    with torch.no_grad():
+        for rows in (3, Linear.FLOAT32_PLAIN_MIN_ROWS + 1):
+            x = torch.randn(rows, 24)
+            torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
