@@ -67,3 +67,15 @@ def test_float32_keeps_the_plain_weight_for_mkl_only_without_avx512(monkeypatch,
         for rows in (3, Linear.FLOAT32_PLAIN_MIN_ROWS + 1):
             x = torch.randn(rows, 24)
             torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_loaded_bf16_model_runs_on_packed_weights_and_fused_ops(tiny_llama_dir):
+    from pagellm.attention.native import cpu_ops
+    from pagellm.models import loader
+
+    source = loader.resolve_model(str(tiny_llama_dir))
+    config, _ = loader.load_hf_config(source)
+    model = loader.load_model(source, config, None, torch.bfloat16, torch.device("cpu"), 64, "auto")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all((m.packed_weight is not None) == can_pack_for_cpu(torch.device("cpu"), torch.bfloat16) for m in linears)
+    assert (model.model.ops is not None) == (cpu_ops() is not None)

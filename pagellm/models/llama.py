@@ -101,7 +101,7 @@ def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class RMSNorm(nn.Module):
-    # The fused kernels (CPU, float32) when the model runs on them; else torch ops.
+    # The fused kernels (CPU, float32 or bfloat16) when the model runs on them; else torch ops.
     ops: CpuOps | None = None
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -414,7 +414,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def use_cpu_ops(self, ops: CpuOps) -> None:
-        """Run norms, rotary and SiLU-and-multiply on the fused float32 CPU kernels."""
+        """Run norms, rotary and SiLU-and-multiply on the fused CPU kernels (float32 or bfloat16)."""
         for module in self.modules():
             if isinstance(module, (LlamaModel, RMSNorm, LlamaAttention, LlamaMLP)):
                 module.ops = ops
