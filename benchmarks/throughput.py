@@ -380,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
               f"token positions computed for {tokens.useful_prompt_tokens:,} and {tokens.useful_output_tokens:,} "
               f"useful ones ({tokens.padding_fraction:.1%} padding)")
 
-    from pagellm.cpu_features import cpu_description
+    from pagellm.cpu_features import SPEED_FLAGS, cpu_description, cpu_flags
 
     load = MachineLoad(len(os.sched_getaffinity(0)), load_at_start, os.getloadavg()[0], cpu_description())
     print()
@@ -388,7 +388,8 @@ def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
     print(load.describe())
     for r in results:
         line = r.as_json()
-        line.update(cpu=load.cpu, cpus=load.cpus, loadavg_start=load.load_at_start, loadavg_end=load.load_at_end)
+        line.update(cpu=load.cpu, cpu_flags={flag: flag in cpu_flags() for flag in SPEED_FLAGS}, cpus=load.cpus,
+                    loadavg_start=load.load_at_start, loadavg_end=load.load_at_end)
         if r.engine == "pagellm" and startup is not None:
             line.update(startup_core_s=round(startup.core_seconds, 3), startup_ready_s=round(startup.ready_seconds, 3))
             line.update(tensor_parallel_size=args.tensor_parallel_size)

@@ -6,6 +6,7 @@ Parameter names follow HuggingFace's, except that q/k/v and gate/up are fused in
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from torch import nn
 
 from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata, paged_attention
+from pagellm.cpu_features import cpu_flags, cpu_has_native
 from pagellm.distributed.parallel_state import TensorParallelGroup, current_group, tp_rank, tp_size
 from pagellm.models.sliding_window import layer_sliding_window
 
@@ -30,16 +32,22 @@ _STACKED_PARAMS = (
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, on CPU in float32, also keeps its weight packed into oneDNN's blocked layout.
+    """nn.Linear that, on CPU in float32 or (where the CPU has bf16 instructions) bfloat16, also keeps its
+    weight packed into oneDNN's blocked layout.
 
-    No one CPU GEMM wins at every row count on this model's shapes. oneDNN on a pre-packed weight beat
-    F.linear (MKL) 2.6x at 4 rows, 1.6x at 16 and 1.25x at 64 (decode batches); MKL on the plain weight
-    beat oneDNN by 7% at 1024 rows and 12% at 2048 (prefill). So both are kept, at the cost of holding
-    the linear weights twice, and each call takes the faster one for its row count.
+    float32 on AVX2 CPUs: no one CPU GEMM wins at every row count on this model's shapes. oneDNN on a
+    pre-packed weight beat F.linear (MKL) 2.6x at 4 rows, 1.6x at 16 and 1.25x at 64 (decode batches); MKL
+    on the plain weight beat oneDNN by 7% at 1024 rows and 12% at 2048 (prefill). So both are kept, at the
+    cost of holding the linear weights twice, and each call takes the faster one for its row count.
+    float32 on AVX-512 CPUs, and bfloat16: the packed weight won at every shape and row count from 1 to
+    2048 (benchmarks/cpu_gemm.py), so only it is kept and the plain copy is freed (where no other module
+    shares it: a tied LM head's weight is the embedding table).
     """
 
-    # Row count from which MKL on the plain weight is at least as fast as oneDNN (they tie at 512).
-    MKL_MIN_ROWS = 512
+    # Row count from which MKL on the plain weight is at least as fast as oneDNN (they tie at 512), in
+    # float32 on CPUs without AVX-512; None where the packed weight is the only copy.
+    plain_min_rows: int | None = None
+    FLOAT32_PLAIN_MIN_ROWS = 512
     packed_weight: torch.Tensor | None = None
     # Set on CPUs without instructions for the model's half type, where torch emulates half matmuls at
     # ~20 GFLOP/s against ~170 in float32 here: operands are widened to float32 per call and the result
@@ -50,10 +58,16 @@ class Linear(nn.Linear):
     # would fault in new pages every time (113 MB for this model's lm_head).
     upcast_buffer: torch.Tensor | None = None
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, free_plain: bool) -> None:
+        """Pack the weight for oneDNN; with `free_plain` (the weight is not shared), drop the plain copy where
+        the packed one serves every row count."""
         # The layout oneDNN picks depends a little on the row count it is told to expect; 64 did best
         # across 4..2048 rows in a sweep.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+        if self.weight.dtype == torch.float32 and "avx512f" not in cpu_flags():
+            self.plain_min_rows = self.FLOAT32_PLAIN_MIN_ROWS
+        elif free_plain:
+            self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.upcast_to is not None:
@@ -61,7 +75,7 @@ class Linear(nn.Linear):
             weight.copy_(self.weight)
             bias = self.bias.to(self.upcast_to) if self.bias is not None else None
             return F.linear(x.to(self.upcast_to), weight, bias).to(x.dtype)
-        if self.packed_weight is None or x.shape[0] >= self.MKL_MIN_ROWS:
+        if self.packed_weight is None or (self.plain_min_rows is not None and x.shape[0] >= self.plain_min_rows):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
@@ -80,11 +94,14 @@ class RowParallelLinear(Linear):
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """oneDNN-packed weights in float32 everywhere, and in bfloat16 where the CPU has bf16 instructions
+    (elsewhere Linear.upcast_to widens half weights to float32 instead)."""
+    packable = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native(dtype))
+    return device.type == "cpu" and packable and torch.backends.mkldnn.is_available()
 
 
 class RMSNorm(nn.Module):
-    # The fused kernels (CPU, float32) when the model runs on them; else torch ops.
+    # The fused kernels (CPU, float32 or bfloat16) when the model runs on them; else torch ops.
     ops: CpuOps | None = None
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -397,16 +414,17 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def use_cpu_ops(self, ops: CpuOps) -> None:
-        """Run norms, rotary and SiLU-and-multiply on the fused float32 CPU kernels."""
+        """Run norms, rotary and SiLU-and-multiply on the fused CPU kernels (float32 or bfloat16)."""
         for module in self.modules():
             if isinstance(module, (LlamaModel, RMSNorm, LlamaAttention, LlamaMLP)):
                 module.ops = ops
 
     def pack_for_cpu(self) -> None:
         """Run every linear layer on oneDNN-packed weights (call after load_weights; see Linear)."""
+        uses = collections.Counter(id(param) for _, param in self.named_parameters(remove_duplicate=False))
         for module in self.modules():
             if isinstance(module, Linear) and module.weight.numel():
-                module.pack_for_cpu()
+                module.pack_for_cpu(free_plain=uses[id(module.weight)] == 1)
 
     def upcast_linear_layers(self, dtype: torch.dtype) -> None:
         """Run linear layers in `dtype` (float32) on half weights; see Linear.upcast_to."""

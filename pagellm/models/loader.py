@@ -114,8 +114,8 @@ def load_model(
         model.pack_for_cpu()
     elif device.type == "cpu" and not cpu_has_native(dtype):
         model.upcast_linear_layers(torch.float32)
-    ops = cpu_ops() if device.type == "cpu" and dtype == torch.float32 else None
-    if ops is not None and CpuOps.supports(config.hidden_size, config.intermediate_size):
+    ops = cpu_ops() if device.type == "cpu" else None
+    if ops is not None and CpuOps.supports(config.hidden_size, config.intermediate_size, dtype):
         model.use_cpu_ops(ops)
     return model.eval()
 

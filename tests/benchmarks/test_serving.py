@@ -286,3 +286,33 @@ def test_poisson_arrivals_are_seeded_and_at_the_rate():
 
 def test_base_url_normalization():
     assert serving.normalize_base_url("http://h:1/v1/") == serving.normalize_base_url("http://h:1") == "http://h:1"
+
+
+# ---- side by side ------------------------------------------------------------------------------------
+
+
+def test_servers_and_rates_side_by_side_in_one_table(capsys):
+    with FakeOpenAIServer() as first, FakeOpenAIServer(FakeServerBehaviour(fail=frozenset({0}))) as second:
+        run = run_main(capsys, ["--server", f"one={first.base_url}", "--server", f"two={second.base_url}/v1",
+                                "--request-rate", "200", "inf", *WORKLOAD_ARGS])
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [(line["server"], line["request_rate"]) for line in lines] == [
+        ("one", "200.0"), ("one", "inf"), ("two", "200.0"), ("two", "inf")]
+    assert all("cpu" in line and "loadavg" in line for line in lines)
+    # Each server saw the whole workload once per rate; the second failed its first request only.
+    assert len(first.bodies) == len(second.bodies) == 12
+    assert [line["completed"] for line in lines] == [6, 6, 5, 6]
+    table = run.stdout[run.stdout.index("server  "):]
+    assert "TTFT p99" in table and "TPOT p50" in table
+    assert [row.split()[:3] for row in table.splitlines()[2:6]] == [
+        ["one", "200/s", "6/6"], ["one", "inf", "6/6"], ["two", "200/s", "5/6"], ["two", "inf", "6/6"]]
+
+
+def test_a_launched_server_that_exits_early_is_a_clear_error():
+    with pytest.raises(SystemExit, match="broken: the server command exited with status 3"):
+        serving.main(["--launch", "broken=python3 -c 'raise SystemExit(3)'", "--ready-timeout", "30", *WORKLOAD_ARGS])
+
+
+def test_named_entries_need_a_name_and_a_value():
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--server", "http://127.0.0.1:8000"])

@@ -50,3 +50,9 @@ def test_pagellm_and_hf_on_the_tiny_model(tiny_llama_dir, capsys):
     assert lines[0]["startup_core_s"] > 0 and lines[0]["startup_ready_s"] >= lines[0]["startup_core_s"]
     assert "pagellm start-up:" in out and "% padding" in out and "load average" in out
     assert all(line["cpus"] >= 1 and line["loadavg_start"] >= 0 for line in lines)
+    # Figures from different CPUs must never be mixed up: the model and each speed flag, present or not.
+    from pagellm.cpu_features import SPEED_FLAGS, cpu_description, cpu_flags
+
+    assert all(line["cpu"] == cpu_description() for line in lines)
+    assert all(line["cpu_flags"] == {flag: flag in cpu_flags() for flag in SPEED_FLAGS} for line in lines)
+    assert f"CPU: {cpu_description()}" in out

@@ -1,0 +1,105 @@
+"""Prefill attention on the CPU: torch's flash SDPA against the exact alternatives torch offers, per chunk length.
+
+A prefill chunk that starts its sequence attends causally over its own keys (pagellm/attention/paged.py,
+`_chunk_attention`). Timed here, interleaved (round robin, best of --repeats), on the default model's
+heads (9 query heads over 3 KV heads of 64):
+
+- `sdpa`:        F.scaled_dot_product_attention on the [1, heads, tokens, dim] views, enable_gqa (what runs);
+- `sdpa_contig`: the same on contiguous copies;
+- `sdpa_fp32`:   the same on float32 copies (the half types' path on CPUs without half instructions);
+- `blocked`:     query blocks of --block rows, the GQA group's heads folded into the rows of one bmm,
+                 float32 scores and softmax, probabilities rounded to the input dtype for the bmm with V.
+
+Each is checked against float32 SDPA first (max abs error printed). GFLOP/s counts the causal half.
+
+    PYTHONPATH=$PWD python benchmarks/cpu_attention.py                      # bf16, 512/1024/1500 tokens
+    PYTHONPATH=$PWD python benchmarks/cpu_attention.py --dtype float32 --lengths 256 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.cpu_features import cpu_description
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [tokens, heads, dim], k/v [tokens, kv_heads, dim] -> [tokens, heads, dim], causal."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+def blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int) -> torch.Tensor:
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    queries = (q.float() * scale).view(tokens, kv_heads, group, dim).permute(1, 2, 0, 3)  # [KVH, G, T, D]
+    keys_t = k.float().permute(1, 2, 0)  # [KVH, D, T]
+    values = v.transpose(0, 1)  # [KVH, T, D]
+    out = torch.empty(kv_heads, group, tokens, dim, dtype=q.dtype)
+    upper = torch.full((block, block), float("-inf")).triu(1)
+    for start in range(0, tokens, block):
+        end = min(tokens, start + block)
+        rows = end - start
+        scores = torch.bmm(queries[:, :, start:end].reshape(kv_heads, group * rows, dim), keys_t[:, :, :end])
+        scores = scores.view(kv_heads, group, rows, end)
+        scores[..., start:end] += upper[:rows, :rows]
+        probs = torch.softmax(scores, -1).to(q.dtype).view(kv_heads, group * rows, end)
+        out[:, :, start:end] = torch.bmm(probs, values[:, :end]).view(kv_heads, group, rows, dim)
+    return out.permute(2, 0, 1, 3).reshape(tokens, heads, dim)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 1500])
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    scale = args.head_dim ** -0.5
+    print(f"CPU: {cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.dtype}; "
+          f"{args.heads} heads over {args.kv_heads} KV heads of {args.head_dim}; load average {os.getloadavg()[0]:.2f}")
+    options = {
+        "sdpa": lambda q, k, v: sdpa(q, k, v, scale),
+        "sdpa_contig": lambda q, k, v: sdpa(q.contiguous(), k.contiguous(), v.contiguous(), scale),
+        "sdpa_fp32": lambda q, k, v: sdpa(q.float(), k.float(), v.float(), scale).to(dtype),
+        "blocked": lambda q, k, v: blocked(q, k, v, scale, args.block),
+    }
+    print(f"{'tokens':>6} | " + " | ".join(f"{name:>18}" for name in options) + "   (ms, GFLOP/s; max abs error)")
+    with torch.no_grad():
+        for tokens in args.lengths:
+            # Views of one [tokens, q+2kv heads, dim] projection, as the model hands them over.
+            qkv = torch.randn(tokens, args.heads + 2 * args.kv_heads, args.head_dim, dtype=dtype) * 2
+            q, k, v = qkv.split([args.heads, args.kv_heads, args.kv_heads], dim=1)
+            reference = sdpa(q.float(), k.float(), v.float(), scale)
+            errors = {name: (fn(q, k, v).float() - reference).abs().max().item() for name, fn in options.items()}
+            best = {name: float("inf") for name in options}
+            for _ in range(args.repeats):
+                for name, fn in options.items():
+                    start = time.perf_counter()
+                    fn(q, k, v)
+                    best[name] = min(best[name], time.perf_counter() - start)
+            flops = 2 * tokens * tokens * args.head_dim * args.heads  # QK^T and PV over the causal half
+            print(f"{tokens:>6} | " + " | ".join(
+                f"{best[n] * 1e3:6.1f} {flops / best[n] / 1e9:5.0f} {errors[n]:.3f}" for n in options), flush=True)
+    print(f"load average at end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

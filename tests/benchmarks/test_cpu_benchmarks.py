@@ -1,0 +1,31 @@
+"""The CPU micro-benchmarks time only options that compute the same thing as the path pagellm runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks.cpu_attention import blocked, sdpa
+from benchmarks.cpu_gemm import gemm_options
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_options_agree_with_f_linear(dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(40, 24, dtype=dtype)
+    x = torch.randn(5, 24, dtype=dtype)
+    expected = F.linear(x.float(), weight.float())
+    for name, fn in gemm_options(weight).items():
+        torch.testing.assert_close(fn(x).float(), expected, rtol=2e-2, atol=5e-2, msg=name)
+
+
+@pytest.mark.parametrize("tokens", [7, 40])
+def test_blocked_attention_is_causal_sdpa(tokens):
+    torch.manual_seed(tokens)
+    q, k, v = torch.randn(tokens, 6, 16), torch.randn(tokens, 2, 16), torch.randn(tokens, 2, 16)
+    torch.testing.assert_close(blocked(q, k, v, 0.25, block=16), sdpa(q, k, v, 0.25), rtol=1e-4, atol=1e-5)
+    # Causal: the first token's output depends on its own key and value only.
+    k2, v2 = k.clone(), v.clone()
+    k2[1:], v2[1:] = 0, 0
+    torch.testing.assert_close(blocked(q, k2, v2, 0.25, block=16)[0], blocked(q, k, v, 0.25, block=16)[0])

@@ -1,0 +1,81 @@
+"""The CPU GEMM paths: oneDNN-packed linear weights (one copy where they serve every row count) against
+the float32 product of the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.cpu_features import cpu_has_native
+from pagellm.models import llama
+from pagellm.models.llama import Linear, can_pack_for_cpu
+
+needs_native_bf16 = pytest.mark.skipif(not cpu_has_native(torch.bfloat16),
+                                       reason="this CPU has no bf16 instructions (no avx512_bf16 / amx_bf16)")
+
+
+def test_bf16_packs_only_where_the_cpu_has_bf16_instructions():
+    cpu = torch.device("cpu")
+    assert can_pack_for_cpu(cpu, torch.float32) == torch.backends.mkldnn.is_available()
+    assert can_pack_for_cpu(cpu, torch.bfloat16) == (cpu_has_native(torch.bfloat16)
+                                                      and torch.backends.mkldnn.is_available())
+    assert not can_pack_for_cpu(cpu, torch.float16)
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("rows", [1, 5, 64, 600])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_linear_matches_float32_product(rows, bias):
+    torch.manual_seed(rows)
+    layer = Linear(96, 160, bias=bias).to(torch.bfloat16)
+    weight = layer.weight.detach().float().clone()
+    b = layer.bias.detach().float().clone() if bias else None
+    layer.pack_for_cpu(free_plain=True)
+    assert layer.weight.numel() == 0, "bf16 keeps one copy: the packed weight"
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 160)
+    # float32 accumulation, one bf16 rounding of the result: within a few bf16 ulps of the exact product.
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight, b), rtol=1.6e-2, atol=1e-2)
+
+
+@needs_native_bf16
+def test_shared_weight_keeps_its_plain_copy():
+    torch.manual_seed(0)
+    layer = Linear(32, 48, bias=False).to(torch.bfloat16)
+    layer.pack_for_cpu(free_plain=False)
+    assert layer.weight.shape == (48, 32)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("flags, keeps_plain", [(frozenset({"avx2", "fma"}), True),
+                                                (frozenset({"avx2", "avx512f"}), False)])
+def test_float32_keeps_the_plain_weight_for_mkl_only_without_avx512(monkeypatch, flags, keeps_plain):
+    """AVX2: MKL on the plain weight for prefill-sized calls, oneDNN below; AVX-512: oneDNN at every size."""
+    monkeypatch.setattr(llama, "cpu_flags", lambda: flags)
+    torch.manual_seed(1)
+    layer = Linear(24, 40, bias=True)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.pack_for_cpu(free_plain=True)
+    assert (layer.weight.numel() > 0) == keeps_plain
+    assert layer.plain_min_rows == (Linear.FLOAT32_PLAIN_MIN_ROWS if keeps_plain else None)
+    with torch.no_grad():
+        for rows in (3, Linear.FLOAT32_PLAIN_MIN_ROWS + 1):
+            x = torch.randn(rows, 24)
+            torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_loaded_bf16_model_runs_on_packed_weights_and_fused_ops(tiny_llama_dir):
+    from pagellm.attention.native import cpu_ops
+    from pagellm.models import loader
+
+    source = loader.resolve_model(str(tiny_llama_dir))
+    config, _ = loader.load_hf_config(source)
+    model = loader.load_model(source, config, None, torch.bfloat16, torch.device("cpu"), 64, "auto")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all((m.packed_weight is not None) == can_pack_for_cpu(torch.device("cpu"), torch.bfloat16) for m in linears)
+    assert (model.model.ops is not None) == (cpu_ops() is not None)
