@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -539,16 +540,28 @@ def run_one(args: argparse.Namespace, endpoint: Endpoint, rate: float, workload:
     return summary, model
 
 
+def rate_workloads(args: argparse.Namespace, tokenizer) -> list[tuple[Workload, list]]:
+    """One workload per request rate, seeded --seed + its index: the same for every server, but no rate reuses
+    another's prompts, which the server's prefix cache (on by default in pagellm and vLLM) would otherwise serve
+    from the run before, turning every rate after the first into a measurement of cache hits."""
+    workloads = []
+    for index in range(len(args.request_rate)):
+        spec = dataclasses.replace(WorkloadSpec.from_args(args), seed=args.seed + index)
+        workload = generate_workload(spec, sampleable_token_ids(tokenizer))
+        workloads.append((workload, build_prompts(workload, tokenizer, args.prompt_format)))
+    return workloads
+
+
 def main(argv: Sequence[str] | None = None) -> ServingSummary:
     """Runs every server at every rate; returns the last run's summary."""
     args = parse_args(argv)
     from pagellm.cpu_features import cpu_description
 
     tokenizer = load_tokenizer(args.tokenizer)
-    workload = generate_workload(WorkloadSpec.from_args(args), sampleable_token_ids(tokenizer))
-    prompts = build_prompts(workload, tokenizer, args.prompt_format)
-    print(f"Workload: {workload.describe()}; prompts sent as {args.prompt_format}. CPU: {cpu_description()}; "
-          f"load average {os.getloadavg()[0]:.2f} at start.")
+    workloads = rate_workloads(args, tokenizer)
+    for rate, (workload, _) in zip(args.request_rate, workloads):
+        print(f"Workload at rate {rate:g}: {workload.describe()}; prompts sent as {args.prompt_format}.")
+    print(f"CPU: {cpu_description()}; load average {os.getloadavg()[0]:.2f} at start.")
     runs: list[ComparedRun] = []
     for spec in server_specs(args):
         process = None
@@ -559,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> ServingSummary:
             if process is not None:
                 print(f"{spec.name} ready in {wait_until_ready(process, spec.base_url, args.ready_timeout):.1f} s",
                       flush=True)
-            for rate in args.request_rate:
+            for rate, (workload, prompts) in zip(args.request_rate, workloads):
                 summary, model = run_one(args, Endpoint(spec.base_url, args.api_key), rate, workload, prompts)
                 runs.append(ComparedRun(spec.name, rate, summary))
                 print(json.dumps({"server": spec.name, "model": model, "request_rate": str(rate),

@@ -302,6 +302,10 @@ def test_servers_and_rates_side_by_side_in_one_table(capsys):
     # Each server saw the whole workload once per rate; the second failed its first request only.
     assert len(first.bodies) == len(second.bodies) == 12
     assert [line["completed"] for line in lines] == [6, 6, 5, 6]
+    # Each rate sends its own prompts (no prefix-cache hits on the rate before), the same to both servers.
+    prompts = lambda server, start: sorted(map(tuple, (b["prompt"] for b in server.bodies[start:start + 6])))  # noqa: E731
+    assert prompts(first, 0) != prompts(first, 6)
+    assert prompts(first, 0) == prompts(second, 0) and prompts(first, 6) == prompts(second, 6)
     table = run.stdout[run.stdout.index("server  "):]
     assert "TTFT p99" in table and "TPOT p50" in table
     assert [row.split()[:3] for row in table.splitlines()[2:6]] == [
