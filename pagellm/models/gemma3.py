@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.native import CpuOps
-from pagellm.attention.paged import AttentionMetadata, paged_attention
+from pagellm.attention.paged import AttentionMetadata
 from pagellm.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -93,14 +93,9 @@ class Gemma3Attention(LlamaAttention):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, (rope.cos, rope.sin))
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                              sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        q, k, v = self.split_heads(self.qkv_proj(hidden))
+        q, k = apply_rotary(self.q_norm(q), self.k_norm(k), (rope.cos, rope.sin))
+        return self.attend(q, k, v, kv_cache, meta)
 
 
 class Gemma3MLP(LlamaMLP):

@@ -271,12 +271,20 @@ class LlamaAttention(nn.Module):
             # Query and key heads lead each row of qkv: rotate them where they are.
             self.ops.rotary_inplace(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope.tables.cos,
                                     rope.tables.sin, rope.positions)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.split_heads(qkv)
         if self.ops is None:
             q, k = apply_rotary(q, k, (rope.cos, rope.sin))
+        return self.attend(q, k, v, kv_cache, meta)
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, q + 2 kv] -> views q [T, heads, head_dim], k and v [T, kv_heads, head_dim]."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Paged attention of this step's rotated q/k and v, through this layer's window, then o_proj."""
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                               sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from pagellm.attention.native import CpuOps
-from pagellm.attention.paged import AttentionMetadata, paged_attention
+from pagellm.attention.paged import AttentionMetadata
 from pagellm.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -76,16 +76,11 @@ class Phi3Attention(LlamaAttention):
     ) -> torch.Tensor:
         if self.rotary_dim == self.head_dim:
             return super().forward(rope, hidden, kv_cache, meta)
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.split_heads(self.qkv_proj(hidden))
         rotated_q, rotated_k = apply_rotary(q[..., : self.rotary_dim], k[..., : self.rotary_dim], (rope.cos, rope.sin))
         q = torch.cat((rotated_q, q[..., self.rotary_dim:]), dim=-1)
         k = torch.cat((rotated_k, k[..., self.rotary_dim:]), dim=-1)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                              sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.attend(q, k, v, kv_cache, meta)
 
 
 class Phi3DecoderLayer(LlamaDecoderLayer):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.native import CpuOps
-from pagellm.attention.paged import AttentionMetadata, paged_attention
+from pagellm.attention.paged import AttentionMetadata
 from pagellm.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -54,9 +54,7 @@ class Qwen3Attention(LlamaAttention):
             q = q.view(tokens, self.num_heads, self.head_dim)
             k = k.view(tokens, self.num_kv_heads, self.head_dim)
             q, k = apply_rotary(q, k, (rope.cos, rope.sin))
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                              sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.attend(q, k, v, kv_cache, meta)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
