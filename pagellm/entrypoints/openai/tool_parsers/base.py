@@ -50,6 +50,11 @@ class ExtractedToolCalls:
     content: str | None
     calls: list[ToolCall]
 
+    @classmethod
+    def of(cls, content: str, calls: list[ToolCall]) -> ExtractedToolCalls:
+        """From the text and calls a stream gave: empty text beside calls is no content (OpenAI's null)."""
+        return cls(None if calls and not content else content, calls)
+
 
 class ToolParser(ABC):
     """A model family's tool-call format. Stateless: one instance serves every request."""
@@ -81,9 +86,7 @@ class ToolParser(ABC):
         stream = self.stream()
         delta = stream.feed(text)
         final = stream.finish()
-        content = delta.content + final.content
-        calls = delta.calls + final.calls
-        return ExtractedToolCalls(None if calls and not content else content, calls)
+        return ExtractedToolCalls.of(delta.content + final.content, delta.calls + final.calls)
 
 
 class MarkerToolParser(ToolParser):
