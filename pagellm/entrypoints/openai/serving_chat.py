@@ -33,7 +33,7 @@ from pagellm.entrypoints.openai.structured import (
     requested_structured_outputs,
     tool_calls_of,
 )
-from pagellm.entrypoints.openai.tool_parsers import ParsedDelta, ToolCallStream
+from pagellm.entrypoints.openai.tool_parsers import ToolCallStream
 
 
 def _structured_outputs(request: ChatCompletionRequest, auto_tool_parser: str | None) -> tuple[ToolPlan | None, object]:
@@ -200,10 +200,7 @@ def _auto_tool_deltas(stream: ToolCallStream, text: str, finished: bool, logprob
     """The deltas one piece of text makes under tool_choice "auto": content as it comes (a possible call marker
     held back), then each call whole, once it is complete and parses, numbered across the reply."""
     first_index = stream.num_calls
-    parsed = stream.feed(text)
-    if finished:
-        rest = stream.finish()
-        parsed = ParsedDelta(parsed.content + rest.content, parsed.calls + rest.calls)
+    parsed = stream.feed(text, final=finished)
     deltas = [{"content": parsed.content}] if parsed.content or (logprobs and not parsed.calls) else []
     deltas += [{"tool_calls": [{"index": first_index + offset, **call.to_openai()}]}
                for offset, call in enumerate(parsed.calls)]
