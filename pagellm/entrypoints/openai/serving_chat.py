@@ -55,10 +55,9 @@ def _message(plan: ToolPlan | None, choice: Choice) -> tuple[ChatResponseMessage
     with tool_choice "auto", the calls the parser finds in the text and the text around them."""
     if plan is not None and plan.parser is not None:
         extracted = plan.parser.extract(choice.text)
-        if not extracted.calls:
-            return ChatResponseMessage(content=extracted.content), choice.finish_reason
-        calls = [call.to_openai() for call in extracted.calls]
-        return ChatResponseMessage(content=extracted.content, tool_calls=calls), _auto_finish_reason(choice.finish_reason)
+        calls = [call.to_openai() for call in extracted.calls] or None
+        finish_reason = _auto_finish_reason(choice.finish_reason, len(extracted.calls))
+        return ChatResponseMessage(content=extracted.content, tool_calls=calls), finish_reason
     if plan is None or choice.finish_reason != "stop":
         return ChatResponseMessage(content=choice.text), choice.finish_reason
     try:
@@ -69,9 +68,10 @@ def _message(plan: ToolPlan | None, choice: Choice) -> tuple[ChatResponseMessage
     return ChatResponseMessage(content=None, tool_calls=calls), "stop" if plan.named else "tool_calls"
 
 
-def _auto_finish_reason(engine_finish_reason: str | None) -> str | None:
-    """A reply with calls ends with "tool_calls", unless it was cut short ("length": a later call may be lost)."""
-    return "tool_calls" if engine_finish_reason == "stop" else engine_finish_reason
+def _auto_finish_reason(engine_finish_reason: str | None, num_calls: int) -> str | None:
+    """A reply with calls ends with "tool_calls", unless it was cut short ("length": a later call may be lost);
+    one without calls keeps the engine's reason."""
+    return "tool_calls" if num_calls and engine_finish_reason == "stop" else engine_finish_reason
 
 
 def _check_chat_supported(request: ChatCompletionRequest) -> None:
@@ -172,9 +172,7 @@ async def _stream(
                         yield chunk(choice.index, delta, logprobs=logprobs)
                         logprobs = None
                     if output.finished:
-                        finish = completion.finish_reason
-                        if auto_streams[choice.index].num_calls:
-                            finish = _auto_finish_reason(finish)
+                        finish = _auto_finish_reason(completion.finish_reason, auto_streams[choice.index].num_calls)
                         yield chunk(choice.index, {}, finish, completion.stop_reason)
                     continue
                 if plan is not None:
