@@ -545,9 +545,10 @@ def rate_workloads(args: argparse.Namespace, tokenizer) -> list[tuple[Workload, 
     another's prompts, which the server's prefix cache (on by default in pagellm and vLLM) would otherwise serve
     from the run before, turning every rate after the first into a measurement of cache hits."""
     workloads = []
+    vocabulary = sampleable_token_ids(tokenizer)
     for index in range(len(args.request_rate)):
         spec = dataclasses.replace(WorkloadSpec.from_args(args), seed=args.seed + index)
-        workload = generate_workload(spec, sampleable_token_ids(tokenizer))
+        workload = generate_workload(spec, vocabulary)
         workloads.append((workload, build_prompts(workload, tokenizer, args.prompt_format)))
     return workloads
 

@@ -5,8 +5,8 @@ run by the real engine on one --prompt-len prompt of random tokens, greedily, in
 engine: once as pagellm runs it (blocks the window has moved past go back to the pool as the sequence runs), and
 once with that freeing switched off (the KV-cache manager told the model has no window, so every block stays
 until the request ends; attention still reads only the window, so the output must be the same). Prints the
-request's peak blocks for each, the saving, and whether the outputs agree; then runs the prompt on a pool
-smaller than the prompt itself, which only freeing makes possible.
+request's peak blocks for each, the saving, whether the outputs agree and the CPU the seconds came from; then
+runs the prompt on a pool smaller than the prompt itself, which only freeing makes possible.
 
     .venv/bin/python benchmarks/sliding_window.py                      # window 64, prompt 2048
     .venv/bin/python benchmarks/sliding_window.py --window 256 --prompt-len 4096
@@ -28,6 +28,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.kv_cache_manager import cdiv, max_blocks_per_sequence
+from pagellm.cpu_features import cpu_description
 
 
 def save_tiny_mistral(path: Path, window: int, max_positions: int) -> None:
@@ -78,7 +79,7 @@ def main() -> None:
         small = LLM(tmp, num_gpu_blocks_override=bound, **common)
         small_tokens, small_peak, _ = run(small, prompt, args.max_tokens)
     report = {
-        "window": args.window, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        "cpu": cpu_description(), "window": args.window, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
         "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
         "peak_blocks_freeing": freed_peak, "peak_blocks_without_freeing": kept_peak,
         "saving": round(1 - freed_peak / kept_peak, 4), "bound_blocks_per_sequence": bound,

@@ -102,8 +102,7 @@ def _streamed(parser_name: str, pieces: list[str]) -> ExtractedToolCalls:
     final = stream.finish()
     contents.append(final.content)
     calls += final.calls
-    content = "".join(contents)
-    return ExtractedToolCalls(None if calls and not content else content, calls)
+    return ExtractedToolCalls.of("".join(contents), calls)
 
 
 def _check_stream(parser_name: str, text: str, pieces: list[str]) -> None:

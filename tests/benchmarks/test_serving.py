@@ -298,7 +298,10 @@ def test_servers_and_rates_side_by_side_in_one_table(capsys):
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert [(line["server"], line["request_rate"]) for line in lines] == [
         ("one", "200.0"), ("one", "inf"), ("two", "200.0"), ("two", "inf")]
-    assert all("cpu" in line and "loadavg" in line for line in lines)
+    from pagellm.cpu_features import cpu_description
+
+    assert all(line["cpu"] == cpu_description() and line["loadavg"] >= 0 for line in lines)
+    assert f"CPU: {cpu_description()}" in run.stdout
     # Each server saw the whole workload once per rate; the second failed its first request only.
     assert len(first.bodies) == len(second.bodies) == 12
     assert [line["completed"] for line in lines] == [6, 6, 5, 6]

@@ -33,7 +33,7 @@ from pagellm.entrypoints.openai.structured import (
     requested_structured_outputs,
     tool_calls_of,
 )
-from pagellm.entrypoints.openai.tool_parsers import ParsedDelta, ToolCallStream
+from pagellm.entrypoints.openai.tool_parsers import ToolCallStream
 
 
 def _structured_outputs(request: ChatCompletionRequest, auto_tool_parser: str | None) -> tuple[ToolPlan | None, object]:
@@ -55,10 +55,9 @@ def _message(plan: ToolPlan | None, choice: Choice) -> tuple[ChatResponseMessage
     with tool_choice "auto", the calls the parser finds in the text and the text around them."""
     if plan is not None and plan.parser is not None:
         extracted = plan.parser.extract(choice.text)
-        if not extracted.calls:
-            return ChatResponseMessage(content=extracted.content), choice.finish_reason
-        calls = [call.to_openai() for call in extracted.calls]
-        return ChatResponseMessage(content=extracted.content, tool_calls=calls), _auto_finish_reason(choice.finish_reason)
+        calls = [call.to_openai() for call in extracted.calls] or None
+        finish_reason = _auto_finish_reason(choice.finish_reason, len(extracted.calls))
+        return ChatResponseMessage(content=extracted.content, tool_calls=calls), finish_reason
     if plan is None or choice.finish_reason != "stop":
         return ChatResponseMessage(content=choice.text), choice.finish_reason
     try:
@@ -69,9 +68,10 @@ def _message(plan: ToolPlan | None, choice: Choice) -> tuple[ChatResponseMessage
     return ChatResponseMessage(content=None, tool_calls=calls), "stop" if plan.named else "tool_calls"
 
 
-def _auto_finish_reason(engine_finish_reason: str | None) -> str | None:
-    """A reply with calls ends with "tool_calls", unless it was cut short ("length": a later call may be lost)."""
-    return "tool_calls" if engine_finish_reason == "stop" else engine_finish_reason
+def _auto_finish_reason(engine_finish_reason: str | None, num_calls: int) -> str | None:
+    """A reply with calls ends with "tool_calls", unless it was cut short ("length": a later call may be lost);
+    one without calls keeps the engine's reason."""
+    return "tool_calls" if num_calls and engine_finish_reason == "stop" else engine_finish_reason
 
 
 def _check_chat_supported(request: ChatCompletionRequest) -> None:
@@ -172,9 +172,7 @@ async def _stream(
                         yield chunk(choice.index, delta, logprobs=logprobs)
                         logprobs = None
                     if output.finished:
-                        finish = completion.finish_reason
-                        if auto_streams[choice.index].num_calls:
-                            finish = _auto_finish_reason(finish)
+                        finish = _auto_finish_reason(completion.finish_reason, auto_streams[choice.index].num_calls)
                         yield chunk(choice.index, {}, finish, completion.stop_reason)
                     continue
                 if plan is not None:
@@ -200,10 +198,7 @@ def _auto_tool_deltas(stream: ToolCallStream, text: str, finished: bool, logprob
     """The deltas one piece of text makes under tool_choice "auto": content as it comes (a possible call marker
     held back), then each call whole, once it is complete and parses, numbered across the reply."""
     first_index = stream.num_calls
-    parsed = stream.feed(text)
-    if finished:
-        rest = stream.finish()
-        parsed = ParsedDelta(parsed.content + rest.content, parsed.calls + rest.calls)
+    parsed = stream.feed(text, final=finished)
     deltas = [{"content": parsed.content}] if parsed.content or (logprobs and not parsed.calls) else []
     deltas += [{"tool_calls": [{"index": first_index + offset, **call.to_openai()}]}
                for offset, call in enumerate(parsed.calls)]

@@ -9,7 +9,6 @@ from pagellm.entrypoints.openai.tool_parsers.base import (
     ToolCall,
     ToolCallStream,
     ToolParser,
-    new_call_id,
     openai_tool_call,
 )
 from pagellm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
@@ -28,4 +27,4 @@ def get_tool_parser(name: str) -> ToolParser:
 
 
 __all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "ParsedDelta", "ToolCall", "ToolCallStream", "ToolParser",
-           "get_tool_parser", "new_call_id", "openai_tool_call"]
+           "get_tool_parser", "openai_tool_call"]

@@ -50,6 +50,11 @@ class ExtractedToolCalls:
     content: str | None
     calls: list[ToolCall]
 
+    @classmethod
+    def of(cls, content: str, calls: list[ToolCall]) -> ExtractedToolCalls:
+        """From the text and calls a stream gave: empty text beside calls is no content (OpenAI's null)."""
+        return cls(None if calls and not content else content, calls)
+
 
 class ToolParser(ABC):
     """A model family's tool-call format. Stateless: one instance serves every request."""
@@ -78,12 +83,8 @@ class ToolParser(ABC):
         return ToolCallStream(self)
 
     def extract(self, text: str) -> ExtractedToolCalls:
-        stream = self.stream()
-        delta = stream.feed(text)
-        final = stream.finish()
-        content = delta.content + final.content
-        calls = delta.calls + final.calls
-        return ExtractedToolCalls(None if calls and not content else content, calls)
+        whole = self.stream().feed(text, final=True)
+        return ExtractedToolCalls.of(whole.content, whole.calls)
 
 
 class MarkerToolParser(ToolParser):
@@ -126,21 +127,23 @@ class ToolCallStream:
         self._seen_text = False
         self.num_calls = 0
 
-    def feed(self, text: str) -> ParsedDelta:
+    def feed(self, text: str, final: bool = False) -> ParsedDelta:
+        """What `text` adds; final: the output ends with it, so an open call is parsed as it stands and held
+        text is passed on."""
         delta = ParsedDelta()
         self._pending += text
         self._scan(delta)
+        if final:
+            if self._call_text is not None:
+                self._close_call(delta, self._call_text, "")
+                self._scan(delta)
+            self._emit_text(delta, self._pending, final=True)
+            self._pending = ""
         return delta
 
     def finish(self) -> ParsedDelta:
-        """The rest, once the output has ended: an open call is parsed as it stands, held text passed on."""
-        delta = ParsedDelta()
-        if self._call_text is not None:
-            self._close_call(delta, self._call_text, "")
-            self._scan(delta)
-        self._emit_text(delta, self._pending, final=True)
-        self._pending = ""
-        return delta
+        """The rest, once the output has ended."""
+        return self.feed("", final=True)
 
     def _scan(self, delta: ParsedDelta) -> None:
         parser = self._parser
