@@ -37,23 +37,20 @@ class Qwen3Attention(LlamaAttention):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.split_heads(self.qkv_proj(hidden))
         # Rows of one head each: the norm's weight spans one head.
-        q = self.q_norm(q.reshape(-1, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.head_dim))
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.ops is not None:
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        if self.ops is None:
+            q, k = apply_rotary(q, k, (rope.cos, rope.sin))
+        else:
+            # The kernel rotates the query and key heads leading each row: put the normed heads in such rows.
+            tokens = q.shape[0]
             qk = torch.cat((q.view(tokens, self.q_size), k.view(tokens, self.kv_size)), dim=-1)
             self.ops.rotary_inplace(qk, self.num_heads + self.num_kv_heads, self.head_dim, rope.tables.cos,
                                     rope.tables.sin, rope.positions)
-            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-            q = q.view(tokens, self.num_heads, self.head_dim)
-            k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        else:
-            q = q.view(tokens, self.num_heads, self.head_dim)
-            k = k.view(tokens, self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(q, k, (rope.cos, rope.sin))
+            rotated_q, rotated_k = qk.split([self.q_size, self.kv_size], dim=-1)
+            q, k = rotated_q.view(q.shape), rotated_k.view(k.shape)
         return self.attend(q, k, v, kv_cache, meta)
 
 
