@@ -10,6 +10,7 @@ by all heads, so every rank holds all of it.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata
@@ -25,10 +26,13 @@ from pagellm.models.llama import (
 
 
 class Qwen3Attention(LlamaAttention):
+    # The per-head norm; Gemma 3, whose attention is this one with its own norm, swaps it.
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config, layer_index: int) -> None:
         super().__init__(config, layer_index)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = self.norm_class(self.head_dim, config.rms_norm_eps)
+        self.k_norm = self.norm_class(self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
