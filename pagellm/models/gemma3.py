@@ -25,16 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.native import CpuOps
-from pagellm.attention.paged import AttentionMetadata
-from pagellm.models.llama import (
-    LlamaAttention,
-    LlamaForCausalLM,
-    LlamaMLP,
-    RopeInputs,
-    RotaryEmbedding,
-    apply_rotary,
-    head_dim_of,
-)
+from pagellm.models.llama import LlamaForCausalLM, LlamaMLP, RopeInputs, RotaryEmbedding, head_dim_of
+from pagellm.models.qwen3 import Qwen3Attention
 
 # Where a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its language model: transformers 5's
 # layout and the hub's older one. Its vision tower and projector are not used for text.
@@ -79,23 +71,14 @@ class GemmaRMSNorm(nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma3Attention(LlamaAttention):
+class Gemma3Attention(Qwen3Attention):
+    """Qwen3's attention (per-head norms on q and k before rotary) with Gemma's norm and score scale."""
+
+    norm_class = GemmaRMSNorm
+
     def __init__(self, config, layer_index: int) -> None:
         super().__init__(config, layer_index)
         self.scale = config.query_pre_attn_scalar**-0.5
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def forward(
-        self,
-        rope: RopeInputs,
-        hidden: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        q, k, v = self.split_heads(self.qkv_proj(hidden))
-        q, k = apply_rotary(self.q_norm(q), self.k_norm(k), (rope.cos, rope.sin))
-        return self.attend(q, k, v, kv_cache, meta)
 
 
 class Gemma3MLP(LlamaMLP):

@@ -63,7 +63,8 @@ class _GGUFArch:
     # Added to every *norm.weight by llama.cpp's Gemma converter (llama.cpp multiplies by w, HF by 1 + w).
     norm_offset: float = 0.0
     # The HF model_type whose tokenizer class AutoTokenizer would pick; named up front, it skips transformers'
-    # own config read of the file (a GGUFReader pass over the vocabulary: 19 s of 28 for Gemma 3's 262k).
+    # own config read of the file (a GGUFReader pass over the vocabulary: 19 s of 28 for Gemma 3's 262k on a
+    # 2-core AMD EPYC, avx2 avx512f avx512_bf16).
     # None where transformers maps no class (llama): AutoTokenizer then finds it the slow way.
     tokenizer_type: str | None = None
     # Tokens that end a turn besides the file's EOS, as llama.cpp treats them (its end-of-generation set) and
@@ -169,8 +170,9 @@ def _save_atomically(tokenizer: transformers.PreTrainedTokenizerBase, target: pa
 def _read_header(blob: np.ndarray) -> _Header:
     """Parse GGUF metadata and the tensor table from the mapped file with `struct`.
 
-    gguf.GGUFReader builds a numpy view per vocabulary/merge entry, which alone takes ~2.6 s on the
-    default model; the loader never needs those arrays, so they are walked over, not materialized.
+    gguf.GGUFReader builds a numpy view per vocabulary/merge entry, which alone took ~2.6 s on the
+    default model (2-core AMD EPYC, avx2 only); the loader never needs those arrays, so they are walked
+    over, not materialized.
     """
     magic, version = struct.unpack_from("<4sI", blob, 0)
     if magic != b"GGUF":

@@ -66,8 +66,8 @@ def _dequantize_f32(blocks: np.ndarray, out: np.ndarray) -> None:
 
 
 def _dequantize_f16(blocks: np.ndarray, out: np.ndarray) -> None:
-    # numpy's cast, not torch's (2.2x faster here) because torch rewrites every NaN as 0x7fffffff, and
-    # gguf's result, the reference, keeps the payload.
+    # numpy's cast, not torch's (2.2x faster on a 2-core AMD EPYC, avx2 avx512f avx512_bf16) because torch
+    # rewrites every NaN as 0x7fffffff, and gguf's result, the reference, keeps the payload.
     out[...] = blocks.view(np.float16)
 
 

@@ -35,13 +35,14 @@ class Linear(nn.Linear):
     """nn.Linear that, on CPU in float32 or (where the CPU has bf16 instructions) bfloat16, also keeps its
     weight packed into oneDNN's blocked layout.
 
-    float32 on AVX2 CPUs: no one CPU GEMM wins at every row count on this model's shapes. oneDNN on a
-    pre-packed weight beat F.linear (MKL) 2.6x at 4 rows, 1.6x at 16 and 1.25x at 64 (decode batches); MKL
-    on the plain weight beat oneDNN by 7% at 1024 rows and 12% at 2048 (prefill). So both are kept, at the
-    cost of holding the linear weights twice, and each call takes the faster one for its row count.
-    float32 on AVX-512 CPUs, and bfloat16: the packed weight won at every shape and row count from 1 to
-    2048 (benchmarks/cpu_gemm.py), so only it is kept and the plain copy is freed (where no other module
-    shares it: a tied LM head's weight is the embedding table).
+    float32 on AVX2 CPUs: no one CPU GEMM wins at every row count on this model's shapes. On a 2-core AMD
+    EPYC with avx2 only (no avx512f), one thread, oneDNN on a pre-packed weight beat F.linear (MKL) 2.6x at
+    4 rows, 1.6x at 16 and 1.25x at 64 (decode batches); MKL on the plain weight beat oneDNN by 7% at 1024
+    rows and 12% at 2048 (prefill). So both are kept, at the cost of holding the linear weights twice, and
+    each call takes the faster one for its row count.
+    float32 on AVX-512 CPUs, and bfloat16: on a 2-core AMD EPYC with avx2 avx512f avx512_bf16, the packed
+    weight won at every shape and row count from 1 to 2048 (benchmarks/cpu_gemm.py), so only it is kept and
+    the plain copy is freed (where no other module shares it: a tied LM head's weight is the embedding table).
     """
 
     # Row count from which MKL on the plain weight is at least as fast as oneDNN (they tie at 512), in
@@ -49,10 +50,10 @@ class Linear(nn.Linear):
     plain_min_rows: int | None = None
     FLOAT32_PLAIN_MIN_ROWS = 512
     packed_weight: torch.Tensor | None = None
-    # Set on CPUs without instructions for the model's half type, where torch emulates half matmuls at
-    # ~20 GFLOP/s against ~170 in float32 here: operands are widened to float32 per call and the result
-    # rounded back, the arithmetic of a half GEMM with float32 accumulation, while the weights stay half
-    # in memory.
+    # Set on CPUs without instructions for the model's half type, where torch emulates half matmuls (~20
+    # GFLOP/s against ~170 in float32 on a 2-core AMD EPYC with avx2 only): operands are widened to float32
+    # per call and the result rounded back, the arithmetic of a half GEMM with float32 accumulation, while
+    # the weights stay half in memory.
     upcast_to: torch.dtype | None = None
     # Shared by all layers of a model (they run one at a time): widening into a fresh tensor each call
     # would fault in new pages every time (113 MB for this model's lm_head).

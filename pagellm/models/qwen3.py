@@ -10,6 +10,7 @@ by all heads, so every rank holds all of it.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata
@@ -25,10 +26,13 @@ from pagellm.models.llama import (
 
 
 class Qwen3Attention(LlamaAttention):
+    # The per-head norm; Gemma 3, whose attention is this one with its own norm, swaps it.
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config, layer_index: int) -> None:
         super().__init__(config, layer_index)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = self.norm_class(self.head_dim, config.rms_norm_eps)
+        self.k_norm = self.norm_class(self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
@@ -37,23 +41,20 @@ class Qwen3Attention(LlamaAttention):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.split_heads(self.qkv_proj(hidden))
         # Rows of one head each: the norm's weight spans one head.
-        q = self.q_norm(q.reshape(-1, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.head_dim))
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.ops is not None:
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        if self.ops is None:
+            q, k = apply_rotary(q, k, (rope.cos, rope.sin))
+        else:
+            # The kernel rotates the query and key heads leading each row: put the normed heads in such rows.
+            tokens = q.shape[0]
             qk = torch.cat((q.view(tokens, self.q_size), k.view(tokens, self.kv_size)), dim=-1)
             self.ops.rotary_inplace(qk, self.num_heads + self.num_kv_heads, self.head_dim, rope.tables.cos,
                                     rope.tables.sin, rope.positions)
-            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-            q = q.view(tokens, self.num_heads, self.head_dim)
-            k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        else:
-            q = q.view(tokens, self.num_heads, self.head_dim)
-            k = k.view(tokens, self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(q, k, (rope.cos, rope.sin))
+            rotated_q, rotated_k = qk.split([self.q_size, self.kv_size], dim=-1)
+            q, k = rotated_q.view(q.shape), rotated_k.view(k.shape)
         return self.attend(q, k, v, kv_cache, meta)
 
 

@@ -43,7 +43,6 @@ _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.archi
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 
 
-
 def _field(config, name: str):
     """A config value, whether `config` is a transformers config or the raw config.json dict."""
     return config.get(name) if isinstance(config, dict) else getattr(config, name, None)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
+from tests.conftest import TINY_CONFIG
 from tests.helpers import PROMPTS, hf_greedy
 
 MAX_TOKENS = 12
@@ -23,16 +24,10 @@ ENGINE_ARGS = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_seqs
 FAMILY_PROMPTS = [PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[5], PROMPTS[8]]
 SHARED_PREFIX = PROMPTS[8]
 
-COMMON = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    # A wide init gives peaked logits, so that greedy argmax is not decided by 1e-7 rounding.
-    initializer_range=0.3,
-)
+# The engine tests' tiny shape (tests/conftest.py) with two layers; each family sets its own norm eps,
+# rotary and embedding tying below.
+FAMILY_OWN_KEYS = ("rms_norm_eps", "rope_theta", "tie_word_embeddings")
+COMMON = {**{key: value for key, value in TINY_CONFIG.items() if key not in FAMILY_OWN_KEYS}, "num_hidden_layers": 2}
 
 
 def _qwen3(tie: bool):
