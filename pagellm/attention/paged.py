@@ -123,10 +123,10 @@ def _decode_window(decode: DecodeMetadata, window: int, block_size: int) -> tupl
         lens = decode.context_lens
         first_key = np.maximum(lens - window, 0)
         first_block = first_key // block_size
-        width = int((-(-lens // block_size) - first_block).max())
-        columns = first_block[:, None] + np.arange(width)
+        num_blocks = -(-lens // block_size)
+        width = int((num_blocks - first_block).max())
         # Columns past a sequence's last block repeat its last one: masked, never a hole.
-        columns = np.minimum(columns, (-(-lens // block_size) - 1)[:, None])
+        columns = np.minimum(first_block[:, None] + np.arange(width), (num_blocks - 1)[:, None])
         device = decode.block_tables_tensor.device
         tables = torch.gather(decode.block_tables_tensor, 1, to_device(columns, device))
         keys = first_block[:, None] * block_size + np.arange(width * block_size)
