@@ -37,11 +37,13 @@ class PrefillChunk:
     start: int
     end: int
     # Set only for a chunk with context before it: the sequence's blocks up to its context length, and
-    # the [chunk, context] mask (True = attend) that makes the chunk causal at its real positions.
+    # the [chunk, context] mask (True = attend) that makes the chunk causal at its real positions, built
+    # by the first layer that attends to the whole context (_chunk_mask): a model whose every layer slides
+    # never builds it.
     block_table: torch.Tensor | None = None
     context_len: int = 0
     mask: torch.Tensor | None = None
-    # Per sliding window: (block table from the window's first block or None, keys, mask); see _chunk_view.
+    # Per sliding window: (block table from the window's first block or None, keys, mask); see _chunk_window.
     windows: dict = field(default_factory=dict)
 
 
@@ -149,13 +151,26 @@ def _chunk_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale,
             v = gather_kv(v_cache, table[None])[0, :, :num_keys]
         out = _attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale)
         return out[0].transpose(0, 1)
+    mask = None
     if chunk.block_table is not None:
         k = gather_kv(k_cache, chunk.block_table[None])[0, :, : chunk.context_len]
         v = gather_kv(v_cache, chunk.block_table[None])[0, :, : chunk.context_len]
+        mask = _chunk_mask(chunk, q.device)
     else:
         k, v = k.transpose(0, 1), v.transpose(0, 1)
-    out = _attend(q.transpose(0, 1)[None], k[None], v[None], chunk.mask, scale, is_causal=chunk.mask is None)
+    out = _attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale, is_causal=mask is None)
     return out[0].transpose(0, 1)
+
+
+def _chunk_mask(chunk: PrefillChunk, device) -> torch.Tensor:
+    """The [chunk, context] causal mask of a chunk with context before it: query i sits at position
+    num_computed + i and sees keys up to and including it. Built once per step, by the first layer that
+    needs it."""
+    if chunk.mask is None:
+        num_queries = chunk.end - chunk.start
+        queries = chunk.context_len - num_queries + torch.arange(num_queries, device=device)
+        chunk.mask = torch.arange(chunk.context_len, device=device)[None, :] <= queries[:, None]
+    return chunk.mask
 
 
 def _chunk_window(chunk: PrefillChunk, window: int, block_size: int, device) -> tuple:
@@ -265,12 +280,9 @@ class TorchAttentionBackend:
             chunk = PrefillChunk(start, end)
             num_computed = seq_len - (end - start)
             if num_computed:
-                # Query i sits at position num_computed + i and sees keys up to and including it.
                 num_blocks = -(-seq_len // self.shape.block_size)
                 chunk.block_table = self._to_device(table[:num_blocks])
                 chunk.context_len = seq_len
-                keys = np.arange(seq_len)
-                chunk.mask = self._to_device(keys[None, :] <= num_computed + np.arange(end - start)[:, None])
             chunks.append(chunk)
         return chunks
 
