@@ -54,7 +54,9 @@ class DecodeMetadata:
     context_lens: np.ndarray  # [num_decodes] int64
     # The torch path's padded batch; None when the native kernel runs.
     block_tables_tensor: torch.Tensor | None = None
-    mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    # [num_decodes, 1, 1, max_blocks * block_size], True = attend; built by the first layer that attends to
+    # every key (_decode_mask).
+    mask: torch.Tensor | None = None
     # Per sliding window, the torch path's (block tables, mask) over the blocks the window touches.
     windows: dict = field(default_factory=dict)
 
@@ -110,12 +112,22 @@ def _decode_attention(q, k_cache, v_cache, decode: DecodeMetadata, kernel: Decod
                       sliding_window: int | None = None) -> torch.Tensor:
     if kernel is not None:
         return kernel(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale, sliding_window or 0)
-    tables, mask = decode.block_tables_tensor, decode.mask
-    if sliding_window is not None:
+    if sliding_window is None:
+        tables, mask = decode.block_tables_tensor, _decode_mask(decode, k_cache.shape[2])
+    else:
         tables, mask = _decode_window(decode, sliding_window, k_cache.shape[2])
     k = gather_kv(k_cache, tables)
     v = gather_kv(v_cache, tables)
     return _attend(q.unsqueeze(2), k, v, mask, scale).squeeze(2)
+
+
+def _decode_mask(decode: DecodeMetadata, block_size: int) -> torch.Tensor:
+    """Which keys of the padded batch each decode attends: those before its context length."""
+    if decode.mask is None:
+        keys = np.arange(decode.block_tables.shape[1] * block_size)
+        visible = keys[None, :] < decode.context_lens[:, None]
+        decode.mask = to_device(visible, decode.block_tables_tensor.device)[:, None, None, :]
+    return decode.mask
 
 
 def _decode_window(decode: DecodeMetadata, window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,9 +279,7 @@ class TorchAttentionBackend:
         max_blocks = -(-int(context_lens.max()) // self.shape.block_size)
         decode = DecodeMetadata(np.ascontiguousarray(block_tables[:, :max_blocks]), context_lens)
         if self.native_decode is None:
-            keys = np.arange(max_blocks * self.shape.block_size)
             decode.block_tables_tensor = self._to_device(decode.block_tables)
-            decode.mask = self._to_device(keys[None, :] < context_lens[:, None])[:, None, None, :]
         return decode
 
     def _prefill_chunks(self, query_lens, seq_lens, block_tables) -> list[PrefillChunk]:
