@@ -37,11 +37,13 @@ class PrefillChunk:
     start: int
     end: int
     # Set only for a chunk with context before it: the sequence's blocks up to its context length, and
-    # the [chunk, context] mask (True = attend) that makes the chunk causal at its real positions.
+    # the [chunk, context] mask (True = attend) that makes the chunk causal at its real positions, built
+    # by the first layer that attends to the whole context (_chunk_mask): a model whose every layer slides
+    # never builds it.
     block_table: torch.Tensor | None = None
     context_len: int = 0
     mask: torch.Tensor | None = None
-    # Per sliding window: (block table from the window's first block or None, keys, mask); see _chunk_view.
+    # Per sliding window: (block table from the window's first block or None, keys, mask); see _chunk_window.
     windows: dict = field(default_factory=dict)
 
 
@@ -52,7 +54,9 @@ class DecodeMetadata:
     context_lens: np.ndarray  # [num_decodes] int64
     # The torch path's padded batch; None when the native kernel runs.
     block_tables_tensor: torch.Tensor | None = None
-    mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    # [num_decodes, 1, 1, max_blocks * block_size], True = attend; built by the first layer that attends to
+    # every key (_decode_mask).
+    mask: torch.Tensor | None = None
     # Per sliding window, the torch path's (block tables, mask) over the blocks the window touches.
     windows: dict = field(default_factory=dict)
 
@@ -108,12 +112,22 @@ def _decode_attention(q, k_cache, v_cache, decode: DecodeMetadata, kernel: Decod
                       sliding_window: int | None = None) -> torch.Tensor:
     if kernel is not None:
         return kernel(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale, sliding_window or 0)
-    tables, mask = decode.block_tables_tensor, decode.mask
-    if sliding_window is not None:
+    if sliding_window is None:
+        tables, mask = decode.block_tables_tensor, _decode_mask(decode, k_cache.shape[2])
+    else:
         tables, mask = _decode_window(decode, sliding_window, k_cache.shape[2])
     k = gather_kv(k_cache, tables)
     v = gather_kv(v_cache, tables)
     return _attend(q.unsqueeze(2), k, v, mask, scale).squeeze(2)
+
+
+def _decode_mask(decode: DecodeMetadata, block_size: int) -> torch.Tensor:
+    """Which keys of the padded batch each decode attends: those before its context length."""
+    if decode.mask is None:
+        keys = np.arange(decode.block_tables.shape[1] * block_size)
+        visible = keys[None, :] < decode.context_lens[:, None]
+        decode.mask = to_device(visible, decode.block_tables_tensor.device)[:, None, None, :]
+    return decode.mask
 
 
 def _decode_window(decode: DecodeMetadata, window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,10 +137,10 @@ def _decode_window(decode: DecodeMetadata, window: int, block_size: int) -> tupl
         lens = decode.context_lens
         first_key = np.maximum(lens - window, 0)
         first_block = first_key // block_size
-        width = int((-(-lens // block_size) - first_block).max())
-        columns = first_block[:, None] + np.arange(width)
+        num_blocks = -(-lens // block_size)
+        width = int((num_blocks - first_block).max())
         # Columns past a sequence's last block repeat its last one: masked, never a hole.
-        columns = np.minimum(columns, (-(-lens // block_size) - 1)[:, None])
+        columns = np.minimum(first_block[:, None] + np.arange(width), (num_blocks - 1)[:, None])
         device = decode.block_tables_tensor.device
         tables = torch.gather(decode.block_tables_tensor, 1, to_device(columns, device))
         keys = first_block[:, None] * block_size + np.arange(width * block_size)
@@ -149,13 +163,26 @@ def _chunk_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale,
             v = gather_kv(v_cache, table[None])[0, :, :num_keys]
         out = _attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale)
         return out[0].transpose(0, 1)
+    mask = None
     if chunk.block_table is not None:
         k = gather_kv(k_cache, chunk.block_table[None])[0, :, : chunk.context_len]
         v = gather_kv(v_cache, chunk.block_table[None])[0, :, : chunk.context_len]
+        mask = _chunk_mask(chunk, q.device)
     else:
         k, v = k.transpose(0, 1), v.transpose(0, 1)
-    out = _attend(q.transpose(0, 1)[None], k[None], v[None], chunk.mask, scale, is_causal=chunk.mask is None)
+    out = _attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale, is_causal=mask is None)
     return out[0].transpose(0, 1)
+
+
+def _chunk_mask(chunk: PrefillChunk, device) -> torch.Tensor:
+    """The [chunk, context] causal mask of a chunk with context before it: query i sits at position
+    num_computed + i and sees keys up to and including it. Built once per step, by the first layer that
+    needs it."""
+    if chunk.mask is None:
+        num_queries = chunk.end - chunk.start
+        queries = chunk.context_len - num_queries + torch.arange(num_queries, device=device)
+        chunk.mask = torch.arange(chunk.context_len, device=device)[None, :] <= queries[:, None]
+    return chunk.mask
 
 
 def _chunk_window(chunk: PrefillChunk, window: int, block_size: int, device) -> tuple:
@@ -252,9 +279,7 @@ class TorchAttentionBackend:
         max_blocks = -(-int(context_lens.max()) // self.shape.block_size)
         decode = DecodeMetadata(np.ascontiguousarray(block_tables[:, :max_blocks]), context_lens)
         if self.native_decode is None:
-            keys = np.arange(max_blocks * self.shape.block_size)
             decode.block_tables_tensor = self._to_device(decode.block_tables)
-            decode.mask = self._to_device(keys[None, :] < context_lens[:, None])[:, None, None, :]
         return decode
 
     def _prefill_chunks(self, query_lens, seq_lens, block_tables) -> list[PrefillChunk]:
@@ -265,12 +290,9 @@ class TorchAttentionBackend:
             chunk = PrefillChunk(start, end)
             num_computed = seq_len - (end - start)
             if num_computed:
-                # Query i sits at position num_computed + i and sees keys up to and including it.
                 num_blocks = -(-seq_len // self.shape.block_size)
                 chunk.block_table = self._to_device(table[:num_blocks])
                 chunk.context_len = seq_len
-                keys = np.arange(seq_len)
-                chunk.mask = self._to_device(keys[None, :] <= num_computed + np.arange(end - start)[:, None])
             chunks.append(chunk)
         return chunks
 

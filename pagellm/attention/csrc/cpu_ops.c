@@ -8,8 +8,8 @@
  * (to nearest even) at the same point, so the results are those of the unfused bfloat16 model, not merely
  * close to them. In float32 those roundings are no-ops and vanish after inlining.
  * Rows are split across threads from PARALLEL_MIN_ELEMENTS elements on (torch's grain size): on a quiet
- * machine a parallel region costs under 0.5 us, but when other processes hold the cores, a decode-sized
- * call (16 x 576) that waits for a second thread took 20 ms instead of 18 us.
+ * 2-core AMD EPYC (avx512f avx512_bf16) a parallel region costs under 0.5 us, but when other processes hold
+ * its cores, a decode-sized call (16 x 576) that waits for a second thread took 20 ms instead of 18 us.
  */
 #include "vec.h"
 

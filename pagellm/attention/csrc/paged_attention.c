@@ -128,7 +128,8 @@ static float softmax_numerators(float *restrict row, int64_t n) {
  * accumulators fill the registers (16 of AVX2's 16 ymm; 16 of AVX-512's 32 zmm, leaving room for the value
  * vectors), so a 64-float head takes one pass with AVX-512 and two with AVX2, each streaming its part of every
  * value row. head_dim must be a multiple of PIECE_FLOATS; WIDE_PIECE_FLOATS is used while enough is left
- * (measured with AVX-512 at 48 x 512 keys in bf16: 1.21 ms in one 64-float pass, 1.33-1.39 in two). */
+ * (measured on a 2-core AMD EPYC, avx512f avx512_bf16, at 48 x 512 keys in bf16: 1.21 ms in one 64-float
+ * pass, 1.33-1.39 in two). */
 #define PIECE_FLOATS 32
 #define WIDE_PIECE_FLOATS (VEC == 16 ? 64 : PIECE_FLOATS)
 #define MAX_PIECE_VECTORS (WIDE_PIECE_FLOATS / VEC)
