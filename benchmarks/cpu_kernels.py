@@ -6,12 +6,13 @@ Other processes disturb timings on a shared machine, so the variants are interle
 variant once (the median of `--calls` calls), and the table gives each variant's best round and the median
 round; the load average is printed before and after.
 
-    python -m benchmarks.cpu_kernels [--rounds 5] [--calls 20] [--seqs 48 --context 512] [--threads 1]
+    python -m benchmarks.cpu_kernels [--rounds 5] [--calls 20] [--seqs 48 --context 512 --layers 30] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ def _median_call_us(function: Callable[[], object], calls: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _cases(dtype: torch.dtype, rows: int, seqs: int, context: int) -> dict[str, Callable]:
+def _cases(dtype: torch.dtype, rows: int, seqs: int, context: int, layers: int) -> dict[str, Callable]:
     """kernel name -> (variant -> a call), each variant on the same inputs."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
@@ -49,8 +50,11 @@ def _cases(dtype: torch.dtype, rows: int, seqs: int, context: int) -> dict[str, 
     rotary.reset_cache(torch.device("cpu"))
     positions = torch.arange(rows) * 7 % 4096
     blocks = -(-context // BLOCK)
-    k_cache = torch.randn(seqs * blocks + 1, KV_HEADS, BLOCK, HEAD_DIM, generator=gen).to(dtype)
-    v_cache = torch.randn_like(k_cache)
+    # One cache pair per layer, each call taking the next layer's, as a model step does: a single pair of a
+    # few MB would be read from the CPU's caches, where a step reads hundreds of MB from DRAM.
+    k_caches = torch.randn(layers, seqs * blocks + 1, KV_HEADS, BLOCK, HEAD_DIM, generator=gen).to(dtype)
+    v_caches = torch.randn_like(k_caches)
+    layer_order = itertools.cycle(range(layers))
     tables = np.random.default_rng(0).permutation(seqs * blocks).reshape(seqs, blocks).astype(np.int64)
     context_lens = np.full(seqs, context, dtype=np.int64)
     q = torch.randn(seqs, HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -62,8 +66,9 @@ def _cases(dtype: torch.dtype, rows: int, seqs: int, context: int) -> dict[str, 
                      rotary.lookup(positions, dtype))
 
     def torch_decode():
-        k = k_cache[tables_tensor].transpose(1, 2).flatten(2, 3)  # [seqs, KVH, L, D]
-        v = v_cache[tables_tensor].transpose(1, 2).flatten(2, 3)
+        layer = next(layer_order)
+        k = k_caches[layer][tables_tensor].transpose(1, 2).flatten(2, 3)  # [seqs, KVH, L, D]
+        v = v_caches[layer][tables_tensor].transpose(1, 2).flatten(2, 3)
         F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True)
 
     cases = {
@@ -73,6 +78,10 @@ def _cases(dtype: torch.dtype, rows: int, seqs: int, context: int) -> dict[str, 
         f"rotary {rows}x{HEADS + KV_HEADS}x{HEAD_DIM}": {TORCH: torch_rotary},
         f"decode {seqs}x{context} GQA {HEADS}/{KV_HEADS}": {TORCH: torch_decode},
     }
+    def native_decode(kernel):
+        layer = next(layer_order)
+        kernel(q, k_caches[layer], v_caches[layer], tables, context_lens, 0.125)
+
     for isa in native.runnable_isas():
         ops, kernel = native.cpu_ops(isa), native.decode_kernel(isa)
         names = iter(cases)
@@ -80,7 +89,7 @@ def _cases(dtype: torch.dtype, rows: int, seqs: int, context: int) -> dict[str, 
         cases[next(names)][isa] = lambda ops=ops: ops.silu_and_mul(gate_up)
         cases[next(names)][isa] = lambda ops=ops: ops.rotary_inplace(qkv, HEADS + KV_HEADS, HEAD_DIM, rotary.cos,
                                                                      rotary.sin, positions)
-        cases[next(names)][isa] = lambda kernel=kernel: kernel(q, k_cache, v_cache, tables, context_lens, 0.125)
+        cases[next(names)][isa] = lambda kernel=kernel: native_decode(kernel)
     return cases
 
 
@@ -96,6 +105,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 512], help="token rows of the fused ops")
     parser.add_argument("--seqs", type=int, default=48)
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=30,
+                        help="separate KV caches the decode calls cycle through (the default model has 30 layers)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch's (and so the kernels') OpenMP threads; 1 gives steadier figures on a busy machine")
     args = parser.parse_args()
@@ -110,7 +121,7 @@ def main() -> None:
     print(f"|---|---|{'---|' * len(columns)}---|")
     for dtype in (torch.float32, torch.bfloat16):
         for rows in args.rows:
-            cases = _cases(dtype, rows, args.seqs, args.context)
+            cases = _cases(dtype, rows, args.seqs, args.context, args.layers)
             if rows != args.rows[0]:  # decode attention does not depend on the row count
                 cases = {name: variants for name, variants in cases.items() if not name.startswith("decode")}
             for name, variants in cases.items():

@@ -106,6 +106,31 @@ def test_rotary_inplace_matches_torch(isa, dtype, head_dim):
     assert torch.equal(v, expected_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 5, 700])
+def test_kv_writer_equals_index_copy(isa, dtype, tokens):
+    """The C write lands every head of every token in the row index_copy_ puts it, from strided views of
+    a fused qkv output as the model passes them, and touches nothing else."""
+    from pagellm.attention.paged import kv_write_index, write_kv
+
+    writer = native.kv_writer(isa)
+    if writer is None:
+        pytest.skip("no C compiler")
+    num_blocks, kv_heads, block_size, head_dim = 64, 3, 16, 64
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    k = qkv[:, 9 * head_dim : (9 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (9 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = np.random.default_rng(tokens).permutation(num_blocks * block_size)[:tokens]
+    rows = torch.from_numpy(kv_write_index(slots // block_size, slots % block_size, kv_heads, block_size))
+    caches = [torch.full((num_blocks, kv_heads, block_size, head_dim), float("nan"), dtype=dtype) for _ in range(4)]
+    writer(k, v, caches[0], caches[1], rows)
+    write_kv(k, v, caches[2], caches[3], rows)
+    assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
+    assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
+    assert int((~caches[0].isnan()).sum()) == tokens * kv_heads * head_dim
+
+
 def test_fused_ops_refuse_other_dtypes():
     ops = _ops(ISAS[0])
     assert native.CpuOps.supports(576, 1536, torch.bfloat16) and native.CpuOps.supports(576, 1536)

@@ -84,7 +84,7 @@ BACKEND_ENV = "PAGELLM_ATTENTION_BACKEND"
 
 def select_backend(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> AttentionBackend:
     """Triton on CUDA (torch if triton is missing); on CPU torch ops with the native decode kernel
-    where it serves the dtype and head size."""
+    where it serves the dtype and head size, and the native K/V write."""
     from pagellm.attention.paged import TorchAttentionBackend
 
     forced = os.environ.get(BACKEND_ENV, "")
@@ -101,9 +101,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, shape: AttentionSha
             return TritonAttentionBackend(shape, device)
         logger.warning("triton is not importable: CUDA attention runs on the torch reference path (slow)")
         return TorchAttentionBackend(shape, device, None)
-    from pagellm.attention.native import DecodeKernel, decode_kernel
+    from pagellm.attention.native import DecodeKernel, decode_kernel, kv_writer
 
     native = None
     if dtype in DecodeKernel.CACHE_DTYPES and DecodeKernel.supports(shape.head_dim):
         native = decode_kernel()
-    return TorchAttentionBackend(shape, device, native)
+    return TorchAttentionBackend(shape, device, native, kv_writer())

@@ -238,6 +238,34 @@ class CpuOps:
                      sin.data_ptr(), positions.data_ptr(), bf16)
 
 
+class KVWriter:
+    """write_kv_rows: the step's keys and values into their cache rows (the torch path's index_copy_)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._function = library.write_kv_rows
+        self._function.restype = None
+        self._function.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 rows: torch.Tensor) -> None:
+        """k, v: [tokens, kv_heads, head_dim] (rows may be strided, heads contiguous); caches contiguous
+        [num_blocks, kv_heads, block_size, head_dim]; rows: int64 [tokens * kv_heads] (kv_write_index)."""
+        tokens, num_kv_heads, head_dim = k.shape
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != k_cache.dtype or x.shape != k.shape:
+                raise ValueError(f"{name} is {x.dtype} {tuple(x.shape)}; the cache takes {k_cache.dtype} "
+                                 f"{tuple(k.shape)}")
+        k, v = (x if x.stride(2) == 1 and x.stride(1) == head_dim else x.contiguous() for x in (k, v))
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
+            raise ValueError("write_kv_rows needs contiguous caches of one dtype")
+        _check_dtype("rows", rows, torch.int64)
+        if rows.numel() != tokens * num_kv_heads or not rows.is_contiguous():
+            raise ValueError(f"rows has {rows.numel()} entries; {tokens} tokens x {num_kv_heads} heads need "
+                             f"as many, contiguous")
+        self._function(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
+                       v_cache.data_ptr(), rows.data_ptr(), tokens, num_kv_heads, head_dim, k.element_size())
+
+
 @functools.cache
 def native_library(isa: str | None = None) -> ctypes.CDLL | None:
     """The kernels compiled for `isa` (default: `best_isa()`), or None where they cannot be built or are
@@ -255,6 +283,11 @@ def native_library(isa: str | None = None) -> ctypes.CDLL | None:
 def decode_kernel(isa: str | None = None) -> DecodeKernel | None:
     library = native_library(isa)
     return DecodeKernel(library) if library is not None else None
+
+
+def kv_writer(isa: str | None = None) -> KVWriter | None:
+    library = native_library(isa)
+    return KVWriter(library) if library is not None else None
 
 
 def cpu_ops(isa: str | None = None) -> CpuOps | None:

@@ -20,6 +20,7 @@ never gathered. The windowed views are built the first time a layer with that wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,6 +71,8 @@ class AttentionMetadata:
     decode: DecodeMetadata | None
     prefill_chunks: list[PrefillChunk]
     native_decode: DecodeKernel | None = None
+    # The C copy of the step's K/V into the pool (native.KVWriter); None: index_copy_.
+    native_write: Callable | None = None
     # The backend whose forward serves this metadata; None is the torch path below.
     backend: object | None = None
 
@@ -226,7 +229,7 @@ def paged_attention(
 
 def torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale: float,
                           sliding_window: int | None = None) -> torch.Tensor:
-    write_kv(k, v, k_cache, v_cache, meta.kv_write_index)
+    (meta.native_write or write_kv)(k, v, k_cache, v_cache, meta.kv_write_index)
     num_decodes = meta.num_decode_tokens
     parts = []
     if num_decodes:
@@ -246,10 +249,12 @@ class TorchAttentionBackend:
     name = "torch"
     supports_cuda_graphs = False
 
-    def __init__(self, shape: AttentionShape, device: torch.device, native_decode: DecodeKernel | None) -> None:
+    def __init__(self, shape: AttentionShape, device: torch.device, native_decode: DecodeKernel | None,
+                 native_write: Callable | None = None) -> None:
         self.shape = shape
         self.device = device
         self.native_decode = native_decode
+        self.native_write = native_write
         if native_decode is not None:
             self.name = "cpu-native"
 
@@ -266,10 +271,11 @@ class TorchAttentionBackend:
             prefill_chunks=self._prefill_chunks(step.query_lens[num_decodes:], step.seq_lens[num_decodes:],
                                                 step.block_tables[num_decodes:]),
             native_decode=self.native_decode,
+            native_write=self.native_write,
         )
 
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        write_kv(k, v, k_cache, v_cache, meta.kv_write_index)
+        (meta.native_write or write_kv)(k, v, k_cache, v_cache, meta.kv_write_index)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:

@@ -142,5 +142,26 @@ void rotary_inplace(void *qkv, int64_t rows, int64_t row_stride, int64_t num_hea
     else rotary_rows(qkv, rows, row_stride, num_heads, head_dim, cos_table, sin_table, positions, 0);
 }
 
+/* Copies each token's key and value heads into their cache rows: head h of token t goes to row
+ * rows[t * num_kv_heads + h] of the caches viewed as [rows, head_dim] (pagellm/attention/paged.py,
+ * kv_write_index). k and v are [tokens, num_kv_heads, head_dim] with contiguous heads and a row stride of
+ * their own (they are views into the fused qkv projection's output); any element size. torch's index_copy_
+ * on those views walks them element by element and cost more than the decode attention of small batches. */
+void write_kv_rows(const void *k, const void *v, int64_t k_row_stride, int64_t v_row_stride, void *k_cache,
+                   void *v_cache, const int64_t *rows, int64_t tokens, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t element_size) {
+    const int64_t head_bytes = head_dim * element_size;
+#pragma omp parallel for if (tokens * num_kv_heads * head_dim >= 8 * PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const char *k_row = (const char *)k + t * k_row_stride * element_size;
+        const char *v_row = (const char *)v + t * v_row_stride * element_size;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const int64_t row = rows[t * num_kv_heads + h];
+            memcpy((char *)k_cache + row * head_bytes, k_row + h * head_bytes, head_bytes);
+            memcpy((char *)v_cache + row * head_bytes, v_row + h * head_bytes, head_bytes);
+        }
+    }
+}
+
 /* Which vector width this library was built for (native.py checks it after loading). */
 const char *pagellm_isa(void) { return ISA_NAME; }

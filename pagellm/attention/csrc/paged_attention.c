@@ -28,8 +28,8 @@
  * read once for all of them while their accumulators still fit in registers. */
 #define MAX_HEADS_PER_PASS 4
 
-/* Each block of one head is its own run of memory (4 KB at block_size 16, head_dim 64), often a page of
- * its own, and hardware prefetchers stop at page boundaries: ask for the next block while this one is used. */
+/* Each block of one head is its own run of memory (4 KB at block_size 16, head_dim 64 in float32), often a
+ * page of its own, and hardware prefetchers stop at page boundaries: ask for blocks before they are used. */
 static ALWAYS_INLINE void prefetch_run(const void *run, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)run + i, 0, 3);
 }
@@ -55,13 +55,19 @@ static ALWAYS_INLINE int64_t run_length(const KeyRange *keys, int64_t position) 
     return keys->context_len - position < to_block_end ? keys->context_len - position : to_block_end;
 }
 
-/* Prefetch the block after the one holding `position`, if the range reaches into it. */
-static ALWAYS_INLINE void prefetch_next_block(const KeyRange *keys, const void *cache, int64_t position,
-                                              const int bf16) {
-    const int64_t next = (position / keys->block_size + 1) * keys->block_size;
-    if (next < keys->context_len)
-        prefetch_run(element(cache, run_start(keys, next), bf16), keys->block_size * keys->head_dim * (bf16 ? 2 : 4));
+/* Prefetch the block `ahead` blocks after the one holding `position`, if the range reaches into it. */
+static ALWAYS_INLINE void prefetch_block_ahead(const KeyRange *keys, const void *cache, int64_t position,
+                                               int64_t ahead, const int bf16) {
+    const int64_t target = (position / keys->block_size + ahead) * keys->block_size;
+    if (target < keys->context_len)
+        prefetch_run(element(cache, run_start(keys, target), bf16), keys->block_size * keys->head_dim * (bf16 ? 2 : 4));
 }
+
+/* Decode attention is bound by DRAM reads of blocks scattered over the pool, and one block ahead leaves too
+ * few reads in flight to use the bandwidth: the key pass asks for the key block two ahead and for the value
+ * block of the keys it is scoring, so that the value pass finds its blocks in L2 (`benchmarks/cpu_kernels.py
+ * --layers 30` times the kernel over caches as large as a model's). */
+#define KEY_PREFETCH_AHEAD 2
 
 /* scores[h * stride + i] = scale * q_h . key_i for the `count` keys of one run, starting at element
  * `start` of the cache; `heads` is a constant after inlining, so the per-head loops unroll and the
@@ -146,7 +152,7 @@ static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, cons
         for (int c = 0; c < vectors; ++c) acc[h][c] = splat(0.0f);
     for (int64_t position = keys->first; position < keys->context_len;) {
         const int64_t start = run_start(keys, position) + offset, length = run_length(keys, position);
-        if (offset == 0) prefetch_next_block(keys, v_cache, position, bf16);
+        if (offset == 0) prefetch_block_ahead(keys, v_cache, position, 1, bf16);
         const float *w = weights + (position - keys->first);
         for (int64_t i = 0; i < length; ++i) {
             const int64_t value = start + i * head_dim;
@@ -170,9 +176,12 @@ static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *
                                        const void *restrict v_cache, const KeyRange *keys, const int heads,
                                        const int bf16, float scale, float *restrict scores, float *restrict out) {
     const int64_t count = keys->context_len - keys->first;
+    for (int64_t ahead = 1; ahead < KEY_PREFETCH_AHEAD; ++ahead)
+        prefetch_block_ahead(keys, k_cache, keys->first, ahead, bf16);
     for (int64_t position = keys->first; position < keys->context_len;) {
         const int64_t length = run_length(keys, position);
-        prefetch_next_block(keys, k_cache, position, bf16);
+        prefetch_block_ahead(keys, k_cache, position, KEY_PREFETCH_AHEAD, bf16);
+        prefetch_block_ahead(keys, v_cache, position, 0, bf16);
         run_scores(q, q16, k_cache, run_start(keys, position), length, keys->head_dim, heads, bf16, scale,
                    scores + (position - keys->first), count);
         position += length;
