@@ -1,10 +1,15 @@
-"""Prefill attention on the CPU: torch's flash SDPA against the exact alternatives torch offers, per chunk length.
+"""Prefill attention on the CPU: torch's flash SDPA against pagellm's native kernel and the exact alternatives
+torch offers, per chunk length.
 
 A prefill chunk that starts its sequence attends causally over its own keys (pagellm/attention/paged.py,
 `_chunk_attention`). Timed here, interleaved (round robin, best of --repeats), on the default model's
 heads (9 query heads over 3 KV heads of 64):
 
-- `sdpa`:        F.scaled_dot_product_attention on the [1, heads, tokens, dim] views, enable_gqa (what runs);
+- `sdpa`:        F.scaled_dot_product_attention on the [1, heads, tokens, dim] views, enable_gqa (the torch
+                 path);
+- `native`:      csrc/prefill_attention.c reading the keys and values from a paged cache (blocks of
+                 --block-size in shuffled order) where write_kv put them (the write is not timed: both
+                 paths do it);
 - `sdpa_contig`: the same on contiguous copies;
 - `sdpa_fp32`:   the same on float32 copies (the half types' path on CPUs without half instructions);
 - `blocked`:     query blocks of --block rows, the GQA group's heads folded into the rows of one bmm,
@@ -12,8 +17,9 @@ heads (9 query heads over 3 KV heads of 64):
 
 Each is checked against float32 SDPA first (max abs error printed). GFLOP/s counts the causal half.
 
-    PYTHONPATH=$PWD python benchmarks/cpu_attention.py                      # bf16, 512/1024/1500 tokens
+    PYTHONPATH=$PWD python benchmarks/cpu_attention.py                      # bf16, 256..4096 tokens
     PYTHONPATH=$PWD python benchmarks/cpu_attention.py --dtype float32 --lengths 256 2048
+    PYTHONPATH=$PWD python benchmarks/cpu_attention.py --variants sdpa native sdpa_fp32 blocked
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention.native import PrefillChunks, prefill_kernel
 from pagellm.cpu_features import cpu_description
 
 
@@ -60,10 +68,33 @@ def blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, blo
     return out.permute(2, 0, 1, 3).reshape(tokens, heads, dim)
 
 
+def paged_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_size: int):
+    """The native kernel's call on a paged copy of k/v: returns a function of (q, k, v) that ignores k and v
+    (they are in the cache already, as after write_kv)."""
+    kernel = prefill_kernel()
+    if kernel is None:
+        sys.exit("the native kernels are unavailable (no C compiler, or PAGELLM_NATIVE_KERNELS=0)")
+    tokens, kv_heads, dim = k.shape
+    num_blocks = -(-tokens // block_size)
+    table = np.random.default_rng(0).permutation(num_blocks).astype(np.int64)
+    caches = []
+    for source in (k, v):
+        cache = torch.zeros(num_blocks, kv_heads, block_size, dim, dtype=k.dtype)
+        padded = torch.zeros(num_blocks * block_size, kv_heads, dim, dtype=k.dtype)
+        padded[:tokens] = source
+        cache[torch.from_numpy(table)] = padded.view(num_blocks, block_size, kv_heads, dim).transpose(1, 2)
+        caches.append(cache)
+    chunks = PrefillChunks.build(table[None], [0], [tokens], [tokens])
+    return lambda q, k, v: kernel(q, *caches, chunks, scale)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 1500])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 1500, 2048, 4096])
+    parser.add_argument("--variants", nargs="+", default=["sdpa", "native"],
+                        choices=["sdpa", "native", "sdpa_contig", "sdpa_fp32", "blocked"])
+    parser.add_argument("--block-size", type=int, default=16, help="the native kernel's cache blocks")
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -75,18 +106,20 @@ def main() -> None:
     scale = args.head_dim ** -0.5
     print(f"CPU: {cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.dtype}; "
           f"{args.heads} heads over {args.kv_heads} KV heads of {args.head_dim}; load average {os.getloadavg()[0]:.2f}")
-    options = {
+    all_options = {
         "sdpa": lambda q, k, v: sdpa(q, k, v, scale),
         "sdpa_contig": lambda q, k, v: sdpa(q.contiguous(), k.contiguous(), v.contiguous(), scale),
         "sdpa_fp32": lambda q, k, v: sdpa(q.float(), k.float(), v.float(), scale).to(dtype),
         "blocked": lambda q, k, v: blocked(q, k, v, scale, args.block),
     }
-    print(f"{'tokens':>6} | " + " | ".join(f"{name:>18}" for name in options) + "   (ms, GFLOP/s; max abs error)")
+    print(f"{'tokens':>6} | " + " | ".join(f"{name:>18}" for name in args.variants) + "   (ms, GFLOP/s; max abs error)")
     with torch.no_grad():
         for tokens in args.lengths:
             # Views of one [tokens, q+2kv heads, dim] projection, as the model hands them over.
             qkv = torch.randn(tokens, args.heads + 2 * args.kv_heads, args.head_dim, dtype=dtype) * 2
             q, k, v = qkv.split([args.heads, args.kv_heads, args.kv_heads], dim=1)
+            all_options["native"] = paged_native(q, k, v, scale, args.block_size)
+            options = {name: all_options[name] for name in args.variants}
             reference = sdpa(q.float(), k.float(), v.float(), scale)
             errors = {name: (fn(q, k, v).float() - reference).abs().max().item() for name, fn in options.items()}
             best = {name: float("inf") for name in options}
