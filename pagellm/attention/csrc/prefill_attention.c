@@ -36,14 +36,22 @@
 #define KEY_TILE (2 * VEC)
 /* Query rows (queries x heads of the group) per work item, about: the tile's queries, scores, weights and
  * output accumulators stay in the first-level cache while key tiles stream past. */
+#ifndef ROWS_PER_ITEM
 #define ROWS_PER_ITEM 96
+#endif
 /* Register blocking: rows per pass of the score product (x KEY_TILE keys) and of the value product
  * (x PV_VECTORS vectors of head_dim), so accumulators, the loaded operands and one broadcast fit in the
  * register file (32 zmm with AVX-512, 16 ymm/xmm otherwise). Row counts are padded to ROW_MULTIPLE. */
 #if VEC == 16
+#ifndef QK_ROWS
 #define QK_ROWS 8
+#endif
+#ifndef PV_ROWS
 #define PV_ROWS 6
+#endif
+#ifndef ROW_MULTIPLE
 #define ROW_MULTIPLE 24
+#endif
 #else
 #define QK_ROWS 6
 #define PV_ROWS 2
@@ -139,11 +147,14 @@ static ALWAYS_INLINE void pack_tile(const Prefill *p, int64_t chunk, int64_t kv_
 
 /* Per-thread buffers of one work item, rows padded to ROW_MULTIPLE. */
 typedef struct {
-    void *queries;   /* [rows][head_dim]: bfloat16 for dot, else float32 */
+    /* [rows / QK_ROWS][head_dim / 2][QK_ROWS] bfloat16 pairs for dot, else [rows / QK_ROWS][head_dim][QK_ROWS]
+     * float32: the QK_ROWS values one step of the score product broadcasts are adjacent, at fixed offsets. */
+    void *queries;
     float *scores;   /* [rows][KEY_TILE] */
     void *weights;   /* [rows][KEY_TILE]: bfloat16 for dot, else float32 */
     float *acc;      /* [rows][head_dim] output accumulators */
-    float *row_max, *row_sum, *rescale;
+    float *row_sum;  /* [rows][VEC]: per-lane partial sums, added up once at the end */
+    float *row_max, *rescale;
     int64_t *position;
 } Scratch;
 
@@ -156,12 +167,12 @@ static ALWAYS_INLINE void score_rows(const Prefill *p, const Scratch *s, const v
     for (int r = 0; r < QK_ROWS; ++r) acc[r][0] = acc[r][1] = splat(0.0f);
 #ifdef HAVE_BF16_DOT
     if (dot) {
-        const uint32_t *q = (const uint32_t *)s->queries + row * dim / 2;
+        const uint32_t *q = (const uint32_t *)s->queries + row * dim / 2;  /* row: a multiple of QK_ROWS */
         for (int64_t i = 0; i < dim / 2; ++i) {
             const uint16_t *k = (const uint16_t *)keys + i * KEY_TILE * 2;
             for (int r = 0; r < QK_ROWS; ++r) {
-                acc[r][0] = dot_pairs_broadcast(acc[r][0], k, q + r * dim / 2 + i);
-                acc[r][1] = dot_pairs_broadcast(acc[r][1], k + 2 * VEC, q + r * dim / 2 + i);
+                acc[r][0] = dot_pairs_broadcast(acc[r][0], k, q + i * QK_ROWS + r);
+                acc[r][1] = dot_pairs_broadcast(acc[r][1], k + 2 * VEC, q + i * QK_ROWS + r);
             }
         }
     } else
@@ -171,7 +182,7 @@ static ALWAYS_INLINE void score_rows(const Prefill *p, const Scratch *s, const v
         for (int64_t d = 0; d < dim; ++d) {
             const fvec k0 = vload((const float *)keys + d * KEY_TILE), k1 = vload((const float *)keys + d * KEY_TILE + VEC);
             for (int r = 0; r < QK_ROWS; ++r) {
-                const fvec x = splat(q[r * dim + d]);
+                const fvec x = splat(q[d * QK_ROWS + r]);
                 acc[r][0] += x * k0;
                 acc[r][1] += x * k1;
             }
@@ -242,16 +253,19 @@ static ALWAYS_INLINE void softmax_tile(const Prefill *p, const Scratch *s, int64
             s1 = vselect(visible1, s1, splat(-INFINITY));
         }
         const float tile_max = vmax_lanes(vselect(s0 > s1, s0, s1));
-        const float old_max = s->row_max[m], new_max = tile_max > old_max ? tile_max : old_max;
-        fvec e0 = splat(0.0f), e1 = splat(0.0f);
-        float rescale = 1.0f;
-        if (new_max != -INFINITY) {  /* else no key seen yet: nothing to add */
+        const float old_max = s->row_max[m];
+        float rescale = 1.0f, new_max = old_max;
+        if (tile_max > old_max) {  /* a new maximum: what was summed so far shrinks by e^(old - new) */
+            new_max = tile_max;
             rescale = old_max == -INFINITY ? 0.0f : exp_nonpositive(splat(old_max - new_max))[0];
+            s->row_max[m] = new_max;
+        }
+        fvec e0 = splat(0.0f), e1 = splat(0.0f);
+        if (new_max != -INFINITY) {  /* else no key seen yet: nothing to add */
             e0 = vselect(visible0, exp_nonpositive(s0 - new_max), splat(0.0f));
             e1 = vselect(visible1, exp_nonpositive(s1 - new_max), splat(0.0f));
         }
-        s->row_max[m] = new_max;
-        s->row_sum[m] = s->row_sum[m] * rescale + vsum(e0 + e1);
+        vstore(s->row_sum + m * VEC, vload(s->row_sum + m * VEC) * rescale + (e0 + e1));
         s->rescale[m] = rescale;
         if (dot) {
             store_any(s->weights, m * KEY_TILE, e0, 1);
@@ -275,17 +289,21 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
         const int64_t r = m < rows ? m / group : q_count - 1;
         s->position[m] = num_computed + q_first + r;
         s->row_max[m] = -INFINITY;
-        s->row_sum[m] = 0.0f;
+        vstore(s->row_sum + m * VEC, splat(0.0f));
         for (int64_t d = 0; d < dim; d += VEC) vstore(s->acc + m * dim + d, splat(0.0f));
-        if (m >= rows) {
-            memset((char *)s->queries + m * dim * (dot ? 2 : 4), 0, dim * (dot ? 2 : 4));
-            continue;
-        }
         const int64_t element = (p->query_starts[chunk] + q_first + r) * p->q_token_stride +
                                 (kv_head * group + m % group) * dim;
-        if (dot) memcpy((uint16_t *)s->queries + m * dim, (const uint16_t *)p->q + element, dim * 2);
-        else
-            for (int64_t d = 0; d < dim; d += VEC) vstore((float *)s->queries + m * dim + d, load_any(p->q, element + d, bf16));
+        const int64_t block = m / QK_ROWS * dim * QK_ROWS, lane = m % QK_ROWS;
+        if (dot) {
+            const uint32_t *pairs = (const uint32_t *)((const uint16_t *)p->q + element);
+            for (int64_t i = 0; i < dim / 2; ++i)
+                ((uint32_t *)s->queries)[block / 2 + i * QK_ROWS + lane] = m < rows ? pairs[i] : 0;
+        } else {
+            for (int64_t d = 0; d < dim; d += VEC) {
+                const fvec x = m < rows ? load_any(p->q, element + d, bf16) : splat(0.0f);
+                for (int i = 0; i < VEC; ++i) ((float *)s->queries)[block + (d + i) * QK_ROWS + lane] = x[i];
+            }
+        }
     }
     const int64_t low = num_computed + q_first, high = low + q_count - 1;  /* positions of the first, last query */
     const int64_t base = p->key_base[chunk], window = p->sliding_window;
@@ -314,7 +332,7 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
     for (int64_t m = 0; m < rows; ++m) {
         const int64_t element = (p->query_starts[chunk] + q_first + m / group) * p->num_heads * dim +
                                 (kv_head * group + m % group) * dim;
-        const fvec inverse = splat(1.0f / s->row_sum[m]);
+        const fvec inverse = splat(1.0f / vsum(vload(s->row_sum + m * VEC)));
         for (int64_t d = 0; d < dim; d += VEC) store_any(p->out, element + d, vload(s->acc + m * dim + d) * inverse, bf16);
     }
 }
@@ -402,7 +420,7 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
 #pragma omp parallel
     {
         pack_all(&p, num_chunks, total_tiles, bf16, dot);  /* ends in the omp for's barrier */
-        char *buffer = malloc(rows * (head_dim * 4 + KEY_TILE * 4 * 2 + head_dim * 4 + 3 * 4 + 8));
+        char *buffer = malloc(rows * (head_dim * 4 + KEY_TILE * 4 * 2 + head_dim * 4 + VEC * 4 + 2 * 4 + 8));
         if (buffer == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -413,9 +431,9 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
             s.scores = (float *)(buffer + rows * head_dim * 4);
             s.weights = s.scores + rows * KEY_TILE;
             s.acc = (float *)s.weights + rows * KEY_TILE;
-            s.row_max = s.acc + rows * head_dim;
-            s.row_sum = s.row_max + rows;
-            s.rescale = s.row_sum + rows;
+            s.row_sum = s.acc + rows * head_dim;
+            s.row_max = s.row_sum + rows * VEC;
+            s.rescale = s.row_max + rows;
             s.position = (int64_t *)(s.rescale + rows + (rows & 1));
         }
 #pragma omp for schedule(dynamic, 1)
