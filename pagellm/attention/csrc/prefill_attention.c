@@ -58,6 +58,10 @@
 #define ROW_MULTIPLE 6
 #endif
 #define PV_VECTORS 4
+/* Calls with fewer multiply-adds (query heads x keys x head_dim, both products) run on the calling thread:
+ * a parallel region costs microseconds on a quiet machine, and far more when another process holds a core
+ * (every region then waits for the descheduled thread), which a short chunk's attention does not repay. */
+#define PARALLEL_MIN_MACS (1 << 21)
 /* head_dim is summed in pieces of PV_VECTORS vectors, or of 32 floats where less is left. */
 #define NARROW_VECTORS (32 / VEC < PV_VECTORS ? 32 / VEC : PV_VECTORS)
 
@@ -392,7 +396,7 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
         .key_base = per_chunk, .num_tiles = per_chunk + num_chunks, .tile_offset = per_chunk + 2 * num_chunks,
     };
     /* tile_offset counts tiles of every kv head: chunk c's tiles are [tile_offset[c], tile_offset[c + 1]). */
-    int64_t total_tiles = 0, n = 0;
+    int64_t total_tiles = 0, n = 0, macs = 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t num_computed = seq_lens[c] - query_lens[c];
         p.key_base[c] = first_visible(num_computed, sliding_window);
@@ -404,6 +408,7 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
             const int64_t high = num_computed + first + count - 1;
             const int64_t keys = high + 1 - first_visible(num_computed + first, sliding_window);
             for (int64_t h = 0; h < num_kv_heads; ++h) items[n++] = (Item){c, h, first, count, count * keys};
+            macs += count * keys * num_heads * head_dim * 2;
         }
     }
     p.tile_offset[num_chunks] = total_tiles;
@@ -417,7 +422,7 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
     }
     const int64_t rows = (tile_queries * group + ROW_MULTIPLE - 1) / ROW_MULTIPLE * ROW_MULTIPLE;
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel if (macs >= PARALLEL_MIN_MACS)
     {
         pack_all(&p, num_chunks, total_tiles, bf16, dot);  /* ends in the omp for's barrier */
         char *buffer = malloc(rows * (head_dim * 4 + KEY_TILE * 4 * 2 + head_dim * 4 + VEC * 4 + 2 * 4 + 8));
