@@ -74,6 +74,27 @@ static ALWAYS_INLINE fvec dot_pairs_broadcast(fvec acc, const uint16_t *a, const
 }
 #endif
 
+/* 2^x for x <= 0, or -inf: the softmax's exponential, on scores kept in base 2 (their scale carries log2(e)).
+ * With AVX-512, x = n + f with |f| <= 1/2, Cephes' exp2f polynomial for 2^f and VSCALEFPS for the 2^n: half
+ * the instructions of exp_nonpositive's natural-base reduction, about 1 ulp all the same; elsewhere that
+ * function. NaN where x is -inf (callers mask those lanes). */
+static ALWAYS_INLINE fvec exp2_nonpositive(fvec x) {
+#if VEC == 16
+    const __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const fvec f = x - (fvec)n;
+    fvec p = splat(1.535336188319500e-4f);
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    return (fvec)_mm512_scalef_ps((__m512)p, n);
+#else
+    return exp_nonpositive(x * 0.693147180559945309f);
+#endif
+}
+
 static ALWAYS_INLINE float vmax_lanes(fvec v) {
 #if VEC == 16
     return _mm512_reduce_max_ps((__m512)v);
@@ -90,7 +111,7 @@ typedef struct {
     const void *k_cache, *v_cache;
     const int64_t *block_tables, *query_starts, *query_lens, *seq_lens;
     int64_t table_stride, num_heads, num_kv_heads, head_dim, block_size, sliding_window;
-    float scale;
+    float scale2;  /* the softmax scale times log2(e): scores in base 2 */
     void *out;
     /* Per chunk: the first key position any query sees, the packed tiles from it and where they start. */
     int64_t *key_base, *num_tiles, *tile_offset;
@@ -162,7 +183,7 @@ typedef struct {
     int64_t *position;
 } Scratch;
 
-/* scores[row + r][0..KEY_TILE) = scale * q_row . key for QK_ROWS rows against one packed key tile. */
+/* scores[row + r][0..KEY_TILE) = scale * log2(e) * q_row . key for QK_ROWS rows against one packed key tile. */
 static ALWAYS_INLINE void score_rows(const Prefill *p, const Scratch *s, const void *keys, int64_t row,
                                      const int dot) {
     const int64_t dim = p->head_dim;
@@ -193,8 +214,8 @@ static ALWAYS_INLINE void score_rows(const Prefill *p, const Scratch *s, const v
         }
     }
     for (int r = 0; r < QK_ROWS; ++r) {
-        vstore(s->scores + (row + r) * KEY_TILE, acc[r][0] * p->scale);
-        vstore(s->scores + (row + r) * KEY_TILE + VEC, acc[r][1] * p->scale);
+        vstore(s->scores + (row + r) * KEY_TILE, acc[r][0] * p->scale2);
+        vstore(s->scores + (row + r) * KEY_TILE + VEC, acc[r][1] * p->scale2);
     }
 }
 
@@ -261,13 +282,13 @@ static ALWAYS_INLINE void softmax_tile(const Prefill *p, const Scratch *s, int64
         float rescale = 1.0f, new_max = old_max;
         if (tile_max > old_max) {  /* a new maximum: what was summed so far shrinks by e^(old - new) */
             new_max = tile_max;
-            rescale = old_max == -INFINITY ? 0.0f : exp_nonpositive(splat(old_max - new_max))[0];
+            rescale = old_max == -INFINITY ? 0.0f : exp2_nonpositive(splat(old_max - new_max))[0];
             s->row_max[m] = new_max;
         }
         fvec e0 = splat(0.0f), e1 = splat(0.0f);
         if (new_max != -INFINITY) {  /* else no key seen yet: nothing to add */
-            e0 = vselect(visible0, exp_nonpositive(s0 - new_max), splat(0.0f));
-            e1 = vselect(visible1, exp_nonpositive(s1 - new_max), splat(0.0f));
+            e0 = vselect(visible0, exp2_nonpositive(s0 - new_max), splat(0.0f));
+            e1 = vselect(visible1, exp2_nonpositive(s1 - new_max), splat(0.0f));
         }
         vstore(s->row_sum + m * VEC, vload(s->row_sum + m * VEC) * rescale + (e0 + e1));
         s->rescale[m] = rescale;
@@ -392,7 +413,7 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
         .q = q, .q_token_stride = q_token_stride, .k_cache = k_cache, .v_cache = v_cache,
         .block_tables = block_tables, .query_starts = query_starts, .query_lens = query_lens, .seq_lens = seq_lens,
         .table_stride = table_stride, .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
-        .block_size = block_size, .sliding_window = sliding_window, .scale = scale, .out = out,
+        .block_size = block_size, .sliding_window = sliding_window, .scale2 = scale * 1.44269504088896341f, .out = out,
         .key_base = per_chunk, .num_tiles = per_chunk + num_chunks, .tile_offset = per_chunk + 2 * num_chunks,
     };
     /* tile_offset counts tiles of every kv head: chunk c's tiles are [tile_offset[c], tile_offset[c + 1]). */
