@@ -261,7 +261,7 @@ static ALWAYS_INLINE void accumulate_rows(const Prefill *p, const Scratch *s, co
  * maximum and sum, sets the factor its accumulators are rescaled by and writes its weights. `masked`: some
  * key of the tile is outside some row's (window, causal) range. */
 static ALWAYS_INLINE void softmax_tile(const Prefill *p, const Scratch *s, int64_t rows, int64_t first_key,
-                                       int masked, const int bf16, const int dot) {
+                                       const int masked, const int bf16, const int dot) {
     ivec lane;
     for (int i = 0; i < VEC; ++i) lane[i] = i;
     for (int64_t m = 0; m < rows; ++m) {
@@ -287,8 +287,12 @@ static ALWAYS_INLINE void softmax_tile(const Prefill *p, const Scratch *s, int64
         }
         fvec e0 = splat(0.0f), e1 = splat(0.0f);
         if (new_max != -INFINITY) {  /* else no key seen yet: nothing to add */
-            e0 = vselect(visible0, exp2_nonpositive(s0 - new_max), splat(0.0f));
-            e1 = vselect(visible1, exp2_nonpositive(s1 - new_max), splat(0.0f));
+            e0 = exp2_nonpositive(s0 - new_max);
+            e1 = exp2_nonpositive(s1 - new_max);
+            if (masked) {
+                e0 = vselect(visible0, e0, splat(0.0f));
+                e1 = vselect(visible1, e1, splat(0.0f));
+            }
         }
         vstore(s->row_sum + m * VEC, vload(s->row_sum + m * VEC) * rescale + (e0 + e1));
         s->rescale[m] = rescale;
@@ -343,7 +347,8 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
         /* Every row sees the whole tile when its last key is at or before the first query and its first key
          * is inside the last query's window. */
         const int masked = last_key > low || first_key < first_visible(high, window);
-        softmax_tile(p, s, padded, first_key, masked, bf16, dot);
+        if (masked) softmax_tile(p, s, padded, first_key, 1, bf16, dot);  /* constant: no selects when unmasked */
+        else softmax_tile(p, s, padded, first_key, 0, bf16, dot);
         for (int64_t offset = 0; offset < dim;) {
             if (dim - offset >= PV_VECTORS * VEC) {
                 for (int64_t row = 0; row < padded; row += PV_ROWS) accumulate_rows(p, s, values, row, offset, PV_VECTORS, dot);
