@@ -244,8 +244,9 @@ def torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale: float,
     offset = num_decodes
     if meta.native_prefill is not None and meta.prefill_chunks:
         # Every chunk, however short, goes to the kernel: measured per chunk length against flash SDPA
-        # (benchmarks/cpu_attention.py), it costs about what SDPA does at a single token (one call serves all the step's
-        # chunks) and several times faster on long chunks, so no length threshold sends chunks back here.
+        # (benchmarks/cpu_attention.py), it costs about what SDPA does at a single token (and one call serves
+        # all the step's chunks) and is several times faster on long chunks, so no length threshold sends
+        # chunks back to the torch path.
         kernel, chunks = meta.native_prefill
         parts.append(kernel(q[num_decodes:], k_cache, v_cache, chunks, scale, sliding_window or 0))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
