@@ -376,7 +376,8 @@ static int by_cost_descending(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-static void pack_all(const Prefill *p, int64_t num_chunks, int64_t total_tiles, int bf16, int dot) {
+/* Every tile of every (chunk, kv head), split among the threads of the enclosing parallel region. */
+static void pack_all(const Prefill *p, int64_t total_tiles, int bf16, int dot) {
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < total_tiles; ++g) {
         int64_t chunk = 0;
@@ -387,7 +388,6 @@ static void pack_all(const Prefill *p, int64_t num_chunks, int64_t total_tiles, 
         else if (bf16) pack_tile(p, chunk, kv_head, tile, 1, 0);
         else pack_tile(p, chunk, kv_head, tile, 0, 0);
     }
-    (void)num_chunks;
 }
 
 /* Returns 1 if a buffer could not be allocated, 2 if head_dim is not a multiple of 32. */
@@ -450,7 +450,7 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
     int failed = 0;
 #pragma omp parallel if (macs >= PARALLEL_MIN_MACS)
     {
-        pack_all(&p, num_chunks, total_tiles, bf16, dot);  /* ends in the omp for's barrier */
+        pack_all(&p, total_tiles, bf16, dot);  /* ends in the omp for's barrier */
         char *buffer = malloc(rows * (head_dim * 4 + KEY_TILE * 4 * 2 + head_dim * 4 + VEC * 4 + 2 * 4 + 8));
         if (buffer == NULL) {
 #pragma omp atomic write
