@@ -99,7 +99,7 @@ CHUNKS = [(0, 1), (0, 37), (5, 20), (40, 1), (100, 70), (0, 130)]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size",
-                         [(9, 3, 64, 16), (4, 4, 128, 32), (8, 2, 64, 32), (8, 1, 96, 16)])
+                         [(9, 3, 64, 16), (4, 4, 128, 32), (8, 2, 64, 32), (8, 1, 96, 16), (4, 1, 32, 8)])
 def test_prefill_kernel_matches_dense_attention(kernel, dtype, num_heads, num_kv_heads, head_dim, block_size):
     inputs, expected = _prefill_case(CHUNKS, num_heads, num_kv_heads, head_dim, block_size, dtype, 0,
                                      seed=head_dim + num_heads)
@@ -133,6 +133,20 @@ def test_prefill_kernel_checks_its_inputs(kernel):
 
 
 # ---- through the torch backend's step --------------------------------------------------------------
+
+
+def test_cpu_backend_takes_the_prefill_kernel_where_it_applies(monkeypatch):
+    from pagellm.attention.backend import BACKEND_ENV, AttentionShape, select_backend
+
+    cpu = torch.device("cpu")
+    shape = AttentionShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert isinstance(select_backend(cpu, torch.bfloat16, shape).native_prefill, native.PrefillKernel)
+    assert select_backend(cpu, torch.float16, shape).native_prefill is None
+    odd_heads = AttentionShape(num_heads=9, num_kv_heads=3, head_dim=48, block_size=16)
+    assert select_backend(cpu, torch.float32, odd_heads).native_prefill is None
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert select_backend(cpu, torch.float32, shape).native_prefill is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
