@@ -34,24 +34,16 @@
 
 /* Keys per tile: two vectors of scores per query row. */
 #define KEY_TILE (2 * VEC)
-/* Query rows (queries x heads of the group) per work item, about: the tile's queries, scores, weights and
- * output accumulators stay in the first-level cache while key tiles stream past. */
-#ifndef ROWS_PER_ITEM
+/* Query rows (queries x heads of the group) per work item, at most: the item's queries, scores, weights and
+ * output accumulators stay in the first-level cache while the key tiles stream past. */
 #define ROWS_PER_ITEM 96
-#endif
 /* Register blocking: rows per pass of the score product (x KEY_TILE keys) and of the value product
  * (x PV_VECTORS vectors of head_dim), so accumulators, the loaded operands and one broadcast fit in the
  * register file (32 zmm with AVX-512, 16 ymm/xmm otherwise). Row counts are padded to ROW_MULTIPLE. */
 #if VEC == 16
-#ifndef QK_ROWS
 #define QK_ROWS 8
-#endif
-#ifndef PV_ROWS
 #define PV_ROWS 6
-#endif
-#ifndef ROW_MULTIPLE
 #define ROW_MULTIPLE 24
-#endif
 #else
 #define QK_ROWS 6
 #define PV_ROWS 2
@@ -76,8 +68,8 @@ static ALWAYS_INLINE fvec dot_pairs_broadcast(fvec acc, const uint16_t *a, const
 
 /* 2^x for x <= 0, or -inf: the softmax's exponential, on scores kept in base 2 (their scale carries log2(e)).
  * With AVX-512, x = n + f with |f| <= 1/2, Cephes' exp2f polynomial for 2^f and VSCALEFPS for the 2^n: half
- * the instructions of exp_nonpositive's natural-base reduction, about 1 ulp all the same; elsewhere that
- * function. NaN where x is -inf (callers mask those lanes). */
+ * the instructions of exp_nonpositive's natural-base reduction, within a couple of ulp all the same;
+ * elsewhere that function. NaN where x is -inf (callers mask those lanes). */
 static ALWAYS_INLINE fvec exp2_nonpositive(fvec x) {
 #if VEC == 16
     const __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
