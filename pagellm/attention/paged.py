@@ -10,9 +10,9 @@ attend with a key-padding mask (the torch path, which also serves as the referen
 With the native prefill kernel (CPU), all the step's prefill chunks attend in one call that reads their
 keys and values from the cache through their block tables, so chunks with context gather nothing.
 
-On the torch path, each prefill chunk attends on its own: a chunk that starts its sequence uses the step's own keys and
-values with `is_causal=True`, with no gather and no padding; a chunk that continues a sequence (chunked
-prefill, a prefix-cache hit, a resumed request) gathers its context and attends with a causal mask
+On the torch path, each prefill chunk attends on its own: a chunk that starts its sequence uses the step's
+own keys and values with `is_causal=True`, with no gather and no padding; a chunk that continues a sequence
+(chunked prefill, a prefix-cache hit, a resumed request) gathers its context and attends with a causal mask
 aligned to the lower right, because its first query sits `num_computed` tokens into the sequence.
 
 A layer with a sliding window of W tokens (`models/sliding_window.py`) lets the query at position p see

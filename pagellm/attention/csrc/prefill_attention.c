@@ -66,7 +66,8 @@ static ALWAYS_INLINE fvec dot_pairs_broadcast(fvec acc, const uint16_t *a, const
 }
 #endif
 
-/* 2^x for x <= 0, or -inf: the softmax's exponential, on scores kept in base 2 (their scale carries log2(e)).
+/* 2^x for x <= 0, or -inf: the bfloat16 softmax's exponential, on scores kept in base 2 (their scale carries
+ * log2(e)).
  * With AVX-512, x = n + f with |f| <= 1/2, Cephes' exp2f polynomial for 2^f and VSCALEFPS for the 2^n: half
  * the instructions of exp_nonpositive's natural-base reduction, within a couple of ulp all the same;
  * elsewhere that function. NaN where x is -inf (callers mask those lanes). */
@@ -87,6 +88,11 @@ static ALWAYS_INLINE fvec exp2_nonpositive(fvec x) {
 #endif
 }
 
+/* The softmax's exponential of x <= 0 (or -inf): base 2 in bfloat16, base e in float32 (see score_scale). */
+static ALWAYS_INLINE fvec softmax_exp(fvec x, const int bf16) {
+    return bf16 ? exp2_nonpositive(x) : exp_nonpositive(x);
+}
+
 static ALWAYS_INLINE float vmax_lanes(fvec v) {
 #if VEC == 16
     return _mm512_reduce_max_ps((__m512)v);
@@ -103,7 +109,10 @@ typedef struct {
     const void *k_cache, *v_cache;
     const int64_t *block_tables, *query_starts, *query_lens, *seq_lens;
     int64_t table_stride, num_heads, num_kv_heads, head_dim, block_size, sliding_window;
-    float scale2;  /* the softmax scale times log2(e): scores in base 2 */
+    /* Scores' scale: in bfloat16 the softmax scale times log2(e), so the softmax runs in base 2 (the cheaper
+     * exponential; its results are rounded to bfloat16 anyway); in float32 the scale itself, which is exact
+     * for the usual power-of-two scales, so scores are rounded as SDPA rounds them. */
+    float score_scale;
     void *out;
     /* Per chunk: the first key position any query sees, the packed tiles from it and where they start. */
     int64_t *key_base, *num_tiles, *tile_offset;
@@ -197,7 +206,8 @@ static ALWAYS_INLINE void score_rows(const Prefill *p, const Scratch *s, const v
     {
         const float *q = (const float *)s->queries + row * dim;
         for (int64_t d = 0; d < dim; ++d) {
-            const fvec k0 = vload((const float *)keys + d * KEY_TILE), k1 = vload((const float *)keys + d * KEY_TILE + VEC);
+            const float *k = (const float *)keys + d * KEY_TILE;
+            const fvec k0 = vload(k), k1 = vload(k + VEC);
             for (int r = 0; r < QK_ROWS; ++r) {
                 const fvec x = splat(q[d * QK_ROWS + r]);
                 acc[r][0] += x * k0;
@@ -206,8 +216,8 @@ static ALWAYS_INLINE void score_rows(const Prefill *p, const Scratch *s, const v
         }
     }
     for (int r = 0; r < QK_ROWS; ++r) {
-        vstore(s->scores + (row + r) * KEY_TILE, acc[r][0] * p->scale2);
-        vstore(s->scores + (row + r) * KEY_TILE + VEC, acc[r][1] * p->scale2);
+        vstore(s->scores + (row + r) * KEY_TILE, acc[r][0] * p->score_scale);
+        vstore(s->scores + (row + r) * KEY_TILE + VEC, acc[r][1] * p->score_scale);
     }
 }
 
@@ -274,13 +284,13 @@ static ALWAYS_INLINE void softmax_tile(const Prefill *p, const Scratch *s, int64
         float rescale = 1.0f, new_max = old_max;
         if (tile_max > old_max) {  /* a new maximum: what was summed so far shrinks by e^(old - new) */
             new_max = tile_max;
-            rescale = old_max == -INFINITY ? 0.0f : exp2_nonpositive(splat(old_max - new_max))[0];
+            rescale = old_max == -INFINITY ? 0.0f : softmax_exp(splat(old_max - new_max), bf16)[0];
             s->row_max[m] = new_max;
         }
         fvec e0 = splat(0.0f), e1 = splat(0.0f);
         if (new_max != -INFINITY) {  /* else no key seen yet: nothing to add */
-            e0 = exp2_nonpositive(s0 - new_max);
-            e1 = exp2_nonpositive(s1 - new_max);
+            e0 = softmax_exp(s0 - new_max, bf16);
+            e1 = softmax_exp(s1 - new_max, bf16);
             if (masked) {
                 e0 = vselect(visible0, e0, splat(0.0f));
                 e1 = vselect(visible1, e1, splat(0.0f));
@@ -332,8 +342,8 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
     const int64_t element_size = dot ? 2 : 4;
     for (int64_t tile = first_tile; tile <= last_tile; ++tile) {
         const int64_t first_key = base + tile * KEY_TILE, last_key = first_key + KEY_TILE - 1;
-        const char *keys = (const char *)p->packed +
-                           (p->tile_offset[chunk] + kv_head * p->num_tiles[chunk] + tile) * tile_elements(p) * element_size;
+        const int64_t packed_tile = p->tile_offset[chunk] + kv_head * p->num_tiles[chunk] + tile;
+        const char *keys = (const char *)p->packed + packed_tile * tile_elements(p) * element_size;
         const char *values = keys + KEY_TILE * dim * element_size;
         for (int64_t row = 0; row < padded; row += QK_ROWS) score_rows(p, s, keys, row, dot);
         /* Every row sees the whole tile when its last key is at or before the first query and its first key
@@ -342,20 +352,20 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
         if (masked) softmax_tile(p, s, padded, first_key, 1, bf16, dot);  /* constant: no selects when unmasked */
         else softmax_tile(p, s, padded, first_key, 0, bf16, dot);
         for (int64_t offset = 0; offset < dim;) {
-            if (dim - offset >= PV_VECTORS * VEC) {
-                for (int64_t row = 0; row < padded; row += PV_ROWS) accumulate_rows(p, s, values, row, offset, PV_VECTORS, dot);
-                offset += PV_VECTORS * VEC;
-            } else {
-                for (int64_t row = 0; row < padded; row += PV_ROWS) accumulate_rows(p, s, values, row, offset, NARROW_VECTORS, dot);
-                offset += NARROW_VECTORS * VEC;
+            const int wide = dim - offset >= PV_VECTORS * VEC;
+            for (int64_t row = 0; row < padded; row += PV_ROWS) {
+                if (wide) accumulate_rows(p, s, values, row, offset, PV_VECTORS, dot);
+                else accumulate_rows(p, s, values, row, offset, NARROW_VECTORS, dot);
             }
+            offset += (wide ? PV_VECTORS : NARROW_VECTORS) * VEC;
         }
     }
     for (int64_t m = 0; m < rows; ++m) {
         const int64_t element = (p->query_starts[chunk] + q_first + m / group) * p->num_heads * dim +
                                 (kv_head * group + m % group) * dim;
         const fvec inverse = splat(1.0f / vsum(vload(s->row_sum + m * VEC)));
-        for (int64_t d = 0; d < dim; d += VEC) store_any(p->out, element + d, vload(s->acc + m * dim + d) * inverse, bf16);
+        for (int64_t d = 0; d < dim; d += VEC)
+            store_any(p->out, element + d, vload(s->acc + m * dim + d) * inverse, bf16);
     }
 }
 
@@ -399,7 +409,8 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
     const int64_t tile_queries = ROWS_PER_ITEM / group > 0 ? ROWS_PER_ITEM / group : 1;
     int64_t *per_chunk = malloc(sizeof(int64_t) * (3 * num_chunks + 1));
     int64_t num_items = 0;
-    for (int64_t c = 0; c < num_chunks; ++c) num_items += (query_lens[c] + tile_queries - 1) / tile_queries * num_kv_heads;
+    for (int64_t c = 0; c < num_chunks; ++c)
+        num_items += (query_lens[c] + tile_queries - 1) / tile_queries * num_kv_heads;
     Item *items = malloc(sizeof(Item) * (num_items > 0 ? num_items : 1));
     if (per_chunk == NULL || items == NULL) {
         free(per_chunk);
@@ -410,7 +421,8 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
         .q = q, .q_token_stride = q_token_stride, .k_cache = k_cache, .v_cache = v_cache,
         .block_tables = block_tables, .query_starts = query_starts, .query_lens = query_lens, .seq_lens = seq_lens,
         .table_stride = table_stride, .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
-        .block_size = block_size, .sliding_window = sliding_window, .scale2 = scale * 1.44269504088896341f, .out = out,
+        .block_size = block_size, .sliding_window = sliding_window, .out = out,
+        .score_scale = bf16 ? scale * 1.44269504088896341f : scale,
         .key_base = per_chunk, .num_tiles = per_chunk + num_chunks, .tile_offset = per_chunk + 2 * num_chunks,
     };
     /* tile_offset counts tiles of every kv head: chunk c's tiles are [tile_offset[c], tile_offset[c + 1]). */
