@@ -9,13 +9,16 @@ measures, on the default model:
 2. for each budget in `--budgets`, the steps that prefill one `--prompt-len`-token prompt beside those
    decodes: the longest step (what a running request's TPOT sees) and their sum (the prefill's cost in
    throughput: smaller chunks mean more steps, and each later chunk reads its context back from the cache);
-3. with `--profile`, torch.profiler's top ops of a decode-only step and of one step carrying a full chunk
+3. with `--compare-prefill`, each budget twice per round, once with the native prefill-attention kernel and once
+   on the torch path's per-chunk SDPA (the same engine, interleaved, so both see the same load);
+4. with `--profile`, torch.profiler's top ops of a decode-only step and of one step carrying a full chunk
    beside the decodes (the fused C kernels run through ctypes: their time is the gap between the
    profiled total and the wall clock of the step).
 
     PYTHONPATH=$PWD python benchmarks/cpu_step.py                         # auto dtype, budgets 256..2048
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --dtype bfloat16 --profile
     PYTHONPATH=$PWD python benchmarks/cpu_step.py --dtype float32 --budgets 512 2048 --prompt-len 1500
+    PYTHONPATH=$PWD python benchmarks/cpu_step.py --dtype bfloat16 --compare-prefill
 
 Budgets run interleaved (round robin, --repeats times, best kept), so that load from other processes hits
 them alike; the load average is printed beside the figures.
@@ -70,6 +73,8 @@ def main() -> None:
                         help="max_num_batched_tokens values to compare")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of a mixed step")
+    parser.add_argument("--compare-prefill", action="store_true",
+                        help="also time every budget with prefill attention on the torch path (SDPA per chunk)")
     args = parser.parse_args()
 
     from pagellm import LLM, SamplingParams
@@ -98,19 +103,35 @@ def main() -> None:
           f"~{args.context} tokens of context; prefill of {args.prompt_len} tokens; load average "
           f"{os.getloadavg()[0]:.2f} at start", flush=True)
 
+    # The first decode steps after the prompts pay one-time costs (oneDNN primitives for the new batch shape:
+    # over a second each in bfloat16), which are no step's steady cost: run them before timing.
+    for _ in range(8):
+        engine.step()
     decode_only = min(timed_step(engine) for _ in range(5))
-    best: dict[int, list[float]] = {}
+    backend = engine.core.runner.attn_backend
+    native_prefill = getattr(backend, "native_prefill", None)
+    variants = ["native", "torch"] if args.compare_prefill else ["native" if native_prefill else "torch"]
+    if args.compare_prefill and native_prefill is None:
+        sys.exit("--compare-prefill needs the native prefill kernel (a CPU engine with the native kernels on)")
+    best: dict[tuple[int, str], list[float]] = {}
     for repeat in range(args.repeats):
         for budget in args.budgets:
-            times = prefill_steps(engine, one_token, random_prompt(args.prompt_len), budget, f"p{repeat}-{budget}")
-            if budget not in best or sum(times) < sum(best[budget]):
-                best[budget] = times
+            for variant in variants:
+                backend.native_prefill = native_prefill if variant == "native" else None
+                times = prefill_steps(engine, one_token, random_prompt(args.prompt_len), budget,
+                                      f"p{repeat}-{budget}-{variant}")
+                if (budget, variant) not in best or sum(times) < sum(best[budget, variant]):
+                    best[budget, variant] = times
+    if native_prefill is not None:
+        backend.native_prefill = native_prefill
     print(f"decode-only step: {decode_only * 1e3:.1f} ms")
-    print(f"{'budget':>7} {'steps':>6} {'longest step ms':>16} {'sum ms':>8} {'prefill tok/s':>14}")
+    print(f"{'budget':>7} {'prefill attention':>18} {'steps':>6} {'longest step ms':>16} {'sum ms':>8} "
+          f"{'prefill tok/s':>14}")
     for budget in args.budgets:
-        times = best[budget]
-        print(f"{budget:>7} {len(times):>6} {max(times) * 1e3:>16.1f} {sum(times) * 1e3:>8.1f} "
-              f"{args.prompt_len / (sum(times) - len(times) * decode_only):>14.0f}")
+        for variant in variants:
+            times = best[budget, variant]
+            print(f"{budget:>7} {variant:>18} {len(times):>6} {max(times) * 1e3:>16.1f} {sum(times) * 1e3:>8.1f} "
+                  f"{args.prompt_len / (sum(times) - len(times) * decode_only):>14.0f}")
     print(f"load average at end {os.getloadavg()[0]:.2f}", flush=True)
 
     if args.profile:

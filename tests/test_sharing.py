@@ -112,7 +112,9 @@ def test_beam_search_equals_hf_without_eos(llm, hf_tiny, default_tokenizer, widt
     (result,) = llm.beam_search([PROMPT], BeamSearchParams(beam_width=width, max_tokens=10, ignore_eos=True))
     tokens, scores = _hf_beams(hf_tiny, prompt_ids, width, 10, eos_token_id=None, pad_token_id=0)
     assert [s.tokens[len(prompt_ids):] for s in result.sequences] == tokens
-    assert [s.score for s in result.sequences] == pytest.approx(scores, abs=5e-5)  # fp32 sums of 12 log-softmaxes
+    # fp32 sums of 12 log-softmaxes, each from attention rounded in another order than HF's (the native
+    # kernels accumulate differently from SDPA, equally accurate against a float64 reference).
+    assert [s.score for s in result.sequences] == pytest.approx(scores, abs=1e-4)
     assert result.sequences[0].text == default_tokenizer.decode(result.sequences[0].tokens, skip_special_tokens=True)
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 
@@ -151,7 +153,9 @@ def test_beam_search_equals_hf_with_eos(eos_model, hf_tiny, default_tokenizer, e
     assert any(s.finish_reason == "stop" for s in result.sequences) == ends_by_eos
     for mine, theirs in zip(ours, tokens):
         assert theirs[: len(mine)] == mine and set(theirs[len(mine):]) <= {eos}
-    assert [s.score for s in result.sequences] == pytest.approx(scores, abs=5e-5)  # fp32 sums of 12 log-softmaxes
+    # fp32 sums of 12 log-softmaxes, each from attention rounded in another order than HF's (the native
+    # kernels accumulate differently from SDPA, equally accurate against a float64 reference).
+    assert [s.score for s in result.sequences] == pytest.approx(scores, abs=1e-4)
 
 
 def test_beam_search_params_are_validated():

@@ -83,8 +83,8 @@ BACKEND_ENV = "PAGELLM_ATTENTION_BACKEND"
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> AttentionBackend:
-    """Triton on CUDA (torch if triton is missing); on CPU torch ops with the native decode kernel
-    where it serves the dtype and head size, and the native K/V write."""
+    """Triton on CUDA (torch if triton is missing); on CPU torch ops with the native decode and prefill
+    kernels where they serve the dtype and head size, and the native K/V write."""
     from pagellm.attention.paged import TorchAttentionBackend
 
     forced = os.environ.get(BACKEND_ENV, "")
@@ -101,9 +101,11 @@ def select_backend(device: torch.device, dtype: torch.dtype, shape: AttentionSha
             return TritonAttentionBackend(shape, device)
         logger.warning("triton is not importable: CUDA attention runs on the torch reference path (slow)")
         return TorchAttentionBackend(shape, device, None)
-    from pagellm.attention.native import DecodeKernel, decode_kernel, kv_writer
+    from pagellm.attention.native import DecodeKernel, PrefillKernel, decode_kernel, kv_writer, prefill_kernel
 
-    native = None
+    native = prefill = None
     if dtype in DecodeKernel.CACHE_DTYPES and DecodeKernel.supports(shape.head_dim):
         native = decode_kernel()
-    return TorchAttentionBackend(shape, device, native, kv_writer())
+    if dtype in PrefillKernel.DTYPES and PrefillKernel.supports(shape.head_dim):
+        prefill = prefill_kernel()
+    return TorchAttentionBackend(shape, device, native, kv_writer(), prefill)

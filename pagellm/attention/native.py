@@ -1,7 +1,8 @@
 """pagellm's C kernels for the CPU: compiled on first use, cached, called via ctypes.
 
 csrc/paged_attention.c is decode attention straight from the paged cache (float32 or bfloat16 queries and
-caches, float32 arithmetic, optional sliding window); csrc/cpu_ops.c holds the fused RMSNorm (with the
+caches, float32 arithmetic, optional sliding window); csrc/prefill_attention.c the causal attention of a
+step's prefill chunks from the same cache, flash-style; csrc/cpu_ops.c holds the fused RMSNorm (with the
 residual add), SiLU-and-multiply and in-place rotary embedding in float32 and bfloat16; csrc/vec.h the
 vector helpers both use, over the width header of the instruction set built for (vec_avx512.h,
 vec_avx2.h, vec_generic.h).
@@ -13,8 +14,8 @@ PAGELLM_CPU_ISA=avx512|avx2|generic forces one (tests use it to run every path t
 
 Compiling needs only a C compiler (cc/gcc) and takes about a second; the shared object is cached under
 pagellm's cache directory, keyed by the source, the flags, the compiler and this CPU, so later starts just
-load it. Where there is no compiler, or PAGELLM_NATIVE_KERNELS=0 is set, `decode_kernel()` and `cpu_ops()`
-return None and the model runs on torch ops, which stay the reference the kernels are tested against.
+load it. Where there is no compiler, or PAGELLM_NATIVE_KERNELS=0 is set, `decode_kernel()`, `prefill_kernel()`
+and `cpu_ops()` return None and the model runs on torch ops, which stay the reference the kernels are tested against.
 
 The library is built with -fopenmp and loaded after torch: the dynamic linker resolves its libgomp.so.1
 to the copy torch already loaded, so the kernel runs on torch's OpenMP thread pool with torch's
@@ -33,6 +34,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,7 +45,7 @@ from pagellm.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("paged_attention.c", "cpu_ops.c")]
+_SOURCES = [_CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "cpu_ops.c")]
 _HEADERS = [_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h")]
 # No -ffast-math: the kernel is vectorised by hand, and its summation order and exp must stay as written.
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
@@ -171,6 +173,101 @@ class DecodeKernel:
         return out.to(query_dtype)
 
 
+@dataclass(frozen=True)
+class PrefillChunks:
+    """A step's prefill chunks as the prefill kernel reads them, checked once per step (every layer reuses
+    them): chunk c's queries are tokens query_starts[c] .. + query_lens[c] of the prefill part of the step,
+    the last query_lens[c] positions of a sequence of seq_lens[c] tokens whose blocks are block_tables[c]."""
+
+    block_tables: np.ndarray  # [chunks, table width] int64
+    query_starts: np.ndarray  # [chunks] int64
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
+    tokens: int  # the prefill tokens the chunks reach
+    max_seq_len: int
+
+    @classmethod
+    def build(cls, block_tables, query_starts, query_lens, seq_lens) -> PrefillChunks:
+        tables, starts, lens, seq_lens = (np.ascontiguousarray(a, dtype=np.int64)
+                                          for a in (block_tables, query_starts, query_lens, seq_lens))
+        if tables.ndim != 2 or not (len(tables) == len(starts) == len(lens) == len(seq_lens)):
+            raise ValueError(f"block_tables {tables.shape} needs one row per chunk of query_starts {starts.shape}, "
+                             f"query_lens {lens.shape}, seq_lens {seq_lens.shape}")
+        if not len(lens):
+            return cls(tables, starts, lens, seq_lens, 0, 0)
+        if (lens < 1).any() or (seq_lens < lens).any() or (starts < 0).any():
+            raise ValueError("every chunk needs query_start >= 0 and 1 <= query_len <= seq_len")
+        return cls(tables, starts, lens, seq_lens, int((starts + lens).max()), int(seq_lens.max()))
+
+
+class PrefillKernel:
+    """paged_prefill_attention with its argument types declared; see the C source for layouts.
+
+    Queries and caches share one dtype, float32 or bfloat16; the output has it too.
+    """
+
+    DTYPES = KERNEL_DTYPES
+
+    @staticmethod
+    def supports(head_dim: int) -> bool:
+        # Products and sums run in 32-float pieces of the head; other head sizes take the torch path.
+        return head_dim % 32 == 0
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.isa = library_isa(library)
+        self._function = library.paged_prefill_attention
+        self._function.restype = _INT
+        self._function.argtypes = [_PTR, _I64, _PTR, _PTR, _INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64,
+                                   _I64, _I64, _I64, _F32, _I64]
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunks: PrefillChunks,
+        scale: float,
+        sliding_window: int = 0,
+    ) -> torch.Tensor:
+        """q: [tokens, num_heads, head_dim] (rows may be strided); caches: [num_blocks, kv_heads, block_size,
+        head_dim], already holding every chunk's keys and values. Returns [tokens, num_heads, head_dim]; rows
+        no chunk covers are left unwritten.
+
+        sliding_window > 0: the query at position p attends keys in (p - sliding_window, p] only."""
+        if q.dtype not in self.DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise TypeError(f"the native prefill kernel takes float32 or bfloat16 queries and caches of one dtype, "
+                            f"not q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+        tokens, num_heads, head_dim = q.shape
+        _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+        if cache_head_dim != head_dim or num_heads % num_kv_heads:
+            raise ValueError(f"q has {num_heads} heads of {head_dim}, the cache {num_kv_heads} of {cache_head_dim}: "
+                             f"head sizes must match and the kv heads divide the query heads")
+        if not self.supports(head_dim):
+            raise ValueError(f"head_dim={head_dim} is not a multiple of 32, which the native prefill kernel needs")
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()  # the kernel takes a token stride only; heads must be adjacent
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the KV cache views must be contiguous for the native kernel")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window={sliding_window} must be 0 (full attention) or a positive key count")
+        if chunks.tokens > tokens:
+            raise ValueError(f"the chunks reach token {chunks.tokens} of q's {tokens}")
+        tables = chunks.block_tables
+        if chunks.max_seq_len > tables.shape[1] * block_size:
+            raise ValueError(f"a sequence of {chunks.max_seq_len} tokens needs more than the "
+                             f"{tables.shape[1]} blocks of {block_size} its table row holds")
+        out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype)
+        failed = self._function(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(q.dtype == torch.bfloat16),
+            tables.ctypes.data, tables.shape[1], chunks.query_starts.ctypes.data, chunks.query_lens.ctypes.data,
+            chunks.seq_lens.ctypes.data, len(chunks.query_lens), out.data_ptr(), num_heads, num_kv_heads, head_dim,
+            block_size, scale, sliding_window,
+        )
+        if failed:
+            raise MemoryError("the native prefill-attention kernel could not allocate its buffers")
+        return out
+
+
 class CpuOps:
     """The fused elementwise kernels on contiguous CPU tensors of float32 or bfloat16 (see cpu_ops.c); every
     tensor of one call has the same dtype, and bfloat16 results are rounded where torch's would be."""
@@ -288,6 +385,11 @@ def decode_kernel(isa: str | None = None) -> DecodeKernel | None:
 def kv_writer(isa: str | None = None) -> KVWriter | None:
     library = native_library(isa)
     return KVWriter(library) if library is not None else None
+
+
+def prefill_kernel(isa: str | None = None) -> PrefillKernel | None:
+    library = native_library(isa)
+    return PrefillKernel(library) if library is not None else None
 
 
 def cpu_ops(isa: str | None = None) -> CpuOps | None:

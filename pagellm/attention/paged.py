@@ -7,9 +7,12 @@ Decodes run on the native kernel where there is one (CPU, float32: `native.py`),
 sequence's blocks through its block table; otherwise they gather their blocks into a padded batch and
 attend with a key-padding mask (the torch path, which also serves as the reference in tests).
 
-Each prefill chunk attends on its own: a chunk that starts its sequence uses the step's own keys and
-values with `is_causal=True`, with no gather and no padding; a chunk that continues a sequence (chunked
-prefill, a prefix-cache hit, a resumed request) gathers its context and attends with a causal mask
+With the native prefill kernel (CPU), all the step's prefill chunks attend in one call that reads their
+keys and values from the cache through their block tables, so chunks with context gather nothing.
+
+On the torch path, each prefill chunk attends on its own: a chunk that starts its sequence uses the step's
+own keys and values with `is_causal=True`, with no gather and no padding; a chunk that continues a sequence
+(chunked prefill, a prefix-cache hit, a resumed request) gathers its context and attends with a causal mask
 aligned to the lower right, because its first query sits `num_computed` tokens into the sequence.
 
 A layer with a sliding window of W tokens (`models/sliding_window.py`) lets the query at position p see
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import AttentionShape, StepAttentionInputs
-from pagellm.attention.native import DecodeKernel
+from pagellm.attention.native import DecodeKernel, PrefillChunks, PrefillKernel
 from pagellm.cpu_features import cpu_has_native
 
 
@@ -73,6 +76,9 @@ class AttentionMetadata:
     native_decode: DecodeKernel | None = None
     # The C copy of the step's K/V into the pool (native.KVWriter); None: index_copy_.
     native_write: Callable | None = None
+    # With the native prefill kernel: the kernel and the step's chunks as it reads them (then the chunks'
+    # torch-path fields stay unused).
+    native_prefill: tuple[PrefillKernel, PrefillChunks] | None = None
     # The backend whose forward serves this metadata; None is the torch path below.
     backend: object | None = None
 
@@ -236,6 +242,14 @@ def torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale: float,
         parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode, meta.native_decode, scale,
                                        sliding_window))
     offset = num_decodes
+    if meta.native_prefill is not None and meta.prefill_chunks:
+        # Every chunk, however short, goes to the kernel: measured per chunk length against flash SDPA
+        # (benchmarks/cpu_attention.py), it costs about what SDPA does at a single token (and one call serves
+        # all the step's chunks) and is several times faster on long chunks, so no length threshold sends
+        # chunks back to the torch path.
+        kernel, chunks = meta.native_prefill
+        parts.append(kernel(q[num_decodes:], k_cache, v_cache, chunks, scale, sliding_window or 0))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     for chunk in meta.prefill_chunks:
         start, end = offset + chunk.start, offset + chunk.end
         parts.append(_chunk_attention(q[start:end], k[start:end], v[start:end], k_cache, v_cache, chunk, scale,
@@ -244,18 +258,19 @@ def torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale: float,
 
 
 class TorchAttentionBackend:
-    """Torch ops (and the native CPU decode kernel when given one) behind the backend interface."""
+    """Torch ops (and the native CPU decode and prefill kernels when given them) behind the backend interface."""
 
     name = "torch"
     supports_cuda_graphs = False
 
     def __init__(self, shape: AttentionShape, device: torch.device, native_decode: DecodeKernel | None,
-                 native_write: Callable | None = None) -> None:
+                 native_write: Callable | None = None, native_prefill: PrefillKernel | None = None) -> None:
         self.shape = shape
         self.device = device
         self.native_decode = native_decode
         self.native_write = native_write
-        if native_decode is not None:
+        self.native_prefill = native_prefill
+        if native_decode is not None or native_prefill is not None:
             self.name = "cpu-native"
 
     def build_metadata(self, step: StepAttentionInputs) -> AttentionMetadata:
@@ -263,6 +278,12 @@ class TorchAttentionBackend:
         slots = step.slot_mapping
         write_index = kv_write_index(slots // block_size, slots % block_size, self.shape.num_kv_heads, block_size)
         num_decodes = step.num_decodes
+        native_prefill = None
+        if self.native_prefill is not None and len(step.query_lens) > num_decodes:
+            query_lens = step.query_lens[num_decodes:]
+            chunks = PrefillChunks.build(step.block_tables[num_decodes:], np.cumsum(query_lens) - query_lens,
+                                         query_lens, step.seq_lens[num_decodes:])
+            native_prefill = (self.native_prefill, chunks)
         return AttentionMetadata(
             kv_write_index=self._to_device(write_index),
             num_decode_tokens=num_decodes,
@@ -272,6 +293,7 @@ class TorchAttentionBackend:
                                                 step.block_tables[num_decodes:]),
             native_decode=self.native_decode,
             native_write=self.native_write,
+            native_prefill=native_prefill,
         )
 
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
