@@ -39,16 +39,21 @@ def choose_wait_policy(environ: MutableMapping[str, str], torch_loaded: bool) ->
 
 
 def loaded_libgomp() -> Path | None:
-    """The libgomp this process has loaded (torch's own copy), or None (not loaded yet, or not libgomp)."""
+    """The libgomp that torch runs its kernels on, as this process loaded it; None when torch has not loaded
+    one. Other packages bring copies of their own (sentencepiece does): torch's is the one in its package
+    (torch/lib, or torch.libs beside it), or else the only one loaded."""
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1]
-                if "/libgomp" in path:
-                    return Path(path)
+            loaded = sorted({Path(line.split()[-1]) for line in maps if "/libgomp" in line})
     except OSError:
-        pass
-    return None
+        return None
+    import torch
+
+    package = Path(torch.__file__).resolve().parent
+    for path in loaded:
+        if path.resolve().parent in (package / "lib", package.parent / "torch.libs"):
+            return path
+    return loaded[0] if len(loaded) == 1 else None
 
 
 def release_thread_team() -> bool:

@@ -35,7 +35,9 @@ def test_nothing_is_set_once_torch_is_loaded():
 def test_releasing_the_team_ends_its_worker_threads():
     # In a process of its own: the test process's OpenMP teams are not this test's to end.
     script = textwrap.dedent("""
-        import os, time, torch
+        import os, time
+        import sentencepiece  # a dependency with a libgomp of its own, loaded first here: not the one to ask
+        import torch
         from pagellm.entrypoints import openmp
 
         def threads():
