@@ -31,7 +31,11 @@ def parse_size(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: LLM serving on a paged KV cache.")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        epilog="On a CPU, torch's OpenMP threads wait passively between kernels (OMP_WAIT_POLICY=PASSIVE), which "
+               "holds up when other processes share the cores; set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose "
+               "otherwise.")
     serve.add_argument("model", nargs="?", default=None,
                        help=f"a local HF directory or .gguf file (default: the embedded {DEFAULT_MODEL})")
     server = serve.add_argument_group("server")
