@@ -13,6 +13,10 @@ Per request it measures:
         carry several tokens when the server holds back partial characters);
   E2E   end-to-end latency: from sending to the end of the stream.
 
+Per run it also counts CPU seconds: the client's own, and, for a server it launched, those of the server's whole
+process tree (its session), so that a server's CPU cost per token and what the client took from the same cores
+are in the table.
+
 A request counts as completed only if its stream ends with `data: [DONE]`; HTTP errors, error events,
 broken connections and requests still running at `--timeout` are failed and reported with their reason.
 The process exits with status 1 when no request completed.
@@ -47,6 +51,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import shlex
 import signal
 import subprocess
@@ -506,11 +511,54 @@ def stop(process: subprocess.Popen) -> None:
         pass
 
 
+def session_cpu_seconds(session_id: int) -> float | None:
+    """User + system CPU seconds used so far by the live processes of a session: a launched server (started in
+    a session of its own) and every process it started, such as vLLM's engine core. None without Linux's /proc."""
+    total = 0.0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat_file:
+                stat = stat_file.read()
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        # The fields after the command name (which may hold spaces), from the state: session is the 4th,
+        # utime and stime the 12th and 13th (proc(5)).
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) == session_id:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass(frozen=True)
+class CpuSeconds:
+    """CPU seconds spent during one run: by the launched server (None for one only named by URL) and by this
+    client, which shares the machine with it."""
+
+    server: float | None
+    client: float
+
+    def as_json(self) -> dict:
+        return {"server_cpu_s": None if self.server is None else round(self.server, 2),
+                "client_cpu_s": round(self.client, 2)}
+
+
 @dataclass(frozen=True)
 class ComparedRun:
     server: str
     request_rate: float
     summary: ServingSummary
+    cpu: CpuSeconds
 
 
 def format_comparison(runs: Sequence[ComparedRun]) -> str:
@@ -524,9 +572,10 @@ def format_comparison(runs: Sequence[ComparedRun]) -> str:
                      f"{s.num_completed}/{s.num_completed + s.num_failed}", f"{s.request_throughput:.2f}",
                      f"{s.total_throughput:,.0f}",
                      ms(s.ttft_ms.mean), ms(s.ttft_ms.median), ms(s.ttft_ms.p99),
-                     ms(s.tpot_ms.mean), ms(s.tpot_ms.median), ms(s.tpot_ms.p99)])
+                     ms(s.tpot_ms.mean), ms(s.tpot_ms.median), ms(s.tpot_ms.p99),
+                     "-" if run.cpu.server is None else f"{run.cpu.server:.1f}", f"{run.cpu.client:.1f}"])
     return format_table(["server", "rate", "done", "req/s", "total tok/s", "TTFT mean", "TTFT p50", "TTFT p99",
-                         "TPOT mean", "TPOT p50", "TPOT p99"], rows)
+                         "TPOT mean", "TPOT p50", "TPOT p99", "server CPU s", "client CPU s"], rows)
 
 
 def run_one(args: argparse.Namespace, endpoint: Endpoint, rate: float, workload: Workload, prompts) -> tuple[ServingSummary, str]:
@@ -574,11 +623,17 @@ def main(argv: Sequence[str] | None = None) -> ServingSummary:
                 print(f"{spec.name} ready in {wait_until_ready(process, spec.base_url, args.ready_timeout):.1f} s",
                       flush=True)
             for rate, (workload, prompts) in zip(args.request_rate, workloads):
+                server_cpu = None if process is None else session_cpu_seconds(process.pid)
+                client_cpu = own_cpu_seconds()
                 summary, model = run_one(args, Endpoint(spec.base_url, args.api_key), rate, workload, prompts)
-                runs.append(ComparedRun(spec.name, rate, summary))
+                if server_cpu is not None:
+                    server_cpu = session_cpu_seconds(process.pid) - server_cpu
+                cpu = CpuSeconds(server_cpu, own_cpu_seconds() - client_cpu)
+                runs.append(ComparedRun(spec.name, rate, summary, cpu))
                 print(json.dumps({"server": spec.name, "model": model, "request_rate": str(rate),
                                   "max_concurrency": args.max_concurrency, "cpu": cpu_description(),
-                                  "loadavg": round(os.getloadavg()[0], 2), **summary.as_json()}), flush=True)
+                                  "loadavg": round(os.getloadavg()[0], 2), **summary.as_json(), **cpu.as_json()}),
+                      flush=True)
         except ServerError as error:
             sys.exit(f"{spec.name}: {error}")
         finally:

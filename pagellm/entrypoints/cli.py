@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
 
 from pagellm.config import DEFAULT_MODEL
 from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_QUEUED_REQUESTS, AsyncEngineArgs
+from pagellm.entrypoints import openmp
 from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+logger = logging.getLogger(__name__)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -27,7 +31,11 @@ def parse_size(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: LLM serving on a paged KV cache.")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        epilog="On a CPU, torch's OpenMP threads wait passively between kernels (OMP_WAIT_POLICY=PASSIVE), which "
+               "holds up when other processes share the cores; set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose "
+               "otherwise.")
     serve.add_argument("model", nargs="?", default=None,
                        help=f"a local HF directory or .gguf file (default: the embedded {DEFAULT_MODEL})")
     server = serve.add_argument_group("server")
@@ -132,6 +140,8 @@ def serve(args: argparse.Namespace) -> None:
         engine_args = engine_args_from(args)
     except ValueError as exc:  # a bad flag value: say which before loading any model
         sys.exit(f"pagellm serve: {exc}")
+    # Before torch (and its libgomp) loads: libgomp reads the wait policy once (see entrypoints/openmp.py).
+    chosen_policy = openmp.choose_wait_policy(os.environ, torch_loaded="torch" in sys.modules)
     # Imported here, where they are needed: argument handling stays free of the server's imports.
     from pagellm.engine.async_llm_engine import AsyncLLMEngine
     from pagellm.entrypoints.openai.api_server import run_server
@@ -153,6 +163,12 @@ def serve(args: argparse.Namespace) -> None:
     except (ValueError, RendezvousError, ExecutorDeadError) as exc:
         # A model that cannot load, a pool that cannot hold one request, ranks that cannot meet: say why.
         sys.exit(f"pagellm serve: {exc}")
+    # The engine thread steps the model on an OpenMP team of its own; the loading team would only make libgomp
+    # think the CPUs oversubscribed and cut every spin-wait short.
+    openmp.release_thread_team()
+    if chosen_policy is not None:
+        logger.info("OpenMP threads wait passively between kernels (OMP_WAIT_POLICY=%s); set OMP_WAIT_POLICY or "
+                    "GOMP_SPINCOUNT to choose otherwise.", chosen_policy)
     run_server(engine, config, args.host, args.port, args.uvicorn_log_level)
 
 

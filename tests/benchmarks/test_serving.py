@@ -301,6 +301,8 @@ def test_servers_and_rates_side_by_side_in_one_table(capsys):
     from pagellm.cpu_features import cpu_description
 
     assert all(line["cpu"] == cpu_description() and line["loadavg"] >= 0 for line in lines)
+    # Servers named by URL were not started here: their CPU seconds are unknown; the client's are counted.
+    assert all(line["server_cpu_s"] is None and line["client_cpu_s"] > 0 for line in lines)
     assert f"CPU: {cpu_description()}" in run.stdout
     # Each server saw the whole workload once per rate; the second failed its first request only.
     assert len(first.bodies) == len(second.bodies) == 12
@@ -318,6 +320,17 @@ def test_servers_and_rates_side_by_side_in_one_table(capsys):
 def test_a_launched_server_that_exits_early_is_a_clear_error():
     with pytest.raises(SystemExit, match="broken: the server command exited with status 3"):
         serving.main(["--launch", "broken=python3 -c 'raise SystemExit(3)'", "--ready-timeout", "30", *WORKLOAD_ARGS])
+
+
+def test_session_cpu_seconds_count_the_whole_session():
+    import os
+
+    session = os.getsid(0)
+    before_session, before_own = serving.session_cpu_seconds(session), serving.own_cpu_seconds()
+    while serving.own_cpu_seconds() - before_own < 0.2:  # this process is in the session: its work counts
+        sum(range(10_000))
+    assert serving.session_cpu_seconds(session) - before_session >= 0.15
+    assert serving.session_cpu_seconds(-1) == 0.0  # no process is in a session that does not exist
 
 
 def test_named_entries_need_a_name_and_a_value():

@@ -54,6 +54,7 @@ def test_help_names_every_vllm_flag():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert DEFAULT_MODEL in result.stdout
+    assert "OMP_WAIT_POLICY" in result.stdout  # how the OpenMP threads wait, and how to choose otherwise
     for flag in VLLM_FLAGS:
         assert flag in result.stdout
 
