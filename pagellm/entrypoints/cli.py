@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import re
 import sys
@@ -12,8 +11,6 @@ from pagellm.config import DEFAULT_MODEL
 from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_QUEUED_REQUESTS, AsyncEngineArgs
 from pagellm.entrypoints import openmp
 from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
-
-logger = logging.getLogger(__name__)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -33,9 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        epilog="On a CPU, torch's OpenMP threads wait passively between kernels (OMP_WAIT_POLICY=PASSIVE), which "
-               "holds up when other processes share the cores; set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose "
-               "otherwise.")
+        epilog="On a CPU, torch's OpenMP threads spin for a while between kernels before they sleep (libgomp's "
+               "default, as offline): fastest on cores the server has to itself. Where other processes share the "
+               "cores, OMP_WAIT_POLICY=PASSIVE holds up better.")
     serve.add_argument("model", nargs="?", default=None,
                        help=f"a local HF directory or .gguf file (default: the embedded {DEFAULT_MODEL})")
     server = serve.add_argument_group("server")
@@ -140,8 +137,6 @@ def serve(args: argparse.Namespace) -> None:
         engine_args = engine_args_from(args)
     except ValueError as exc:  # a bad flag value: say which before loading any model
         sys.exit(f"pagellm serve: {exc}")
-    # Before torch (and its libgomp) loads: libgomp reads the wait policy once (see entrypoints/openmp.py).
-    chosen_policy = openmp.choose_wait_policy(os.environ, torch_loaded="torch" in sys.modules)
     # Imported here, where they are needed: argument handling stays free of the server's imports.
     from pagellm.engine.async_llm_engine import AsyncLLMEngine
     from pagellm.entrypoints.openai.api_server import run_server
@@ -166,9 +161,6 @@ def serve(args: argparse.Namespace) -> None:
     # The engine thread steps the model on an OpenMP team of its own; the loading team would only make libgomp
     # think the CPUs oversubscribed and cut every spin-wait short.
     openmp.release_thread_team()
-    if chosen_policy is not None:
-        logger.info("OpenMP threads wait passively between kernels (OMP_WAIT_POLICY=%s); set OMP_WAIT_POLICY or "
-                    "GOMP_SPINCOUNT to choose otherwise.", chosen_policy)
     run_server(engine, config, args.host, args.port, args.uvicorn_log_level)
 
 

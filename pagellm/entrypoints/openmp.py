@@ -1,41 +1,28 @@
-"""How the server's OpenMP threads wait between torch's parallel regions.
+"""The server's OpenMP thread teams: one, so that libgomp waits between torch's parallel regions as it should.
 
 torch runs a CPU kernel on the OpenMP (libgomp) thread team of the thread that calls it, and each calling
 thread gets a team of its own. `pagellm serve` loads the model on its main thread and steps it on the engine
 thread: two teams. While libgomp manages more threads than the process has CPUs, it cuts its spin-wait to
-about a hundred iterations, so the server waited passively by accident whatever OMP_WAIT_POLICY said, and
-with OMP_WAIT_POLICY=ACTIVE the main thread's idle worker spun on a core of its own for good (the served
-throughput halved).
+about a hundred iterations, so the server waited passively by accident, whatever OMP_WAIT_POLICY said, and
+with OMP_WAIT_POLICY=ACTIVE the main thread's idle worker spun on a core of its own for good.
 
-Waiting passively is what a server on a busy machine needs: a thread that spins for its partner holds a core
-that the partner, the event loop or the client could run on. So the server now asks for it explicitly, and
-releases the loading thread's team once the model is loaded, so that an OMP_WAIT_POLICY or GOMP_SPINCOUNT the
-user sets does what it says.
+Releasing the loading thread's team once the model is loaded leaves one team, so the server waits as the
+offline engine does: libgomp's default (spin for a while, then sleep), or what OMP_WAIT_POLICY / GOMP_SPINCOUNT
+say. On cores the server has to itself, spinning is what keeps a step's many short parallel regions cheap;
+where other processes share the cores, a spinning thread holds a core its partner needs, and
+OMP_WAIT_POLICY=PASSIVE holds up better (README, "Serving on a shared CPU").
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import MutableMapping
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# The variables with which a user chooses libgomp's waiting; when one is set, the server leaves both alone.
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-SERVER_WAIT_POLICY = "PASSIVE"
 # OpenMP 5.0's omp_pause_hard: free the calling thread's team (libgomp treats soft and hard alike on the host).
 _OMP_PAUSE_HARD = 2
-
-
-def choose_wait_policy(environ: MutableMapping[str, str], torch_loaded: bool) -> str | None:
-    """Sets OMP_WAIT_POLICY=PASSIVE in `environ` unless the user chose a wait policy; libgomp reads it once,
-    when torch loads it, so it must be called before. Returns the policy it set, or None."""
-    if torch_loaded or any(name in environ for name in WAIT_VARIABLES):
-        return None
-    environ["OMP_WAIT_POLICY"] = SERVER_WAIT_POLICY
-    return SERVER_WAIT_POLICY
 
 
 def loaded_libgomp() -> Path | None:
@@ -68,6 +55,6 @@ def release_thread_team() -> bool:
     pause.restype = ctypes.c_int
     if pause(_OMP_PAUSE_HARD) != 0:
         logger.warning("libgomp refused to release the loading thread's OpenMP team; the server's OpenMP threads "
-                       "may wait passively whatever OMP_WAIT_POLICY says.")
+                       "may wait passively whatever OMP_WAIT_POLICY says, and steps take longer.")
         return False
     return True

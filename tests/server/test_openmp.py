@@ -1,4 +1,4 @@
-"""`pagellm serve`'s OpenMP set-up: the wait policy it asks for, and releasing the loading thread's team."""
+"""`pagellm serve`'s OpenMP set-up: releasing the loading thread's team, so that one team is left."""
 
 from __future__ import annotations
 
@@ -6,30 +6,8 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from pagellm.entrypoints import openmp
 from tests.server.utils import REPO_ROOT
-
-
-def test_the_server_waits_passively_unless_told_otherwise():
-    environ: dict[str, str] = {}
-    assert openmp.choose_wait_policy(environ, torch_loaded=False) == "PASSIVE"
-    assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-@pytest.mark.parametrize("variable, value", [("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "30000")])
-def test_a_wait_policy_the_user_set_is_kept(variable, value):
-    environ = {variable: value}
-    assert openmp.choose_wait_policy(environ, torch_loaded=False) is None
-    assert environ == {variable: value}
-
-
-def test_nothing_is_set_once_torch_is_loaded():
-    # libgomp has read its variables by then: setting one would only claim an effect it cannot have.
-    environ: dict[str, str] = {}
-    assert openmp.choose_wait_policy(environ, torch_loaded=True) is None
-    assert environ == {}
 
 
 def test_releasing_the_team_ends_its_worker_threads():
