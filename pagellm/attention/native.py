@@ -377,24 +377,26 @@ def native_library(isa: str | None = None) -> ctypes.CDLL | None:
         return None
 
 
-def decode_kernel(isa: str | None = None) -> DecodeKernel | None:
+def _on_library(kind, isa: str | None):
+    """`kind` (a kernel wrapper class) bound to the library for `isa`, or None where there is none."""
     library = native_library(isa)
-    return DecodeKernel(library) if library is not None else None
+    return kind(library) if library is not None else None
+
+
+def decode_kernel(isa: str | None = None) -> DecodeKernel | None:
+    return _on_library(DecodeKernel, isa)
 
 
 def kv_writer(isa: str | None = None) -> KVWriter | None:
-    library = native_library(isa)
-    return KVWriter(library) if library is not None else None
+    return _on_library(KVWriter, isa)
 
 
 def prefill_kernel(isa: str | None = None) -> PrefillKernel | None:
-    library = native_library(isa)
-    return PrefillKernel(library) if library is not None else None
+    return _on_library(PrefillKernel, isa)
 
 
 def cpu_ops(isa: str | None = None) -> CpuOps | None:
-    library = native_library(isa)
-    return CpuOps(library) if library is not None else None
+    return _on_library(CpuOps, isa)
 
 
 def find_compiler() -> str:

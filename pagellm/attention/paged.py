@@ -76,8 +76,8 @@ class AttentionMetadata:
     native_decode: DecodeKernel | None = None
     # The C copy of the step's K/V into the pool (native.KVWriter); None: index_copy_.
     native_write: Callable | None = None
-    # With the native prefill kernel: the kernel and the step's chunks as it reads them (then the chunks'
-    # torch-path fields stay unused).
+    # With the native prefill kernel: the kernel and the step's chunks as it reads them (prefill_chunks,
+    # the torch path's, is then empty).
     native_prefill: tuple[PrefillKernel, PrefillChunks] | None = None
     # The backend whose forward serves this metadata; None is the torch path below.
     backend: object | None = None
@@ -241,17 +241,15 @@ def torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale: float,
     if num_decodes:
         parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode, meta.native_decode, scale,
                                        sliding_window))
-    offset = num_decodes
-    if meta.native_prefill is not None and meta.prefill_chunks:
+    if meta.native_prefill is not None:
         # Every chunk, however short, goes to the kernel: measured per chunk length against flash SDPA
         # (benchmarks/cpu_attention.py), it costs about what SDPA does at a single token (and one call serves
         # all the step's chunks) and is several times faster on long chunks, so no length threshold sends
         # chunks back to the torch path.
         kernel, chunks = meta.native_prefill
         parts.append(kernel(q[num_decodes:], k_cache, v_cache, chunks, scale, sliding_window or 0))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     for chunk in meta.prefill_chunks:
-        start, end = offset + chunk.start, offset + chunk.end
+        start, end = num_decodes + chunk.start, num_decodes + chunk.end
         parts.append(_chunk_attention(q[start:end], k[start:end], v[start:end], k_cache, v_cache, chunk, scale,
                                       sliding_window))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -278,19 +276,21 @@ class TorchAttentionBackend:
         slots = step.slot_mapping
         write_index = kv_write_index(slots // block_size, slots % block_size, self.shape.num_kv_heads, block_size)
         num_decodes = step.num_decodes
-        native_prefill = None
-        if self.native_prefill is not None and len(step.query_lens) > num_decodes:
-            query_lens = step.query_lens[num_decodes:]
-            chunks = PrefillChunks.build(step.block_tables[num_decodes:], np.cumsum(query_lens) - query_lens,
-                                         query_lens, step.seq_lens[num_decodes:])
+        query_lens, seq_lens = step.query_lens[num_decodes:], step.seq_lens[num_decodes:]
+        block_tables = step.block_tables[num_decodes:]
+        native_prefill, prefill_chunks = None, []
+        if self.native_prefill is not None and len(query_lens):
+            # The kernel reads the chunks from these arrays; the torch path's per-chunk tensors are not built.
+            chunks = PrefillChunks.build(block_tables, np.cumsum(query_lens) - query_lens, query_lens, seq_lens)
             native_prefill = (self.native_prefill, chunks)
+        else:
+            prefill_chunks = self._prefill_chunks(query_lens, seq_lens, block_tables)
         return AttentionMetadata(
             kv_write_index=self._to_device(write_index),
             num_decode_tokens=num_decodes,
             decode=self._decode_metadata(step.block_tables[:num_decodes], step.seq_lens[:num_decodes])
             if num_decodes else None,
-            prefill_chunks=self._prefill_chunks(step.query_lens[num_decodes:], step.seq_lens[num_decodes:],
-                                                step.block_tables[num_decodes:]),
+            prefill_chunks=prefill_chunks,
             native_decode=self.native_decode,
             native_write=self.native_write,
             native_prefill=native_prefill,
