@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -60,6 +61,10 @@ class StartupTimes:
     ready_seconds: float
     num_blocks: int
     block_size: int
+    # KV pool faulted in before ready (kv_prefault_seconds), and the page faults the timed run took: where first
+    # touches of memory are slow (a VM whose host backs its memory lazily), they are part of the run's time.
+    prefaulted_bytes: int = 0
+    run_page_faults: int = 0
 
 
 # ---- pagellm ---------------------------------------------------------------------------------------
@@ -79,15 +84,20 @@ def run_pagellm(
         max_model_len=args.max_model_len,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        **({} if args.kv_prefault_seconds is None else {"kv_prefault_seconds": args.kv_prefault_seconds}),
     )
     ready = time.perf_counter() - started
     core = llm.llm_engine.core
-    startup = StartupTimes(core.startup.seconds, ready, core.startup.num_blocks, core.startup.block_size)
+    prefaulter = core.executor.driver.kv_prefaulter
     dtype = str(core.model_info.dtype).removeprefix("torch.")
 
     prompts = [{"prompt_token_ids": request.prompt_token_ids} for request in workload.requests]
     profile = StepProfile.attach(core.executor)
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     generated, seconds = _timed_generate("pagellm", llm, prompts, SamplingParams, workload.requests)
+    startup = StartupTimes(core.startup.seconds, ready, core.startup.num_blocks, core.startup.block_size,
+                           prefaulter.faulted_bytes if prefaulter is not None else 0,
+                           resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
     core.shutdown()
     result = ThroughputResult("pagellm", dtype, len(generated), workload.num_prompt_tokens, sum(generated), seconds)
     return result, startup, profile
@@ -328,6 +338,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "directory (default: %(default)s)")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="vllm: skip torch.compile (faster start-up, slower steps)")
+    engine.add_argument("--kv-prefault-seconds", type=float, default=None,
+                        help="pagellm: start-up seconds spent faulting in the KV pool (default: the engine's)")
     engine.add_argument("--compare", choices=["hf"], action="append", default=[],
                         help="also run this baseline: hf = transformers generate() on static batches")
     engine.add_argument("--batch-size", type=int, default=DEFAULT_HF_BATCH_SIZE,
@@ -366,8 +378,9 @@ def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
         if profile is not None:
             print(f"tensor_parallel_size={args.tensor_parallel_size}: {profile.describe()}")
         print(f"pagellm start-up: {startup.core_seconds:.2f} s in the engine core (weights, profiling pass, KV pool "
-              f"of {startup.num_blocks:,} blocks x {startup.block_size}), {startup.ready_seconds:.2f} s wall clock "
-              "to ready")
+              f"of {startup.num_blocks:,} blocks x {startup.block_size}, {startup.prefaulted_bytes / 2**20:,.0f} MiB of it "
+              f"faulted in), {startup.ready_seconds:.2f} s wall clock to ready; {startup.run_page_faults:,} page faults "
+              "during the run")
     results = [result]
     # The engine's KV pool and weights go before the baseline loads its own copy.
     gc.collect()
@@ -391,7 +404,8 @@ def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
         line.update(cpu=load.cpu, cpu_flags={flag: flag in cpu_flags() for flag in SPEED_FLAGS}, cpus=load.cpus,
                     loadavg_start=load.load_at_start, loadavg_end=load.load_at_end)
         if r.engine == "pagellm" and startup is not None:
-            line.update(startup_core_s=round(startup.core_seconds, 3), startup_ready_s=round(startup.ready_seconds, 3))
+            line.update(startup_core_s=round(startup.core_seconds, 3), startup_ready_s=round(startup.ready_seconds, 3),
+                        kv_prefaulted_mib=startup.prefaulted_bytes >> 20, run_page_faults=startup.run_page_faults)
             line.update(tensor_parallel_size=args.tensor_parallel_size)
             if profile is not None:
                 line.update(profile.as_json())

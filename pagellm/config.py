@@ -44,6 +44,10 @@ class EngineArgs:
     load_format: str = "auto"
     # Run every step eagerly: no CUDA graphs for decode steps.
     enforce_eager: bool = False
+    # CPU only: seconds of start-up spent faulting in the KV pool's first blocks, so that the first requests
+    # do not pay for fresh pages (the rest is faulted in while the engine is idle); 0 leaves all of it to
+    # first use, inf faults in the whole pool before the engine is ready.
+    kv_prefault_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +92,9 @@ class EngineArgs:
                 f"nnodes={self.nnodes} needs master_addr and master_port: the address of this host that the other "
                 "nodes can reach, and a free port on it."
             )
+        if not self.kv_prefault_seconds >= 0:
+            raise ValueError(f"kv_prefault_seconds={self.kv_prefault_seconds!r} is out of range; allowed: >= 0 seconds "
+                             "(0: fault the KV pool in on first use, inf: all of it at start-up).")
         if not self.distributed_timeout_seconds > 0:
             raise ValueError(f"distributed_timeout_seconds={self.distributed_timeout_seconds!r} is out of range; "
                              "allowed: > 0 seconds.")

@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 # A step that fails takes only its own requests down; this many failures in a row, with no good step
 # between them, means the engine itself is broken (a lost device, a corrupt pool), and it stops.
 DEFAULT_MAX_CONSECUTIVE_STEP_FAILURES = 3
+# Each idle call faults in at least one chunk (kv_prefault.CHUNK_BYTES) and stops after this long: a request
+# that arrives meanwhile waits for one chunk at most.
+_IDLE_PREFAULT_SECONDS = 0.0001
 
 
 class EngineDeadError(RuntimeError):
@@ -283,16 +286,23 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         torch.set_num_threads(self._torch_threads)
         try:
+            prefaulting = True
             while True:
                 with self._cond:
-                    while not (self._ops or self._stopping or self.engine.has_unfinished_requests()):
+                    while not self._has_work() and not prefaulting:
                         self._cond.wait()
                     if self._stopping:
                         break
-                    self._ops_in_hand, self._ops = self._ops, []
-                    # Until the scheduler's count is read again below, count the taken adds as waiting.
-                    self._num_waiting += self._num_pending_sequences
-                    self._num_pending_sequences = 0
+                    idle = not self._has_work()
+                    if not idle:
+                        self._ops_in_hand, self._ops = self._ops, []
+                        # Until the scheduler's count is read again below, count the taken adds as waiting.
+                        self._num_waiting += self._num_pending_sequences
+                        self._num_pending_sequences = 0
+                if idle:
+                    # Nothing to run: fault in the next chunk of the KV pool, which a request would pay for later.
+                    prefaulting = self.engine.prefault_kv_cache(_IDLE_PREFAULT_SECONDS)
+                    continue
                 self._iterate()
         except BaseException as exc:  # noqa: BLE001 - whatever stops the loop must reach every waiting caller
             if not isinstance(exc, EngineDeadError):
@@ -303,6 +313,9 @@ class AsyncLLMEngine:
             self._die(exc)
             return
         self._die(EngineDeadError("the engine was shut down; restart the server to serve again."))
+
+    def _has_work(self) -> bool:
+        return bool(self._ops) or self._stopping or self.engine.has_unfinished_requests()
 
     def _iterate(self) -> None:
         stats = IterationStats()

@@ -104,6 +104,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def prefault_kv_cache(self, seconds: float) -> bool:
+        """Idle time: fault in more of the CPU KV pool for about `seconds`; False once nothing is left to do."""
+        return self.executor.prefault_kv_cache(seconds)
+
     def step(self) -> list[EngineCoreOutput]:
         self.last_scheduled_request_ids = frozenset()
         scheduler_output = self.scheduler.schedule()

@@ -171,6 +171,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def prefault_kv_cache(self, seconds: float) -> bool:
+        return self.core.prefault_kv_cache(seconds)
+
     def get_stats(self) -> SchedulerStats:
         return self.core.get_stats()
 

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
                         help="exact KV pool size, e.g. 512MiB (overrides --gpu-memory-utilization)")
+    engine.add_argument("--kv-prefault-seconds", type=float, default=1.0,
+                        help="CPU: seconds of start-up spent faulting in the KV pool's first pages, so that the "
+                             "first requests do not pay for them; the rest is faulted in while idle (default: 1.0)")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=256)
@@ -115,6 +118,7 @@ def engine_args_from(args: argparse.Namespace) -> AsyncEngineArgs:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_prefault_seconds=args.kv_prefault_seconds,
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

@@ -1,7 +1,8 @@
 """Where the model runs: in the engine process (one rank) or on tensor-parallel ranks in several processes.
 
 Both executors offer the same few calls to EngineCore: `driver` (rank 0's ModelWorker, in this process),
-`execute(scheduler_output)`, `failure` (why the ranks can no longer run, or None) and `shutdown()`.
+`execute(scheduler_output)`, `prefault_kv_cache(seconds)` (idle time: fault in more of the CPU KV pool; False
+once there is nothing more to do), `failure` (why the ranks can no longer run, or None) and `shutdown()`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ class UniprocExecutor:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver.runner.execute(scheduler_output)
+
+    def prefault_kv_cache(self, seconds: float) -> bool:
+        prefaulter = self.driver.kv_prefaulter
+        return prefaulter is not None and prefaulter.advance(seconds)
 
     def shutdown(self) -> None:
         pass

@@ -28,6 +28,7 @@ from pagellm.worker.kv_cache import (
     layer_views,
     measure_peak,
 )
+from pagellm.worker.kv_prefault import KVPoolPrefaulter
 from pagellm.worker.model_runner import ModelRunner
 
 @dataclass(frozen=True)
@@ -101,7 +102,11 @@ class ModelWorker:
         self.num_blocks = smallest
         self.kv_bytes = smallest * spec.bytes_per_block
         _check_fits(self.num_blocks, args.block_size, max_model_len, model_sliding_window(hf_config), budget)
-        self.runner.set_kv_pool(allocate_kv_cache(spec, self.num_blocks, device))
+        pool = allocate_kv_cache(spec, self.num_blocks, device)
+        self.runner.set_kv_pool(pool)
+        self.kv_prefaulter = KVPoolPrefaulter(pool) if device.type == "cpu" else None
+        if self.kv_prefaulter is not None:
+            self.kv_prefaulter.advance(args.kv_prefault_seconds)
         self.graph_bytes = self.runner.capture_cuda_graphs() if self.use_graphs else 0
 
     def _profile(self, spec: KVCacheSpec, budget: int, num_decodes: int, max_model_len: int,

@@ -96,6 +96,11 @@ class MultiprocExecutor:
         self._sampled = output.sampled_token_ids
         return output
 
+    def prefault_kv_cache(self, seconds: float) -> bool:
+        """The other ranks would have to be asked between steps: on tensor-parallel ranks, only the start-up share
+        of the pool is faulted in ahead, the rest on first use."""
+        return False
+
     # ---- liveness --------------------------------------------------------------------------------
 
     def _worker_failure(self) -> str | None:

@@ -385,3 +385,21 @@ def test_the_queue_bound_counts_only_requests_waiting_for_a_slot(tiny_llama_dir)
     finally:
         engine.shutdown()
     assert all(len(r.outputs[0].token_ids) == 3 for r in results)
+
+
+def test_idle_engine_faults_in_its_kv_pool_and_keeps_serving(tiny_llama_dir):
+    engine = AsyncLLMEngine.from_engine_args(
+        AsyncEngineArgs(model=tiny_llama_dir, **{**ENGINE_KWARGS, "kv_prefault_seconds": 0}))
+    prefaulter = engine.engine.core.executor.driver.kv_prefaulter
+    assert prefaulter.next_block == 0  # nothing at start-up
+
+    async def run():
+        first = await _final(engine, PROMPTS[0], _greedy(8), "before")
+        await _wait_for(lambda: prefaulter.done, "the idle engine to fault in its KV pool")
+        return first, await _final(engine, PROMPTS[0], _greedy(8), "after")
+
+    try:
+        first, after = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert first.outputs[0].token_ids == after.outputs[0].token_ids and len(after.outputs[0].token_ids) == 8

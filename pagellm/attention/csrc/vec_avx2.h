@@ -15,4 +15,23 @@ typedef uint16_t hvec __attribute__((vector_size(16)));
 
 static inline float vsum(fvec v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
+#include <immintrin.h>
+
+/* Lane i = the sum of v[i]'s lanes: eight horizontal sums in 7 adds and 14 shuffles by halving all eight
+ * vectors together. The lanes come out in the order 2 * (i % 4) + i / 4, so the inputs are taken in the
+ * inverse order, 4 * (i % 2) + i / 2. */
+static inline fvec vsums(const fvec *v) {
+#define IN(i) ((__m256)v[4 * ((i) % 2) + (i) / 2])
+    __m256 halves[4], quarters[2];
+    for (int j = 0; j < 4; ++j) /* [x.lo + x.hi, y.lo + y.hi] */
+        halves[j] = _mm256_add_ps(_mm256_permute2f128_ps(IN(2 * j), IN(2 * j + 1), 0x20),
+                                  _mm256_permute2f128_ps(IN(2 * j), IN(2 * j + 1), 0x31));
+    for (int j = 0; j < 2; ++j) /* two lanes per input vector */
+        quarters[j] = _mm256_add_ps(_mm256_shuffle_ps(halves[2 * j], halves[2 * j + 1], 0x44),
+                                    _mm256_shuffle_ps(halves[2 * j], halves[2 * j + 1], 0xEE));
+    return (fvec)_mm256_add_ps(_mm256_shuffle_ps(quarters[0], quarters[1], 0x88),
+                               _mm256_shuffle_ps(quarters[0], quarters[1], 0xDD));
+#undef IN
+}
+
 #endif

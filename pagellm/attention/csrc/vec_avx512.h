@@ -20,6 +20,26 @@ typedef uint16_t hvec __attribute__((vector_size(32)));
 
 static inline float vsum(fvec v) { return _mm512_reduce_add_ps((__m512)v); }
 
+/* Lane i = the sum of v[i]'s lanes: sixteen horizontal sums in 15 adds and 30 shuffles instead of 16 x 8
+ * instructions, by halving all sixteen vectors together. The lanes come out in the order 4 * (i % 4) + i / 4,
+ * so the inputs are taken in that order (the transposition is its own inverse). */
+static inline fvec vsums(const fvec *v) {
+#define IN(i) ((__m512)v[4 * ((i) % 4) + (i) / 4])
+    __m512 halves[8], quarters[4], eighths[2];
+    for (int j = 0; j < 8; ++j) /* [x.q0 + x.q2, x.q1 + x.q3, y.q0 + y.q2, y.q1 + y.q3] */
+        halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(IN(2 * j), IN(2 * j + 1), 0x44),
+                                  _mm512_shuffle_f32x4(IN(2 * j), IN(2 * j + 1), 0xEE));
+    for (int j = 0; j < 4; ++j) /* one 128-bit quarter per input vector */
+        quarters[j] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0x88),
+                                    _mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; ++j) /* two lanes per input vector */
+        eighths[j] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * j], quarters[2 * j + 1], 0x44),
+                                   _mm512_shuffle_ps(quarters[2 * j], quarters[2 * j + 1], 0xEE));
+    return (fvec)_mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], 0x88),
+                               _mm512_shuffle_ps(eighths[0], eighths[1], 0xDD));
+#undef IN
+}
+
 #ifdef __AVX512BF16__
 #define HAVE_NATIVE_BF16_ROUND 1
 static inline hvec to_bf16_bits(fvec v) {

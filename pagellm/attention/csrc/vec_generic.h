@@ -16,4 +16,7 @@ typedef uint16_t hvec __attribute__((vector_size(8)));
 
 static inline float vsum(fvec v) { return (v[0] + v[2]) + (v[1] + v[3]); }
 
+/* Lane i = the sum of v[i]'s lanes. */
+static inline fvec vsums(const fvec *v) { return (fvec){vsum(v[0]), vsum(v[1]), vsum(v[2]), vsum(v[3])}; }
+
 #endif
