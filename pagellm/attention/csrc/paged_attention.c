@@ -69,6 +69,23 @@ static ALWAYS_INLINE void prefetch_block_ahead(const KeyRange *keys, const void 
  * --layers 30` times the kernel over caches as large as a model's). */
 #define KEY_PREFETCH_AHEAD 2
 
+/* Runs of memory to bring into cache while one run of keys is scored: asked for a share at a time between
+ * the heads' score passes, not all at once before them, because a burst of prefetches fills the core's miss
+ * buffers and stalls it, so the loads that follow wait instead of computing while the reads are in flight. */
+typedef struct {
+    const char *runs[2];
+    int64_t bytes[2];
+} Prefetches;
+
+static ALWAYS_INLINE void prefetch_share(const Prefetches *prefetches, int64_t share, int64_t shares) {
+    for (int r = 0; r < 2; ++r) {
+        if (prefetches->runs[r] == NULL) continue;
+        const int64_t lines = (prefetches->bytes[r] + 63) / 64;
+        for (int64_t line = share * lines / shares; line < (share + 1) * lines / shares; ++line)
+            __builtin_prefetch(prefetches->runs[r] + 64 * line, 0, 3);
+    }
+}
+
 /* scale * q . key for VEC keys, key i at element keys[i] of the cache, as one vector (lane i for key i): each
  * key's products are summed in its own accumulator and the VEC horizontal sums are done together (vsums),
  * where one sum per key and head took a third of the kernel's instructions. q16, where not NULL, is q in
@@ -101,12 +118,13 @@ static ALWAYS_INLINE fvec key_scores(const float *restrict q, const uint16_t *re
 static ALWAYS_INLINE void run_scores(const float *restrict q, const uint16_t *restrict q16,
                                      const void *restrict k_cache, int64_t start, int64_t count, int64_t head_dim,
                                      const int heads, const int bf16, float scale, float *restrict scores,
-                                     int64_t stride) {
+                                     int64_t stride, const Prefetches *prefetches) {
     for (int64_t first = 0; first < count; first += VEC) {
         const int64_t n = count - first < VEC ? count - first : VEC;
         int64_t keys[VEC];
         for (int i = 0; i < VEC; ++i) keys[i] = start + (first + (i < n ? i : n - 1)) * head_dim;
         for (int h = 0; h < heads; ++h) {
+            prefetch_share(prefetches, first / VEC * heads + h, (count + VEC - 1) / VEC * heads);
             const fvec s = key_scores(q + h * head_dim, q16 != NULL ? q16 + h * head_dim : NULL, k_cache, keys,
                                       head_dim, bf16, scale);
             if (n == VEC) vstore(scores + h * stride + first, s);
@@ -196,10 +214,15 @@ static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *
         prefetch_block_ahead(keys, k_cache, keys->first, ahead, bf16);
     for (int64_t position = keys->first; position < keys->context_len;) {
         const int64_t length = run_length(keys, position);
-        prefetch_block_ahead(keys, k_cache, position, KEY_PREFETCH_AHEAD, bf16);
-        prefetch_block_ahead(keys, v_cache, position, 0, bf16);
+        const int64_t element_bytes = bf16 ? 2 : 4;
+        const int64_t ahead = (position / keys->block_size + KEY_PREFETCH_AHEAD) * keys->block_size;
+        const Prefetches prefetches = {
+            .runs = {ahead < keys->context_len ? (const char *)element(k_cache, run_start(keys, ahead), bf16) : NULL,
+                     (const char *)element(v_cache, run_start(keys, position), bf16)},
+            .bytes = {keys->block_size * keys->head_dim * element_bytes, length * keys->head_dim * element_bytes},
+        };
         run_scores(q, q16, k_cache, run_start(keys, position), length, keys->head_dim, heads, bf16, scale,
-                   scores + (position - keys->first), count);
+                   scores + (position - keys->first), count, &prefetches);
         position += length;
     }
     float inverse[MAX_HEADS_PER_PASS];
