@@ -164,6 +164,27 @@ static float softmax_numerators(float *restrict row, int64_t n) {
     return 1.0f / total;
 }
 
+/* The keys of the (sequence, kv head) this thread takes next, which it asks for while it sums the current
+ * one's values: the key pass streams keys and values in from DRAM, and the value pass, whose values are then in
+ * L2, would otherwise leave DRAM idle. NULL cache: no next item, or not in this pass. */
+typedef struct {
+    KeyRange keys;
+    const void *k_cache;
+} Upcoming;
+
+/* Block `block` (counted from the first attended) of the upcoming item's keys, as a run to prefetch. */
+static ALWAYS_INLINE Prefetches upcoming_key_block(const Upcoming *upcoming, int64_t block, const int bf16) {
+    Prefetches run = {.runs = {NULL, NULL}, .bytes = {0, 0}};
+    if (upcoming == NULL || upcoming->k_cache == NULL) return run;
+    const KeyRange *keys = &upcoming->keys;
+    int64_t position = (keys->first / keys->block_size + block) * keys->block_size;
+    position = position > keys->first ? position : keys->first;
+    if (position >= keys->context_len) return run;
+    run.runs[0] = (const char *)element(upcoming->k_cache, run_start(keys, position), bf16);
+    run.bytes[0] = run_length(keys, position) * keys->head_dim * (bf16 ? 2 : 4);
+    return run;
+}
+
 /* Floats of every head's output accumulated per pass over the values: up to 4 heads x 4 vectors of
  * accumulators fill the registers (16 of AVX2's 16 ymm; 16 of AVX-512's 32 zmm, leaving room for the value
  * vectors), so a 64-float head takes one pass with AVX-512 and two with AVX2, each streaming its part of every
@@ -179,16 +200,19 @@ static float softmax_numerators(float *restrict row, int64_t n) {
 static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, const KeyRange *keys,
                                              const void *restrict v_cache, int64_t offset, const int vectors,
                                              const int heads, const int bf16, const float *restrict inverse,
-                                             float *restrict out) {
+                                             float *restrict out, const Upcoming *upcoming) {
     const int64_t count = keys->context_len - keys->first, head_dim = keys->head_dim;
+    int64_t block = 0;
     fvec acc[MAX_HEADS_PER_PASS][MAX_PIECE_VECTORS];
     for (int h = 0; h < heads; ++h)
         for (int c = 0; c < vectors; ++c) acc[h][c] = splat(0.0f);
     for (int64_t position = keys->first; position < keys->context_len;) {
         const int64_t start = run_start(keys, position) + offset, length = run_length(keys, position);
         if (offset == 0) prefetch_block_ahead(keys, v_cache, position, 1, bf16);
+        const Prefetches next_keys = upcoming_key_block(upcoming, block++, bf16);
         const float *w = weights + (position - keys->first);
         for (int64_t i = 0; i < length; ++i) {
+            prefetch_share(&next_keys, i, length);
             const int64_t value = start + i * head_dim;
             fvec v[MAX_PIECE_VECTORS];
             for (int c = 0; c < vectors; ++c) v[c] = load_any(v_cache, value + VEC * c, bf16);
@@ -208,7 +232,8 @@ static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, cons
 static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *restrict q16,
                                        const void *restrict k_cache,
                                        const void *restrict v_cache, const KeyRange *keys, const int heads,
-                                       const int bf16, float scale, float *restrict scores, float *restrict out) {
+                                       const int bf16, float scale, float *restrict scores, float *restrict out,
+                                       const Upcoming *upcoming) {
     const int64_t count = keys->context_len - keys->first;
     for (int64_t ahead = 1; ahead < KEY_PREFETCH_AHEAD; ++ahead)
         prefetch_block_ahead(keys, k_cache, keys->first, ahead, bf16);
@@ -229,10 +254,12 @@ static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *
     for (int h = 0; h < heads; ++h) inverse[h] = softmax_numerators(scores + h * count, count);
     for (int64_t offset = 0; offset < keys->head_dim;) {
         if (keys->head_dim - offset >= WIDE_PIECE_FLOATS) {
-            piece_weighted_sum(scores, keys, v_cache, offset, WIDE_PIECE_FLOATS / VEC, heads, bf16, inverse, out);
+            piece_weighted_sum(scores, keys, v_cache, offset, WIDE_PIECE_FLOATS / VEC, heads, bf16, inverse, out,
+                               offset == 0 ? upcoming : NULL);
             offset += WIDE_PIECE_FLOATS;
         } else {
-            piece_weighted_sum(scores, keys, v_cache, offset, PIECE_FLOATS / VEC, heads, bf16, inverse, out);
+            piece_weighted_sum(scores, keys, v_cache, offset, PIECE_FLOATS / VEC, heads, bf16, inverse, out,
+                               offset == 0 ? upcoming : NULL);
             offset += PIECE_FLOATS;
         }
     }
@@ -242,7 +269,7 @@ static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *
  * q and out are [group][head_dim] float32; scores is [group][keys attended]. */
 static void attend_one(const float *restrict q, const uint16_t *restrict q16, const void *restrict k_cache,
                        const void *restrict v_cache, const KeyRange *keys, int64_t group, int bf16, float scale,
-                       float *restrict scores, float *restrict out) {
+                       float *restrict scores, float *restrict out, const Upcoming *upcoming) {
     const int64_t count = keys->context_len - keys->first;
     for (int64_t first = 0; first < group; first += MAX_HEADS_PER_PASS) {
         const int64_t heads = group - first < MAX_HEADS_PER_PASS ? group - first : MAX_HEADS_PER_PASS;
@@ -250,7 +277,8 @@ static void attend_one(const float *restrict q, const uint16_t *restrict q16, co
         const uint16_t *hq16 = q16 != NULL ? q16 + first * keys->head_dim : NULL;
         float *hs = scores + first * count, *ho = out + first * keys->head_dim;
         /* Constant head counts and cache types per call, so attend_heads specialises for each. */
-#define ATTEND(HEADS, BF16) attend_heads(hq, hq16, k_cache, v_cache, keys, HEADS, BF16, scale, hs, ho)
+        const Upcoming *next = first + MAX_HEADS_PER_PASS >= group ? upcoming : NULL;
+#define ATTEND(HEADS, BF16) attend_heads(hq, hq16, k_cache, v_cache, keys, HEADS, BF16, scale, hs, ho, next)
         switch (heads * 2 + (bf16 != 0)) {
         case 2: ATTEND(1, 0); break;
         case 3: ATTEND(1, 1); break;
@@ -282,6 +310,23 @@ static int64_t first_key(int64_t context_len, int64_t sliding_window) {
     return sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
 }
 
+/* The keys of work item `item`: (sequence item / num_kv_heads, kv head item % num_kv_heads). */
+static KeyRange key_range(int64_t item, const int64_t *block_tables, int64_t table_stride,
+                          const int64_t *context_lens, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                          int64_t sliding_window) {
+    const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+    const KeyRange keys = {
+        .table = block_tables + seq * table_stride,
+        .first = first_key(context_lens[seq], sliding_window),
+        .context_len = context_lens[seq],
+        .block_size = block_size,
+        .block_stride = num_kv_heads * block_size * head_dim,
+        .head_offset = kv_head * block_size * head_dim,
+        .head_dim = head_dim,
+    };
+    return keys;
+}
+
 /* Returns 1 if a thread could not allocate its buffers, 2 if head_dim is not a multiple of PIECE_FLOATS. */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int kv_is_bf16, int q_is_bf16,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
@@ -295,6 +340,8 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         max_keys = keys > max_keys ? keys : max_keys;
     }
     int failed = 0;
+    const int64_t num_items = num_seqs * num_kv_heads;
+    int64_t taken = 0;
 #pragma omp parallel
     {
         /* Per thread: the scores of one group of heads, and its queries and outputs in float32. */
@@ -304,25 +351,28 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
             failed = 1;
         }
         float *q32 = scores + group * max_keys, *out32 = q32 + group * head_dim;
-        /* Longest sequences vary most in cost: dynamic scheduling keeps both threads busy. */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {
+        /* Items are taken one at a time (the longest sequences vary most in cost), and each thread takes its
+         * next item when it starts the current one, so that it can ask for the next one's keys meanwhile. */
+        int64_t next;
+#pragma omp atomic capture
+        next = taken++;
+        while (next < num_items) {
+            const int64_t item = next;
+#pragma omp atomic capture
+            next = taken++;
             if (scores == NULL) continue;
             const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-            const int64_t context_len = context_lens[seq];
-            const KeyRange keys = {
-                .table = block_tables + seq * table_stride,
-                .first = first_key(context_len, sliding_window),
-                .context_len = context_len,
-                .block_size = block_size,
-                .block_stride = num_kv_heads * block_size * head_dim,
-                .head_offset = kv_head * block_size * head_dim,
-                .head_dim = head_dim,
+            const KeyRange keys = key_range(item, block_tables, table_stride, context_lens, num_kv_heads, block_size,
+                                            head_dim, sliding_window);
+            const Upcoming upcoming = {
+                .keys = next < num_items ? key_range(next, block_tables, table_stride, context_lens, num_kv_heads,
+                                                     block_size, head_dim, sliding_window) : keys,
+                .k_cache = next < num_items ? k_cache : NULL,
             };
             const int64_t first_element = (seq * num_heads + kv_head * group) * head_dim;
             widen(element(q, first_element, q_is_bf16), q32, group * head_dim, q_is_bf16);
             const uint16_t *q16 = q_is_bf16 && kv_is_bf16 ? (const uint16_t *)q + first_element : NULL;
-            attend_one(q32, q16, k_cache, v_cache, &keys, group, kv_is_bf16, scale, scores, out32);
+            attend_one(q32, q16, k_cache, v_cache, &keys, group, kv_is_bf16, scale, scores, out32, &upcoming);
             narrow(out32, (void *)element(out, first_element, q_is_bf16), group * head_dim, q_is_bf16);
         }
         free(scores);
