@@ -79,3 +79,75 @@ def test_loaded_bf16_model_runs_on_packed_weights_and_fused_ops(tiny_llama_dir):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert all((m.packed_weight is not None) == can_pack_for_cpu(torch.device("cpu"), torch.bfloat16) for m in linears)
     assert (model.model.ops is not None) == (cpu_ops() is not None)
+
+
+# ---- pagellm's own bfloat16 kernel (linear_bf16.c) -------------------------------------------------------
+
+def _linear_kernel():
+    from pagellm.attention import native
+
+    kernel = native.linear_bf16()
+    if kernel is None:
+        pytest.skip("the native kernels have no avx512_bf16 dot product on this CPU")
+    return kernel
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 64])
+@pytest.mark.parametrize("in_features, out_features", [(2, 16), (64, 48), (576, 80), (130, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16_kernel_equals_the_exact_product_rounded(rows, in_features, out_features, bias):
+    """Row and panel tails (rows not a multiple of 8, 1-3 panels of 16 left), bias or none: float32 accumulation,
+    one rounding, so at least 99% of results equal the float64 product rounded to bfloat16, the rest one ulp off."""
+    kernel = _linear_kernel()
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
+    out = kernel(x, kernel.pack(weight), b)
+    exact = x.double() @ weight.double().T + (b.double() if bias else 0)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out.float(), exact.float(), rtol=2**-7, atol=1e-6 * in_features)
+    assert (out == exact.to(torch.bfloat16)).float().mean().item() >= 0.99
+
+
+def test_linear_bf16_kernel_layout_and_refusals():
+    kernel = _linear_kernel()
+    weight = torch.arange(32 * 4, dtype=torch.float32).view(32, 4).to(torch.bfloat16)
+    packed = kernel.pack(weight)
+    # [out/16][in/2][16][2]: panel 1, column pair 1, output row 16 + 3, input 2 + 1.
+    assert packed.shape == (2, 2, 16, 2) and packed[1, 1, 3, 1] == weight[19, 3]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernel.pack(torch.zeros(40, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="takes bfloat16"):
+        kernel(torch.zeros(3, 4), packed, None)
+    with pytest.raises(ValueError, match=r"bias is torch.bfloat16 \(16,\)"):
+        kernel(torch.zeros(3, 4, dtype=torch.bfloat16), packed, torch.zeros(16, dtype=torch.bfloat16))
+
+
+def test_only_the_avx512_bf16_build_has_the_linear_kernel():
+    from pagellm.attention import native
+
+    for isa in native.runnable_isas():
+        library = native.native_library(isa)
+        if library is None:
+            pytest.skip("no C compiler")
+        has_dot = isa == "avx512" and "avx512_bf16" in native.cpu_flags()
+        assert native.LinearBF16.available(library) == has_dot
+        assert (native.linear_bf16(isa) is not None) == has_dot
+
+
+@needs_native_bf16
+def test_bf16_layers_the_kernel_cannot_take_stay_on_onednn():
+    torch.manual_seed(0)
+    fits, odd = Linear(64, 48, bias=False).to(torch.bfloat16), Linear(64, 40, bias=False).to(torch.bfloat16)
+    for layer in (fits, odd):
+        layer.pack_for_cpu(free_plain=False)
+    from pagellm.attention import native
+
+    assert (fits.packed_kernel is not None) == (native.linear_bf16() is not None)
+    assert odd.packed_kernel is None  # 40 outputs: not whole panels of 16
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for layer in (fits, odd):
+            torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()), rtol=1.6e-2,
+                                       atol=1e-2)

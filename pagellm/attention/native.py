@@ -45,7 +45,7 @@ from pagellm.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "cpu_ops.c")]
+_SOURCES = [_CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "cpu_ops.c", "linear_bf16.c")]
 _HEADERS = [_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h")]
 # No -ffast-math: the kernel is vectorised by hand, and its summation order and exp must stay as written.
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
@@ -363,6 +363,52 @@ class KVWriter:
                        v_cache.data_ptr(), rows.data_ptr(), tokens, num_kv_heads, head_dim, k.element_size())
 
 
+class LinearBF16:
+    """linear_bf16 (see linear_bf16.c): bfloat16 linear layers on a weight packed for it, where the library was
+    built with avx512_bf16's dot product; `available(library)` says whether it was."""
+
+    PANEL = 16
+
+    @staticmethod
+    def available(library: ctypes.CDLL) -> bool:
+        return bool(ctypes.c_int.in_dll(library, "pagellm_linear_bf16_available").value)
+
+    @classmethod
+    def supports(cls, in_features: int, out_features: int) -> bool:
+        return in_features % 2 == 0 and out_features % cls.PANEL == 0 and in_features > 0 and out_features > 0
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        if not self.available(library):
+            raise ValueError(f"the {library_isa(library)} kernels were built without avx512_bf16's dot product")
+        self.isa = library_isa(library)
+        self._function = library.linear_bf16
+        self._function.restype = _INT
+        self._function.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> torch.Tensor:
+        """[out, in] bfloat16 -> [out / 16, in / 2, 16, 2]: one 64-byte vector per 16 outputs and input pair."""
+        out_features, in_features = weight.shape
+        if weight.dtype != torch.bfloat16 or not cls.supports(in_features, out_features):
+            raise ValueError(f"linear_bf16 packs bfloat16 weights with an even in_features and out_features a "
+                             f"multiple of {cls.PANEL}, not {weight.dtype} {tuple(weight.shape)}")
+        return weight.view(out_features // cls.PANEL, cls.PANEL, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] bfloat16 -> [..., out] bfloat16."""
+        panels, pairs, _, _ = packed.shape
+        in_features, out_features = 2 * pairs, panels * self.PANEL
+        if x.dtype != torch.bfloat16 or x.shape[-1] != in_features:
+            raise ValueError(f"x is {x.dtype} {tuple(x.shape)}; this layer takes bfloat16 [..., {in_features}]")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)):
+            raise ValueError(f"bias is {bias.dtype} {tuple(bias.shape)}; this layer takes bfloat16 [{out_features}]")
+        rows = x.reshape(-1, in_features).contiguous()
+        y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
+        self._function(rows.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+                       y.data_ptr(), rows.shape[0], in_features, out_features)
+        return y.view(*x.shape[:-1], out_features)
+
+
 @functools.cache
 def native_library(isa: str | None = None) -> ctypes.CDLL | None:
     """The kernels compiled for `isa` (default: `best_isa()`), or None where they cannot be built or are
@@ -397,6 +443,12 @@ def prefill_kernel(isa: str | None = None) -> PrefillKernel | None:
 
 def cpu_ops(isa: str | None = None) -> CpuOps | None:
     return _on_library(CpuOps, isa)
+
+
+def linear_bf16(isa: str | None = None) -> LinearBF16 | None:
+    """The bfloat16 linear kernel, or None where the library for `isa` has none (no avx512_bf16, no compiler)."""
+    library = native_library(isa)
+    return LinearBF16(library) if library is not None and LinearBF16.available(library) else None
 
 
 def find_compiler() -> str:

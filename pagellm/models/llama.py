@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.attention.native import CpuOps
+from pagellm.attention.native import CpuOps, LinearBF16, linear_bf16
 from pagellm.attention.paged import AttentionMetadata, paged_attention
 from pagellm.cpu_features import cpu_flags, cpu_has_native
 from pagellm.distributed.parallel_state import TensorParallelGroup, current_group, tp_rank, tp_size
@@ -43,6 +43,8 @@ class Linear(nn.Linear):
     float32 on AVX-512 CPUs, and bfloat16: on a 2-core AMD EPYC with avx2 avx512f avx512_bf16, the packed
     weight won at every shape and row count from 1 to 2048 (benchmarks/cpu_gemm.py), so only it is kept and
     the plain copy is freed (where no other module shares it: a tied LM head's weight is the embedding table).
+    bfloat16 where the native kernels have avx512_bf16's dot product: the weight is packed for pagellm's own
+    kernel (linear_bf16.c), which beat oneDNN's packed weight at every row count there; oneDNN elsewhere.
     """
 
     # Row count from which MKL on the plain weight is at least as fast as oneDNN (they tie at 512), in
@@ -50,6 +52,8 @@ class Linear(nn.Linear):
     plain_min_rows: int | None = None
     FLOAT32_PLAIN_MIN_ROWS = 512
     packed_weight: torch.Tensor | None = None
+    # Set where packed_weight is in pagellm's own bfloat16 layout (linear_bf16.c), not oneDNN's.
+    packed_kernel: LinearBF16 | None = None
     # Set on CPUs without instructions for the model's half type, where torch emulates half matmuls (~20
     # GFLOP/s against ~170 in float32 on a 2-core AMD EPYC with avx2 only): operands are widened to float32
     # per call and the result rounded back, the arithmetic of a half GEMM with float32 accumulation, while
@@ -62,9 +66,13 @@ class Linear(nn.Linear):
     def pack_for_cpu(self, free_plain: bool) -> None:
         """Pack the weight for oneDNN; with `free_plain` (the weight is not shared), drop the plain copy where
         the packed one serves every row count."""
-        # The layout oneDNN picks depends a little on the row count it is told to expect; 64 did best
-        # across 4..2048 rows in a sweep.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+        kernel = linear_bf16() if self.weight.dtype == torch.bfloat16 else None
+        if kernel is not None and kernel.supports(self.in_features, self.out_features):
+            self.packed_weight, self.packed_kernel = kernel.pack(self.weight.detach()), kernel
+        else:
+            # The layout oneDNN picks depends a little on the row count it is told to expect; 64 did best
+            # across 4..2048 rows in a sweep.
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
         if self.weight.dtype == torch.float32 and "avx512f" not in cpu_flags():
             self.plain_min_rows = self.FLOAT32_PLAIN_MIN_ROWS
         elif free_plain:
@@ -78,6 +86,8 @@ class Linear(nn.Linear):
             return F.linear(x.to(self.upcast_to), weight, bias).to(x.dtype)
         if self.packed_weight is None or (self.plain_min_rows is not None and x.shape[0] >= self.plain_min_rows):
             return F.linear(x, self.weight, self.bias)
+        if self.packed_kernel is not None:
+            return self.packed_kernel(x, self.packed_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

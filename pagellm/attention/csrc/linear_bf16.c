@@ -1,0 +1,121 @@
+/* bfloat16 linear layers on CPUs with avx512_bf16: y = x W^T (+ bias), float32 accumulation, y rounded once
+ * to bfloat16 (to nearest even), the arithmetic of torch's and oneDNN's bfloat16 GEMM.
+ *
+ * Why not oneDNN: its kernels on a pre-packed weight reach ~600 GFLOP/s at 32 rows and ~700 at 64 over a model's
+ * chain of layers on a 2-core AMD EPYC (avx512_bf16, no AMX), against ~1,100 at 2,048 rows, and decode steps run
+ * at those small row counts. This kernel is one register tile: VDPBF16PS multiplies a pair of x's columns,
+ * broadcast, by the same pair of 16 weight rows, so each weight vector loaded serves TILE_ROWS rows of x and each
+ * broadcast serves TILE_PANELS x 16 outputs (`benchmarks/cpu_gemm.py` times it beside oneDNN).
+ *
+ * Layouts (all contiguous):
+ *   x       [rows, in_features] bfloat16, in_features even
+ *   packed  [out_features / 16][in_features / 2][16][2] bfloat16: panel p, column pair k holds
+ *           W[16p + j][2k + i] at [p][k][j][i]; one 64-byte vector per (panel, pair). pack_linear_bf16 makes it.
+ *   bias    [out_features] bfloat16, or NULL
+ *   y       [rows, out_features] bfloat16, out_features a multiple of 16
+ */
+#include "vec.h"
+
+const int pagellm_linear_bf16_available =
+#ifdef HAVE_BF16_DOT
+    1;
+#else
+    0;
+#endif
+
+#ifdef HAVE_BF16_DOT
+
+#define TILE_ROWS 8
+#define TILE_PANELS 3
+
+/* The next column tile's weights, which each row tile asks for a share of (every `shares`-th column pair from
+ * `share`) while it computes: the first row tile of a column tile would otherwise wait for its weights from
+ * memory while the rest run from cache with memory idle. panel NULL: no next tile. */
+typedef struct {
+    const uint16_t *panel;
+    int64_t share, shares;
+} Ahead;
+
+/* y[rows x panels*16] of one tile; `rows` and `panels` are constants in the full tiles after inlining. */
+static ALWAYS_INLINE void tile(const uint16_t *restrict x, int64_t in_features, const uint16_t *restrict panel,
+                               const uint16_t *restrict bias, uint16_t *restrict y, int64_t out_features,
+                               const int rows, const int panels, const Ahead *ahead) {
+    __m512 acc[TILE_ROWS][TILE_PANELS];
+    for (int r = 0; r < rows; ++r)
+        for (int p = 0; p < panels; ++p) acc[r][p] = _mm512_setzero_ps();
+    const int64_t pairs = in_features / 2, panel_stride = pairs * 32;
+    int64_t next_prefetch = ahead->share;
+    for (int64_t k = 0; k < pairs; ++k) {
+        if (k == next_prefetch && ahead->panel != NULL) {
+            for (int p = 0; p < TILE_PANELS; ++p) __builtin_prefetch(ahead->panel + p * panel_stride + k * 32, 0, 3);
+            next_prefetch += ahead->shares;
+        }
+        __m512bh w[TILE_PANELS];
+        for (int p = 0; p < panels; ++p) w[p] = (__m512bh)_mm512_loadu_si512(panel + p * panel_stride + k * 32);
+        for (int r = 0; r < rows; ++r) {
+            uint32_t pair;
+            memcpy(&pair, x + r * in_features + 2 * k, sizeof pair);
+            const __m512bh broadcast = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int p = 0; p < panels; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], broadcast, w[p]);
+        }
+    }
+    for (int p = 0; p < panels; ++p) {
+        fvec b = splat(0.0f);
+        if (bias != NULL) b = load_any(bias, p * 16, 1);
+        for (int r = 0; r < rows; ++r) {
+            const hvec out = to_bf16_bits((fvec)acc[r][p] + b);
+            memcpy(y + r * out_features + p * 16, &out, sizeof out);
+        }
+    }
+}
+
+/* Tiles with fewer rows or panels than the full one, each count a constant so that its tile specialises. */
+static void edge_tile(const uint16_t *x, int64_t in_features, const uint16_t *panel, const uint16_t *bias,
+                      uint16_t *y, int64_t out_features, int rows, int panels, const Ahead *ahead) {
+#define EDGE(R)                                                                                     \
+    case R:                                                                                         \
+        if (panels == 1) tile(x, in_features, panel, bias, y, out_features, R, 1, ahead);          \
+        else if (panels == 2) tile(x, in_features, panel, bias, y, out_features, R, 2, ahead);     \
+        else tile(x, in_features, panel, bias, y, out_features, R, 3, ahead);                      \
+        break;
+    switch (rows) {
+        EDGE(1) EDGE(2) EDGE(3) EDGE(4) EDGE(5) EDGE(6) EDGE(7) default : EDGE(8)
+    }
+#undef EDGE
+}
+
+/* Returns 2 if the shapes do not fit the layout. */
+int linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t rows,
+                int64_t in_features, int64_t out_features) {
+    if (in_features % 2 != 0 || out_features % 16 != 0) return 2;
+    const int64_t panels = out_features / 16, column_tiles = (panels + TILE_PANELS - 1) / TILE_PANELS;
+    const int64_t row_tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    /* Column tiles outer: each thread streams its own share of the weights from memory once and reuses every
+     * panel from L1/L2 for all row tiles; with few column tiles (a narrow layer at prefill sizes) the row
+     * tiles are shared out too. */
+#pragma omp parallel for collapse(2) schedule(static) if (rows * out_features * in_features >= 65536)
+    for (int64_t c = 0; c < column_tiles; ++c) {
+        for (int64_t t = 0; t < row_tiles; ++t) {
+            const int64_t first_panel = c * TILE_PANELS, row = t * TILE_ROWS;
+            const int64_t n_panels = panels - first_panel < TILE_PANELS ? panels - first_panel : TILE_PANELS;
+            const int64_t n_rows = rows - row < TILE_ROWS ? rows - row : TILE_ROWS;
+            const uint16_t *panel = packed + first_panel * (in_features / 2) * 32;
+            const uint16_t *tile_bias = bias != NULL ? bias + first_panel * 16 : NULL;
+            uint16_t *out = y + row * out_features + first_panel * 16;
+            const Ahead ahead = {
+                .panel = c + 1 < column_tiles ? panel + TILE_PANELS * (in_features / 2) * 32 : NULL,
+                .share = t,
+                .shares = row_tiles,
+            };
+            if (n_rows == TILE_ROWS && n_panels == TILE_PANELS)
+                tile(x + row * in_features, in_features, panel, tile_bias, out, out_features, TILE_ROWS, TILE_PANELS,
+                     &ahead);
+            else
+                edge_tile(x + row * in_features, in_features, panel, tile_bias, out, out_features, (int)n_rows,
+                          (int)n_panels, &ahead);
+        }
+    }
+    return 0;
+}
+
+#endif
