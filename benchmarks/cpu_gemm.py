@@ -5,14 +5,20 @@ lm_head) and each row count, the options torch offers without torch.compile:
 
 - `mkl`:    F.linear on the plain [out, in] weight (MKL for float32; oneDNN's matmul underneath for bf16);
 - `packed`: the weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`),
-            then `torch.ops.mkldnn._linear_pointwise` per call: what Linear.pack_for_cpu does;
-- `mm_t`:   x @ W^T with W^T stored contiguous [in, out] (a second layout MKL/oneDNN may prefer).
+            then `torch.ops.mkldnn._linear_pointwise` per call: what Linear.pack_for_cpu does in float32 (and in
+            bfloat16 where the native kernel below is not built);
+- `mm_t`:   x @ W^T with W^T stored contiguous [in, out] (a second layout MKL/oneDNN may prefer);
+- `native`: bfloat16 where the CPU has avx512_bf16: pagellm's own kernel (linear_bf16.c) on its packed weight.
+
+One shape called again and again keeps its weight in cache; `--chain 30` times passes over 30 layers of distinct
+weights instead (the model's qkv, o, gate_up and down), which come from memory as in a decode step.
 
 Every option is timed interleaved with the others (round robin, best of --repeats), so that load from other
 processes hits them alike. Prints GFLOP/s and the winner per row, under the CPU it ran on.
 
     PYTHONPATH=$PWD python benchmarks/cpu_gemm.py                       # both dtypes, default shapes
     PYTHONPATH=$PWD python benchmarks/cpu_gemm.py --dtype bfloat16 --rows 1 16 64 512 2048
+    PYTHONPATH=$PWD python benchmarks/cpu_gemm.py --dtype bfloat16 --chain 30 --rows 8 32 64 256
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention import native
 from pagellm.cpu_features import cpu_description
 
 # (name, in_features, out_features) of SmolLM2-135M (hidden 576, intermediate 1536, 9 q heads, 3 kv heads
@@ -39,14 +46,39 @@ SMOLLM2_135M_SHAPES = (
 DEFAULT_ROWS = (1, 4, 16, 48, 128, 256, 512, 1024, 2048)
 
 
-def gemm_options(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def gemm_options(weight: torch.Tensor, with_mm_t: bool = True) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-    weight_t = weight.t().contiguous()
-    return {
+    options = {
         "mkl": lambda x: F.linear(x, weight),
         "packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-        "mm_t": lambda x: torch.mm(x, weight_t),
     }
+    if with_mm_t:
+        weight_t = weight.t().contiguous()
+        options["mm_t"] = lambda x: torch.mm(x, weight_t)
+    kernel = native.linear_bf16() if weight.dtype == torch.bfloat16 else None
+    if kernel is not None and kernel.supports(weight.shape[1], weight.shape[0]):
+        native_packed = kernel.pack(weight)
+        options["native"] = lambda x: kernel(x, native_packed, None)
+    return options
+
+
+def time_chain(dtype: torch.dtype, rows: int, layers: int, repeats: int) -> dict[str, float]:
+    """Seconds per pass over `layers` layers of distinct weights (the model's qkv, o, gate_up, down each), per
+    option: unlike one shape called again and again, whose weight stays in cache, the weights come from memory,
+    as in a decode step."""
+    chain = [gemm_options(torch.randn(out_features, in_features, dtype=dtype) * in_features ** -0.5, False)
+             for _ in range(layers) for name, in_features, out_features in SMOLLM2_135M_SHAPES if name != "lm_head"]
+    inputs = [torch.randn(rows, in_features, dtype=dtype)
+              for _ in range(layers) for name, in_features, _ in SMOLLM2_135M_SHAPES if name != "lm_head"]
+    best = {name: float("inf") for name in chain[0]}
+    for _ in range(repeats):
+        for name in best:
+            for _ in range(2):
+                start = time.perf_counter()
+                for options, x in zip(chain, inputs):
+                    options[name](x)
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def time_options(options: dict[str, Callable], x: torch.Tensor, repeats: int, min_seconds: float) -> dict[str, float]:
@@ -80,6 +112,8 @@ def main() -> None:
                         help="torch threads (default: torch's, one per core); 1 compares fairly on a busy machine, "
                              "where spinning thread pools suffer from other processes unevenly")
     parser.add_argument("--min-seconds", type=float, default=0.02, help="time per timed batch of calls")
+    parser.add_argument("--chain", type=int, default=0, metavar="LAYERS",
+                        help="instead: time passes over this many layers of distinct weights (30: the model's)")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.threads is not None:
@@ -88,7 +122,11 @@ def main() -> None:
     shapes = [shape for shape in SMOLLM2_135M_SHAPES if shape[0] in args.shapes]
     print(f"CPU: {cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"load average at start {os.getloadavg()[0]:.2f}")
-    print(f"{'dtype':9} {'shape':8} {'rows':>5} | " + " ".join(f"{n:>8}" for n in ("mkl", "packed", "mm_t"))
+    if args.chain:
+        print_chain(dtypes, args)
+        return
+    columns = ("mkl", "packed", "mm_t", "native")
+    print(f"{'dtype':9} {'shape':8} {'rows':>5} | " + " ".join(f"{n:>8}" for n in columns)
           + " | GFLOP/s   winner  (vs mkl)")
     with torch.no_grad():
         for dtype_name in dtypes:
@@ -110,8 +148,21 @@ def main() -> None:
                     gflops = {n: flops / s / 1e9 for n, s in seconds.items()}
                     winner = max(gflops, key=gflops.get)
                     print(f"{dtype_name:9} {name:8} {rows:>5} | "
-                          + " ".join(f"{gflops[n]:8.1f}" for n in ("mkl", "packed", "mm_t"))
+                          + " ".join(f"{gflops[n]:8.1f}" if n in gflops else f"{'-':>8}" for n in columns)
                           + f" | {winner:>8} {gflops[winner] / gflops['mkl']:5.2f}x", flush=True)
+    print(f"load average at end {os.getloadavg()[0]:.2f}")
+
+
+def print_chain(dtypes, args) -> None:
+    layer_flops = sum(2 * i * o for name, i, o in SMOLLM2_135M_SHAPES if name != "lm_head")
+    print(f"{args.chain} layers of qkv, o, gate_up, down, distinct weights; ms per pass (GFLOP/s)")
+    with torch.no_grad():
+        for dtype_name in dtypes:
+            for rows in args.rows:
+                seconds = time_chain(getattr(torch, dtype_name), rows, args.chain, args.repeats)
+                flops = layer_flops * rows * args.chain
+                print(f"{dtype_name:9} {rows:>5} rows | " + "  ".join(
+                    f"{name} {1e3 * s:7.2f} ({flops / s / 1e9:5.0f})" for name, s in seconds.items()), flush=True)
     print(f"load average at end {os.getloadavg()[0]:.2f}")
 
 

@@ -2,15 +2,16 @@
 
 import ctypes
 import math
+import mmap
 import threading
 
 import numpy as np
 import pytest
 import torch
 
-from pagellm.worker.kv_cache import _zeroed_cpu
 from pagellm.worker.kv_prefault import PAGE_BYTES, KVPoolPrefaulter
 
+MAPPINGS: list[mmap.mmap] = []
 LIBC = ctypes.CDLL(None, use_errno=True)
 LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
@@ -30,9 +31,14 @@ def block_resident(pool: torch.Tensor, layer: int, kv: int, block: int) -> bool:
 
 
 def fresh_pool(num_blocks: int = 2048) -> torch.Tensor:
-    # 2 layers, 2 kv heads, 16 positions, 64 dims, fp32: 8 KiB per (layer, K/V) block, 32 KiB per block id; over
-    # glibc's largest mmap threshold (32 MiB), so that the pool is a fresh mapping, as a model's is.
-    return _zeroed_cpu((2, 2, num_blocks, 2, 16, 64), torch.float32)
+    """2 layers, 2 kv heads, 16 positions, 64 dims, fp32: 8 KiB per (layer, K/V) block, 32 KiB per block id, in
+    a mapping of its own, so that no page is resident before the test touches it (a calloc may come from the
+    heap in a long-lived process, cleared and so resident)."""
+    shape = (2, 2, num_blocks, 2, 16, 64)
+    mapping = mmap.mmap(-1, int(np.prod(shape)) * 4)
+    pool = torch.frombuffer(mapping, dtype=torch.float32).view(shape)
+    MAPPINGS.append(mapping)  # kept open for as long as the pool is used
+    return pool
 
 
 def test_fresh_pool_is_not_resident_until_prefaulted():

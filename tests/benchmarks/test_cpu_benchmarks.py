@@ -7,17 +7,26 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.cpu_attention import blocked, sdpa
-from benchmarks.cpu_gemm import gemm_options
+from benchmarks.cpu_gemm import gemm_options, time_chain
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemm_options_agree_with_f_linear(dtype):
     torch.manual_seed(0)
-    weight = torch.randn(40, 24, dtype=dtype)
+    weight = torch.randn(48, 24, dtype=dtype)
     x = torch.randn(5, 24, dtype=dtype)
     expected = F.linear(x.float(), weight.float())
-    for name, fn in gemm_options(weight).items():
+    options = gemm_options(weight)
+    from pagellm.attention import native
+
+    assert ("native" in options) == (dtype == torch.bfloat16 and native.linear_bf16() is not None)
+    for name, fn in options.items():
         torch.testing.assert_close(fn(x).float(), expected, rtol=2e-2, atol=5e-2, msg=name)
+
+
+def test_gemm_chain_times_every_option_over_distinct_layers():
+    seconds = time_chain(torch.bfloat16, rows=2, layers=1, repeats=1)
+    assert {"mkl", "packed"} <= set(seconds) and all(0 < s < 60 for s in seconds.values())
 
 
 @pytest.mark.parametrize("tokens", [7, 40])
