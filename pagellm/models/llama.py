@@ -64,8 +64,8 @@ class Linear(nn.Linear):
     upcast_buffer: torch.Tensor | None = None
 
     def pack_for_cpu(self, free_plain: bool) -> None:
-        """Pack the weight for oneDNN; with `free_plain` (the weight is not shared), drop the plain copy where
-        the packed one serves every row count."""
+        """Pack the weight for pagellm's bf16 kernel where it has one for this shape, else for oneDNN; with
+        `free_plain` (the weight is not shared), drop the plain copy where the packed one serves every row count."""
         kernel = linear_bf16() if self.weight.dtype == torch.bfloat16 else None
         if kernel is not None and kernel.supports(self.in_features, self.out_features):
             self.packed_weight, self.packed_kernel = kernel.pack(self.weight.detach()), kernel

@@ -49,8 +49,7 @@ class KVPoolPrefaulter:
             raise ValueError(f"the prefaulter needs a contiguous CPU pool, not a {pool.device} tensor "
                              f"(contiguous={pool.is_contiguous()})")
         self.num_blocks = pool.shape[2]
-        slab = pool[0, 0]
-        self._block_bytes = slab[0].numel() * pool.element_size() if self.num_blocks else 0
+        self._block_bytes = pool[0, 0, 0].numel() * pool.element_size() if self.num_blocks else 0
         self._slab_starts = [pool[layer, kv].data_ptr() for layer in range(pool.shape[0]) for kv in range(2)]
         bytes_per_block = max(1, self._block_bytes * len(self._slab_starts))
         self._blocks_per_chunk = max(1, chunk_bytes // bytes_per_block)

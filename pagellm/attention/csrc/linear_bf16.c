@@ -10,7 +10,7 @@
  * Layouts (all contiguous):
  *   x       [rows, in_features] bfloat16, in_features even
  *   packed  [out_features / 16][in_features / 2][16][2] bfloat16: panel p, column pair k holds
- *           W[16p + j][2k + i] at [p][k][j][i]; one 64-byte vector per (panel, pair). pack_linear_bf16 makes it.
+ *           W[16p + j][2k + i] at [p][k][j][i]; one 64-byte vector per (panel, pair); native.LinearBF16.pack makes it.
  *   bias    [out_features] bfloat16, or NULL
  *   y       [rows, out_features] bfloat16, out_features a multiple of 16
  */
@@ -84,7 +84,8 @@ static void edge_tile(const uint16_t *x, int64_t in_features, const uint16_t *pa
 #undef EDGE
 }
 
-/* Returns 2 if the shapes do not fit the layout. */
+/* Returns 2 if the shapes do not fit the layout. A prefetch of the next column tile may reach past the last
+ * panel of the weight: prefetches never fault. */
 int linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t rows,
                 int64_t in_features, int64_t out_features) {
     if (in_features % 2 != 0 || out_features % 16 != 0) return 2;

@@ -253,15 +253,13 @@ static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *
     float inverse[MAX_HEADS_PER_PASS];
     for (int h = 0; h < heads; ++h) inverse[h] = softmax_numerators(scores + h * count, count);
     for (int64_t offset = 0; offset < keys->head_dim;) {
-        if (keys->head_dim - offset >= WIDE_PIECE_FLOATS) {
-            piece_weighted_sum(scores, keys, v_cache, offset, WIDE_PIECE_FLOATS / VEC, heads, bf16, inverse, out,
-                               offset == 0 ? upcoming : NULL);
-            offset += WIDE_PIECE_FLOATS;
-        } else {
-            piece_weighted_sum(scores, keys, v_cache, offset, PIECE_FLOATS / VEC, heads, bf16, inverse, out,
-                               offset == 0 ? upcoming : NULL);
-            offset += PIECE_FLOATS;
-        }
+        const int wide = keys->head_dim - offset >= WIDE_PIECE_FLOATS;
+        const Upcoming *next = offset == 0 ? upcoming : NULL;  /* the next item's keys are asked for once */
+        if (wide)
+            piece_weighted_sum(scores, keys, v_cache, offset, WIDE_PIECE_FLOATS / VEC, heads, bf16, inverse, out, next);
+        else
+            piece_weighted_sum(scores, keys, v_cache, offset, PIECE_FLOATS / VEC, heads, bf16, inverse, out, next);
+        offset += wide ? WIDE_PIECE_FLOATS : PIECE_FLOATS;
     }
 }
 
