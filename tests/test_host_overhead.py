@@ -10,7 +10,7 @@ import pytest
 from pagellm.engine.output_processor import IncrementalDetokenizer, _plain_rust_decoder, decode_function
 from pagellm.entrypoints.llm import _final_only
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
-from pagellm.worker.model_runner import _RowState
+from pagellm.worker.input_batch import RowState
 
 
 def _random_ids(tokenizer, count: int, seed: int) -> list[int]:
@@ -73,11 +73,11 @@ def test_generate_asks_for_final_outputs_without_touching_the_callers_params():
     ],
 )
 def test_a_row_is_plain_greedy_only_with_nothing_else_to_apply(change):
-    def row(**overrides) -> _RowState:
+    def row(**overrides) -> RowState:
         fields = dict(params=SamplingParams(temperature=0), samples_at_first=1, appends=True, stop_ids=[])
         fields.update(overrides)
-        return _RowState("r", fields["params"], 3, 0, fields["samples_at_first"], fields["appends"],
-                         fields["stop_ids"])
+        return RowState("r", fields["params"], 3, 0, fields["samples_at_first"], fields["appends"],
+                        fields["stop_ids"])
 
     assert row().is_plain_greedy
     assert not row(params=SamplingParams(**{"temperature": 0, **change})).is_plain_greedy

@@ -30,6 +30,7 @@ from pagellm.worker.kv_cache import (
 )
 from pagellm.worker.kv_prefault import KVPoolPrefaulter
 from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.profiling import profile_decode, profile_prefill
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -117,9 +118,9 @@ class ModelWorker:
         one_layer = dataclasses.replace(spec, num_layers=1)
         scratch = layer_views(allocate_kv_cache(one_layer, blocks, device))
         with measure_peak(device) as prefill:
-            self.runner.profile_prefill(budget, scratch)
+            profile_prefill(self.runner, budget, scratch)
         with measure_peak(device) as decode:
-            self.runner.profile_decode(num_decodes, scratch)
+            profile_decode(self.runner, num_decodes, scratch)
         del scratch
         return prefill["peak"], decode["peak"]
 

@@ -1,0 +1,78 @@
+"""Start-up's profiling steps: the largest prefill and the worst decode on throwaway state, whose activation
+peaks the worker measures to size the KV pool."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagellm.sample.sampler import SamplingBatch
+from pagellm.sampling_params import SamplingParams
+from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.step_inputs import prepare_inputs
+
+
+@torch.inference_mode()
+def profile_prefill(runner: ModelRunner, num_tokens: int, kv_caches) -> None:
+    """A forward over `num_tokens` prompt tokens on throwaway state, so that the caller can measure
+    the activation peak of the largest prefill step.
+
+    `kv_caches` may cover fewer layers than the model has: every layer frees its temporaries before
+    the next starts and all layers have one shape, so one layer's peak is the whole forward's, at a
+    fraction of the start-up time.
+    """
+    seq_len = min(num_tokens, runner.max_model_len)
+    num_seqs = -(-num_tokens // seq_len)
+    lengths = np.full(num_seqs, seq_len, dtype=np.int64)
+    lengths[-1] = num_tokens - seq_len * (num_seqs - 1)
+    blocks = np.arange(num_seqs * -(-seq_len // runner.block_size)).reshape(num_seqs, -1)
+    _profile_step(runner, lengths, blocks, kv_caches, sample=False)
+
+
+@torch.inference_mode()
+def profile_decode(runner: ModelRunner, num_seqs: int, kv_caches) -> None:
+    """The worst decode step: `num_seqs` one-token sequences, their logits and the sampler with every
+    filter on (a CUDA graph's pool holds about this forward's temporaries).
+
+    Each sequence has a one-token context, all in block 0: the backends that read K/V through the block
+    table (Triton, the native CPU kernel) need no memory that grows with the context; the torch path's
+    gather of long contexts is not counted.
+    """
+    _profile_step(runner, np.ones(num_seqs, dtype=np.int64), np.zeros((num_seqs, 1), dtype=np.int64), kv_caches,
+                  sample=True)
+
+
+def _profile_step(runner: ModelRunner, lengths: np.ndarray, blocks: np.ndarray, kv_caches, sample: bool) -> None:
+    batch = runner.input_batch
+    num_seqs = len(lengths)
+    if batch.num_rows < num_seqs:
+        batch.grow(num_seqs - batch.num_rows)
+    rows = np.arange(num_seqs)
+    saved_caches, runner.kv_caches = runner.kv_caches, kv_caches
+    saved = (batch.token_ids[rows].copy(), batch.num_tokens[rows].copy(), batch.num_computed[rows].copy(),
+             batch.block_table[rows].copy())
+    try:
+        batch.token_ids[rows] = 0
+        batch.num_tokens[rows] = lengths + 1  # no row samples through the runner: the sampler is probed below
+        batch.num_computed[rows] = 0
+        batch.block_table[rows, : blocks.shape[1]] = blocks
+        hidden = runner.run_model(prepare_inputs(batch, rows, lengths, runner.block_size, runner.device))
+        logits = runner.model.compute_logits(hidden) if sample else None
+        if logits is not None:  # None on tensor-parallel ranks that do not sample
+            _probe_sampler(runner, logits)
+    finally:
+        (batch.token_ids[rows], batch.num_tokens[rows], batch.num_computed[rows], batch.block_table[rows]) = saved
+        runner.kv_caches = saved_caches
+
+
+def _probe_sampler(runner: ModelRunner, logits: torch.Tensor) -> None:
+    rows = logits.shape[0]
+    device = runner.device
+    probe = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
+    runner.sampler(logits, SamplingBatch(
+        temperature=torch.full((rows,), probe.temperature, device=device),
+        top_k=torch.full((rows,), probe.top_k, device=device),
+        top_p=torch.full((rows,), probe.top_p, device=device),
+        min_p=torch.full((rows,), probe.min_p, device=device),
+        all_greedy=False, seeded_rows=[], banned_tokens=[],
+    ))
