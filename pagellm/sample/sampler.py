@@ -3,12 +3,20 @@
 Order, as vLLM applies it: log-probabilities are taken from the raw logits; then allowed-token
 masks, banned tokens (bad words, stop tokens before min_tokens) and logit bias; then presence,
 frequency and repetition penalties; then temperature, min-p, top-k and top-p; then the draw.
+
+The batch is worked through in chunks of rows whose rows x vocab is bounded (Sampler.rows_per_chunk),
+in buffers of one chunk's size allocated once (_Workspace): the sorted copies, probabilities, noise
+and masks of the filters take the same memory whatever the batch and the vocabulary. Every row's
+result depends on its own logits and settings alone, and the batch's noise is drawn chunk after
+chunk from the one generator (on the CPU the same stream as one draw for the whole batch), so
+chunking changes no token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from pagellm.structured_output.matcher import apply_token_bitmask
@@ -17,14 +25,69 @@ from pagellm.structured_output.matcher import apply_token_bitmask
 # depends on (seed, k, logits) alone: not on what else is in the batch, nor on preemption.
 _SEED_STRIDE = 1_000_003
 
+# Logits elements (rows x vocab) the sampler filters at once; its workspace takes 29 bytes an element
+# (_Workspace), ~58 MiB on the CPU. On CUDA a larger chunk keeps the kernel launches of a large batch few.
+CPU_CHUNK_ELEMENTS = 1 << 21
+CUDA_CHUNK_ELEMENTS = 1 << 23
+
+
+def chunk_elements(device: torch.device) -> int:
+    return CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CPU_CHUNK_ELEMENTS
+
+
+@dataclass
+class TokenHistory:
+    """The tokens of each sampling row so far, read from the runner's token table when a chunk needs them."""
+
+    token_ids: np.ndarray  # [table rows, max_model_len] int64: the runner's table, not a copy
+    rows: np.ndarray  # [S] the table row of each sampling row
+    prompt_lens: np.ndarray  # [S]
+    lengths: np.ndarray  # [S] tokens so far: the prompt, then the output
+
+    def rows_slice(self, start: int, end: int) -> TokenHistory:
+        return TokenHistory(self.token_ids, self.rows[start:end], self.prompt_lens[start:end],
+                            self.lengths[start:end])
+
+    def count_into(self, counts: torch.Tensor, seen: torch.Tensor) -> None:
+        """counts [rows, V]: occurrences of each token in the output; seen [rows, V]: how often each token is
+        in the prompt or the output (> 0 where seen)."""
+        width = int(self.lengths.max())
+        columns = np.arange(width)
+        valid = columns[None, :] < self.lengths[:, None]
+        in_output = (columns[None, :] >= self.prompt_lens[:, None]) & valid
+        device = counts.device
+        tokens = torch.from_numpy(self.token_ids[self.rows, :width]).to(device)
+        counts.zero_().scatter_add_(1, tokens, torch.from_numpy(in_output).to(device, torch.float32))
+        seen.zero_().scatter_add_(1, tokens, torch.from_numpy(valid).to(device, torch.float32))
+
 
 @dataclass
 class Penalties:
     presence: torch.Tensor  # [S]
     frequency: torch.Tensor  # [S]
     repetition: torch.Tensor  # [S]
-    output_counts: torch.Tensor  # [S, V] occurrences of each token in the row's output so far
-    seen: torch.Tensor  # [S, V] bool: in the prompt or the output (what repetition_penalty looks at)
+    history: TokenHistory
+
+    def rows_slice(self, start: int, end: int) -> Penalties:
+        return Penalties(self.presence[start:end], self.frequency[start:end], self.repetition[start:end],
+                         self.history.rows_slice(start, end))
+
+
+@dataclass
+class LogitBias:
+    """Flattened over the rows with a logit_bias, in row order."""
+
+    rows: torch.Tensor  # [entries] long
+    token_ids: torch.Tensor  # [entries] long
+    biases: torch.Tensor  # [entries] float
+    host_rows: np.ndarray  # rows on the host: a chunk finds its entries without waiting on the device
+
+    def rows_slice(self, start: int, end: int) -> LogitBias | None:
+        first, last = np.searchsorted(self.host_rows, [start, end])
+        if first == last:
+            return None
+        return LogitBias(self.rows[first:last] - start, self.token_ids[first:last], self.biases[first:last],
+                         self.host_rows[first:last] - start)
 
 
 @dataclass
@@ -41,15 +104,45 @@ class SamplingBatch:
     # (row, token ids) whose logits must be -inf: stop tokens before min_tokens, bad words.
     banned_tokens: list[tuple[int, list[int]]]
     penalties: Penalties | None = None
-    # (rows, token ids, biases) flattened over the rows with a logit_bias.
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    allowed_mask: torch.Tensor | None = None  # [S, V] bool
+    logit_bias: LogitBias | None = None
+    # (row, token ids): the only tokens the row may sample (allowed_token_ids).
+    allowed_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
     # Most top log-probabilities any row asked for; None when no row needs log-probabilities.
     num_logprobs: int | None = None
     # [S, ceil(V/32)] int32: the tokens each row's structured-output grammar allows (all bits set elsewhere).
     token_bitmask: torch.Tensor | None = None
     # Rows whose grammar allows no token (batch index -> why): finished by the runner, not sampled.
     structured_stops: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def filters_in_place(self) -> bool:
+        """Whether sampling is an argmax after in-place masks: no [rows, vocab] buffers needed."""
+        return self.all_greedy and self.num_logprobs is None and self.penalties is None and not self.allowed_tokens
+
+    def rows_slice(self, start: int, end: int) -> SamplingBatch:
+        """Rows [start, end) with their indices from 0. all_greedy stays the whole batch's: a batch that is
+        not all greedy draws noise for every row, greedy or not, and so must each of its chunks."""
+
+        def part(values: torch.Tensor | None) -> torch.Tensor | None:
+            return None if values is None else values[start:end]
+
+        def shifted(entries):
+            return [(row - start, *rest) for row, *rest in entries if start <= row < end]
+
+        return replace(
+            self,
+            temperature=self.temperature[start:end],
+            top_k=part(self.top_k),
+            top_p=part(self.top_p),
+            min_p=part(self.min_p),
+            seeded_rows=shifted(self.seeded_rows),
+            banned_tokens=shifted(self.banned_tokens),
+            penalties=self.penalties.rows_slice(start, end) if self.penalties is not None else None,
+            logit_bias=self.logit_bias.rows_slice(start, end) if self.logit_bias is not None else None,
+            allowed_tokens=shifted(self.allowed_tokens),
+            token_bitmask=part(self.token_bitmask),
+            structured_stops={},  # read by the runner from the whole batch, never by the sampler
+        )
 
 
 @dataclass
@@ -62,98 +155,192 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [S, k]
 
 
+@dataclass
+class _Workspace:
+    """[rows, vocab] buffers for one chunk, allocated once and reused by every chunk of every step. Allocated
+    per chunk, they would come from the C heap (they are below glibc's mmap threshold), whose holes between
+    longer-lived allocations the process keeps: measured, RSS grew ~25 MiB a chunk that way."""
+
+    logprobs: torch.Tensor
+    probs: torch.Tensor
+    scratch: torch.Tensor
+    counts: torch.Tensor
+    sorted: torch.Tensor
+    order: torch.Tensor  # int64
+    mask: torch.Tensor  # bool
+    ranks: torch.Tensor  # [1, vocab] 0, 1, 2, ...
+
+    @classmethod
+    def allocate(cls, rows: int, vocab_size: int, device: torch.device) -> _Workspace:
+        def empty(dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(rows, vocab_size, dtype=dtype, device=device)
+
+        floats = [empty(torch.float32) for _ in range(5)]
+        return cls(*floats, empty(torch.int64), empty(torch.bool), torch.arange(vocab_size, device=device)[None])
+
+    @property
+    def rows(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.mask.shape[1]
+
+    def first(self, rows: int) -> _Workspace:
+        """The buffers' first `rows` rows (contiguous views)."""
+        buffers = (self.logprobs, self.probs, self.scratch, self.counts, self.sorted, self.order, self.mask)
+        return _Workspace(*(buffer[:rows] for buffer in buffers), self.ranks)
+
+
 class Sampler:
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, generator: torch.Generator, max_chunk_elements: int | None = None) -> None:
         self.generator = generator
+        self.max_chunk_elements = max_chunk_elements or chunk_elements(generator.device)
+        self._workspace: _Workspace | None = None
+
+    def rows_per_chunk(self, vocab_size: int) -> int:
+        return max(1, self.max_chunk_elements // vocab_size)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [S, V] float32 (modified in place)."""
-        raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
-        logits = _apply_constraints(logits, batch)
-        if batch.penalties is not None:
-            logits = _apply_penalties(logits, batch.penalties)
-        tokens = self._draw(logits, batch)
-        if raw_logprobs is None:
-            return SamplerOutput(tokens)
-        return _gather_logprobs(raw_logprobs, tokens, batch.num_logprobs)
+        num_rows, vocab_size = logits.shape
+        if batch.filters_in_place:
+            _apply_constraints(logits, batch, None)
+            return SamplerOutput(logits.argmax(dim=-1))
+        step = min(num_rows, self.rows_per_chunk(vocab_size))
+        workspace = self._workspace_for(step, vocab_size, logits.device)
+        # Written chunk by chunk: no chunk's results outlive it in the C heap, between the chunks' buffers.
+        output = _allocate_output(num_rows, batch.num_logprobs, logits.device)
+        for start in range(0, num_rows, step):
+            end = min(start + step, num_rows)
+            chunk = batch if step == num_rows else batch.rows_slice(start, end)
+            self._sample_rows(logits[start:end], chunk, workspace.first(end - start), _output_rows(output, start, end))
+        return output
 
-    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _workspace_for(self, rows: int, vocab_size: int, device: torch.device) -> _Workspace:
+        current = self._workspace
+        if current is None or current.rows < rows or current.vocab_size != vocab_size:
+            self._workspace = None  # the old buffers go before the new ones are allocated
+            self._workspace = _Workspace.allocate(rows, vocab_size, device)
+        return self._workspace
+
+    def _sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, ws: _Workspace, out: SamplerOutput) -> None:
+        raw_logprobs = torch.log_softmax(logits, dim=-1, out=ws.logprobs) if batch.num_logprobs is not None else None
+        _apply_constraints(logits, batch, ws)
+        if batch.penalties is not None:
+            _apply_penalties(logits, batch.penalties, ws)
+        self._draw(logits, batch, ws, out.token_ids)
+        if raw_logprobs is not None:
+            _gather_logprobs(raw_logprobs, batch.num_logprobs, ws, out)
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, ws: _Workspace, tokens: torch.Tensor) -> None:
         if batch.all_greedy:
-            return logits.argmax(dim=-1)
+            torch.argmax(logits, dim=-1, out=tokens)
+            return
         greedy_tokens = logits.argmax(dim=-1)
         is_greedy = batch.temperature == 0
         temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
-        logits = logits / temperature.unsqueeze(1)
-        logits = _apply_min_p(logits, batch.min_p)
-        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = logits.softmax(dim=-1)
-        sampled = _sample_exponential(probs, self.generator, batch.seeded_rows)
-        return torch.where(is_greedy, greedy_tokens, sampled)
+        logits.div_(temperature.unsqueeze(1))
+        _apply_min_p(logits, batch.min_p, ws)
+        _apply_top_k_top_p(logits, batch.top_k, batch.top_p, ws)
+        probs = torch.softmax(logits, dim=-1, out=ws.probs)
+        sampled = _sample_exponential(probs, self.generator, batch.seeded_rows, ws.scratch)
+        torch.where(is_greedy, greedy_tokens, sampled, out=tokens)
 
 
-def _apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _allocate_output(num_rows: int, num_logprobs: int | None, device: torch.device) -> SamplerOutput:
+    def empty(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    if num_logprobs is None:
+        return SamplerOutput(empty(num_rows))
+    return SamplerOutput(empty(num_rows), empty(num_rows, dtype=torch.float32), empty(num_rows),
+                         empty(num_rows, num_logprobs), empty(num_rows, num_logprobs, dtype=torch.float32))
+
+
+def _output_rows(output: SamplerOutput, start: int, end: int) -> SamplerOutput:
+    def rows(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values[start:end]
+
+    return SamplerOutput(output.token_ids[start:end], rows(output.logprobs), rows(output.ranks),
+                         rows(output.top_token_ids), rows(output.top_logprobs))
+
+
+def _apply_constraints(logits: torch.Tensor, batch: SamplingBatch, ws: _Workspace | None) -> None:
     if batch.token_bitmask is not None:
         apply_token_bitmask(logits, batch.token_bitmask)
-    if batch.allowed_mask is not None:
-        logits = logits.masked_fill(~batch.allowed_mask, float("-inf"))
+    if batch.allowed_tokens:
+        disallowed = ws.mask.fill_(False)
+        for row, ids in batch.allowed_tokens:
+            disallowed[row] = True
+            disallowed[row, ids] = False
+        logits.masked_fill_(disallowed, float("-inf"))
     if batch.banned_tokens:
         rows = torch.tensor([row for row, ids in batch.banned_tokens for _ in ids], device=logits.device)
         ids = torch.tensor([i for _, ids in batch.banned_tokens for i in ids], device=logits.device)
         logits[rows, ids] = float("-inf")
     if batch.logit_bias is not None:
-        rows, ids, biases = batch.logit_bias
-        logits.index_put_((rows, ids), biases, accumulate=True)
-    return logits
+        bias = batch.logit_bias
+        logits.index_put_((bias.rows, bias.token_ids), bias.biases, accumulate=True)
 
 
-def _apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, penalties: Penalties, ws: _Workspace) -> None:
+    penalties.history.count_into(ws.counts, ws.scratch)
     # Repetition (CTRL / transformers): shrink the logits of every token seen in prompt or output.
     repetition = penalties.repetition.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(penalties.seen, penalized, logits)
+    penalized = torch.div(logits, repetition, out=ws.probs)
+    shrunk_negatives = torch.mul(logits, repetition, out=ws.sorted)
+    torch.where(torch.gt(logits, 0, out=ws.mask), penalized, shrunk_negatives, out=penalized)
+    torch.where(torch.gt(ws.scratch, 0, out=ws.mask), penalized, logits, out=logits)
     # Frequency and presence (OpenAI): subtract per occurrence and once, over the output only.
-    counts = penalties.output_counts
-    logits = logits - penalties.frequency.unsqueeze(1) * counts
-    return logits - penalties.presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    counts = ws.counts
+    logits.sub_(torch.mul(penalties.frequency.unsqueeze(1), counts, out=ws.probs))
+    present = ws.probs.copy_(torch.gt(counts, 0, out=ws.mask))
+    logits.sub_(present.mul_(penalties.presence.unsqueeze(1)))
 
 
-def _gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> SamplerOutput:
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
-    top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], tokens[:, None][:, :0])
-    return SamplerOutput(tokens, chosen, ranks, top_ids, top_logprobs)
+def _gather_logprobs(logprobs: torch.Tensor, k: int, ws: _Workspace, out: SamplerOutput) -> None:
+    """The sampled tokens' log-probabilities and ranks, and the k most likely tokens, into `out`."""
+    chosen = torch.gather(logprobs, 1, out.token_ids.unsqueeze(1), out=out.logprobs.unsqueeze(1))
+    # Counted in float32 (exact below 2**24 tokens): summing the bool mask would first cast it to a fresh int64
+    # [rows, vocab] tensor.
+    above = ws.probs.copy_(torch.gt(logprobs, chosen, out=ws.mask))
+    out.ranks.copy_(above.sum(dim=-1)).add_(1)
+    if k > 0:
+        torch.topk(logprobs, k, dim=-1, out=(out.top_logprobs, out.top_token_ids))
 
 
-def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None, ws: _Workspace) -> None:
     if min_p is None:
-        return logits
-    probs = logits.softmax(dim=-1)
+        return
+    probs = torch.softmax(logits, dim=-1, out=ws.probs)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    logits.masked_fill_(torch.lt(probs, threshold, out=ws.mask), float("-inf"))
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                       ws: _Workspace) -> None:
     if top_k is None and top_p is None:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+        return
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, out=(ws.sorted, ws.order))
     if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+        sorted_logits.masked_fill_(torch.ge(ws.ranks, top_k.unsqueeze(1), out=ws.mask), float("-inf"))
     if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1, out=ws.probs)
         # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
-        exceeded = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(exceeded, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        above = torch.cumsum(probs, dim=-1, out=ws.scratch).sub_(probs)
+        sorted_logits.masked_fill_(torch.ge(above, top_p.unsqueeze(1), out=ws.mask), float("-inf"))
+    # Every position is written back: the sorted order is a permutation of the row.
+    logits.scatter_(-1, order, sorted_logits)
 
 
 def _sample_exponential(
-    probs: torch.Tensor, generator: torch.Generator, seeded_rows: list[tuple[int, int, int]]
+    probs: torch.Tensor, generator: torch.Generator, seeded_rows: list[tuple[int, int, int]], noise: torch.Tensor
 ) -> torch.Tensor:
     # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with no sync or cumsum search.
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    noise.exponential_(generator=generator)
     for row, seed, index in seeded_rows:
         row_generator = torch.Generator(device=probs.device)
         row_generator.manual_seed((seed * _SEED_STRIDE + index) % (2**63))
         noise[row].exponential_(generator=row_generator)
-    return (probs / noise).argmax(dim=-1)
+    return probs.div_(noise).argmax(dim=-1)

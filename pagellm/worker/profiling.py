@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagellm.sample.sampler import SamplingBatch
-from pagellm.sampling_params import SamplingParams
+from pagellm.sample.sampler import Penalties, SamplingBatch, TokenHistory
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.step_inputs import prepare_inputs
+
+# The most top log-probabilities the OpenAI server lets a request ask for (protocol.MAX_LOGPROBS).
+PROFILED_LOGPROBS = 20
 
 
 @torch.inference_mode()
@@ -66,13 +68,26 @@ def _profile_step(runner: ModelRunner, lengths: np.ndarray, blocks: np.ndarray, 
 
 
 def _probe_sampler(runner: ModelRunner, logits: torch.Tensor) -> None:
-    rows = logits.shape[0]
+    """The sampler with every filter on, log-probabilities and penalties over full-length histories: the most
+    a step's sampling holds at once (it works through the rows in chunks, so this is one chunk's worth)."""
+    num_rows = logits.shape[0]
     device = runner.device
-    probe = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
+
+    def column(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((num_rows,), value, dtype=dtype, device=device)
+
+    rows = np.arange(num_rows)
+    history = TokenHistory(runner.input_batch.token_ids, rows, np.zeros(num_rows, dtype=np.int64),
+                           np.full(num_rows, runner.max_model_len, dtype=np.int64))
     runner.sampler(logits, SamplingBatch(
-        temperature=torch.full((rows,), probe.temperature, device=device),
-        top_k=torch.full((rows,), probe.top_k, device=device),
-        top_p=torch.full((rows,), probe.top_p, device=device),
-        min_p=torch.full((rows,), probe.min_p, device=device),
-        all_greedy=False, seeded_rows=[], banned_tokens=[],
+        temperature=column(1.0),
+        top_k=column(50, torch.int64),
+        top_p=column(0.9),
+        min_p=column(0.05),
+        all_greedy=False,
+        seeded_rows=[],  # a seeded row redraws its noise in place: no memory of its own
+        banned_tokens=[],
+        penalties=Penalties(column(0.5), column(0.5), column(1.2), history),
+        allowed_tokens=[(row, [0, 1]) for row in range(num_rows)],
+        num_logprobs=PROFILED_LOGPROBS,
     ))

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.paged import to_device
-from pagellm.sample.sampler import Penalties, SamplingBatch
+from pagellm.sample.sampler import LogitBias, Penalties, SamplingBatch, TokenHistory
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.input_batch import InputBatch, RowState
 from pagellm.worker.step_inputs import StepInputs
@@ -70,7 +70,7 @@ class SamplingBatchBuilder:
             temperature, top_k, top_p, min_p, all_greedy, seeded, banned,
             penalties=self._penalties(rows, params) if any(p.has_penalties for p in params) else None,
             logit_bias=self._logit_bias(params),
-            allowed_mask=self._allowed_mask(params),
+            allowed_tokens=self._allowed_tokens(params),
             token_bitmask=token_bitmask,
             num_logprobs=max(wanting) if wanting else None,
             structured_stops=structured_stops,
@@ -91,33 +91,24 @@ class SamplingBatchBuilder:
         return bans
 
     def _penalties(self, rows: np.ndarray, params: list[SamplingParams]) -> Penalties:
-        num_rows, vocab = len(rows), self.vocab_size
-        lengths = self.batch.num_tokens[rows]
-        prompt_lens = self.batch.num_prompt_tokens[rows]
-        width = int(lengths.max())
-        columns = np.arange(width)
-        tokens = self._to_device(self.batch.token_ids[rows, :width])
-        valid = self._to_device(columns[None, :] < lengths[:, None])
-        in_output = self._to_device((columns[None, :] >= prompt_lens[:, None]) & (columns[None, :] < lengths[:, None]))
-        counts = torch.zeros(num_rows, vocab, device=self.device)
-        counts.scatter_add_(1, tokens, in_output.to(torch.float32))
-        seen = torch.zeros(num_rows, vocab, device=self.device)
-        seen.scatter_add_(1, tokens, valid.to(torch.float32))
+        # The occurrence counts ([rows, vocab]) are built by the sampler, one chunk of rows at a time.
+        history = TokenHistory(self.batch.token_ids, rows, self.batch.num_prompt_tokens[rows],
+                               self.batch.num_tokens[rows])
 
         def column(name: str) -> torch.Tensor:
             return self._to_device(np.array([getattr(p, name) for p in params], dtype=np.float32))
 
         return Penalties(column("presence_penalty"), column("frequency_penalty"), column("repetition_penalty"),
-                         counts, seen > 0)
+                         history)
 
-    def _logit_bias(self, params: list[SamplingParams]):
+    def _logit_bias(self, params: list[SamplingParams]) -> LogitBias | None:
         entries = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()
                    if t < self.vocab_size]
         if not entries:
             return None
-        rows, ids, biases = zip(*entries)
-        return (self._to_device(np.array(rows, dtype=np.int64)), self._to_device(np.array(ids, dtype=np.int64)),
-                self._to_device(np.array(biases, dtype=np.float32)))
+        rows, ids, biases = (np.array(x) for x in zip(*entries))
+        return LogitBias(self._to_device(rows.astype(np.int64)), self._to_device(ids.astype(np.int64)),
+                         self._to_device(biases.astype(np.float32)), rows.astype(np.int64))
 
     def _grammar_bitmask(self, rows: np.ndarray, states: list[RowState]) -> tuple[torch.Tensor | None, dict[int, str]]:
         """The grammar-allowed tokens of every sampling row ([S, ceil(V/32)] int32 bits, all set for unconstrained
@@ -138,15 +129,10 @@ class SamplingBatchBuilder:
                 bitmask[i] = -1  # the row is not sampled; an all-allowed row keeps the sampler's math finite
         return bitmask.to(self.device, non_blocking=True), stops
 
-    def _allowed_mask(self, params: list[SamplingParams]) -> torch.Tensor | None:
-        if not any(p.allowed_token_ids for p in params):
-            return None
-        mask = torch.ones(len(params), self.vocab_size, dtype=torch.bool, device=self.device)
-        for i, p in enumerate(params):
-            if p.allowed_token_ids:
-                mask[i] = False
-                mask[i, [t for t in p.allowed_token_ids if t < self.vocab_size]] = True
-        return mask
+    def _allowed_tokens(self, params: list[SamplingParams]) -> list[tuple[int, list[int]]]:
+        # The [rows, vocab] mask is built by the sampler, one chunk of rows at a time.
+        return [(i, [t for t in p.allowed_token_ids if t < self.vocab_size])
+                for i, p in enumerate(params) if p.allowed_token_ids]
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
