@@ -24,13 +24,22 @@ from pagellm.worker.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
     device_memory_at_start,
-    kv_cache_budget,
     layer_views,
     measure_peak,
 )
 from pagellm.worker.kv_prefault import KVPoolPrefaulter
+from pagellm.worker.memory_fit import (
+    Footprint,
+    LeastPool,
+    check_pool_fits,
+    check_weights_fit,
+    cpu_default_pool,
+    planned_model,
+    refuse_pool_too_small,
+)
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.profiling import profile_decode, profile_prefill
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -50,22 +59,37 @@ class ModelWorker:
         if device.type == "cpu" and group.size == 1:
             # Every core this process may run on; torch's default can count cores outside the affinity mask.
             torch.set_num_threads(len(os.sched_getaffinity(0)))
-        total_memory, free_memory = device_memory_at_start(device)
+        memory = device_memory_at_start(device)
         if device.type == "cpu":
-            # Ranks on one host share its memory.
-            total_memory, free_memory = total_memory // ranks_on_host, free_memory // ranks_on_host
-        if device.type == "cuda" and free_memory < args.gpu_memory_utilization * total_memory:
+            memory = memory.shared_by(ranks_on_host)
+        if device.type == "cuda" and memory.free < args.gpu_memory_utilization * memory.total:
             raise ValueError(
-                f"only {free_memory / GiB:.2f} GiB of {total_memory / GiB:.2f} GiB device memory is free, less than "
+                f"only {memory.free / GiB:.2f} GiB of {memory.total / GiB:.2f} GiB device memory is free, less than "
                 f"gpu_memory_utilization={args.gpu_memory_utilization} asks for; lower gpu_memory_utilization "
                 "or free the device."
             )
         source = loader.resolve_model(args.model)
+        if source.is_gguf:
+            # Whatever the loader makes of them, the tensors in the file are the least the weights take.
+            check_weights_fit(os.path.getsize(source.path), f"the size of {source.path.name}",
+                              _explicit_pool(args, None), memory)
         hf_config, gguf_state_dict = loader.load_hf_config(source)
         loader.check_architecture(hf_config)
         check_tensor_parallel_size(hf_config, group.size)
         max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
         dtype = resolve_dtype(args.dtype, hf_config, device)
+        self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[device.type]
+        budget = self.max_num_batched_tokens
+        # The least pool: one request of max_model_len (a window plus a chunk on sliding-window models).
+        need_blocks = max_blocks_per_sequence(max_model_len, args.block_size, model_sliding_window(hf_config), budget)
+        planned = planned_model(hf_config, max_model_len, dtype, group)
+        planned_spec = KVCacheSpec(hf_config.num_hidden_layers, planned.num_kv_heads, head_dim_of(hf_config),
+                                   args.block_size, dtype)
+        least_pool = _explicit_pool(args, planned_spec) or LeastPool(
+            need_blocks * planned_spec.bytes_per_block, f"one request of max_model_len={max_model_len}",
+            "max_model_len")
+        check_weights_fit(planned.parameter_bytes, f"{planned.num_parameters / 1e6:.0f}M parameters in "
+                          f"{str(dtype).removeprefix('torch.')}", least_pool, memory)
         with building_with(group):
             model = loader.load_model(source, hf_config, gguf_state_dict, dtype, device, max_model_len,
                                       args.load_format, args.seed)
@@ -77,8 +101,6 @@ class ModelWorker:
         self.model_info = ModelInfo(source, hf_config, tokenizer, eos_ids, max_model_len, dtype, device)
         self.group = group
 
-        self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[device.type]
-        budget = self.max_num_batched_tokens
         self.runner = ModelRunner(model, device, args.block_size, max_model_len, args.max_num_seqs, args.seed, eos_ids)
         spec = KVCacheSpec(hf_config.num_hidden_layers, model.num_kv_heads_per_rank, head_dim_of(hf_config),
                            args.block_size, dtype)
@@ -94,10 +116,14 @@ class ModelWorker:
         self.activation_peak = max(self.prefill_peak, self.decode_peak)
         # The graphs' pool keeps about one worst decode step's temporaries for good, beside the activations.
         self.graph_reserve = self.decode_peak if self.use_graphs else 0
-        num_blocks, _, self.kv_reason = self._num_blocks(args, spec, device, total_memory, self.weights_bytes,
-                                                         self.activation_peak + self.graph_reserve)
-        # Every rank addresses the same block ids: the pool is as large as the smallest rank can hold.
-        smallest = group.min_over_ranks(num_blocks)
+        footprint = Footprint(memory, self.weights_bytes, self.prefill_peak, self.decode_peak,
+                              self.num_profiled_decodes, self.graph_reserve)
+        num_blocks, self.kv_reason, refusal = _num_blocks(args, spec, device, footprint, need_blocks, max_model_len)
+        # Every rank addresses the same block ids: the pool is as large as the smallest rank can hold. A rank
+        # that refuses still takes part (with no blocks), so that no other rank waits on it.
+        smallest = group.min_over_ranks(0 if refusal is not None else num_blocks)
+        if refusal is not None:
+            raise refusal
         if smallest < num_blocks:
             self.kv_reason += f"; the smallest of {group.size} ranks' pools"
         self.num_blocks = smallest
@@ -124,16 +150,41 @@ class ModelWorker:
         del scratch
         return prefill["peak"], decode["peak"]
 
-    @staticmethod
-    def _num_blocks(args, spec, device, total_memory, weights_bytes, activation_peak) -> tuple[int, int, str]:
-        """(blocks, bytes, what decided the size) of the KV pool."""
-        if args.num_gpu_blocks_override is not None:
-            blocks = args.num_gpu_blocks_override
-            return blocks, blocks * spec.bytes_per_block, "num_gpu_blocks_override"
-        budget = kv_cache_budget(device, args.gpu_memory_utilization, total_memory, weights_bytes,
-                                 activation_peak, args.kv_cache_memory_bytes)
-        num_blocks = budget.kv_cache // spec.bytes_per_block
-        return num_blocks, num_blocks * spec.bytes_per_block, budget.reason
+
+def _explicit_pool(args: EngineArgs, spec: KVCacheSpec | None) -> LeastPool | None:
+    """The pool the arguments ask for, where they do (num_gpu_blocks_override needs the spec to be sized)."""
+    if args.num_gpu_blocks_override is not None and spec is not None:
+        blocks = args.num_gpu_blocks_override
+        return LeastPool(blocks * spec.bytes_per_block, f"num_gpu_blocks_override={blocks}", "num_gpu_blocks_override")
+    if args.kv_cache_memory_bytes is not None:
+        return LeastPool(args.kv_cache_memory_bytes, f"kv_cache_memory_bytes={args.kv_cache_memory_bytes}",
+                         "kv_cache_memory_bytes")
+    return None
+
+
+def _num_blocks(args: EngineArgs, spec: KVCacheSpec, device: torch.device, footprint: Footprint, need_blocks: int,
+                max_model_len: int) -> tuple[int, str, ValueError | None]:
+    """(blocks, what decided the size, the refusal where the pool cannot fit) of the KV pool."""
+    if args.num_gpu_blocks_override is not None or args.kv_cache_memory_bytes is not None:
+        name = "num_gpu_blocks_override" if args.num_gpu_blocks_override is not None else "kv_cache_memory_bytes"
+        blocks = (args.num_gpu_blocks_override if args.num_gpu_blocks_override is not None
+                  else args.kv_cache_memory_bytes // spec.bytes_per_block)
+        try:
+            check_pool_fits(footprint, blocks * spec.bytes_per_block, name)
+        except ValueError as refusal:
+            return 0, name, refusal
+        return blocks, name, None
+    utilization = args.gpu_memory_utilization
+    usable = int(utilization * footprint.memory.total)
+    if device.type == "cpu":
+        kv, reason = cpu_default_pool(footprint, usable, utilization)
+    else:
+        kv, reason = max(usable - footprint.beside_pool, 0), f"gpu_memory_utilization={utilization}"
+    blocks = kv // spec.bytes_per_block
+    if blocks < need_blocks and usable - footprint.beside_pool < need_blocks * spec.bytes_per_block:
+        return 0, reason, refuse_pool_too_small(footprint, usable, utilization, need_blocks * spec.bytes_per_block,
+                                                max_model_len)
+    return blocks, reason, None
 
 
 def pick_device(name: str) -> torch.device:

@@ -7,11 +7,10 @@ import os
 import resource
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
-
-from pagellm.config import CPU_DEFAULT_KV_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
 GiB = 1024**3
@@ -64,29 +63,95 @@ def _zeroed_cpu(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 # ---- how much memory there is --------------------------------------------------------------------
 
 
-def cpu_available_bytes() -> int:
-    """Memory this process could still take: MemAvailable, bounded by a cgroup limit if one is set."""
-    available = _meminfo_kib("MemAvailable") * 1024
-    for path, usage_path in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
-        try:
-            limit = open(path).read().strip()
-            usage = int(open(usage_path).read().strip())
-        except (OSError, ValueError):
+@dataclass(frozen=True)
+class DeviceMemory:
+    total: int  # what gpu_memory_utilization is a fraction of
+    free: int  # what the process may still take
+    described: str  # where the figures come from, for messages
+
+    def shared_by(self, ranks: int) -> DeviceMemory:
+        if ranks == 1:
+            return self
+        return DeviceMemory(self.total // ranks, self.free // ranks,
+                            f"{self.described}, shared by {ranks} ranks on this host")
+
+
+def cpu_available_memory(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> tuple[int, str]:
+    """(bytes, how they were found) this process could still take: MemAvailable, bounded by the memory limit
+    of its cgroup and of every cgroup above it (v2 memory.max, or v1 memory.limit_in_bytes), less what each
+    already holds other than reclaimable page cache."""
+    available = _meminfo_kib(proc / "meminfo", "MemAvailable") * 1024
+    described = f"MemAvailable {available / GiB:.2f} GiB"
+    for where, limit, usage in _cgroup_limits(proc / "self" / "cgroup", cgroup_root):
+        if limit - usage < available:
+            available = max(limit - usage, 0)
+            described = f"cgroup limit {limit / GiB:.2f} GiB - {usage / GiB:.2f} GiB in use ({where})"
+    return available, described
+
+
+# cgroup v2 and v1 names of: the limit, the usage, and the page cache in memory.stat that reclaim can drop.
+_CGROUP_FILES = {
+    "v2": ("memory.max", "memory.current", "inactive_file"),
+    "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+}
+
+
+def _cgroup_limits(self_cgroup: Path, cgroup_root: Path):
+    """(directory, limit, usage) of every limited memory cgroup from this process's up to the mount's root."""
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            version, base = "v2", cgroup_root
+        elif "memory" in controllers.split(","):
+            version, base = "v1", cgroup_root / "memory"
+        else:
             continue
-        if limit.isdigit() and int(limit) < 1 << 60:
-            available = min(available, int(limit) - usage)
-    return available
+        limit_file, usage_file, cache_key = _CGROUP_FILES[version]
+        # Inside a container the mount's root may be the process's own cgroup: levels that are not there
+        # are skipped, the root is always looked at.
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):
+            directory = base.joinpath(*parts[:depth])
+            limit = _read_limit(directory / limit_file)
+            if limit is None:
+                continue
+            try:
+                usage = int((directory / usage_file).read_text())
+            except (OSError, ValueError):
+                continue
+            yield directory, limit, max(usage - _stat_value(directory / "memory.stat", cache_key), 0)
 
 
-def _meminfo_kib(key: str) -> int:
-    with open("/proc/meminfo") as f:
+def _read_limit(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    # v2 writes "max" for no limit, v1 a number near 2**63.
+    return int(text) if text.isdigit() and int(text) < 1 << 60 else None
+
+
+def _stat_value(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _meminfo_kib(path: Path, key: str) -> int:
+    with open(path) as f:
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
-    raise RuntimeError(f"{key} not found in /proc/meminfo")
+    raise RuntimeError(f"{key} not found in {path}")
 
 
 def _status_bytes(key: str) -> int:
@@ -125,37 +190,10 @@ def measure_peak(device: torch.device):
         result["peak"] = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - max(before, max_before))
 
 
-@dataclass(frozen=True)
-class MemoryBudget:
-    total: int  # the memory the engine measures gpu_memory_utilization against
-    weights: int
-    activation_peak: int
-    kv_cache: int
-    reason: str
-
-
-def kv_cache_budget(
-    device: torch.device,
-    gpu_memory_utilization: float,
-    total_at_start: int,
-    weights: int,
-    activation_peak: int,
-    kv_cache_memory_bytes: int | None,
-) -> MemoryBudget:
-    if kv_cache_memory_bytes is not None:
-        return MemoryBudget(total_at_start, weights, activation_peak, kv_cache_memory_bytes, "kv_cache_memory_bytes")
-    kv = int(gpu_memory_utilization * total_at_start) - weights - activation_peak
-    reason = f"gpu_memory_utilization={gpu_memory_utilization}"
-    if device.type == "cpu" and kv > CPU_DEFAULT_KV_CACHE_BYTES:
-        kv = CPU_DEFAULT_KV_CACHE_BYTES
-        reason += f", capped at the CPU default of {CPU_DEFAULT_KV_CACHE_BYTES / GiB:.0f} GiB"
-    return MemoryBudget(total_at_start, weights, activation_peak, max(kv, 0), reason)
-
-
-def device_memory_at_start(device: torch.device) -> tuple[int, int]:
-    """(total, free) bytes of the device before the engine loads anything."""
+def device_memory_at_start(device: torch.device) -> DeviceMemory:
+    """The device's memory before the engine loads anything."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return total, free
-    available = cpu_available_bytes()
-    return available, available
+        return DeviceMemory(total, free, f"torch.cuda.mem_get_info: {free / GiB:.2f} GiB free")
+    available, described = cpu_available_memory()
+    return DeviceMemory(available, available, described)
