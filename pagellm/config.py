@@ -48,6 +48,9 @@ class EngineArgs:
     # do not pay for fresh pages (the rest is faulted in while the engine is idle); 0 leaves all of it to
     # first use, inf faults in the whole pool before the engine is ready.
     kv_prefault_seconds: float = 1.0
+    # vLLM's policies: "fcfs" serves requests in arrival order; "priority" by each request's priority (lower
+    # first), then arrival, and preempts the lowest-priority requests first.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -69,6 +72,8 @@ class EngineArgs:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use auto, float32, float16 or bfloat16.")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r} is not supported; use auto or dummy.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} is not supported; use fcfs or priority.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={self.device!r} is not supported; use auto, cpu or cuda.")
 

@@ -65,6 +65,7 @@ class _AddOp:
     params: SamplingParams
     stream: RequestStream
     arrival_time: float
+    priority: int = 0
 
 
 @dataclass
@@ -142,16 +143,17 @@ class AsyncLLMEngine:
     # ---- the caller's side (any thread with a running event loop) ---------------------------------
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str
+        self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str, priority: int = 0
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as the engine makes them: cumulative by default, or as
         `sampling_params.output_kind` asks. Stopping the iteration (break, cancel, close) aborts the request."""
-        stream = self.add_request(request_id, prompt, sampling_params)
+        stream = self.add_request(request_id, prompt, sampling_params, priority)
         async with aclosing(self.outputs(stream)) as outputs:
             async for output in outputs:
                 yield output
 
-    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None) -> RequestStream:
+    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None,
+                    priority: int = 0) -> RequestStream:
         """Queues a request at once, raising here (not at the first output) when it cannot be taken:
         QueueFullError, EngineDeadError, or ValueError for a reused id. Pass the stream to `outputs`, or
         abort it; bad prompts and parameters are reported by the stream. With n > 1 each output carries
@@ -169,15 +171,18 @@ class AsyncLLMEngine:
                 raise EngineDeadError("the engine is shutting down; it takes no new requests.")
             if request_id in self._request_ids:
                 raise ValueError(f"request_id={request_id!r} is already in use; request ids must be unique.")
+            # Every sequence counts (n, best_of): one request must not queue past the bound for many. With
+            # nothing queued a request is always taken, or one of more sequences than the bound never could be.
             queued = self._num_waiting_for_a_slot()
-            if queued >= self.max_num_queued_requests:
+            if queued and self._num_waiting_for_a_slot(engine_params.num_sequences) > self.max_num_queued_requests:
                 raise QueueFullError(
-                    f"{queued} requests are already waiting for one of the max_num_seqs={self._max_num_seqs} "
-                    f"slots, the limit is max_num_queued_requests={self.max_num_queued_requests}; retry later, or "
-                    "raise --max-num-queued-requests."
+                    f"{queued} sequences are already waiting for one of the max_num_seqs={self._max_num_seqs} "
+                    f"slots and this request adds {engine_params.num_sequences}; the limit is "
+                    f"max_num_queued_requests={self.max_num_queued_requests}; retry later, or raise "
+                    "--max-num-queued-requests."
                 )
             self._request_ids.add(request_id)
-            self._ops.append(_AddOp(request_id, prompt, engine_params, stream, time.monotonic()))
+            self._ops.append(_AddOp(request_id, prompt, engine_params, stream, time.monotonic(), priority))
             self._num_pending_sequences += engine_params.num_sequences
             self._ensure_started()
             self._cond.notify()
@@ -221,10 +226,10 @@ class AsyncLLMEngine:
         with self._cond:
             return self._num_waiting_for_a_slot()
 
-    def _num_waiting_for_a_slot(self) -> int:
+    def _num_waiting_for_a_slot(self, num_new_sequences: int = 0) -> int:
         # A request that arrives while fewer than max_num_seqs run is scheduled in the next step: it waits
         # for nothing, so it must not count against the bound (it did, and 32 of 40 requests got 429s).
-        wanted = self._num_running + self._num_waiting + self._num_pending_sequences
+        wanted = self._num_running + self._num_waiting + self._num_pending_sequences + num_new_sequences
         return max(0, wanted - self._max_num_seqs)
 
     @property
@@ -391,7 +396,7 @@ class AsyncLLMEngine:
 
     def _apply_add(self, op: _AddOp, deliveries: list[_Delivery]) -> None:
         try:
-            self.engine.add_request(op.request_id, op.prompt, op.params)
+            self.engine.add_request(op.request_id, op.prompt, op.params, op.priority)
         except ValueError as exc:  # bad input: this request's failure alone, and nothing of it was added
             self._forget(op.request_id)
             deliveries.append((op.stream, exc))

@@ -59,8 +59,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`, each finished."""
+        """Outputs in the order of `prompts`, each finished. `priority`: one per prompt, for an engine with
+        scheduling_policy="priority" (lower first)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -74,7 +77,9 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt."
                 )
-        return self._run(prompts, params_list, use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt.")
+        return self._run(prompts, params_list, use_tqdm, priority or [0] * len(prompts))
 
     def chat(
         self,
@@ -112,7 +117,8 @@ class LLM:
                 sequence.text = tokenizer.decode(sequence.tokens, skip_special_tokens=True)
         return outputs
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
+             priorities: Sequence[int]) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = [str(next(self._request_ids)) for _ in prompts]
         # Only finished outputs are read here: the engine builds nothing for the steps in between (vLLM's
@@ -120,10 +126,10 @@ class LLM:
         final_only: dict[int, SamplingParams] = {}
         added: list[str] = []
         try:
-            for request_id, prompt, params in zip(request_ids, prompts, params_list):
+            for request_id, prompt, params, priority in zip(request_ids, prompts, params_list, priorities):
                 if id(params) not in final_only:
                     final_only[id(params)] = _final_only(params)
-                engine.add_request(request_id, prompt, final_only[id(params)])
+                engine.add_request(request_id, prompt, final_only[id(params)], priority)
                 added.append(request_id)
         except Exception:
             engine.abort_request(added)
