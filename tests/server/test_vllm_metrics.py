@@ -32,6 +32,7 @@ from pagellm.metrics import (
     request_tokens_buckets,
 )
 from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling_params import SamplingParams
 
 DASHBOARDS = pathlib.Path(__file__).resolve().parents[1] / "data" / "vllm_dashboard_queries.json"
 LABELS = {"model_name": "m", "engine": "0"}
@@ -259,8 +260,9 @@ def _metric_names(query: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def app_engine(tiny_llama_dir):
+    # A pool of 12 blocks (192 tokens): a few requests of 80 tokens each preempt one another.
     engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
-        model=tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=512))
+        model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=12, max_model_len=192))
     yield engine
     engine.shutdown()
 
@@ -288,13 +290,15 @@ def test_every_series_of_vllms_dashboards_is_in_metrics_after_one_request(app_en
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples.setdefault(sample.name, []).append(sample.labels)
-    missing = {}
+    missing, read = {}, set()
     for path, queries in _dashboard_queries().items():
         for query in queries:
             for name in _metric_names(query):
+                read.add(name)
                 if not any(labels.get("model_name") == "tiny" for labels in samples.get(name, [])):
                     missing.setdefault(path, set()).add(name)
     assert not missing, f"series vLLM's dashboards read that /metrics lacks: {missing}"
+    assert len(read) == 25  # the distinct series of the three dashboards: the queries were read
     assert any("model_name" in labels for series in samples.values() for labels in series)  # label_values(model_name)
     # One request went through every phase, which add up as vLLM's do.
     value = {family.name + s.name.removeprefix(family.name): s.value
@@ -310,3 +314,38 @@ def test_every_series_of_vllms_dashboards_is_in_metrics_after_one_request(app_en
     assert value["vllm:iteration_tokens_total_count"] >= 5
     for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds", "python_info"):
         assert name in samples, name
+
+
+def test_preempted_requests_count_their_preemptions_as_the_engine_does(app_engine):
+    logger = PrometheusStatLogger("m", app_engine.max_model_len)
+    app_engine.add_stat_logger(logger)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(37 * i + 11 * j) % 900 + 10 for j in range(20)]} for i in range(4)]
+
+    async def run() -> list[RequestOutput]:
+        async def one(i: int) -> RequestOutput:
+            async for output in app_engine.generate(prompts[i], params, f"preempt-{i}"):
+                last = output
+            return last
+
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    try:
+        outputs = asyncio.run(run())
+    finally:
+        app_engine.stat_loggers.remove(logger)
+    assert all(len(o.outputs[0].token_ids) == 60 for o in outputs)
+    families = _families(logger)
+    preemptions = _sample(families, "vllm:num_preemptions", "_total")
+    assert preemptions > 0, "the pool was meant to be too small for all four at once"
+    # Per request (as each reported it), and in the histogram, they add up to the engine's count.
+    assert sum(o.kv.preemptions for o in outputs) == preemptions
+    assert _sample(families, "vllm:request_num_preemptions", "_sum") == preemptions
+    assert _sample(families, "vllm:request_num_preemptions", "_count") == 4
+    assert _sample(families, "vllm:request_success", "_total", finished_reason="length") == 4
+    # A preemption's wait counts in the phase it interrupted; the phases still add up.
+    inference = _sample(families, "vllm:request_inference_time_seconds", "_sum")
+    assert inference == pytest.approx(_sample(families, "vllm:request_prefill_time_seconds", "_sum")
+                                      + _sample(families, "vllm:request_decode_time_seconds", "_sum"))
+    assert _sample(families, "vllm:generation_tokens", "_total") == 4 * 60
+    assert _sample(families, "vllm:prompt_tokens", "_total") == 4 * 20
