@@ -14,7 +14,7 @@ from pagellm.engine.arg_utils import AsyncEngineArgs
 from pagellm.engine.async_llm_engine import AsyncLLMEngine
 from pagellm.entrypoints.openai.api_server import admission_of, build_app, drain
 from pagellm.entrypoints.openai.serving import ServerConfig
-from tests.server.utils import StepFault
+from tests.server.utils import StepFault, metric_value
 
 # One running sequence and a waiting queue of two: the 429 is three requests away.
 ENGINE_KWARGS = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=512, max_num_seqs=1,
@@ -91,16 +91,20 @@ def test_a_full_waiting_queue_answers_429(engine, fault, tiny_llama_dir):
                 refused = await client.post("/v1/completions", json=BODY)
             finally:
                 fault.gate.set()
-            return refused, await running, await asyncio.gather(*waiting)
+            done = await running, *await asyncio.gather(*waiting)
+            # The engine records the refusal with the iteration it held in, which ended before these did.
+            return refused, done, (await client.get("/metrics")).text
 
-    refused, running, waiting = asyncio.run(run())
+    refused, done, metrics = asyncio.run(run())
     assert refused.status_code == 429
+    labels = {"model_name": "tiny", "reason": "max_num_queued_reqs"}
+    assert metric_value(metrics, "vllm:admission_rejections_total", labels) == 1
     error = refused.json()["error"]
     assert error["code"] == "queue_full" and "max_num_queued_requests=2" in error["message"]
     assert "--max-num-queued-requests" in error["message"]
     assert refused.headers["retry-after"] == "1"
     # Refusing one request harmed none of those already taken.
-    assert [r.status_code for r in [running, *waiting]] == [200, 200, 200]
+    assert [r.status_code for r in done] == [200, 200, 200]
 
 
 def test_an_engine_that_cannot_go_on_answers_503(tiny_llama_dir):

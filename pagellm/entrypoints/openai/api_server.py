@@ -16,7 +16,6 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagellm
@@ -25,7 +24,7 @@ from pagellm.entrypoints import api_server, kv_map
 from pagellm.entrypoints.openai import routes
 from pagellm.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from pagellm.entrypoints.openai.serving import OpenAIServing, ServerConfig
-from pagellm.metrics import PrometheusStatLogger
+from pagellm.metrics import PrometheusStatLogger, cache_config_info, server_registry
 
 logger = logging.getLogger(__name__)
 
@@ -215,8 +214,9 @@ class ApiKeyMiddleware:
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     """A FastAPI app serving `engine`. Its metrics live in a registry of its own, so that several apps
     in one process (tests, or two models) never collide on prometheus_client's global registry."""
-    registry = CollectorRegistry()
-    engine.add_stat_logger(PrometheusStatLogger(config.served_model_names[0], registry))
+    registry = server_registry()
+    engine.add_stat_logger(PrometheusStatLogger(config.served_model_names[0], engine.max_model_len, registry,
+                                                cache_config_info(engine.engine)))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
