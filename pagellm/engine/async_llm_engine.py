@@ -336,14 +336,19 @@ class AsyncLLMEngine:
                 self._ops_in_hand.pop(0)
             if self.engine.has_unfinished_requests():
                 self._step(stats, deliveries)
-            # Published before the outputs go out: a consumer that sees its request finish also sees its blocks freed.
-            self._publish_stats()
+            # Published and recorded before the outputs go out: a consumer that sees its request finish also
+            # sees its blocks freed and the request in the metrics.
+            self._record(self._publish_stats(), stats)
         finally:
             # Even when the engine dies here, what this iteration already produced reaches its consumers.
             orphans = self._deliver(deliveries)
-        for stream in orphans:
-            self._apply_abort(stream.request_id, stream, stats, [])
-        scheduler_stats = self._publish_stats() if orphans else self._stats
+        if orphans:
+            orphan_stats = IterationStats()
+            for stream in orphans:
+                self._apply_abort(stream.request_id, stream, orphan_stats, [])
+            self._record(self._publish_stats(), orphan_stats)
+
+    def _record(self, scheduler_stats: SchedulerStats, stats: IterationStats) -> None:
         if scheduler_stats.num_waiting:
             stats.num_waiting_deferred = len(self.engine.core.scheduler.grammar_futures_pending())
         with self._cond:
