@@ -229,6 +229,8 @@ def test_keys_come_from_the_environment_when_no_flag_names_one(monkeypatch):
     monkeypatch.setenv("PAGELLM_API_KEY", "from-pagellm")
     assert _config().api_keys == ["from-pagellm"]
     assert _config(api_key=["a", "b"]).api_keys == ["a", "b"]
+    with pytest.raises(ValueError, match="list of keys"):
+        _config(api_key="secret")  # not six one-letter keys
 
 
 def test_the_key_check_is_the_same_for_every_key_and_needs_one():

@@ -75,6 +75,10 @@ class ServerConfig:
     disable_uvicorn_access_log: bool = False
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and (isinstance(self.api_key, str)
+                                         or not all(isinstance(key, str) for key in self.api_key)):
+            # A lone string would read as one key per character.
+            raise ValueError(f"api_key={self.api_key!r:.40} must be a list of keys (--api-key KEY [KEY ...]).")
         for name in ("header_read_timeout", "body_read_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
