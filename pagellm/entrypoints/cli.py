@@ -154,7 +154,7 @@ def serve(args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         sys.exit("pagellm serve: --enable-auto-tool-choice needs --tool-call-parser NAME, the model's tool-call "
                  f"format; NAME is one of {sorted(TOOL_PARSERS)}.")
-    config = ServerConfig(args.served_model_name or [model_root], model_root, args.api_key,
+    config = ServerConfig(args.served_model_name or [model_root], model_root, [args.api_key] if args.api_key else None,
                           args.max_request_body_bytes, args.shutdown_timeout,
                           auto_tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     try:
