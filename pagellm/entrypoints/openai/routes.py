@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes, plus tokenization, health, version and Prometheus metrics."""
+"""The OpenAI-compatible routes (completions, chat, responses), plus tokenization, health, version and
+Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -17,9 +18,16 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
 )
+from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagellm.entrypoints.openai.serving import OpenAIServing
 from pagellm.entrypoints.openai.serving_chat import create_chat_completion
 from pagellm.entrypoints.openai.serving_completion import create_completion
+from pagellm.entrypoints.openai.serving_responses import (
+    ResponseStore,
+    cancel_response,
+    create_response,
+    retrieve_response,
+)
 
 router = APIRouter()
 
@@ -44,6 +52,30 @@ async def completions(request: CompletionRequest, raw_request: Request) -> Respo
 @router.post("/v1/chat/completions")
 async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
     return await create_chat_completion(_serving(raw_request), request, raw_request)
+
+
+@router.post("/v1/responses")
+async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
+    return await create_response(_serving(raw_request), _responses_store(raw_request), request, raw_request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, raw_request: Request, stream: bool = False) -> JSONResponse:
+    return retrieve_response(_responses_store(raw_request), response_id, stream)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel(response_id: str, raw_request: Request) -> JSONResponse:
+    return cancel_response(_responses_store(raw_request), response_id)
+
+
+def _responses_store(raw_request: Request) -> ResponseStore:
+    """The app's store of finished responses, made on first use with the server's bounds."""
+    state = raw_request.app.state
+    if getattr(state, "responses_store", None) is None:
+        config = _serving(raw_request).config
+        state.responses_store = ResponseStore(config.responses_store_max_entries, config.responses_store_max_bytes)
+    return state.responses_store
 
 
 @router.post("/tokenize")

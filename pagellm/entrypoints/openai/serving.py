@@ -42,6 +42,9 @@ class ServerConfig:
     # tool_choice "auto": the --tool-call-parser that reads the model's calls; None without
     # --enable-auto-tool-choice (then "auto" is a 400).
     auto_tool_parser: str | None = None
+    # Bounds of the in-memory store of /v1/responses (previous_response_id, GET); least recently used go first.
+    responses_store_max_entries: int = 1000
+    responses_store_max_bytes: int = 64 << 20
 
 
 @dataclass
