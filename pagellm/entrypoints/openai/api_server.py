@@ -24,13 +24,16 @@ from pagellm.engine.async_llm_engine import AsyncLLMEngine
 from pagellm.entrypoints import api_server, kv_map
 from pagellm.entrypoints.openai import routes
 from pagellm.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from pagellm.entrypoints.openai.server_load import ServerLoadTracker
 from pagellm.entrypoints.openai.serving import OpenAIServing, ServerConfig
 from pagellm.metrics import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
 
 # Probes and scrapers must reach these without the API key.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"}) | kv_map.OPEN_PATHS
+OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version"}) | kv_map.OPEN_PATHS
+# Health probes: answered while the server drains too (with 503), so that balancers stop sending requests.
+HEALTH_PATHS = frozenset({"/health", "/ping"})
 
 # The default body limit: generous per token of context (a token is ~4 characters of text, up to 12 bytes
 # once JSON escapes a non-ASCII one, 6 as an id in a list, plus a chat's framing), and never below 1 MiB.
@@ -97,7 +100,7 @@ class Admission:
         self._idle: asyncio.Event | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["path"] in OPEN_PATHS and scope["path"] != "/health"):
+        if scope["type"] != "http" or (scope["path"] in OPEN_PATHS and scope["path"] not in HEALTH_PATHS):
             await self.app(scope, receive, send)
             return
         if self.draining:
@@ -105,7 +108,7 @@ class Admission:
                                      "replica or after it restarts.", None, "server_shutting_down")
             await error.response()(scope, receive, send)
             return
-        if scope["path"] == "/health":
+        if scope["path"] in HEALTH_PATHS:
             await self.app(scope, receive, send)
             return
         self.in_flight += 1
@@ -231,6 +234,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.include_router(api_server.router)
     kv_map.install(app, engine)
     # Outermost last: the key is checked first, then the body's size, then admission.
+    app.state.server_load_metrics = 0
+    if config.enable_server_load_tracking:
+        app.add_middleware(ServerLoadTracker)
     app.add_middleware(Admission)
     limit = config.max_request_body_bytes
     how = "--max-request-body-bytes"

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible routes (completions, chat, responses), plus tokenization, health, version and
-Prometheus metrics."""
+"""The OpenAI-compatible routes (completions, chat, responses), plus tokenization, health, version, Prometheus
+metrics, and vLLM's /ping, /load and /render endpoints."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pagellm
+from pagellm.entrypoints.openai import serving_render
 from pagellm.entrypoints.openai.errors import OpenAIError
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -78,6 +79,27 @@ def _responses_store(raw_request: Request) -> ResponseStore:
     return state.responses_store
 
 
+@router.post("/v1/completions/render")
+async def render_completion(request: CompletionRequest, raw_request: Request) -> JSONResponse:
+    serving = _serving(raw_request)
+    serving_render.check_enabled(serving)
+    return JSONResponse(await serving_render.render_completion(serving, request))
+
+
+@router.post("/v1/chat/completions/render")
+async def render_chat(request: ChatCompletionRequest, raw_request: Request) -> JSONResponse:
+    serving = _serving(raw_request)
+    serving_render.check_enabled(serving)
+    return JSONResponse(await serving_render.render_chat(serving, request))
+
+
+@router.post("/v1/responses/render")
+async def render_response(request: ResponsesRequest, raw_request: Request) -> JSONResponse:
+    serving = _serving(raw_request)
+    serving_render.check_enabled(serving)
+    return JSONResponse(await serving_render.render_response(serving, _responses_store(raw_request), request))
+
+
 @router.post("/tokenize")
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> JSONResponse:
     serving = _serving(raw_request)
@@ -103,6 +125,19 @@ async def health(raw_request: Request) -> Response:
     if dead is not None:
         return OpenAIError(503, f"the engine cannot serve requests: {dead}", None, "engine_dead").response()
     return Response(status_code=200)
+
+
+@router.get("/ping")
+@router.post("/ping")
+async def ping(raw_request: Request) -> Response:
+    """SageMaker's health check, as vLLM answers it: the same as /health."""
+    return await health(raw_request)
+
+
+@router.get("/load")
+async def load(raw_request: Request) -> JSONResponse:
+    """vLLM's server load: generating requests in flight (0 unless --enable-server-load-tracking)."""
+    return JSONResponse({"server_load": getattr(raw_request.app.state, "server_load_metrics", 0)})
 
 
 @router.get("/version")

@@ -42,6 +42,10 @@ class ServerConfig:
     # tool_choice "auto": the --tool-call-parser that reads the model's calls; None without
     # --enable-auto-tool-choice (then "auto" is a 400).
     auto_tool_parser: str | None = None
+    # GET /load counts the generating requests in flight (vLLM's --enable-server-load-tracking; else it reads 0).
+    enable_server_load_tracking: bool = False
+    # The /render endpoints (vLLM's --enable-scale-out; else they answer 403).
+    enable_scale_out: bool = False
     # Bounds of the in-memory store of /v1/responses (previous_response_id, GET); least recently used go first.
     responses_store_max_entries: int = 1000
     responses_store_max_bytes: int = 64 << 20
