@@ -58,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="the model family's tool-call format: hermes (Qwen2.5/Qwen3, Hermes, SmolLM3), "
                              "llama3_json (Llama 3.1/3.2), mistral")
+    server.add_argument("--enable-server-load-tracking", action="store_true",
+                        help="count the generating requests in flight, read at GET /load (as vLLM's)")
+    server.add_argument("--enable-scale-out", action="store_true",
+                        help="answer vLLM's /render endpoints (the token ids and sampling parameters a request would "
+                             "run with); without it they answer 403, as vLLM's")
+    server.add_argument("--responses-store-max-entries", type=int, default=1000,
+                        help="/v1/responses kept for previous_response_id and GET, least recently used dropped "
+                             "first (default: 1000)")
+    server.add_argument("--responses-store-max-bytes", type=parse_size, default=64 << 20,
+                        help="the most JSON bytes those stored responses may take, e.g. 256MiB (default: 64MiB)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     engine = serve.add_argument_group("engine")
@@ -151,12 +161,19 @@ def serve(args: argparse.Namespace) -> None:
     model_root = args.model or DEFAULT_MODEL
     if args.shutdown_timeout < 0:
         sys.exit(f"pagellm serve: --shutdown-timeout={args.shutdown_timeout} must be >= 0 (seconds).")
+    if args.responses_store_max_entries < 0:
+        sys.exit(f"pagellm serve: --responses-store-max-entries={args.responses_store_max_entries} must be >= 0 "
+                 "(0 keeps no responses).")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         sys.exit("pagellm serve: --enable-auto-tool-choice needs --tool-call-parser NAME, the model's tool-call "
                  f"format; NAME is one of {sorted(TOOL_PARSERS)}.")
     config = ServerConfig(args.served_model_name or [model_root], model_root, [args.api_key] if args.api_key else None,
                           args.max_request_body_bytes, args.shutdown_timeout,
-                          auto_tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                          auto_tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                          enable_server_load_tracking=args.enable_server_load_tracking,
+                          enable_scale_out=args.enable_scale_out,
+                          responses_store_max_entries=args.responses_store_max_entries,
+                          responses_store_max_bytes=args.responses_store_max_bytes)
     try:
         engine = AsyncLLMEngine.from_engine_args(engine_args)
     except (ValueError, RendezvousError, ExecutorDeadError) as exc:

@@ -30,13 +30,16 @@ from pagellm.entrypoints import api_server, kv_map
 from pagellm.entrypoints.openai import routes
 from pagellm.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from pagellm.entrypoints.openai.http_timeouts import ReadTimeoutConfig
+from pagellm.entrypoints.openai.server_load import ServerLoadTracker
 from pagellm.entrypoints.openai.serving import OpenAIServing, ServerConfig
 from pagellm.metrics import PrometheusStatLogger, cache_config_info, server_registry
 
 logger = logging.getLogger(__name__)
 
 # Probes and scrapers must reach these without the API key.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"}) | kv_map.OPEN_PATHS
+OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version"}) | kv_map.OPEN_PATHS
+# Health probes: answered while the server drains too (with 503), so that balancers stop sending requests.
+HEALTH_PATHS = frozenset({"/health", "/ping"})
 
 # The default body limit: generous per token of context (a token is ~4 characters of text, up to 12 bytes
 # once JSON escapes a non-ASCII one, 6 as an id in a list, plus a chat's framing), and never below 1 MiB.
@@ -112,7 +115,7 @@ class Admission:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = route_path(scope) if scope["type"] == "http" else ""
-        if scope["type"] != "http" or (path in OPEN_PATHS and path != "/health"):
+        if scope["type"] != "http" or (path in OPEN_PATHS and path not in HEALTH_PATHS):
             await self.app(scope, receive, send)
             return
         if self.draining:
@@ -120,7 +123,7 @@ class Admission:
                                      "replica or after it restarts.", None, "server_shutting_down")
             await error.response()(scope, receive, send)
             return
-        if path == "/health":
+        if path in HEALTH_PATHS:
             await self.app(scope, receive, send)
             return
         self.in_flight += 1
@@ -282,6 +285,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     kv_map.install(app, engine)
     # Outermost last: the header count is checked first, then CORS (its preflights need no key, and its headers
     # go on the errors below too, which a browser can then read), the key, the body's size, then admission.
+    app.state.server_load_metrics = 0
+    if config.enable_server_load_tracking:
+        app.add_middleware(ServerLoadTracker)
     app.add_middleware(Admission)
     limit = config.max_request_body_bytes
     how = "--max-request-body-bytes"

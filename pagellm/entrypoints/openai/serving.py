@@ -74,6 +74,14 @@ class ServerConfig:
     disable_fastapi_docs: bool = False
     disable_uvicorn_access_log: bool = False
 
+    # GET /load counts the generating requests in flight (vLLM's --enable-server-load-tracking; else it reads 0).
+    enable_server_load_tracking: bool = False
+    # The /render endpoints (vLLM's --enable-scale-out; else they answer 403).
+    enable_scale_out: bool = False
+    # Bounds of the in-memory store of /v1/responses (previous_response_id, GET); least recently used go first.
+    responses_store_max_entries: int = 1000
+    responses_store_max_bytes: int = 64 << 20
+
     def __post_init__(self) -> None:
         if self.api_key is not None and (isinstance(self.api_key, str)
                                          or not all(isinstance(key, str) for key in self.api_key)):
