@@ -74,8 +74,8 @@ class ArgSpec:
     group: str
     help: str
     support: Support
-    # How a command-line value is read (pagellm/entrypoints/arg_parser.py): bool, int, float, str, size,
-    # max_model_len, json, str_or_json, list, int_list, optional_str, hf_token.
+    # How a command-line value is read (pagellm/entrypoints/arg_parser.py): bool, int, float, str, optional_str,
+    # size, max_model_len, json, json_list, str_or_json, list, int_list, append, hf_token.
     kind: str
     # DEFAULT_ONLY: values besides the default that pagellm takes, and why the others are refused.
     accepted: tuple = ()

@@ -6,7 +6,6 @@ sizes such as 4k, 4K or 512MiB."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
@@ -113,11 +112,6 @@ def add_table_arguments(parser: FlexibleArgumentParser, cls: type, skip: Sequenc
         flag = "--" + spec_field.name.replace("_", "-")
         action = group.add_argument(flag, *spec.flags, **argparse_kwargs(spec_field.name, spec, default))
         action.pagellm_support = spec.support
-
-
-def values_for(cls: type, namespace: argparse.Namespace) -> dict:
-    """The parsed values of `cls`'s rows, by field name."""
-    return {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls) if hasattr(namespace, f.name)}
 
 
 def flag_of(name: str) -> str:

@@ -76,7 +76,7 @@ def with_flags(message: str) -> str:
     """An argument error as the command line spells it: the flags it is about, before the message."""
     named = []
     for name in _TABLE_NAMES:
-        if re.search(rf"(?<![\w.]){name}(=|\b)", message) and not any(name in other for other in named):
+        if re.search(rf"(?<![\w.-]){name}[=.\[]", message) and not any(name in other for other in named):
             named.append(name)
     return (", ".join(flag_of(name) for name in named) + ": " if named else "") + message
 
