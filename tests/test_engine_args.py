@@ -64,8 +64,9 @@ def test_every_vllm_engine_arg_is_a_field_with_vllms_default():
         elif isinstance(recorded, dict) and set(recorded) == {"config"}:
             assert ours in ({}, None), f"{name}: a config object's default is its defaults ({{}} or None)"
         else:
-            assert ours == recorded and type(ours) is type(recorded) or (ours == recorded and not isinstance(
-                recorded, bool)), f"{name}: pagellm's default {ours!r}, vLLM's {recorded!r}"
+            # Equal, and a flag's default a bool as vLLM's is (False == 0 would pass unnoticed).
+            assert ours == recorded and isinstance(ours, bool) == isinstance(recorded, bool), (
+                f"{name}: pagellm's default {ours!r}, vLLM's {recorded!r}")
         assert arg_spec(fields[name]).vllm
 
 
