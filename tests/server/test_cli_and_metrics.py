@@ -38,7 +38,7 @@ def test_serve_flags_reach_the_engine_args():
     off = engine_args_from(build_parser().parse_args(["serve", "--no-enable-prefix-caching",
                                                       "--no-enable-chunked-prefill"]))
     assert not off.enable_prefix_caching and not off.enable_chunked_prefill
-    assert (args.served_model_name, args.api_key, args.port, args.host) == (["a", "b"], "k", 9000, "127.0.0.1")
+    assert (args.served_model_name, args.api_key, args.port, args.host) == (["a", "b"], ["k"], 9000, "127.0.0.1")
     assert (args.max_request_body_bytes, args.shutdown_timeout) == (4 << 20, 2.5)
     defaults = build_parser().parse_args(["serve"])
     assert (defaults.max_request_body_bytes, defaults.shutdown_timeout) == (None, 10.0)
@@ -66,8 +66,10 @@ def test_a_bad_flag_value_fails_at_once_and_names_it():
     assert result.returncode != 0 and "block_size=3" in result.stderr
 
 
-@pytest.mark.parametrize(("text", "expected"), [("268435456", 268435456), ("256MiB", 256 << 20), ("2G", 2_000_000_000),
-                                                ("1.5GiB", 3 << 29), ("64k", 64_000)])
+# As vLLM reads them: a bare lower-case k/m/g/t is a power of 1000, upper-case K/M/G/T one of 1024.
+@pytest.mark.parametrize(("text", "expected"), [("268435456", 268435456), ("256MiB", 256 << 20), ("2G", 2 << 30),
+                                                ("2g", 2_000_000_000), ("2GB", 2_000_000_000), ("1.5GiB", 3 << 29),
+                                                ("64k", 64_000), ("4K", 4096)])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 

@@ -8,6 +8,7 @@ seconds to tokenize, and /health and every stream must go on meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -26,6 +27,7 @@ from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exc
 from pagellm.core.kv_usage import KVUsage
 from pagellm.entrypoints.openai.protocol import ChatMessage, PromptField, SamplingFields
 from pagellm.entrypoints.openai.structured import template_renders_tools, template_tool_calls
+from pagellm.models.loader import ServerSamplingDefaults
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, check_text
 
@@ -170,6 +172,9 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.engine.vocab_size
+        info, args = engine.engine.core.model_info, engine.engine.args
+        self.sampling_defaults = ServerSamplingDefaults.of(info.source, info.hf_config, args.generation_config,
+                                                           args.override_generation_config)
         # One thread: the tokenizer is not shared between threads, and a second big prompt waits its turn
         # rather than taking a core from the engine.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-tokenizer")
@@ -303,13 +308,16 @@ class OpenAIServing:
         request (sample i of a seeded request samples with seed + i), which computes the prompt once."""
         if request.stop_token_ids:
             self.check_token_ids("stop_token_ids", request.stop_token_ids)
-        top_k = request.top_k or 0
+        # Unset fields: the model's generation_config.json defaults (--generation-config), else OpenAI's.
+        default = functools.partial(self.sampling_defaults.value, request)
+        top_k = default("top_k", 0) or 0
+        max_tokens = self.sampling_defaults.max_tokens(max_tokens)
         kwargs = dict(
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
+            temperature=default("temperature", 1.0),
+            top_p=default("top_p", 1.0),
             # A top_k at or past the vocabulary keeps every token, which is what 0 means.
             top_k=0 if top_k >= self.vocab_size else top_k,
-            min_p=0.0 if request.min_p is None else request.min_p,
+            min_p=default("min_p", 0.0),
             n=request.n,
             best_of=best_of,
             seed=request.seed,
@@ -318,9 +326,9 @@ class OpenAIServing:
             ignore_eos=request.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=request.min_tokens,
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            presence_penalty=default("presence_penalty", 0.0),
+            frequency_penalty=default("frequency_penalty", 0.0),
+            repetition_penalty=default("repetition_penalty", 1.0),
             logit_bias=self.logit_bias(request.logit_bias),
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
