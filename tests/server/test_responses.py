@@ -390,4 +390,4 @@ def test_render_is_off_without_scale_out():
 def test_store_bound_flag_is_checked_before_loading():
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--responses-store-max-entries", "-1"])
-    assert "--responses-store-max-entries=-1 must be >= 0" in str(exit_info.value)
+    assert "responses_store_max_entries=-1 is out of range; allowed: >= 0" in str(exit_info.value)
