@@ -5,7 +5,7 @@ lm_head) and each row count, the options torch offers without torch.compile:
 
 - `mkl`:    F.linear on the plain [out, in] weight (MKL for float32; oneDNN's matmul underneath for bf16);
 - `packed`: the weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`),
-            then `torch.ops.mkldnn._linear_pointwise` per call: what Linear.pack_for_cpu does in float32 (and in
+            then `torch.ops.mkldnn._linear_pointwise` per call: what ops/dense_linear.py does in float32 (and in
             bfloat16 where the native kernel below is not built);
 - `mm_t`:   x @ W^T with W^T stored contiguous [in, out] (a second layout MKL/oneDNN may prefer);
 - `native`: bfloat16 where the CPU has avx512_bf16: pagellm's own kernel (linear_bf16.c) on its packed weight.
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from pagellm.attention import native
 from pagellm.cpu_features import cpu_description
-from pagellm.models.llama import can_pack_for_cpu
+from pagellm.ops.dense_linear import can_pack_for_cpu
 
 # (name, in_features, out_features) of SmolLM2-135M (hidden 576, intermediate 1536, 9 q heads, 3 kv heads
 # of 64, vocabulary 49152), with q/k/v and gate/up fused as pagellm runs them.

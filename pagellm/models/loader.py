@@ -3,6 +3,7 @@ default), load it onto a device, and read its generation_config.json defaults.""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -15,9 +16,11 @@ import torch
 
 from pagellm.attention.native import CpuOps, cpu_ops
 from pagellm.config import DEFAULT_MODEL, GENERATION_CONFIG_SAMPLING_KEYS
-from pagellm.cpu_features import cpu_has_native
+from pagellm.layers.quantization.base import QuantizationConfig
+from pagellm.layers.rotary import RotaryEmbedding
+from pagellm.layers.weights import process_weights_after_loading
 from pagellm.models import registry
-from pagellm.models.llama import LlamaForCausalLM, RotaryEmbedding, can_pack_for_cpu
+from pagellm.models.llama import LlamaForCausalLM
 
 SUPPORTED_ARCHITECTURES = registry.SUPPORTED_ARCHITECTURES
 _DEFAULT_ALIASES = (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}")
@@ -154,35 +157,44 @@ def load_model(
     max_positions: int,
     load_format: str = "auto",
     seed: int = 0,
+    quant_config: QuantizationConfig | None = None,
 ) -> LlamaForCausalLM:
     """The model in `dtype` on `device`, its weights from the checkpoint, or random with load_format="dummy".
 
-    Built on the meta device and cast there, so parameters are first allocated on the device already in
-    `dtype` (an 8B model never exists in float32 on the GPU); checkpoint tensors are then cast on the host
-    and copied in one at a time, so at most one tensor is in flight beside the model.
+    Built on the device with `dtype` as the default, so parameters are first allocated there already in
+    `dtype` (an 8B model never exists in float32 on the GPU), and quantized formats keep their own
+    parameter dtypes; checkpoint tensors are then copied in one at a time (cast where the parameter's dtype
+    differs), so at most one tensor is in flight beside the model. Then each layer's method prepares its
+    weights for this device (packed layouts, kernels).
     """
     model_class = registry.model_class_for(config)
-    # Meta tensors hold no values: no time goes into random init of weights we overwrite.
-    with torch.device("meta"):
-        model = model_class(config, max_positions)
-    model = model.to(dtype).to_empty(device=device)
+    # The layers make their parameters with torch.empty: no time goes into initialising weights we overwrite.
+    with torch.device(device), default_dtype(dtype):
+        model = model_class(config, max_positions, quant_config)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_cache(device)
-    model.tie_weights()
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
     else:
         weights = gguf_state_dict.items() if gguf_state_dict is not None else _iter_hf_weights(source.path)
-        model.load_weights((name, tensor.to(dtype)) for name, tensor in weights)
-    if can_pack_for_cpu(device, dtype):
-        model.pack_for_cpu()
-    elif device.type == "cpu" and not cpu_has_native(dtype):
-        model.upcast_linear_layers(torch.float32)
+        model.load_weights(weights)
+    process_weights_after_loading(model)
     ops = cpu_ops() if device.type == "cpu" else None
     if ops is not None and CpuOps.supports(config.hidden_size, config.intermediate_size, dtype):
         model.use_cpu_ops(ops)
     return model.eval()
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Floating-point tensors made without a dtype are `dtype` inside the block."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
 
 
 @torch.no_grad()
@@ -191,6 +203,9 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e
     small enough that activations stay finite through any depth, random enough not to be all ties."""
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
+        if not param.is_floating_point():
+            param.zero_()  # packed integer weights of a quantized format: zeros are valid blocks
+            continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         param.uniform_(low, high, generator=generators[param.device])

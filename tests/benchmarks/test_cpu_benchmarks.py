@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from benchmarks.cpu_attention import blocked, sdpa
 from benchmarks.cpu_gemm import gemm_options, time_chain
-from pagellm.models.llama import can_pack_for_cpu
+from pagellm.ops.dense_linear import can_pack_for_cpu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
