@@ -67,7 +67,7 @@ class ModelWorker:
         dtype = resolve_dtype(args.dtype, hf_config, device)
         with building_with(group):
             model = loader.load_model(source, hf_config, gguf_state_dict, dtype, device, max_model_len,
-                                      args.load_format, args.seed)
+                                      args.load_format, args.seed, args.quantization)
         del gguf_state_dict
         tokenizer, eos_ids = None, frozenset()
         if group.rank == 0:

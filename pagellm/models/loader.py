@@ -16,7 +16,6 @@ import torch
 
 from pagellm.attention.native import CpuOps, cpu_ops
 from pagellm.config import DEFAULT_MODEL, GENERATION_CONFIG_SAMPLING_KEYS
-from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RotaryEmbedding
 from pagellm.layers.weights import process_weights_after_loading
 from pagellm.models import registry
@@ -157,16 +156,20 @@ def load_model(
     max_positions: int,
     load_format: str = "auto",
     seed: int = 0,
-    quant_config: QuantizationConfig | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """The model in `dtype` on `device`, its weights from the checkpoint, or random with load_format="dummy".
 
     Built on the device with `dtype` as the default, so parameters are first allocated there already in
-    `dtype` (an 8B model never exists in float32 on the GPU), and quantized formats keep their own
+    `dtype` (an 8B model never exists in float32 on the GPU), and quantized formats (the checkpoint's, or
+    `quantization`'s online one) keep their own
     parameter dtypes; checkpoint tensors are then copied in one at a time (cast where the parameter's dtype
     differs), so at most one tensor is in flight beside the model. Then each layer's method prepares its
     weights for this device (packed layouts, kernels).
     """
+    from pagellm.layers.quantization import quantization_config_for
+
+    quant_config = quantization_config_for(config, quantization)
     model_class = registry.model_class_for(config)
     # The layers make their parameters with torch.empty: no time goes into initialising weights we overwrite.
     with torch.device(device), default_dtype(dtype):
