@@ -49,19 +49,24 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
 # Rows of x from which `matmul` runs torch's GEMM on dequantized weight tiles instead of the int8 products, per
 # instruction set and type (None: the int8 products at every row count). Measured on a 2-core AMD EPYC (Zen 3,
-# avx2 only, no VNNI), one thread, a 2048 x 2048 layer, float32 activations, GFLOP/s int8 / dense at 64, 256, 512
-# rows (the machine shared with other jobs: CPU time, best of 7):
-#   Q4_0 47/47 47/65 45/68   Q4_1 48/44 48/60 41/63   Q5_0 41/36 42/62 41/65   Q5_1 42/40 41/61 38/64
-#   Q8_0 54/33 56/62 54/63   Q2_K 80/39 79/58 77/66   Q3_K 49/43 49/64 48/66   Q4_K 59/35 72/67 69/69
-#   Q5_K 60/40 59/61 57/65   Q6_K 72/51 74/66 72/74
+# avx2 only, no VNNI), one thread, a 2048 x 2048 layer, float32 activations, GFLOP/s int8 / dense (the machine
+# shared with other jobs, so CPU time, best of 7; F.linear on float32 weights reached 70-77 from 512 rows):
+#   rows   Q4_0   Q4_1   Q5_0   Q5_1   Q8_0   Q2_K   Q3_K   Q4_K   Q5_K   Q6_K
+#     64  47/47  48/44  41/36  42/40  54/33  80/39  49/43  59/35  60/40  72/51
+#    128  39/42  48/56  34/45  42/54  45/45  81/54  50/53  75/54  64/54  71/55
+#    256  38/48      -      -      -  46/50      -  49/61  77/69  63/62  70/62
+#    512  46/70  46/68  40/66  37/67  42/52  75/64  46/57  72/70  60/67  69/69
+#   1024  45/72  46/71  39/70  38/69  49/66  72/66  47/67  71/70  52/65  63/71
+#   2048  46/72  44/68  40/71  39/71  47/67  71/69  46/68  68/71  57/71  50/56
 # The int8 products stay flat from ~16 rows on while the GEMM keeps rising, so the dense path takes over where
-# they meet; the 32-weight types pay a float scale per 32 weights per row, the k-quants one per 256. The AVX-512
-# build (VNNI where present: one instruction where AVX2 takes two) is given the same table until measured there
-# (benchmarks/gguf_kernels.py prints both paths). The generic build's integer products are plain vector
-# extensions, several times slower than the AVX2 ones; the GEMM wins from a handful of rows.
+# they meet: early for the 32-weight types, which pay a float scale per 32 weights per row (the k-quants pay one
+# per 256), never within 2048 rows for Q2_K. The AVX-512 build (VNNI where present: one instruction where AVX2
+# takes two) is given the same table until measured there (benchmarks/gguf_kernels.py prints both paths). The
+# generic build's integer products are plain vector extensions, several times slower than the AVX2 ones; the GEMM
+# wins there from a handful of rows.
 _AVX2_DENSE_MIN_ROWS: dict[str, int | None] = {
-    "Q4_0": 128, "Q4_1": 128, "Q5_0": 128, "Q5_1": 128, "Q8_0": 192,
-    "Q2_K": None, "Q3_K": 128, "Q4_K": 512, "Q5_K": 256, "Q6_K": 512,
+    "Q4_0": 96, "Q4_1": 96, "Q5_0": 96, "Q5_1": 96, "Q8_0": 128,
+    "Q2_K": None, "Q3_K": 128, "Q4_K": 1024, "Q5_K": 256, "Q6_K": 1024,
 }
 DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
     "avx512": _AVX2_DENSE_MIN_ROWS,
@@ -89,11 +94,12 @@ def row_bytes(type_name: str, in_features: int) -> int:
 
 
 def _check_weight(weight: torch.Tensor, type_name: str, out_features: int, in_features: int) -> None:
+    # Called per product (~100 per decode step): the common case is a few attribute reads.
     expected = (out_features, row_bytes(type_name, in_features))
-    if weight.dtype != torch.uint8 or tuple(weight.shape) != expected or not weight.is_contiguous():
+    if weight.dtype != torch.uint8 or weight.shape != expected or not weight.is_contiguous():
         raise ValueError(f"a {type_name} weight of {out_features} x {in_features} must be a contiguous uint8 tensor of "
                          f"shape {expected} (each output row's blocks), not {weight.dtype} {tuple(weight.shape)}")
-    if weight.device.type != "cpu":
+    if not weight.is_cpu:
         raise ValueError(f"the GGUF CPU kernels read weights on the CPU, not on {weight.device}")
 
 
@@ -193,9 +199,8 @@ class GGUFKernels:
                out: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in_features] @ W^T -> [..., out_features] in x's dtype (written into `out` if given): int8
         products below `dense_min_rows[type_name]` rows of x, torch's GEMM on dequantized weight tiles from there."""
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         threshold = self.dense_min_rows.get(type_name)
-        if threshold is not None and rows >= threshold:
+        if threshold is not None and x.numel() >= threshold * in_features:
             return self.matmul_dense(x, weight, type_name, out_features, in_features, out)
         return self.matmul_int8(x, weight, type_name, out_features, in_features, out)
 
@@ -204,18 +209,19 @@ class GGUFKernels:
         """`matmul` on the int8 products whatever the row count."""
         type_id = self._type_id(type_name)
         _check_weight(weight, type_name, out_features, in_features)
-        dtype = x.dtype
-        rows = _rows_of(x if dtype in ACTIVATION_DTYPES else x.float(), in_features)
-        y = _output(x, rows.shape[0], out_features, rows.dtype, out if dtype in ACTIVATION_DTYPES else None)
-        failed = self._matmul(type_id, weight.data_ptr(), rows.data_ptr(), int(rows.dtype == torch.bfloat16),
-                              rows.shape[0], in_features, out_features, y.data_ptr(), int(y.dtype == torch.bfloat16))
+        if x.dtype not in ACTIVATION_DTYPES:  # e.g. float16: computed from float32, returned in its dtype
+            y = self.matmul_int8(x.float(), weight, type_name, out_features, in_features)
+            return y.to(x.dtype) if out is None else _output(x, y.shape[0], out_features, x.dtype, out).copy_(y)
+        rows = _rows_of(x, in_features)
+        y = _output(x, rows.shape[0], out_features, x.dtype, out)
+        bf16 = int(x.dtype == torch.bfloat16)
+        failed = self._matmul(type_id, weight.data_ptr(), rows.data_ptr(), bf16, rows.shape[0], in_features,
+                              out_features, y.data_ptr(), bf16)
         if failed == 1:
             raise MemoryError(f"gguf_matmul could not allocate the quantized activations of {rows.shape[0]} rows")
         if failed:
             raise ValueError(f"gguf_matmul refused {type_name} with in_features={in_features}")
-        if dtype not in ACTIVATION_DTYPES:
-            y = _output(x, rows.shape[0], out_features, dtype, out).copy_(y)
-        return y.view(*x.shape[:-1], out_features)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
     def matmul_dense(self, x: torch.Tensor, weight: torch.Tensor, type_name: str, out_features: int,
                      in_features: int, out: torch.Tensor | None = None) -> torch.Tensor:

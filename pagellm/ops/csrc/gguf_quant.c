@@ -42,6 +42,8 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
 #define ROWS_PER_PASS 4
 /* Outputs of one tile hold about this many weight bytes: they stay in L2 while every pass of rows reads them. */
 #define TILE_WEIGHT_BYTES (64 * 1024)
+/* How far ahead of the block being unpacked its weight row is prefetched. */
+#define PREFETCH_AHEAD 1024
 /* Below this many multiply-adds a call runs on the calling thread: a parallel region is ~1 us on a quiet
  * machine, but waits for a busy core where other processes hold them (see attention/csrc/cpu_ops.c). */
 #define PARALLEL_MIN_WORK (1 << 18)
@@ -374,6 +376,7 @@ static ALWAYS_INLINE void dot_rows_32(const int type, const uint8_t *w, int64_t 
         }
     const int bytes = block_bytes(type);
     for (int64_t b = 0; b < nb; b += 2) {
+        __builtin_prefetch(w + b * bytes + PREFETCH_AHEAD, 0, 3);
         for (int i = 0; i < 2 && b + i < nb; ++i) {
             const Block32 u = unpack_32(type, w + (b + i) * bytes);
             /* sum_k (d (q_k - offset) + m) x_k = d dx sum_k (q_k - offset) qx_k + m s_x: the offset formats
@@ -397,6 +400,7 @@ static ALWAYS_INLINE void dot_rows_256(const int type, const uint8_t *w, int64_t
     for (int r = 0; r < R; ++r) acc[r] = splat_f32(0.0f);
     const int bytes = block_bytes(type);
     for (int64_t b = 0; b < nb; ++b) {
+        for (int line = 0; line < bytes; line += 64) __builtin_prefetch(w + b * bytes + PREFETCH_AHEAD + line, 0, 3);
         Block256 s;
         unpack_256(type, w + b * bytes, &s);
         for (int r = 0; r < R; ++r) {
