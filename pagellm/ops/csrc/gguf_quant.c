@@ -20,6 +20,7 @@
  * on torch's thread pool with torch's thread count.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -509,10 +510,16 @@ int gguf_matmul(int type, const uint8_t *w, const void *x, int x_bf16, int64_t r
     pass_functions(type, passes);
     const QuantizeFunction quantize = k_quant ? (x_bf16 ? quantize_256_bf16 : quantize_256_f32)
                                               : (x_bf16 ? quantize_32_bf16 : quantize_32_f32);
+    /* At most 64 outputs or TILE_WEIGHT_BYTES a tile, and at least 4 tiles a thread, so that a narrow layer
+     * still spreads over every thread (which thread sums an output never changes its value). */
+    const int parallel = rows * in_features * out_features >= PARALLEL_MIN_WORK;
+    const int64_t spread = (out_features + 4 * omp_get_max_threads() - 1) / (4 * omp_get_max_threads());
     int64_t tile = TILE_WEIGHT_BYTES / row_bytes;
-    tile = tile < 1 ? 1 : tile > 64 ? 64 : tile;
+    tile = tile > 64 ? 64 : tile;
+    tile = parallel && tile > spread ? spread : tile;
+    tile = tile < 1 ? 1 : tile;
     const int64_t tiles = (out_features + tile - 1) / tile;
-#pragma omp parallel if (rows * in_features * out_features >= PARALLEL_MIN_WORK)
+#pragma omp parallel if (parallel)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) quantize(x, r, in_features, (char *)xq + r * nb * block);
