@@ -211,7 +211,10 @@ class GGUFKernels:
         _check_weight(weight, type_name, out_features, in_features)
         if x.dtype not in ACTIVATION_DTYPES:  # e.g. float16: computed from float32, returned in its dtype
             y = self.matmul_int8(x.float(), weight, type_name, out_features, in_features)
-            return y.to(x.dtype) if out is None else _output(x, y.shape[0], out_features, x.dtype, out).copy_(y)
+            if out is None:
+                return y.to(x.dtype)
+            _output(x, x.numel() // in_features, out_features, x.dtype, out).view(y.shape).copy_(y)
+            return out.view(y.shape)
         rows = _rows_of(x, in_features)
         y = _output(x, rows.shape[0], out_features, x.dtype, out)
         bf16 = int(x.dtype == torch.bfloat16)
