@@ -153,6 +153,12 @@ class SamplingFields(StrictModel):
     repetition_detection: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
 
+    @field_validator("presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _null_penalty(cls, value: Any) -> Any:
+        # vLLM takes null for "not set"; unset, a penalty is 0.
+        return 0.0 if value is None else value
+
     @model_validator(mode="after")
     def _check_cache_salt(self) -> SamplingFields:
         # vLLM's validate_cache_salt: the salt ends up in cache keys and paths.
