@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm import LLM, SamplingParams
-from pagellm.entrypoints.chat_utils import load_chat_template, resolve_content_format
+from pagellm.entrypoints.chat_utils import resolve_content_format
 
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -75,12 +75,3 @@ def test_content_formats(llm):
 def test_what_it_cannot_do_is_a_value_error(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):
         llm.chat(MESSAGES, PARAMS, use_tqdm=False, **kwargs)
-
-
-def test_server_chat_template_from_a_file_or_inline(tmp_path):
-    path = tmp_path / "template.jinja"
-    path.write_text(PROBE)
-    assert load_chat_template(str(path)) == PROBE
-    assert load_chat_template("{{ messages }}\\n") == "{{ messages }}\n"
-    with pytest.raises(ValueError, match="looks like a file path"):
-        load_chat_template(str(tmp_path / "missing.jinja"))

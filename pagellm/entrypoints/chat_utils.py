@@ -1,12 +1,11 @@
-"""Chat prompts as vLLM renders them, for `LLM.chat` and the server: a chat template (the model's, the server's
-`--chat-template`, or one passed with the call), the template's keyword arguments, and how message content reaches
-the template ("string": text parts joined; "openai": the list of parts, as OpenAI sends them).
+"""Chat prompts as vLLM renders them, for `LLM.chat` and the server: a chat template (one passed with the call, the
+server's --chat-template, or the model's), the template's keyword arguments, and how message content reaches the
+template ("string": text parts joined; "openai": the list of parts, as OpenAI sends them).
 
 Errors are ValueErrors naming the argument; the server turns them into 400s."""
 
 from __future__ import annotations
 
-import codecs
 import functools
 import json
 from collections.abc import Mapping, Sequence
@@ -15,36 +14,26 @@ from typing import Any, Literal
 ContentFormat = Literal["auto", "string", "openai"]
 CONTENT_FORMATS = ("auto", "string", "openai")
 
-# Keys of chat_template_kwargs that would change what the render call does rather than what the template sees;
-# vLLM refuses them too.
-_RESERVED_TEMPLATE_KWARGS = frozenset({"tokenize", "chat_template"})
+# apply_chat_template's own parameters, which chat_template_kwargs must not set: a template is code that runs where
+# it renders (nested loops render for hours), so it comes as chat_template or not at all; `tokenize` would change
+# what the call returns. vLLM refuses both too.
+RESERVED_TEMPLATE_KWARGS = ("chat_template", "tokenize")
 
 
-def load_chat_template(template: str | None) -> str | None:
-    """A chat template given as a file path or as the template text itself, as vLLM's `--chat-template` takes it:
-    a path that cannot be opened is an error unless the text looks like a template (has braces or a newline);
-    inline text has its backslash escapes decoded (so "\\n" from a shell is a newline)."""
-    if template is None:
-        return None
-    try:
-        with open(template, encoding="utf-8") as file:
-            return file.read()
-    except OSError as exc:
-        if not any(char in template for char in "{}\n"):
-            raise ValueError(f"chat_template={template!r} looks like a file path, but it could not be opened "
-                             f"({exc}); pass an existing file or the template text itself.") from None
-        return codecs.decode(template, "unicode_escape")
+def reserved_template_kwarg(kwargs: Mapping[str, Any]) -> str | None:
+    """The first of apply_chat_template's own parameters among a call's template kwargs, if any."""
+    return next((name for name in RESERVED_TEMPLATE_KWARGS if name in kwargs), None)
 
 
-def check_template_kwargs(kwargs: Mapping[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any]:
+def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     if kwargs is None:
         return {}
     if not isinstance(kwargs, Mapping):
-        raise ValueError(f"{param}={kwargs!r:.80} must be a dict of the chat template's variables.")
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    if reserved:
-        raise ValueError(f"{param} contains {reserved}, which are not template variables; pass the template as "
-                         "chat_template, and leave tokenizing to the server.")
+        raise ValueError(f"chat_template_kwargs={kwargs!r:.80} must be a dict of the chat template's variables.")
+    name = reserved_template_kwarg(kwargs)
+    if name is not None:
+        raise ValueError(f"chat_template_kwargs contains {name!r}, which is not a template variable; pass a template "
+                         "as chat_template, and leave tokenizing to LLM.chat.")
     return dict(kwargs)
 
 

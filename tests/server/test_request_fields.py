@@ -248,8 +248,8 @@ def test_request_chat_templates_need_a_trusting_server(app, trusting_app):
                                {"messages": MESSAGES, "max_tokens": 1, "return_prompt_text": True}))
     assert server_default["prompt_text"] == f"<user>{MESSAGES[0]['content']}<assistant>"
     _error(_post(trusting_app, "/v1/chat/completions",
-                 {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}), "chat_template_kwargs",
-           "tokenize")
+                 {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}),
+           "chat_template_kwargs.tokenize", "tokenizing is the server's")
 
 
 def test_reasoning_effort_and_documents_reach_the_template(trusting_app):

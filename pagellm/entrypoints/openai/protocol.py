@@ -96,8 +96,9 @@ class SamplingFields(StrictModel):
     seed: Int64 | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    # null or unset: the model's generation_config default, else 0 (as vLLM).
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     # Accepted and not used, as in vLLM and OpenAI (an end-user id for abuse monitoring).
     user: str | None = None
@@ -153,12 +154,6 @@ class SamplingFields(StrictModel):
     repetition_detection: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty", mode="before")
-    @classmethod
-    def _null_penalty(cls, value: Any) -> Any:
-        # vLLM takes null for "not set"; unset, a penalty is 0.
-        return 0.0 if value is None else value
-
     @model_validator(mode="after")
     def _check_cache_salt(self) -> SamplingFields:
         # vLLM's validate_cache_salt: the salt ends up in cache keys and paths.
@@ -174,7 +169,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=-1)] | None = None
-    best_of: int | None = None
+    # The same cap as n: every sequence counts against max_num_seqs (a larger best_of is refused there too).
+    best_of: int | None = Field(default=None, ge=1, le=128)
     suffix: str | None = None
     prompt_embeds: bytes | list[bytes] | None = None
     add_special_tokens: bool = True

@@ -100,8 +100,7 @@ def _check_chat_supported(request: ChatCompletionRequest) -> None:
 def _chat_template(serving: OpenAIServing, request: ChatCompletionRequest) -> str | None:
     """The request's chat template, when the server trusts requests with one (vLLM's rule: a template runs on the
     server, so only --trust-request-chat-template lets a client pass it)."""
-    in_kwargs = (request.chat_template_kwargs or {}).get("chat_template")
-    if request.chat_template is None and in_kwargs is None:
+    if request.chat_template is None:
         return None
     if not serving.config.trust_request_chat_template:
         raise bad_request("this server does not take chat templates from requests; drop chat_template (the server "
