@@ -75,3 +75,9 @@ def test_content_formats(llm):
 def test_what_it_cannot_do_is_a_value_error(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):
         llm.chat(MESSAGES, PARAMS, use_tqdm=False, **kwargs)
+
+
+def test_priority_goes_to_generate(llm):
+    with pytest.raises(ValueError, match="priority=3 needs the priority scheduling policy"):
+        llm.chat(MESSAGES, PARAMS, use_tqdm=False, priority=3)
+    assert len(llm.chat([MESSAGES, MESSAGES], PARAMS, use_tqdm=False, priority=[0, 0])) == 2

@@ -102,6 +102,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: object | None = None,
+        priority: int | Sequence[int] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
@@ -115,7 +116,8 @@ class LLM:
         generates; as vLLM's, each output's `prompt` is the rendered text.
         `continue_final_message` continues the last message instead of starting one (pass
         add_generation_prompt=False with it); `chat_template_content_format` "string" joins a message's text
-        parts, "openai" hands the template the list of parts, "auto" picks what the template reads."""
+        parts, "openai" hands the template the list of parts, "auto" picks what the template reads. `priority`: one
+        for all conversations or one each, as LLM.generate takes it."""
         if lora_request is not None:
             raise ValueError(f"lora_request={lora_request!r:.80}: pagellm serves no LoRA adapters; pass None.")
         if mm_processor_kwargs is not None:
@@ -135,7 +137,9 @@ class LLM:
             # The template writes the special tokens (BOS) it wants; encoding adds them again only if asked.
             token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        if isinstance(priority, int):
+            priority = [priority] * len(prompts)
+        return self.generate(prompts, sampling_params, use_tqdm, priority=priority)
 
     @staticmethod
     def _chat_add_special_tokens(tokenization_kwargs: dict[str, Any] | None) -> bool:

@@ -370,3 +370,51 @@ def test_beam_search_of_width_one_is_greedy_and_wider_beams_are_distinct(app):
     assert len(chat["choices"]) == 2
     _error(_post(app, "/v1/completions", {**body, "use_beam_search": True, "stream": True}), "use_beam_search",
            "cannot stream")
+
+
+# ---- priority and cache_salt -------------------------------------------------------------------------------------
+
+
+def test_priority_needs_the_priority_policy(app):
+    _error(_post(app, "/v1/completions", {"prompt": PROMPT, "priority": 3}), "priority", "--scheduling-policy priority")
+    _error(_post(app, "/v1/completions", {"prompt": PROMPT}, {"X-Vllm-Priority": "-1"}), "priority")
+    assert _ok(_post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "priority": 0}))
+
+
+def test_priority_reaches_the_engine_body_or_header(tiny_llama_dir, monkeypatch):
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_llama_dir, scheduling_policy="priority",
+                                                             **ENGINE_KWARGS))
+    seen: list[int] = []
+    add_request = engine.add_request
+
+    def spy(request_id, prompt, params, priority=0):
+        seen.append(priority)
+        return add_request(request_id, prompt, params, priority)
+
+    monkeypatch.setattr(engine, "add_request", spy)
+    try:
+        app = build_app(engine, ServerConfig(["tiny"], tiny_llama_dir))
+        _ok(_post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "priority": 7}))
+        _ok(_post(app, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "priority": -2}))
+        _ok(_post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "priority": 7},
+                  {"X-Vllm-Priority": "-5"}))
+        assert seen == [7, -2, -5]
+    finally:
+        engine.shutdown()
+
+
+def test_cache_salt_keeps_prefix_cache_reuse_within_a_salt(app, offline):
+    prompt = _token_ids(offline, "A long shared system prompt that fills a few blocks of the cache. " * 4)
+    assert len(prompt) > 48
+
+    def cached(salt: str | None) -> int:
+        body = {"prompt": prompt, "max_tokens": 1} | ({} if salt is None else {"cache_salt": salt})
+        return _ok(_post(app, "/v1/completions", body))["kv"]["cached_tokens"]
+
+    cached("tenant-a")
+    assert cached("tenant-a") >= 48  # the second request of a salt reuses the first's blocks
+    assert cached("tenant-b") == 0 and cached(None) == 0  # another salt, or none, does not
+    chat = {"messages": [{"role": "system", "content": "You are terse. " * 30}] + MESSAGES, "max_tokens": 1}
+    _ok(_post(app, "/v1/chat/completions", {**chat, "cache_salt": "c"}))
+    assert _ok(_post(app, "/v1/chat/completions", {**chat, "cache_salt": "c"}))["kv"]["cached_tokens"] >= 48
+    assert _ok(_post(app, "/v1/chat/completions", {**chat, "cache_salt": "d"}))["kv"]["cached_tokens"] == 0

@@ -27,6 +27,8 @@ class BeamSearchRequest:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The beams' steps share prefix-cache blocks only under this salt, as the request's would.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -56,7 +58,8 @@ async def beam_search(serving: OpenAIServing, raw_request: Request, base_id: str
         if await raw_request.is_disconnected():
             break
         positions = await asyncio.gather(*(
-            _next_token_logprobs(serving, f"{base_id}-step{step}-beam{index}", beam.tokens, step_params)
+            _next_token_logprobs(serving, f"{base_id}-step{step}-beam{index}", beam.tokens, step_params,
+                                 request.cache_salt)
             for index, beam in enumerate(beams)
         ))
         candidates: list[tuple[float, int, _Beam, PositionLogprobs]] = []
@@ -78,9 +81,11 @@ async def beam_search(serving: OpenAIServing, raw_request: Request, base_id: str
             for index, beam in enumerate(best[: request.beam_width])]
 
 
-async def _next_token_logprobs(serving: OpenAIServing, request_id: str, tokens: list[int],
-                               params: SamplingParams) -> PositionLogprobs:
-    stream = serving.engine.add_request(request_id, {"prompt_token_ids": tokens}, params)
+async def _next_token_logprobs(serving: OpenAIServing, request_id: str, tokens: list[int], params: SamplingParams,
+                               cache_salt: str | None) -> PositionLogprobs:
+    prompt = {"prompt_token_ids": tokens} if cache_salt is None else {"prompt_token_ids": tokens,
+                                                                      "cache_salt": cache_salt}
+    stream = serving.engine.add_request(request_id, prompt, params)
     output = None
     async for output in serving.engine.outputs(stream):
         pass

@@ -39,6 +39,9 @@ from pagellm.sampling_params import RequestOutputKind, SamplingParams, Structure
 
 logger = logging.getLogger(__name__)
 
+# vLLM's header that sets a request's priority over its body's field.
+PRIORITY_HEADER = "X-Vllm-Priority"
+
 
 # vLLM's defaults for its --h11-max-incomplete-event-size and --h11-max-header-count.
 H11_MAX_INCOMPLETE_EVENT_SIZE = 4 << 20
@@ -145,8 +148,9 @@ class PromptInput:
     text: str | None
     token_ids: list[int]
 
-    def engine_prompt(self) -> dict:
-        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+    def engine_prompt(self, cache_salt: str | None = None) -> dict:
+        prompt = {"prompt": self.text, "prompt_token_ids": self.token_ids}
+        return prompt if cache_salt is None else {**prompt, "cache_salt": cache_salt}
 
 
 @dataclass
@@ -408,14 +412,32 @@ class OpenAIServing:
 
     # ---- running ----------------------------------------------------------------------------------
 
-    def submit(self, base_id: str, prompts: Sequence[PromptInput], params: SamplingParams) -> list[Choice]:
+    def priority(self, request: SamplingFields, raw_request: Request) -> int:
+        """The request's priority (lower runs first): vLLM's X-Vllm-Priority header, else the body's field. Not 0
+        on a server without the priority policy is a 400 now, before a stream could start."""
+        priority = request.priority
+        header = raw_request.headers.get(PRIORITY_HEADER)
+        if header is not None:
+            try:
+                priority = int(header)
+            except ValueError:
+                pass  # vLLM, too, falls back to the body's priority
+        policy = self.engine.engine.args.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise bad_request(f"priority={priority} needs a server that schedules by priority; this one runs "
+                              f"--scheduling-policy {policy}. Leave priority at 0, or start the server with "
+                              "--scheduling-policy priority.", "priority")
+        return priority
+
+    def submit(self, base_id: str, prompts: Sequence[PromptInput], params: SamplingParams, priority: int = 0,
+               cache_salt: str | None = None) -> list[Choice]:
         """One engine request per prompt, with params.n choices each; all queued or none (an error aborts
-        those already queued)."""
+        those already queued). A cache_salt keeps their prefix-cache blocks apart from other salts'."""
         choices: list[Choice] = []
         try:
             for prompt_index, prompt in enumerate(prompts):
                 request_id = f"{base_id}-{prompt_index}"
-                stream = self.engine.add_request(request_id, prompt.engine_prompt(), params)
+                stream = self.engine.add_request(request_id, prompt.engine_prompt(cache_salt), params, priority)
                 choices += [Choice(prompt_index * params.n + i, prompt_index, request_id, stream, sample_index=i)
                             for i in range(params.n)]
         except BaseException as exc:

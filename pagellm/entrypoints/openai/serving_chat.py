@@ -152,12 +152,13 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
         prompt_logprobs = serving.num_logprobs("top_logprobs", request.top_logprobs or 0)
     role = _response_role(serving, request)
     response_id, engine_id = response_ids("chatcmpl", request, raw_request)
+    priority = serving.priority(request, raw_request)
     if request.use_beam_search:
         choices = await _beam_search_choices(serving, request, raw_request, engine_id, prompt, max_tokens)
     else:
         params = serving.sampling_params(request, max_tokens, num_top, structured=structured,
                                          prompt_logprobs=prompt_logprobs)
-        choices = serving.submit(engine_id, [prompt], params)
+        choices = serving.submit(engine_id, [prompt], params, priority, request.cache_salt)
         if request.stream:
             stream = _stream(serving, request, raw_request, response_id, choices, prompt, num_top, plan, role)
             return StreamingResponse(stream, media_type="text/event-stream")
@@ -200,7 +201,7 @@ async def _beam_search_choices(serving: OpenAIServing, request: ChatCompletionRe
                                else max_tokens,
                                ignore_eos=request.ignore_eos, length_penalty=request.length_penalty,
                                include_stop_str_in_output=request.include_stop_str_in_output,
-                               skip_special_tokens=request.skip_special_tokens)
+                               skip_special_tokens=request.skip_special_tokens, cache_salt=request.cache_salt)
     try:
         outputs = await beam_search(serving, raw_request, engine_id, prompt, search)
     except Exception as exc:  # the engine's verdict on a step request (queue full, dead engine)

@@ -71,12 +71,13 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest, 
     for prompt in prompts:
         serving.check_length(prompt, max_tokens, "prompt")
     response_id, engine_id = response_ids("cmpl", request, raw_request)
+    priority = serving.priority(request, raw_request)
     if request.use_beam_search:
         choices = await _beam_search_choices(serving, request, raw_request, engine_id, prompts, max_tokens)
     else:
         params = serving.sampling_params(request, max_tokens, num_top, request.best_of,
                                          requested_structured_outputs(request), prompt_logprobs)
-        choices = serving.submit(engine_id, prompts, params)
+        choices = serving.submit(engine_id, prompts, params, priority, request.cache_salt)
         if request.stream:
             stream = _stream(serving, request, raw_request, response_id, prompts, choices, num_top)
             return StreamingResponse(stream, media_type="text/event-stream")
@@ -122,7 +123,7 @@ async def _beam_search_choices(serving: OpenAIServing, request: CompletionReques
     search = BeamSearchRequest(beam_width=request.n, max_tokens=max_tokens, ignore_eos=request.ignore_eos,
                                length_penalty=request.length_penalty,
                                include_stop_str_in_output=request.include_stop_str_in_output,
-                               skip_special_tokens=request.skip_special_tokens)
+                               skip_special_tokens=request.skip_special_tokens, cache_salt=request.cache_salt)
     try:
         results = await asyncio.gather(*(beam_search(serving, raw_request, f"{engine_id}-{i}", prompt, search)
                                          for i, prompt in enumerate(prompts)))
