@@ -540,10 +540,12 @@ def compare(vllm_url: str, pagellm_url: str, api_key: str | None, timeout: float
     with httpx.Client(base_url=vllm_url, headers=headers, timeout=timeout) as vllm, \
             httpx.Client(base_url=pagellm_url, headers=headers, timeout=timeout) as pagellm:
         vllm_model, pagellm_model = served_model(vllm), served_model(pagellm)
-        for case in load_cases():
+        cases = load_cases()
+        for case in cases:
             theirs, ours = run_case(vllm, case, vllm_model), run_case(pagellm, case, pagellm_model)
             difference = _difference(shapes, case, theirs, ours)
             rows.append((case.kind, describe(case, theirs), describe(case, ours), difference))
+            print(f"{len(rows)}/{len(cases)} {case.kind}: {difference}", file=sys.stderr, flush=True)
     _print_table(rows)
     return 0
 
