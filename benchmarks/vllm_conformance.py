@@ -570,7 +570,7 @@ def _deliberate(difference: str) -> bool:
 
 def _print_table(rows: list[tuple[str, str, str, str]]) -> None:
     headers = ("request kind", "vLLM status [keys]", "pagellm status [keys]", "difference")
-    widths = [max(len(headers[i]), *(min(len(r[i]), 60) for r in rows)) for i in range(4)]
+    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(4)]
     out = io.StringIO()
     out.write("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |\n")
     out.write("|" + "|".join("-" * (w + 2) for w in widths) + "|\n")

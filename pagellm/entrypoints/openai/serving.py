@@ -31,7 +31,7 @@ from pagellm.entrypoints.chat_utils import (
 )
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exception
 from pagellm.core.kv_usage import KVUsage
-from pagellm.entrypoints.openai.protocol import MAX_LOGPROBS, ChatMessage, PromptField, SamplingFields
+from pagellm.entrypoints.openai.protocol import ChatMessage, PromptField, SamplingFields
 from pagellm.entrypoints.openai.structured import template_renders_tools
 from pagellm.models.loader import ServerSamplingDefaults
 from pagellm.outputs import PositionLogprobs, RequestOutput
@@ -191,8 +191,8 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.engine.vocab_size
-        # vLLM's ModelConfig.max_logprobs (-1: no cap).
-        self.max_logprobs: int = getattr(engine.engine.args, "max_logprobs", MAX_LOGPROBS)
+        # --max-logprobs, vLLM's ModelConfig.max_logprobs (-1: no cap).
+        self.max_logprobs: int = engine.engine.args.max_logprobs
         self.chat_template = config.chat_template
         info, args = engine.engine.core.model_info, engine.engine.args
         self.sampling_defaults = ServerSamplingDefaults.of(info.source, info.hf_config, args.generation_config,
@@ -262,9 +262,9 @@ class OpenAIServing:
                 if isinstance(value, str):
                     check_text_param(f"messages.{index}.{key}", value)
         variables = check_template_kwargs(template_kwargs)
-        if tools is None:
-            tools = variables.pop("tools", None)
-        variables.pop("tools", None)
+        # Tools go to the template as apply_chat_template's own argument; the request's field wins over a kwarg.
+        kwargs_tools = variables.pop("tools", None)
+        tools = kwargs_tools if tools is None else tools
         try:
             variables = template_variables(variables, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, documents=documents,
