@@ -108,20 +108,24 @@ STREAM_VARIANTS = {
     "ChatCompletionStreamResponse/delta": {
         "of": "ChatCompletionStreamResponse", "keys": ["id", "object", "created", "model", "choices"],
         "optional": ["usage"],
-        "fields": {"choices": {"list": ["ChatCompletionResponseStreamChoice/delta"]}, "usage": ["UsageInfo/chat_chunk"]},
+        "fields": {"choices": {"list": ["ChatCompletionResponseStreamChoice/delta"]},
+                   "usage": ["UsageInfo/chat_chunk"]},
     },
     "ChatCompletionStreamResponse/final": {
         "of": "ChatCompletionStreamResponse", "keys": ["id", "object", "created", "model", "choices"],
         "optional": ["usage"],
-        "fields": {"choices": {"list": ["ChatCompletionResponseStreamChoice/final"]}, "usage": ["UsageInfo/chat_chunk"]},
+        "fields": {"choices": {"list": ["ChatCompletionResponseStreamChoice/final"]},
+                   "usage": ["UsageInfo/chat_chunk"]},
     },
     "ChatCompletionStreamResponse/echo": {
         "of": "ChatCompletionStreamResponse", "keys": ["id", "object", "created", "model", "choices"],
         "optional": ["usage"],
-        "fields": {"choices": {"list": ["ChatCompletionResponseStreamChoice/echo"]}, "usage": ["UsageInfo/chat_chunk"]},
+        "fields": {"choices": {"list": ["ChatCompletionResponseStreamChoice/echo"]},
+                   "usage": ["UsageInfo/chat_chunk"]},
     },
     "ChatCompletionResponseStreamChoice/delta": {
-        "of": "ChatCompletionResponseStreamChoice", "keys": ["index", "delta", "logprobs", "finish_reason", "token_ids"],
+        "of": "ChatCompletionResponseStreamChoice",
+        "keys": ["index", "delta", "logprobs", "finish_reason", "token_ids"],
         "fields": {"delta": ["DeltaMessage/set"]},
     },
     "ChatCompletionResponseStreamChoice/final": {
@@ -295,7 +299,9 @@ def _default(value: ast.expr | None) -> dict:
         factory = [k.value for k in value.keywords if k.arg == "default_factory"]
         if factory:
             name = ast.unparse(factory[0])
-            return {"default": {"list": [], "dict": {}}[name]} if name in ("list", "dict") else {"default_factory": name}
+            if name in ("list", "dict"):
+                return {"default": [] if name == "list" else {}}
+            return {"default_factory": name}
         if not given:
             return {"required": True}
         literal = given[0]
