@@ -101,6 +101,7 @@ def serve(args: argparse.Namespace) -> None:
             engine_args.served_model_name or [model_root], model_root,
             max_request_body_bytes=frontend.max_request_body_bytes, shutdown_timeout=engine_args.shutdown_timeout,
             auto_tool_parser=frontend.tool_call_parser if frontend.enable_auto_tool_choice else None,
+            chat_template=chat_template,
             **server_config_kwargs(frontend, {f.name for f in dataclasses.fields(ServerConfig)}),
         )
     except ValueError as exc:
@@ -110,8 +111,6 @@ def serve(args: argparse.Namespace) -> None:
     except (ValueError, RendezvousError, ExecutorDeadError) as exc:
         # A model that cannot load, a pool that cannot hold one request, ranks that cannot meet: say why.
         sys.exit(f"pagellm serve: {exc}")
-    if chat_template is not None:
-        engine.tokenizer.chat_template = chat_template
     # The engine thread steps the model on an OpenMP team of its own; the loading team would only make libgomp
     # think the CPUs oversubscribed and cut every spin-wait short.
     openmp.release_thread_team()

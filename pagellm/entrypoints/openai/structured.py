@@ -151,25 +151,6 @@ def tool_calls_of(plan: ToolPlan, text: str) -> list[dict]:
     return [openai_tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
 
 
-def template_tool_calls(message: dict) -> dict:
-    """An assistant message's tool_calls as chat templates read them: OpenAI sends function.arguments as JSON
-    text, transformers' templates expect the object (and would write the text as one quoted string)."""
-    calls = message.get("tool_calls")
-    if not isinstance(calls, list):
-        return message
-    converted = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        arguments = function.get("arguments") if isinstance(function, dict) else None
-        if isinstance(arguments, str):
-            try:
-                call = {**call, "function": {**function, "arguments": json.loads(arguments)}}
-            except ValueError:
-                pass  # not JSON: the template gets the text as sent
-        converted.append(call)
-    return {**message, "tool_calls": converted}
-
-
 def template_renders_tools(tokenizer) -> bool:
     """Whether the chat template writes a tool list into the prompt at all (some, like SmolLM2's, ignore it)."""
     conversation = [{"role": "user", "content": "hi"}]
