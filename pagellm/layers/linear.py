@@ -53,7 +53,10 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         for param in self.parameters(recurse=False):
-            set_weight_attrs(param, weight_loader=self.weight_loader, shard_ids=self.shard_ids)
+            # A method may load its parameters its own way; the others go through this layer's loader.
+            if not hasattr(param, "weight_loader"):
+                set_weight_attrs(param, weight_loader=self.weight_loader)
+            set_weight_attrs(param, shard_ids=self.shard_ids)
 
     def pieces(self, shard: ShardId) -> list[OutputPiece]:
         """This rank's output features of checkpoint shard `shard`."""

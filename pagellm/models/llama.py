@@ -198,6 +198,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.group = current_group()
+        # The activations' dtype: the model is built with it as the default (weights may be stored otherwise).
+        self.activation_dtype = torch.get_default_dtype()
+        # For the start-up log: how the weights are stored.
+        self.weight_format = quant_config.describe() if quant_config is not None else "unquantized"
         self.model = self.model_class(config, max_positions, quant_config)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_parallel = self.group.size > 1 and lm_head_mode() == "vocab_parallel"

@@ -125,9 +125,9 @@ def resolve_tokenizer(tokenizer: str, revision: str | None = None, download_dir:
 
 def load_hf_config(source: ModelSource, trust_remote_code: bool = False):
     if source.is_gguf:
-        from pagellm.models.gguf_loader import load_gguf
+        from pagellm.models.gguf_loader import open_gguf
 
-        return load_gguf(source.path)
+        return open_gguf(source.path)
     from transformers import AutoConfig
 
     # Refused from config.json itself: transformers may not know the model type, or may want a quantization
@@ -150,7 +150,7 @@ def check_architecture(config) -> None:
 def load_model(
     source: ModelSource,
     config,
-    gguf_state_dict: dict[str, torch.Tensor] | None,
+    gguf_state_dict,  # gguf_loader.GGUFTensors, or None for an HF directory
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
@@ -169,7 +169,12 @@ def load_model(
     """
     from pagellm.layers.quantization import quantization_config_for
 
-    quant_config = quantization_config_for(config, quantization)
+    if gguf_state_dict is not None:
+        from pagellm.layers.quantization.gguf import GGUFConfig
+
+        quant_config = GGUFConfig(gguf_state_dict.type_counts())
+    else:
+        quant_config = quantization_config_for(config, quantization)
     model_class = registry.model_class_for(config)
     # The layers make their parameters with torch.empty: no time goes into initialising weights we overwrite.
     with torch.device(device), default_dtype(dtype):
