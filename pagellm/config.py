@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pagellm.structured_output.config import structured_outputs_options
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # CPU memory is shared with the OS and every other process, so by default the CPU pool takes at most
 # this much (vLLM's CPU backend also defaults to a 4 GiB KV space); kv_cache_memory_bytes overrides it.
@@ -48,6 +50,11 @@ class EngineArgs:
     # do not pay for fresh pages (the rest is faulted in while the engine is idle); 0 leaves all of it to
     # first use, inf faults in the whole pool before the engine is ready.
     kv_prefault_seconds: float = 1.0
+    # Seconds a request waits for its structured-output grammar to be parsed (past it: refused, HTTP 400), and
+    # then again to be compiled against the vocabulary (past it: the request ends, saying why).
+    structured_outputs_timeout: float = 10.0
+    # vLLM's StructuredOutputsConfig as a dict: backend "auto" or "xgrammar", disable_any_whitespace.
+    structured_outputs_config: dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +78,11 @@ class EngineArgs:
             raise ValueError(f"load_format={self.load_format!r} is not supported; use auto or dummy.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={self.device!r} is not supported; use auto, cpu or cuda.")
+        timeout = self.structured_outputs_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"structured_outputs_timeout={self.structured_outputs_timeout!r} is out of range; "
+                             "allowed: a finite number of seconds > 0.")
+        structured_outputs_options(self.structured_outputs_config)
 
     def _validate_parallel(self) -> None:
         for name in ("tensor_parallel_size", "nnodes"):

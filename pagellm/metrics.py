@@ -6,12 +6,15 @@ stat loggers only record. Names follow vLLM's (`vllm:x` -> `pagellm:x`) so exist
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagellm.core.scheduler import SchedulerStats
+from pagellm.structured_output.grammar import GrammarCacheStats
 
 # vLLM's buckets: they resolve both a CPU engine's seconds and a GPU's milliseconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -146,3 +149,30 @@ class PrometheusStatLogger:
         for finished in iteration_stats.finished_requests:
             self.request_success.labels(self.model_name, finished.finish_reason).inc()
             self.e2e_latency.observe(finished.e2e_latency)
+
+
+class StructuredOutputCacheCollector:
+    """The compiled-grammar cache's size and traffic (GrammarCompiler.stats), read at each scrape: the cache
+    changes on requests that never reach an engine step (a 400), so it is not recorded per iteration."""
+
+    def __init__(self, model_name: str, cache_stats: Callable[[], GrammarCacheStats]) -> None:
+        self.model_name = model_name
+        self.cache_stats = cache_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self.cache_stats()
+        for name, doc, value in (
+            ("entries", "Compiled structured-output grammars in the cache.", stats.entries),
+            ("bytes", "Bytes of the compiled structured-output grammars in the cache.", stats.bytes),
+        ):
+            gauge = GaugeMetricFamily(f"pagellm:structured_output_cache_{name}", doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
+        for name, doc, value in (
+            ("hits", "Structured-output grammars found in the cache (not parsed again).", stats.hits),
+            ("misses", "Structured-output grammars not in the cache, parsed and compiled.", stats.misses),
+            ("evictions", "Compiled grammars evicted from the cache (least recently used first).", stats.evictions),
+        ):
+            counter = CounterMetricFamily(f"pagellm:structured_output_cache_{name}", doc, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter

@@ -25,7 +25,7 @@ from pagellm.entrypoints import api_server, kv_map
 from pagellm.entrypoints.openai import routes
 from pagellm.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from pagellm.entrypoints.openai.serving import OpenAIServing, ServerConfig
-from pagellm.metrics import PrometheusStatLogger
+from pagellm.metrics import PrometheusStatLogger, StructuredOutputCacheCollector
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +217,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     in one process (tests, or two models) never collide on prometheus_client's global registry."""
     registry = CollectorRegistry()
     engine.add_stat_logger(PrometheusStatLogger(config.served_model_names[0], registry))
+    registry.register(StructuredOutputCacheCollector(config.served_model_names[0], engine.engine.grammar_compiler.stats))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

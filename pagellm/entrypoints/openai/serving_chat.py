@@ -29,6 +29,7 @@ from pagellm.entrypoints.openai.serving import (
 )
 from pagellm.entrypoints.openai.structured import (
     ToolPlan,
+    compiled_grammar,
     plan_tools,
     requested_structured_outputs,
     tool_calls_of,
@@ -103,6 +104,7 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
     serving.check_length(prompt, max_tokens, "messages", max_tokens_param)
     num_top = (request.top_logprobs or 0) if request.logprobs else None
     params = serving.sampling_params(request, max_tokens, num_top, structured=structured)
+    params.structured_grammar = await compiled_grammar(serving.engine, structured)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = serving.submit(request_id, [prompt], params)
     prompt_tokens = len(prompt.token_ids)

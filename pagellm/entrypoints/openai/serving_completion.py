@@ -22,7 +22,7 @@ from pagellm.entrypoints.openai.serving import (
     merge_outputs,
     sse,
 )
-from pagellm.entrypoints.openai.structured import requested_structured_outputs
+from pagellm.entrypoints.openai.structured import compiled_grammar, requested_structured_outputs
 
 
 async def create_completion(serving: OpenAIServing, request: CompletionRequest, raw_request: Request):
@@ -41,6 +41,7 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest, 
         serving.check_length(prompt, request.max_tokens, "prompt")
     params = serving.sampling_params(request, request.max_tokens, request.logprobs, request.best_of,
                                      requested_structured_outputs(request))
+    params.structured_grammar = await compiled_grammar(serving.engine, params.structured_outputs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     choices = serving.submit(request_id, prompts, params)
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
