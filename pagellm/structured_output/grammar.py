@@ -31,10 +31,11 @@ _XGRAMMAR_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
 # next one while leaving the cores to the forward pass.
 _COMPILE_THREADS = 2
 # The cache of compiled grammars keeps at most this many, and this many bytes of them (xgrammar's own
-# measure, CompiledGrammar.memory_size_bytes), evicting the least recently used first. A ~4 KB schema compiles
-# to ~0.2-2 MiB against a 49k-token vocabulary. A request in flight holds its own reference to its grammar.
-DEFAULT_CACHE_ENTRIES = 1024
-DEFAULT_CACHE_BYTES = 256 * 1024**2
+# measure, CompiledGrammar.memory_size_bytes), evicting the least recently used first: a ~4 KB schema compiles
+# to 0.2-2 MiB against a 49k-token vocabulary, so ~100-600 of them. A request in flight holds its own reference
+# to its grammar, evicted or not.
+DEFAULT_CACHE_ENTRIES = 512
+DEFAULT_CACHE_BYTES = 128 * 1024**2
 DEFAULT_TIMEOUT_S = 10.0
 # A JSON schema given as text longer than this many times max_text_chars is refused before it is decoded.
 _JSON_TEXT_SLACK = 4
@@ -292,11 +293,17 @@ class GrammarRequest:
         """`wait` for an event loop: the loop keeps serving while the pool parses."""
         parsed = asyncio.wrap_future(self.entry.parsed)
         try:
-            # asyncio.wait, unlike wait_for, leaves the awaited Future alone when it times out or is cancelled.
             await asyncio.wait([parsed], timeout=self.compiler.timeout_s)
         except asyncio.CancelledError:  # the client left
             self.compiler._give_up(self.entry)
             raise
+        finally:
+            # The outcome is read from the shared Future below. Cancelling this loop's copy cannot cancel the
+            # shared one, which is running from the start.
+            if parsed.done():
+                parsed.exception()
+            else:
+                parsed.cancel()
         return self._parsed()
 
     def future(self) -> Future:
