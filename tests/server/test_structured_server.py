@@ -3,6 +3,7 @@ grammars parsed off the event loop, within a time budget, once."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -15,6 +16,7 @@ import pytest
 import uvicorn
 from pydantic import BaseModel
 
+from pagellm import SamplingParams
 from pagellm.engine.arg_utils import AsyncEngineArgs
 from pagellm.engine.async_llm_engine import AsyncLLMEngine
 from pagellm.entrypoints.openai.api_server import build_app
@@ -348,3 +350,30 @@ def _items(depth: int, leaf: dict) -> dict:
     for _ in range(depth):
         leaf = {"type": "array", "items": leaf}
     return leaf
+
+
+def test_generate_route_and_async_engine_callers_parse_in_the_compile_threads(server, engine, monkeypatch):
+    threads = []
+    parse = grammar_module.parse_grammar
+    monkeypatch.setattr(grammar_module, "parse_grammar",
+                        lambda *args: threads.append(threading.current_thread().name) or parse(*args))
+    response = httpx.post(f"{server.url}/generate", timeout=120,
+                          json={"prompt": "Pick:", "max_tokens": 8, "structured_outputs": {"choice": ["yes", "no"]}})
+    assert response.status_code == 200 and response.json()["text"] in ("yes", "no"), response.text
+    deep = httpx.post(f"{server.url}/generate", timeout=120,
+                      json={"prompt": "Pick:", "structured_outputs": {"json": _nested(40)}})
+    assert deep.status_code == 400 and deep.json()["error"]["param"] == "structured_outputs", deep.text
+    assert "structured_outputs.json: the JSON schema nests objects and arrays 82 levels deep" in deep.text
+
+    async def generate(structured: dict) -> object:
+        params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=structured)
+        async for output in engine.generate("Pick:", params, f"direct-{len(threads)}-{structured}"):
+            last = output
+        return last.outputs[0]
+
+    refused = asyncio.run(generate({"regex": "(ab"}))
+    served = asyncio.run(generate({"choice": ["left", "right"]}))
+    # A direct caller of the engine is not waited for: a grammar xgrammar refuses ends its request, saying why.
+    assert refused.finish_reason == "stop" and "structured_outputs.regex='(ab' cannot be compiled" in refused.stop_reason
+    assert served.text in ("left", "right")
+    assert threads and all(name.startswith("pagellm-grammar") for name in threads), threads
