@@ -153,8 +153,8 @@ class _SchemaWalk:
                              f"as {{1,N}}, multiplied where they nest; here, at {pattern[:80]!r}), more than the limit "
                              f"of {limits.max_pattern_repetitions}; use * or + instead of large counts, or a maxLength")
             if self.regex.optional > limits.max_optional_items:
-                raise GrammarTooLarge(_too_many_optional(f"{self.name}: the JSON schema's patterns", self.regex.optional,
-                                                         limits))
+                name = f"{self.name}: the JSON schema's patterns"
+                raise GrammarTooLarge(_too_many_optional(name, self.regex.optional, limits))
         if isinstance(schema.get("format"), str) and _may_be_string(schema):
             self.formats += FORMAT_WEIGHTS.get(schema["format"], 1)
             if self.formats > limits.max_json_format_weight:

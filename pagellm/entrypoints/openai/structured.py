@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
@@ -17,12 +17,12 @@ from pagellm.sampling_params import StructuredOutputsParams
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-@dataclass
 class NamedStructuredOutputs(StructuredOutputsParams):
-    """A request's constraint and the request field it came from, which a 400 about its grammar names."""
+    """A request's constraint and the request field it came from, which a 400 about its grammar names (plain
+    attributes, not dataclass fields: the constraint's fields, as dataclasses.asdict lists them, are vLLM's)."""
 
-    param: str = field(default="structured_outputs", compare=False, repr=False)
-    name: str = field(default="structured_outputs", compare=False, repr=False)
+    param: str = "structured_outputs"
+    name: str = "structured_outputs"
 
 
 def requested_structured_outputs(request) -> StructuredOutputsParams | None:
@@ -63,8 +63,9 @@ async def compiled_grammar(engine, structured: StructuredOutputsParams | None) -
 
 
 def _named(structured: StructuredOutputsParams, param: str, name: str) -> NamedStructuredOutputs:
-    kinds = {f.name: getattr(structured, f.name) for f in dataclass_fields(StructuredOutputsParams)}
-    return NamedStructuredOutputs(**kinds, param=param, name=name)
+    named = NamedStructuredOutputs(**{f.name: getattr(structured, f.name) for f in dataclass_fields(structured)})
+    named.param, named.name = param, name
+    return named
 
 
 def _build(param: str, fields: dict) -> StructuredOutputsParams:
