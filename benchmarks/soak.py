@@ -306,9 +306,9 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> int:
         settle_deadline = time.monotonic() + 60
         while True:
             text = (await client.get("/metrics")).text
-            running = metric(text, "pagellm:num_requests_running")
-            waiting = metric(text, "pagellm:num_requests_waiting")
-            usage = metric(text, "pagellm:kv_cache_usage_perc")
+            running = metric(text, "vllm:num_requests_running")
+            waiting = metric(text, "vllm:num_requests_waiting")
+            usage = metric(text, "vllm:kv_cache_usage_perc")
             if (running, waiting, usage) == (0, 0, 0) or time.monotonic() > settle_deadline:
                 break
             await asyncio.sleep(0.2)

@@ -428,8 +428,8 @@ def test_structured_outputs_config_and_timeout_are_validated():
     for kwargs, message in [
         ({"structured_outputs_config": {"backend": "guidance"}}, "use one of ['auto', 'xgrammar']"),
         ({"structured_outputs_config": {"disable_any_whitespace": "yes"}}, "must be true or false"),
-        ({"structured_outputs_config": {"reasoning_parser": "deepseek_r1"}}, "leave it at ''"),
-        ({"structured_outputs_config": {"backends": "auto"}}, "has the field 'backends'"),
+        ({"structured_outputs_config": {"reasoning_parser": "deepseek_r1"}}, "leave it ''"),
+        ({"structured_outputs_config": {"backends": "auto"}}, "has unknown fields ['backends']"),
         ({"structured_outputs_timeout": 0}, "structured_outputs_timeout=0 is out of range"),
         ({"structured_outputs_timeout": float("inf")}, "a finite number of seconds > 0"),
     ]:

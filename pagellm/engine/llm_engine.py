@@ -13,7 +13,6 @@ from pagellm.engine.engine_core import EngineCore
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams, check_text
-from pagellm.structured_output.config import structured_outputs_options
 from pagellm.structured_output.grammar import GrammarCompiler
 
 PromptType = Union[str, Mapping]
@@ -32,7 +31,7 @@ class LLMEngine:
         # Imports xgrammar and indexes the vocabulary in its own threads, at the first structured-output request.
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, self.vocab_size, info.eos_token_ids, timeout_s=args.structured_outputs_timeout,
-            any_whitespace=not structured_outputs_options(args.structured_outputs_config).disable_any_whitespace)
+            any_whitespace=not (args.structured_outputs_config or {}).get("disable_any_whitespace", False))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -96,14 +95,29 @@ class LLMEngine:
                     f"{name} contains token id {bad[0]}, outside the vocabulary; allowed: ids in [0, {self.vocab_size})."
                 )
 
+    def _check_priority(self, priority: object) -> int:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority={priority!r} must be an int (lower runs first).")
+        if priority != 0 and self.args.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs the priority scheduling policy; this engine runs "
+                             f"scheduling_policy={self.args.scheduling_policy!r}. Start it with "
+                             "scheduling_policy='priority' (--scheduling-policy priority), or leave priority at 0.")
+        return priority
+
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0
     ) -> None:
+        """Queues a request. `prompt` may carry a "cache_salt": requests reuse each other's cached prefix
+        blocks only under the same salt (vLLM's tenant isolation); `priority` counts under the "priority"
+        scheduling policy, lower first."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
+        priority = self._check_priority(priority)
+        cache_salt = _cache_salt(prompt)
         text, token_ids = self.process_prompt(prompt)
         self._check_prompt_length(len(token_ids))
+        self.core.scheduler.check_fits(len(token_ids), params.num_sequences)
         self._check_token_ids_in_vocab(params)
         params = params.clone()
         eos = set() if params.ignore_eos else set(self.core.model_info.eos_token_ids)
@@ -123,13 +137,17 @@ class LLMEngine:
             max_output_tokens=max_output,
             stop_token_ids=frozenset(params.all_stop_token_ids),
             num_pending_forks=params.num_sequences - 1,
+            priority=priority,
+            cache_salt=cache_salt,
         )
         self.core.add_request(request)
         self.output_processor.add_request(request_id, text, token_ids, params, request.kv_account)
 
-    def add_beam_request(self, request_id: str, token_ids: list[int], num_logprobs: int, max_tokens: int) -> None:
+    def add_beam_request(self, request_id: str, token_ids: list[int], num_logprobs: int, max_tokens: int,
+                         beam_width: int) -> None:
         """A beam-search sequence: it reports its next token's top log-probabilities each step and
-        waits for the caller to append a token or fork it (see engine/beam_search.py)."""
+        waits for the caller to append a token or fork it (see engine/beam_search.py). Its search holds
+        beam_width seats of max_num_seqs from its admission on."""
         self._check_prompt_length(len(token_ids))
         if len(token_ids) + max_tokens > self.max_model_len:
             raise ValueError(
@@ -138,7 +156,7 @@ class LLMEngine:
             )
         params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=num_logprobs, ignore_eos=True)
         request = Request(request_id, token_ids, params, next(self._arrivals), max_tokens,
-                          appends_sampled_tokens=False)
+                          appends_sampled_tokens=False, reserved_seats=beam_width)
         self.core.add_request(request)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
@@ -183,3 +201,11 @@ class LLMEngine:
         compile threads if a structured-output request started them."""
         self.grammar_compiler.shutdown()
         self.core.shutdown()
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt={salt!r:.80} must be a non-empty str (a secret per tenant, e.g. 43 "
+                         "characters of base64: 256 random bits).")
+    return salt

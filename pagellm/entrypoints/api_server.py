@@ -13,6 +13,7 @@ from dataclasses import fields
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from pagellm.entrypoints.openai.errors import bad_request, from_exception
 from pagellm.entrypoints.openai.serving import (
@@ -41,6 +42,14 @@ async def generate(raw_request: Request) -> Response:
         body = await raw_request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON ({exc}); send a JSON object.", None, "json_invalid")
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise bad_request("the request body is nested too deeply to parse; send a JSON object of plain fields.",
+                          None, "json_invalid") from None
+    except ClientDisconnect:
+        # Gone before its whole body arrived (or cut by --body-read-timeout): no one reads this answer, and it
+        # is no server error to log.
+        raise bad_request("the client disconnected before the whole request body arrived.", None,
+                          "client_disconnected") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}.")
     prompt = body.pop("prompt", None)

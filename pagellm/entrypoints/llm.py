@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import itertools
 from collections.abc import Sequence
 
@@ -9,6 +11,8 @@ from tqdm.auto import tqdm
 
 from pagellm.config import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.entrypoints.chat_template import load_chat_template
+from pagellm.models.loader import generation_defaults
 from pagellm.outputs import RequestOutput
 from pagellm.engine.beam_search import BeamSearchOutput, beam_search
 from pagellm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -17,39 +21,42 @@ from pagellm.sampling_params import BeamSearchParams, RequestOutputKind, Samplin
 class LLM:
     """Runs batches of prompts to completion on one engine."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        gpu_memory_utilization: float = 0.9,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        seed: int = 0,
-        **kwargs,
-    ) -> None:
+    def __init__(self, model: str | None = None, *, chat_template: str | None = None, **kwargs) -> None:
+        """`model` and every keyword argument vLLM's LLM takes (each EngineArgs field, see pagellm/config.py),
+        with vLLM's defaults; `chat_template` (a template or a file) replaces the tokenizer's."""
+        template = load_chat_template(chat_template)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args_for(model, **kwargs))
+        if template is not None:
+            self.llm_engine.tokenizer.chat_template = template
+        self._request_ids = itertools.count()
+        info, args = self.llm_engine.core.model_info, self.llm_engine.args
+        # vLLM's name: the sampling parameters the model's generation config sets.
+        self.default_sampling_params: dict = generation_defaults(info.source, info.hf_config, args.generation_config,
+                                                                 args.override_generation_config)
+
+    @staticmethod
+    def engine_args_for(model: str | None = None, **kwargs) -> EngineArgs:
+        """The engine arguments `LLM(model, **kwargs)` runs with, checked without loading anything."""
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
-            raise TypeError(f"LLM() got unknown engine arguments {sorted(unknown)}; known: {sorted(EngineArgs.field_names())}")
-        args = EngineArgs(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            block_size=block_size,
-            max_model_len=max_model_len,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            seed=seed,
-            **kwargs,
-        )
-        self.llm_engine = LLMEngine.from_engine_args(args)
-        self._request_ids = itertools.count()
+            hints = {name: difflib.get_close_matches(name, EngineArgs.field_names(), n=1) for name in sorted(unknown)}
+            described = ", ".join(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                                  for name, close in hints.items())
+            raise TypeError(f"LLM() got unknown engine arguments {described}; LLM takes vLLM's EngineArgs fields "
+                            "(see pagellm/config.py).")
+        # vLLM's LLM turns the periodic stats log off unless asked.
+        kwargs.setdefault("disable_log_stats", True)
+        return EngineArgs(model=model, **kwargs)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        return cls(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)})
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams: the model's generation_config.json
+        defaults (temperature, top_p, top_k, min_p, penalties, max_new_tokens as max_tokens) under
+        generation_config="auto", with override_generation_config on top; vLLM's defaults otherwise."""
+        return SamplingParams(**self.default_sampling_params)
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
@@ -59,13 +66,16 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`, each finished."""
+        """Outputs in the order of `prompts`, each finished. `priority`: one per prompt, for an engine with
+        scheduling_policy="priority" (lower first)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -74,7 +84,9 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt."
                 )
-        return self._run(prompts, params_list, use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt.")
+        return self._run(prompts, params_list, use_tqdm, priority or [0] * len(prompts))
 
     def chat(
         self,
@@ -112,7 +124,8 @@ class LLM:
                 sequence.text = tokenizer.decode(sequence.tokens, skip_special_tokens=True)
         return outputs
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
+             priorities: Sequence[int]) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = [str(next(self._request_ids)) for _ in prompts]
         # Only finished outputs are read here: the engine builds nothing for the steps in between (vLLM's
@@ -120,10 +133,10 @@ class LLM:
         final_only: dict[int, SamplingParams] = {}
         added: list[str] = []
         try:
-            for request_id, prompt, params in zip(request_ids, prompts, params_list):
+            for request_id, prompt, params, priority in zip(request_ids, prompts, params_list, priorities):
                 if id(params) not in final_only:
                     final_only[id(params)] = _final_only(params)
-                engine.add_request(request_id, prompt, final_only[id(params)])
+                engine.add_request(request_id, prompt, final_only[id(params)], priority)
                 added.append(request_id)
         except Exception:
             engine.abort_request(added)

@@ -59,19 +59,20 @@ class ModelWorker:
                 f"gpu_memory_utilization={args.gpu_memory_utilization} asks for; lower gpu_memory_utilization "
                 "or free the device."
             )
-        source = loader.resolve_model(args.model)
-        hf_config, gguf_state_dict = loader.load_hf_config(source)
+        source = loader.resolve_model(args.model, args.revision, args.download_dir)
+        hf_config, gguf_state_dict = loader.load_hf_config(source, args.trust_remote_code)
         loader.check_architecture(hf_config)
         check_tensor_parallel_size(hf_config, group.size)
         max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
         dtype = resolve_dtype(args.dtype, hf_config, device)
         with building_with(group):
             model = loader.load_model(source, hf_config, gguf_state_dict, dtype, device, max_model_len,
-                                      args.load_format, args.seed)
+                                      args.load_format, args.seed, args.quantization)
         del gguf_state_dict
         tokenizer, eos_ids = None, frozenset()
         if group.rank == 0:
-            tokenizer = loader.load_tokenizer(source, args.tokenizer)
+            tokenizer = loader.load_tokenizer(source, args.tokenizer, args.tokenizer_revision, args.download_dir,
+                                              args.trust_remote_code)
             eos_ids = frozenset(loader.eos_token_ids(source, hf_config, tokenizer))
         self.model_info = ModelInfo(source, hf_config, tokenizer, eos_ids, max_model_len, dtype, device)
         self.group = group

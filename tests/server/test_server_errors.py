@@ -124,7 +124,7 @@ def test_api_key_is_required_on_api_routes_only(keyed_server, http):
                              ("POST", "/tokenize")]:
             response = httpx.request(method, f"{keyed_server.url}{path}", headers=headers, json={"prompt": "Hi"})
             _assert_error(response, 401, None, fragment)
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/ping", "/load", "/metrics", "/version"):
         assert httpx.get(f"{keyed_server.url}{path}").status_code == 200
     _assert_serving(http)
 

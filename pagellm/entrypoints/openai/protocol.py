@@ -75,7 +75,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = None
+    # The same cap as n: every sequence counts against max_num_seqs (a larger best_of is refused there too).
+    best_of: int | None = Field(default=None, ge=1, le=128)
     suffix: str | None = None
 
 

@@ -8,8 +8,12 @@ seconds to tokenize, and /health and every stream must go on meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import math
+import os
+import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -23,10 +27,16 @@ from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exc
 from pagellm.core.kv_usage import KVUsage
 from pagellm.entrypoints.openai.protocol import ChatMessage, PromptField, SamplingFields
 from pagellm.entrypoints.openai.structured import template_renders_tools, template_tool_calls
+from pagellm.models.loader import ServerSamplingDefaults
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, check_text
 
 logger = logging.getLogger(__name__)
+
+
+# vLLM's defaults for its --h11-max-incomplete-event-size and --h11-max-header-count.
+H11_MAX_INCOMPLETE_EVENT_SIZE = 4 << 20
+H11_MAX_HEADER_COUNT = 256
 
 
 @dataclass
@@ -34,7 +44,8 @@ class ServerConfig:
     served_model_names: list[str]
     # What the model was loaded from (a path, or the default model's name), reported as `root`.
     model_root: str
-    api_key: str | None = None
+    # Any one of these keys is accepted; None or empty: $PAGELLM_API_KEY, else $VLLM_API_KEY, else no key.
+    api_key: list[str] | None = None
     # None: derived from max_model_len (see api_server.default_max_request_body_bytes).
     max_request_body_bytes: int | None = None
     # On SIGINT/SIGTERM, how long running requests may go on before their streams are ended.
@@ -42,6 +53,78 @@ class ServerConfig:
     # tool_choice "auto": the --tool-call-parser that reads the model's calls; None without
     # --enable-auto-tool-choice (then "auto" is a 400).
     auto_tool_parser: str | None = None
+    # Slow clients: the seconds a request's headers may take to arrive (from the connection's opening, or the
+    # end of the previous response on it), and its whole body after them; then 408 and the connection closes.
+    header_read_timeout: float = 30.0
+    body_read_timeout: float = 60.0
+    # h11's bound on a request's head (bytes buffered before the headers end), and on the number of headers.
+    h11_max_incomplete_event_size: int = H11_MAX_INCOMPLETE_EVENT_SIZE
+    h11_max_header_count: int = H11_MAX_HEADER_COUNT
+    # TLS: serve HTTPS with this certificate (and key, unless the certificate file holds it); ssl_cert_reqs is
+    # the ssl module's verify mode for client certificates (0 none, 1 optional, 2 required, against ssl_ca_certs).
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = int(ssl.CERT_NONE)
+    # CORS, as vLLM's: browsers on other origins get no access unless their origin is listed ("*": any).
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    # The path prefix under which a proxy exposes the server, e.g. "/llm"; routes answer with or without it.
+    root_path: str | None = None
+    disable_fastapi_docs: bool = False
+    disable_uvicorn_access_log: bool = False
+
+    # GET /load counts the generating requests in flight (vLLM's --enable-server-load-tracking; else it reads 0).
+    enable_server_load_tracking: bool = False
+    # The /render endpoints (vLLM's --enable-scale-out; else they answer 403).
+    enable_scale_out: bool = False
+    # Bounds of the in-memory store of /v1/responses (previous_response_id, GET); least recently used go first.
+    responses_store_max_entries: int = 1000
+    responses_store_max_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and (isinstance(self.api_key, str)
+                                         or not all(isinstance(key, str) for key in self.api_key)):
+            # A lone string would read as one key per character.
+            raise ValueError(f"api_key={self.api_key!r:.40} must be a list of keys (--api-key KEY [KEY ...]).")
+        for name in ("header_read_timeout", "body_read_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive number of seconds (--{_flag(name)}).")
+        for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer (--{_flag(name)}).")
+        if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise ValueError(f"ssl_cert_reqs={self.ssl_cert_reqs!r} must be 0 (no client certificate), 1 (optional) "
+                             "or 2 (required) (--ssl-cert-reqs).")
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError(f"ssl_keyfile={self.ssl_keyfile!r} needs ssl_certfile, the certificate it belongs to "
+                             "(--ssl-certfile).")
+        if self.ssl_cert_reqs != ssl.CERT_NONE and not self.ssl_ca_certs:
+            raise ValueError(f"ssl_cert_reqs={self.ssl_cert_reqs} verifies client certificates: pass ssl_ca_certs, "
+                             "the CA file they are checked against (--ssl-ca-certs).")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name}={path!r} is not a file (--{_flag(name)}).")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"root_path={self.root_path!r} must start with '/' and not end with one, e.g. '/llm' "
+                             "(--root-path).")
+
+    @property
+    def api_keys(self) -> list[str]:
+        """The keys a request may present (none: no key is needed); --api-key wins over the environment."""
+        if self.api_key:
+            return [key for key in self.api_key if key]
+        from_environment = os.environ.get("PAGELLM_API_KEY") or os.environ.get("VLLM_API_KEY")
+        return [from_environment] if from_environment else []
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 @dataclass
@@ -89,6 +172,9 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.engine.vocab_size
+        info, args = engine.engine.core.model_info, engine.engine.args
+        self.sampling_defaults = ServerSamplingDefaults.of(info.source, info.hf_config, args.generation_config,
+                                                           args.override_generation_config)
         # One thread: the tokenizer is not shared between threads, and a second big prompt waits its turn
         # rather than taking a core from the engine.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-tokenizer")
@@ -143,6 +229,7 @@ class OpenAIServing:
 
     async def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
                           template_kwargs: dict | None = None) -> PromptInput:
+        check_template_kwargs(template_kwargs or {})
         conversation = [_template_message(m) for m in messages]
         for index, message in enumerate(conversation):
             for key, value in message.items():
@@ -221,13 +308,16 @@ class OpenAIServing:
         request (sample i of a seeded request samples with seed + i), which computes the prompt once."""
         if request.stop_token_ids:
             self.check_token_ids("stop_token_ids", request.stop_token_ids)
-        top_k = request.top_k or 0
+        # Unset fields: the model's generation_config.json defaults (--generation-config), else OpenAI's.
+        default = functools.partial(self.sampling_defaults.value, request)
+        top_k = default("top_k", 0) or 0
+        max_tokens = self.sampling_defaults.max_tokens(max_tokens)
         kwargs = dict(
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
+            temperature=default("temperature", 1.0),
+            top_p=default("top_p", 1.0),
             # A top_k at or past the vocabulary keeps every token, which is what 0 means.
             top_k=0 if top_k >= self.vocab_size else top_k,
-            min_p=0.0 if request.min_p is None else request.min_p,
+            min_p=default("min_p", 0.0),
             n=request.n,
             best_of=best_of,
             seed=request.seed,
@@ -236,9 +326,9 @@ class OpenAIServing:
             ignore_eos=request.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=request.min_tokens,
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            presence_penalty=default("presence_penalty", 0.0),
+            frequency_penalty=default("frequency_penalty", 0.0),
+            repetition_penalty=default("repetition_penalty", 1.0),
             logit_bias=self.logit_bias(request.logit_bias),
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
@@ -275,6 +365,20 @@ class OpenAIServing:
                     record(choice, output)
         except Exception as exc:  # the engine's verdict on a request (bad input, failed step, dead engine)
             raise from_exception(exc) from exc
+
+
+# apply_chat_template's own parameters that chat_template_kwargs must not set: a template sent with a request is
+# code that runs on the server (nested loops render for hours, or grow a string until memory runs out), and
+# `tokenize` would change what the call returns. vLLM refuses both too.
+RESERVED_TEMPLATE_KWARGS = ("chat_template", "tokenize")
+
+
+def check_template_kwargs(template_kwargs: dict) -> None:
+    for name in RESERVED_TEMPLATE_KWARGS:
+        if name in template_kwargs:
+            raise bad_request(f"chat_template_kwargs.{name} is not accepted: the server renders the model's own chat "
+                              "template (a template sent with a request would run as code on the server); pass only "
+                              "the template's variables.", f"chat_template_kwargs.{name}")
 
 
 def check_text_param(param: str, text: str) -> None:

@@ -44,7 +44,7 @@ def requested_structured_outputs(request) -> StructuredOutputsParams | None:
     if not asked:
         return None
     param, structured = asked[0]
-    return _named(structured, param, f"{param}.{structured.kind}" if param == "structured_outputs" else param)
+    return named_constraint(structured, param, f"{param}.{structured.kind}" if param == "structured_outputs" else param)
 
 
 async def compiled_grammar(engine, structured: StructuredOutputsParams | None) -> Future | None:
@@ -62,7 +62,8 @@ async def compiled_grammar(engine, structured: StructuredOutputsParams | None) -
         raise bad_request(str(exc), param) from None
 
 
-def _named(structured: StructuredOutputsParams, param: str, name: str) -> NamedStructuredOutputs:
+def named_constraint(structured: StructuredOutputsParams, param: str, name: str) -> NamedStructuredOutputs:
+    """The constraint, with the request field a 400 about its grammar names (`param`) and how its text names it."""
     named = NamedStructuredOutputs(**{f.name: getattr(structured, f.name) for f in dataclass_fields(structured)})
     named.param, named.name = param, name
     return named
@@ -130,12 +131,12 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict | Non
             for name, schema in schemas.items()
         ]}
         array = {"type": "array", "minItems": 1, "items": calls}
-        return ToolPlan(_named(StructuredOutputsParams(json=array), "tools", "tools"))
+        return ToolPlan(named_constraint(StructuredOutputsParams(json=array), "tools", "tools"))
     name = _named_choice(tool_choice)
     if name not in schemas:
         raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools "
                           f"{sorted(schemas)}.", "tool_choice")
-    return ToolPlan(_named(StructuredOutputsParams(json=schemas[name]), "tools", f"tools.{name}.parameters"),
+    return ToolPlan(named_constraint(StructuredOutputsParams(json=schemas[name]), "tools", f"tools.{name}.parameters"),
                     named=name)
 
 

@@ -1,0 +1,1 @@
+"""CPU operators outside attention: kernels on GGUF quantized weights (gguf_kernels)."""
