@@ -37,7 +37,7 @@ _COMPILE_THREADS = 2
 DEFAULT_CACHE_ENTRIES = 512
 DEFAULT_CACHE_BYTES = 128 * 1024**2
 DEFAULT_TIMEOUT_S = 10.0
-# A JSON schema given as text longer than this many times max_text_chars is refused before it is decoded.
+# A JSON schema given as text longer than this many times max_json_chars is refused before it is decoded.
 _JSON_TEXT_SLACK = 4
 
 
@@ -78,9 +78,9 @@ def grammar_spec(params: StructuredOutputsParams, limits: GrammarLimits, name: s
 def _decode_schema(value: str | dict, limits: GrammarLimits, name: str) -> object:
     if not isinstance(value, str):
         return value
-    if len(value) > _JSON_TEXT_SLACK * limits.max_text_chars:
+    if len(value) > _JSON_TEXT_SLACK * limits.max_json_chars:
         raise GrammarTooLarge(f"{name} is {len(value)} characters of JSON, more than the limit of "
-                              f"{_JSON_TEXT_SLACK * limits.max_text_chars}; shorten it.")
+                              f"{_JSON_TEXT_SLACK * limits.max_json_chars}; shorten it.")
     try:
         return json.loads(value)
     except RecursionError:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 MAX_JSON_DEPTH = 64
 # The schema's values (objects, arrays, scalars), each counted once per level it is nested at: the cost of
 # xgrammar's conversion grows with depth times breadth, so a wide shallow schema and a narrow deep one both fit.
-MAX_JSON_SIZE = 20_000
+MAX_JSON_SIZE = 10_000
 # The repetitions the schema's `pattern`s unroll to: each counted quantifier's bound, times those of the
 # quantified groups around it, summed over the patterns ("[a-z]{1,64}@[a-z]{1,64}" is 128); parse time grows
 # with the square of it.
@@ -34,9 +34,10 @@ FORMAT_WEIGHTS = {"uri-template": 40, "email": 10, "uri": 10, "uri-reference": 1
 MAX_OPTIONAL_PROPERTIES = 256
 # Optional items (?, *, {0,n}) of a regex, an EBNF grammar, or a JSON schema's patterns together: a run of
 # them compiles in time that grows about cubically with its length (RegexCost).
-MAX_OPTIONAL_ITEMS = 64
-# Characters of a regex, an EBNF grammar, the choices' EBNF, or the strings (keys and values) of a JSON schema.
-MAX_TEXT_CHARS = 256 * 1024
+MAX_OPTIONAL_ITEMS = 48
+# Characters of a regex, an EBNF grammar or the choices' EBNF; of the strings (keys and values) of a JSON schema.
+MAX_TEXT_CHARS = 64 * 1024
+MAX_JSON_CHARS = 256 * 1024
 
 _QUANTIFIER = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 
@@ -67,6 +68,7 @@ class GrammarLimits:
     max_optional_properties: int = MAX_OPTIONAL_PROPERTIES
     max_optional_items: int = MAX_OPTIONAL_ITEMS
     max_text_chars: int = MAX_TEXT_CHARS
+    max_json_chars: int = MAX_JSON_CHARS
 
 
 class GrammarTooLarge(ValueError):
@@ -106,9 +108,9 @@ def measure_schema(schema: object, limits: GrammarLimits, name: str) -> GrammarS
             walk.enter(value, level, schema)
             children = value.values() if isinstance(value, dict) else value
             stack.extend((child, level + 1) for child in children)
-        if walk.chars > limits.max_text_chars:
+        if walk.chars > limits.max_json_chars:
             raise GrammarTooLarge(f"{name}: the JSON schema's strings (keys and values) are more than "
-                                  f"{limits.max_text_chars} characters, the limit; shorten them.")
+                                  f"{limits.max_json_chars} characters, the limit; shorten them.")
     return GrammarSize("json", walk.chars, walk.depth, walk.values, walk.weighted)
 
 
