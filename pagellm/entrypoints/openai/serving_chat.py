@@ -32,6 +32,7 @@ from pagellm.entrypoints.openai.serving import (
 )
 from pagellm.entrypoints.openai.structured import (
     ToolPlan,
+    compiled_grammar,
     plan_tools,
     requested_structured_outputs,
     tool_calls_of,
@@ -158,6 +159,7 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
     else:
         params = serving.sampling_params(request, max_tokens, num_top, structured=structured,
                                          prompt_logprobs=prompt_logprobs)
+        params.structured_grammar = await compiled_grammar(serving.engine, structured)
         choices = serving.submit(engine_id, [prompt], params, priority, request.cache_salt)
         if request.stream:
             stream = _stream(serving, request, raw_request, response_id, choices, prompt, num_top, plan, role)

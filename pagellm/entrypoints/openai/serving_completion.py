@@ -25,7 +25,7 @@ from pagellm.entrypoints.openai.serving import (
     record,
     sse,
 )
-from pagellm.entrypoints.openai.structured import requested_structured_outputs
+from pagellm.entrypoints.openai.structured import compiled_grammar, requested_structured_outputs
 from pagellm.outputs import RequestOutput
 
 
@@ -77,6 +77,7 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest, 
     else:
         params = serving.sampling_params(request, max_tokens, num_top, request.best_of,
                                          requested_structured_outputs(request), prompt_logprobs)
+        params.structured_grammar = await compiled_grammar(serving.engine, params.structured_outputs)
         choices = serving.submit(engine_id, prompts, params, priority, request.cache_salt)
         if request.stream:
             stream = _stream(serving, request, raw_request, response_id, prompts, choices, num_top)
