@@ -4,9 +4,10 @@ packed into the format's exact tensors, written as safetensors with a config.jso
 AutoAWQ / AutoGPTQ write it. Beside it, the same model with the dequantized weights in float32, the reference
 pagellm and transformers run.
 
-Independent of pagellm's own unpacking (pagellm/ops/wna16.py, layers/quantization/awq.py, gptq.py): the packers
-here follow the producers' code, and tests/data/awq_gptq_reference.safetensors (made by AutoAWQ's and AutoGPTQ's
-own packing code, see tests/data/make_awq_gptq_reference.py) checks them byte for byte.
+The checkpoint packers are independent of pagellm's own unpacking (pagellm/ops/wna16.py,
+layers/quantization/awq.py, gptq.py): they follow the producers' code, and tests/data/awq_gptq_reference.safetensors
+(made by AutoAWQ's and AutoGPTQ's own packing code, see tests/data/make_awq_gptq_reference.py) checks them byte for
+byte. `random_group_quant_weight` makes kernel test weights directly in pagellm's representation.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from pagellm.ops.wna16 import GroupQuantWeight, pack_rows
 
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8 (AutoAWQ, awq/modules/linear/gemm.py `from_linear`).
@@ -176,6 +179,31 @@ def gptq_tensors(weight: torch.Tensor, spec: QuantSpec, perm: torch.Tensor | Non
     tensors = {"qweight": pack_gptq_qweight(q.t().contiguous(), spec.bits),
                "qzeros": pack_gptq_qzeros(zeros, spec.bits, offset), "scales": scales, "g_idx": g_idx}
     return tensors, dequantized
+
+
+# ---- kernel test weights ---------------------------------------------------------------------------------------
+
+
+def random_group_quant_weight(bits: int, in_features: int, out_features: int, variant: str,
+                              seed: int) -> GroupQuantWeight:
+    """Integer weights with float16-exact scales and integer zero points (so dequantization is exact in
+    float32). Variants: "plain" (groups of 32 in input order), "act_order" (groups of 32 scattered over the inputs,
+    as desc_act stores them), "uneven" (groups of different sizes, not whole words: the layout pads them),
+    "per_channel" (one group)."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (in_features, out_features), generator=generator, dtype=torch.int32)
+    if variant == "per_channel":
+        g_idx = torch.zeros(in_features, dtype=torch.int64)
+    elif variant == "uneven":
+        g_idx = torch.randint(0, 5, (in_features,), generator=generator)
+    else:
+        g_idx = torch.arange(in_features) // 32
+        if variant == "act_order":
+            g_idx = g_idx[torch.randperm(in_features, generator=generator)]
+    groups = int(g_idx.max()) + 1
+    scales = (torch.rand(groups, out_features, generator=generator) * 0.05 + 0.001).half().float()
+    zeros = torch.randint(0, 2**bits, (groups, out_features), generator=generator).float()
+    return GroupQuantWeight(bits, pack_rows(q, bits), scales, -scales * zeros, g_idx.to(torch.int32))
 
 
 # ---- whole checkpoints ----------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from tests.quant_checkpoints import (
     pack_gptq_qzeros,
     quantize_awq,
     quantize_gptq,
+    random_group_quant_weight,
     write_quantized,
 )
 
@@ -104,27 +105,6 @@ def test_awq_nibble_order_is_autoawqs():
 # ---- the CPU kernels ----------------------------------------------------------------------------------------
 
 
-def _random_weight(bits: int, in_features: int, out_features: int, variant: str, seed: int) -> wna16.GroupQuantWeight:
-    """Integer weights with float16-exact scales and integer zero points (so dequantization is exact in
-    float32). Variants: "plain" (groups of 32 in input order), "act_order" (groups of 32 scattered over the inputs,
-    as desc_act stores them), "uneven" (groups of different sizes, not whole words: the layout pads them),
-    "per_channel" (one group)."""
-    generator = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 2**bits, (in_features, out_features), generator=generator, dtype=torch.int32)
-    if variant == "per_channel":
-        g_idx = torch.zeros(in_features, dtype=torch.int64)
-    elif variant == "uneven":
-        g_idx = torch.randint(0, 5, (in_features,), generator=generator)
-    else:
-        g_idx = torch.arange(in_features) // 32
-        if variant == "act_order":
-            g_idx = g_idx[torch.randperm(in_features, generator=generator)]
-    groups = int(g_idx.max()) + 1
-    scales = (torch.rand(groups, out_features, generator=generator) * 0.05 + 0.001).half().float()
-    zeros = torch.randint(0, 2**bits, (groups, out_features), generator=generator).float()
-    return wna16.GroupQuantWeight(bits, wna16.pack_rows(q, bits), scales, -scales * zeros, g_idx.to(torch.int32))
-
-
 def _assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """y against x W^T (+ bias) in float64, the error relative to the sum of the products' magnitudes."""
     expected = x.double() @ w.double().t() + (bias.double() if bias is not None else 0)
@@ -160,7 +140,7 @@ def one_thread():
 @pytest.mark.parametrize("variant", ["plain", "act_order", "uneven", "per_channel"])
 def test_packed_path_every_row_count(isa, bits, variant, one_thread):
     kernels = _kernels(isa)
-    weight = _random_weight(bits, 96, 72, variant, seed=bits)  # 72 outputs: a tail block of 8 columns
+    weight = random_group_quant_weight(bits, 96, 72, variant, seed=bits)  # 72 outputs: a tail block of 8 columns
     layout = wna16.cpu_layout(weight)
     assert (layout.src is None) == (variant in ("plain", "per_channel"))
     w = wna16.dequantize(weight)
@@ -172,7 +152,7 @@ def test_packed_path_every_row_count(isa, bits, variant, one_thread):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_results_do_not_depend_on_the_thread_count(bits):
     kernels = _kernels(ISAS[0])
-    layout = wna16.cpu_layout(_random_weight(bits, 256, 256, "act_order", seed=6))
+    layout = wna16.cpu_layout(random_group_quant_weight(bits, 256, 256, "act_order", seed=6))
     x = torch.randn(13, 256)
     saved = torch.get_num_threads()
     try:
@@ -188,7 +168,7 @@ def test_results_do_not_depend_on_the_thread_count(bits):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_dense_path_bias_bf16_and_column_slices(isa, bits, one_thread):
     kernels = _kernels(isa)
-    weight = _random_weight(bits, 128, 40, "act_order", seed=3)
+    weight = random_group_quant_weight(bits, 128, 40, "act_order", seed=3)
     layout = wna16.cpu_layout(weight)
     w = wna16.dequantize(weight)
     bias = torch.randn(40)
@@ -207,7 +187,7 @@ def test_dense_path_bias_bf16_and_column_slices(isa, bits, one_thread):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("variant", ["plain", "act_order", "uneven"])
 def test_layout_holds_the_weight_exactly(bits, variant):
-    weight = _random_weight(bits, 64, 40, variant, seed=5)
+    weight = random_group_quant_weight(bits, 64, 40, variant, seed=5)
     layout = wna16.cpu_layout(weight)
     expected = wna16.dequantize(weight)
     assert torch.equal(wna16.dequantize_cpu_layout(layout), expected)
@@ -216,7 +196,7 @@ def test_layout_holds_the_weight_exactly(bits, variant):
 
 
 def test_unused_groups_are_dropped():
-    weight = _random_weight(4, 64, 8, "plain", seed=2)
+    weight = random_group_quant_weight(4, 64, 8, "plain", seed=2)
     halved = wna16.GroupQuantWeight(4, weight.qweight, torch.cat([weight.scales] * 2),
                                     torch.cat([weight.offsets] * 2), weight.g_idx + 2)
     compact = wna16.compact_groups(halved)
@@ -226,7 +206,7 @@ def test_unused_groups_are_dropped():
 
 def test_torch_path_where_the_kernels_are_switched_off(monkeypatch):
     monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
-    weight = _random_weight(4, 64, 16, "act_order", seed=4)
+    weight = random_group_quant_weight(4, 64, 16, "act_order", seed=4)
     kernel = wna16.choose_kernel([(0, weight)], torch.device("cpu"))
     assert isinstance(kernel, wna16.TorchGroupQuant)
     x = torch.randn(3, 64)
