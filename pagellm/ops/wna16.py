@@ -46,11 +46,15 @@ BLOCK_COLUMNS = 32
 # Weight bytes dequantized per tile of the dense path: the only dequantized copy that ever exists.
 DENSE_TILE_BYTES = 4 << 20
 # Rows of x from which the CPU kernel's dense path (dequantized tiles into torch's GEMM) takes over, per
-# instruction set and bits. See the README's AWQ/GPTQ section for the measurement.
+# instruction set and bits: where the two met in benchmarks/wna16_kernels.py on a 2048 x 2048 layer, groups of 128,
+# one thread (README, "AWQ and GPTQ checkpoints", has the table). The packed path stays near float32's speed up to
+# a few hundred rows, then falls off as each block re-reads all rows of x; the dense path pays for writing its
+# float32 tiles. The AVX-512 build runs the AVX2 build's code (32-byte vectors) and takes its table until measured
+# there. The generic build's packed path is the vector extensions lowered to SSE2, several times slower.
 DENSE_MIN_ROWS: dict[str, dict[int, int]] = {
-    "avx512": {4: 32, 8: 32},
-    "avx2": {4: 32, 8: 32},
-    "generic": {4: 8, 8: 8},
+    "avx512": {4: 512, 8: 384},
+    "avx2": {4: 512, 8: 384},
+    "generic": {4: 16, 8: 16},
 }
 
 
@@ -158,6 +162,12 @@ class CpuLayout:
     group_rows: torch.Tensor  # int32 [groups]: packed rows per group
     src: torch.Tensor | None  # int32 [k_rows * pack]: input feature of each internal row (-1: padding)
 
+    def __post_init__(self) -> None:
+        # The C kernels' leading arguments, read once: a call costs microseconds of Python per product otherwise.
+        self.kernel_args = (self.packed.data_ptr(), self.gparams.data_ptr(), self.group_rows.data_ptr(),
+                            self.src.data_ptr() if self.src is not None else None, self.bits, self.num_groups,
+                            self.k_rows)
+
     @property
     def k_rows(self) -> int:
         return self.packed.shape[1]
@@ -235,9 +245,9 @@ class WNA16Kernels:
         self._matmul.restype = _INT
         self._matmul.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _PTR, _INT, _I64, _I64, _PTR, _I64,
                                  _PTR]
-        self._dequantize = library.wna16_dequantize
-        self._dequantize.restype = _INT
-        self._dequantize.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _I64, _PTR]
+        self._dequantize_t = library.wna16_dequantize_t
+        self._dequantize_t.restype = _INT
+        self._dequantize_t.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _PTR, _I64]
         self.dense_min_rows = dict(DENSE_MIN_ROWS[self.isa])
         self._scratch = threading.local()
 
@@ -254,10 +264,8 @@ class WNA16Kernels:
                       bias: torch.Tensor | None = None) -> torch.Tensor:
         """`matmul` straight from the packed weights, whatever the row count."""
         x, y, bias = _operands(x, layout, out, bias)
-        failed = self._matmul(layout.packed.data_ptr(), layout.gparams.data_ptr(), layout.group_rows.data_ptr(),
-                              layout.src.data_ptr() if layout.src is not None else None, layout.bits,
-                              layout.num_groups, layout.k_rows, layout.out_features, x.data_ptr(),
-                              int(x.dtype == torch.bfloat16), x.shape[0], x.stride(0), y.data_ptr(), y.stride(0),
+        failed = self._matmul(*layout.kernel_args, layout.out_features, x.data_ptr(), x.dtype is torch.bfloat16,
+                              x.shape[0], x.stride(0), y.data_ptr(), y.stride(0),
                               bias.data_ptr() if bias is not None else None)
         if failed == 1:
             raise MemoryError(f"wna16_matmul could not allocate the gathered activations of {x.shape[0]} rows")
@@ -267,40 +275,38 @@ class WNA16Kernels:
 
     def matmul_dense(self, x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None = None,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`matmul` as torch's GEMM on tiles of the weight dequantized in turn (DENSE_TILE_BYTES each)."""
+        """`matmul` as torch's GEMM on tiles of W^T dequantized in turn (about DENSE_TILE_BYTES each)."""
         x, y, bias = _operands(x, layout, out, bias)
         operand = x.float()
         in_features = layout.in_features
-        tile_columns = max(1, min(layout.out_features, DENSE_TILE_BYTES // (4 * in_features)))
-        tile = self._tile(tile_columns * in_features)
+        tile_columns = max(1, DENSE_TILE_BYTES // (4 * in_features) // BLOCK_COLUMNS) * BLOCK_COLUMNS
+        tile = self._tile(min(tile_columns, layout.out_features) * in_features)
         for first in range(0, layout.out_features, tile_columns):
             n = min(tile_columns, layout.out_features - first)
-            dense = tile[: n * in_features].view(n, in_features)
-            self.dequantize_into(layout, first, dense)
+            dense = self.dequantize_t_into(layout, first, tile[: in_features * n].view(in_features, n))
             target = y[:, first : first + n]
             if bias is None:
-                torch.mm(operand, dense.t(), out=target)
+                torch.mm(operand, dense, out=target)
             else:
-                torch.addmm(bias[first : first + n], operand, dense.t(), out=target)
+                torch.addmm(bias[first : first + n], operand, dense, out=target)
         return y
 
-    def dequantize_into(self, layout: CpuLayout, first: int, out: torch.Tensor) -> torch.Tensor:
-        """Rows first .. first + len(out) of W (output features) into out, float32 [n, in_features]."""
-        if out.dtype != torch.float32 or not out.is_contiguous() or out.shape[1] != layout.in_features:
-            raise ValueError(f"out must be a contiguous float32 [n, {layout.in_features}] tensor")
-        if first < 0 or first + out.shape[0] > layout.out_features:
-            raise IndexError(f"rows {first} .. {first + out.shape[0]} are outside 0 .. {layout.out_features}")
-        failed = self._dequantize(layout.packed.data_ptr(), layout.gparams.data_ptr(), layout.group_rows.data_ptr(),
-                                  layout.src.data_ptr() if layout.src is not None else None, layout.bits,
-                                  layout.num_groups, layout.k_rows, layout.in_features, first, out.shape[0],
-                                  out.data_ptr())
+    def dequantize_t_into(self, layout: CpuLayout, first: int, out: torch.Tensor) -> torch.Tensor:
+        """Columns first .. first + n of W^T (output features; first a multiple of BLOCK_COLUMNS) into out,
+        float32 [in_features, n] with unit column stride."""
+        if out.dtype != torch.float32 or out.stride(1) != 1 or out.shape[0] != layout.in_features:
+            raise ValueError(f"out must be float32 [{layout.in_features}, n] with unit column stride")
+        if first % BLOCK_COLUMNS or first < 0 or first + out.shape[1] > layout.out_features:
+            raise IndexError(f"columns {first} .. {first + out.shape[1]} are not block-aligned within "
+                             f"0 .. {layout.out_features}")
+        failed = self._dequantize_t(*layout.kernel_args, first, out.shape[1], out.data_ptr(), out.stride(0))
         if failed:
-            raise ValueError(f"wna16_dequantize refused {layout.bits}-bit weights")
+            raise ValueError(f"wna16_dequantize_t refused {layout.bits}-bit weights (code {failed})")
         return out
 
     def dequantize(self, layout: CpuLayout) -> torch.Tensor:
         """The whole W [out_features, in_features] in float32."""
-        return self.dequantize_into(layout, 0, torch.empty(layout.out_features, layout.in_features))
+        return self.dequantize_t_into(layout, 0, torch.empty(layout.in_features, layout.out_features)).t().contiguous()
 
     def _tile(self, elements: int) -> torch.Tensor:
         """A per-thread scratch tensor kept between calls: a fresh one would fault in its pages every call."""
@@ -311,22 +317,25 @@ class WNA16Kernels:
 
 
 def _operands(x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None, bias: torch.Tensor | None):
-    if x.dim() != 2 or x.shape[1] != layout.in_features:
-        raise ValueError(f"x is {tuple(x.shape)}; this weight takes [rows, {layout.in_features}]")
-    if x.dtype not in (torch.float32, torch.bfloat16):
+    """x as the kernel reads it (float32 or bfloat16, unit column stride), the float32 output, the float32 bias.
+    Called per product (~100 per decode step): the common case is a few attribute reads."""
+    shape = x.shape
+    if len(shape) != 2 or shape[1] != layout.in_features:
+        raise ValueError(f"x is {tuple(shape)}; this weight takes [rows, {layout.in_features}]")
+    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
         x = x.float()
     if x.stride(1) != 1:
         x = x.contiguous()
-    rows = x.shape[0]
     if out is None:
-        out = torch.empty(rows, layout.out_features, dtype=torch.float32)
-    elif out.dtype != torch.float32 or out.shape != (rows, layout.out_features) or out.stride(1) != 1:
+        out = torch.empty(shape[0], layout.out_features)
+    elif out.dtype != torch.float32 or out.shape != (shape[0], layout.out_features) or out.stride(1) != 1:
         raise ValueError(f"out is {out.dtype} {tuple(out.shape)}; this product writes float32 "
-                         f"[{rows}, {layout.out_features}] with unit column stride")
+                         f"[{shape[0]}, {layout.out_features}] with unit column stride")
     if bias is not None:
         if bias.shape != (layout.out_features,):
             raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({layout.out_features},)")
-        bias = bias.to(torch.float32).contiguous()
+        if bias.dtype is not torch.float32 or not bias.is_contiguous():
+            bias = bias.to(torch.float32).contiguous()
     return x, out, bias
 
 
@@ -367,9 +376,11 @@ class GroupQuantKernel:
         self.out_features = out_features
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        y = self._matmul(rows, bias)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if x.dim() == 2:
+            y = self._matmul(x, bias)
+        else:
+            y = self._matmul(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], self.out_features)
+        return y if y.dtype is x.dtype else y.to(x.dtype)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError

@@ -21,7 +21,8 @@
  * since its AND would set the sign bit. Columns are split over the threads by blocks; each block's weights are
  * read from memory once per call and stay in L2 while every pass of up to 8 rows of x reuses them. Each output is
  * summed by one thread in a fixed order, so results do not depend on the thread count.
- * wna16_dequantize: columns of W as float32 rows in the input order (a tile for a dense GEMM, or a reference).
+ * wna16_dequantize_t: columns of W as float32, transposed (input features as rows, in input order): a tile for a
+ * dense GEMM x @ tile, or the whole weight as a reference.
  *
  * Written once with GCC/Clang vector extensions; pagellm/attention/native.py builds it per instruction set
  * (AVX-512, AVX2 with FMA, generic), with OpenMP against the libgomp torch already loaded.
@@ -248,31 +249,61 @@ int wna16_matmul(const int32_t *packed, const float *gparams, const int32_t *gro
     return 0;
 }
 
-/* out [n_count][in_features] = columns n_first .. n_first + n_count of W (rows of the weight as a linear layer
- * stores it), each in the input order (padding rows dropped). Returns 2 for bits other than 4 and 8. */
-int wna16_dequantize(const int32_t *packed, const float *gparams, const int32_t *group_rows, const int32_t *src,
-                     int bits, int64_t n_groups, int64_t k_rows, int64_t in_features, int64_t n_first,
-                     int64_t n_count, float *out) {
-    if (bits != 4 && bits != 8) return 2;
-    const int pack = 32 / bits;
+/* Field j of each lane as its integer value, converted to float. */
+static ALWAYS_INLINE f32x8 field_value(u32x8 v, const int bits, const int j) {
     const uint32_t mask = (1u << bits) - 1;
-#pragma omp parallel for schedule(static) if (n_count * k_rows * pack >= PARALLEL_MIN_WORK / 4)
-    for (int64_t i = 0; i < n_count; ++i) {
-        const int64_t n = n_first + i, b = n / NB, c = n % NB;
-        const int32_t *w = packed + b * k_rows * NB + c;
-        const float *gp = gparams + b * n_groups * 2 * NB + c;
-        float *row = out + i * in_features;
-        int64_t k = 0;
-        for (int64_t g = 0; g < n_groups; ++g) {
-            const float s = gp[g * 2 * NB], o = gp[g * 2 * NB + NB];
-            for (int32_t p = 0; p < group_rows[g]; ++p, w += NB) {
-                const uint32_t word = (uint32_t)*w;
-                for (int j = 0; j < pack; ++j, ++k) {
-                    const int64_t feature = src != NULL ? src[k] : k;
-                    if (feature >= 0) row[feature] = s * (float)((word >> (bits * j)) & mask) + o;
+    return __builtin_convertvector((i32x8)((v >> (bits * j)) & mask), f32x8);
+}
+
+static ALWAYS_INLINE void dequantize_block(const int32_t *block, const float *gp, const int32_t *group_rows,
+                                          int64_t n_groups, const int32_t *src, int64_t width, float *out,
+                                          int64_t out_stride, const int bits) {
+    const int pack = 32 / bits;
+    const int32_t *w = block;
+    int64_t k = 0;
+    for (int64_t g = 0; g < n_groups; ++g) {
+        f32x8 s[4], o[4];
+        for (int c = 0; c < 4; ++c) {
+            s[c] = load_f32x8(gp + g * 2 * NB + 8 * c);
+            o[c] = load_f32x8(gp + g * 2 * NB + NB + 8 * c);
+        }
+        for (int32_t p = 0; p < group_rows[g]; ++p, w += NB) {
+            u32x8 v[4];
+            for (int c = 0; c < 4; ++c) v[c] = load_u32x8(w + 8 * c);
+            for (int j = 0; j < pack; ++j, ++k) {
+                const int64_t feature = src != NULL ? src[k] : k;
+                if (feature < 0) continue;
+                float *row = out + feature * out_stride;
+                if (width == NB) {
+                    for (int c = 0; c < 4; ++c) store_f32x8(row + 8 * c, s[c] * field_value(v[c], bits, j) + o[c]);
+                } else {
+                    float values[NB];
+                    for (int c = 0; c < 4; ++c) store_f32x8(values + 8 * c, s[c] * field_value(v[c], bits, j) + o[c]);
+                    memcpy(row, values, sizeof(float) * (size_t)width);
                 }
             }
         }
+    }
+}
+
+/* out [in_features][out_stride] = columns n_first .. n_first + n_count of W^T (n_first a multiple of NB; out_stride
+ * >= n_count): each input feature's row in input order (padding rows dropped), a tile for a dense GEMM x @ tile.
+ * Returns 2 for bits other than 4 and 8, 3 for an n_first that is not a block boundary. */
+int wna16_dequantize_t(const int32_t *packed, const float *gparams, const int32_t *group_rows, const int32_t *src,
+                       int bits, int64_t n_groups, int64_t k_rows, int64_t n_first, int64_t n_count, float *out,
+                       int64_t out_stride) {
+    if (bits != 4 && bits != 8) return 2;
+    if (n_first % NB) return 3;
+    const int64_t first_block = n_first / NB, n_blocks = (n_count + NB - 1) / NB;
+#pragma omp parallel for schedule(static) if (n_count * k_rows * (32 / bits) >= PARALLEL_MIN_WORK / 4)
+    for (int64_t i = 0; i < n_blocks; ++i) {
+        const int64_t b = first_block + i, width = n_count - i * NB < NB ? n_count - i * NB : NB;
+        const int32_t *block = packed + b * k_rows * NB;
+        const float *gp = gparams + b * n_groups * 2 * NB;
+        if (bits == 4)
+            dequantize_block(block, gp, group_rows, n_groups, src, width, out + i * NB, out_stride, 4);
+        else
+            dequantize_block(block, gp, group_rows, n_groups, src, width, out + i * NB, out_stride, 8);
     }
     return 0;
 }
