@@ -164,7 +164,8 @@ class EngineArgs:
     max_model_len: int | None = arg(None, group=MODEL, kind="max_model_len",
                                     help="longest sequence (prompt + output) in tokens, e.g. 4096 or 4k "
                                          "(default: the model's max_position_embeddings)")
-    quantization: str | None = default_only(None, group=MODEL, kind="optional_str", why=_NO_QUANT, flags=("-q",))
+    quantization: str | None = default_only(None, group=MODEL, kind="optional_str", accepted=("awq", "gptq"),
+                                            why=_NO_QUANT, flags=("-q",))
     quantization_config: dict | None = default_only(None, group=MODEL, kind="json", why=_NO_QUANT)
     allow_deprecated_quantization: bool = no_effect(False, group=MODEL)
     enforce_eager: bool = arg(False, group=MODEL, help="run every step eagerly (no CUDA graphs)")
