@@ -164,7 +164,10 @@ class EngineArgs:
     max_model_len: int | None = arg(None, group=MODEL, kind="max_model_len",
                                     help="longest sequence (prompt + output) in tokens, e.g. 4096 or 4k "
                                          "(default: the model's max_position_embeddings)")
-    quantization: str | None = default_only(None, group=MODEL, kind="optional_str", why=_NO_QUANT, flags=("-q",))
+    quantization: str | None = default_only(
+        None, group=MODEL, kind="optional_str", flags=("-q",), accepted=("compressed-tensors", "fp8", "int8"),
+        why="pagellm loads unquantized, GGUF, compressed-tensors (int8/fp8 W8A8) and fp8 checkpoints, and quantizes "
+            "float ones to int8 or fp8 as they load")
     quantization_config: dict | None = default_only(None, group=MODEL, kind="json", why=_NO_QUANT)
     allow_deprecated_quantization: bool = no_effect(False, group=MODEL)
     enforce_eager: bool = arg(False, group=MODEL, help="run every step eagerly (no CUDA graphs)")

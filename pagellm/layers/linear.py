@@ -53,7 +53,10 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         for param in self.parameters(recurse=False):
-            set_weight_attrs(param, weight_loader=self.weight_loader, shard_ids=self.shard_ids)
+            # A method may give a parameter its own loader (per-shard scales, online quantization), which calls
+            # the layer's to place what it loads.
+            set_weight_attrs(param, weight_loader=getattr(param, "weight_loader", self.weight_loader),
+                             shard_ids=self.shard_ids)
 
     def pieces(self, shard: ShardId) -> list[OutputPiece]:
         """This rank's output features of checkpoint shard `shard`."""
