@@ -13,15 +13,17 @@ largest |input| each layer sees on a few calibration prompts (the min-max observ
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers import PROMPTS as CALIBRATION
+
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_MAX = 448.0
-CALIBRATION = ["The capital of France is", "def fibonacci(n):", "Paged attention stores the KV cache in blocks."]
 
 
 def _args(kind: str, strategy: str, dynamic: bool = False, block=None) -> dict:
@@ -124,6 +126,10 @@ def input_amax(model_dir: str) -> dict[str, float]:
     return amax
 
 
+def _ignored(module: str, ignore: tuple[str, ...]) -> bool:
+    return any(re.match(entry[3:], module) if entry.startswith("re:") else entry == module for entry in ignore)
+
+
 def _copy_side_files(src: Path, dst: Path, config_update: dict) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for item in src.iterdir():
@@ -136,10 +142,12 @@ def _copy_side_files(src: Path, dst: Path, config_update: dict) -> None:
     (dst / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compressed-tensors") -> tuple[str, str]:
+def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compressed-tensors",
+                    ignore: tuple[str, ...] = ("lm_head",)) -> tuple[str, str]:
     """(the quantized checkpoint, a float checkpoint of its dequantized weights) from the float checkpoint at
     src_dir. fmt "compressed-tensors" takes any of SCHEMES; fmt "fp8" (quant_method fp8) takes the fp8 tensor
-    schemes ("fp8-tensor-static", "fp8-tensor-w8a16" as dynamic) and "fp8-block-dynamic"."""
+    schemes ("fp8-tensor-static", "fp8-tensor-w8a16" as dynamic) and "fp8-block-dynamic". Modules matching
+    `ignore` (names, or "re:" patterns matched from the start) stay float."""
     src = Path(src_dir)
     tensors = {}
     for file in sorted(src.glob("*.safetensors")):
@@ -149,7 +157,7 @@ def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compre
     quantized, dequantized = {}, {}
     for name, tensor in tensors.items():
         module = name.rsplit(".", 1)[0]
-        if name.endswith(".weight") and module.split(".")[-1] in LINEAR_SUFFIXES:
+        if name.endswith(".weight") and module.split(".")[-1] in LINEAR_SUFFIXES and not _ignored(module, ignore):
             if kind == "int":
                 q, scale = quantize_int8(tensor, strategy)
             else:
@@ -168,9 +176,10 @@ def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compre
     dst = Path(dst_dir)
     quant_dir, float_dir = dst / "quantized", dst / "dequantized"
     if fmt == "compressed-tensors":
-        quant_config = compressed_tensors_config(scheme)
+        quant_config = compressed_tensors_config(scheme, ignore)
     else:
-        quant_config = {"quant_method": "fp8", "activation_scheme": "static" if activations == "static" else "dynamic"}
+        quant_config = {"quant_method": "fp8", "activation_scheme": "static" if activations == "static" else "dynamic",
+                        "ignored_layers": [entry for entry in ignore if not entry.startswith("re:")]}
         if block is not None:
             quant_config["weight_block_size"] = list(block)
     _copy_side_files(src, quant_dir, {"quantization_config": quant_config})
