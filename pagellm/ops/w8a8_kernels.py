@@ -55,8 +55,10 @@ MAX_IN_FEATURES = 65536
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # Rows of x from which the fp8 product dequantizes weight tiles into torch's GEMM instead of widening each
-# weight inside the fused kernel. Measured with benchmarks/w8a8_kernels.py (see README, "8-bit weights").
-FP8_DENSE_MIN_ROWS = {"avx512": 32, "avx2": 32, "generic": 4}
+# weight inside the fused kernel: the widening costs about as much as the product itself, and the dense path
+# pays it once per call instead of once per 4 rows. Where the two met in benchmarks/w8a8_kernels.py (README,
+# "8-bit weights"); the AVX-512 build runs the AVX2 code and takes its value until measured there.
+FP8_DENSE_MIN_ROWS = {"avx512": 96, "avx2": 96, "generic": 8}
 # Weight bytes dequantized per tile of the dense path (the only dequantized copy that exists at a time).
 DENSE_TILE_BYTES = 4 << 20
 
