@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from pagellm.layers.rotary import RotaryEmbedding
 from pagellm.layers.weights import process_weights_after_loading
 from pagellm.models import registry
 from pagellm.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = registry.SUPPORTED_ARCHITECTURES
 _DEFAULT_ALIASES = (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}")
@@ -211,8 +214,8 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e
     small enough that activations stay finite through any depth, random enough not to be all ties."""
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
-        if not param.is_floating_point():
-            param.zero_()  # packed integer weights of a quantized format: zeros are valid blocks
+        if not param.is_floating_point() or param.element_size() == 1:
+            param.zero_()  # packed integer or fp8 weights of a quantized format: zeros are valid blocks
             continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)

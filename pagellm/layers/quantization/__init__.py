@@ -14,6 +14,9 @@ from pagellm.layers.quantization.base import QuantizationConfig
 QUANTIZATION_METHODS: dict[str, str] = {
     "awq": "pagellm.layers.quantization.awq:awq_config",
     "gptq": "pagellm.layers.quantization.gptq:gptq_config",
+    "compressed-tensors": "pagellm.layers.quantization.compressed_tensors:compressed_tensors_config",
+    "fp8": "pagellm.layers.quantization.fp8:fp8_config",
+    "int8": "pagellm.layers.quantization.w8a8:online_int8_config",
 }
 
 
