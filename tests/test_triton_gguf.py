@@ -131,3 +131,34 @@ def test_gguf_ops_picks_the_triton_kernels_for_cuda():
     assert isinstance(gk.gguf_ops(device=torch.device("cuda", 0)), tg.TritonGGUFKernels)
     assert not isinstance(gk.gguf_ops(device="cpu"), tg.TritonGGUFKernels)
     assert tg.TritonGGUFKernels.supports("Q6_K") and not tg.TritonGGUFKernels.supports("F16")
+
+
+def test_gguf_layers_serve_through_the_triton_kernels(ops):
+    """The layer library's GGUF method with the Triton kernels (as a model on CUDA gets them): a fused layer of
+    two block types and the embedding's gather give what the torch path gives."""
+    from pagellm.layers.linear import QKVParallelLinear
+    from pagellm.layers.quantization.gguf import GGUFConfig, GGUFWeight
+    from pagellm.layers.vocab_embedding import VocabEmbedding
+    from pagellm.models.loader import default_dtype
+
+    weights = {shard: GGUFWeight(random_weight(kind, rows, 256, seed), kind, rows, 256)
+               for shard, kind, rows, seed in (("q", "Q4_K", 64, 1), ("k", "Q4_K", 32, 2), ("v", "Q6_K", 32, 3))}
+    table = GGUFWeight(random_weight("Q8_0", 40, 256, 4), "Q8_0", 40, 256)
+    x = _x(3, 256, torch.float32)
+    ids = torch.tensor([[39, 0, 7]])
+    results = []
+    for kernels in (ops, gk.TorchGGUFOps()):
+        with default_dtype(torch.float32):
+            qkv = QKVParallelLinear(256, 32, num_heads=2, num_kv_heads=1, bias=False,
+                                    quant_config=GGUFConfig(ops=kernels), prefix="model.layers.0.self_attn.qkv_proj")
+            embedding = VocabEmbedding(40, 256, GGUFConfig(ops=kernels), "model.embed_tokens")
+        for shard, weight in weights.items():
+            qkv.weight.weight_loader(qkv.weight, weight, shard)
+        qkv.process_weights_after_loading()
+        embedding.weight.weight_loader(embedding.weight, table)
+        embedding.process_weights_after_loading()
+        assert qkv.quant_method.ops is kernels and [p.type_name for p in qkv.quantized_parts] == ["Q4_K", "Q6_K"]
+        results.append((qkv(x), embedding(ids)))
+    (triton_y, triton_rows), (torch_y, torch_rows) = results
+    torch.testing.assert_close(triton_y, torch_y, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(triton_rows, torch_rows, rtol=0, atol=0)

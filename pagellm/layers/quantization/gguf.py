@@ -60,8 +60,10 @@ class _QuantizedPart:
 
 
 class GGUFLinearMethod(LinearMethod):
-    def __init__(self) -> None:
-        self.ops = gguf_ops()
+    def __init__(self, ops=None) -> None:
+        # The kernels for the device the model is built on (C on the CPU, Triton on CUDA), chosen when the first
+        # layer is made; `ops` fixes them (tests run the Triton kernels on the CPU under TRITON_INTERPRET=1).
+        self.ops = ops
         self.scratch = UpcastScratch()
         self._reported: set[str] = set()
 
@@ -69,6 +71,8 @@ class GGUFLinearMethod(LinearMethod):
                        params_dtype: torch.dtype) -> None:
         # Filled at load with the blocks (or a dense tensor) of whatever type the file stores.
         weight = nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
+        if self.ops is None:
+            self.ops = gguf_ops(device=weight.device)
         set_weight_attrs(weight, output_dim=0, input_dim=1, weight_loader=lambda p, t, s=None: self.load(layer, t, s))
         layer.register_parameter("weight", weight)
         layer.gguf_parts = {}
@@ -100,7 +104,7 @@ class GGUFLinearMethod(LinearMethod):
         padding = layer.output_size - sum(part.rows for part in parts)  # a vocab-split head's tail rows
         quantized = [p.weight for p in parts if isinstance(p.weight, GGUFWeight)]
         if len(quantized) == len(parts) and all(self.ops.supports(w.type_name) for w in quantized):
-            layer.weight.data, layer.quantized_parts = _pack_runs(quantized, padding)
+            layer.weight.data, layer.quantized_parts = _pack_runs(quantized, padding, layer.weight.device)
             layer.dense_kernel = None
             return
         for weight in quantized:
@@ -109,7 +113,7 @@ class GGUFLinearMethod(LinearMethod):
                  for p in parts]
         if padding:
             dense.append(dense[0].new_zeros(padding, layer.input_size))
-        layer.weight.data = torch.cat(dense).contiguous()
+        layer.weight.data = torch.cat(dense).to(layer.weight.device).contiguous()
         layer.quantized_parts = None
         if not getattr(layer, "serves_matmul", True):  # an embedding table only looked up
             layer.dense_kernel = DenseKernel(layer.weight.data)
@@ -152,8 +156,8 @@ class GGUFConfig(QuantizationConfig):
 
     name = "gguf"
 
-    def __init__(self, type_counts: dict[str, int] | None = None) -> None:
-        self.method = GGUFLinearMethod()
+    def __init__(self, type_counts: dict[str, int] | None = None, ops=None) -> None:
+        self.method = GGUFLinearMethod(ops)
         self.type_counts = dict(type_counts or {})
 
     def linear_method(self, prefix: str) -> LinearMethod:
@@ -161,13 +165,15 @@ class GGUFConfig(QuantizationConfig):
 
     def describe(self) -> str:
         counts = ", ".join(f"{count} {name}" for name, count in sorted(self.type_counts.items(), key=lambda i: -i[1]))
-        return f"gguf ({counts}; kernels: {self.method.ops.isa})" if counts else "gguf"
+        kernels = self.method.ops.isa if self.method.ops is not None else "none built"
+        return f"gguf ({counts}; kernels: {kernels})" if counts else "gguf"
 
 
-def _pack_runs(weights: list[GGUFWeight], padding: int) -> tuple[torch.Tensor, list[_QuantizedPart]]:
-    """All shards' blocks in one buffer, as one part per run of equally typed shards (q/k in Q4_K then v in
-    Q6_K: two products), each a view of the buffer; `padding` zero rows after the last (zero blocks are zero
-    weights in every format: their scales are 0)."""
+def _pack_runs(weights: list[GGUFWeight], padding: int,
+               device: torch.device) -> tuple[torch.Tensor, list[_QuantizedPart]]:
+    """All shards' blocks in one buffer on `device`, as one part per run of equally typed shards (q/k in Q4_K
+    then v in Q6_K: two products), each a view of the buffer; `padding` zero rows after the last (zero blocks
+    are zero weights in every format: their scales are 0)."""
     runs: list[list[GGUFWeight]] = []
     for weight in weights:
         if runs and runs[-1][0].type_name == weight.type_name:
@@ -177,11 +183,15 @@ def _pack_runs(weights: list[GGUFWeight], padding: int) -> tuple[torch.Tensor, l
     sizes = [sum(w.data.numel() for w in run) for run in runs]
     sizes[-1] += padding * runs[-1][0].data.shape[1]
     buffer = torch.zeros(sum(sizes), dtype=torch.uint8)
+    offset = 0
+    for run, size in zip(runs, sizes):
+        view = buffer[offset : offset + size].view(-1, run[0].data.shape[1])
+        torch.cat([w.data for w in run], out=view[: sum(w.rows for w in run)])
+        offset += size
+    buffer = buffer.to(device)  # assembled on the host, where the file's blocks are, then copied once
     parts, offset = [], 0
     for run, size in zip(runs, sizes):
-        width = run[0].data.shape[1]
-        view = buffer[offset : offset + size].view(-1, width)
-        torch.cat([w.data for w in run], out=view[: sum(w.rows for w in run)])
+        view = buffer[offset : offset + size].view(-1, run[0].data.shape[1])
         parts.append(_QuantizedPart(view, run[0].type_name, view.shape[0]))
         offset += size
     return buffer, parts
