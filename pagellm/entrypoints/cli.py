@@ -32,9 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"Serve a model over an OpenAI-compatible HTTP API. The model is a local HF directory or .gguf "
                     f"file, a hub id already in the local Hugging Face cache, or unset for the embedded "
                     f"{DEFAULT_MODEL}.",
-        epilog="On a CPU, torch's OpenMP threads spin for a while between kernels before they sleep (libgomp's "
-               "default, as offline): fastest on cores the server has to itself. Where other processes share the "
-               "cores, OMP_WAIT_POLICY=PASSIVE holds up better.")
+        epilog="On a CPU, torch's OpenMP threads spin briefly between kernels before they sleep (pagellm sets "
+               "GOMP_SPINCOUNT unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set), and as many run as the affinity "
+               "mask and the cgroup's CPU quota allow.")
     make_arg_parser(serve)
     # As before vLLM's names for them: torchrun's variables give the rendezvous flags their defaults.
     serve.set_defaults(**_rendezvous_defaults_from_environment())
