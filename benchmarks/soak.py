@@ -4,10 +4,11 @@
 
 Traffic (seeded): greedy completions and chats, streamed or not; seeded n=3 samples; long prompts; clients
 that disconnect mid-stream; requests aborted by a client timeout; bad inputs (mistyped fields, lone
-surrogates, unknown fields, oversized bodies); structured outputs with a JSON schema nested 200 objects deep
-(a 400) or at the limits of depth and size (served), /health timed while each is handled; and
---schema-clients clients that send a new JSON schema with every request (each one compiled, and the
-compiled-grammar cache evicting). Every request has a deadline and the run is bounded in time and count.
+surrogates, unknown fields, best_of past its cap or past max_num_seqs, seeds outside int64, oversized
+bodies); slow clients that trickle their headers or body and stall (closed after the server's read
+timeout); structured outputs with a JSON schema nested 200 objects deep (a 400) or at the limits of
+depth and size (served), /health timed while each is handled; and --schema-clients clients that send a new
+JSON schema with every request (each one compiled, and the compiled-grammar cache evicting). Every request has a deadline and the run is bounded in time and count.
 At the end it asserts:
 
 - 0 requests running or waiting and 0 KV blocks in use (the server's /metrics), once the traffic stops;
@@ -53,13 +54,23 @@ LONG_PROMPT = " ".join(f"item {i} is {i * i}." for i in range(40))  # ~380 token
 BAD_BODIES = [
     ("/v1/completions", {"model": "m", "prompt": "Hi", "skip_special_tokens": "false"}, 400),
     ("/v1/completions", {"model": "m", "prompt": "\ud800abc"}, 400),
-    ("/v1/completions", {"model": "m", "prompt": "Hi", "max_token": 3}, 400),
+    ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 1, "max_token": 3}, 200),  # ignored, as vLLM
+    ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 1, "best_of": 20000}, 400),
+    ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 1, "n": 2, "best_of": 128}, 400),
+    ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 1, "seed": 2**64}, 400),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "seed": -2**63 - 1}, 400),
     ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 10**6}, 400),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "\udfff"}]}, 400),
     ("/generate", {"prompt": "Hi", "ignore_eos": "false"}, 400),
     ("/generate", {"prompt": "Hi", "bad_words": "abc"}, 400),
     ("/tokenize", {"prompt": "Hi", "add_special_tokens": "no"}, 400),
 ]
+
+
+# The server's --header-read-timeout and --body-read-timeout here, and how much later a stalled client's
+# connection must be closed.
+READ_TIMEOUT_S = 2.0
+SLOW_CLIENT_GRACE_S = 10.0
 
 
 def nested_schema(depth: int) -> dict:
@@ -231,6 +242,11 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, goods: list
             response = await handled
             if response.status_code != status:
                 return tally.fail(kind, f"got {response.status_code}, expected {status}: {response.text[:200]}")
+        elif roll < 0.75:
+            kind = "slow client"
+            if not await slow_client_closed(client.base_url, rng.random() < 0.5):
+                return tally.fail(kind, f"the connection was still open {SLOW_CLIENT_GRACE_S} s after the server's "
+                                        f"{READ_TIMEOUT_S} s read timeout")
         elif roll < 0.97:
             kind = "bad input"
             route, body, status = rng.choice(BAD_BODIES)
@@ -248,6 +264,25 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, goods: list
         tally.counts[kind] += 1
     except Exception as exc:  # noqa: BLE001 - every failure is counted and shown, none stops the soak
         tally.fail(kind, repr(exc)[:300])
+
+
+async def slow_client_closed(base_url: httpx.URL, in_body: bool) -> bool:
+    """A client that trickles a request (its headers, or a body shorter than its Content-Length) and then stalls:
+    whether the server closed the connection within its read timeout and a grace period."""
+    reader, writer = await asyncio.open_connection(base_url.host, base_url.port)
+    try:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\ncontent-type: application/json\r\n"
+        writer.write(head + (b"content-length: 100\r\n\r\n{\"model\": " if in_body else b"x-slow: "))
+        await writer.drain()
+        try:
+            async with asyncio.timeout(READ_TIMEOUT_S + SLOW_CLIENT_GRACE_S):
+                while await reader.read(4096):  # a 408, then the end of the stream
+                    pass
+        except TimeoutError:
+            return False
+        return True
+    finally:
+        writer.close()
 
 
 async def soak(url: str, pid: int, args: argparse.Namespace) -> int:
@@ -381,7 +416,8 @@ def main() -> None:
         command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
                    "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
                    "--kv-cache-memory-bytes", "64MiB", "--max-num-seqs", "32", "--served-model-name", "m",
-                   "--max-request-body-bytes", str(args.body_limit), "--uvicorn-log-level", "warning"]
+                   "--max-request-body-bytes", str(args.body_limit), "--uvicorn-log-level", "warning",
+                   "--header-read-timeout", str(READ_TIMEOUT_S), "--body-read-timeout", str(READ_TIMEOUT_S)]
         env = {**os.environ, "PYTHONPATH": REPO_ROOT}
         with open(log_path, "wb") as log:
             server = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
