@@ -8,7 +8,8 @@ surrogates, unknown fields, best_of past its cap or past max_num_seqs, seeds out
 bodies); slow clients that trickle their headers or body and stall (closed after the server's read
 timeout); structured outputs with a JSON schema nested 200 objects deep (a 400) or at the limits of
 depth and size (served), /health timed while each is handled; and --schema-clients clients that send a new
-JSON schema with every request (each one compiled, and the compiled-grammar cache evicting). Every request has a deadline and the run is bounded in time and count.
+JSON schema with every request (each one compiled, and the compiled-grammar cache evicting). Every request
+has a deadline and the run is bounded in time and count.
 At the end it asserts:
 
 - 0 requests running or waiting and 0 KV blocks in use (the server's /metrics), once the traffic stops;
