@@ -5,7 +5,7 @@ lm_head) and each row count, the options torch offers without torch.compile:
 
 - `mkl`:    F.linear on the plain [out, in] weight (MKL for float32; oneDNN's matmul underneath for bf16);
 - `packed`: the weight reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`),
-            then `torch.ops.mkldnn._linear_pointwise` per call: what Linear.pack_for_cpu does in float32 (and in
+            then `torch.ops.mkldnn._linear_pointwise` per call: what ops/dense_linear.py does in float32 (and in
             bfloat16 where the native kernel below is not built);
 - `mm_t`:   x @ W^T with W^T stored contiguous [in, out] (a second layout MKL/oneDNN may prefer);
 - `native`: bfloat16 where the CPU has avx512_bf16: pagellm's own kernel (linear_bf16.c) on its packed weight.
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from pagellm.attention import native
 from pagellm.cpu_features import cpu_description
+from pagellm.ops.dense_linear import can_pack_for_cpu
 
 # (name, in_features, out_features) of SmolLM2-135M (hidden 576, intermediate 1536, 9 q heads, 3 kv heads
 # of 64, vocabulary 49152), with q/k/v and gate/up fused as pagellm runs them.
@@ -47,11 +48,15 @@ DEFAULT_ROWS = (1, 4, 16, 48, 128, 256, 512, 1024, 2048)
 
 
 def gemm_options(weight: torch.Tensor, with_mm_t: bool = True) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-    options = {
-        "mkl": lambda x: F.linear(x, weight),
-        "packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-    }
+    """The ways to compute x @ weight.T that this CPU can run: oneDNN's packed weight only where pagellm packs
+    (oneDNN refuses bf16 without AVX-512 or AVX-NE-CONVERT); bf16 there runs widened to float32 ("upcast")."""
+    options = {"mkl": lambda x: F.linear(x, weight)}
+    if can_pack_for_cpu(weight.device, weight.dtype):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        options["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    elif weight.dtype != torch.float32:
+        weight_f32 = weight.float()
+        options["upcast"] = lambda x: F.linear(x.float(), weight_f32).to(weight.dtype)
     if with_mm_t:
         weight_t = weight.t().contiguous()
         options["mm_t"] = lambda x: torch.mm(x, weight_t)
@@ -125,7 +130,7 @@ def main() -> None:
     if args.chain:
         print_chain(dtypes, args)
         return
-    columns = ("mkl", "packed", "mm_t", "native")
+    columns = ("mkl", "packed", "upcast", "mm_t", "native")
     print(f"{'dtype':9} {'shape':8} {'rows':>5} | " + " ".join(f"{n:>8}" for n in columns)
           + " | GFLOP/s   winner  (vs mkl)")
     with torch.no_grad():

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from pagellm.attention import native
 from pagellm.cpu_features import cpu_description
-from pagellm.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
+from pagellm.layers.layernorm import RMSNorm
+from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 576, 1536, 9, 3, 64, 16
 TORCH = "torch"

@@ -512,8 +512,15 @@ def stop(process: subprocess.Popen) -> None:
 
 
 def session_cpu_seconds(session_id: int) -> float | None:
-    """User + system CPU seconds used so far by the live processes of a session: a launched server (started in
-    a session of its own) and every process it started, such as vLLM's engine core. None without Linux's /proc."""
+    """User + system CPU seconds used so far by a session: a launched server (started in a session of its own)
+    and every process it started, such as vLLM's engine core or a tokenizer worker, those that have exited
+    included. None without Linux's /proc.
+
+    Each live process counts its own seconds and those of the children it has reaped (cutime and cstime): a
+    process that exits moves its seconds from its own entry to its parent's rather than taking them out of the
+    sum, which therefore only grows. What it cannot see: a process whose parent left the session before it exited
+    (reaped by init), and one reaped in the instant the entries are being read (counted twice or not at all);
+    neither happens while a server runs its requests."""
     total = 0.0
     try:
         entries = os.listdir("/proc")
@@ -528,10 +535,11 @@ def session_cpu_seconds(session_id: int) -> float | None:
         except OSError:  # exited meanwhile, or not ours to read
             continue
         # The fields after the command name (which may hold spaces), from the state: session is the 4th,
-        # utime and stime the 12th and 13th (proc(5)).
+        # utime and stime the 12th and 13th, cutime and cstime (of the children it waited for) the 14th and 15th
+        # (proc(5)).
         fields = stat[stat.rindex(")") + 2:].split()
         if int(fields[3]) == session_id:
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            total += sum(int(ticks) for ticks in fields[11:15]) / os.sysconf("SC_CLK_TCK")
     return total
 
 

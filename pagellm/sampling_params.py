@@ -170,6 +170,10 @@ class SamplingParams:
         _check_real("min_p", self.min_p, "0 <= min_p <= 1", lambda v: 0 <= v <= 1)
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not _INT64_MIN <= self.seed <= _INT64_MAX:
+                # The generator takes 64 bits: a larger seed would alias a smaller one (2**64 samples as 0).
+                raise ValueError(f"seed={self.seed} is out of range; allowed: {_INT64_MIN} <= seed <= {_INT64_MAX} "
+                                 "(a signed 64-bit integer).")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
@@ -240,6 +244,8 @@ class BeamSearchParams:
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping={self.early_stopping!r}; allowed: True, False or 'never'.")
 
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
 

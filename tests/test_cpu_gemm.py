@@ -1,5 +1,5 @@
-"""The CPU GEMM paths: oneDNN-packed linear weights (one copy where they serve every row count) against
-the float32 product of the same weights."""
+"""The CPU GEMM paths of dense linear layers (ops/dense_linear.py): oneDNN-packed weights (one copy where they
+serve every row count) and pagellm's bf16 kernel, against the float32 product of the same weights."""
 
 from __future__ import annotations
 
@@ -8,8 +8,25 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.cpu_features import cpu_has_native
-from pagellm.models import llama
-from pagellm.models.llama import Linear, can_pack_for_cpu
+from pagellm.layers.linear import LinearBase, ReplicatedLinear
+from pagellm.layers.vocab_embedding import VocabEmbedding
+from pagellm.models.loader import default_dtype
+from pagellm.ops import dense_linear
+from pagellm.ops.dense_linear import FLOAT32_PLAIN_MIN_ROWS, NativeBF16Packed, OneDNNPacked, can_pack_for_cpu
+
+
+def _layer(in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32,
+           shared: bool = False) -> ReplicatedLinear:
+    """A linear layer with random weights, prepared for this CPU as a loaded model's layers are."""
+    with default_dtype(dtype):
+        layer = ReplicatedLinear(in_features, out_features, bias, None, "test")
+    with torch.no_grad():
+        layer.weight.normal_()
+        if bias:
+            layer.bias.normal_()
+    layer.shares_weight = shared
+    layer.process_weights_after_loading()
+    return layer
 
 needs_native_bf16 = pytest.mark.skipif(not cpu_has_native(torch.bfloat16),
                                        reason="this CPU has no bf16 instructions (no avx512_bf16 / amx_bf16)")
@@ -28,10 +45,15 @@ def test_bf16_packs_only_where_the_cpu_has_bf16_instructions():
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_bf16_linear_matches_float32_product(rows, bias):
     torch.manual_seed(rows)
-    layer = Linear(96, 160, bias=bias).to(torch.bfloat16)
+    with default_dtype(torch.bfloat16):
+        layer = ReplicatedLinear(96, 160, bias, None, "test")
+    with torch.no_grad():
+        layer.weight.normal_()
+        if bias:
+            layer.bias.normal_()
     weight = layer.weight.detach().float().clone()
     b = layer.bias.detach().float().clone() if bias else None
-    layer.pack_for_cpu(free_plain=True)
+    layer.process_weights_after_loading()
     assert layer.weight.numel() == 0, "bf16 keeps one copy: the packed weight"
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -44,8 +66,7 @@ def test_packed_bf16_linear_matches_float32_product(rows, bias):
 @needs_native_bf16
 def test_shared_weight_keeps_its_plain_copy():
     torch.manual_seed(0)
-    layer = Linear(32, 48, bias=False).to(torch.bfloat16)
-    layer.pack_for_cpu(free_plain=False)
+    layer = _layer(32, 48, False, torch.bfloat16, shared=True)
     assert layer.weight.shape == (48, 32)
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -56,15 +77,20 @@ def test_shared_weight_keeps_its_plain_copy():
                                                 (frozenset({"avx2", "avx512f"}), False)])
 def test_float32_keeps_the_plain_weight_for_mkl_only_without_avx512(monkeypatch, flags, keeps_plain):
     """AVX2: MKL on the plain weight for prefill-sized calls, oneDNN below; AVX-512: oneDNN at every size."""
-    monkeypatch.setattr(llama, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(dense_linear, "cpu_flags", lambda: flags)
     torch.manual_seed(1)
-    layer = Linear(24, 40, bias=True)
-    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
-    layer.pack_for_cpu(free_plain=True)
-    assert (layer.weight.numel() > 0) == keeps_plain
-    assert layer.plain_min_rows == (Linear.FLOAT32_PLAIN_MIN_ROWS if keeps_plain else None)
+    with default_dtype(torch.float32):
+        layer = ReplicatedLinear(24, 40, True, None, "test")
     with torch.no_grad():
-        for rows in (3, Linear.FLOAT32_PLAIN_MIN_ROWS + 1):
+        layer.weight.normal_()
+        layer.bias.normal_()
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.process_weights_after_loading()
+    assert isinstance(layer.dense_kernel, OneDNNPacked)
+    assert (layer.weight.numel() > 0) == keeps_plain
+    assert layer.dense_kernel.plain_min_rows == (FLOAT32_PLAIN_MIN_ROWS if keeps_plain else None)
+    with torch.no_grad():
+        for rows in (3, FLOAT32_PLAIN_MIN_ROWS + 1):
             x = torch.randn(rows, 24)
             torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
@@ -76,8 +102,9 @@ def test_loaded_bf16_model_runs_on_packed_weights_and_fused_ops(tiny_llama_dir):
     source = loader.resolve_model(str(tiny_llama_dir))
     config, _ = loader.load_hf_config(source)
     model = loader.load_model(source, config, None, torch.bfloat16, torch.device("cpu"), 64, "auto")
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert all((m.packed_weight is not None) == can_pack_for_cpu(torch.device("cpu"), torch.bfloat16) for m in linears)
+    linears = [m for m in model.modules() if isinstance(m, LinearBase) and not isinstance(m, VocabEmbedding)]
+    packed = can_pack_for_cpu(torch.device("cpu"), torch.bfloat16)
+    assert linears and all(isinstance(m.dense_kernel, (OneDNNPacked, NativeBF16Packed)) == packed for m in linears)
     assert (model.model.ops is not None) == (cpu_ops() is not None)
 
 
@@ -139,13 +166,11 @@ def test_only_the_avx512_bf16_build_has_the_linear_kernel():
 @needs_native_bf16
 def test_bf16_layers_the_kernel_cannot_take_stay_on_onednn():
     torch.manual_seed(0)
-    fits, odd = Linear(64, 48, bias=False).to(torch.bfloat16), Linear(64, 40, bias=False).to(torch.bfloat16)
-    for layer in (fits, odd):
-        layer.pack_for_cpu(free_plain=False)
+    fits, odd = _layer(64, 48, False, torch.bfloat16, shared=True), _layer(64, 40, False, torch.bfloat16, shared=True)
     from pagellm.attention import native
 
-    assert (fits.packed_kernel is not None) == (native.linear_bf16() is not None)
-    assert odd.packed_kernel is None  # 40 outputs: not whole panels of 16
+    assert isinstance(fits.dense_kernel, NativeBF16Packed) == (native.linear_bf16() is not None)
+    assert isinstance(odd.dense_kernel, OneDNNPacked)  # 40 outputs: not whole panels of 16
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         for layer in (fits, odd):

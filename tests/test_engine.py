@@ -195,8 +195,8 @@ def test_sampling_params_count_must_match(llm):
 
 
 def test_unknown_model_name_fails_at_once_and_says_what_to_pass():
-    with pytest.raises(ValueError, match="no model hub") as info:
-        LLM("meta-llama/Llama-3-8B")
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache") as info:
+        LLM("meta-llama/Llama-3-8B", download_dir="/nonexistent/hub")
     assert "SmolLM2-135M-Instruct" in str(info.value) and "local" in str(info.value)
 
 

@@ -155,17 +155,14 @@ def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog):
 
 
 def test_half_linear_upcast_matches_a_half_gemm_with_float32_accumulation():
-    from pagellm.models.llama import Linear
+    from pagellm.ops.dense_linear import Upcast, UpcastScratch
 
     gen = torch.Generator().manual_seed(3)
-    layer = Linear(64, 48, bias=True).to(torch.bfloat16)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(48, 64, generator=gen))
-        layer.bias.copy_(torch.randn(48, generator=gen))
+    weight = torch.randn(48, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
     x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
-    expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
-    layer.upcast_to, layer.upcast_buffer = torch.float32, torch.empty(48 * 64)
-    out = layer(x)
-    assert out.dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float()).to(torch.bfloat16)
+    out = Upcast(weight, UpcastScratch())(x, bias)
+    assert out.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
     assert torch.equal(out, expected)
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=2e-2, atol=2e-2)

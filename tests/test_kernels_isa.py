@@ -86,7 +86,7 @@ def test_silu_and_mul_matches_torch(isa, dtype, rows, width):
 def test_rotary_inplace_matches_torch(isa, dtype, head_dim):
     from transformers import LlamaConfig
 
-    from pagellm.models.llama import RotaryEmbedding, apply_rotary
+    from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
 
     ops = _ops(isa)
     num_heads, num_kv_heads, tokens = 5, 1, 9

@@ -244,11 +244,14 @@ def engine_workloads(draw):
     longest = max(len(p) for p, *_ in prompts)
     # Without chunking, often a budget that the longest prompt fills whole (issue 13 item 3's case).
     budget = draw(st.integers(8, 64)) if chunked else draw(st.sampled_from([longest, longest, 64]))
+    # A request of n sequences runs them all at once, so max_num_seqs is at least the largest n (a larger n
+    # is refused at add_request, tested in test_admission).
+    widest = max(n for _, _, n, _ in prompts)
     min_blocks = cdiv(ENGINE_MAX_MODEL_LEN, block_size)
     num_blocks = min_blocks + draw(st.sampled_from([0, 1, 4]))
     aborts = draw(st.lists(st.tuples(st.integers(0, 10), st.integers(0, 9)), max_size=1))
     return dict(block_size=block_size, enable_chunked_prefill=chunked, max_num_batched_tokens=budget,
-                num_gpu_blocks_override=num_blocks, max_num_seqs=draw(st.integers(1, 4)),
+                num_gpu_blocks_override=num_blocks, max_num_seqs=draw(st.integers(widest, 4)),
                 enable_prefix_caching=draw(st.booleans())), prompts, aborts
 
 
@@ -286,3 +289,96 @@ def test_random_engine_configurations_progress_and_equal_the_run_alone(tiny_llam
             continue
         output = finished[f"r{index}"]
         assert [c.token_ids for c in output.outputs] == [alone_reference(prompt, max_tokens)] * n, engine_kwargs
+
+
+# ---- issue 27 item 1: every sequence counts against max_num_seqs, the queue bound and the pool -----------
+
+
+class _MaxRunning:
+    """A stat logger that keeps the most sequences that ever ran at once."""
+
+    def __init__(self) -> None:
+        self.most = 0
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        self.most = max(self.most, scheduler_stats.num_running)
+
+
+def test_best_of_is_bounded_and_does_not_lock_out_its_neighbours(tiny_llama_dir):
+    args = AsyncEngineArgs(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=24, max_model_len=128,
+                           max_num_seqs=8, max_num_queued_requests=4)
+    watcher = _MaxRunning()
+    engine = AsyncLLMEngine.from_engine_args(args, stat_loggers=[watcher])
+    prompt = {"prompt_token_ids": list(range(100, 105))}
+    neighbours = [{"prompt_token_ids": list(range(200 + 10 * i, 206 + 10 * i))} for i in range(4)]
+
+    async def final(request_id, prompt, params):
+        last = None
+        async for output in engine.generate(prompt, params, request_id):
+            last = output
+        return last
+
+    async def run():
+        # More sequences than max_num_seqs can never run at once: refused with the numbers, nothing queued.
+        with pytest.raises(ValueError, match=r"runs 9 sequences at once .* max_num_seqs=8"):
+            await final("too-many", prompt, SamplingParams(n=1, best_of=9, max_tokens=4))
+        # 8 sequences that fit the seats and, at 3 blocks each, just the 24-block pool: the neighbours that
+        # arrive behind them wait their turn (none is refused: 4 sequences queue at most) and finish.
+        sampled = asyncio.create_task(final("best-of", prompt, SamplingParams(n=2, best_of=8, max_tokens=40,
+                                                                              temperature=1.0, seed=1)))
+        await asyncio.sleep(0)
+        others = [asyncio.create_task(final(f"n{i}", p, _greedy(12))) for i, p in enumerate(neighbours)]
+        results = await asyncio.gather(sampled, *others)
+        return results
+
+    try:
+        best, *greedy = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert [c.index for c in best.outputs] == [0, 1] and all(len(c.token_ids) == 40 for c in best.outputs)
+    assert watcher.most <= 8
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20)
+    alone = llm.generate(neighbours, _greedy(12), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_a_request_whose_sequences_cannot_share_the_pool_is_refused(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", num_gpu_blocks_override=10, max_model_len=128, max_num_seqs=16)
+    prompt = {"prompt_token_ids": list(range(100, 180))}  # 80 tokens + 1: 6 blocks, then 1 per extra sequence
+    with pytest.raises(ValueError, match=r"6 sequences need at least 11 KV blocks .* the pool's 10"):
+        llm.generate([prompt], SamplingParams(n=6, max_tokens=4), use_tqdm=False)
+    outputs = llm.generate([prompt], SamplingParams(n=5, max_tokens=4, temperature=1.0, seed=0), use_tqdm=False)
+    assert len(outputs[0].outputs) == 5
+    _assert_pool_empty(llm)
+
+
+def test_priority_needs_the_priority_policy_and_orders_the_queue(tiny_llama_dir):
+    fcfs = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20)
+    with pytest.raises(ValueError, match="priority=1 needs the priority scheduling policy"):
+        fcfs.generate(["a"], _greedy(2), use_tqdm=False, priority=[1])
+    del fcfs
+    # One seat: the requests run one at a time, in priority order whatever their order of arrival.
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20, max_num_seqs=1,
+              scheduling_policy="priority")
+    engine = llm.llm_engine
+    for request_id, priority in (("late", 3), ("first", -2), ("second", 0)):
+        engine.add_request(request_id, {"prompt_token_ids": [5, 6, 7]}, _greedy(2), priority=priority)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["first", "second", "late"]
+
+
+def test_a_cache_salt_isolates_prefix_cache_reuse(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    tokens = list(range(300, 364))
+    salted = {"prompt_token_ids": tokens, "cache_salt": "tenant-a"}
+    first = llm.generate([salted], _greedy(4), use_tqdm=False)[0]
+    other = llm.generate([{"prompt_token_ids": tokens, "cache_salt": "tenant-b"}], _greedy(4), use_tqdm=False)[0]
+    again = llm.generate([salted], _greedy(4), use_tqdm=False)[0]
+    unsalted = llm.generate([{"prompt_token_ids": tokens}], _greedy(4), use_tqdm=False)[0]
+    assert (first.num_cached_tokens, other.num_cached_tokens, again.num_cached_tokens,
+            unsalted.num_cached_tokens) == (0, 0, 48, 0)
+    assert first.outputs[0].token_ids == other.outputs[0].token_ids == again.outputs[0].token_ids
+    with pytest.raises(ValueError, match="cache_salt=.* must be a non-empty str"):
+        llm.generate([{"prompt_token_ids": tokens, "cache_salt": ""}], _greedy(4), use_tqdm=False)

@@ -215,3 +215,12 @@ def test_valid_values_always_accepted(temperature, top_p, top_k, min_p, max_toke
         assert (sp.top_p, sp.top_k, sp.min_p) == (1.0, 0, 0.0)
     else:
         assert sp.temperature >= 1e-5 and sp.top_p == top_p and sp.min_p == min_p
+
+
+def test_seeds_outside_int64_are_refused_rather_than_aliased():
+    # 2**64 used to sample exactly as seed 0 did.
+    for seed in (2**63, 2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match=rf"seed={seed} is out of range; allowed: -9223372036854775808 <= seed"):
+            SamplingParams(seed=seed)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)

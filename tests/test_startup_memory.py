@@ -17,12 +17,14 @@ import textwrap
 import pytest
 
 from pagellm import LLM, SamplingParams
+from pagellm.config import EngineArgs
 from pagellm.worker import kv_cache
 from pagellm.worker.kv_cache import GiB, cpu_available_memory
 
 MiB = 1 << 20
 BIG_VOCAB = 262_144  # Gemma 3's vocabulary
 MAX_NUM_SEQS = 256  # the default
+UTILIZATION = EngineArgs().gpu_memory_utilization  # the default
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +120,9 @@ def test_the_default_pool_is_sized_down_to_what_fits_and_says_so(tiny_llama_dir,
         llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=256, max_num_seqs=8)
     worker = llm.llm_engine.core.executor.driver
     beside_pool = worker.weights_bytes + worker.activation_peak
-    assert 0 < worker.kv_bytes <= 0.9 * GiB - beside_pool
-    assert worker.kv_bytes > 0.9 * GiB - beside_pool - worker.kv_bytes / worker.num_blocks  # all that fits
+    usable = UTILIZATION * GiB
+    assert 0 < worker.kv_bytes <= usable - beside_pool
+    assert worker.kv_bytes > usable - beside_pool - worker.kv_bytes / worker.num_blocks  # all that fits
     assert "sized down from the CPU default of 4 GiB" in worker.kv_reason
     assert "sized down from the CPU default of 4 GiB" in caplog.text
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
@@ -133,13 +136,13 @@ def test_too_little_memory_for_one_request_is_refused_after_profiling(tiny_llama
     real_allocate = model_worker.allocate_kv_cache
     monkeypatch.setattr(model_worker, "allocate_kv_cache",
                         lambda spec, *args: allocated.append(spec.num_layers) or real_allocate(spec, *args))
-    # Room for the parameters and one request's blocks, but not within gpu_memory_utilization=0.9 of it.
+    # Room for the parameters and one request's blocks, but not within the default gpu_memory_utilization of it.
     simulate_available(monkeypatch, _parameter_bytes(tiny_llama_dir) + 2 * MiB)
     with pytest.raises(ValueError) as refused:
         LLM(tiny_llama_dir, dtype="float32", max_model_len=256, max_num_seqs=8)
     message = str(refused.value)
     for figure in ("cannot hold one request of max_model_len=256", "weights", "activation peak",
-                   "gpu_memory_utilization=0.9", "Lower max_model_len, max_num_seqs"):
+                   f"gpu_memory_utilization={UTILIZATION}", "Lower max_model_len, max_num_seqs"):
         assert figure in message, message
     assert allocated == [1], "only the profiling steps' one-layer scratch pool, never the pool itself"
 

@@ -461,24 +461,31 @@ def find_compiler() -> str:
 
 
 def _build(isa: str) -> pathlib.Path:
+    return build_library(f"pagellm_cpu_{isa}", _SOURCES, _HEADERS, compiler_flags(isa))
+
+
+def build_library(name: str, sources: list[pathlib.Path], headers: list[pathlib.Path],
+                  flags: list[str]) -> pathlib.Path:
+    """`sources` compiled with `flags` into a shared object under pagellm's cache directory, named `name` plus a
+    key of the sources, `headers` (what they include), flags, compiler and CPU; built only where it is missing."""
     compiler = find_compiler()
-    flags = compiler_flags(isa) + ["-shared"]
-    sources = [source.read_bytes() for source in _SOURCES + _HEADERS]
+    flags = flags + ["-shared"]
+    contents = [source.read_bytes() for source in sources + headers]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([*sources, " ".join(flags).encode(), version.encode(), _cpu_identity()]))
-    target = cache_root() / "kernels" / f"pagellm_cpu_{isa}-{key.hexdigest()[:20]}.so"
+    key = hashlib.sha256(b"\0".join([*contents, " ".join(flags).encode(), version.encode(), _cpu_identity()]))
+    target = cache_root() / "kernels" / f"{name}-{key.hexdigest()[:20]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Compile next to the target and rename: concurrent engines never load half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = pathlib.Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise subprocess.CalledProcessError(result.returncode, compiler, stderr=result.stderr)
         os.replace(built, target)
-    logger.info("compiled the native CPU kernels for %s: %s", isa, target)
+    logger.info("compiled the native CPU kernels %s: %s", name, target)
     return target
 
 

@@ -18,8 +18,8 @@ class BlockKey:
     # (block_id, generation) of the cached block holding the previous tokens; None for a first block.
     parent: tuple[int, int] | None
     token_ids: tuple[int, ...]
-    # Anything else the K/V depends on besides the tokens and their positions (none yet: no LoRA,
-    # no multimodal inputs); it is part of the key so that adding such inputs cannot alias blocks.
+    # Anything else that must keep two blocks of equal tokens apart: a request's cache_salt (on first blocks;
+    # the chain carries it on), later a LoRA adapter or multimodal inputs.
     extra: tuple = ()
 
 

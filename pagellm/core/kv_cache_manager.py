@@ -50,6 +50,13 @@ class KVCacheStats:
         return 0.0 if slots == 0 else 1.0 - self.num_stored_tokens / slots
 
 
+def _block_key(parent: tuple[int, int] | None, token_ids: Sequence[int], cache_salt: str | None) -> BlockKey:
+    """Only a first block carries the salt: every later key chains on to its parent's identity, so a salted
+    chain and an unsalted one share no block."""
+    extra = ("cache_salt", cache_salt) if parent is None and cache_salt is not None else ()
+    return BlockKey(parent, tuple(token_ids), extra)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -112,8 +119,8 @@ class KVCacheManager:
 
     # ---- prefix cache ------------------------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
-        """The longest run of leading full blocks of `token_ids` held in the cache.
+    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> CachedPrefix:
+        """The longest run of leading full blocks of `token_ids` held in the cache (under `cache_salt`).
 
         At least the last token is always left to compute: its logits sample the next token.
         """
@@ -123,7 +130,7 @@ class KVCacheManager:
         blocks: list[KVBlock] = []
         parent = None
         for start in range(0, len(token_ids) - 1 - size + 1, size):
-            block = self.pool.lookup(BlockKey(parent, tuple(token_ids[start : start + size])))
+            block = self.pool.lookup(_block_key(parent, token_ids[start : start + size], cache_salt))
             if block is None:
                 break
             blocks.append(block)
@@ -136,7 +143,8 @@ class KVCacheManager:
             self.prefix_cache_queries += num_queried_tokens
             self.prefix_cache_hits += num_hit_tokens
 
-    def publish_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def publish_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                            cache_salt: str | None = None) -> None:
         """Put the request's newly completed blocks (their K/V is written) into the prefix cache."""
         if not self.enable_prefix_caching:
             return
@@ -149,7 +157,7 @@ class KVCacheManager:
         for index in range(done, num_computed_tokens // size):
             block = table[index]
             if block.key is None:
-                key = BlockKey(parent, tuple(token_ids[index * size : (index + 1) * size]))
+                key = _block_key(parent, token_ids[index * size : (index + 1) * size], cache_salt)
                 # Another request may have published the same contents first: chain on to that
                 # block, so this request's later blocks stay reachable from the cache.
                 block = self.pool.cache(block, key)

@@ -71,6 +71,13 @@ class Request:
     num_prompt_logprobs_reported: int = 0
     # The KV memory the user request's sequences hold and held (one account per group, set when added).
     kv_account: KVAccount | None = None
+    # Lower runs first under the "priority" scheduling policy (vLLM's convention); 0 under "fcfs".
+    priority: int = 0
+    # Mixed into the prefix cache's keys: requests with different salts never share cached blocks.
+    cache_salt: str | None = None
+    # Seats of max_num_seqs the user request holds while it runs, however many of its sequences are live
+    # at the moment: a beam search holds its width (its beams fork and end at the caller's word).
+    reserved_seats: int = 1
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -78,8 +85,9 @@ class Request:
             self.group_id = self.request_id
 
     @property
-    def order_key(self) -> tuple[int, int]:
-        return self.arrival_index, self.fork_order
+    def order_key(self) -> tuple[int, int, int]:
+        """Served in this order, preempted in the reverse: by priority, then arrival, then fork."""
+        return self.priority, self.arrival_index, self.fork_order
 
     @property
     def num_prompt_tokens(self) -> int:

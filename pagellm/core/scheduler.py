@@ -9,7 +9,14 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagellm.core.kv_cache_manager import NO_CACHED_PREFIX, KVCacheManager, KVCacheStats
+from pagellm.core.kv_cache_manager import (
+    NO_CACHED_PREFIX,
+    CachedPrefix,
+    KVCacheManager,
+    KVCacheStats,
+    cdiv,
+    max_blocks_per_sequence,
+)
 from pagellm.core.kv_usage import KVAccount
 from pagellm.core.request import Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
@@ -156,6 +163,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Live sequences of each user request (n > 1 and beam search run several).
         self.groups: dict[str, set[str]] = {}
+        # Seats of max_num_seqs each user request holds while it runs (Request.reserved_seats).
+        self._reserved_seats: dict[str, int] = {}
         # Running sequences the runner has not been sent yet (forked since the last step).
         self._unseen_by_runner: set[str] = set()
         # Tokens appended from outside the sampler that the runner has not been sent yet.
@@ -167,11 +176,43 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.group_id in self.groups:
             raise ValueError(f"request_id={request.request_id!r} is already in use; request ids must be unique")
+        self.check_fits(request.num_tokens, max(request.reserved_seats, 1 + request.num_pending_forks))
         self.requests[request.request_id] = request
         self.groups[request.group_id] = {request.request_id}
+        self._reserved_seats[request.group_id] = request.reserved_seats
         if request.kv_account is None:
             request.kv_account = KVAccount(self.kv.block_size, request.group_id)
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def check_fits(self, num_prompt_tokens: int, num_sequences: int) -> None:
+        """A ValueError unless a request of this many sequences could ever run: all of them at once under
+        max_num_seqs, and in the pool with the prompt's blocks shared and one block of its own each."""
+        max_num_seqs = self.config.max_num_seqs
+        if num_sequences > max_num_seqs:
+            raise ValueError(
+                f"the request runs {num_sequences} sequences at once (n, best_of or beam width), more than "
+                f"max_num_seqs={max_num_seqs}; ask for at most {max_num_seqs}, or raise max_num_seqs."
+            )
+        block_size, num_blocks = self.kv.block_size, self.kv.pool.num_blocks
+        # The prompt's blocks plus the first sample's slot (a sliding window holds fewer at once), then a
+        # block for each other sequence's first token.
+        first = max_blocks_per_sequence(num_prompt_tokens + 1, block_size, self.kv.sliding_window,
+                                        self.config.max_num_batched_tokens)
+        needed = first + num_sequences - 1
+        if needed > num_blocks:
+            raise ValueError(
+                f"the request's {num_sequences} sequences need at least {needed} KV blocks to take one step "
+                f"({num_prompt_tokens} prompt tokens shared, then a block each), more than the pool's {num_blocks}; "
+                "ask for fewer sequences (n, best_of, beam width), shorten the prompt, or give the KV cache more "
+                "memory."
+            )
+
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue in order_key order (arrivals usually go last, the preempted near the front)."""
+        if not self.waiting or self.waiting[-1].order_key <= request.order_key:
+            self.waiting.append(request)
+        else:
+            bisect.insort(self.waiting, request, key=lambda r: r.order_key)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus, whole_groups: bool = False) -> None:
         """End sequences from outside the core (abort, or a stop string found in the text). With
@@ -210,6 +251,8 @@ class Scheduler:
         child.appends_sampled_tokens = parent.appends_sampled_tokens
         child.cumulative_logprob = parent.cumulative_logprob
         child.kv_account = parent.kv_account
+        child.priority = parent.priority
+        child.cache_salt = parent.cache_salt
         # The prompt's scores belong to the parent: a child recomputed after preemption reports none.
         child.num_prompt_logprobs_reported = parent.num_prompt_tokens - 1
         self._fork_counter += 1
@@ -300,13 +343,16 @@ class Scheduler:
                 break  # its n sequences would not fit under max_num_seqs once forked
             # Prompt log-probabilities need logits at every prompt position, so nothing may be skipped.
             wants_prompt_scores = request.sampling_params.prompt_logprobs is not None
-            prefix = NO_CACHED_PREFIX if wants_prompt_scores else self.kv.find_cached_prefix(request.all_token_ids)
+            prefix = (NO_CACHED_PREFIX if wants_prompt_scores
+                      else self.kv.find_cached_prefix(request.all_token_ids, request.cache_salt))
             num_new = request.num_tokens - prefix.num_tokens
             if num_new > step.budget:
                 may_chunk = self.config.enable_chunked_prefill or request.num_preemptions > 0
                 if not may_chunk:
                     break
                 num_new = step.budget
+            if not self._has_blocks_for_forks(request, prefix, num_new):
+                break
             new_block_ids = self.kv.allocate_slots(request.request_id, prefix.num_tokens + num_new, prefix,
                                                    request.kv_account)
             if new_block_ids is None:
@@ -337,15 +383,32 @@ class Scheduler:
             victim = idle[-1]
             self.running.remove(victim)
             self._preempt(victim)
-            self.waiting.append(self.waiting.popleft())
+            self.waiting.remove(victim)
+            self.waiting.append(victim)
             self._preempted_this_step = False  # the blocks were freed for the head, not for a running request
             self._admit_waiting(step)
 
     def _has_seats_for(self, request: Request) -> bool:
-        """Whether the request's sequences (n of them once forked) fit under max_num_seqs beside the running
-        ones; alone it is always let in, or a request with n > max_num_seqs could never run."""
-        seats = len(self.running) + 1 + request.num_pending_forks
-        return seats <= self.config.max_num_seqs or not self.running
+        """Whether the request's user request, with all of its sequences (its n samples once forked, its beam
+        width), fits under max_num_seqs beside the seats the running user requests hold."""
+        groups = {r.group_id for r in self.running}
+        groups.discard(request.group_id)
+        held = sum(self._seats_of(group_id) for group_id in groups)
+        return held + self._seats_of(request.group_id) <= self.config.max_num_seqs
+
+    def _seats_of(self, group_id: str) -> int:
+        """Its live sequences and the samples still to fork, or its reservation if that is more."""
+        members = self.groups[group_id]
+        live = len(members) + sum(self.requests[m].num_pending_forks for m in members)
+        return max(live, self._reserved_seats[group_id])
+
+    def _has_blocks_for_forks(self, request: Request, prefix: CachedPrefix, num_new: int) -> bool:
+        """A request that forks at its first sample is admitted only with a block free for each fork's first
+        token: admitted without, its forks would preempt the requests behind it (or one another) at once."""
+        if not request.num_pending_forks:
+            return True
+        new_blocks = cdiv(prefix.num_tokens + num_new, self.kv.block_size) - len(prefix.blocks)
+        return new_blocks + request.num_pending_forks <= self.kv.pool.num_free_blocks
 
     def _next_admissible(self) -> Request | None:
         """The oldest waiting request that can run: one whose structured-output grammar is still compiling
@@ -408,8 +471,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._preempted_this_step = True
         self._finished_since_last_step.add(request.request_id)
-        # Victims are taken newest first, so putting each at the front keeps the queue in arrival order.
-        self.waiting.appendleft(request)
+        self._enqueue(request)
         log = logger.warning if self.num_preemptions == 1 or self.num_preemptions % 100 == 0 else logger.debug
         log(
             "Preempted request %s (%d tokens) because the KV cache is full; it will be recomputed. "
@@ -443,7 +505,8 @@ class Scheduler:
         request_id = request.request_id
         computed_before = request.num_computed_tokens
         request.num_computed_tokens += num_tokens
-        self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens)
+        self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens,
+                                    request.cache_salt)
         # After publishing: a released block stays in the prefix cache, free and evictable.
         self.kv.release_slid_out_blocks(request_id, request.num_computed_tokens)
         prompt_logprobs = self._new_prompt_logprobs(request, computed_before,
@@ -549,4 +612,5 @@ class Scheduler:
             members.discard(request.request_id)
             if not members:
                 del self.groups[request.group_id]
+                del self._reserved_seats[request.group_id]
         self._finished_since_last_step.add(request.request_id)

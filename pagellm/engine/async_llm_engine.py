@@ -65,6 +65,7 @@ class _AddOp:
     params: SamplingParams
     stream: RequestStream
     arrival_time: float
+    priority: int = 0
 
 
 @dataclass
@@ -120,6 +121,8 @@ class AsyncLLMEngine:
         self._num_waiting = 0
         self._max_num_seqs = engine.args.max_num_seqs
         self._request_ids: set[str] = set()
+        # Requests refused by max_num_queued_requests since the engine thread last recorded stats.
+        self._num_admission_rejections = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead_error: EngineDeadError | None = None
@@ -128,6 +131,8 @@ class AsyncLLMEngine:
         # Owned by the engine thread. The ops taken but not yet applied: if the loop dies part-way through
         # them, their callers are failed too, never left waiting.
         self._live: dict[str, _LiveRequest] = {}
+        # Live requests no step has scheduled yet (whose timers wait for their first scheduled time).
+        self._unscheduled: set[str] = set()
         self._ops_in_hand: list[_AddOp | _AbortOp | _FailAllOp] = []
         self._consecutive_failures = 0
 
@@ -142,16 +147,17 @@ class AsyncLLMEngine:
     # ---- the caller's side (any thread with a running event loop) ---------------------------------
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str
+        self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str, priority: int = 0
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as the engine makes them: cumulative by default, or as
         `sampling_params.output_kind` asks. Stopping the iteration (break, cancel, close) aborts the request."""
-        stream = self.add_request(request_id, prompt, sampling_params)
+        stream = self.add_request(request_id, prompt, sampling_params, priority)
         async with aclosing(self.outputs(stream)) as outputs:
             async for output in outputs:
                 yield output
 
-    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None) -> RequestStream:
+    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None,
+                    priority: int = 0) -> RequestStream:
         """Queues a request at once, raising here (not at the first output) when it cannot be taken:
         QueueFullError, EngineDeadError, or ValueError for a reused id. Pass the stream to `outputs`, or
         abort it; bad prompts and parameters are reported by the stream. With n > 1 each output carries
@@ -162,6 +168,11 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, params.output_kind, asyncio.get_running_loop())
         engine_params = params.clone()
         engine_params.output_kind = RequestOutputKind.DELTA
+        if engine_params.structured_outputs is not None and engine_params.structured_grammar is None:
+            # Parsed and compiled in the grammar threads, never waited for on the engine thread: a grammar
+            # xgrammar refuses ends the request with the reason (the HTTP routes wait for the parse, and say 400).
+            grammar = self.engine.grammar_compiler.submit(engine_params.structured_outputs)
+            engine_params.structured_grammar = grammar.future()
         with self._cond:
             if self._dead_error is not None:
                 raise EngineDeadError(str(self._dead_error))
@@ -169,15 +180,19 @@ class AsyncLLMEngine:
                 raise EngineDeadError("the engine is shutting down; it takes no new requests.")
             if request_id in self._request_ids:
                 raise ValueError(f"request_id={request_id!r} is already in use; request ids must be unique.")
+            # Every sequence counts (n, best_of): one request must not queue past the bound for many. With
+            # nothing queued a request is always taken, or one of more sequences than the bound never could be.
             queued = self._num_waiting_for_a_slot()
-            if queued >= self.max_num_queued_requests:
+            if queued and self._num_waiting_for_a_slot(engine_params.num_sequences) > self.max_num_queued_requests:
+                self._num_admission_rejections += 1
                 raise QueueFullError(
-                    f"{queued} requests are already waiting for one of the max_num_seqs={self._max_num_seqs} "
-                    f"slots, the limit is max_num_queued_requests={self.max_num_queued_requests}; retry later, or "
-                    "raise --max-num-queued-requests."
+                    f"{queued} sequences are already waiting for one of the max_num_seqs={self._max_num_seqs} "
+                    f"slots and this request adds {engine_params.num_sequences}; the limit is "
+                    f"max_num_queued_requests={self.max_num_queued_requests}; retry later, or raise "
+                    "--max-num-queued-requests."
                 )
             self._request_ids.add(request_id)
-            self._ops.append(_AddOp(request_id, prompt, engine_params, stream, time.monotonic()))
+            self._ops.append(_AddOp(request_id, prompt, engine_params, stream, time.monotonic(), priority))
             self._num_pending_sequences += engine_params.num_sequences
             self._ensure_started()
             self._cond.notify()
@@ -221,10 +236,10 @@ class AsyncLLMEngine:
         with self._cond:
             return self._num_waiting_for_a_slot()
 
-    def _num_waiting_for_a_slot(self) -> int:
+    def _num_waiting_for_a_slot(self, num_new_sequences: int = 0) -> int:
         # A request that arrives while fewer than max_num_seqs run is scheduled in the next step: it waits
         # for nothing, so it must not count against the bound (it did, and 32 of 40 requests got 429s).
-        wanted = self._num_running + self._num_waiting + self._num_pending_sequences
+        wanted = self._num_running + self._num_waiting + self._num_pending_sequences + num_new_sequences
         return max(0, wanted - self._max_num_seqs)
 
     @property
@@ -326,16 +341,24 @@ class AsyncLLMEngine:
                 self._ops_in_hand.pop(0)
             if self.engine.has_unfinished_requests():
                 self._step(stats, deliveries)
-            # Published before the outputs go out: a consumer that sees its request finish also sees its blocks freed.
-            self._publish_stats()
+            # Published and recorded before the outputs go out: a consumer that sees its request finish also
+            # sees its blocks freed and the request in the metrics.
+            self._record(self._publish_stats(), stats)
         finally:
             # Even when the engine dies here, what this iteration already produced reaches its consumers.
             orphans = self._deliver(deliveries)
-        for stream in orphans:
-            self._apply_abort(stream.request_id, stream, stats, [])
-        scheduler_stats = self._publish_stats() if orphans else self._stats
+        if orphans:
+            orphan_stats = IterationStats()
+            for stream in orphans:
+                self._apply_abort(stream.request_id, stream, orphan_stats, [])
+            self._record(self._publish_stats(), orphan_stats)
+
+    def _record(self, scheduler_stats: SchedulerStats, stats: IterationStats) -> None:
+        if scheduler_stats.num_waiting:
+            stats.num_waiting_deferred = len(self.engine.core.scheduler.grammar_futures_pending())
         with self._cond:
             stat_loggers = self.stat_loggers
+            stats.num_admission_rejections, self._num_admission_rejections = self._num_admission_rejections, 0
         for stat_logger in stat_loggers:
             try:
                 stat_logger.record(scheduler_stats, stats)
@@ -385,18 +408,23 @@ class AsyncLLMEngine:
     def _forget(self, request_id: str) -> _LiveRequest | None:
         """The request has left the engine: its id may be used again."""
         live = self._live.pop(request_id, None)
+        self._unscheduled.discard(request_id)
         with self._cond:
             self._request_ids.discard(request_id)
         return live
 
     def _apply_add(self, op: _AddOp, deliveries: list[_Delivery]) -> None:
         try:
-            self.engine.add_request(op.request_id, op.prompt, op.params)
+            self.engine.add_request(op.request_id, op.prompt, op.params, op.priority)
         except ValueError as exc:  # bad input: this request's failure alone, and nothing of it was added
             self._forget(op.request_id)
             deliveries.append((op.stream, exc))
             return
-        self._live[op.request_id] = _LiveRequest(op.stream, RequestTimer(op.arrival_time))
+        timer = RequestTimer(op.arrival_time, n=op.params.n, max_tokens=op.params.max_tokens,
+                             max_model_len=self.max_model_len)
+        timer.on_queued(time.monotonic())
+        self._live[op.request_id] = _LiveRequest(op.stream, timer)
+        self._unscheduled.add(op.request_id)
 
     def _apply_abort(
         self, request_id: str, stream: RequestStream | None, stats: IterationStats, deliveries: list[_Delivery]
@@ -406,15 +434,21 @@ class AsyncLLMEngine:
             return  # finished, failed, never admitted, or the id now names a newer request
         outputs = self.engine.abort_request([request_id])
         self._forget(request_id)
-        live.timer.on_finish("abort", time.monotonic(), stats)
+        now = time.monotonic()
+        for output in outputs:
+            live.timer.on_output(output, now, stats)
+        live.timer.on_finish("abort", now, stats)
         deliveries.extend((live.stream, output) for output in outputs)
 
     def _step(self, stats: IterationStats, deliveries: list[_Delivery]) -> None:
+        started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:
+            self._note_scheduled(started, stats)
             self._fail_step(exc, stats, deliveries)
             return
+        self._note_scheduled(started, stats)
         self._consecutive_failures = 0
         now = time.monotonic()
         for output in outputs:
@@ -427,13 +461,23 @@ class AsyncLLMEngine:
                 error = EngineStepError(f"request {output.request_id} failed: {output.error}")
                 deliveries.append((live.stream, error))
                 continue
-            num_new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
-            live.timer.on_tokens(num_new_tokens, len(output.prompt_token_ids), now, stats)
+            live.timer.on_output(output, now, stats)
             deliveries.append((live.stream, output))
             if output.finished:
                 self._forget(output.request_id)
                 reason = output.outputs[0].finish_reason if output.outputs else None
                 live.timer.on_finish(reason or "stop", now, stats)
+
+    def _note_scheduled(self, step_started: float, stats: IterationStats) -> None:
+        """The requests of the step's batch that no step had scheduled before were first scheduled as it
+        began. (A request's first sequence carries the request's id; its forks come only after it ran.)"""
+        scheduled = self.engine.core.last_scheduled_request_ids
+        stats.stepped = bool(scheduled)
+        if not self._unscheduled:
+            return
+        for request_id in self._unscheduled & scheduled:
+            self._unscheduled.discard(request_id)
+            self._live[request_id].timer.on_scheduled(step_started)
 
     def _fail_step(self, exc: Exception, stats: IterationStats, deliveries: list[_Delivery]) -> None:
         if isinstance(exc, ExecutorDeadError):  # the model's ranks are gone: no later step can succeed
@@ -477,6 +521,7 @@ class AsyncLLMEngine:
         streams = [live.stream for live in self._live.values()]
         streams += [op.stream for op in pending if isinstance(op, _AddOp) and op.request_id not in self._live]
         self._live.clear()
+        self._unscheduled.clear()
         self._deliver([(stream, EngineDeadError(str(error))) for stream in streams])
 
 

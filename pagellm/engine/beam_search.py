@@ -69,12 +69,12 @@ def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) -> l
     beams_to_keep = max(2, 1 + len(eos_ids)) * params.beam_width
     ids = itertools.count()
     searches = []
-    for prompt in prompts:
-        request_id = f"beam-{next(ids)}"
-        engine.add_beam_request(request_id, prompt, beams_to_keep, params.max_tokens)
-        beam = _Beam(request_id, [], torch.zeros((), dtype=torch.float32))
-        searches.append(_PromptSearch(prompt, [beam], core.scheduler.requests[request_id].kv_account))
     try:
+        for prompt in prompts:
+            request_id = f"beam-{next(ids)}"
+            engine.add_beam_request(request_id, prompt, beams_to_keep, params.max_tokens, params.beam_width)
+            beam = _Beam(request_id, [], torch.zeros((), dtype=torch.float32))
+            searches.append(_PromptSearch(prompt, [beam], core.scheduler.requests[request_id].kv_account))
         while not all(s.done for s in searches):
             top = _next_token_logprobs(core, {b.request_id for s in searches if not s.done for b in s.beams})
             for search in searches:

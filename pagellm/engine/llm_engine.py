@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Iterable, Mapping
 from typing import Union
@@ -29,11 +28,10 @@ class LLMEngine:
         self.vocab_size = info.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self._arrivals = itertools.count()
-
-    @functools.cached_property
-    def grammar_compiler(self) -> GrammarCompiler:
-        """Built at the first structured-output request: it imports xgrammar and indexes the vocabulary."""
-        return GrammarCompiler(self.tokenizer, self.vocab_size, self.core.model_info.eos_token_ids)
+        # Imports xgrammar and indexes the vocabulary in its own threads, at the first structured-output request.
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer, self.vocab_size, info.eos_token_ids, timeout_s=args.structured_outputs_timeout,
+            any_whitespace=not (args.structured_outputs_config or {}).get("disable_any_whitespace", False))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -97,21 +95,38 @@ class LLMEngine:
                     f"{name} contains token id {bad[0]}, outside the vocabulary; allowed: ids in [0, {self.vocab_size})."
                 )
 
+    def _check_priority(self, priority: object) -> int:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority={priority!r} must be an int (lower runs first).")
+        if priority != 0 and self.args.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs the priority scheduling policy; this engine runs "
+                             f"scheduling_policy={self.args.scheduling_policy!r}. Start it with "
+                             "scheduling_policy='priority' (--scheduling-policy priority), or leave priority at 0.")
+        return priority
+
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0
     ) -> None:
+        """Queues a request. `prompt` may carry a "cache_salt": requests reuse each other's cached prefix
+        blocks only under the same salt (vLLM's tenant isolation); `priority` counts under the "priority"
+        scheduling policy, lower first."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
+        priority = self._check_priority(priority)
+        cache_salt = _cache_salt(prompt)
         text, token_ids = self.process_prompt(prompt)
         self._check_prompt_length(len(token_ids))
+        self.core.scheduler.check_fits(len(token_ids), params.num_sequences)
         self._check_token_ids_in_vocab(params)
         params = params.clone()
         eos = set() if params.ignore_eos else set(self.core.model_info.eos_token_ids)
         params.all_stop_token_ids = eos | set(params.stop_token_ids)
         params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
-        if params.structured_outputs is not None:
-            params.structured_grammar = self.grammar_compiler.submit(params.structured_outputs)
+        if params.structured_outputs is not None and params.structured_grammar is None:
+            # Not handed over by a route (which waited for the parse on its event loop): wait here, in the
+            # caller's thread, so that a bad grammar is a ValueError now.
+            params.structured_grammar = self.grammar_compiler.submit(params.structured_outputs).wait()
         room = self.max_model_len - len(token_ids)
         max_output = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(
@@ -122,13 +137,17 @@ class LLMEngine:
             max_output_tokens=max_output,
             stop_token_ids=frozenset(params.all_stop_token_ids),
             num_pending_forks=params.num_sequences - 1,
+            priority=priority,
+            cache_salt=cache_salt,
         )
         self.core.add_request(request)
         self.output_processor.add_request(request_id, text, token_ids, params, request.kv_account)
 
-    def add_beam_request(self, request_id: str, token_ids: list[int], num_logprobs: int, max_tokens: int) -> None:
+    def add_beam_request(self, request_id: str, token_ids: list[int], num_logprobs: int, max_tokens: int,
+                         beam_width: int) -> None:
         """A beam-search sequence: it reports its next token's top log-probabilities each step and
-        waits for the caller to append a token or fork it (see engine/beam_search.py)."""
+        waits for the caller to append a token or fork it (see engine/beam_search.py). Its search holds
+        beam_width seats of max_num_seqs from its admission on."""
         self._check_prompt_length(len(token_ids))
         if len(token_ids) + max_tokens > self.max_model_len:
             raise ValueError(
@@ -137,7 +156,7 @@ class LLMEngine:
             )
         params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=num_logprobs, ignore_eos=True)
         request = Request(request_id, token_ids, params, next(self._arrivals), max_tokens,
-                          appends_sampled_tokens=False)
+                          appends_sampled_tokens=False, reserved_seats=beam_width)
         self.core.add_request(request)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
@@ -180,6 +199,13 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (interpreter exit does it too), and the grammar
         compile threads if a structured-output request started them."""
-        if "grammar_compiler" in self.__dict__:  # the cached_property was built
-            self.grammar_compiler.shutdown()
+        self.grammar_compiler.shutdown()
         self.core.shutdown()
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt={salt!r:.80} must be a non-empty str (a secret per tenant, e.g. 43 "
+                         "characters of base64: 256 random bits).")
+    return salt

@@ -13,6 +13,7 @@ from dataclasses import fields
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from pagellm.entrypoints.openai.errors import bad_request, from_exception
 from pagellm.entrypoints.openai.serving import (
@@ -22,6 +23,7 @@ from pagellm.entrypoints.openai.serving import (
     build_sampling_params,
     merge_outputs,
 )
+from pagellm.entrypoints.openai.structured import compiled_grammar
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 router = APIRouter()
@@ -40,6 +42,14 @@ async def generate(raw_request: Request) -> Response:
         body = await raw_request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON ({exc}); send a JSON object.", None, "json_invalid")
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise bad_request("the request body is nested too deeply to parse; send a JSON object of plain fields.",
+                          None, "json_invalid") from None
+    except ClientDisconnect:
+        # Gone before its whole body arrived (or cut by --body-read-timeout): no one reads this answer, and it
+        # is no server error to log.
+        raise bad_request("the client disconnected before the whole request body arrived.", None,
+                          "client_disconnected") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}.")
     prompt = body.pop("prompt", None)
@@ -64,6 +74,7 @@ async def generate(raw_request: Request) -> Response:
         body["logit_bias"] = serving.logit_bias(body["logit_bias"])
     output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     params = build_sampling_params({**body, "output_kind": output_kind})
+    params.structured_grammar = await compiled_grammar(serving.engine, params.structured_outputs)
     for name in ("stop_token_ids", "allowed_token_ids"):
         if getattr(params, name):
             serving.check_token_ids(name, getattr(params, name))

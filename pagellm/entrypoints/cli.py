@@ -1,146 +1,93 @@
-"""`pagellm serve [MODEL]`: the OpenAI-compatible server, with flags named as `vllm serve` names them."""
+"""`pagellm serve [MODEL]`: the OpenAI-compatible server, taking every flag `vllm serve` takes (made from the
+argument tables: pagellm/config.py, engine/arg_utils.py, entrypoints/openai/cli_args.py); `pagellm worker`:
+another host's share of a tensor-parallel engine."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
 
-from pagellm.config import DEFAULT_MODEL
-from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_QUEUED_REQUESTS, AsyncEngineArgs
+from pagellm.config import DEFAULT_MODEL, ArgumentValueError
+from pagellm.engine.arg_utils import AsyncEngineArgs
 from pagellm.entrypoints import openmp
-from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagellm.entrypoints.arg_parser import FlexibleArgumentParser, flag_of, parse_size
+from pagellm.entrypoints.openai import cli_args
+from pagellm.entrypoints.openai.cli_args import FrontendArgs, frontend_args_from, load_chat_template, \
+    make_arg_parser, server_config_kwargs
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+__all__ = ["build_parser", "engine_args_from", "main", "parse_size"]
 
-
-def parse_size(text: str) -> int:
-    """Bytes from '268435456', '256MiB', '1.5G' (k/M/G/T are powers of 1000; Ki/Mi/Gi/Ti of 1024)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 268435456, 256MiB or 2G.")
-    number, unit, binary = match.groups()
-    power = "kmgt".find(unit.lower()) + 1 if unit else 0
-    return int(float(number) * (1024 if binary else 1000) ** power)
+_TABLE_NAMES = sorted({f.name for f in dataclasses.fields(AsyncEngineArgs)}
+                      | {f.name for f in dataclasses.fields(FrontendArgs)}, key=len, reverse=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: LLM serving on a paged KV cache.")
+    parser = FlexibleArgumentParser(prog="pagellm", description="pagellm: LLM serving on a paged KV cache.")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        epilog="On a CPU, torch's OpenMP threads spin for a while between kernels before they sleep (libgomp's "
-               "default, as offline): fastest on cores the server has to itself. Where other processes share the "
-               "cores, OMP_WAIT_POLICY=PASSIVE holds up better.")
-    serve.add_argument("model", nargs="?", default=None,
-                       help=f"a local HF directory or .gguf file (default: the embedded {DEFAULT_MODEL})")
-    server = serve.add_argument_group("server")
-    # Loopback by default: exposing a model to the network should be a decision (--host 0.0.0.0).
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    server.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
-    server.add_argument("--served-model-name", nargs="+", default=None,
-                        help="the name(s) clients pass as `model`; the first is reported (default: MODEL)")
-    server.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on API routes (default: $PAGELLM_API_KEY)")
-    server.add_argument("--max-num-queued-requests", type=int, default=DEFAULT_MAX_NUM_QUEUED_REQUESTS,
-                        help="requests that may wait for the engine before new ones get HTTP 429 "
-                             f"(default: {DEFAULT_MAX_NUM_QUEUED_REQUESTS})")
-    server.add_argument("--max-request-body-bytes", type=parse_size, default=None,
-                        help="refuse bodies larger than this with HTTP 413, e.g. 4MiB (default: 64 bytes per token "
-                             "of --max-model-len, at least 1 MiB)")
-    server.add_argument("--shutdown-timeout", type=float, default=10.0,
-                        help="on SIGINT/SIGTERM, seconds that running requests may go on (new ones get 503) before "
-                             "their streams are ended (default: 10)")
-    server.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='answer tool_choice "auto" (the default with tools): the model calls tools in its own '
-                             "format, which --tool-call-parser reads")
-    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                        help="the model family's tool-call format: hermes (Qwen2.5/Qwen3, Hermes, SmolLM3), "
-                             "llama3_json (Llama 3.1/3.2), mistral")
-    server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-    engine = serve.add_argument_group("engine")
-    engine.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "float16", "half", "bfloat16"])
-    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
-                        help="exact KV pool size, e.g. 512MiB (overrides --gpu-memory-utilization)")
-    engine.add_argument("--kv-prefault-seconds", type=float, default=1.0,
-                        help="CPU: seconds of start-up spent faulting in the KV pool's first pages, so that the "
-                             "first requests do not pay for them; the rest is faulted in while idle (default: 1.0)")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV blocks of prompt prefixes seen before (default: on)")
-    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                        help="compute long prompts over several steps alongside running decodes (default: on)")
-    engine.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                        help="dummy: random weights of the model's shape, for benchmarks without a checkpoint")
-    engine.add_argument("--enforce-eager", action="store_true",
-                        help="run every step eagerly (no CUDA graphs)")
-    parallel = serve.add_argument_group("tensor parallelism")
-    parallel.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                          help="ranks (processes; one GPU each on CUDA) that split every layer (default: 1)")
-    _add_rendezvous_arguments(parallel)
+        "serve", help="serve a model over an OpenAI-compatible HTTP API", usage="pagellm serve [model] [options]",
+        description=f"Serve a model over an OpenAI-compatible HTTP API. The model is a local HF directory or .gguf "
+                    f"file, a hub id already in the local Hugging Face cache, or unset for the embedded "
+                    f"{DEFAULT_MODEL}.",
+        epilog="On a CPU, torch's OpenMP threads spin briefly between kernels before they sleep (pagellm sets "
+               "GOMP_SPINCOUNT unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set), and as many run as the affinity "
+               "mask and the cgroup's CPU quota allow.")
+    make_arg_parser(serve)
+    # As before vLLM's names for them: torchrun's variables give the rendezvous flags their defaults.
+    serve.set_defaults(**_rendezvous_defaults_from_environment())
     worker = commands.add_parser("worker", help="run this host's tensor-parallel ranks of an engine on another host")
-    _add_rendezvous_arguments(worker)
+    _add_worker_arguments(worker)
     return parser
 
 
-def _add_rendezvous_arguments(group) -> None:
-    """Flags shared by `serve` (node 0) and `worker` (the other nodes); defaults from torchrun's variables."""
+def _rendezvous_defaults_from_environment() -> dict:
+    env, defaults = os.environ, {}
+    for name, variable, parse in (("nnodes", "NNODES", int), ("node_rank", "NODE_RANK", int),
+                                  ("master_addr", "MASTER_ADDR", str), ("master_port", "MASTER_PORT", int)):
+        if variable in env:
+            defaults[name] = parse(env[variable])
+    return defaults
+
+
+def _add_worker_arguments(parser) -> None:
+    """`pagellm worker`'s flags (the other nodes'); defaults from torchrun's variables."""
     env = os.environ
-    group.add_argument("--nnodes", type=int, default=int(env.get("NNODES", 1)),
-                       help="hosts the ranks are spread over, equally (default: $NNODES or 1)")
-    group.add_argument("--node-rank", type=int, default=int(env.get("NODE_RANK", 0)),
-                       help="this host's index: 0 runs `pagellm serve`, 1.. run `pagellm worker` "
-                            "(default: $NODE_RANK or 0)")
-    group.add_argument("--master-addr", default=env.get("MASTER_ADDR"),
-                       help="address of node 0, where the ranks meet (default: $MASTER_ADDR; 127.0.0.1 on one host)")
-    group.add_argument("--master-port", type=int, default=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None,
-                       help="port of the rendezvous on node 0 (default: $MASTER_PORT; a free port on one host)")
-    group.add_argument("--distributed-timeout-seconds", type=float, default=300.0,
-                       help="how long ranks wait for each other at the rendezvous and in a step (default: 300)")
+    parser.add_argument("--nnodes", type=int, default=int(env.get("NNODES", 1)),
+                        help="hosts the ranks are spread over, equally (default: $NNODES or 1)")
+    parser.add_argument("--node-rank", type=int, default=int(env.get("NODE_RANK", 0)),
+                        help="this host's index: 0 runs `pagellm serve`, 1.. run `pagellm worker` "
+                             "(default: $NODE_RANK or 0)")
+    parser.add_argument("--master-addr", default=env.get("MASTER_ADDR"),
+                        help="address of node 0, where the ranks meet (default: $MASTER_ADDR)")
+    parser.add_argument("--master-port", type=int, default=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None,
+                        help="port of the rendezvous on node 0 (default: $MASTER_PORT)")
+    parser.add_argument("--distributed-timeout-seconds", type=float, default=300.0,
+                        help="how long ranks wait for each other at the rendezvous and in a step (default: 300)")
 
 
 def engine_args_from(args: argparse.Namespace) -> AsyncEngineArgs:
-    return AsyncEngineArgs(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        kv_prefault_seconds=args.kv_prefault_seconds,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        load_format=args.load_format,
-        enforce_eager=args.enforce_eager,
-        max_num_queued_requests=args.max_num_queued_requests,
-        tensor_parallel_size=args.tensor_parallel_size,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        distributed_timeout_seconds=args.distributed_timeout_seconds,
-    )
+    return cli_args.engine_args_from(args)
+
+
+def with_flags(message: str) -> str:
+    """An argument error as the command line spells it: the flags it is about, before the message."""
+    named = []
+    for name in _TABLE_NAMES:
+        if re.search(rf"(?<![\w.-]){name}[=.\[]", message) and not any(name in other for other in named):
+            named.append(name)
+    return (", ".join(flag_of(name) for name in named) + ": " if named else "") + message
 
 
 def serve(args: argparse.Namespace) -> None:
-    try:
+    try:  # bad flag values: say which before loading any model
         engine_args = engine_args_from(args)
-    except ValueError as exc:  # a bad flag value: say which before loading any model
-        sys.exit(f"pagellm serve: {exc}")
+        frontend = frontend_args_from(args)
+        chat_template = load_chat_template(frontend.chat_template)
+    except ArgumentValueError as exc:
+        sys.exit(f"pagellm serve: {with_flags(str(exc))}")
     # Imported here, where they are needed: argument handling stays free of the server's imports.
     from pagellm.engine.async_llm_engine import AsyncLLMEngine
     from pagellm.entrypoints.openai.api_server import run_server
@@ -148,15 +95,17 @@ def serve(args: argparse.Namespace) -> None:
     from pagellm.distributed.launch import RendezvousError
     from pagellm.executor import ExecutorDeadError
 
-    model_root = args.model or DEFAULT_MODEL
-    if args.shutdown_timeout < 0:
-        sys.exit(f"pagellm serve: --shutdown-timeout={args.shutdown_timeout} must be >= 0 (seconds).")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        sys.exit("pagellm serve: --enable-auto-tool-choice needs --tool-call-parser NAME, the model's tool-call "
-                 f"format; NAME is one of {sorted(TOOL_PARSERS)}.")
-    config = ServerConfig(args.served_model_name or [model_root], model_root, args.api_key,
-                          args.max_request_body_bytes, args.shutdown_timeout,
-                          auto_tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+    model_root = engine_args.model or DEFAULT_MODEL
+    try:
+        config = ServerConfig(
+            engine_args.served_model_name or [model_root], model_root,
+            max_request_body_bytes=frontend.max_request_body_bytes, shutdown_timeout=engine_args.shutdown_timeout,
+            auto_tool_parser=frontend.tool_call_parser if frontend.enable_auto_tool_choice else None,
+            chat_template=chat_template,
+            **server_config_kwargs(frontend, {f.name for f in dataclasses.fields(ServerConfig)}),
+        )
+    except ValueError as exc:
+        sys.exit(f"pagellm serve: {with_flags(str(exc))}")
     try:
         engine = AsyncLLMEngine.from_engine_args(engine_args)
     except (ValueError, RendezvousError, ExecutorDeadError) as exc:
@@ -165,7 +114,9 @@ def serve(args: argparse.Namespace) -> None:
     # The engine thread steps the model on an OpenMP team of its own; the loading team would only make libgomp
     # think the CPUs oversubscribed and cut every spin-wait short.
     openmp.release_thread_team()
-    run_server(engine, config, args.host, args.port, args.uvicorn_log_level)
+    # vLLM's --host None listens on every interface.
+    host = "0.0.0.0" if frontend.host is None else frontend.host
+    run_server(engine, config, host, frontend.port, frontend.uvicorn_log_level)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ and all of them size their pools together (the smallest that every rank can hold
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch
 from pagellm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from pagellm.core.kv_cache_manager import cdiv, max_blocks_per_sequence
 from pagellm.cpu_features import cpu_has_native
+from pagellm.cpu_threads import cpu_share, openmp_wait_description
 from pagellm.distributed.parallel_state import SINGLE, TensorParallelGroup, building_with
 from pagellm.models import loader
 from pagellm.models.llama import check_tensor_parallel_size, head_dim_of
@@ -40,6 +42,8 @@ from pagellm.worker.memory_fit import (
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.profiling import profile_decode, profile_prefill
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -57,8 +61,10 @@ class ModelWorker:
                  ranks_on_host: int = 1) -> None:
         device = device or pick_device(args.device)
         if device.type == "cpu" and group.size == 1:
-            # Every core this process may run on; torch's default can count cores outside the affinity mask.
-            torch.set_num_threads(len(os.sched_getaffinity(0)))
+            # torch's default counts cores outside the affinity mask and ignores a cgroup's CPU quota.
+            share = cpu_share()
+            torch.set_num_threads(share.threads)
+            logger.info("CPU kernels: %s; OpenMP threads wait: %s", share.describe(), openmp_wait_description())
         memory = device_memory_at_start(device)
         if device.type == "cpu":
             memory = memory.shared_by(ranks_on_host)
@@ -68,12 +74,12 @@ class ModelWorker:
                 f"gpu_memory_utilization={args.gpu_memory_utilization} asks for; lower gpu_memory_utilization "
                 "or free the device."
             )
-        source = loader.resolve_model(args.model)
+        source = loader.resolve_model(args.model, args.revision, args.download_dir)
         if source.is_gguf:
             # Whatever the loader makes of them, the tensors in the file are the least the weights take.
             check_weights_fit(os.path.getsize(source.path), f"the size of {source.path.name}",
                               _explicit_pool(args, None), memory)
-        hf_config, gguf_state_dict = loader.load_hf_config(source)
+        hf_config, gguf_state_dict = loader.load_hf_config(source, args.trust_remote_code)
         loader.check_architecture(hf_config)
         check_tensor_parallel_size(hf_config, group.size)
         max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
@@ -92,11 +98,12 @@ class ModelWorker:
                           f"{str(dtype).removeprefix('torch.')}", least_pool, memory)
         with building_with(group):
             model = loader.load_model(source, hf_config, gguf_state_dict, dtype, device, max_model_len,
-                                      args.load_format, args.seed)
+                                      args.load_format, args.seed, args.quantization)
         del gguf_state_dict
         tokenizer, eos_ids = None, frozenset()
         if group.rank == 0:
-            tokenizer = loader.load_tokenizer(source, args.tokenizer)
+            tokenizer = loader.load_tokenizer(source, args.tokenizer, args.tokenizer_revision, args.download_dir,
+                                              args.trust_remote_code)
             eos_ids = frozenset(loader.eos_token_ids(source, hf_config, tokenizer))
         self.model_info = ModelInfo(source, hf_config, tokenizer, eos_ids, max_model_len, dtype, device)
         self.group = group

@@ -42,8 +42,10 @@ class MultiprocExecutor:
         self._sampled: dict[str, int] = {}
         self.processes: list[subprocess.Popen] = []
         self.group = None
-        self.addr = args.master_addr or "127.0.0.1"
-        self.port = args.master_port or launch.free_port(self.addr)
+        # master_addr:master_port is where other hosts' ranks meet this one; on one host, as in vLLM, the ranks
+        # meet on a free port (so that engines side by side never collide on the default 29501).
+        self.addr = args.master_addr if args.nnodes > 1 else "127.0.0.1"
+        self.port = args.master_port if args.nnodes > 1 else launch.free_port(self.addr)
         spec = LaunchSpec(args, args.tensor_parallel_size, args.nnodes)
         device = pick_device(args.device)
         if device.type == "cuda":

@@ -21,11 +21,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.native import CpuOps
-from pagellm.models.llama import LlamaForCausalLM, LlamaMLP, RopeInputs, RotaryEmbedding, head_dim_of
+from pagellm.layers.layernorm import GemmaRMSNorm
+from pagellm.layers.quantization.base import QuantizationConfig
+from pagellm.layers.rotary import RopeInputs, RotaryEmbedding
+from pagellm.layers.vocab_embedding import VocabEmbedding
+from pagellm.models.llama import LlamaForCausalLM, LlamaMLP, head_dim_of
 from pagellm.models.qwen3 import Qwen3Attention
 
 # Where a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its language model: transformers 5's
@@ -59,47 +62,28 @@ def _language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iter
         yield name, tensor
 
 
-class GemmaRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-
-
 class Gemma3Attention(Qwen3Attention):
     """Qwen3's attention (per-head norms on q and k before rotary) with Gemma's norm and score scale."""
 
     norm_class = GemmaRMSNorm
 
-    def __init__(self, config, layer_index: int) -> None:
-        super().__init__(config, layer_index)
+    def __init__(self, config, layer_index: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__(config, layer_index, quant_config, prefix)
         self.scale = config.query_pre_attn_scalar**-0.5
 
 
 class Gemma3MLP(LlamaMLP):
-    activations = ("gelu_pytorch_tanh", "gelu_tanh")
+    activation_field = "hidden_activation"
 
-    def check_activation(self, config) -> None:
-        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-        if activation not in self.activations:
-            raise ValueError(f"hidden_activation={activation!r} is not supported; Gemma 3 computes "
-                             f"{' or '.join(self.activations)}")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+    def activation_name(self, config) -> str | None:
+        return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, layer_index: int) -> None:
+    def __init__(self, config, layer_index: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        self.self_attn = Gemma3Attention(config, layer_index)
-        self.mlp = Gemma3MLP(config)
+        self.self_attn = Gemma3Attention(config, layer_index, quant_config, f"{prefix}.self_attn")
+        self.mlp = Gemma3MLP(config, quant_config, f"{prefix}.mlp")
         eps = config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -113,16 +97,19 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "model") -> None:
         super().__init__()
         check_gemma3_config(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config,
+                                           f"{prefix}.embed_tokens")
         self.embed_scale = config.hidden_size**0.5
         head_dim = head_dim_of(config)
         self.layer_types = list(config.layer_types[: config.num_hidden_layers])
         self.rotary = nn.ModuleDict({kind: RotaryEmbedding(config, head_dim, max_positions, layer_type=kind)
                                      for kind in sorted(set(self.layer_types))})
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -140,8 +127,8 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     model_class = Gemma3Model
 
-    def __init__(self, config, max_positions: int) -> None:
-        super().__init__(config, max_positions)
+    def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(config, max_positions, quant_config)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
     @torch.no_grad()

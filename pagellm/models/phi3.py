@@ -1,6 +1,6 @@
 """Phi-3 (Phi3ForCausalLM; Phi-3, Phi-3.5 and Phi-4-mini checkpoints): Llama's maths, with
-- q/k/v and gate/up stored fused in the checkpoint (`qkv_proj`, `gate_up_proj`): they are split on load
-  into Llama's shards, so tensor-parallel ranks take their heads and MLP share as for Llama;
+- q/k/v and gate/up stored fused in the checkpoint (`qkv_proj`, `gate_up_proj`): the fused layers load them
+  whole, each rank taking its heads and MLP share as for Llama;
 - partial rotary (`partial_rotary_factor` < 1): only the first rotary_dim features of each head rotate;
 - LongRoPE (`rope_type` "longrope"): two sets of frequency factors, short and long.
 
@@ -18,22 +18,13 @@ Runs on the fused CPU kernels as Llama does, except with partial rotary, where q
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import torch
 
 from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata
-from pagellm.models.llama import (
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaModel,
-    RopeInputs,
-    RotaryEmbedding,
-    apply_rotary,
-    head_dim_of,
-)
+from pagellm.layers.quantization.base import QuantizationConfig
+from pagellm.layers.rotary import RopeInputs, RotaryEmbedding, apply_rotary
+from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, head_dim_of
 
 
 def _rope_parameters(config) -> dict:
@@ -63,8 +54,8 @@ class Phi3RotaryEmbedding(RotaryEmbedding):
 
 
 class Phi3Attention(LlamaAttention):
-    def __init__(self, config, layer_index: int) -> None:
-        super().__init__(config, layer_index)
+    def __init__(self, config, layer_index: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__(config, layer_index, quant_config, prefix)
         self.rotary_dim = rotary_dim_of(config)
 
     def forward(
@@ -104,21 +95,3 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             self.model.ops = None
             for layer in self.model.layers:
                 layer.self_attn.ops = None
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._unfused(weights))
-
-    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's fused qkv_proj / gate_up_proj as Llama's separate q/k/v and gate/up tensors."""
-        config = self.config
-        head_dim = head_dim_of(config)
-        qkv_sizes = [config.num_attention_heads * head_dim] + [config.num_key_value_heads * head_dim] * 2
-        for name, tensor in weights:
-            if ".qkv_proj." in name:
-                for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split(qkv_sizes, dim=0)):
-                    yield name.replace(".qkv_proj.", f".{part}."), piece
-            elif ".gate_up_proj." in name:
-                for part, piece in zip(("gate_proj", "up_proj"), tensor.chunk(2, dim=0)):
-                    yield name.replace(".gate_up_proj.", f".{part}."), piece
-            else:
-                yield name, tensor

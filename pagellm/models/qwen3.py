@@ -14,23 +14,18 @@ from torch import nn
 
 from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata
-from pagellm.models.llama import (
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaModel,
-    RMSNorm,
-    RopeInputs,
-    apply_rotary,
-)
+from pagellm.layers.layernorm import RMSNorm
+from pagellm.layers.quantization.base import QuantizationConfig
+from pagellm.layers.rotary import RopeInputs, apply_rotary
+from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
 class Qwen3Attention(LlamaAttention):
     # The per-head norm; Gemma 3, whose attention is this one with its own norm, swaps it.
     norm_class: type[nn.Module] = RMSNorm
 
-    def __init__(self, config, layer_index: int) -> None:
-        super().__init__(config, layer_index)
+    def __init__(self, config, layer_index: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__(config, layer_index, quant_config, prefix)
         self.q_norm = self.norm_class(self.head_dim, config.rms_norm_eps)
         self.k_norm = self.norm_class(self.head_dim, config.rms_norm_eps)
 

@@ -72,20 +72,10 @@ def family_of(config) -> ModelFamily:
 
 
 def check_not_quantized(config) -> None:
-    """AWQ, GPTQ, bitsandbytes, FP8, compressed-tensors... checkpoints store packed integer weights
-    (qweight/qzeros/scales) that no pagellm layer reads; refuse them by name instead of failing mid-load."""
-    quantization = _field(config, "quantization_config")
-    if not quantization:
-        return
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
-        quantization, "quant_method", None)
-    method = getattr(method, "value", method)  # transformers keeps some as an enum
-    raise ValueError(
-        f"this checkpoint is quantized (quantization_config.quant_method={method!r}), which pagellm does not "
-        "load: it runs unquantized float32/float16/bfloat16 HF checkpoints of "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)}, and GGUF files (quantized GGUF types are dequantized at load). "
-        "Use the model's unquantized checkpoint or a GGUF of it."
-    )
+    """A quantized checkpoint in a format no pagellm layer reads is refused by name before any weight is read."""
+    from pagellm.layers.quantization import check_quantization_supported
+
+    check_quantization_supported(config)
 
 
 def language_model_config(config):

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from benchmarks.cpu_attention import blocked, sdpa
 from benchmarks.cpu_gemm import gemm_options, time_chain
+from pagellm.ops.dense_linear import can_pack_for_cpu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -20,13 +21,15 @@ def test_gemm_options_agree_with_f_linear(dtype):
     from pagellm.attention import native
 
     assert ("native" in options) == (dtype == torch.bfloat16 and native.linear_bf16() is not None)
+    assert ("packed" in options) == can_pack_for_cpu(weight.device, dtype)
     for name, fn in options.items():
         torch.testing.assert_close(fn(x).float(), expected, rtol=2e-2, atol=5e-2, msg=name)
 
 
 def test_gemm_chain_times_every_option_over_distinct_layers():
     seconds = time_chain(torch.bfloat16, rows=2, layers=1, repeats=1)
-    assert {"mkl", "packed"} <= set(seconds) and all(0 < s < 60 for s in seconds.values())
+    assert "mkl" in seconds and ("packed" in seconds or "upcast" in seconds)
+    assert all(0 < s < 60 for s in seconds.values())
 
 
 @pytest.mark.parametrize("tokens", [7, 40])

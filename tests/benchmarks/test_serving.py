@@ -322,14 +322,50 @@ def test_a_launched_server_that_exits_early_is_a_clear_error():
         serving.main(["--launch", "broken=python3 -c 'raise SystemExit(3)'", "--ready-timeout", "30", *WORKLOAD_ARGS])
 
 
-def test_session_cpu_seconds_count_the_whole_session():
-    import os
+# A session leader that burns CPU itself, then in a child that exits and is reaped, reporting each step and
+# waiting for the test's reading before the next.
+SESSION_WORK = """
+import os, sys, time
 
-    session = os.getsid(0)
-    before_session, before_own = serving.session_cpu_seconds(session), serving.own_cpu_seconds()
-    while serving.own_cpu_seconds() - before_own < 0.2:  # this process is in the session: its work counts
-        sum(range(10_000))
-    assert serving.session_cpu_seconds(session) - before_session >= 0.15
+def burn(seconds):
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        pass
+
+sys.stdin.readline()
+burn(0.3)
+print("burned", flush=True)
+sys.stdin.readline()
+child = os.fork()
+if child == 0:
+    burn(0.3)
+    os._exit(0)
+os.waitpid(child, 0)
+print("reaped", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_session_cpu_seconds_count_the_whole_session_including_exited_processes():
+    import subprocess
+    import sys
+
+    # A session of its own: no other process of the machine comes or goes in it while the test reads.
+    leader = subprocess.Popen([sys.executable, "-c", SESSION_WORK], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        readings = [serving.session_cpu_seconds(leader.pid)]
+        for step in ("burned", "reaped"):
+            leader.stdin.write("\n")
+            leader.stdin.flush()
+            assert leader.stdout.readline().strip() == step
+            readings.append(serving.session_cpu_seconds(leader.pid))
+    finally:
+        leader.stdin.close()
+        leader.wait(timeout=60)
+    # /proc counts 10 ms ticks: 0.3 s burned shows as at least 0.29.
+    assert readings[1] - readings[0] >= 0.29  # the live leader's own seconds
+    assert readings[2] - readings[1] >= 0.29  # the child's, after it exited and was reaped
     assert serving.session_cpu_seconds(-1) == 0.0  # no process is in a session that does not exist
 
 

@@ -200,6 +200,7 @@ def test_every_step_makes_progress_and_every_request_equals_its_run_alone(data):
     produced: dict[tuple[str, int], list[int]] = {}
     finished: dict[tuple[str, int], str] = {}
     aborted: set[str] = set()
+    skipped: set[str] = set()
     step = 0
     while pending or scheduler.has_unfinished_requests():
         while pending and pending[-1][0] <= step:
@@ -209,8 +210,17 @@ def test_every_step_makes_progress_and_every_request_equals_its_run_alone(data):
             n = width if kind == "n" else 1
             params = SamplingParams(n=n, max_tokens=max_tokens, temperature=0 if kind != "n" else 1.0)
             request = Request(f"r{index}", prompt, params, index, max_output, frozenset({STOP_TOKEN}),
-                              num_pending_forks=n - 1, appends_sampled_tokens=kind != "beam")
-            scheduler.add_request(request)
+                              num_pending_forks=n - 1, appends_sampled_tokens=kind != "beam",
+                              reserved_seats=width if kind == "beam" else 1)
+            try:
+                scheduler.add_request(request)
+            except ValueError as exc:
+                # Its sequences can never run at once (seats or blocks): refused up front, never half-run.
+                seats = width if kind != "greedy" else 1
+                blocks = cdiv(len(prompt) + 1, block_size) + seats - 1
+                assert seats > config.max_num_seqs or blocks > num_blocks, exc
+                skipped.add(f"r{index}")
+                continue
             if kind == "beam":
                 beams.add(request, width)
         for when, pick in aborts:
@@ -224,9 +234,8 @@ def test_every_step_makes_progress_and_every_request_equals_its_run_alone(data):
         out = scheduler.schedule()
         assert out.total_num_scheduled_tokens > 0, f"step {step} scheduled nothing: {scheduler.get_stats()}"
         assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
-        kinds = [specs[int(group[1:])][1] for group in scheduler.groups]
-        if all(kind == "greedy" for kind in kinds):
-            assert len(scheduler.running) <= config.max_num_seqs  # n > 1 and beams may fork past it
+        # Forks (n > 1) and beams included: a user request holds seats for all of its sequences.
+        assert len(scheduler.running) <= config.max_num_seqs
         outputs = scheduler.update_from_output(out, runner.execute(out))
         for output in outputs:
             key = (output.group_id, output.sample_index)
@@ -250,7 +259,7 @@ def test_every_step_makes_progress_and_every_request_equals_its_run_alone(data):
     assert not scheduler.requests and not scheduler.groups
     for index, (prompt, kind, width, max_tokens, _) in enumerate(specs):
         group = f"r{index}"
-        if kind == "beam" or group in aborted:
+        if kind == "beam" or group in aborted or group in skipped:
             continue
         max_output = min(max_tokens, config.max_model_len - len(prompt))
         for sample_index in range(width if kind == "n" else 1):

@@ -10,7 +10,8 @@ import pytest
 from pagellm.config import EngineArgs
 from pagellm.distributed.cpu_binding import numa_hint, numa_nodes, parse_cpu_list, split_cores
 from pagellm.entrypoints.cli import build_parser, engine_args_from
-from pagellm.models.llama import allowed_tensor_parallel_sizes, check_tensor_parallel_size, head_shard
+from pagellm.layers.linear import head_shard
+from pagellm.models.llama import allowed_tensor_parallel_sizes, check_tensor_parallel_size
 
 SMOLLM2 = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
 LLAMA_8B = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336)
@@ -28,7 +29,7 @@ def test_head_shards_cover_every_head_and_map_queries_to_their_kv_head():
     for config in (SMOLLM2, LLAMA_8B):
         group_size = config.num_attention_heads // config.num_key_value_heads
         for size in allowed_tensor_parallel_sizes(config):
-            shards = [head_shard(config, rank, size) for rank in range(size)]
+            shards = [head_shard(config.num_attention_heads, config.num_key_value_heads, rank, size) for rank in range(size)]
             assert sorted(q for s in shards for q in range(s.q_start, s.q_start + s.num_q)) == list(
                 range(config.num_attention_heads))
             assert {kv for s in shards for kv in range(s.kv_start, s.kv_start + s.num_kv)} == set(
@@ -69,7 +70,7 @@ def test_serve_flags_reach_the_engine_arguments():
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0"),
     (dict(tensor_parallel_size=3, nnodes=2), "does not split evenly over nnodes=2"),
     (dict(tensor_parallel_size=2, nnodes=2, node_rank=1), "pagellm worker"),
-    (dict(tensor_parallel_size=2, nnodes=2), "needs master_addr and master_port"),
+    (dict(tensor_parallel_size=2, nnodes=2, master_addr=""), "master_addr=''"),
     (dict(master_port=70000), "master_port=70000"),
     (dict(distributed_timeout_seconds=0), "distributed_timeout_seconds=0"),
 ])

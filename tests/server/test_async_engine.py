@@ -374,7 +374,7 @@ def test_the_queue_bound_counts_only_requests_waiting_for_a_slot(tiny_llama_dir)
         assert engine.num_waiting_requests == 0
         # Past the slots, the bound holds: 64 long requests fill them, 8 more wait, the next is refused.
         streams = [engine.add_request(f"fill-{i}", PROMPTS[0], _greedy(400)) for i in range(64 + 8)]
-        with pytest.raises(QueueFullError, match="8 requests are already waiting"):
+        with pytest.raises(QueueFullError, match="8 sequences are already waiting"):
             engine.add_request("refused", PROMPTS[0], _greedy(4))
         for stream in streams:
             engine.abort_request(stream.request_id)

@@ -4,6 +4,7 @@ a step that raises, a step that holds on until the queue is full, an engine that
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -14,7 +15,7 @@ from pagellm.engine.arg_utils import AsyncEngineArgs
 from pagellm.engine.async_llm_engine import AsyncLLMEngine
 from pagellm.entrypoints.openai.api_server import admission_of, build_app, drain
 from pagellm.entrypoints.openai.serving import ServerConfig
-from tests.server.utils import StepFault
+from tests.server.utils import StepFault, metric_value
 
 # One running sequence and a waiting queue of two: the 429 is three requests away.
 ENGINE_KWARGS = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=512, max_num_seqs=1,
@@ -78,6 +79,28 @@ def test_a_failing_step_answers_500_and_the_server_goes_on(engine, fault, tiny_l
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
 
 
+def test_a_failing_step_fails_a_response_and_its_stream(engine, fault, tiny_llama_dir):
+    body = {"model": "tiny", "input": "Hello", "max_output_tokens": 4}
+
+    async def run():
+        async with _client(engine, tiny_llama_dir) as client:
+            fault.remaining = 1
+            failed = await client.post("/v1/responses", json=body)
+            fault.remaining = 1
+            streamed = await client.post("/v1/responses", json={**body, "stream": True})
+            return failed, streamed
+
+    failed, streamed = asyncio.run(run())
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_step_failed"
+    # The stream's headers are out: the response fails in it, as OpenAI's streams report a failed response.
+    events = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines()
+              if line.startswith("data: ")]
+    assert [event["type"] for event in events] == ["response.created", "response.in_progress", "response.failed"]
+    response = events[-1]["response"]
+    assert response["status"] == "failed" and response["error"]["code"] == "engine_step_failed"
+    assert "injected fault" in response["error"]["message"]
+
+
 def test_a_full_waiting_queue_answers_429(engine, fault, tiny_llama_dir):
     async def run():
         async with _client(engine, tiny_llama_dir) as client:
@@ -91,16 +114,20 @@ def test_a_full_waiting_queue_answers_429(engine, fault, tiny_llama_dir):
                 refused = await client.post("/v1/completions", json=BODY)
             finally:
                 fault.gate.set()
-            return refused, await running, await asyncio.gather(*waiting)
+            done = await running, *await asyncio.gather(*waiting)
+            # The engine records the refusal with the iteration it held in, which ended before these did.
+            return refused, done, (await client.get("/metrics")).text
 
-    refused, running, waiting = asyncio.run(run())
+    refused, done, metrics = asyncio.run(run())
     assert refused.status_code == 429
+    labels = {"model_name": "tiny", "reason": "max_num_queued_reqs"}
+    assert metric_value(metrics, "vllm:admission_rejections_total", labels) == 1
     error = refused.json()["error"]
     assert error["code"] == "queue_full" and "max_num_queued_requests=2" in error["message"]
     assert "--max-num-queued-requests" in error["message"]
     assert refused.headers["retry-after"] == "1"
     # Refusing one request harmed none of those already taken.
-    assert [r.status_code for r in [running, *waiting]] == [200, 200, 200]
+    assert [r.status_code for r in done] == [200, 200, 200]
 
 
 def test_an_engine_that_cannot_go_on_answers_503(tiny_llama_dir):
@@ -177,12 +204,13 @@ def test_draining_refuses_new_requests_and_lets_running_ones_finish(engine, tiny
             draining = asyncio.create_task(drain(admission, engine, timeout=60))
             await _until(lambda: admission.draining, "the server to drain")
             refused, health = await client.post("/v1/completions", json=BODY), await client.get("/health")
+            ping = await client.get("/ping")
             await draining
-            return refused, health, await running
+            return refused, health, ping, await running
 
-    refused, health, running = asyncio.run(run())
+    refused, health, ping, running = asyncio.run(run())
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
-    assert health.status_code == 503
+    assert health.status_code == 503 and ping.status_code == 503
     events = _events(running)
     assert events[-1] == "[DONE]" and '"finish_reason": "length"' in events[-2], events[-3:]
 

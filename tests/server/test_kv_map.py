@@ -66,8 +66,8 @@ def test_kv_state_describes_every_block_and_agrees_with_metrics(http):
     assert int((states == 1).sum()) == state["cached_blocks"] > 0  # the prompts' full blocks stay cached
     assert (owners == -1).all() and state["owner_ids"] == {}
     metrics = http.get("/metrics").text
-    assert metric_value(metrics, "pagellm:kv_cache_usage_perc") == 0.0
+    assert metric_value(metrics, "vllm:kv_cache_usage_perc") == 0.0
     assert metric_value(metrics, "pagellm:kv_cache_cow_copies_total") == state["cow_copies"] >= 3
-    assert metric_value(metrics, "pagellm:num_preemptions_total") == state["preemptions"]
-    assert metric_value(metrics, "pagellm:prefix_cache_hits_total") == state["prefix_cache_hits"]
+    assert metric_value(metrics, "vllm:num_preemptions_total") == state["preemptions"]
+    assert metric_value(metrics, "vllm:prefix_cache_hits_total") == state["prefix_cache_hits"]
     assert "states" not in kv_state(http, blocks=False)

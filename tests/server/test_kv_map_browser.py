@@ -110,10 +110,10 @@ def test_the_page_follows_a_run_and_agrees_with_the_server(server, page, tmp_pat
     assert page_counts(page) == {name: state[name] for name in COUNTS}
     assert state["cached_blocks"] > 0 and state["cow_copies"] > 0
     metrics = httpx.get(f"{server.url}/metrics").text
-    assert metric_value(metrics, "pagellm:kv_cache_usage_perc") * state["num_blocks"] == state["used_blocks"]
+    assert metric_value(metrics, "vllm:kv_cache_usage_perc") * state["num_blocks"] == state["used_blocks"]
     assert metric_value(metrics, "pagellm:kv_cache_cow_copies_total") == state["cow_copies"]
-    assert metric_value(metrics, "pagellm:num_preemptions_total") == state["preemptions"]
-    assert metric_value(metrics, "pagellm:num_requests_running") == state["running"]
+    assert metric_value(metrics, "vllm:num_preemptions_total") == state["preemptions"]
+    assert metric_value(metrics, "vllm:num_requests_running") == state["running"]
     # The first cell is drawn in its block's colour: cached (blue) or free (grey), never a used colour.
     rgb = page.evaluate("Array.from(document.getElementById('canvas').getContext('2d').getImageData(1, 1, 1, 1).data)")
     first = page.evaluate("window.kvMap.states[0]")

@@ -250,17 +250,18 @@ def test_metrics_count_tokens_and_latencies(server, client):
     response = client.completions.create(model="tiny", prompt=PROMPTS[6], max_tokens=9, **GREEDY)
     prompt_tokens = response.usage.prompt_tokens
     # The engine thread records a step's metrics just after handing out its tokens.
-    wait_until(lambda: delta(_metrics(server), "pagellm:request_success_total", {"finished_reason": "length"}) == 1,
+    wait_until(lambda: delta(_metrics(server), "vllm:request_success_total", {"finished_reason": "length"}) == 1,
                30, "the finished request in /metrics")
     after = _metrics(server)
-    assert delta(after, "pagellm:prompt_tokens_total") == prompt_tokens
-    assert delta(after, "pagellm:generation_tokens_total") == 9
-    assert delta(after, "pagellm:time_to_first_token_seconds_count") == 1
-    assert delta(after, "pagellm:inter_token_latency_seconds_count") == 8
-    assert delta(after, "pagellm:e2e_request_latency_seconds_count") == 1
-    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_waste_perc"):
-        assert metric_value(after, f"pagellm:{gauge}", labels) == 0
-    assert metric_value(after, "pagellm:num_preemptions_total", labels) >= 0
+    assert delta(after, "vllm:prompt_tokens_total") == prompt_tokens
+    assert delta(after, "vllm:generation_tokens_total") == 9
+    assert delta(after, "vllm:time_to_first_token_seconds_count") == 1
+    assert delta(after, "vllm:inter_token_latency_seconds_count") == 8
+    assert delta(after, "vllm:e2e_request_latency_seconds_count") == 1
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                  "pagellm:kv_cache_waste_perc"):
+        assert metric_value(after, gauge, labels) == 0
+    assert metric_value(after, "vllm:num_preemptions_total", labels) >= 0
 
 
 # ---- disconnects and concurrency -----------------------------------------------------------------
@@ -268,22 +269,22 @@ def test_metrics_count_tokens_and_latencies(server, client):
 
 def test_disconnected_stream_is_aborted_and_frees_its_blocks(server):
     labels = {"model_name": "tiny", "finished_reason": "abort"}
-    aborted_before = metric_value(_metrics(server), "pagellm:request_success_total", labels)
+    aborted_before = metric_value(_metrics(server), "vllm:request_success_total", labels)
     body = {"model": "tiny", "prompt": PROMPTS[5], "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
-        assert metric_value(_metrics(server), "pagellm:kv_cache_usage_perc", {"model_name": "tiny"}) > 0
+        assert metric_value(_metrics(server), "vllm:kv_cache_usage_perc", {"model_name": "tiny"}) > 0
     # Leaving the block closed the connection; 400 tokens would take seconds more to finish on their own.
 
     def freed() -> bool:
         text = _metrics(server)
-        return (metric_value(text, "pagellm:kv_cache_usage_perc", {"model_name": "tiny"}) == 0
-                and metric_value(text, "pagellm:num_requests_running", {"model_name": "tiny"}) == 0)
+        return (metric_value(text, "vllm:kv_cache_usage_perc", {"model_name": "tiny"}) == 0
+                and metric_value(text, "vllm:num_requests_running", {"model_name": "tiny"}) == 0)
 
     wait_until(freed, 30, "KV usage back to zero after the client left")
-    assert metric_value(_metrics(server), "pagellm:request_success_total", labels) == aborted_before + 1
+    assert metric_value(_metrics(server), "vllm:request_success_total", labels) == aborted_before + 1
 
 
 def test_32_concurrent_streaming_clients_all_complete(server, client):

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes, plus tokenization, health, version and Prometheus metrics."""
+"""The OpenAI-compatible routes (completions, chat, responses), plus tokenization, health, version, Prometheus
+metrics, and vLLM's /ping, /load and /render endpoints."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pagellm
+from pagellm.entrypoints.openai import serving_render
 from pagellm.entrypoints.openai.errors import OpenAIError
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -17,9 +19,16 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
 )
+from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagellm.entrypoints.openai.serving import OpenAIServing
 from pagellm.entrypoints.openai.serving_chat import create_chat_completion
 from pagellm.entrypoints.openai.serving_completion import create_completion
+from pagellm.entrypoints.openai.serving_responses import (
+    ResponseStore,
+    cancel_response,
+    create_response,
+    retrieve_response,
+)
 
 router = APIRouter()
 
@@ -44,6 +53,51 @@ async def completions(request: CompletionRequest, raw_request: Request) -> Respo
 @router.post("/v1/chat/completions")
 async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
     return await create_chat_completion(_serving(raw_request), request, raw_request)
+
+
+@router.post("/v1/responses")
+async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
+    return await create_response(_serving(raw_request), _responses_store(raw_request), request, raw_request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, raw_request: Request, stream: bool = False) -> JSONResponse:
+    return retrieve_response(_responses_store(raw_request), response_id, stream)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel(response_id: str, raw_request: Request) -> JSONResponse:
+    return cancel_response(_responses_store(raw_request), response_id)
+
+
+def _responses_store(raw_request: Request) -> ResponseStore:
+    """The app's store of finished responses, made on first use with the server's bounds."""
+    state = raw_request.app.state
+    if getattr(state, "responses_store", None) is None:
+        config = _serving(raw_request).config
+        state.responses_store = ResponseStore(config.responses_store_max_entries, config.responses_store_max_bytes)
+    return state.responses_store
+
+
+@router.post("/v1/completions/render")
+async def render_completion(request: CompletionRequest, raw_request: Request) -> JSONResponse:
+    serving = _serving(raw_request)
+    serving_render.check_enabled(serving)
+    return JSONResponse(await serving_render.render_completion(serving, request))
+
+
+@router.post("/v1/chat/completions/render")
+async def render_chat(request: ChatCompletionRequest, raw_request: Request) -> JSONResponse:
+    serving = _serving(raw_request)
+    serving_render.check_enabled(serving)
+    return JSONResponse(await serving_render.render_chat(serving, request))
+
+
+@router.post("/v1/responses/render")
+async def render_response(request: ResponsesRequest, raw_request: Request) -> JSONResponse:
+    serving = _serving(raw_request)
+    serving_render.check_enabled(serving)
+    return JSONResponse(await serving_render.render_response(serving, _responses_store(raw_request), request))
 
 
 @router.post("/tokenize")
@@ -71,6 +125,19 @@ async def health(raw_request: Request) -> Response:
     if dead is not None:
         return OpenAIError(503, f"the engine cannot serve requests: {dead}", None, "engine_dead").response()
     return Response(status_code=200)
+
+
+@router.get("/ping")
+@router.post("/ping")
+async def ping(raw_request: Request) -> Response:
+    """SageMaker's health check, as vLLM answers it: the same as /health."""
+    return await health(raw_request)
+
+
+@router.get("/load")
+async def load(raw_request: Request) -> JSONResponse:
+    """vLLM's server load: generating requests in flight (0 unless --enable-server-load-tracking)."""
+    return JSONResponse({"server_load": getattr(raw_request.app.state, "server_load_metrics", 0)})
 
 
 @router.get("/version")

@@ -1,0 +1,53 @@
+"""A linear layer's weight format: the method that creates its parameters, prepares them once loaded and
+multiplies with them, chosen from the checkpoint's quantization config when the layer is built."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+
+class LinearMethod(ABC):
+    """How one kind of weight is stored and multiplied. One instance serves every layer of a model that
+    uses it; what a layer needs is kept on the layer."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        """Register the layer's parameters for this rank's partition: `input_size` input features and one
+        entry of `output_sizes` per fused shard (q/k/v, gate/up), each parameter with its weight loader's
+        attributes (see layers/weights.py)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn the loaded parameters into what `apply` runs on (packed layouts, kernels)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T (+ bias) for x of shape [rows, input_size]."""
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows `input_ids` of the weight, dequantized: for an embedding table kept in this format."""
+        raise TypeError(f"{type(self).__name__} keeps no embedding tables; the embedding of {layer.prefix} needs "
+                        "a method that can gather rows")
+
+    def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
+        """Tensors the method keeps beside the layer's parameters (packed copies), counted as weights."""
+        return []
+
+
+class QuantizationConfig(ABC):
+    """A checkpoint's weight format, read from its config (or asked for by `quantization=`)."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def linear_method(self, prefix: str) -> LinearMethod:
+        """The method of the linear layer whose parameters live under `prefix` (e.g.
+        "model.layers.0.self_attn.qkv_proj"): formats that skip some layers say so per prefix."""
+
+    def describe(self) -> str:
+        """For the start-up log: the format and its settings."""
+        return self.name

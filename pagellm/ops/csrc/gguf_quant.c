@@ -1,0 +1,652 @@
+/* Matrix products and row gathers on GGUF weights kept in their quantized blocks (ggml's block_* layouts),
+ * so that a model's weights stay at their file size in memory and a decode step reads 4-8 bits per weight.
+ *
+ * Weights: uint8 [out_features, in_features / block_weights * block_bytes], row-major as a GGUF stores a 2-D
+ * tensor: each output row's blocks are contiguous. Types are GGML's ids (gguf.GGMLQuantizationType):
+ *   Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8 (blocks of 32 weights, one scale each)
+ *   Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14 (super-blocks of 256 weights, a scale per 16 or 32)
+ *
+ * gguf_matmul: y [rows, out] = x [rows, in] W^T, as llama.cpp computes it: each row of x is quantized to int8
+ * (blocks of 32 with a float scale and the scaled sum for the 32-weight formats, llama.cpp's Q8_1; blocks of
+ * 256 with sums per 16 for the k-quants, its Q8_K), and each block of weights meets its block of activations
+ * in integer dot products (u8 x s8 into int32); only the per-block scales are float. The weight is unpacked
+ * once per pass of up to ROWS_PER_PASS rows of x, and outputs are handed out to threads in tiles whose weights
+ * stay in cache while every pass of rows uses them. Each output is summed by one thread in a fixed order, so
+ * results do not depend on the thread count.
+ * gguf_dequantize_rows: chosen rows of W as float32 or bfloat16 (an embedding's gather, or tiles of W for a
+ * dense GEMM), rounding exactly where gguf's numpy dequantizer does (hence -ffp-contract=off for this file).
+ *
+ * Built with OpenMP against the libgomp torch already loaded (see pagellm/attention/native.py), so it runs
+ * on torch's thread pool with torch's thread count.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gguf_simd.h"
+
+#if defined(PAGELLM_ISA_AVX512)
+#define ISA_NAME "avx512"
+#elif defined(PAGELLM_ISA_AVX2)
+#define ISA_NAME "avx2"
+#else
+#define ISA_NAME "generic"
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+#define QK 32
+#define QK_K 256
+/* Rows of x that share one unpacking of a weight block; their accumulators stay in registers. */
+#define ROWS_PER_PASS 4
+/* Outputs of one tile hold about this many weight bytes: they stay in L2 while every pass of rows reads them. */
+#define TILE_WEIGHT_BYTES (64 * 1024)
+/* How far ahead of the block being unpacked its weight row is prefetched. */
+#define PREFETCH_AHEAD 1024
+/* Below this many multiply-adds a call runs on the calling thread: a parallel region is ~1 us on a quiet
+ * machine, but waits for a busy core where other processes hold them (see attention/csrc/cpu_ops.c). */
+#define PARALLEL_MIN_WORK (1 << 18)
+
+static int block_weights(int type) {
+    switch (type) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return QK;
+    case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: return QK_K;
+    default: return 0;
+    }
+}
+
+static int block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static ALWAYS_INLINE int is_k_quant(int type) { return block_weights(type) == QK_K; }
+
+/* ---- weight blocks, unpacked to one byte per weight in the activations' order ---------------------------- */
+
+/* A 32-weight block: weight k = d * (q[k] - offset) + m; q is signed for Q8_0, unsigned otherwise. */
+typedef struct {
+    u8x32 q;
+    float d, m;
+    int offset;
+} Block32;
+
+/* 16 bytes of nibbles -> 32 bytes: the low nibbles are weights 0-15, the high nibbles 16-31. */
+static ALWAYS_INLINE u8x32 nibbles_32(const uint8_t *p) {
+    const u8x16 v = load_u8x16(p);
+    const u8x16 low = v & 0xF, high = v >> 4;
+    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+                                   20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+/* Q5_0/Q5_1's fifth bits: bit k of the little-endian uint32 at p, as 16 in byte k (0 where clear). */
+static ALWAYS_INLINE u8x32 fifth_bits(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    const u8x32 copies = (u8x32)((u32x8){0} + bits);
+    /* byte k takes byte k / 8 of the word, from a copy in its own 16-byte lane (an in-lane shuffle) */
+    const u8x32 spread = __builtin_shufflevector(copies, copies, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 18,
+                                                 18, 18, 18, 18, 18, 18, 18, 19, 19, 19, 19, 19, 19, 19, 19);
+    const u8x32 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
+                       1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    return (u8x32)((spread & bit) != 0) & 16;
+}
+
+static ALWAYS_INLINE Block32 unpack_32(const int type, const uint8_t *b) {
+    Block32 u = {.d = half_to_float(b), .m = 0.0f, .offset = 0};
+    switch (type) {
+    case Q4_0: /* f16 d, 16 bytes of nibbles; w = d (q - 8) */
+        u.q = nibbles_32(b + 2);
+        u.offset = 8;
+        break;
+    case Q4_1: /* f16 d, f16 m, 16 bytes of nibbles; w = d q + m */
+        u.m = half_to_float(b + 2);
+        u.q = nibbles_32(b + 4);
+        break;
+    case Q5_0: /* f16 d, uint32 fifth bits, 16 bytes of nibbles; w = d (q - 16) */
+        u.q = nibbles_32(b + 6) | fifth_bits(b + 2);
+        u.offset = 16;
+        break;
+    case Q5_1: /* f16 d, f16 m, uint32 fifth bits, 16 bytes of nibbles; w = d q + m */
+        u.m = half_to_float(b + 2);
+        u.q = nibbles_32(b + 8) | fifth_bits(b + 4);
+        break;
+    default: /* Q8_0: f16 d, 32 int8; w = d q */
+        u.q = load_u8x32(b + 2);
+        break;
+    }
+    return u;
+}
+
+/* A 256-weight super-block: weight k of group g (16 weights) = d * scale_g * (q[k] - offset) - dmin * min_g. */
+typedef struct {
+    u8x32 q[8];      /* weights 32j .. 32j + 31, unsigned */
+    i16x16 scale[8]; /* chunk j's scales per pair of its bytes: lanes 0-7 its first 16 weights' group, 8-15 the next */
+    i16x16 mins;     /* per group: the multiple of its activation sum to subtract (min_g, or offset * scale_g) */
+    float d, dmin;   /* dmin multiplies `mins` (d itself where the format has no mins) */
+    int offset;
+} Block256;
+
+/* Sixteen per-16 scales (lanes of `wide`) into the per-chunk pairs. Each pair is taken from a vector holding
+ * eight of the scales in both 16-byte halves, so that every broadcast stays within a half (one VPSHUFB). */
+static ALWAYS_INLINE void scales_per_16(Block256 *s, i16x16 wide) {
+    const i16x16 low = __builtin_shufflevector(wide, wide, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    const i16x16 high = __builtin_shufflevector(wide, wide, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+#define PAIR(v, a) \
+    __builtin_shufflevector(v, v, a, a, a, a, a, a, a, a, a + 9, a + 9, a + 9, a + 9, a + 9, a + 9, a + 9, a + 9)
+    s->scale[0] = PAIR(low, 0);
+    s->scale[1] = PAIR(low, 2);
+    s->scale[2] = PAIR(low, 4);
+    s->scale[3] = PAIR(low, 6);
+    s->scale[4] = PAIR(high, 0);
+    s->scale[5] = PAIR(high, 2);
+    s->scale[6] = PAIR(high, 4);
+    s->scale[7] = PAIR(high, 6);
+#undef PAIR
+}
+
+/* Q4_K/Q5_K: eight 6-bit scales and eight 6-bit mins in 12 bytes (ggml's get_scale_min_k4): scale j < 4 is
+ * the low 6 bits of byte j, min j < 4 of byte j + 4; scale/min j >= 4 take the low/high nibble of byte j + 4
+ * and the top two bits of byte j - 4 / j. Each chunk's scale is broadcast from a vector holding the eight in
+ * both 16-byte halves, so that every broadcast stays within a half (one VPSHUFB). */
+static ALWAYS_INLINE void k4_scales(Block256 *s, const uint8_t *p) {
+    uint32_t a[3];
+    memcpy(a, p, sizeof a);
+    const uint32_t scales_low = a[0] & 0x3F3F3F3Fu, scales_high = (a[2] & 0x0F0F0F0Fu) | ((a[0] >> 2) & 0x30303030u);
+    const uint32_t mins_low = a[1] & 0x3F3F3F3Fu, mins_high = ((a[2] >> 4) & 0x0F0F0F0Fu) | ((a[1] >> 2) & 0x30303030u);
+    const uint32_t packed[4] = {scales_low, scales_high, mins_low, mins_high};
+    u8x16 bytes;
+    memcpy(&bytes, packed, sizeof bytes);
+    const i16x16 wide = __builtin_convertvector(bytes, i16x16); /* lanes 0-7 scales, 8-15 mins */
+    const i16x16 twice = __builtin_shufflevector(wide, wide, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+#define IN_HALVES(v, a) \
+    __builtin_shufflevector(v, v, a, a, a, a, a, a, a, a, a + 8, a + 8, a + 8, a + 8, a + 8, a + 8, a + 8, a + 8)
+    s->scale[0] = IN_HALVES(twice, 0);
+    s->scale[1] = IN_HALVES(twice, 1);
+    s->scale[2] = IN_HALVES(twice, 2);
+    s->scale[3] = IN_HALVES(twice, 3);
+    s->scale[4] = IN_HALVES(twice, 4);
+    s->scale[5] = IN_HALVES(twice, 5);
+    s->scale[6] = IN_HALVES(twice, 6);
+    s->scale[7] = IN_HALVES(twice, 7);
+#undef IN_HALVES
+    s->mins = __builtin_shufflevector(wide, wide, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+}
+
+static ALWAYS_INLINE void unpack_256(const int type, const uint8_t *b, Block256 *s) {
+    switch (type) {
+    case Q4_K: { /* f16 d, f16 dmin, 12 bytes of scales/mins, 128 bytes: chunk c's low nibbles, then its high */
+        s->d = half_to_float(b);
+        s->dmin = half_to_float(b + 2);
+        s->offset = 0;
+        k4_scales(s, b + 4);
+        for (int c = 0; c < 4; ++c) {
+            const u8x32 v = load_u8x32(b + 16 + 32 * c);
+            s->q[2 * c] = v & 0xF;
+            s->q[2 * c + 1] = v >> 4;
+        }
+        break;
+    }
+    case Q5_K: { /* as Q4_K, with 32 bytes of fifth bits before the nibbles: bit j of byte k is weight 32j + k's */
+        s->d = half_to_float(b);
+        s->dmin = half_to_float(b + 2);
+        s->offset = 0;
+        k4_scales(s, b + 4);
+        const u8x32 high = load_u8x32(b + 16);
+        for (int c = 0; c < 4; ++c) {
+            const u8x32 v = load_u8x32(b + 48 + 32 * c);
+            s->q[2 * c] = (v & 0xF) | (((high >> (2 * c)) & 1) << 4);
+            s->q[2 * c + 1] = (v >> 4) | (((high >> (2 * c + 1)) & 1) << 4);
+        }
+        break;
+    }
+    case Q6_K: { /* 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d; w = d scale (q - 32) */
+        s->d = s->dmin = half_to_float(b + 208);
+        s->offset = 32;
+        i8x16 scales;
+        memcpy(&scales, b + 192, sizeof scales);
+        const i16x16 wide = __builtin_convertvector(scales, i16x16);
+        scales_per_16(s, wide);
+        s->mins = wide * 32;
+        for (int h = 0; h < 2; ++h) { /* each half: weights 128h + 32j + k */
+            const u8x32 low0 = load_u8x32(b + 64 * h), low1 = load_u8x32(b + 64 * h + 32);
+            const u8x32 high = load_u8x32(b + 128 + 32 * h);
+            s->q[4 * h + 0] = (low0 & 0xF) | ((high & 3) << 4);
+            s->q[4 * h + 1] = (low1 & 0xF) | (((high >> 2) & 3) << 4);
+            s->q[4 * h + 2] = (low0 >> 4) | (((high >> 4) & 3) << 4);
+            s->q[4 * h + 3] = (low1 >> 4) | (((high >> 6) & 3) << 4);
+        }
+        break;
+    }
+    case Q3_K: { /* 32 bytes of high bits, 64 of 2-bit lows, 12 of 6-bit scales, f16 d; w = d (scale - 32) q,
+                    q = low - 4 where the high bit is clear: stored here as low + 4 high with offset 4 */
+        s->d = s->dmin = half_to_float(b + 108);
+        s->offset = 4;
+        uint32_t a[3];
+        memcpy(a, b + 96, sizeof a);
+        /* scale i: low nibble of byte i (i < 8) or high nibble of byte i - 8, bits 4-5 from byte 8 + i % 4 */
+        const uint32_t packed[4] = {
+            (a[0] & 0x0F0F0F0Fu) | ((a[2] & 0x03030303u) << 4),
+            (a[1] & 0x0F0F0F0Fu) | (((a[2] >> 2) & 0x03030303u) << 4),
+            ((a[0] >> 4) & 0x0F0F0F0Fu) | (((a[2] >> 4) & 0x03030303u) << 4),
+            ((a[1] >> 4) & 0x0F0F0F0Fu) | (((a[2] >> 6) & 0x03030303u) << 4),
+        };
+        u8x16 bytes;
+        memcpy(&bytes, packed, sizeof bytes);
+        const i16x16 wide = __builtin_convertvector(bytes, i16x16) - 32;
+        scales_per_16(s, wide);
+        s->mins = wide * 4;
+        const u8x32 high = load_u8x32(b);
+        for (int h = 0; h < 2; ++h) {
+            const u8x32 low = load_u8x32(b + 32 + 32 * h);
+            for (int j = 0; j < 4; ++j)
+                s->q[4 * h + j] = ((low >> (2 * j)) & 3) | (((high >> (4 * h + j)) & 1) << 2);
+        }
+        break;
+    }
+    default: { /* Q2_K: 16 bytes of 4-bit scale | 4-bit min, 64 of 2-bit quants, f16 d, f16 dmin */
+        s->d = half_to_float(b + 80);
+        s->dmin = half_to_float(b + 82);
+        s->offset = 0;
+        const u8x16 packed = load_u8x16(b);
+        scales_per_16(s, __builtin_convertvector(packed & 0xF, i16x16));
+        s->mins = __builtin_convertvector(packed >> 4, i16x16);
+        for (int h = 0; h < 2; ++h) {
+            const u8x32 low = load_u8x32(b + 16 + 32 * h);
+            for (int j = 0; j < 4; ++j) s->q[4 * h + j] = (low >> (2 * j)) & 3;
+        }
+        break;
+    }
+    }
+}
+
+/* ---- activations, quantized per row ------------------------------------------------------------------ */
+
+/* x[k] ~ d * qs[k]; s = d * the sum of qs (what the offsets and mins of the 32-weight formats multiply). */
+typedef struct {
+    int8_t qs[QK];
+    float d, s;
+} ActivationBlock32;
+
+/* x[k] ~ d * qs[k]; bsums: the sums of qs per 16. Aligned so that its loads never straddle a cache line. */
+typedef struct __attribute__((aligned(32))) {
+    int8_t qs[QK_K];
+    int16_t bsums[16];
+    float d;
+} ActivationBlock256;
+
+static ALWAYS_INLINE f32x8 load_x8(const void *x, int64_t index, const int bf16) {
+    if (!bf16) {
+        f32x8 v;
+        memcpy(&v, (const float *)x + index, sizeof v);
+        return v;
+    }
+    u16x8 bits;
+    memcpy(&bits, (const uint16_t *)x + index, sizeof bits);
+    return from_bf16(bits);
+}
+
+static ALWAYS_INLINE f32x8 max_f32(f32x8 a, f32x8 b) {
+    const i32x8 greater = a > b;
+    return (f32x8)(((i32x8)a & greater) | ((i32x8)b & ~greater));
+}
+
+/* Quantizes n (a multiple of 8) values from x[start] to qs and returns their scale d = max |x| / 127:
+ * qs = x * (127 / max |x|) rounded to nearest even. A NaN or infinity makes d NaN (and qs 0), so that it
+ * reaches the outputs as it would through a float product. */
+static ALWAYS_INLINE float quantize_values(const void *x, int64_t start, const int n, const int bf16, int8_t *qs) {
+    f32x8 amax = splat_f32(0.0f);
+    for (int i = 0; i < n; i += 8) {
+        const f32x8 v = load_x8(x, start + i, bf16);
+        const f32x8 magnitude = (f32x8)((i32x8)v & 0x7FFFFFFF);
+        amax = max_f32(magnitude, amax);
+        amax = (f32x8)((i32x8)amax | ((i32x8)(v != v) & 0x7FC00000)); /* a NaN stays */
+    }
+    float max = 0.0f;
+    int finite = 1;
+    for (int k = 0; k < 8; ++k) {
+        if (!(amax[k] <= 3.4028235e38f)) finite = 0;
+        max = amax[k] > max ? amax[k] : max;
+    }
+    if (!finite) {
+        memset(qs, 0, n);
+        return NAN;
+    }
+    const float inverse = max != 0.0f ? 127.0f / max : 0.0f;
+    for (int i = 0; i < n; i += 8) {
+        /* |x * inverse| <= 127.5: adding and subtracting 1.5 * 2^23 rounds it to an integer, to nearest even */
+        const f32x8 scaled = load_x8(x, start + i, bf16) * inverse;
+        const i32x8 rounded = __builtin_convertvector((scaled + 12582912.0f) - 12582912.0f, i32x8);
+        const i8x32 bytes = (i8x32)rounded;
+        const i8x8 low = __builtin_shufflevector(bytes, bytes, 0, 4, 8, 12, 16, 20, 24, 28);
+        memcpy(qs + i, &low, sizeof low);
+    }
+    return max / 127.0f;
+}
+
+static ALWAYS_INLINE int block_sum(const int8_t *qs, const int n) {
+    int sum = 0;
+    for (int i = 0; i < n; ++i) sum += qs[i];
+    return sum;
+}
+
+static void quantize_row_32(const void *x, int64_t row, int64_t in_features, const int bf16, ActivationBlock32 *out) {
+    for (int64_t b = 0; b < in_features / QK; ++b) {
+        ActivationBlock32 *block = out + b;
+        block->d = quantize_values(x, row * in_features + b * QK, QK, bf16, block->qs);
+        block->s = block->d * (float)block_sum(block->qs, QK);
+    }
+}
+
+static void quantize_row_256(const void *x, int64_t row, int64_t in_features, const int bf16,
+                             ActivationBlock256 *out) {
+    for (int64_t b = 0; b < in_features / QK_K; ++b) {
+        ActivationBlock256 *block = out + b;
+        block->d = quantize_values(x, row * in_features + b * QK_K, QK_K, bf16, block->qs);
+        for (int g = 0; g < 16; ++g) block->bsums[g] = (int16_t)block_sum(block->qs + 16 * g, 16);
+    }
+}
+
+/* ---- the products ----------------------------------------------------------------------------------- */
+
+/* out[r] = weight row `w` (nb blocks) . activation row r, for r < R (rows `stride` blocks apart). R is a
+ * constant after inlining: the R accumulators live in registers and each block is unpacked once for all.
+ * Even and odd blocks go to separate accumulators, so that consecutive blocks' multiply-adds do not wait for
+ * each other (one accumulator held Q8_0 to one block per FMA latency). */
+static ALWAYS_INLINE void dot_rows_32(const int type, const uint8_t *w, int64_t nb, const ActivationBlock32 *x,
+                                      int64_t stride, const int R, float *out) {
+    f32x8 acc[ROWS_PER_PASS][2];
+    float side[ROWS_PER_PASS][2];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 2; ++i) {
+            acc[r][i] = splat_f32(0.0f);
+            side[r][i] = 0.0f;
+        }
+    const int bytes = block_bytes(type);
+    for (int64_t b = 0; b < nb; b += 2) {
+        __builtin_prefetch(w + b * bytes + PREFETCH_AHEAD, 0, 3);
+        for (int i = 0; i < 2 && b + i < nb; ++i) {
+            const Block32 u = unpack_32(type, w + (b + i) * bytes);
+            /* sum_k (d (q_k - offset) + m) x_k = d dx sum_k (q_k - offset) qx_k + m s_x: the offset formats
+             * take signed quants (the sign trick), the others add m s_x on the side */
+            const i8x32 signed_q = (i8x32)(u.q - (uint8_t)u.offset);
+            for (int r = 0; r < R; ++r) {
+                const ActivationBlock32 *xb = x + r * stride + b + i;
+                const i8x32 xq = load_i8x32(xb->qs);
+                const i32x8 dot = type == Q4_1 || type == Q5_1 ? dot_u8s8(u.q, xq) : dot_s8s8(signed_q, xq);
+                acc[r][i] = fmadd(to_f32(dot), splat_f32(u.d * xb->d), acc[r][i]);
+                if (type == Q4_1 || type == Q5_1) side[r][i] += u.m * xb->s;
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum_f32(acc[r][0] + acc[r][1]) + (side[r][0] + side[r][1]);
+}
+
+static ALWAYS_INLINE void dot_rows_256(const int type, const uint8_t *w, int64_t nb, const ActivationBlock256 *x,
+                                       int64_t stride, const int R, float *out) {
+    f32x8 acc[ROWS_PER_PASS];
+    for (int r = 0; r < R; ++r) acc[r] = splat_f32(0.0f);
+    const int bytes = block_bytes(type);
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int line = 0; line < bytes; line += 64) __builtin_prefetch(w + b * bytes + PREFETCH_AHEAD + line, 0, 3);
+        Block256 s;
+        unpack_256(type, w + b * bytes, &s);
+        for (int r = 0; r < R; ++r) {
+            const ActivationBlock256 *xb = x + r * stride + b;
+            /* dx (d sum_g scale_g sum_k q_k qx_k - dmin sum_g mins_g bsum_g) */
+            i32x8 sum = dot_scaled(s.q[0], load_i8x32(xb->qs), s.scale[0]);
+            for (int j = 1; j < 8; ++j) sum += dot_scaled(s.q[j], load_i8x32(xb->qs + 32 * j), s.scale[j]);
+            const i32x8 mins = madd_i16(load_i16x16(xb->bsums), s.mins);
+            acc[r] = fmadd(to_f32(sum), splat_f32(xb->d * s.d), acc[r]);
+            acc[r] = fmadd(to_f32(mins), splat_f32(-(xb->d * s.dmin)), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum_f32(acc[r]);
+}
+
+static ALWAYS_INLINE void store_one(void *y, int64_t index, float v, int bf16) {
+    if (!bf16) {
+        ((float *)y)[index] = v;
+        return;
+    }
+    const u16x8 bits = to_bf16(splat_f32(v));
+    ((uint16_t *)y)[index] = bits[0];
+}
+
+/* Outputs [first, last) for rows [row, row + R) of x. */
+static ALWAYS_INLINE void output_pass(const int type, const uint8_t *w, int64_t nb, const void *xq, int64_t row,
+                                      const int R, int64_t first, int64_t last, int64_t out_features, void *y,
+                                      int y_bf16) {
+    for (int64_t o = first; o < last; ++o) {
+        const uint8_t *weight_row = w + o * nb * block_bytes(type);
+        float out[ROWS_PER_PASS];
+        if (is_k_quant(type))
+            dot_rows_256(type, weight_row, nb, (const ActivationBlock256 *)xq + row * nb, nb, R, out);
+        else
+            dot_rows_32(type, weight_row, nb, (const ActivationBlock32 *)xq + row * nb, nb, R, out);
+        for (int r = 0; r < R; ++r) store_one(y, (row + r) * out_features + o, out[r], y_bf16);
+    }
+}
+
+/* One specialised function per (type, rows per pass) and per (activation block, input dtype), called through
+ * pointers from the parallel region: OpenMP outlines a region before inlining, so a region inside an inlined
+ * body would run one unspecialised copy with the type as a variable. The output dtype stays a variable (one
+ * branch per output), which halves the code to compile. */
+typedef void (*PassFunction)(const uint8_t *w, int64_t nb, const void *xq, int64_t row, int64_t first, int64_t last,
+                             int64_t out_features, void *y, int y_bf16);
+typedef void (*QuantizeFunction)(const void *x, int64_t row, int64_t in_features, void *out);
+
+#define PASS_FOR(T, R)                                                                                            \
+    static void pass_##T##_##R(const uint8_t *w, int64_t nb, const void *xq, int64_t row, int64_t first,         \
+                               int64_t last, int64_t out_features, void *y, int y_bf16) {                         \
+        output_pass(T, w, nb, xq, row, R, first, last, out_features, y, y_bf16);                                  \
+    }
+#define PASSES_FOR(T) PASS_FOR(T, 1) PASS_FOR(T, 2) PASS_FOR(T, 3) PASS_FOR(T, 4)
+PASSES_FOR(Q4_0)
+PASSES_FOR(Q4_1)
+PASSES_FOR(Q5_0)
+PASSES_FOR(Q5_1)
+PASSES_FOR(Q8_0)
+PASSES_FOR(Q2_K)
+PASSES_FOR(Q3_K)
+PASSES_FOR(Q4_K)
+PASSES_FOR(Q5_K)
+PASSES_FOR(Q6_K)
+
+/* The pass functions of `type` for 1 .. ROWS_PER_PASS rows, or 0 for a type it does not know. */
+static int pass_functions(int type, PassFunction passes[ROWS_PER_PASS]) {
+#define CASE(T)                                                                                                   \
+    case T:                                                                                                       \
+        passes[0] = pass_##T##_1, passes[1] = pass_##T##_2, passes[2] = pass_##T##_3, passes[3] = pass_##T##_4;  \
+        return 1;
+    switch (type) {
+        CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0) CASE(Q2_K) CASE(Q3_K) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K)
+    default: return 0;
+    }
+#undef CASE
+}
+
+static void quantize_32_f32(const void *x, int64_t row, int64_t in_features, void *out) {
+    quantize_row_32(x, row, in_features, 0, out);
+}
+static void quantize_32_bf16(const void *x, int64_t row, int64_t in_features, void *out) {
+    quantize_row_32(x, row, in_features, 1, out);
+}
+static void quantize_256_f32(const void *x, int64_t row, int64_t in_features, void *out) {
+    quantize_row_256(x, row, in_features, 0, out);
+}
+static void quantize_256_bf16(const void *x, int64_t row, int64_t in_features, void *out) {
+    quantize_row_256(x, row, in_features, 1, out);
+}
+
+/* y [rows, out_features] (float32, or bfloat16 if y_bf16) = x [rows, in_features] (float32, or bfloat16 if
+ * x_bf16) W^T. Returns 2 for a type it does not know or an in_features that is not a whole number of blocks,
+ * 1 if the quantized activations' buffer cannot be allocated. */
+int gguf_matmul(int type, const uint8_t *w, const void *x, int x_bf16, int64_t rows, int64_t in_features,
+                int64_t out_features, void *y, int y_bf16) {
+    const int weights = block_weights(type);
+    if (weights == 0 || in_features <= 0 || in_features % weights != 0 || rows < 0 || out_features < 0) return 2;
+    if (rows == 0 || out_features == 0) return 0;
+    const int k_quant = is_k_quant(type);
+    const int64_t nb = in_features / weights, row_bytes = nb * block_bytes(type);
+    const size_t block = k_quant ? sizeof(ActivationBlock256) : sizeof(ActivationBlock32);
+    const size_t bytes = (size_t)(rows * nb) * block;
+    void *xq = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (xq == NULL) return 1;
+    PassFunction passes[ROWS_PER_PASS];
+    pass_functions(type, passes);
+    const QuantizeFunction quantize = k_quant ? (x_bf16 ? quantize_256_bf16 : quantize_256_f32)
+                                              : (x_bf16 ? quantize_32_bf16 : quantize_32_f32);
+    /* At most 64 outputs or TILE_WEIGHT_BYTES a tile, and at least 4 tiles a thread, so that a narrow layer
+     * still spreads over every thread (which thread sums an output never changes its value). */
+    const int parallel = rows * in_features * out_features >= PARALLEL_MIN_WORK;
+    const int64_t spread = (out_features + 4 * omp_get_max_threads() - 1) / (4 * omp_get_max_threads());
+    int64_t tile = TILE_WEIGHT_BYTES / row_bytes;
+    tile = tile > 64 ? 64 : tile;
+    tile = parallel && tile > spread ? spread : tile;
+    tile = tile < 1 ? 1 : tile;
+    const int64_t tiles = (out_features + tile - 1) / tile;
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) quantize(x, r, in_features, (char *)xq + r * nb * block);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t first = t * tile, last = first + tile < out_features ? first + tile : out_features;
+            for (int64_t row = 0; row < rows; row += ROWS_PER_PASS) {
+                const int64_t n = rows - row < ROWS_PER_PASS ? rows - row : ROWS_PER_PASS;
+                passes[n - 1](w, nb, xq, row, first, last, out_features, y, y_bf16);
+            }
+        }
+    }
+    free(xq);
+    return 0;
+}
+
+/* ---- dequantization ----------------------------------------------------------------------------------- */
+
+#define EIGHT(p) 8 * p, 8 * p + 1, 8 * p + 2, 8 * p + 3, 8 * p + 4, 8 * p + 5, 8 * p + 6, 8 * p + 7
+
+/* The 32 quants minus `offset` as four float vectors (exact: small integers). */
+static ALWAYS_INLINE void widen(u8x32 q, const int is_signed, int offset, f32x8 out[4]) {
+    i32x8 v[4];
+    if (is_signed) {
+        const i8x32 s = (i8x32)q;
+        v[0] = __builtin_convertvector(__builtin_shufflevector(s, s, EIGHT(0)), i32x8);
+        v[1] = __builtin_convertvector(__builtin_shufflevector(s, s, EIGHT(1)), i32x8);
+        v[2] = __builtin_convertvector(__builtin_shufflevector(s, s, EIGHT(2)), i32x8);
+        v[3] = __builtin_convertvector(__builtin_shufflevector(s, s, EIGHT(3)), i32x8);
+    } else {
+        v[0] = __builtin_convertvector(__builtin_shufflevector(q, q, EIGHT(0)), i32x8);
+        v[1] = __builtin_convertvector(__builtin_shufflevector(q, q, EIGHT(1)), i32x8);
+        v[2] = __builtin_convertvector(__builtin_shufflevector(q, q, EIGHT(2)), i32x8);
+        v[3] = __builtin_convertvector(__builtin_shufflevector(q, q, EIGHT(3)), i32x8);
+    }
+    for (int p = 0; p < 4; ++p) out[p] = to_f32(v[p] - offset);
+}
+
+static ALWAYS_INLINE void store8(void *out, int64_t index, f32x8 v, int bf16) {
+    if (!bf16) {
+        memcpy((float *)out + index, &v, sizeof v);
+        return;
+    }
+    const u16x8 bits = to_bf16(v);
+    memcpy((uint16_t *)out + index, &bits, sizeof bits);
+}
+
+/* One row of in_features weights, in gguf's float32 operations and order:
+ * 32-weight formats (q - offset) * d (+ m); k-quants (q - offset) * (d * scale) (- dmin * min). */
+static ALWAYS_INLINE void dequantize_row(const int type, const uint8_t *w, int64_t in_features, void *out,
+                                         int bf16) {
+    const int64_t nb = in_features / block_weights(type);
+    const int bytes = block_bytes(type);
+    for (int64_t b = 0; b < nb; ++b) {
+        f32x8 v[4];
+        if (!is_k_quant(type)) {
+            const Block32 u = unpack_32(type, w + b * bytes);
+            widen(u.q, type == Q8_0, u.offset, v);
+            for (int p = 0; p < 4; ++p) {
+                f32x8 weights = v[p] * u.d;
+                if (type == Q4_1 || type == Q5_1) weights = weights + u.m;
+                store8(out, b * QK + 8 * p, weights, bf16);
+            }
+            continue;
+        }
+        Block256 s;
+        unpack_256(type, w + b * bytes, &s);
+        for (int j = 0; j < 8; ++j) {
+            widen(s.q[j], 0, s.offset, v);
+            for (int p = 0; p < 4; ++p) {
+                const int group = 2 * j + p / 2;
+                f32x8 weights = v[p] * (s.d * (float)s.scale[j][8 * (p / 2)]);
+                if (type == Q2_K || type == Q4_K || type == Q5_K) weights = weights - s.dmin * (float)s.mins[group];
+                store8(out, b * QK_K + 32 * j + 8 * p, weights, bf16);
+            }
+        }
+    }
+}
+
+typedef void (*DequantizeFunction)(const uint8_t *w, int64_t in_features, void *out, int bf16);
+
+#define DEQUANTIZE_FOR(T)                                                                                         \
+    static void dequantize_##T(const uint8_t *w, int64_t in_features, void *out, int bf16) {                      \
+        dequantize_row(T, w, in_features, out, bf16);                                                             \
+    }
+DEQUANTIZE_FOR(Q4_0)
+DEQUANTIZE_FOR(Q4_1)
+DEQUANTIZE_FOR(Q5_0)
+DEQUANTIZE_FOR(Q5_1)
+DEQUANTIZE_FOR(Q8_0)
+DEQUANTIZE_FOR(Q2_K)
+DEQUANTIZE_FOR(Q3_K)
+DEQUANTIZE_FOR(Q4_K)
+DEQUANTIZE_FOR(Q5_K)
+DEQUANTIZE_FOR(Q6_K)
+
+static DequantizeFunction dequantize_function(int type) {
+#define CASE(T) \
+    case T: return dequantize_##T;
+    switch (type) {
+        CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0) CASE(Q2_K) CASE(Q3_K) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K)
+    default: return NULL;
+    }
+#undef CASE
+}
+
+/* out [n_rows, in_features] (float32, or bfloat16 rounded to nearest even) = rows row_ids[i] of W, or rows
+ * first_row + i where row_ids is NULL. The caller checks the row ids against out_features. Returns 2 for a
+ * type it does not know or an in_features that is not a whole number of blocks. */
+int gguf_dequantize_rows(int type, const uint8_t *w, int64_t in_features, const int64_t *row_ids, int64_t first_row,
+                         int64_t n_rows, void *out, int out_bf16) {
+    const int weights = block_weights(type);
+    if (weights == 0 || in_features <= 0 || in_features % weights != 0 || n_rows < 0) return 2;
+    const DequantizeFunction dequantize = dequantize_function(type);
+    const int64_t row_bytes = in_features / weights * block_bytes(type), element = out_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (n_rows * in_features >= PARALLEL_MIN_WORK / 4)
+    for (int64_t i = 0; i < n_rows; ++i) {
+        const int64_t row = row_ids != NULL ? row_ids[i] : first_row + i;
+        dequantize(w + row * row_bytes, in_features, (char *)out + i * in_features * element, out_bf16);
+    }
+    return 0;
+}
+
+/* Block geometry as the kernels see it (the wrapper checks it against its own table): 0 for unknown types. */
+int gguf_block_weights(int type) { return block_weights(type); }
+int gguf_block_bytes(int type) { return block_bytes(type); }
+
+const char *pagellm_isa(void) { return ISA_NAME; }
+/* The instructions the integer dot products run on: avx512_vnni, avx_vnni, avx2 (VPMADDUBSW) or generic. */
+const char *gguf_dot_instructions(void) { return DOT_INSTRUCTIONS; }

@@ -1,0 +1,323 @@
+"""Linear layers and embedding gathers on GGUF weights kept in their quantized blocks.
+
+A GGUF weight stays a uint8 tensor [out_features, in_features / block_weights * block_bytes] (each output row's
+blocks contiguous, as the file stores them), at its file size in memory. csrc/gguf_quant.c computes with it:
+
+- `matmul` at decode sizes quantizes each row of x to int8 (llama.cpp's Q8_1 blocks of 32 for Q4_0..Q8_0, Q8_K
+  blocks of 256 for the k-quants) and takes integer dot products on the blocks (AVX2 VPMADDUBSW, VNNI VPDPBUSD
+  where the CPU has AVX-512 VNNI or AVX-VNNI, generic C elsewhere); from `dense_min_rows[type]` rows on (a
+  measured table, DENSE_MIN_ROWS), it dequantizes tiles of the weight into float32 (bfloat16 where the CPU
+  multiplies it natively) and runs torch's GEMM on them, which outran the int8 products there;
+- `dequantize_rows` gathers rows as float32 or bfloat16: an embedding's lookup, and a tied LM head shares the
+  embedding's blocks with it.
+
+The library is built per instruction set from one source by pagellm.attention.native's machinery (flags per ISA,
+cache, PAGELLM_CPU_ISA to force one, PAGELLM_NATIVE_KERNELS=0 to switch kernels off). `gguf_ops()` returns the
+kernels, or `TorchGGUFOps` (dequantize with pagellm.models.gguf_quants, then F.linear) where they cannot be
+built, so that a model always runs; the same class is the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import pathlib
+import subprocess
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagellm.attention import native
+from pagellm.cpu_features import cpu_flags, cpu_has_native
+from pagellm.models.gguf_quants import QUANT_FORMATS, QuantFormat, dequantize
+
+if TYPE_CHECKING:
+    from pagellm.ops.triton_gguf import TritonGGUFKernels
+
+logger = logging.getLogger(__name__)
+
+_CSRC = pathlib.Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "gguf_quant.c"]
+_HEADERS = [_CSRC / "gguf_simd.h"]
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+# The block types the kernels compute with (GGML type ids); the others (F32, F16, BF16) are plain tensors.
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_FORMATS: dict[str, tuple[int, QuantFormat]] = {fmt.name: (type_id, fmt) for type_id, fmt in QUANT_FORMATS.items()}
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+
+# Rows of x from which `matmul` runs torch's GEMM on dequantized weight tiles instead of the int8 products, per
+# instruction set and type (None: the int8 products at every row count). Measured on a 2-core AMD EPYC (Zen 3,
+# avx2 only, no VNNI), one thread, a 2048 x 2048 layer, float32 activations, GFLOP/s int8 / dense (the machine
+# shared with other jobs, so CPU time, best of 7; F.linear on float32 weights reached 70-77 from 512 rows):
+#   rows   Q4_0   Q4_1   Q5_0   Q5_1   Q8_0   Q2_K   Q3_K   Q4_K   Q5_K   Q6_K
+#     64  47/47  48/44  41/36  42/40  54/33  80/39  49/43  59/35  60/40  72/51
+#    128  39/42  48/56  34/45  42/54  45/45  81/54  50/53  75/54  64/54  71/55
+#    256  38/48      -      -      -  46/50      -  49/61  77/69  63/62  70/62
+#    512  46/70  46/68  40/66  37/67  42/52  75/64  46/57  72/70  60/67  69/69
+#   1024  45/72  46/71  39/70  38/69  49/66  72/66  47/67  71/70  52/65  63/71
+#   2048  46/72  44/68  40/71  39/71  47/67  71/69  46/68  68/71  57/71  50/56
+# The int8 products stay flat from ~16 rows on while the GEMM keeps rising, so the dense path takes over where
+# they meet: early for the 32-weight types, which pay a float scale per 32 weights per row (the k-quants pay one
+# per 256), never within 2048 rows for Q2_K. The AVX-512 build (VNNI where present: one instruction where AVX2
+# takes two) is given the same table until measured there (benchmarks/gguf_kernels.py prints both paths). The
+# generic build's integer products are plain vector extensions, several times slower than the AVX2 ones; the GEMM
+# wins there from a handful of rows.
+_AVX2_DENSE_MIN_ROWS: dict[str, int | None] = {
+    "Q4_0": 96, "Q4_1": 96, "Q5_0": 96, "Q5_1": 96, "Q8_0": 128,
+    "Q2_K": None, "Q3_K": 128, "Q4_K": 1024, "Q5_K": 256, "Q6_K": 1024,
+}
+DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
+    "avx512": _AVX2_DENSE_MIN_ROWS,
+    "avx2": _AVX2_DENSE_MIN_ROWS,
+    "generic": {name: 8 for name in _AVX2_DENSE_MIN_ROWS},
+}
+# Weight bytes dequantized per tile of the dense path: one tile is the only dequantized copy that exists.
+DENSE_TILE_BYTES = 4 << 20
+
+
+def _format(type_name: str) -> tuple[int, QuantFormat]:
+    entry = _FORMATS.get(type_name)
+    if entry is None:
+        raise ValueError(f"GGML type {type_name!r} is unknown; pagellm reads {', '.join(_FORMATS)}")
+    return entry
+
+
+def row_bytes(type_name: str, in_features: int) -> int:
+    """Bytes one output row of `in_features` weights takes in `type_name`'s blocks."""
+    _, fmt = _format(type_name)
+    if in_features <= 0 or in_features % fmt.block_size:
+        raise ValueError(f"in_features={in_features} is not a positive multiple of {type_name}'s block of "
+                         f"{fmt.block_size} weights; such a tensor cannot be stored in {type_name}")
+    return in_features // fmt.block_size * fmt.block_bytes
+
+
+def _check_weight(weight: torch.Tensor, type_name: str, out_features: int, in_features: int) -> None:
+    # Called per product (~100 per decode step): the common case is a few attribute reads.
+    expected = (out_features, row_bytes(type_name, in_features))
+    if weight.dtype != torch.uint8 or weight.shape != expected or not weight.is_contiguous():
+        raise ValueError(f"a {type_name} weight of {out_features} x {in_features} must be a contiguous uint8 tensor of "
+                         f"shape {expected} (each output row's blocks), not {weight.dtype} {tuple(weight.shape)}")
+    if not weight.is_cpu:
+        raise ValueError(f"the GGUF CPU kernels read weights on the CPU, not on {weight.device}")
+
+
+def _rows_of(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} features in its last dimension; this weight takes {in_features}")
+    return x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
+
+
+def _output(x: torch.Tensor, rows: int, out_features: int, dtype: torch.dtype, out: torch.Tensor | None):
+    if out is None:
+        return torch.empty(rows, out_features, dtype=dtype)
+    if out.dtype != dtype or out.numel() != rows * out_features or out.shape[-1] != out_features \
+            or not out.is_contiguous():
+        raise ValueError(f"out is {out.dtype} {tuple(out.shape)}; this product writes a contiguous {dtype} tensor of "
+                         f"{tuple(x.shape[:-1])} x {out_features}")
+    return out.view(rows, out_features)
+
+
+def _row_ids(row_ids: torch.Tensor | np.ndarray, out_features: int) -> torch.Tensor:
+    ids = torch.as_tensor(row_ids).reshape(-1)
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"row_ids must be integers, not {ids.dtype}")
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= out_features):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise IndexError(f"row id {bad} is outside this weight's {out_features} rows (0 .. {out_features - 1})")
+    return ids
+
+
+class TorchGGUFOps:
+    """The same operations in numpy/torch: dequantize (pagellm.models.gguf_quants, equal to the gguf package's),
+    then F.linear in float32. Where the C kernels cannot be built, and the reference they are tested against."""
+
+    isa = "torch"
+
+    @staticmethod
+    def supports(type_name: str) -> bool:
+        return type_name in _FORMATS
+
+    def dequantize_rows(self, weight: torch.Tensor, type_name: str, row_ids: torch.Tensor | np.ndarray,
+                        in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        ids = _row_ids(row_ids, weight.shape[0])
+        _check_weight(weight, type_name, weight.shape[0], in_features)
+        type_id, _ = _format(type_name)
+        rows = weight[ids].numpy()
+        return torch.from_numpy(dequantize(rows, type_id, (len(ids), in_features))).to(dtype)
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, type_name: str, out_features: int, in_features: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        _check_weight(weight, type_name, out_features, in_features)
+        rows = _rows_of(x, in_features)
+        type_id, _ = _format(type_name)
+        dense = torch.from_numpy(dequantize(weight.numpy(), type_id, (out_features, in_features)))
+        y = _output(x, rows.shape[0], out_features, x.dtype, out)
+        y.copy_(F.linear(rows.float(), dense))
+        return y.view(*x.shape[:-1], out_features)
+
+
+class GGUFKernels:
+    """csrc/gguf_quant.c with its argument types declared. Activations are float32 or bfloat16 (others are
+    computed from float32 and returned in their dtype); outputs have x's dtype."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.isa = native.library_isa(library)
+        library.gguf_dot_instructions.restype = ctypes.c_char_p
+        self.dot_instructions = library.gguf_dot_instructions().decode()
+        self._matmul = library.gguf_matmul
+        self._matmul.restype = _INT
+        self._matmul.argtypes = [_INT, _PTR, _PTR, _INT, _I64, _I64, _I64, _PTR, _INT]
+        self._dequantize = library.gguf_dequantize_rows
+        self._dequantize.restype = _INT
+        self._dequantize.argtypes = [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT]
+        for name in ("gguf_block_weights", "gguf_block_bytes"):
+            getattr(library, name).restype = _INT
+            getattr(library, name).argtypes = [_INT]
+        for type_name in KERNEL_TYPES:  # the C tables must be the loader's
+            type_id, fmt = _format(type_name)
+            geometry = (library.gguf_block_weights(type_id), library.gguf_block_bytes(type_id))
+            if geometry != (fmt.block_size, fmt.block_bytes):
+                raise RuntimeError(f"gguf_quant.c has {type_name} blocks of {geometry}, gguf_quants "
+                                   f"{(fmt.block_size, fmt.block_bytes)}")
+        self.dense_min_rows = dict(DENSE_MIN_ROWS[self.isa])
+        self._scratch = threading.local()
+
+    @staticmethod
+    def supports(type_name: str) -> bool:
+        return type_name in KERNEL_TYPES
+
+    def _type_id(self, type_name: str) -> int:
+        if not self.supports(type_name):
+            raise ValueError(f"the GGUF kernels compute with {', '.join(KERNEL_TYPES)}, not {type_name!r}; "
+                             f"use TorchGGUFOps (dequantized) for it")
+        return _format(type_name)[0]
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, type_name: str, out_features: int, in_features: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in_features] @ W^T -> [..., out_features] in x's dtype (written into `out` if given): int8
+        products below `dense_min_rows[type_name]` rows of x, torch's GEMM on dequantized weight tiles from there."""
+        threshold = self.dense_min_rows.get(type_name)
+        if threshold is not None and x.numel() >= threshold * in_features:
+            return self.matmul_dense(x, weight, type_name, out_features, in_features, out)
+        return self.matmul_int8(x, weight, type_name, out_features, in_features, out)
+
+    def matmul_int8(self, x: torch.Tensor, weight: torch.Tensor, type_name: str, out_features: int,
+                    in_features: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`matmul` on the int8 products whatever the row count."""
+        type_id = self._type_id(type_name)
+        _check_weight(weight, type_name, out_features, in_features)
+        if x.dtype not in ACTIVATION_DTYPES:  # e.g. float16: computed from float32, returned in its dtype
+            y = self.matmul_int8(x.float(), weight, type_name, out_features, in_features)
+            if out is None:
+                return y.to(x.dtype)
+            _output(x, x.numel() // in_features, out_features, x.dtype, out).view(y.shape).copy_(y)
+            return out.view(y.shape)
+        rows = _rows_of(x, in_features)
+        y = _output(x, rows.shape[0], out_features, x.dtype, out)
+        bf16 = int(x.dtype == torch.bfloat16)
+        failed = self._matmul(type_id, weight.data_ptr(), rows.data_ptr(), bf16, rows.shape[0], in_features,
+                              out_features, y.data_ptr(), bf16)
+        if failed == 1:
+            raise MemoryError(f"gguf_matmul could not allocate the quantized activations of {rows.shape[0]} rows")
+        if failed:
+            raise ValueError(f"gguf_matmul refused {type_name} with in_features={in_features}")
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
+
+    def matmul_dense(self, x: torch.Tensor, weight: torch.Tensor, type_name: str, out_features: int,
+                     in_features: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`matmul` as torch's GEMM on tiles of the weight dequantized in turn (DENSE_TILE_BYTES each), in
+        bfloat16 where x is bfloat16 and the CPU multiplies it natively, else float32."""
+        type_id = self._type_id(type_name)
+        _check_weight(weight, type_name, out_features, in_features)
+        rows = _rows_of(x, in_features)
+        gemm_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 and cpu_has_native(torch.bfloat16) else torch.float32
+        operand = rows.to(gemm_dtype)
+        y = _output(x, rows.shape[0], out_features, x.dtype, out)
+        element = torch.finfo(gemm_dtype).bits // 8
+        tile_rows = max(1, min(out_features, DENSE_TILE_BYTES // (in_features * element)))
+        tile = self._tile(tile_rows * in_features, gemm_dtype)
+        direct = y.dtype == gemm_dtype
+        for first in range(0, out_features, tile_rows):
+            n = min(tile_rows, out_features - first)
+            dense = tile[: n * in_features].view(n, in_features)
+            if self._dequantize(type_id, weight.data_ptr(), in_features, None, first, n, dense.data_ptr(),
+                                int(gemm_dtype == torch.bfloat16)):
+                raise ValueError(f"gguf_dequantize_rows refused {type_name} with in_features={in_features}")
+            if direct:
+                torch.mm(operand, dense.t(), out=y[:, first : first + n])
+            else:
+                y[:, first : first + n] = torch.mm(operand, dense.t())
+        return y.view(*x.shape[:-1], out_features)
+
+    def _tile(self, elements: int, dtype: torch.dtype) -> torch.Tensor:
+        """A per-thread scratch tensor kept between calls: a fresh one would fault in its pages every call."""
+        tiles = self._scratch.__dict__.setdefault("tiles", {})
+        tile = tiles.get(dtype)
+        if tile is None or tile.numel() < elements:
+            tile = tiles[dtype] = torch.empty(elements, dtype=dtype)
+        return tile
+
+    def dequantize_rows(self, weight: torch.Tensor, type_name: str, row_ids: torch.Tensor | np.ndarray,
+                        in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows row_ids of W as a [len(row_ids), in_features] tensor of `dtype` (float32 or bfloat16 computed
+        directly, others through float32), equal to gguf's dequantization (rounded once for bfloat16)."""
+        type_id = self._type_id(type_name)
+        ids = _row_ids(row_ids, weight.shape[0])
+        _check_weight(weight, type_name, weight.shape[0], in_features)
+        kernel_dtype = dtype if dtype in ACTIVATION_DTYPES else torch.float32
+        out = torch.empty(len(ids), in_features, dtype=kernel_dtype)
+        if self._dequantize(type_id, weight.data_ptr(), in_features, ids.data_ptr(), 0, len(ids), out.data_ptr(),
+                            int(kernel_dtype == torch.bfloat16)):
+            raise ValueError(f"gguf_dequantize_rows refused {type_name} with in_features={in_features}")
+        return out.to(dtype)
+
+
+def build_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
+    """The compiler flags of the kernels for `isa` on a CPU with `flags` (default: this one's): native.py's, plus
+    the VNNI dot product where the CPU has it, and no contracted multiply-adds (the dequantizers round as gguf's)."""
+    flags = cpu_flags() if flags is None else flags
+    extra = ["-ffp-contract=off"]
+    if isa == "avx512" and "avx512_vnni" in flags:
+        extra.append("-mavx512vnni")
+    elif isa == "avx2" and "avx_vnni" in flags:
+        extra.append("-mavxvnni")
+    return native.compiler_flags(isa) + extra
+
+
+@functools.cache
+def _library(isa: str) -> ctypes.CDLL | None:
+    try:
+        path = native.build_library(f"pagellm_gguf_{isa}", _SOURCES, _HEADERS, build_flags(isa))
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
+        detail = (getattr(error, "stderr", None) or str(error)).strip()
+        logger.warning("GGUF CPU kernels unavailable (%s); quantized layers run dequantized in torch",
+                       detail.splitlines()[0] if detail else type(error).__name__)
+        return None
+
+
+def gguf_kernels(isa: str | None = None) -> GGUFKernels | None:
+    """The kernels built for `isa` (default: native.best_isa(), which honours PAGELLM_CPU_ISA), or None where
+    there is no compiler or PAGELLM_NATIVE_KERNELS=0."""
+    if os.environ.get("PAGELLM_NATIVE_KERNELS", "1") == "0":
+        return None
+    library = _library(isa or native.best_isa())
+    return GGUFKernels(library) if library is not None else None
+
+
+def gguf_ops(isa: str | None = None,
+             device: torch.device | str | None = None) -> GGUFKernels | TorchGGUFOps | TritonGGUFKernels:
+    """The kernels for weights on `device`: on CUDA the Triton kernels (pagellm.ops.triton_gguf); on the CPU the C
+    kernels where they can be built, else the torch path: a GGUF model always runs."""
+    if device is not None and torch.device(device).type == "cuda":
+        from pagellm.ops.triton_gguf import TritonGGUFKernels
+
+        return TritonGGUFKernels()
+    return gguf_kernels(isa) or TorchGGUFOps()
