@@ -154,7 +154,7 @@ def _parameter_bytes(model_dir: str) -> int:
     from pagellm.distributed.parallel_state import SINGLE
     from pagellm.worker.memory_fit import planned_model
 
-    return planned_model(AutoConfig.from_pretrained(model_dir), 256, torch.float32, SINGLE).parameter_bytes
+    return planned_model(AutoConfig.from_pretrained(model_dir), 256, torch.float32, SINGLE, None).parameter_bytes
 
 
 def test_weights_that_cannot_fit_are_refused_before_loading(tiny_llama_dir, monkeypatch):
@@ -174,6 +174,92 @@ def test_a_gguf_file_larger_than_memory_is_refused_before_it_is_read(monkeypatch
     simulate_available(monkeypatch, 8 * MiB)
     with pytest.raises(ValueError, match=r"weights need at least .* \(the size of .*\.gguf\).* kv_cache_memory_bytes"):
         LLM(kv_cache_memory_bytes=64 * MiB)
+
+
+# ---- quantized checkpoints ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide_llama_dirs(tmp_path_factory, default_tokenizer) -> dict[str, tuple[str, str | None]]:
+    """A random Llama whose linear layers outweigh its embedding (vocab 512, tied), as a float checkpoint and in
+    each quantized format pagellm loads: name -> (directory, quantization=)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests import w8a8_checkpoints
+    from tests.quant_checkpoints import QuantSpec, write_quantized
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    root = tmp_path_factory.mktemp("wide-llama")
+    float_dir = root / "float"
+    LlamaForCausalLM(config).save_pretrained(float_dir)
+    default_tokenizer.save_pretrained(float_dir)
+    dirs = {"float": (str(float_dir), None), "online int8": (str(float_dir), "int8")}
+    for name, spec in (("awq", QuantSpec("awq")), ("gptq", QuantSpec("gptq", bits=8))):
+        write_quantized(float_dir, root / name, root / f"{name}-dequantized", spec)
+        dirs[name] = (str(root / name), None)
+    for name, scheme, fmt in (("compressed-tensors int8", "int8-channel-dynamic", "compressed-tensors"),
+                              ("fp8 block", "fp8-block-dynamic", "fp8")):
+        dirs[name] = (w8a8_checkpoints.write_quantized(str(float_dir), root / name, scheme, fmt)[0], None)
+    return dirs
+
+
+def _planned(model_dir: str, quantization: str | None):
+    import torch
+    from transformers import AutoConfig
+
+    from pagellm.distributed.parallel_state import SINGLE
+    from pagellm.layers.quantization import quantization_config_for
+    from pagellm.worker.memory_fit import planned_model
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return planned_model(config, 256, torch.float32, SINGLE, quantization_config_for(config, quantization))
+
+
+@pytest.mark.parametrize("name", ["awq", "gptq", "compressed-tensors int8", "fp8 block", "online int8"])
+def test_the_planned_weights_of_a_quantized_checkpoint_are_its_own_and_at_most_what_loading_takes(
+        name, wide_llama_dirs):
+    import torch
+
+    from pagellm.models import loader
+
+    model_dir, quantization = wide_llama_dirs[name]
+    planned = _planned(model_dir, quantization)
+    config = loader.load_hf_config(loader.resolve_model(model_dir))[0]
+    model = loader.load_model(loader.resolve_model(model_dir), config, None, torch.float32, torch.device("cpu"), 256,
+                              quantization=quantization)
+    assert planned.parameter_bytes <= model.weights_bytes(), "a refusal of a model that fits"
+    # Counted in the checkpoint's dtypes (8 bits or fewer a weight), not as float32: the linear layers are ~94% of
+    # the float model.
+    assert planned.parameter_bytes < 0.4 * _planned(*wide_llama_dirs["float"]).parameter_bytes
+    if quantization is None:
+        assert f"the {config.quantization_config['quant_method']} layers' in the dtypes they load in" in \
+            planned.described
+
+
+@pytest.mark.parametrize("name", ["awq", "fp8 block"])
+def test_a_quantized_model_that_fits_is_loaded_where_its_float_parameter_count_would_not(
+        name, wide_llama_dirs, monkeypatch):
+    from pagellm.models import loader
+
+    class Loading(Exception):
+        pass
+
+    def loading(*args, **kwargs):
+        raise Loading
+
+    monkeypatch.setattr(loader, "load_model", loading)
+    pool = 1 * MiB
+    float_bytes = _planned(*wide_llama_dirs["float"]).parameter_bytes
+    simulate_available(monkeypatch, _planned(wide_llama_dirs[name][0], None).parameter_bytes + pool + MiB)
+    assert float_bytes + pool > kv_cache.cpu_available_memory()[0]
+    with pytest.raises(Loading):
+        LLM(wide_llama_dirs[name][0], dtype="float32", max_model_len=256, kv_cache_memory_bytes=pool)
+    with pytest.raises(ValueError, match=r"its weights need at least .*parameters in float32"):
+        LLM(wide_llama_dirs["float"][0], dtype="float32", max_model_len=256, kv_cache_memory_bytes=pool)
 
 
 # ---- reading what the process may use ----------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ from pagellm.core.kv_cache_manager import cdiv, max_blocks_per_sequence
 from pagellm.cpu_features import cpu_has_native
 from pagellm.cpu_threads import cpu_share, openmp_wait_description
 from pagellm.distributed.parallel_state import SINGLE, TensorParallelGroup, building_with
+from pagellm.layers.quantization import quantization_config_for
 from pagellm.models import loader
 from pagellm.models.llama import check_tensor_parallel_size, head_dim_of
 from pagellm.models.sliding_window import model_sliding_window
@@ -36,6 +36,7 @@ from pagellm.worker.memory_fit import (
     check_pool_fits,
     check_weights_fit,
     cpu_default_pool,
+    gguf_share,
     planned_model,
     refuse_pool_too_small,
 )
@@ -76,9 +77,8 @@ class ModelWorker:
             )
         source = loader.resolve_model(args.model, args.revision, args.download_dir)
         if source.is_gguf:
-            # Whatever the loader makes of them, the tensors in the file are the least the weights take.
-            check_weights_fit(os.path.getsize(source.path), f"the size of {source.path.name}",
-                              _explicit_pool(args, None), memory)
+            # Before the file is read: a file larger than memory is refused without touching it.
+            check_weights_fit(*gguf_share(source.path, group), _explicit_pool(args, None), memory)
         hf_config, gguf_state_dict = loader.load_hf_config(source, args.trust_remote_code)
         loader.check_architecture(hf_config)
         check_tensor_parallel_size(hf_config, group.size)
@@ -88,14 +88,16 @@ class ModelWorker:
         budget = self.max_num_batched_tokens
         # The least pool: one request of max_model_len (a window plus a chunk on sliding-window models).
         need_blocks = max_blocks_per_sequence(max_model_len, args.block_size, model_sliding_window(hf_config), budget)
-        planned = planned_model(hf_config, max_model_len, dtype, group)
+        quant_config = None if source.is_gguf else quantization_config_for(hf_config, args.quantization)
+        planned = planned_model(hf_config, max_model_len, dtype, group, quant_config)
         planned_spec = KVCacheSpec(hf_config.num_hidden_layers, planned.num_kv_heads, head_dim_of(hf_config),
                                    args.block_size, dtype)
         least_pool = _explicit_pool(args, planned_spec) or LeastPool(
             need_blocks * planned_spec.bytes_per_block, f"one request of max_model_len={max_model_len}",
             "max_model_len")
-        check_weights_fit(planned.parameter_bytes, f"{planned.num_parameters / 1e6:.0f}M parameters in "
-                          f"{str(dtype).removeprefix('torch.')}", least_pool, memory)
+        # A GGUF's linear layers make their parameters as their blocks arrive: its file says what they take.
+        weights = gguf_share(source.path, group) if source.is_gguf else (planned.parameter_bytes, planned.described)
+        check_weights_fit(*weights, least_pool, memory)
         with building_with(group):
             model = loader.load_model(source, hf_config, gguf_state_dict, dtype, device, max_model_len,
                                       args.load_format, args.seed, args.quantization)

@@ -1,7 +1,7 @@
 """Whether the weights, the KV pool and the activation peak fit in the memory this process may use.
 
-Checked twice, each time before the allocation it guards: the weights (from the checkpoint's size and the
-model's parameter count, before they are loaded), then the whole footprint (after the profiling steps
+Checked twice, each time before the allocation it guards: the weights (a GGUF file's size, or the parameters
+a meta-device build of the model with its quantization makes, before they are loaded), then the whole footprint (after the profiling steps
 measured the activation peak, before the pool is allocated). What cannot fit is refused with a ValueError
 that names every figure and what to lower; a small machine never starts to load what it cannot hold.
 """
@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from pagellm.config import CPU_DEFAULT_KV_CACHE_BYTES
 from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
+from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.models import registry
+from pagellm.models.loader import default_dtype
 from pagellm.worker.kv_cache import GiB, DeviceMemory
 
 logger = logging.getLogger(__name__)
@@ -28,18 +31,38 @@ def _gib(nbytes: int) -> str:
 @dataclass(frozen=True)
 class PlannedModel:
     num_parameters: int  # this rank's
-    parameter_bytes: int  # in the dtype the model will run in
+    parameter_bytes: int  # as the layers make them: `dtype`, or a quantized layer's own dtypes
     num_kv_heads: int  # this rank's share
+    described: str  # what parameter_bytes counts, for messages
 
 
-def planned_model(hf_config, max_model_len: int, dtype: torch.dtype, group: TensorParallelGroup) -> PlannedModel:
-    """This rank's share of the model, counted on a meta-device build (which allocates nothing): what loading
-    allocates at least (a CPU copy packed for the GEMM kernels may come on top)."""
-    with torch.device("meta"), building_with(group):
-        model = registry.model_class_for(hf_config)(hf_config, max_model_len)
-    count = sum(p.numel() for p in model.parameters())
-    element = torch.empty((), dtype=dtype).element_size()
-    return PlannedModel(count, count * element, model.num_kv_heads_per_rank)
+def planned_model(hf_config, max_model_len: int, dtype: torch.dtype, group: TensorParallelGroup,
+                  quant_config: QuantizationConfig | None) -> PlannedModel:
+    """This rank's share of the model, counted on a meta-device build (which allocates nothing) with the
+    quantization config loading uses: the parameters loading allocates before it copies the checkpoint in,
+    the least the weights take. Packed copies for the CPU kernels may come on top; a layer quantized online
+    (quantization="int8"/"fp8" on a float checkpoint) makes its weight when its tensors arrive, so it is not
+    counted at all."""
+    with torch.device("meta"), default_dtype(dtype), building_with(group):
+        model = registry.model_class_for(hf_config)(hf_config, max_model_len, quant_config)
+    parameters = list(model.parameters())
+    count = sum(p.numel() for p in parameters)
+    dtype_name = str(dtype).removeprefix("torch.")
+    described = f"{count / 1e6:.0f}M parameters in {dtype_name}"
+    if quant_config is not None:
+        described = (f"{count / 1e6:.0f}M parameters: the {quant_config.name} layers' in the dtypes they load in, "
+                     f"the rest in {dtype_name}")
+    return PlannedModel(count, sum(p.numel() * p.element_size() for p in parameters), model.num_kv_heads_per_rank,
+                        described)
+
+
+def gguf_share(path: Path, group: TensorParallelGroup) -> tuple[int, str]:
+    """(bytes, what they are) of a GGUF file that this rank holds at least: whatever the loader makes of the
+    tensors (kept in their blocks or dequantized), the ranks together hold the file's."""
+    size = path.stat().st_size
+    if group.size == 1:
+        return size, f"the size of {path.name}"
+    return size // group.size, f"the size of {path.name} / {group.size} ranks"
 
 
 @dataclass(frozen=True)
