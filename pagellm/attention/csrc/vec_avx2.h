@@ -17,6 +17,10 @@ static inline float vsum(fvec v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[
 
 #include <immintrin.h>
 
+/* Half floats (IEEE binary16 bits) to float32, exactly: one F16C instruction (VCVTPH2PS). */
+#define HAVE_HALF_CONVERT 1
+static inline fvec from_half_bits(hvec bits) { return (fvec)_mm256_cvtph_ps((__m128i)bits); }
+
 /* Lane i = the sum of v[i]'s lanes: eight horizontal sums in 7 adds and 14 shuffles by halving all eight
  * vectors together. The lanes come out in the order 2 * (i % 4) + i / 4, so the inputs are taken in the
  * inverse order, 4 * (i % 2) + i / 2. */

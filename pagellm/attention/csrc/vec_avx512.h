@@ -20,6 +20,10 @@ typedef uint16_t hvec __attribute__((vector_size(32)));
 
 static inline float vsum(fvec v) { return _mm512_reduce_add_ps((__m512)v); }
 
+/* Half floats (IEEE binary16 bits) to float32, exactly: one instruction (VCVTPH2PS). */
+#define HAVE_HALF_CONVERT 1
+static inline fvec from_half_bits(hvec bits) { return (fvec)_mm512_cvtph_ps((__m256i)bits); }
+
 /* Lane i = the sum of v[i]'s lanes: sixteen horizontal sums in 15 adds and 30 shuffles instead of 16 x 8
  * instructions, by halving all sixteen vectors together. The lanes come out in the order 4 * (i % 4) + i / 4,
  * so the inputs are taken in that order (the transposition is its own inverse). */
