@@ -12,9 +12,9 @@ into the format. The scale is computed when the row is written, from the row alo
 overflow, the row's largest value is stored to within bfloat16's rounding of its scale, and a row's bytes depend
 on nothing else, so chunked prefill, preemption and recomputation, prefix caching and forks write identical
 bytes for identical K/V. (vLLM's "fp8" uses one scale per tensor, 1.0 unless a checkpoint gives one: values past
-448 saturate and small ones fall into e4m3's subnormals. A bfloat16 scale, rather than a power of two, keeps the
-row's largest value close to MAX, where e4m3's relative rounding error is smallest. README "KV cache dtype" has
-the measured density, speed and perplexity.)
+448 saturate and small ones fall into e4m3's subnormals. A bfloat16 scale, rather than a power of two, stores the
+row's largest value as MAX times the scale, to within the scale's rounding, where a power of two would leave it
+e4m3's full rounding error. README "KV cache dtype" has the measured density, speed and perplexity.)
 
 Layout: a layer's K (or V) cache is one run of bytes per (block, KV head): the block_size rows of head_dim codes,
 then their block_size bfloat16 scales,
