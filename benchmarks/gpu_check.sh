@@ -5,7 +5,9 @@
 #
 # Each section runs on its own under a timeout, so one failing or hanging section does not stop the others;
 # the table says each section's exit status. With OUT set, the table and the logs are written there too.
-# Section timeouts (seconds) can be lowered for a short lease: TESTS_S, ATTENTION_S, PAGELLM_S, HF_S.
+# Section timeouts (seconds) can be lowered for a short lease: TESTS_S, ATTENTION_S, PAGELLM_S, HF_S, GGUF_TESTS_S,
+# GGUF_S (0 skips a gguf section). The GGUF kernels' tests run in their own section (gguf_tests), not in `tests`:
+# they compile ~50 kernels, in 4 processes where pytest-xdist is installed.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -31,13 +33,26 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>&
 $PYTHON -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__,
                                                           'transformers', t.__version__)"
 
-section tests "${TESTS_S:-140}" $PYTHON -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+section tests "${TESTS_S:-240}" $PYTHON -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+  --ignore=tests/gpu/test_triton_gguf_gpu.py
 summary=$(grep -E '^[0-9]+ (passed|failed)|passed|failed|error' "$DEST/tests.log" | tail -1)
 printf '{"section": "tests", "name": "pytest -m gpu tests/gpu", "summary": "%s"}\n' "${summary//\"/}" >> "$RESULTS"
 
 section attention "${ATTENTION_S:-80}" $PYTHON benchmarks/gpu_bench.py attention --results "$RESULTS"
 section pagellm "${PAGELLM_S:-150}" $PYTHON benchmarks/gpu_bench.py pagellm --results "$RESULTS"
 section hf "${HF_S:-90}" $PYTHON benchmarks/gpu_bench.py hf --results "$RESULTS"
+
+if [ "${GGUF_TESTS_S:-240}" != 0 ]; then
+  workers=$($PYTHON -c "import xdist" 2>/dev/null && echo "-n 4")
+  section gguf_tests "${GGUF_TESTS_S:-240}" $PYTHON -m pytest -q -m gpu $workers tests/gpu/test_triton_gguf_gpu.py \
+    -p no:cacheprovider
+  summary=$(grep -E 'passed|failed|error|skipped' "$DEST/gguf_tests.log" | tail -1)
+  printf '{"section": "tests", "name": "pytest tests/gpu/test_triton_gguf_gpu.py", "summary": "%s"}\n' \
+    "${summary//\"/}" >> "$RESULTS"
+fi
+if [ "${GGUF_S:-180}" != 0 ]; then
+  section gguf "${GGUF_S:-180}" $PYTHON benchmarks/gguf_gpu.py --results "$RESULTS" --out "$DEST/gguf_gpu.md"
+fi
 
 echo "=== table ($(( $(date +%s) - started )) s in all) ==="
 $PYTHON benchmarks/gpu_bench.py table --results "$RESULTS" --out "$DEST/gpu_check.md"

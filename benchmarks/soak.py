@@ -4,12 +4,19 @@
 
 Traffic (seeded): greedy completions and chats, streamed or not; seeded n=3 samples; long prompts; clients
 that disconnect mid-stream; requests aborted by a client timeout; bad inputs (mistyped fields, lone
-surrogates, unknown fields, oversized bodies). Every request has a deadline and the run is bounded in time
-and count. At the end it asserts:
+surrogates, unknown fields, best_of past its cap or past max_num_seqs, seeds outside int64, oversized
+bodies); slow clients that trickle their headers or body and stall (closed after the server's read
+timeout); structured outputs with a JSON schema nested 200 objects deep (a 400) or at the limits of
+depth and size (served), /health timed while each is handled; and --schema-clients clients that send a new
+JSON schema with every request (each one compiled, and the compiled-grammar cache evicting). Every request
+has a deadline and the run is bounded in time and count.
+At the end it asserts:
 
 - 0 requests running or waiting and 0 KV blocks in use (the server's /metrics), once the traffic stops;
 - every good deterministic request (greedy, or seeded) answered exactly as the same request answered alone
   before the traffic started; every bad input refused with its 4xx;
+- /health answered within --max-health-s while a hostile schema was being handled, and the compiled-grammar
+  cache within its bounds (pagellm:structured_output_cache_entries / _bytes);
 - server RSS flat after warm-up: VmRSS of the server process (/proc/PID/status), sampled every 5 s; the
   mean of the last fifth of the samples exceeds the first sample after warm-up (the first fifth of the run)
   by less than --max-rss-growth-mib.
@@ -36,6 +43,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pagellm.structured_output.grammar import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_ENTRIES
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUEST_TIMEOUT_S = 120.0
 PROMPTS = [
@@ -46,13 +55,59 @@ LONG_PROMPT = " ".join(f"item {i} is {i * i}." for i in range(40))  # ~380 token
 BAD_BODIES = [
     ("/v1/completions", {"model": "m", "prompt": "Hi", "skip_special_tokens": "false"}, 400),
     ("/v1/completions", {"model": "m", "prompt": "\ud800abc"}, 400),
-    ("/v1/completions", {"model": "m", "prompt": "Hi", "max_token": 3}, 400),
+    ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 1, "max_token": 3}, 200),  # ignored, as vLLM
+    ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 1, "best_of": 20000}, 400),
+    ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 1, "n": 2, "best_of": 128}, 400),
+    ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 1, "seed": 2**64}, 400),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "seed": -2**63 - 1}, 400),
     ("/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 10**6}, 400),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "\udfff"}]}, 400),
     ("/generate", {"prompt": "Hi", "ignore_eos": "false"}, 400),
     ("/generate", {"prompt": "Hi", "bad_words": "abc"}, 400),
     ("/tokenize", {"prompt": "Hi", "add_special_tokens": "no"}, 400),
 ]
+
+
+# The server's --header-read-timeout and --body-read-timeout here, and how much later a stalled client's
+# connection must be closed.
+READ_TIMEOUT_S = 2.0
+SLOW_CLIENT_GRACE_S = 10.0
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"enum": ["x", "y"]}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def items_chains(chains: int, depth: int) -> dict:
+    """`chains` arrays nested `depth` deep, side by side: near the limits of depth and size, the slowest to parse."""
+    branches = []
+    for i in range(chains):
+        schema: dict = {"const": i}
+        for _ in range(depth):
+            schema = {"type": "array", "items": schema}
+        branches.append(schema)
+    return {"anyOf": branches}
+
+
+# Too deep (refused at once, naming its depth), and the costliest to parse that the limits accept.
+HOSTILE_SCHEMAS = [(nested_schema(200), 400), (items_chains(2, 61), 200)]
+
+
+def distinct_schema(index: int) -> dict:
+    """A ~16 KB schema of 450 string fields, new with each index (one field name says which), as a client that
+    varies a property name sends them: ~2.5 MiB compiled against the default model's vocabulary, so that the
+    grammar cache (128 MiB) fills within the warm-up of a 10-minute run."""
+    names = [f"field_{i}" for i in range(449)] + [f"variant_{index}"]
+    return {"type": "object", "properties": {name: {"type": "string", "maxLength": 12} for name in names},
+            "required": names}
+
+
+def structured_body(schema: dict) -> dict:
+    return {"model": "m", "prompt": "JSON:", "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
 
 
 def free_port() -> int:
@@ -136,6 +191,8 @@ async def streamed_answer(client: httpx.AsyncClient, good: Good) -> list[str]:
 class Tally:
     counts: collections.Counter = field(default_factory=collections.Counter)
     failures: list[str] = field(default_factory=list)
+    # The slowest /health answer while a hostile schema was being handled.
+    health_max_s: float = 0.0
 
     def fail(self, kind: str, message: str) -> None:
         self.counts[f"{kind}: FAILED"] += 1
@@ -175,6 +232,22 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, goods: list
                 await client.post("/v1/completions", json=body, timeout=rng.uniform(0.05, 0.5))
             except httpx.TimeoutException:
                 pass
+        elif roll < 0.74:
+            kind = "hostile schema"
+            schema, status = rng.choice(HOSTILE_SCHEMAS)
+            handled = asyncio.ensure_future(client.post("/v1/completions", json=structured_body(schema)))
+            while not handled.done():
+                started = time.monotonic()
+                (await client.get("/health")).raise_for_status()
+                tally.health_max_s = max(tally.health_max_s, time.monotonic() - started)
+            response = await handled
+            if response.status_code != status:
+                return tally.fail(kind, f"got {response.status_code}, expected {status}: {response.text[:200]}")
+        elif roll < 0.75:
+            kind = "slow client"
+            if not await slow_client_closed(client.base_url, rng.random() < 0.5):
+                return tally.fail(kind, f"the connection was still open {SLOW_CLIENT_GRACE_S} s after the server's "
+                                        f"{READ_TIMEOUT_S} s read timeout")
         elif roll < 0.97:
             kind = "bad input"
             route, body, status = rng.choice(BAD_BODIES)
@@ -194,10 +267,29 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, goods: list
         tally.fail(kind, repr(exc)[:300])
 
 
+async def slow_client_closed(base_url: httpx.URL, in_body: bool) -> bool:
+    """A client that trickles a request (its headers, or a body shorter than its Content-Length) and then stalls:
+    whether the server closed the connection within its read timeout and a grace period."""
+    reader, writer = await asyncio.open_connection(base_url.host, base_url.port)
+    try:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\ncontent-type: application/json\r\n"
+        writer.write(head + (b"content-length: 100\r\n\r\n{\"model\": " if in_body else b"x-slow: "))
+        await writer.drain()
+        try:
+            async with asyncio.timeout(READ_TIMEOUT_S + SLOW_CLIENT_GRACE_S):
+                while await reader.read(4096):  # a 408, then the end of the stream
+                    pass
+        except TimeoutError:
+            return False
+        return True
+    finally:
+        writer.close()
+
+
 async def soak(url: str, pid: int, args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     goods = good_requests()
-    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    limits = httpx.Limits(max_connections=args.concurrency + args.schema_clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
         expected = {}
         for good in goods:  # each alone: the answers every later copy must equal
@@ -209,6 +301,8 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> int:
         started = time.monotonic()
         deadline = started + args.minutes * 60
         rss: list[tuple[float, float]] = []
+        # (seconds, RSS MiB) when the grammar cache first evicted: full, from then on it must not grow.
+        cache_full: tuple[float, float] | None = None
         issued = 0
 
         async def worker(worker_rng: random.Random) -> None:
@@ -217,13 +311,31 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> int:
                 issued += 1
                 await one_request(client, worker_rng, goods, expected, tally, body_limit)
 
+        async def schema_client(index: int) -> None:
+            sent = 0
+            while time.monotonic() < deadline:
+                sent += 1
+                try:
+                    response = await client.post("/v1/completions", json=structured_body(distinct_schema(
+                        index * 1_000_000 + sent)))
+                    response.raise_for_status()
+                    tally.counts["distinct schema"] += 1
+                except Exception as exc:  # noqa: BLE001 - counted and shown like every other failure
+                    tally.fail("distinct schema", repr(exc)[:300])
+
         async def sample_rss() -> None:
+            nonlocal cache_full
             while time.monotonic() < deadline:
                 rss.append((time.monotonic() - started, rss_mib(pid)))
+                if cache_full is None and args.schema_clients:
+                    text = (await client.get("/metrics")).text
+                    evictions = metric(text, "pagellm:structured_output_cache_evictions_total")
+                    cache_full = rss[-1] if evictions > 0 else None
                 await asyncio.sleep(5)
 
         workers = [worker(random.Random(rng.random())) for _ in range(args.concurrency)]
-        await asyncio.gather(sample_rss(), *workers)
+        schema_clients = [schema_client(i) for i in range(args.schema_clients)]
+        await asyncio.gather(sample_rss(), *workers, *schema_clients)
         elapsed = time.monotonic() - started
 
         # The traffic has stopped: everything must drain to zero (aborts are processed within a step).
@@ -237,6 +349,8 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> int:
                 break
             await asyncio.sleep(0.2)
         rss.append((time.monotonic() - started, rss_mib(pid)))
+        cache = {name: metric(text, f"pagellm:structured_output_cache_{name}")
+                 for name in ("entries", "bytes", "hits_total", "misses_total", "evictions_total")}
 
     warm = [mib for t, mib in rss if t >= elapsed / 5]
     tail = warm[-max(1, len(warm) // 5):]
@@ -252,6 +366,16 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> int:
     print(f"{'server RSS (MiB) end (mean)':<32}{statistics.mean(tail):>8.1f}  (growth {growth:+.1f}, "
           f"limit {args.max_rss_growth_mib})")
     print(f"{'server RSS (MiB) min / max':<32}{min(m for _, m in rss):>8.1f} / {max(m for _, m in rss):.1f}")
+    print(f"{'grammar cache entries / MiB':<32}{cache['entries']:>8.0f} / {cache['bytes'] / 2**20:.1f}  (limits "
+          f"{DEFAULT_CACHE_ENTRIES} / {DEFAULT_CACHE_BYTES / 2**20:.0f})")
+    print(f"{'grammar cache hits/misses/evicted':<32}{cache['hits_total']:>8.0f} / {cache['misses_total']:.0f} / "
+          f"{cache['evictions_total']:.0f}")
+    print(f"{'/health max, hostile schema':<32}{tally.health_max_s:>8.2f} s  (limit {args.max_health_s})")
+    if cache_full is not None:
+        print(f"{'server RSS (MiB) cache full':<32}{cache_full[1]:>8.1f}  (at {cache_full[0]:.0f} s; end "
+              f"{rss[-1][1]:.1f})")
+    elif args.schema_clients:
+        print("the grammar cache never filled: run longer to see the server's RSS with a full cache")
     per_minute = {int(t // 60): mib for t, mib in rss}  # the last sample of each minute
     print("server RSS (MiB) by minute: " + " ".join(f"{m}:{mib:.0f}" for m, mib in sorted(per_minute.items())))
     for failure in tally.failures:
@@ -261,6 +385,10 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> int:
         problems.append("some requests failed")
     if (running, waiting, usage) != (0, 0, 0):
         problems.append(f"not idle after the traffic: running={running} waiting={waiting} kv usage={usage}")
+    if cache["entries"] > DEFAULT_CACHE_ENTRIES or cache["bytes"] > DEFAULT_CACHE_BYTES:
+        problems.append(f"the grammar cache outgrew its bounds: {cache}")
+    if tally.health_max_s >= args.max_health_s:
+        problems.append(f"/health took {tally.health_max_s:.2f} s while a hostile schema was handled")
     if growth >= args.max_rss_growth_mib:
         problems.append(f"RSS grew by {growth:.1f} MiB after warm-up")
     print("PASS" if not problems else "FAIL: " + "; ".join(problems))
@@ -276,6 +404,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-rss-growth-mib", type=float, default=64.0)
     parser.add_argument("--body-limit", type=int, default=1 << 20, help="the server's --max-request-body-bytes")
+    parser.add_argument("--schema-clients", type=int, default=1,
+                        help="clients sending a new JSON schema with every request, besides --concurrency")
+    parser.add_argument("--max-health-s", type=float, default=5.0,
+                        help="the slowest /health answer allowed while a hostile schema is handled")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="pagellm-soak-") as workdir:
@@ -285,7 +417,8 @@ def main() -> None:
         command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
                    "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
                    "--kv-cache-memory-bytes", "64MiB", "--max-num-seqs", "32", "--served-model-name", "m",
-                   "--max-request-body-bytes", str(args.body_limit), "--uvicorn-log-level", "warning"]
+                   "--max-request-body-bytes", str(args.body_limit), "--uvicorn-log-level", "warning",
+                   "--header-read-timeout", str(READ_TIMEOUT_S), "--body-read-timeout", str(READ_TIMEOUT_S)]
         env = {**os.environ, "PYTHONPATH": REPO_ROOT}
         with open(log_path, "wb") as log:
             server = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

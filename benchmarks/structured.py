@@ -111,7 +111,7 @@ def run(args) -> dict:
     llm = LLM(args.model, seed=0) if args.model else LLM(seed=0)
     # Cold compile of the schema (vocabulary index built on first use, then the grammar).
     start = time.perf_counter()
-    llm.llm_engine.grammar_compiler.submit(StructuredOutputsParams(json=PERSON_SCHEMA)).result()
+    llm.llm_engine.grammar_compiler.submit(StructuredOutputsParams(json=PERSON_SCHEMA)).wait().result()
     compile_s = time.perf_counter() - start
 
     outputs = llm.generate([PROMPT] * args.num_valid, [constrained(seed, args.max_tokens)

@@ -9,8 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from pagellm.cpu_threads import configure_at_import
 from pagellm.logger import configure_logging
 
+# Before anything imports torch: libgomp reads its wait policy once, when torch loads it.
+configure_at_import()
 configure_logging()
 
 # Public name -> the module that defines it.

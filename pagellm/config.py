@@ -127,7 +127,9 @@ _NO_SPEC = "pagellm does no speculative decoding"
 _NO_DP = "pagellm runs one engine (data_parallel_size=1); start one server per replica behind a load balancer"
 _NO_MM = "pagellm serves text-only models"
 _NO_POOLING = "pagellm runs generative models (no pooling / embedding runners)"
-_NO_QUANT = "pagellm runs unquantized weights and KV cache (GGUF files excepted)"
+_QUANT_METHODS = ("pagellm loads unquantized, GGUF, AWQ, GPTQ, compressed-tensors (int8/fp8 W8A8) and fp8 "
+                  "checkpoints, and quantizes float ones to int8 or fp8 as they load")
+_NO_QUANT_OVERRIDE = "pagellm reads the quantization config from the checkpoint; it takes no override"
 _NO_OFFLOAD = "pagellm keeps every weight on the device"
 _NO_DISAGG = "pagellm does no disaggregated prefill / KV transfer"
 _NO_CUSTOM_CODE = "pagellm runs its own model implementations"
@@ -167,8 +169,10 @@ class EngineArgs:
     max_model_len: int | None = arg(None, group=MODEL, kind="max_model_len",
                                     help="longest sequence (prompt + output) in tokens, e.g. 4096 or 4k "
                                          "(default: the model's max_position_embeddings)")
-    quantization: str | None = default_only(None, group=MODEL, kind="optional_str", why=_NO_QUANT, flags=("-q",))
-    quantization_config: dict | None = default_only(None, group=MODEL, kind="json", why=_NO_QUANT)
+    quantization: str | None = default_only(
+        None, group=MODEL, kind="optional_str", flags=("-q",), accepted=("awq", "gptq", "compressed-tensors", "fp8", "int8"),
+        why=_QUANT_METHODS)
+    quantization_config: dict | None = default_only(None, group=MODEL, kind="json", why=_NO_QUANT_OVERRIDE)
     allow_deprecated_quantization: bool = no_effect(False, group=MODEL)
     enforce_eager: bool = arg(False, group=MODEL, help="run every step eagerly (no CUDA graphs)")
     enable_return_routed_experts: bool = default_only(False, group=MODEL, why="pagellm runs no MoE models")

@@ -16,13 +16,16 @@ longest sample, as vLLM's.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagellm.core.scheduler import SchedulerStats
+from pagellm.structured_output.grammar import GrammarCacheStats
 
 if TYPE_CHECKING:
     from pagellm.engine.llm_engine import LLMEngine
@@ -436,3 +439,30 @@ class PrometheusStatLogger:
         self.request_params_n.observe(finished.n)
         if finished.max_tokens_param:
             self.request_params_max_tokens.observe(finished.max_tokens_param)
+
+
+class StructuredOutputCacheCollector:
+    """The compiled-grammar cache's size and traffic (GrammarCompiler.stats), read at each scrape: the cache
+    changes on requests that never reach an engine step (a 400), so it is not recorded per iteration."""
+
+    def __init__(self, model_name: str, cache_stats: Callable[[], GrammarCacheStats]) -> None:
+        self.model_name = model_name
+        self.cache_stats = cache_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self.cache_stats()
+        for name, doc, value in (
+            ("entries", "Compiled structured-output grammars in the cache.", stats.entries),
+            ("bytes", "Bytes of the compiled structured-output grammars in the cache.", stats.bytes),
+        ):
+            gauge = GaugeMetricFamily(f"pagellm:structured_output_cache_{name}", doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
+        for name, doc, value in (
+            ("hits", "Structured-output grammars found in the cache (not parsed again).", stats.hits),
+            ("misses", "Structured-output grammars not in the cache, parsed and compiled.", stats.misses),
+            ("evictions", "Compiled grammars evicted from the cache (least recently used first).", stats.evictions),
+        ):
+            counter = CounterMetricFamily(f"pagellm:structured_output_cache_{name}", doc, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter

@@ -82,16 +82,43 @@ SMOLLM2_PROMPTS = [
 ]
 
 
-def test_default_smollm2_matches_hf(hf_smollm2, default_tokenizer):
-    llm = LLM(dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=2048)
-    params = SamplingParams(temperature=0, max_tokens=32)
-    outputs = llm.generate(SMOLLM2_PROMPTS, params, use_tqdm=False)
+def test_default_smollm2_matches_hf(hf_smollm2, default_tokenizer, monkeypatch):
+    """The GGUF's blocks multiplied exactly (dequantized in torch: PAGELLM_NATIVE_KERNELS=0) give transformers'
+    tokens on the same dequantized weights: the loading, the tied head on the embedding's blocks and the graph."""
+    from pagellm.attention import native
+
+    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
+    native.native_library.cache_clear()
+    try:
+        llm = LLM(dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=2048)
+        params = SamplingParams(temperature=0, max_tokens=32)
+        outputs = llm.generate(SMOLLM2_PROMPTS, params, use_tqdm=False)
+    finally:
+        monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
+        native.native_library.cache_clear()
     for prompt, output in zip(SMOLLM2_PROMPTS, outputs):
         ids = default_tokenizer.encode(prompt)
         assert output.prompt_token_ids == ids
         expected = hf_greedy(hf_smollm2, default_tokenizer, ids, 32)
         assert output.outputs[0].token_ids == expected, prompt
         assert output.outputs[0].text == default_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_default_smollm2_on_quantized_kernels_agrees_with_hf(hf_smollm2):
+    """The kernels quantize each activation row to int8 before the dot products, as llama.cpp does: close to the
+    exact product, not equal. Compared as vLLM's check_logprobs_close does (exact up to the first difference,
+    each side's token in the other's top 5)."""
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    assert llm.llm_engine.core.runner.native_decode is not None
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=5)
+    outputs = llm.generate(SMOLLM2_PROMPTS, params, use_tqdm=False)
+    agreed = []
+    for output in outputs:
+        completion = output.outputs[0]
+        ours = (completion.token_ids, [{t: lp.logprob for t, lp in p.items()} for p in completion.logprobs])
+        agreed.append(check_logprobs_close(ours, hf_greedy_with_top_logprobs(hf_smollm2, output.prompt_token_ids,
+                                                                              24, 5)))
+    assert sum(agreed) >= len(SMOLLM2_PROMPTS) * 8, agreed
 
 
 def test_default_smollm2_bf16_matches_hf_bf16(hf_smollm2, default_tokenizer):

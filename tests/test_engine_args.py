@@ -120,7 +120,7 @@ def test_every_argument_pagellm_does_not_do_is_refused_naming_it(cls):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(quantization="awq"), ["quantization='awq'", "unquantized"]),
+    (dict(quantization="bitsandbytes"), ["quantization='bitsandbytes'", "unquantized"]),
     (dict(enable_lora=True), ["enable_lora=True", "LoRA"]),
     (dict(speculative_config={"method": "ngram"}), ["speculative_config=", "speculative decoding"]),
     (dict(data_parallel_size=2), ["data_parallel_size=2", "load balancer"]),
@@ -256,7 +256,7 @@ def test_a_bad_flag_value_is_refused_at_parse_time_naming_the_flag(capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["--runner", "pooling"], ["--runner", "runner='pooling'"]),
-    (["--enable-lora", "--quantization", "awq"], ["--enable-lora", "--quantization", "2 arguments"]),
+    (["--enable-lora", "--quantization", "bitsandbytes"], ["--enable-lora", "--quantization", "2 arguments"]),
     (["--block-size", "3"], ["--block-size", "block_size=3"]),
     (["--uds", "/tmp/s"], ["--uds", "uds='/tmp/s'"]),
     (["--enable-auto-tool-choice"], ["--enable-auto-tool-choice", "--tool-call-parser"]),

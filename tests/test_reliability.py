@@ -244,11 +244,14 @@ def engine_workloads(draw):
     longest = max(len(p) for p, *_ in prompts)
     # Without chunking, often a budget that the longest prompt fills whole (issue 13 item 3's case).
     budget = draw(st.integers(8, 64)) if chunked else draw(st.sampled_from([longest, longest, 64]))
+    # A request of n sequences runs them all at once, so max_num_seqs is at least the largest n (a larger n
+    # is refused at add_request, tested in test_admission).
+    widest = max(n for _, _, n, _ in prompts)
     min_blocks = cdiv(ENGINE_MAX_MODEL_LEN, block_size)
     num_blocks = min_blocks + draw(st.sampled_from([0, 1, 4]))
     aborts = draw(st.lists(st.tuples(st.integers(0, 10), st.integers(0, 9)), max_size=1))
     return dict(block_size=block_size, enable_chunked_prefill=chunked, max_num_batched_tokens=budget,
-                num_gpu_blocks_override=num_blocks, max_num_seqs=draw(st.integers(1, 4)),
+                num_gpu_blocks_override=num_blocks, max_num_seqs=draw(st.integers(widest, 4)),
                 enable_prefix_caching=draw(st.booleans())), prompts, aborts
 
 

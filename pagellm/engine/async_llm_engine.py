@@ -168,6 +168,11 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, params.output_kind, asyncio.get_running_loop())
         engine_params = params.clone()
         engine_params.output_kind = RequestOutputKind.DELTA
+        if engine_params.structured_outputs is not None and engine_params.structured_grammar is None:
+            # Parsed and compiled in the grammar threads, never waited for on the engine thread: a grammar
+            # xgrammar refuses ends the request with the reason (the HTTP routes wait for the parse, and say 400).
+            grammar = self.engine.grammar_compiler.submit(engine_params.structured_outputs)
+            engine_params.structured_grammar = grammar.future()
         with self._cond:
             if self._dead_error is not None:
                 raise EngineDeadError(str(self._dead_error))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Iterable, Mapping
 from typing import Union
@@ -29,11 +28,10 @@ class LLMEngine:
         self.vocab_size = info.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self._arrivals = itertools.count()
-
-    @functools.cached_property
-    def grammar_compiler(self) -> GrammarCompiler:
-        """Built at the first structured-output request: it imports xgrammar and indexes the vocabulary."""
-        return GrammarCompiler(self.tokenizer, self.vocab_size, self.core.model_info.eos_token_ids)
+        # Imports xgrammar and indexes the vocabulary in its own threads, at the first structured-output request.
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer, self.vocab_size, info.eos_token_ids, timeout_s=args.structured_outputs_timeout,
+            any_whitespace=not (args.structured_outputs_config or {}).get("disable_any_whitespace", False))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -125,8 +123,10 @@ class LLMEngine:
         eos = set() if params.ignore_eos else set(self.core.model_info.eos_token_ids)
         params.all_stop_token_ids = eos | set(params.stop_token_ids)
         params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
-        if params.structured_outputs is not None:
-            params.structured_grammar = self.grammar_compiler.submit(params.structured_outputs)
+        if params.structured_outputs is not None and params.structured_grammar is None:
+            # Not handed over by a route (which waited for the parse on its event loop): wait here, in the
+            # caller's thread, so that a bad grammar is a ValueError now.
+            params.structured_grammar = self.grammar_compiler.submit(params.structured_outputs).wait()
         room = self.max_model_len - len(token_ids)
         max_output = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(
@@ -199,8 +199,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (interpreter exit does it too), and the grammar
         compile threads if a structured-output request started them."""
-        if "grammar_compiler" in self.__dict__:  # the cached_property was built
-            self.grammar_compiler.shutdown()
+        self.grammar_compiler.shutdown()
         self.core.shutdown()
 
 

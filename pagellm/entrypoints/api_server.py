@@ -23,6 +23,7 @@ from pagellm.entrypoints.openai.serving import (
     build_sampling_params,
     merge_outputs,
 )
+from pagellm.entrypoints.openai.structured import compiled_grammar
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 router = APIRouter()
@@ -73,6 +74,7 @@ async def generate(raw_request: Request) -> Response:
         body["logit_bias"] = serving.logit_bias(body["logit_bias"])
     output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     params = build_sampling_params({**body, "output_kind": output_kind})
+    params.structured_grammar = await compiled_grammar(serving.engine, params.structured_outputs)
     for name in ("stop_token_ids", "allowed_token_ids"):
         if getattr(params, name):
             serving.check_token_ids(name, getattr(params, name))

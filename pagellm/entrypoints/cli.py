@@ -32,9 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"Serve a model over an OpenAI-compatible HTTP API. The model is a local HF directory or .gguf "
                     f"file, a hub id already in the local Hugging Face cache, or unset for the embedded "
                     f"{DEFAULT_MODEL}.",
-        epilog="On a CPU, torch's OpenMP threads spin for a while between kernels before they sleep (libgomp's "
-               "default, as offline): fastest on cores the server has to itself. Where other processes share the "
-               "cores, OMP_WAIT_POLICY=PASSIVE holds up better.")
+        epilog="On a CPU, torch's OpenMP threads spin briefly between kernels before they sleep (pagellm sets "
+               "GOMP_SPINCOUNT unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set), and as many run as the affinity "
+               "mask and the cgroup's CPU quota allow.")
     make_arg_parser(serve)
     # As before vLLM's names for them: torchrun's variables give the rendezvous flags their defaults.
     serve.set_defaults(**_rendezvous_defaults_from_environment())
@@ -101,6 +101,7 @@ def serve(args: argparse.Namespace) -> None:
             engine_args.served_model_name or [model_root], model_root,
             max_request_body_bytes=frontend.max_request_body_bytes, shutdown_timeout=engine_args.shutdown_timeout,
             auto_tool_parser=frontend.tool_call_parser if frontend.enable_auto_tool_choice else None,
+            chat_template=chat_template,
             **server_config_kwargs(frontend, {f.name for f in dataclasses.fields(ServerConfig)}),
         )
     except ValueError as exc:
@@ -110,8 +111,6 @@ def serve(args: argparse.Namespace) -> None:
     except (ValueError, RendezvousError, ExecutorDeadError) as exc:
         # A model that cannot load, a pool that cannot hold one request, ranks that cannot meet: say why.
         sys.exit(f"pagellm serve: {exc}")
-    if chat_template is not None:
-        engine.tokenizer.chat_template = chat_template
     # The engine thread steps the model on an OpenMP team of its own; the loading team would only make libgomp
     # think the CPUs oversubscribed and cut every spin-wait short.
     openmp.release_thread_team()

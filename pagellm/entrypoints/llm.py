@@ -6,10 +6,18 @@ import dataclasses
 import difflib
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from pagellm.config import EngineArgs
+from pagellm.entrypoints.chat_utils import (
+    check_template_kwargs,
+    conversation_message,
+    render_chat,
+    resolve_content_format,
+    template_variables,
+)
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.entrypoints.chat_template import load_chat_template
 from pagellm.models.loader import generation_defaults
@@ -90,27 +98,60 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict] | list[list[dict]],
+        messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: object | None = None,
+        priority: int | Sequence[int] | None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
+        """Renders each conversation through the chat template (the given template text, else the model's), then
+        generates; as vLLM's, each output's `prompt` is the rendered text.
+        `continue_final_message` continues the last message instead of starting one (pass
+        add_generation_prompt=False with it); `chat_template_content_format` "string" joins a message's text
+        parts, "openai" hands the template the list of parts, "auto" picks what the template reads. `priority`: one
+        for all conversations or one each, as LLM.generate takes it."""
+        if lora_request is not None:
+            raise ValueError(f"lora_request={lora_request!r:.80}: pagellm serves no LoRA adapters; pass None.")
+        if mm_processor_kwargs is not None:
+            raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r:.80}: pagellm serves text-only models; "
+                             "pass None.")
+        add_special_tokens = self._chat_add_special_tokens(tokenization_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [
-            {
-                "prompt_token_ids": list(
-                    tokenizer.apply_chat_template(
-                        conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                        tokenize=True, return_dict=False,
-                    )
-                )
-            }
-            for conversation in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        content_format = resolve_content_format(chat_template_content_format, chat_template, tokenizer)
+        variables = template_variables(check_template_kwargs(chat_template_kwargs),
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message)
+        prompts = []
+        for conversation in conversations:
+            rendered = [conversation_message(message, content_format) for message in conversation]
+            text = render_chat(tokenizer, rendered, chat_template=chat_template, tools=tools, variables=variables)
+            # The template writes the special tokens (BOS) it wants; encoding adds them again only if asked.
+            token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        if isinstance(priority, int):
+            priority = [priority] * len(prompts)
+        return self.generate(prompts, sampling_params, use_tqdm, priority=priority)
+
+    @staticmethod
+    def _chat_add_special_tokens(tokenization_kwargs: dict[str, Any] | None) -> bool:
+        """vLLM's tokenization_kwargs for chat; add_special_tokens (default False) is the one that applies here."""
+        kwargs = dict(tokenization_kwargs or {})
+        add_special_tokens = kwargs.pop("add_special_tokens", False)
+        if kwargs:
+            raise ValueError(f"tokenization_kwargs has {sorted(kwargs)}; only add_special_tokens applies to chat "
+                             "prompts here.")
+        if not isinstance(add_special_tokens, bool):
+            raise ValueError(f"tokenization_kwargs['add_special_tokens']={add_special_tokens!r} must be a bool.")
+        return add_special_tokens
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search per prompt; each result's `sequences` are best first (see engine/beam_search.py)."""

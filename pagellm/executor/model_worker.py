@@ -7,7 +7,7 @@ and all of them size their pools together (the smallest that every rank can hold
 from __future__ import annotations
 
 import dataclasses
-import os
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from pagellm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from pagellm.core.kv_cache_manager import cdiv, max_blocks_per_sequence
 from pagellm.cpu_features import cpu_has_native
+from pagellm.cpu_threads import cpu_share, openmp_wait_description
 from pagellm.distributed.parallel_state import SINGLE, TensorParallelGroup, building_with
 from pagellm.models import loader
 from pagellm.models.llama import check_tensor_parallel_size, head_dim_of
@@ -30,6 +31,8 @@ from pagellm.worker.kv_cache import (
 )
 from pagellm.worker.kv_prefault import KVPoolPrefaulter
 from pagellm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -47,8 +50,10 @@ class ModelWorker:
                  ranks_on_host: int = 1) -> None:
         device = device or pick_device(args.device)
         if device.type == "cpu" and group.size == 1:
-            # Every core this process may run on; torch's default can count cores outside the affinity mask.
-            torch.set_num_threads(len(os.sched_getaffinity(0)))
+            # torch's default counts cores outside the affinity mask and ignores a cgroup's CPU quota.
+            share = cpu_share()
+            torch.set_num_threads(share.threads)
+            logger.info("CPU kernels: %s; OpenMP threads wait: %s", share.describe(), openmp_wait_description())
         total_memory, free_memory = device_memory_at_start(device)
         if device.type == "cpu":
             # Ranks on one host share its memory.

@@ -53,7 +53,9 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         for param in self.parameters(recurse=False):
-            set_weight_attrs(param, weight_loader=self.weight_loader, shard_ids=self.shard_ids)
+            # A method may give a parameter a loader of its own (GPTQ's g_idx, one row per fused shard).
+            loader = getattr(param, "weight_loader", None) or self.weight_loader
+            set_weight_attrs(param, weight_loader=loader, shard_ids=self.shard_ids)
 
     def pieces(self, shard: ShardId) -> list[OutputPiece]:
         """This rank's output features of checkpoint shard `shard`."""
@@ -203,9 +205,9 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool, quant_config: QuantizationConfig | None,
                  prefix: str, reduce_results: bool = True) -> None:
         group = current_group()
+        self.splits_input = group.size > 1  # set first: a weight method sizes its group tensors by it
         super().__init__(input_size // group.size, [output_size], bias, quant_config, prefix, group)
         self.reduce_results = reduce_results
-        self.splits_input = self.group.size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.group.rank == 0 else None

@@ -42,10 +42,10 @@ class VocabEmbedding(LinearBase):
         return self.quant_method.embedding(self, input_ids)
 
     def process_weights_after_loading(self) -> None:
-        # Prepared for matmuls only if it is the LM head too; a lookup reads the table as loaded.
-        if self.serves_lm_head:
-            self.shares_weight = True
-            super().process_weights_after_loading()
+        # Lookups read the table as loaded; prepared for matmuls too only if it is the LM head.
+        self.shares_weight = True
+        self.serves_matmul = self.serves_lm_head
+        super().process_weights_after_loading()
 
 
 class ParallelLMHead(LinearBase):

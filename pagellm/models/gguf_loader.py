@@ -109,6 +109,57 @@ def default_model_path() -> pathlib.Path:
     return path
 
 
+class GGUFTensors:
+    """A GGUF file's tensors under HF names, read one at a time as they are iterated (no file mapping: read
+    into fresh memory, so a load holds about one copy of the weights): quantized 2-D tensors as their blocks
+    (layers/quantization/gguf.py's GGUFWeight), the rest as float32 tensors."""
+
+    def __init__(self, path: str | os.PathLike, header: _Header, arch: _GGUFArch, config) -> None:
+        self.path = path
+        self.header = header
+        self.arch = arch
+        self.config = config
+
+    def type_counts(self) -> dict[str, int]:
+        """Tensors per GGML type, for the start-up log."""
+        counts: dict[str, int] = {}
+        for info in self.header.tensors.values():
+            name = quant_format(info.type_id, info.name).name
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def items(self):
+        from pagellm.layers.quantization.gguf import GGUFWeight
+
+        with open(self.path, "rb", buffering=0) as file:
+            for info in self.header.tensors.values():
+                name = _hf_name(self.arch, info.name)
+                permute = _permute_heads(self.arch, self.config, info.name)
+                fmt = quant_format(info.type_id, info.name)
+                if fmt.block_size > 1 and len(info.shape) == 2:
+                    raw = _read_tensor_bytes(file, info, len(self.header.blob))
+                    rows, cols = info.shape
+                    blocks = torch.from_numpy(raw).view(rows, -1)
+                    if permute is not None:
+                        blocks = torch.from_numpy(_unpermute_rows(blocks.numpy(), permute))
+                    yield name, GGUFWeight(blocks, fmt.name, rows, cols)
+                    continue
+                weights = _load_tensor(self.header.blob, info, permute)
+                if self.arch.norm_offset and info.name.endswith("norm.weight"):
+                    weights -= np.float32(self.arch.norm_offset)
+                yield name, torch.from_numpy(weights)
+
+
+def open_gguf(path: str | os.PathLike) -> tuple[transformers.PreTrainedConfig, GGUFTensors]:
+    """A GGUF file's HF config, and its tensors to be read as they are loaded, quantized ones kept in blocks."""
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    header = _read_header(blob)
+    arch = _gguf_arch(header.metadata)
+    config = _build_config(header)
+    _check_complete(arch, config, {_hf_name(arch, name) for name in header.tensors})
+    return config, GGUFTensors(path, header, arch, config)
+
+
 def load_gguf(path: str | os.PathLike) -> tuple[transformers.PreTrainedConfig, dict[str, torch.Tensor]]:
     """Read a GGUF file into a HF config and a float32 state dict with HF parameter names and values."""
     blob = np.memmap(path, dtype=np.uint8, mode="r")
@@ -121,7 +172,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[transformers.PreTrainedConfig, d
         if arch.norm_offset and info.name.endswith("norm.weight"):
             weights -= np.float32(arch.norm_offset)
         tensors[_hf_name(arch, info.name)] = torch.from_numpy(weights)
-    _check_complete(arch, config, tensors)
+    _check_complete(arch, config, set(tensors))
     return config, tensors
 
 
@@ -393,30 +444,47 @@ def _permute_heads(arch: _GGUFArch, config: transformers.PreTrainedConfig, gguf_
     return None
 
 
-def _load_tensor(blob: np.ndarray, info: _TensorInfo, permute_heads: int | None) -> np.ndarray:
-    """Dequantize one tensor to a writable, contiguous float32 array in HF layout."""
+def _check_extent(info: _TensorInfo, file_size: int) -> int:
     nbytes = tensor_nbytes(info.shape, info.type_id, info.name)
-    if info.offset + nbytes > len(blob):
+    if info.offset + nbytes > file_size:
         raise ValueError(
-            f"GGUF tensor {info.name!r} ends at byte {info.offset + nbytes} but the file has {len(blob)} bytes: "
+            f"GGUF tensor {info.name!r} ends at byte {info.offset + nbytes} but the file has {file_size} bytes: "
             "the file is truncated; download it again."
         )
+    return nbytes
+
+
+def _read_tensor_bytes(file, info: _TensorInfo, file_size: int) -> np.ndarray:
+    """The tensor's raw bytes, read into a new array."""
+    raw = np.empty(_check_extent(info, file_size), dtype=np.uint8)
+    file.seek(info.offset)
+    if file.readinto(memoryview(raw)) != raw.nbytes:
+        raise ValueError(f"GGUF tensor {info.name!r} could not be read whole; the file changed or is truncated.")
+    return raw
+
+
+def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's converter permute of q/k rows (as transformers' _reverse_permute_weights); rows may
+    be floats or a quantized tensor's blocks (a row's blocks move with it)."""
+    count = rows.shape[0]
+    permuted = rows.reshape(heads, count // heads // 2, 2, *rows.shape[1:])
+    return np.ascontiguousarray(permuted.swapaxes(1, 2).reshape(count, *rows.shape[1:]))
+
+
+def _load_tensor(blob: np.ndarray, info: _TensorInfo, permute_heads: int | None) -> np.ndarray:
+    """Dequantize one tensor to a writable, contiguous float32 array in HF layout."""
+    nbytes = _check_extent(info, len(blob))
     raw = blob[info.offset : info.offset + nbytes]
     weights = dequantize(raw, info.type_id, info.shape, info.name)
-    if permute_heads is not None:
-        # Inverse of llama.cpp's converter permute (same as transformers' _reverse_permute_weights).
-        rows = weights.shape[0]
-        weights = weights.reshape(permute_heads, rows // permute_heads // 2, 2, *weights.shape[1:])
-        weights = np.ascontiguousarray(weights.swapaxes(1, 2).reshape(rows, *weights.shape[3:]))
-    return weights
+    return weights if permute_heads is None else _unpermute_rows(weights, permute_heads)
 
 
-def _check_complete(arch: _GGUFArch, config: transformers.PreTrainedConfig, tensors: dict[str, torch.Tensor]) -> None:
+def _check_complete(arch: _GGUFArch, config: transformers.PreTrainedConfig, names: set[str]) -> None:
     per_layer = [f"{name}.weight" for name in arch.block_names.values()]
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     expected |= {f"model.layers.{i}.{p}" for i in range(config.num_hidden_layers) for p in per_layer}
     if not config.tie_word_embeddings:
         expected.add("lm_head.weight")
-    missing = expected - tensors.keys()
+    missing = expected - names
     if missing:
         raise ValueError(f"GGUF file lacks tensors: {sorted(missing)[:5]} ({len(missing)} missing)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from pagellm.layers.rotary import RotaryEmbedding
 from pagellm.layers.weights import process_weights_after_loading
 from pagellm.models import registry
 from pagellm.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = registry.SUPPORTED_ARCHITECTURES
 _DEFAULT_ALIASES = (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}")
@@ -125,9 +128,9 @@ def resolve_tokenizer(tokenizer: str, revision: str | None = None, download_dir:
 
 def load_hf_config(source: ModelSource, trust_remote_code: bool = False):
     if source.is_gguf:
-        from pagellm.models.gguf_loader import load_gguf
+        from pagellm.models.gguf_loader import open_gguf
 
-        return load_gguf(source.path)
+        return open_gguf(source.path)
     from transformers import AutoConfig
 
     # Refused from config.json itself: transformers may not know the model type, or may want a quantization
@@ -150,7 +153,7 @@ def check_architecture(config) -> None:
 def load_model(
     source: ModelSource,
     config,
-    gguf_state_dict: dict[str, torch.Tensor] | None,
+    gguf_state_dict,  # gguf_loader.GGUFTensors, or None for an HF directory
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
@@ -169,7 +172,12 @@ def load_model(
     """
     from pagellm.layers.quantization import quantization_config_for
 
-    quant_config = quantization_config_for(config, quantization)
+    if gguf_state_dict is not None:
+        from pagellm.layers.quantization.gguf import GGUFConfig
+
+        quant_config = GGUFConfig(gguf_state_dict.type_counts())
+    else:
+        quant_config = quantization_config_for(config, quantization)
     model_class = registry.model_class_for(config)
     # The layers make their parameters with torch.empty: no time goes into initialising weights we overwrite.
     with torch.device(device), default_dtype(dtype):
@@ -206,8 +214,8 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e
     small enough that activations stay finite through any depth, random enough not to be all ties."""
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
-        if not param.is_floating_point():
-            param.zero_()  # packed integer weights of a quantized format: zeros are valid blocks
+        if not param.is_floating_point() or param.element_size() == 1:
+            param.zero_()  # packed integer or fp8 weights of a quantized format: zeros are valid blocks
             continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)

@@ -26,6 +26,7 @@ import os
 import pathlib
 import subprocess
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +35,9 @@ import torch.nn.functional as F
 from pagellm.attention import native
 from pagellm.cpu_features import cpu_flags, cpu_has_native
 from pagellm.models.gguf_quants import QUANT_FORMATS, QuantFormat, dequantize
+
+if TYPE_CHECKING:
+    from pagellm.ops.triton_gguf import TritonGGUFKernels
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +312,12 @@ def gguf_kernels(isa: str | None = None) -> GGUFKernels | None:
     return GGUFKernels(library) if library is not None else None
 
 
-def gguf_ops(isa: str | None = None) -> GGUFKernels | TorchGGUFOps:
-    """The kernels where they can be built, else the torch path: a GGUF model always runs."""
+def gguf_ops(isa: str | None = None,
+             device: torch.device | str | None = None) -> GGUFKernels | TorchGGUFOps | TritonGGUFKernels:
+    """The kernels for weights on `device`: on CUDA the Triton kernels (pagellm.ops.triton_gguf); on the CPU the C
+    kernels where they can be built, else the torch path: a GGUF model always runs."""
+    if device is not None and torch.device(device).type == "cuda":
+        from pagellm.ops.triton_gguf import TritonGGUFKernels
+
+        return TritonGGUFKernels()
     return gguf_kernels(isa) or TorchGGUFOps()

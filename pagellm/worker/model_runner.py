@@ -128,7 +128,7 @@ class ModelRunner:
         # This rank's heads (all of them without tensor parallelism).
         shape = AttentionShape(model.num_heads_per_rank, self.num_kv_heads, head_dim_of(model.config), block_size,
                                kv_format)
-        self.attn_backend = select_backend(device, next(model.parameters()).dtype, shape)
+        self.attn_backend = select_backend(device, model.activation_dtype, shape)
         self.max_num_seqs = max_num_seqs
         # Captured after the KV pool exists (capture_cuda_graphs); None runs every step eagerly.
         self.graphs = None  # a cuda_graphs.DecodeGraphs

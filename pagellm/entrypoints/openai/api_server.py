@@ -32,7 +32,7 @@ from pagellm.entrypoints.openai.errors import OpenAIError, install_error_handler
 from pagellm.entrypoints.openai.http_timeouts import ReadTimeoutConfig
 from pagellm.entrypoints.openai.server_load import ServerLoadTracker
 from pagellm.entrypoints.openai.serving import OpenAIServing, ServerConfig
-from pagellm.metrics import PrometheusStatLogger, cache_config_info, server_registry
+from pagellm.metrics import PrometheusStatLogger, StructuredOutputCacheCollector, cache_config_info, server_registry
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +266,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     registry = server_registry()
     engine.add_stat_logger(PrometheusStatLogger(config.served_model_names[0], engine.max_model_len, registry,
                                                 cache_config_info(engine.engine)))
+    registry.register(StructuredOutputCacheCollector(config.served_model_names[0], engine.engine.grammar_compiler.stats))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

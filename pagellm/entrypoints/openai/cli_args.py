@@ -21,6 +21,7 @@ SERVER_CONFIG_FIELDS = (
     "allowed_headers", "allow_credentials", "root_path", "disable_fastapi_docs", "disable_uvicorn_access_log",
     "h11_max_incomplete_event_size", "h11_max_header_count", "header_read_timeout", "body_read_timeout",
     "enable_server_load_tracking", "enable_scale_out", "responses_store_max_entries", "responses_store_max_bytes",
+    "trust_request_chat_template", "response_role",
 )
 _NO_LORA = "pagellm serves no LoRA adapters"
 _NOT_IN_RESPONSES = "pagellm's responses do not carry it"
@@ -57,11 +58,13 @@ class FrontendArgs:
                                                "tokenizer's")
     chat_template_content_format: str = _frontend_default_only("auto", accepted=("string",),
                                                                why="pagellm renders message content as text")
-    trust_request_chat_template: bool = _frontend_no_effect(False)
+    trust_request_chat_template: bool = _frontend(False, help="take a chat_template from requests (a template runs "
+                                                              "as code on the server: only for trusted clients)")
     trust_request_mm_kwargs: bool = _frontend_no_effect(False)
     default_chat_template_kwargs: dict | None = _frontend_default_only(
         None, kind="json", why="pagellm passes each request's own chat_template_kwargs")
-    response_role: str = _frontend_default_only("assistant", why="pagellm answers as the assistant")
+    response_role: str = _frontend("assistant", help="the role of a chat reply that starts a new message "
+                                                    "(add_generation_prompt)")
     return_tokens_as_token_ids: bool = _frontend_default_only(False, why="pagellm writes logprob tokens as text")
     enable_auto_tool_choice: bool = _frontend(False, help='answer tool_choice "auto" (the default with tools): the '
                                                           "model calls tools in its own format, which "

@@ -23,15 +23,24 @@ from starlette.requests import Request
 
 from pagellm.engine.async_llm_engine import AsyncLLMEngine
 from pagellm.engine.request_stream import RequestStream
+from pagellm.entrypoints.chat_utils import (
+    conversation_message,
+    render_chat,
+    reserved_template_kwarg,
+    template_variables,
+)
 from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exception
 from pagellm.core.kv_usage import KVUsage
 from pagellm.entrypoints.openai.protocol import ChatMessage, PromptField, SamplingFields
-from pagellm.entrypoints.openai.structured import template_renders_tools, template_tool_calls
+from pagellm.entrypoints.openai.structured import template_renders_tools
 from pagellm.models.loader import ServerSamplingDefaults
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, check_text
 
 logger = logging.getLogger(__name__)
+
+# vLLM's header that sets a request's priority over its body's field.
+PRIORITY_HEADER = "X-Vllm-Priority"
 
 
 # vLLM's defaults for its --h11-max-incomplete-event-size and --h11-max-header-count.
@@ -83,6 +92,13 @@ class ServerConfig:
     # Bounds of the in-memory store of /v1/responses (previous_response_id, GET); least recently used go first.
     responses_store_max_entries: int = 1000
     responses_store_max_bytes: int = 64 << 20
+    # --chat-template: the server's chat template (its text; cli.py reads a file's); None: the model's.
+    chat_template: str | None = None
+    # --trust-request-chat-template: take a request's chat_template (a template runs on the server: only for
+    # trusted clients).
+    trust_request_chat_template: bool = False
+    # --response-role: the role of a chat reply when add_generation_prompt is on.
+    response_role: str = "assistant"
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (isinstance(self.api_key, str)
@@ -132,8 +148,9 @@ class PromptInput:
     text: str | None
     token_ids: list[int]
 
-    def engine_prompt(self) -> dict:
-        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+    def engine_prompt(self, cache_salt: str | None = None) -> dict:
+        prompt = {"prompt": self.text, "prompt_token_ids": self.token_ids}
+        return prompt if cache_salt is None else {**prompt, "cache_salt": cache_salt}
 
 
 @dataclass
@@ -143,8 +160,10 @@ class Choice:
     index: int
     prompt_index: int
     request_id: str
-    stream: RequestStream
+    # None for a beam-search choice: its beams were engine requests of their own.
+    stream: RequestStream | None
     sample_index: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -172,6 +191,9 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.engine.vocab_size
+        # --max-logprobs, vLLM's ModelConfig.max_logprobs (-1: no cap).
+        self.max_logprobs: int = engine.engine.args.max_logprobs
+        self.chat_template = config.chat_template
         info, args = engine.engine.core.model_info, engine.engine.args
         self.sampling_defaults = ServerSamplingDefaults.of(info.source, info.hf_config, args.generation_config,
                                                            args.override_generation_config)
@@ -208,7 +230,7 @@ class OpenAIServing:
 
     # ---- prompts ----------------------------------------------------------------------------------
 
-    async def completion_prompts(self, prompt: PromptField) -> list[PromptInput]:
+    async def completion_prompts(self, prompt: PromptField, add_special_tokens: bool = True) -> list[PromptInput]:
         """A string, a list of strings, a list of token ids or a list of those, as one input each."""
         if isinstance(prompt, str):
             items: list = [prompt]
@@ -221,32 +243,62 @@ class OpenAIServing:
         inputs = []
         for item in items:
             if isinstance(item, str):
-                inputs.append(PromptInput(item, await self.encode(item, "prompt")))
+                inputs.append(PromptInput(item, await self.encode(item, "prompt", add_special_tokens)))
             else:
                 self.check_token_ids("prompt", item)
                 inputs.append(PromptInput(None, list(item)))
         return inputs
 
     async def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                          template_kwargs: dict | None = None) -> PromptInput:
-        check_template_kwargs(template_kwargs or {})
+                          template_kwargs: dict | None = None, *, chat_template: str | None = None,
+                          continue_final_message: bool = False, tools: list[dict] | None = None,
+                          documents: list[dict] | None = None, reasoning_effort: str | None = None,
+                          add_special_tokens: bool = False) -> PromptInput:
+        """The prompt of a conversation through the chat template: the given one (a trusted request's), else the
+        server's --chat-template, else the model's."""
         conversation = [_template_message(m) for m in messages]
         for index, message in enumerate(conversation):
             for key, value in message.items():
                 if isinstance(value, str):
                     check_text_param(f"messages.{index}.{key}", value)
+        variables = check_template_kwargs(template_kwargs)
+        # Tools go to the template as apply_chat_template's own argument; the request's field wins over a kwarg.
+        kwargs_tools = variables.pop("tools", None)
+        tools = kwargs_tools if tools is None else tools
+        try:
+            variables = template_variables(variables, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, documents=documents,
+                                           reasoning_effort=reasoning_effort)
+        except ValueError as exc:
+            raise bad_request(str(exc), "continue_final_message") from None
+        template = chat_template if chat_template is not None else self.chat_template
 
         def render() -> str:
-            return self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
-            )
+            return render_chat(self.tokenizer, conversation, chat_template=template, tools=tools, variables=variables)
 
         try:
             text = await self.off_loop(render)
         except Exception as exc:  # a template raises on conversations it does not accept (e.g. role order)
             raise bad_request(f"the chat template refused these messages: {exc}", "messages") from exc
-        # The template already wrote any special tokens (BOS) it wants; encoding must not add them twice.
-        return PromptInput(text, await self.encode(text, "messages", add_special_tokens=False))
+        # The template already wrote any special tokens (BOS) it wants; encoding adds them again only if asked.
+        return PromptInput(text, await self.encode(text, "messages", add_special_tokens=add_special_tokens))
+
+    def truncate(self, prompt: PromptInput, keep: int | None, side: str | None) -> PromptInput:
+        """vLLM's truncate_prompt_tokens: keep `keep` prompt tokens (-1: as many as leave room for one generated
+        token), the last ones unless truncation_side is "right"."""
+        if keep is None:
+            return prompt
+        if keep > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens={keep} is more than this model's maximum context length of "
+                              f"{self.max_model_len} tokens; lower it (or pass -1 for as many as fit).",
+                              "truncate_prompt_tokens")
+        if keep == -1:
+            keep = self.max_model_len - 1
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        kept = prompt.token_ids[:keep] if side == "right" else prompt.token_ids[len(prompt.token_ids) - keep:]
+        # The text no longer matches the tokens; whoever needs it (echo) decodes the kept tokens.
+        return PromptInput(None, kept)
 
     def check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
         for token_id in token_ids:
@@ -301,13 +353,29 @@ class OpenAIServing:
             parsed[token_id] = value
         return parsed
 
+    def num_logprobs(self, param: str, value: int | None) -> int | None:
+        """A logprobs count as the engine takes it: -1 means the whole vocabulary (as in vLLM); more than the
+        server's max_logprobs is a 400 naming the limit."""
+        if value is None:
+            return None
+        count = self.vocab_size if value == -1 else value
+        limit = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        if count > limit:
+            raise bad_request(f"{param}={value} asks for {count} log-probabilities per position, more than this "
+                              f"server's max_logprobs={self.max_logprobs}; lower {param}, or start the server with "
+                              f"--max-logprobs {count}.", param)
+        return count
+
     def sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None = None,
                         best_of: int | None = None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The parameters of the request's engine request: its n choices are n samples of one engine
         request (sample i of a seeded request samples with seed + i), which computes the prompt once."""
         if request.stop_token_ids:
             self.check_token_ids("stop_token_ids", request.stop_token_ids)
+        if request.allowed_token_ids:
+            self.check_token_ids("allowed_token_ids", request.allowed_token_ids)
         # Unset fields: the model's generation_config.json defaults (--generation-config), else OpenAI's.
         default = functools.partial(self.sampling_defaults.value, request)
         top_k = default("top_k", 0) or 0
@@ -336,19 +404,40 @@ class OpenAIServing:
             include_stop_str_in_output=request.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=structured,
+            prompt_logprobs=prompt_logprobs,
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words or None,
         )
         return build_sampling_params(kwargs)
 
     # ---- running ----------------------------------------------------------------------------------
 
-    def submit(self, base_id: str, prompts: Sequence[PromptInput], params: SamplingParams) -> list[Choice]:
+    def priority(self, request: SamplingFields, raw_request: Request) -> int:
+        """The request's priority (lower runs first): vLLM's X-Vllm-Priority header, else the body's field. Not 0
+        on a server without the priority policy is a 400 now, before a stream could start."""
+        priority = request.priority
+        header = raw_request.headers.get(PRIORITY_HEADER)
+        if header is not None:
+            try:
+                priority = int(header)
+            except ValueError:
+                pass  # vLLM, too, falls back to the body's priority
+        policy = self.engine.engine.args.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise bad_request(f"priority={priority} needs a server that schedules by priority; this one runs "
+                              f"--scheduling-policy {policy}. Leave priority at 0, or start the server with "
+                              "--scheduling-policy priority.", "priority")
+        return priority
+
+    def submit(self, base_id: str, prompts: Sequence[PromptInput], params: SamplingParams, priority: int = 0,
+               cache_salt: str | None = None) -> list[Choice]:
         """One engine request per prompt, with params.n choices each; all queued or none (an error aborts
-        those already queued)."""
+        those already queued). A cache_salt keeps their prefix-cache blocks apart from other salts'."""
         choices: list[Choice] = []
         try:
             for prompt_index, prompt in enumerate(prompts):
                 request_id = f"{base_id}-{prompt_index}"
-                stream = self.engine.add_request(request_id, prompt.engine_prompt(), params)
+                stream = self.engine.add_request(request_id, prompt.engine_prompt(cache_salt), params, priority)
                 choices += [Choice(prompt_index * params.n + i, prompt_index, request_id, stream, sample_index=i)
                             for i in range(params.n)]
         except BaseException as exc:
@@ -367,18 +456,16 @@ class OpenAIServing:
             raise from_exception(exc) from exc
 
 
-# apply_chat_template's own parameters that chat_template_kwargs must not set: a template sent with a request is
-# code that runs on the server (nested loops render for hours, or grow a string until memory runs out), and
-# `tokenize` would change what the call returns. vLLM refuses both too.
-RESERVED_TEMPLATE_KWARGS = ("chat_template", "tokenize")
-
-
-def check_template_kwargs(template_kwargs: dict) -> None:
-    for name in RESERVED_TEMPLATE_KWARGS:
-        if name in template_kwargs:
-            raise bad_request(f"chat_template_kwargs.{name} is not accepted: the server renders the model's own chat "
-                              "template (a template sent with a request would run as code on the server); pass only "
-                              "the template's variables.", f"chat_template_kwargs.{name}")
+def check_template_kwargs(template_kwargs: dict | None) -> dict:
+    """A request's chat_template_kwargs, without apply_chat_template's own parameters (see chat_utils)."""
+    kwargs = dict(template_kwargs or {})
+    name = reserved_template_kwarg(kwargs)
+    if name is not None:
+        raise bad_request(f"chat_template_kwargs.{name} is not accepted: a template sent with a request runs as "
+                          "code on the server (pass it as chat_template, to a server started with "
+                          "--trust-request-chat-template), and tokenizing is the server's; pass only the template's "
+                          "variables.", f"chat_template_kwargs.{name}")
+    return kwargs
 
 
 def check_text_param(param: str, text: str) -> None:
@@ -402,18 +489,14 @@ def record(choice: Choice, output: RequestOutput) -> None:
     choice.token_ids.extend(completion.token_ids)
     if completion.logprobs:
         choice.logprobs.extend(completion.logprobs)
+    if output.prompt_logprobs is not None:
+        choice.prompt_logprobs = output.prompt_logprobs
     if output.finished:
         choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
 
 
 def _template_message(message: ChatMessage) -> dict:
-    entry = message.model_dump(exclude_none=True)
-    content = message.content
-    if isinstance(content, list):
-        entry["content"] = "\n".join(part.text for part in content)
-    elif content is None:
-        entry["content"] = ""
-    return template_tool_calls(entry)
+    return conversation_message(message.model_dump(exclude_none=True), "string")
 
 
 async def merge_outputs(engine: AsyncLLMEngine, choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:

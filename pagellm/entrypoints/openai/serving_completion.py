@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from pagellm.entrypoints.openai.errors import bad_request, from_exception, not_supported
-from pagellm.entrypoints.openai.logprobs import completion_logprobs
+from pagellm.entrypoints.openai.beam_search import BeamSearchRequest, beam_search
+from pagellm.entrypoints.openai.errors import bad_request, from_exception
+from pagellm.entrypoints.openai.fields import refuse_unsupported, response_ids, stream_usage
+from pagellm.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_json
 from pagellm.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from pagellm.entrypoints.openai.serving import (
     SSE_DONE,
@@ -20,71 +22,148 @@ from pagellm.entrypoints.openai.serving import (
     abort_on_disconnect,
     kv_info,
     merge_outputs,
+    record,
     sse,
 )
-from pagellm.entrypoints.openai.structured import requested_structured_outputs
+from pagellm.entrypoints.openai.structured import compiled_grammar, requested_structured_outputs
+from pagellm.outputs import RequestOutput
+
+
+def _check_fields(request: CompletionRequest) -> None:
+    if request.best_of is not None and request.best_of > request.n and request.stream:
+        raise bad_request(f"best_of={request.best_of} > n={request.n} cannot stream: which n completions are "
+                          "returned is known only at the end; drop stream or best_of.", "best_of")
+    if request.stream and request.prompt_logprobs not in (None, 0):
+        raise bad_request("prompt_logprobs are not sent in a stream; drop stream or prompt_logprobs.",
+                          "prompt_logprobs")
+    if request.use_beam_search:
+        _check_beam_search(request)
+
+
+def _check_beam_search(request: CompletionRequest) -> None:
+    if request.stream:
+        raise bad_request("use_beam_search cannot stream: the best beams are known only at the end; drop stream.",
+                          "use_beam_search")
+    if request.echo and request.logprobs is not None:
+        raise bad_request("echo with logprobs needs the prompt's log-probabilities, which beam search does not "
+                          "compute; drop echo or logprobs.", "echo")
+    if request.prompt_logprobs is not None:
+        raise bad_request("beam search does not compute prompt_logprobs; drop one of them.", "prompt_logprobs")
+    if requested_structured_outputs(request) is not None:
+        raise bad_request("beam search takes no structured-output constraint; drop use_beam_search or the "
+                          "constraint.", "use_beam_search")
 
 
 async def create_completion(serving: OpenAIServing, request: CompletionRequest, raw_request: Request):
     serving.check_model(request.model)
     serving.check_stream_options(request)
-    if request.best_of is not None and request.best_of > request.n and request.stream:
-        raise bad_request(f"best_of={request.best_of} > n={request.n} cannot stream: which n completions are "
-                          "returned is known only at the end; drop stream or best_of.", "best_of")
-    if request.suffix is not None:
-        raise not_supported("suffix", request.suffix)
-    if request.echo and request.logprobs is not None:
-        raise bad_request("echo with logprobs would need the prompt's log-probabilities, which this server does "
-                          "not return yet; drop echo or logprobs.", "echo", "unsupported_parameter")
-    prompts = await serving.completion_prompts(request.prompt)
+    refuse_unsupported(request)
+    _check_fields(request)
+    num_top = serving.num_logprobs("logprobs", request.logprobs)
+    prompt_logprobs = serving.num_logprobs("prompt_logprobs", request.prompt_logprobs)
+    if prompt_logprobs is None and request.echo and num_top is not None:
+        prompt_logprobs = num_top  # echo with logprobs scores the prompt's tokens too, as vLLM does
+    # echo with max_tokens=0 returns the prompt alone; the engine still makes (and vLLM counts) one token.
+    echo_only = bool(request.echo) and request.max_tokens == 0
+    max_tokens = 1 if echo_only else request.max_tokens
+    prompts = await serving.completion_prompts(request.prompt, request.add_special_tokens)
+    prompts = [serving.truncate(p, request.truncate_prompt_tokens, request.truncation_side) for p in prompts]
     for prompt in prompts:
-        serving.check_length(prompt, request.max_tokens, "prompt")
-    params = serving.sampling_params(request, request.max_tokens, request.logprobs, request.best_of,
-                                     requested_structured_outputs(request))
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    choices = serving.submit(request_id, prompts, params)
-    prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    if request.stream:
-        stream = _stream(serving, request, raw_request, request_id, prompts, choices, prompt_tokens)
-        return StreamingResponse(stream, media_type="text/event-stream")
+        serving.check_length(prompt, max_tokens, "prompt")
+    response_id, engine_id = response_ids("cmpl", request, raw_request)
+    priority = serving.priority(request, raw_request)
+    if request.use_beam_search:
+        choices = await _beam_search_choices(serving, request, raw_request, engine_id, prompts, max_tokens)
+    else:
+        params = serving.sampling_params(request, max_tokens, num_top, request.best_of,
+                                         requested_structured_outputs(request), prompt_logprobs)
+        params.structured_grammar = await compiled_grammar(serving.engine, params.structured_outputs)
+        choices = serving.submit(engine_id, prompts, params, priority, request.cache_salt)
+        if request.stream:
+            stream = _stream(serving, request, raw_request, response_id, prompts, choices, num_top)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        await serving.run_to_completion(raw_request, choices)
 
-    await serving.run_to_completion(raw_request, choices)
-    response_choices = []
-    for c in choices:
-        logprobs = None
-        if request.logprobs is not None:
-            logprobs = completion_logprobs(c.token_ids, c.logprobs, request.logprobs, 0, serving.tokenizer)
-        echo = await _echo_text(serving, prompts[c.prompt_index]) if request.echo else ""
-        response_choices.append(CompletionChoice(index=c.index, text=echo + c.text, logprobs=logprobs,
-                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-    response = CompletionResponse(id=request_id, model=serving.model_name, choices=response_choices,
+    response_choices = [await _choice(serving, request, c, prompts[c.prompt_index], num_top, echo_only)
+                        for c in choices]
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    response = CompletionResponse(id=response_id, model=serving.model_name, choices=response_choices,
                                   usage=UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)),
-                                  kv=kv_info(choices))
+                                  kv=None if request.use_beam_search else kv_info(choices))
     return JSONResponse(response.model_dump())
+
+
+async def _choice(serving: OpenAIServing, request: CompletionRequest, c: Choice, prompt: PromptInput,
+                  num_top: int | None, echo_only: bool) -> CompletionChoice:
+    """One finished choice; with echo its text (and logprobs) start with the prompt's, as vLLM's do."""
+    text, token_ids, positions = c.text, c.token_ids, c.logprobs
+    if request.echo:
+        # vLLM leaves the echoed text out when the prompt's token ids are returned instead.
+        echo = "" if request.return_token_ids else await _echo_text(serving, prompt)
+        prompt_positions = c.prompt_logprobs or [None] * len(prompt.token_ids)
+        if echo_only:
+            text, token_ids, positions = echo, prompt.token_ids, prompt_positions
+        else:
+            text, token_ids = echo + text, prompt.token_ids + token_ids
+            positions = prompt_positions + positions
+    logprobs = None
+    if num_top is not None:
+        logprobs = completion_logprobs(token_ids, positions, num_top, 0, serving.tokenizer,
+                                       bool(request.return_tokens_as_token_ids))
+    return CompletionChoice(
+        index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        token_ids=c.token_ids if request.return_token_ids else None,
+        prompt_logprobs=prompt_logprobs_json(c.prompt_logprobs),
+        prompt_token_ids=prompt.token_ids if request.return_token_ids else None,
+    )
+
+
+async def _beam_search_choices(serving: OpenAIServing, request: CompletionRequest, raw_request: Request,
+                               engine_id: str, prompts: list[PromptInput], max_tokens: int) -> list[Choice]:
+    """Beam search per prompt, its beam_width (= n) best beams as the prompt's choices."""
+    search = BeamSearchRequest(beam_width=request.n, max_tokens=max_tokens, ignore_eos=request.ignore_eos,
+                               length_penalty=request.length_penalty,
+                               include_stop_str_in_output=request.include_stop_str_in_output,
+                               skip_special_tokens=request.skip_special_tokens, cache_salt=request.cache_salt)
+    try:
+        results = await asyncio.gather(*(beam_search(serving, raw_request, f"{engine_id}-{i}", prompt, search)
+                                         for i, prompt in enumerate(prompts)))
+    except Exception as exc:  # the engine's verdict on a step request (queue full, dead engine)
+        raise from_exception(exc) from exc
+    choices = []
+    for prompt_index, (prompt, outputs) in enumerate(zip(prompts, results)):
+        for output in outputs:
+            choice = Choice(prompt_index * request.n + output.index, prompt_index, f"{engine_id}-{prompt_index}",
+                            None, sample_index=output.index)
+            record(choice, RequestOutput(choice.request_id, prompt.text, prompt.token_ids, [output], True))
+            choices.append(choice)
+    return choices
 
 
 async def _stream(
     serving: OpenAIServing,
     request: CompletionRequest,
     raw_request: Request,
-    request_id: str,
+    response_id: str,
     prompts: list[PromptInput],
     choices: list[Choice],
-    prompt_tokens: int,
+    num_top: int | None,
 ) -> AsyncIterator[str]:
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    include_usage, continuous_usage = stream_usage(request)
+    return_token_ids = bool(request.return_token_ids)
     created = int(time.time())
 
-    def chunk(choice_payloads: list[dict], usage: UsageInfo | None = None) -> str:
-        payload = {"id": request_id, "object": "text_completion", "created": created, "model": serving.model_name,
+    def chunk(choice_payloads: list[dict], usage: dict | None = None, final: bool = False) -> str:
+        payload = {"id": response_id, "object": "text_completion", "created": created, "model": serving.model_name,
                    "choices": choice_payloads}
-        if include_usage:
-            payload["usage"] = usage.model_dump() if usage else None
-        if usage:
+        if usage is not None:
+            payload["usage"] = usage
+        if final:
             payload["kv"] = kv_info(choices).to_dict()
         return sse(payload)
 
-    echo_pending = {c.index for c in choices} if request.echo else set()
+    # Choices whose first chunk (with the echoed prompt, or the prompt's ids) is still to go out.
+    first_pending = {c.index for c in choices} if request.echo or return_token_ids else set()
     # Where each choice's next token text starts, for logprobs' text_offset.
     text_offsets = {c.index: 0 for c in choices}
     try:
@@ -92,23 +171,35 @@ async def _stream(
             async for choice, output in merge_outputs(serving.engine, choices):
                 completion = output.outputs[0]
                 choice.num_tokens += len(completion.token_ids)
-                text = completion.text
-                if choice.index in echo_pending:
-                    echo_pending.discard(choice.index)
-                    text = await _echo_text(serving, prompts[choice.prompt_index]) + text
+                prompt = prompts[choice.prompt_index]
+                text, token_ids, positions = completion.text, completion.token_ids, completion.logprobs or []
+                first = choice.index in first_pending
+                if first:
+                    first_pending.discard(choice.index)
+                if first and request.echo:
+                    echo = "" if return_token_ids else await _echo_text(serving, prompt)
+                    text, token_ids = echo + text, prompt.token_ids + token_ids
+                    positions = (output.prompt_logprobs or [None] * len(prompt.token_ids)) + positions
                 logprobs = None
-                if request.logprobs is not None and completion.token_ids:
-                    logprobs = completion_logprobs(completion.token_ids, completion.logprobs or [], request.logprobs,
-                                                   text_offsets[choice.index], serving.tokenizer)
+                if num_top is not None and token_ids:
+                    logprobs = completion_logprobs(token_ids, positions, num_top, text_offsets[choice.index],
+                                                   serving.tokenizer, bool(request.return_tokens_as_token_ids))
                     text_offsets[choice.index] += sum(len(token) for token in logprobs.tokens)
-                if not text and logprobs is None and not output.finished:
+                if not (text or logprobs or first or output.finished or (return_token_ids and completion.token_ids)):
                     continue  # held back (a partial character, or what may begin a stop string)
-                finish = completion.finish_reason if output.finished else None
-                yield chunk([{"index": choice.index, "text": text,
-                              "logprobs": logprobs.model_dump() if logprobs else None, "finish_reason": finish,
-                              "stop_reason": completion.stop_reason if output.finished else None}])
+                payload = {"index": choice.index, "text": text,
+                           "logprobs": logprobs.model_dump() if logprobs else None,
+                           "finish_reason": completion.finish_reason if output.finished else None,
+                           "stop_reason": completion.stop_reason if output.finished else None,
+                           "prompt_token_ids": prompt.token_ids if first else None,
+                           "token_ids": list(completion.token_ids) if return_token_ids else None}
+                usage = None
+                if continuous_usage:
+                    usage = UsageInfo.of(len(prompt.token_ids), choice.num_tokens).counts()
+                yield chunk([payload], usage)
         if include_usage:
-            yield chunk([], UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)))
+            prompt_tokens = sum(len(p.token_ids) for p in prompts)
+            yield chunk([], UsageInfo.of(prompt_tokens, sum(c.num_tokens for c in choices)).counts(), final=True)
     except Exception as exc:  # headers are out: the error travels in the stream
         yield sse(from_exception(exc).body())
     yield SSE_DONE

@@ -45,7 +45,8 @@ from pagellm.entrypoints.openai.serving import (
 )
 from pagellm.entrypoints.openai.structured import (
     ToolPlan,
-    check_compiles,
+    compiled_grammar,
+    named_constraint,
     plan_tools,
     requested_structured_outputs,
     tool_calls_of,
@@ -160,6 +161,7 @@ async def prepare_response(serving: OpenAIServing, request: ResponsesRequest,
     prompt = await serving.chat_prompt(messages, True, template_kwargs)
     serving.check_length(prompt, request.max_output_tokens, "input", "max_output_tokens")
     params = serving.sampling_params(fields, request.max_output_tokens, num_top, structured=structured)
+    params.structured_grammar = await compiled_grammar(serving.engine, structured)
     max_output_tokens = request.max_output_tokens or serving.max_model_len - len(prompt.token_ids)
     return PreparedResponse(request, f"resp_{uuid.uuid4().hex}", int(time.time()), prompt, params, plan, num_top,
                             history, max_output_tokens)
@@ -199,7 +201,7 @@ def _output_constraint(request: ResponsesRequest, tools: list[dict],
     if choice == "required" and not request.parallel_tool_calls:
         # One call, constrained as such: the model cannot start a second one and be cut short in it.
         one_call = {**plan.structured.json, "maxItems": 1}
-        plan = ToolPlan(check_compiles("tools", StructuredOutputsParams(json=one_call), "tools"))
+        plan = ToolPlan(named_constraint(StructuredOutputsParams(json=one_call), "tools", "tools"))
     if plan is not None and plan.structured is not None:
         if structured is not None:
             raise bad_request("a tool call (tool_choice) and a structured output (text.format / structured_outputs) "
@@ -232,7 +234,7 @@ def _requested_format(request: ResponsesRequest) -> StructuredOutputsParams | No
         raise bad_request("text.format and structured_outputs both constrain the output; pass only one of them.",
                           "structured_outputs")
     if from_text is not None:
-        return check_compiles("text.format", from_text, "text.format")
+        return named_constraint(from_text, "text.format", "text.format")
     return from_vllm
 
 

@@ -5,20 +5,29 @@ tool_choice "auto" instead leaves the output free and reads the calls out of it 
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser, openai_tool_call
 from pagellm.sampling_params import StructuredOutputsParams
-from pagellm.structured_output.grammar import parse_grammar
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
+class NamedStructuredOutputs(StructuredOutputsParams):
+    """A request's constraint and the request field it came from, which a 400 about its grammar names (plain
+    attributes, not dataclass fields: the constraint's fields, as dataclasses.asdict lists them, are vLLM's)."""
+
+    param: str = "structured_outputs"
+    name: str = "structured_outputs"
+
+
 def requested_structured_outputs(request) -> StructuredOutputsParams | None:
-    """The one structured-output constraint a request asks for (400 if it asks for two), parsed now so
-    that a schema the engine cannot take is a 400 before any streaming starts."""
+    """The one structured-output constraint a request asks for (400 if it asks for two). Its grammar is
+    checked and parsed by `compiled_grammar`, off the event loop, before any streaming starts."""
     asked: list[tuple[str, StructuredOutputsParams]] = []
     response_format = request.response_format
     if response_format is not None and response_format.type != "text":
@@ -35,15 +44,29 @@ def requested_structured_outputs(request) -> StructuredOutputsParams | None:
     if not asked:
         return None
     param, structured = asked[0]
-    return check_compiles(param, structured, f"{param}.{structured.kind}" if param == "structured_outputs" else param)
+    return named_constraint(structured, param, f"{param}.{structured.kind}" if param == "structured_outputs" else param)
 
 
-def check_compiles(param: str, structured: StructuredOutputsParams, name: str) -> StructuredOutputsParams:
+async def compiled_grammar(engine, structured: StructuredOutputsParams | None) -> Future | None:
+    """What to set as SamplingParams.structured_grammar (None without a constraint): the compiled grammar's
+    Future, once the grammar has been parsed in the grammar threads while this event loop kept serving. A 400
+    naming the request field if the grammar is over a size limit, refused by xgrammar, or not parsed within
+    structured_outputs_timeout. A grammar seen before is not parsed again. `engine`: the AsyncLLMEngine."""
+    if structured is None:
+        return None
+    param = getattr(structured, "param", "structured_outputs")
+    name = getattr(structured, "name", f"structured_outputs.{structured.kind}")
     try:
-        parse_grammar(structured, name)
+        return await engine.engine.grammar_compiler.submit(structured, name).wait_async()
     except ValueError as exc:
         raise bad_request(str(exc), param) from None
-    return structured
+
+
+def named_constraint(structured: StructuredOutputsParams, param: str, name: str) -> NamedStructuredOutputs:
+    """The constraint, with the request field a 400 about its grammar names (`param`) and how its text names it."""
+    named = NamedStructuredOutputs(**{f.name: getattr(structured, f.name) for f in dataclass_fields(structured)})
+    named.param, named.name = param, name
+    return named
 
 
 def _build(param: str, fields: dict) -> StructuredOutputsParams:
@@ -108,12 +131,12 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict | Non
             for name, schema in schemas.items()
         ]}
         array = {"type": "array", "minItems": 1, "items": calls}
-        return ToolPlan(check_compiles("tools", StructuredOutputsParams(json=array), "tools"))
+        return ToolPlan(named_constraint(StructuredOutputsParams(json=array), "tools", "tools"))
     name = _named_choice(tool_choice)
     if name not in schemas:
         raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools "
                           f"{sorted(schemas)}.", "tool_choice")
-    return ToolPlan(check_compiles("tools", StructuredOutputsParams(json=schemas[name]), f"tools.{name}.parameters"),
+    return ToolPlan(named_constraint(StructuredOutputsParams(json=schemas[name]), "tools", f"tools.{name}.parameters"),
                     named=name)
 
 
@@ -149,25 +172,6 @@ def tool_calls_of(plan: ToolPlan, text: str) -> list[dict]:
         return [openai_tool_call(plan.named, text)]
     calls = json.loads(text)
     return [openai_tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
-
-
-def template_tool_calls(message: dict) -> dict:
-    """An assistant message's tool_calls as chat templates read them: OpenAI sends function.arguments as JSON
-    text, transformers' templates expect the object (and would write the text as one quoted string)."""
-    calls = message.get("tool_calls")
-    if not isinstance(calls, list):
-        return message
-    converted = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        arguments = function.get("arguments") if isinstance(function, dict) else None
-        if isinstance(arguments, str):
-            try:
-                call = {**call, "function": {**function, "arguments": json.loads(arguments)}}
-            except ValueError:
-                pass  # not JSON: the template gets the text as sent
-        converted.append(call)
-    return {**message, "tool_calls": converted}
 
 
 def template_renders_tools(tokenizer) -> bool:

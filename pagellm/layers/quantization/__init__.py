@@ -11,7 +11,13 @@ from pagellm.layers.quantization.base import QuantizationConfig
 
 # vLLM's method name -> "module:factory", the factory taking (the checkpoint's quantization_config dict or None,
 # the method asked for by quantization=) and returning the config. Imported only when a model uses it.
-QUANTIZATION_METHODS: dict[str, str] = {}
+QUANTIZATION_METHODS: dict[str, str] = {
+    "awq": "pagellm.layers.quantization.awq:awq_config",
+    "gptq": "pagellm.layers.quantization.gptq:gptq_config",
+    "compressed-tensors": "pagellm.layers.quantization.compressed_tensors:compressed_tensors_config",
+    "fp8": "pagellm.layers.quantization.fp8:fp8_config",
+    "int8": "pagellm.layers.quantization.w8a8:online_int8_config",
+}
 
 
 def supported_methods() -> list[str]:

@@ -22,6 +22,8 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not getattr(layer, "serves_matmul", True):
+            return  # an embedding table only looked up
         # A tied LM head reads the embedding's table: that tensor must stay.
         kernel, free_plain = choose_dense_kernel(layer.weight.data, getattr(layer, "shares_weight", False),
                                                  self.scratch)

@@ -1,0 +1,225 @@
+"""compressed-tensors checkpoints (llm-compressor's output; quant_method "compressed-tensors"), the 8-bit schemes:
+
+- W8A8 int8 ("int-quantized", or "naive-quantized"): int8 `weight` with symmetric `weight_scale` per channel
+  ([N, 1]) or per tensor; activations int8, dynamic per token, or static per tensor with `input_scale`.
+- FP8 ("float-quantized", or "naive-quantized"): float8_e4m3fn `weight` with `weight_scale` per tensor, per
+  channel or per block (`block_structure` [bn, bk]); activations dynamic or static, or none (W8A16). pagellm
+  keeps activations in the model's dtype (see pagellm/ops/w8a8_kernels.py).
+
+The config (compressed_tensors.QuantizationConfig) maps `config_groups`, each with `targets` (module class names,
+of which linear layers answer to "Linear"; module names; or "re:" regular expressions matched from the start of
+the name), to a scheme of `weights` / `input_activations` QuantizationArgs (num_bits, type int/float, symmetric,
+strategy tensor/channel/group/block/token, dynamic); modules in `ignore` stay dense, and so does any module no
+group targets. A fused layer (qkv_proj, gate_up_proj) matches through its checkpoint modules, which must agree.
+Everything else (asymmetric or grouped weights, 4-bit packs, sparsity, KV cache schemes, transforms) is refused
+at load, naming what was found.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagellm.layers.quantization.w8a8 import Fp8LinearMethod, Int8LinearMethod, checkpoint_module_names
+
+# Formats whose weights are stored one value per byte, as their scheme's dtype.
+FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
+SUPPORTED = ("W8A8 int8 (symmetric per-channel or per-tensor weights; dynamic per-token or static per-tensor "
+             "activations) and FP8 e4m3 (per-tensor, per-channel or block weights; any activations), in the "
+             f"{', '.join(FORMATS)} formats")
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    """compressed-tensors' QuantizationArgs, the fields pagellm reads."""
+
+    num_bits: int
+    type: str
+    symmetric: bool
+    strategy: str | None
+    dynamic: bool | str
+    block_structure: tuple[int, int] | None
+
+    @classmethod
+    def parse(cls, raw: dict, where: str) -> QuantArgs:
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where} must be a dict of QuantizationArgs, not {raw!r:.100}")
+        block = raw.get("block_structure")
+        if block is not None:
+            if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
+                                                                                 for b in block)):
+                raise ValueError(f"{where}.block_structure={block!r} must be two positive ints [bn, bk]")
+            block = (block[0], block[1])
+        return cls(num_bits=int(raw.get("num_bits", 8)), type=str(raw.get("type", "int")),
+                   symmetric=bool(raw.get("symmetric", True)), strategy=raw.get("strategy"),
+                   dynamic=raw.get("dynamic", False), block_structure=block)
+
+
+@dataclass(frozen=True)
+class SchemeGroup:
+    """One of config_groups: which modules, and how their weights and input activations are quantized."""
+
+    name: str
+    targets: tuple[str, ...]
+    weights: QuantArgs | None
+    input_activations: QuantArgs | None
+    format: str
+
+
+def _refuse(group: str, what: str) -> ValueError:
+    return ValueError(f"compressed-tensors config_groups.{group}: {what} is not supported; pagellm loads "
+                      f"{SUPPORTED}.")
+
+
+def method_for(group: SchemeGroup) -> LinearMethod:
+    """The linear method of a group's scheme, or a ValueError naming what pagellm does not run."""
+    weights, activations = group.weights, group.input_activations
+    if group.format not in FORMATS:
+        raise _refuse(group.name, f"format {group.format!r}")
+    if weights is None:
+        raise _refuse(group.name, "a scheme without weight quantization")
+    if weights.num_bits != 8 or weights.type not in ("int", "float"):
+        raise _refuse(group.name, f"{weights.num_bits}-bit {weights.type} weights")
+    if not weights.symmetric:
+        raise _refuse(group.name, "asymmetric weights (weight_zero_point)")
+    if weights.dynamic:
+        raise _refuse(group.name, f"dynamic={weights.dynamic!r} weight scales")
+    if activations is not None:
+        if activations.num_bits != 8 or activations.type != weights.type:
+            raise _refuse(group.name, f"{weights.type} weights with {activations.num_bits}-bit {activations.type} "
+                                      "activations")
+        if activations.dynamic not in (True, False):
+            raise _refuse(group.name, f"input_activations.dynamic={activations.dynamic!r}")
+    if weights.type == "int":
+        return _int8_method(group, weights, activations)
+    return _fp8_method(group, weights, activations)
+
+
+def _int8_method(group: SchemeGroup, weights: QuantArgs, activations: QuantArgs | None) -> LinearMethod:
+    if weights.strategy not in ("channel", "tensor"):
+        raise _refuse(group.name, f"int8 weights with strategy {weights.strategy!r} (W8A16 groups go through "
+                                  "pack-quantized / GPTQ-style kernels)")
+    if activations is None:
+        raise _refuse(group.name, "int8 weights without input_activations (W8A16 int8)")
+    if not activations.symmetric:
+        raise _refuse(group.name, "asymmetric int8 activations (input_zero_point)")
+    if activations.dynamic and activations.strategy != "token":
+        raise _refuse(group.name, f"dynamic int8 activations with strategy {activations.strategy!r} (pagellm "
+                                  "quantizes per token)")
+    if not activations.dynamic and activations.strategy != "tensor":
+        raise _refuse(group.name, f"static int8 activations with strategy {activations.strategy!r}")
+    return Int8LinearMethod(per_channel=weights.strategy == "channel", static_input=not activations.dynamic)
+
+
+def _fp8_method(group: SchemeGroup, weights: QuantArgs, activations: QuantArgs | None) -> LinearMethod:
+    if weights.strategy not in ("channel", "tensor", "block"):
+        raise _refuse(group.name, f"fp8 weights with strategy {weights.strategy!r}")
+    if weights.strategy == "block" and weights.block_structure is None:
+        raise _refuse(group.name, "block fp8 weights without block_structure")
+    static = activations is not None and not activations.dynamic
+    if static and activations.strategy != "tensor":
+        raise _refuse(group.name, f"static fp8 activations with strategy {activations.strategy!r}")
+    block = weights.block_structure if weights.strategy == "block" else None
+    return Fp8LinearMethod(weights.strategy, block, static_input=static)
+
+
+def target_matches(target: str, name: str) -> bool:
+    """A target or ignore entry against a checkpoint module name: "re:" + a regular expression matched from
+    the start (re.match, as compressed-tensors and vLLM do), a module name, or a class name ("Linear": every
+    linear layer, which is what the layers asked about here are)."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name or target == "Linear"
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, groups: list[SchemeGroup], ignore: list[str]) -> None:
+        self.groups = groups
+        self.ignore = list(ignore)
+        self.methods = {group.name: method_for(group) for group in groups}
+        self.dense = UnquantizedLinearMethod()
+
+    @classmethod
+    def from_config(cls, config: dict) -> CompressedTensorsConfig:
+        for key, what in (("sparsity_config", "sparse weights"), ("transform_config", "transforms (QuIP, SpinQuant)"),
+                          ("kv_cache_scheme", "a quantized KV cache (kv_cache_scheme)")):
+            if config.get(key):
+                raise ValueError(f"compressed-tensors {key} ({what}) is not supported; pagellm loads {SUPPORTED}, "
+                                 "without sparsity, transforms or KV cache schemes.")
+        groups_raw = config.get("config_groups")
+        if not isinstance(groups_raw, dict) or not groups_raw:
+            raise ValueError("a compressed-tensors quantization_config needs config_groups (a dict of schemes)")
+        default_format = config.get("format", "naive-quantized")
+        groups = []
+        for name, raw in groups_raw.items():
+            where = f"config_groups.{name}"
+            targets = raw.get("targets")
+            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+                raise ValueError(f"compressed-tensors {where}.targets must be a list of module names or patterns")
+            weights = QuantArgs.parse(raw["weights"], f"{where}.weights") if raw.get("weights") else None
+            activations = (QuantArgs.parse(raw["input_activations"], f"{where}.input_activations")
+                           if raw.get("input_activations") else None)
+            if raw.get("output_activations"):
+                raise _refuse(name, "output activation quantization")
+            groups.append(SchemeGroup(name, tuple(targets), weights, activations, raw.get("format") or default_format))
+        ignore = config.get("ignore") or []
+        if not isinstance(ignore, list) or not all(isinstance(entry, str) for entry in ignore):
+            raise ValueError(f"compressed-tensors ignore={ignore!r:.100} must be a list of module names or patterns")
+        return cls(groups, ignore)
+
+    def _named(self, name: str) -> bool:
+        """Whether an ignore entry or a target names module `name` itself (not by its class)."""
+        entries = self.ignore + [target for group in self.groups for target in group.targets]
+        return any(entry != "Linear" and target_matches(entry, name) for entry in entries)
+
+    def _group_of(self, name: str) -> str | None:
+        """The first group with a target naming `name` (a name or pattern before a class name, as vLLM looks)."""
+        for by_class in (False, True):
+            for group in self.groups:
+                if any(target_matches(t, name) for t in group.targets if (t == "Linear") == by_class):
+                    return group.name
+        return None
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        if prefix.endswith("embed_tokens"):
+            return self.dense  # an embedding table is no linear layer: "Linear" targets leave it dense
+        names = checkpoint_module_names(prefix, self._named)
+        ignored = [any(target_matches(entry, name) for entry in self.ignore) for name in names]
+        if all(ignored):
+            return self.dense
+        groups = {self._group_of(name) for name in names}
+        if any(ignored) or len(groups) > 1:
+            raise ValueError(f"{prefix} fuses {names}, which the compressed-tensors config quantizes differently "
+                             f"(ignored: {ignored}, groups: {sorted(map(str, groups))}); pagellm (as vLLM) needs "
+                             "the fused shards quantized alike")
+        group = groups.pop()
+        return self.dense if group is None else self.methods[group]
+
+    def describe(self) -> str:
+        parts = []
+        for group in self.groups:
+            weights, activations = group.weights, group.input_activations
+            dtype = "int8" if weights.type == "int" else "fp8"
+            block = f" {list(weights.block_structure)}" if weights.strategy == "block" else ""
+            if activations is None:
+                acts = "no activation quantization"
+            else:
+                acts = f"{'dynamic' if activations.dynamic else 'static'} {activations.strategy} activations"
+                if dtype == "fp8":
+                    acts += " (run unquantized)"
+            parts.append(f"{dtype} {weights.strategy}{block} weights, {acts} for {', '.join(group.targets)}")
+        ignore = f"; dense: {', '.join(self.ignore)}" if self.ignore else ""
+        return f"compressed-tensors ({'; '.join(parts)}{ignore})"
+
+
+def compressed_tensors_config(checkpoint_config: dict | None, requested: str | None) -> QuantizationConfig:
+    """The registry's factory for "compressed-tensors" (which only a checkpoint's config describes)."""
+    if checkpoint_config is None:
+        raise ValueError("quantization='compressed-tensors' needs a checkpoint whose config.json holds a "
+                         "compressed-tensors quantization_config; this one has none (for online quantization of a "
+                         "float checkpoint use quantization='int8' or 'fp8').")
+    return CompressedTensorsConfig.from_config(checkpoint_config)

@@ -1,0 +1,102 @@
+"""What AWQ and GPTQ share: integer weights with a scale and zero point per group of input features. Each
+format registers its checkpoint's tensors (awq.py, gptq.py) and turns them, once loaded, into the one
+representation the kernels take (pagellm/ops/wna16.py); the checkpoint's tensors are then freed."""
+
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+
+import torch
+from torch import nn
+
+from pagellm.layers.quantization.base import LinearMethod
+from pagellm.ops.wna16 import GroupQuantKernel, Parts, TorchGroupQuant, choose_kernel, compact_groups
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint modules fused into one pagellm layer (vLLM's packed_modules_mapping): a layer is quantized or
+# skipped as its shards are, and they must agree.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Layers that are never linear products on group-quantized weights here (the LM head may be, where the
+# checkpoint says so).
+EMBEDDING_SUFFIX = "embed_tokens"
+
+
+def checkpoint_modules(prefix: str) -> list[str]:
+    """The checkpoint module names a layer `prefix` holds (one, or each shard of a fused layer)."""
+    head, _, name = prefix.rpartition(".")
+    shards = FUSED_MODULES.get(name)
+    if shards is None:
+        return [prefix]
+    return [f"{head}.{shard}" if head else shard for shard in shards]
+
+
+def all_shards_agree(prefix: str, matches, what: str) -> bool:
+    """matches(module name) for each of the layer's checkpoint modules, which must all give the same answer."""
+    answers = {module: bool(matches(module)) for module in checkpoint_modules(prefix)}
+    if len(set(answers.values())) > 1:
+        raise ValueError(f"{prefix} fuses {', '.join(answers)}, but the checkpoint's {what} covers only some of "
+                         f"them ({answers}); pagellm needs a fused layer's shards stored alike")
+    return next(iter(answers.values()))
+
+
+def check_int(config: dict, key: str, value, allowed: tuple, method: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{method} checkpoint with quantization_config.{key}={value!r}: pagellm runs "
+                         f"{key} in {allowed}")
+
+
+class GroupQuantLinearMethod(LinearMethod):
+    """A linear layer on 4- or 8-bit group-quantized weights. Subclasses register the checkpoint's tensors and
+    read them back as `Parts` (pagellm/ops/wna16.py); this class builds the product for the device once they are
+    loaded and frees the checkpoint's copy."""
+
+    format_name = "group-quantized"
+    # The parameters create_weights registers (freed once their contents are in the kernel's layout).
+    checkpoint_params: tuple[str, ...] = ()
+
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
+        self._logged: set[str] = set()
+
+    @abstractmethod
+    def parts(self, layer: nn.Module) -> Parts:
+        """The loaded checkpoint tensors as the kernels' representation."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        parts = [(first, compact_groups(part)) for first, part in self.parts(layer)]
+        for first, part in parts:
+            part.check(f"{layer.prefix} (columns from {first})")
+        device = parts[0][1].qweight.device
+        kernel = choose_kernel(parts, device)
+        layer.group_quant_kernel = kernel
+        for name in self.checkpoint_params:
+            param = getattr(layer, name)
+            param.data = param.data.new_empty(0)
+        if kernel.name not in self._logged:
+            self._logged.add(kernel.name)
+            if isinstance(kernel, TorchGroupQuant):
+                logger.warning("%s layers (e.g. %s) run dequantized per call in torch on %s: no kernel for them "
+                               "here", self.format_name, layer.prefix, device)
+            else:
+                logger.info("%s layers run on the %s kernel", self.format_name, kernel.name)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernel: GroupQuantKernel | None = getattr(layer, "group_quant_kernel", None)
+        if kernel is None:  # not processed yet (a model used before loading finished, e.g. in a unit test)
+            kernel = TorchGroupQuant(self.parts(layer))
+        return kernel(x, bias)
+
+    def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
+        kernel = getattr(layer, "group_quant_kernel", None)
+        return kernel.tensors() if kernel is not None else []
+
+
+def column_ranges(output_sizes: list[int]) -> list[tuple[int, int]]:
+    """(first column, width) of each fused shard along the layer's outputs."""
+    ranges, first = [], 0
+    for size in output_sizes:
+        ranges.append((first, size))
+        first += size
+    return ranges

@@ -1,0 +1,491 @@
+/* Linear layers on 8-bit weights: int8 W8A8 (vLLM's compressed-tensors int8 schemes and quantization="int8")
+ * and FP8 e4m3 weights (compressed-tensors float-quantized, quant_method fp8, quantization="fp8").
+ *
+ * w8a8_int8_linear: y [rows, N] = (x [rows, K] quantized per row to int8) W^T, integer products into int32, then
+ *   y = acc * (x_scale[row] * w_scale[n]) + bias[n] in float32. Each row of x is quantized here, on the fly: with
+ *   a static scale s (a checkpoint's input_scale) q = x * (1 / s), else dynamically per row, s = max|x| / 127 and
+ *   q = x * (127 / max|x|); both rounded to nearest even and clamped to [-127, 127] (symmetric: -128 would not
+ *   fit the AVX2 product below). A row holding a NaN or an infinity gets scale NaN (and q = 0), so that its
+ *   outputs are NaN as they would be from a float product; other rows are untouched.
+ *   The products: AVX2 has no signed x signed byte product, so VPMADDUBSW multiplies |w| (unsigned) by x with
+ *   w's sign (VPSIGNB) into pairs of int16 (|w| <= 128, |x| <= 127: no saturation), and VPMADDWD sums the pairs
+ *   into int32; AVX-512 VNNI or AVX-VNNI's VPDPBUSD takes unsigned x + 128 (x XOR 0x80) times signed w straight
+ *   into the int32 sums, which then lose 128 * sum_k w[n][k] (colsum, computed when the weight is packed); the
+ *   generic build widens to int16 with vector extensions. Every build yields the same exact int32 sums, so the
+ *   outputs are identical across instruction sets, thread counts and tile shapes.
+ * w8a8_fp8_linear: y = x W^T for fp8 e4m3 weights with a scale per output column and block of K (per-tensor
+ *   and per-channel scales are one block of K; DeepSeek-style [128, 128] blocks are K blocks of 128). No CPU
+ *   multiplies fp8: each 8-weight group is widened to float32 (through float16 bits and F16C where the build
+ *   has it, exact for every finite value) and multiplied with float32 FMAs; activations stay in their dtype
+ *   (weight-only, W8A16).
+ * w8a8_fp8_dequantize: columns of the fp8 weight as a float32 or bfloat16 [K, n] tile (w * scale, one rounding),
+ *   for torch's GEMM at prefill sizes (pagellm/ops/w8a8_kernels.py picks the path by row count).
+ *
+ * Packed layouts (made by pagellm/ops/w8a8_kernels.py; N padded to a multiple of 8 with zero weights):
+ *   int8  [Np / 8][Kp / 4][8][4]: panel p, group g holds W[8p + c][4g + j] at [p][g][c][j] (Kp: K rounded up to 4,
+ *         zero-padded), one 32-byte vector per (panel, group), whose int32 lane c sums column c's 4 products.
+ *   fp8   [Np / 8][K][8]: panel p, input k holds W[8p + c][k] at [p][k][c] (one 8-byte load per panel and k).
+ *   fp8 scales [blocks of K][Np] float32, multiplied by 256 (the widening yields w / 256, exactly).
+ *
+ * Built per instruction set with the flags of pagellm/ops/gguf_kernels.py (-ffp-contract=off: the float
+ * epilogues round where the torch reference does), OpenMP on torch's thread pool (see attention/native.py).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "gguf_simd.h"
+
+#if defined(PAGELLM_ISA_AVX512)
+#define ISA_NAME "avx512"
+#elif defined(PAGELLM_ISA_AVX2)
+#define ISA_NAME "avx2"
+#else
+#define ISA_NAME "generic"
+#endif
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define HAVE_VNNI 1
+#else
+#define HAVE_VNNI 0
+#endif
+
+typedef int16_t i16x8 __attribute__((vector_size(16)));
+
+#define PANEL 8
+#define GROUP 4
+/* Register tiles: rows of x by panels of 8 outputs, all accumulators in the 16 vector registers AVX2 has. */
+#define INT8_ROWS 4
+#define INT8_PANELS 2
+#define FP8_ROWS 4
+#define FP8_PANELS 2
+/* Below this many multiply-adds a call runs on the calling thread (a parallel region costs more there). */
+#define PARALLEL_MIN_WORK (1 << 18)
+/* |sum| <= K * 255 * 128 must fit int32 in the VNNI build (x + 128 <= 255). */
+#define MAX_IN_FEATURES 65536
+
+/* ---- activations ------------------------------------------------------------------------------------ */
+
+static ALWAYS_INLINE float load_one(const void *x, int64_t index, const int bf16) {
+    if (!bf16) return ((const float *)x)[index];
+    const uint32_t bits = (uint32_t)((const uint16_t *)x)[index] << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static ALWAYS_INLINE f32x8 load_x8(const void *x, int64_t index, const int bf16) {
+    if (!bf16) {
+        f32x8 v;
+        memcpy(&v, (const float *)x + index, sizeof v);
+        return v;
+    }
+    u16x8 bits;
+    memcpy(&bits, (const uint16_t *)x + index, sizeof bits);
+    return from_bf16(bits);
+}
+
+static ALWAYS_INLINE f32x8 max_f32(f32x8 a, f32x8 b) {
+    const i32x8 greater = a > b;
+    return (f32x8)(((i32x8)a & greater) | ((i32x8)b & ~greater));
+}
+
+/* v clamped to [-127, 127] and rounded to nearest even (adding and subtracting 1.5 * 2^23 rounds a float of
+ * magnitude below 2^22 to an integer; -ffp-contract=off and no -ffast-math keep the two operations). */
+static ALWAYS_INLINE float round_clamped(float v) {
+    v = v > 127.0f ? 127.0f : v;
+    v = v < -127.0f ? -127.0f : v;
+    return (v + 12582912.0f) - 12582912.0f;
+}
+
+/* Row `row` of x (K values) into q[0 .. Kp) (zero past K); returns its scale. static_scale > 0: that scale. */
+static float quantize_row(const void *x, int64_t row, int64_t K, int64_t Kp, const int bf16, float static_scale,
+                          int8_t *q) {
+    const int64_t base = row * K, full = K / 8 * 8;
+    f32x8 amax8 = splat_f32(0.0f);
+    for (int64_t i = 0; i < full; i += 8) {
+        const f32x8 v = load_x8(x, base + i, bf16);
+        amax8 = max_f32((f32x8)((i32x8)v & 0x7FFFFFFF), amax8);
+        amax8 = (f32x8)((i32x8)amax8 | ((i32x8)(v != v) & 0x7FC00000)); /* a NaN stays */
+    }
+    float amax = 0.0f;
+    int finite = 1;
+    for (int k = 0; k < 8; ++k) {
+        if (!(amax8[k] <= 3.4028235e38f)) finite = 0;
+        amax = amax8[k] > amax ? amax8[k] : amax;
+    }
+    for (int64_t i = full; i < K; ++i) {
+        const float v = fabsf(load_one(x, base + i, bf16));
+        if (!(v <= 3.4028235e38f)) finite = 0;
+        amax = v > amax ? v : amax;
+    }
+    if (!finite) {
+        memset(q, 0, (size_t)Kp);
+        return NAN;
+    }
+    float scale, inverse;
+    if (static_scale > 0.0f) {
+        scale = static_scale;
+        inverse = 1.0f / static_scale;
+    } else {
+        scale = amax / 127.0f;
+        inverse = amax != 0.0f ? 127.0f / amax : 0.0f;
+    }
+    const f32x8 low = splat_f32(-127.0f), high = splat_f32(127.0f), magic = splat_f32(12582912.0f);
+    for (int64_t i = 0; i < full; i += 8) {
+        f32x8 v = load_x8(x, base + i, bf16) * inverse;
+        v = max_f32(v, low);
+        v = -max_f32(-v, -high);
+        const i32x8 rounded = __builtin_convertvector((v + magic) - magic, i32x8);
+        const i8x32 bytes = (i8x32)rounded;
+        const i8x8 packed = __builtin_shufflevector(bytes, bytes, 0, 4, 8, 12, 16, 20, 24, 28);
+        memcpy(q + i, &packed, sizeof packed);
+    }
+    for (int64_t i = full; i < K; ++i) q[i] = (int8_t)round_clamped(load_one(x, base + i, bf16) * inverse);
+    for (int64_t i = K; i < Kp; ++i) q[i] = 0;
+    return scale;
+}
+
+/* ---- outputs ---------------------------------------------------------------------------------------- */
+
+/* Bias of the 8 columns from col (zero past N or without bias). */
+static ALWAYS_INLINE f32x8 load_bias(const void *bias, int64_t col, int64_t N, const int bf16) {
+    if (bias == NULL) return splat_f32(0.0f);
+    if (col + PANEL <= N) return load_x8(bias, col, bf16);
+    f32x8 v = splat_f32(0.0f);
+    for (int64_t c = 0; c < N - col; ++c) v[c] = load_one(bias, col + c, bf16);
+    return v;
+}
+
+/* The 8 values of v at y[row][col ..], those before column N. */
+static ALWAYS_INLINE void store_panel(void *y, int64_t row, int64_t col, int64_t N, f32x8 v, const int bf16) {
+    const int64_t n = N - col < PANEL ? N - col : PANEL, index = row * N + col;
+    if (!bf16) {
+        if (n == PANEL) memcpy((float *)y + index, &v, sizeof v);
+        else
+            for (int64_t c = 0; c < n; ++c) ((float *)y)[index + c] = v[c];
+        return;
+    }
+    const u16x8 bits = to_bf16(v);
+    if (n == PANEL) memcpy((uint16_t *)y + index, &bits, sizeof bits);
+    else
+        for (int64_t c = 0; c < n; ++c) ((uint16_t *)y)[index + c] = bits[c];
+}
+
+/* ---- int8 products ---------------------------------------------------------------------------------- */
+
+static ALWAYS_INLINE i32x8 splat_i32(int32_t v) { return (i32x8){v, v, v, v, v, v, v, v}; }
+
+/* Column c's lane += the 4 products of w's bytes 4c .. 4c+3 with x's 4 bytes (x broadcast to every lane). AVX2:
+ * `w_abs` is |w|, computed once per weight vector for all rows; VNNI: x_biased is x + 128 as unsigned bytes. */
+static ALWAYS_INLINE i32x8 dot_accumulate(i32x8 acc, i8x32 w, u8x32 w_abs, i8x32 x, u8x32 x_biased) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    (void)w_abs, (void)x;
+    return (i32x8)_mm256_dpbusd_epi32((__m256i)acc, (__m256i)x_biased, (__m256i)w);
+#elif defined(__AVXVNNI__)
+    (void)w_abs, (void)x;
+    return (i32x8)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)x_biased, (__m256i)w);
+#elif defined(__AVX2__)
+    (void)x_biased;
+    const __m256i signed_x = _mm256_sign_epi8((__m256i)x, (__m256i)w);
+    const __m256i pairs = _mm256_maddubs_epi16((__m256i)w_abs, signed_x);
+    return acc + (i32x8)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#else
+    (void)w_abs, (void)x_biased;
+    const i16x16 w_even = ((i16x16)w << 8) >> 8, w_odd = (i16x16)w >> 8;
+    const i16x16 x_even = ((i16x16)x << 8) >> 8, x_odd = (i16x16)x >> 8;
+    return acc + madd_i16(w_even * x_even + w_odd * x_odd, splat_i16(1));
+#endif
+}
+
+static ALWAYS_INLINE u8x32 abs_bytes(i8x32 w) {
+#if defined(__AVX2__) && !HAVE_VNNI
+    return (u8x32)_mm256_abs_epi8((__m256i)w);
+#else
+    (void)w;
+    return (u8x32){0};
+#endif
+}
+
+typedef struct {
+    const int8_t *xq; /* [rows][Kp] */
+    const float *xs;  /* [rows] */
+    const int8_t *packed;
+    const int32_t *colsum; /* [Np] */
+    const float *wscale;   /* [Np] */
+    const void *bias;      /* [N] of y's dtype, or NULL */
+    void *y;
+    int64_t Kp, N;
+    int y_bf16;
+} Int8Problem;
+
+/* y rows [row, row + R) x panels [panel, panel + P). R and P are constants after inlining. */
+static ALWAYS_INLINE void int8_tile(const Int8Problem *pr, int64_t row, int64_t panel, const int R, const int P) {
+    const int64_t groups = pr->Kp / GROUP, panel_bytes = groups * 32;
+    const int8_t *w_base = pr->packed + panel * panel_bytes;
+    const int8_t *x_base = pr->xq + row * pr->Kp;
+    i32x8 acc[INT8_ROWS][INT8_PANELS];
+    for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) acc[r][p] = splat_i32(0);
+    for (int64_t g = 0; g < groups; ++g) {
+        i8x32 w[INT8_PANELS];
+        u8x32 w_abs[INT8_PANELS];
+        for (int p = 0; p < P; ++p) {
+            w[p] = load_i8x32(w_base + p * panel_bytes + g * 32);
+            w_abs[p] = abs_bytes(w[p]);
+        }
+        for (int r = 0; r < R; ++r) {
+            int32_t four;
+            memcpy(&four, x_base + r * pr->Kp + g * GROUP, sizeof four);
+            const i8x32 x = (i8x32)splat_i32(four);
+            const u8x32 x_biased = (u8x32)x ^ (uint8_t)0x80;
+            for (int p = 0; p < P; ++p) acc[r][p] = dot_accumulate(acc[r][p], w[p], w_abs[p], x, x_biased);
+        }
+    }
+    for (int p = 0; p < P; ++p) {
+        const int64_t col = (panel + p) * PANEL;
+        f32x8 wscale;
+        memcpy(&wscale, pr->wscale + col, sizeof wscale);
+        const f32x8 b = load_bias(pr->bias, col, pr->N, pr->y_bf16);
+#if HAVE_VNNI
+        i32x8 correction;
+        memcpy(&correction, pr->colsum + col, sizeof correction);
+        correction = correction * 128;
+#endif
+        for (int r = 0; r < R; ++r) {
+            i32x8 sums = acc[r][p];
+#if HAVE_VNNI
+            sums = sums - correction;
+#endif
+            const f32x8 out = to_f32(sums) * (splat_f32(pr->xs[row + r]) * wscale) + b;
+            store_panel(pr->y, row + r, col, pr->N, out, pr->y_bf16);
+        }
+    }
+}
+
+typedef void (*Int8TileFunction)(const Int8Problem *pr, int64_t row, int64_t panel);
+
+/* One function per tile shape, called through pointers from the parallel region: OpenMP outlines a region
+ * before inlining, so tiles called inside it would not specialise on R and P. */
+#define INT8_TILE(R, P) \
+    static void int8_tile_##R##_##P(const Int8Problem *pr, int64_t row, int64_t panel) { int8_tile(pr, row, panel, R, P); }
+INT8_TILE(1, 1) INT8_TILE(2, 1) INT8_TILE(3, 1) INT8_TILE(4, 1)
+INT8_TILE(1, 2) INT8_TILE(2, 2) INT8_TILE(3, 2) INT8_TILE(4, 2)
+static const Int8TileFunction INT8_TILES[INT8_PANELS][INT8_ROWS] = {
+    {int8_tile_1_1, int8_tile_2_1, int8_tile_3_1, int8_tile_4_1},
+    {int8_tile_1_2, int8_tile_2_2, int8_tile_3_2, int8_tile_4_2},
+};
+
+/* x [rows, K] float32 (or bfloat16 if x_bf16) -> y [rows, N] float32 (or bfloat16 if y_bf16; bias in y's
+ * dtype or NULL). xq [rows * Kp] and xs [rows] are the caller's scratch for the quantized rows (Kp = K rounded
+ * up to 4). Returns 2 for sizes outside what the layout holds. */
+int w8a8_int8_linear(const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N, const int8_t *packed,
+                     const int32_t *colsum, const float *wscale, const void *bias, void *y, int y_bf16,
+                     float static_scale, int8_t *xq, float *xs) {
+    if (K <= 0 || K > MAX_IN_FEATURES || N <= 0 || rows < 0) return 2;
+    if (rows == 0) return 0;
+    const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP, panels = (N + PANEL - 1) / PANEL;
+    const Int8Problem pr = {xq, xs, packed, colsum, wscale, bias, y, Kp, N, y_bf16};
+    const int64_t column_tiles = (panels + INT8_PANELS - 1) / INT8_PANELS;
+    const int64_t row_tiles = (rows + INT8_ROWS - 1) / INT8_ROWS;
+#pragma omp parallel if (rows * K * N >= PARALLEL_MIN_WORK)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) xs[r] = quantize_row(x, r, K, Kp, x_bf16, static_scale, xq + r * Kp);
+        /* Column tiles outer: a thread keeps its panels' weights in cache for all row tiles. */
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t c = 0; c < column_tiles; ++c) {
+            for (int64_t t = 0; t < row_tiles; ++t) {
+                const int64_t panel = c * INT8_PANELS, row = t * INT8_ROWS;
+                const int64_t P = panels - panel < INT8_PANELS ? panels - panel : INT8_PANELS;
+                const int64_t R = rows - row < INT8_ROWS ? rows - row : INT8_ROWS;
+                INT8_TILES[P - 1][R - 1](&pr, row, panel);
+            }
+        }
+    }
+    return 0;
+}
+
+/* xq [rows * Kp], xs [rows]: the rows as w8a8_int8_linear quantizes them (for tests and the torch paths). */
+int w8a8_quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t K, float static_scale, int8_t *xq,
+                       float *xs) {
+    if (K <= 0 || rows < 0) return 2;
+    const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP;
+#pragma omp parallel for schedule(static) if (rows * K >= PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; ++r) xs[r] = quantize_row(x, r, K, Kp, x_bf16, static_scale, xq + r * Kp);
+    return 0;
+}
+
+/* ---- fp8 e4m3 weights ------------------------------------------------------------------------------- */
+
+/* 8 fp8 e4m3fn values (sign, 4 exponent bits biased by 7, 3 mantissa bits) as floats divided by 256, exactly:
+ * moved into float16's fields (exponent biased by 15), every finite e4m3 value is a float16 2^8 times smaller,
+ * subnormals included. Sign-extending the byte to 16 bits and shifting it left by 7 puts the sign at bit 15 and
+ * exponent and mantissa at bits 13..7; bit 14 holds a copy of the sign, which the mask clears. The NaN codes
+ * (0x7F, 0xFF) would read as +-480: the loader refuses weights holding them (w8a8_kernels.check_fp8_finite). */
+static ALWAYS_INLINE f32x8 fp8x8_over_256(const uint8_t *p) {
+    i8x8 bytes;
+    memcpy(&bytes, p, sizeof bytes);
+    const u16x8 half = ((u16x8)__builtin_convertvector(bytes, i16x8) << 7) & 0xBF80;
+#if defined(__F16C__)
+    return (f32x8)_mm256_cvtph_ps((__m128i)half);
+#else
+    /* float16 -> float32 in vector extensions: normals rebias the exponent; subnormals (exponent 0) are
+     * mantissa * 2^-24. */
+    const u32x8 h = __builtin_convertvector(half, u32x8);
+    const u32x8 sign = (h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    const u32x8 normal = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    const u32x8 subnormal = (u32x8)(to_f32((i32x8)mantissa) * 0x1p-24f) | sign;
+    const u32x8 is_subnormal = (u32x8)(exponent == 0);
+    return (f32x8)((is_subnormal & subnormal) | (~is_subnormal & normal));
+#endif
+}
+
+typedef struct {
+    const void *x;
+    const uint8_t *packed;
+    const float *scales; /* [blocks][Np], times 256 */
+    const void *bias;
+    void *y;
+    int64_t K, N, Np, block_k;
+    int x_bf16, y_bf16;
+} Fp8Problem;
+
+/* One K block's sums part[r][p] = sum over k in [k0, k1) of x[row + r][k] w[k][panel + p]. With few rows and
+ * panels (a decode step's single row), even and odd k go to separate sums, so that more FMAs are in flight
+ * than one chain of dependent ones allows. */
+static ALWAYS_INLINE void fp8_block(const Fp8Problem *pr, int64_t row, const uint8_t *w_base, int64_t k0, int64_t k1,
+                                   const int R, const int P, f32x8 part[FP8_ROWS][FP8_PANELS]) {
+    const int64_t K = pr->K, panel_bytes = K * PANEL;
+    const int ways = R * P <= 4 ? 2 : 1;
+    f32x8 sums[2][FP8_ROWS][FP8_PANELS];
+    for (int i = 0; i < ways; ++i)
+        for (int r = 0; r < R; ++r)
+            for (int p = 0; p < P; ++p) sums[i][r][p] = splat_f32(0.0f);
+    int64_t k = k0;
+    for (; k + ways <= k1; k += ways) {
+        for (int i = 0; i < ways; ++i) {
+            f32x8 w[FP8_PANELS];
+            for (int p = 0; p < P; ++p) w[p] = fp8x8_over_256(w_base + p * panel_bytes + (k + i) * PANEL);
+            for (int r = 0; r < R; ++r) {
+                const f32x8 xv = splat_f32(load_one(pr->x, (row + r) * K + k + i, pr->x_bf16));
+                for (int p = 0; p < P; ++p) sums[i][r][p] = fmadd(xv, w[p], sums[i][r][p]);
+            }
+        }
+    }
+    for (; k < k1; ++k) {
+        for (int p = 0; p < P; ++p) {
+            const f32x8 w = fp8x8_over_256(w_base + p * panel_bytes + k * PANEL);
+            for (int r = 0; r < R; ++r)
+                sums[0][r][p] = fmadd(splat_f32(load_one(pr->x, (row + r) * K + k, pr->x_bf16)), w, sums[0][r][p]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) part[r][p] = ways == 2 ? sums[0][r][p] + sums[1][r][p] : sums[0][r][p];
+}
+
+/* y rows [row, row + R) x panels [panel, panel + P): (sum over K blocks of the block's sums times its scale)
+ * + bias. `blocked` (a constant after inlining): more than one K block; with one, no second set of
+ * accumulators is kept beside the sums. */
+static ALWAYS_INLINE void fp8_tile(const Fp8Problem *pr, int64_t row, int64_t panel, const int R, const int P,
+                                   const int blocked) {
+    const int64_t K = pr->K;
+    const uint8_t *w_base = pr->packed + panel * K * PANEL;
+    f32x8 acc[FP8_ROWS][FP8_PANELS];
+    if (!blocked) {
+        fp8_block(pr, row, w_base, 0, K, R, P, acc);
+        for (int p = 0; p < P; ++p) {
+            f32x8 scale;
+            memcpy(&scale, pr->scales + (panel + p) * PANEL, sizeof scale);
+            for (int r = 0; r < R; ++r) acc[r][p] = acc[r][p] * scale;
+        }
+    } else {
+        for (int r = 0; r < R; ++r)
+            for (int p = 0; p < P; ++p) acc[r][p] = splat_f32(0.0f);
+        for (int64_t k0 = 0, block = 0; k0 < K; k0 += pr->block_k, ++block) {
+            f32x8 part[FP8_ROWS][FP8_PANELS];
+            fp8_block(pr, row, w_base, k0, k0 + pr->block_k < K ? k0 + pr->block_k : K, R, P, part);
+            for (int p = 0; p < P; ++p) {
+                f32x8 scale;
+                memcpy(&scale, pr->scales + block * pr->Np + (panel + p) * PANEL, sizeof scale);
+                for (int r = 0; r < R; ++r) acc[r][p] = fmadd(part[r][p], scale, acc[r][p]);
+            }
+        }
+    }
+    for (int p = 0; p < P; ++p) {
+        const int64_t col = (panel + p) * PANEL;
+        const f32x8 b = load_bias(pr->bias, col, pr->N, pr->y_bf16);
+        for (int r = 0; r < R; ++r) store_panel(pr->y, row + r, col, pr->N, acc[r][p] + b, pr->y_bf16);
+    }
+}
+
+typedef void (*Fp8TileFunction)(const Fp8Problem *pr, int64_t row, int64_t panel);
+
+#define FP8_TILE(R, P)                                                                                            \
+    static void fp8_tile_##R##_##P(const Fp8Problem *pr, int64_t row, int64_t panel) {                            \
+        fp8_tile(pr, row, panel, R, P, 0);                                                                        \
+    }                                                                                                             \
+    static void fp8_blocked_tile_##R##_##P(const Fp8Problem *pr, int64_t row, int64_t panel) {                    \
+        fp8_tile(pr, row, panel, R, P, 1);                                                                        \
+    }
+FP8_TILE(1, 1) FP8_TILE(2, 1) FP8_TILE(3, 1) FP8_TILE(4, 1)
+FP8_TILE(1, 2) FP8_TILE(2, 2) FP8_TILE(3, 2) FP8_TILE(4, 2)
+static const Fp8TileFunction FP8_TILES[2][FP8_PANELS][FP8_ROWS] = {
+    {{fp8_tile_1_1, fp8_tile_2_1, fp8_tile_3_1, fp8_tile_4_1},
+     {fp8_tile_1_2, fp8_tile_2_2, fp8_tile_3_2, fp8_tile_4_2}},
+    {{fp8_blocked_tile_1_1, fp8_blocked_tile_2_1, fp8_blocked_tile_3_1, fp8_blocked_tile_4_1},
+     {fp8_blocked_tile_1_2, fp8_blocked_tile_2_2, fp8_blocked_tile_3_2, fp8_blocked_tile_4_2}},
+};
+
+/* x [rows, K] float32 (or bfloat16) -> y [rows, N] float32 (or bfloat16), bias in y's dtype or NULL; block_k
+ * the K extent of one scale (K for per-tensor and per-channel scales). Returns 2 for sizes it cannot take. */
+int w8a8_fp8_linear(const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N, const uint8_t *packed,
+                    const float *scales, int64_t block_k, const void *bias, void *y, int y_bf16) {
+    if (K <= 0 || N <= 0 || rows < 0 || block_k <= 0) return 2;
+    if (rows == 0) return 0;
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const Fp8Problem pr = {x, packed, scales, bias, y, K, N, panels * PANEL, block_k, x_bf16, y_bf16};
+    const int64_t column_tiles = (panels + FP8_PANELS - 1) / FP8_PANELS;
+    const int64_t row_tiles = (rows + FP8_ROWS - 1) / FP8_ROWS;
+#pragma omp parallel for collapse(2) schedule(static) if (rows * K * N >= PARALLEL_MIN_WORK)
+    for (int64_t c = 0; c < column_tiles; ++c) {
+        for (int64_t t = 0; t < row_tiles; ++t) {
+            const int64_t panel = c * FP8_PANELS, row = t * FP8_ROWS;
+            const int64_t P = panels - panel < FP8_PANELS ? panels - panel : FP8_PANELS;
+            const int64_t R = rows - row < FP8_ROWS ? rows - row : FP8_ROWS;
+            FP8_TILES[block_k < K][P - 1][R - 1](&pr, row, panel);
+        }
+    }
+    return 0;
+}
+
+/* out [K][n_panels * 8] (float32, or bfloat16 rounded to nearest even) = columns [8 first_panel, 8 (first_panel
+ * + n_panels)) of W^T, each weight times its scale (one float32 rounding). Returns 2 for sizes it cannot take. */
+int w8a8_fp8_dequantize(const uint8_t *packed, int64_t K, int64_t Np, const float *scales, int64_t block_k,
+                        int64_t first_panel, int64_t n_panels, void *out, int out_bf16) {
+    if (K <= 0 || Np <= 0 || block_k <= 0 || first_panel < 0 || n_panels < 0 || (first_panel + n_panels) * PANEL > Np)
+        return 2;
+    const int64_t width = n_panels * PANEL;
+#pragma omp parallel for schedule(static) if (K * width >= PARALLEL_MIN_WORK / 4)
+    for (int64_t k = 0; k < K; ++k) {
+        const float *scale_row = scales + (k / block_k) * Np;
+        for (int64_t p = 0; p < n_panels; ++p) {
+            const int64_t panel = first_panel + p;
+            f32x8 scale;
+            memcpy(&scale, scale_row + panel * PANEL, sizeof scale);
+            const f32x8 v = fp8x8_over_256(packed + panel * K * PANEL + k * PANEL) * scale;
+            if (out_bf16) {
+                const u16x8 bits = to_bf16(v);
+                memcpy((uint16_t *)out + k * width + p * PANEL, &bits, sizeof bits);
+            } else {
+                memcpy((float *)out + k * width + p * PANEL, &v, sizeof v);
+            }
+        }
+    }
+    return 0;
+}
+
+const char *pagellm_isa(void) { return ISA_NAME; }
+/* The instructions the int8 products run on: avx512_vnni, avx_vnni, avx2 (VPMADDUBSW) or generic. */
+const char *w8a8_dot_instructions(void) { return DOT_INSTRUCTIONS; }

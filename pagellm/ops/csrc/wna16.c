@@ -1,0 +1,314 @@
+/* Matrix products on group-quantized integer weights (AWQ and GPTQ checkpoints: 4- or 8-bit weights with a
+ * scale and a zero point per group of input features), without a dequantized copy of the weight.
+ *
+ * Layout (pagellm/ops/wna16.py builds it from either format at load):
+ *   packed      int32 [n_blocks][k_rows][NB]: output columns in blocks of NB, each block's packed rows
+ *               contiguous. Internal input row k' of column c of block b is field k' % pack of
+ *               packed[b][k' / pack][c], fields of `bits` bits from the least significant end (GPTQ's order).
+ *   gparams     float [n_blocks][n_groups][2][NB]: per group and column, the scale s and the offset o = -s * zero,
+ *               so that weight = s * q + o.
+ *   group_rows  int32 [n_groups]: packed rows of each group; the groups lie one after the other along k'.
+ *   src         int32 [k_rows * pack]: the input feature of internal row k' (-1: a padding row), or NULL where
+ *               internal row k' is input feature k'. GPTQ's act-order (desc_act) checkpoints are stored with their
+ *               rows sorted by group (each group's rows contiguous, padded to whole packed rows), and x is
+ *               gathered through src per call, as ExLlama does.
+ *
+ * wna16_matmul: y [rows, out] = x [rows, in] W^T (+ bias). Per group g and column n,
+ *   sum_k x_k (s q_k + o) = s * sum_k x_k q_k + o * sum_k x_k,
+ * so the inner loop multiplies x by the integer weights as they come out of their fields, and the scale and
+ * offset are applied once per group. A field is taken out with one AND and converted as it lies (q * 2^(bits j)
+ * for field j, exact in float32) against x pre-scaled by 2^(-bits j); the top field is shifted down instead,
+ * since its AND would set the sign bit. Columns are split over the threads by blocks; each block's weights are
+ * read from memory once per call and stay in L2 while every pass of up to 8 rows of x reuses them. Each output is
+ * summed by one thread in a fixed order, so results do not depend on the thread count.
+ * wna16_dequantize_t: columns of W as float32, transposed (input features as rows, in input order): a tile for a
+ * dense GEMM x @ tile, or the whole weight as a reference.
+ *
+ * Written once with GCC/Clang vector extensions; pagellm/attention/native.py builds it per instruction set
+ * (AVX-512, AVX2 with FMA, generic), with OpenMP against the libgomp torch already loaded.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(PAGELLM_ISA_AVX512)
+#define ISA_NAME "avx512"
+#elif defined(PAGELLM_ISA_AVX2)
+#define ISA_NAME "avx2"
+#else
+#define ISA_NAME "generic"
+#endif
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* The generic build passes 32-byte vectors between static inlined functions only: no ABI boundary. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+/* Output columns per block (four 8-float vectors). */
+#define NB 32
+/* Rows of x per pass over a block: their accumulators stay in registers. */
+#define MAX_PASS_ROWS 8
+/* Below this many multiply-adds a call runs on the calling thread (a parallel region costs microseconds, more
+ * when other processes hold the cores). */
+#define PARALLEL_MIN_WORK (1 << 18)
+
+static ALWAYS_INLINE f32x8 splat(float x) { return (f32x8){x, x, x, x, x, x, x, x}; }
+
+static ALWAYS_INLINE u32x8 load_u32x8(const int32_t *p) {
+    u32x8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static ALWAYS_INLINE f32x8 load_f32x8(const float *p) {
+    f32x8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static ALWAYS_INLINE void store_f32x8(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
+
+/* Field j of each lane, converted to float as it lies in the word: q * 2^(bits j), or q for the top field. */
+static ALWAYS_INLINE f32x8 field(u32x8 v, const int bits, const int j) {
+    const int pack = 32 / bits;
+    const uint32_t mask = (1u << bits) - 1;
+    const u32x8 lanes = j == pack - 1 ? v >> (bits * j) : v & (mask << (bits * j));
+    return __builtin_convertvector((i32x8)lanes, f32x8);
+}
+
+/* R rows of x times C 8-column vectors of one block (columns chunk * 8 * C ..), every group: out[r][column] +=.
+ * xs: the pass's rows of x pre-scaled per field, interleaved [k_rows * pack][R]; xsum [R][n_groups]. */
+static ALWAYS_INLINE void block_tile(const int32_t *block, const float *gp, const int32_t *group_rows,
+                                     int64_t n_groups, const float *xs, const float *xsum, float (*out)[NB],
+                                     const int chunk, const int bits, const int C, const int R) {
+    const int pack = 32 / bits;
+    const int first = chunk * 8 * C;
+    /* One row alone gets two accumulators per vector (even and odd fields): twice the independent chains. */
+    const int S = R == 1 ? 2 : 1;
+    const int32_t *w = block + first;
+    const float *x = xs;
+    for (int64_t g = 0; g < n_groups; ++g) {
+        f32x8 acc[MAX_PASS_ROWS][4];
+        for (int a = 0; a < R * S; ++a)
+            for (int c = 0; c < C; ++c) acc[a][c] = splat(0.0f);
+        for (int32_t p = 0; p < group_rows[g]; ++p, w += NB, x += pack * R) {
+            u32x8 v[4];
+            for (int c = 0; c < C; ++c) v[c] = load_u32x8(w + 8 * c);
+#pragma GCC unroll 8
+            for (int j = 0; j < pack; ++j) {
+                f32x8 q[4];
+                for (int c = 0; c < C; ++c) q[c] = field(v[c], bits, j);
+                for (int r = 0; r < R; ++r) {
+                    const f32x8 xv = splat(x[j * R + r]);
+                    for (int c = 0; c < C; ++c) acc[r * S + j % S][c] += xv * q[c];
+                }
+            }
+        }
+        const float *scale = gp + g * 2 * NB + first, *offset = scale + NB;
+        for (int c = 0; c < C; ++c) {
+            const f32x8 s = load_f32x8(scale + 8 * c), o = load_f32x8(offset + 8 * c);
+            for (int r = 0; r < R; ++r) {
+                float *dst = out[r] + first + 8 * c;
+                const f32x8 sum = S == 2 ? acc[2 * r][c] + acc[2 * r + 1][c] : acc[r][c];
+                store_f32x8(dst, load_f32x8(dst) + s * sum + o * splat(xsum[r * n_groups + g]));
+            }
+        }
+    }
+}
+
+/* One pass of R rows over a whole block, in chunks of C vectors with C * R <= 8 accumulators. */
+static ALWAYS_INLINE void block_pass(const int32_t *block, const float *gp, const int32_t *group_rows,
+                                    int64_t n_groups, const float *xs, const float *xsum, float (*out)[NB],
+                                    const int bits, const int R) {
+    const int C = R == 1 ? 4 : R == 2 ? 4 : R <= 4 ? 2 : 1;
+    for (int chunk = 0; chunk < 4 / C; ++chunk)
+        block_tile(block, gp, group_rows, n_groups, xs, xsum, out, chunk, bits, C, R);
+}
+
+typedef void (*PassFunction)(const int32_t *, const float *, const int32_t *, int64_t, const float *, const float *,
+                             float (*)[NB]);
+
+#define PASS_FOR(BITS, R)                                                                                       \
+    static void pass_##BITS##_##R(const int32_t *block, const float *gp, const int32_t *group_rows,            \
+                                  int64_t n_groups, const float *xs, const float *xsum, float (*out)[NB]) {    \
+        block_pass(block, gp, group_rows, n_groups, xs, xsum, out, BITS, R);                                   \
+    }
+PASS_FOR(4, 1)
+PASS_FOR(4, 2)
+PASS_FOR(4, 3)
+PASS_FOR(4, 4)
+PASS_FOR(4, 8)
+PASS_FOR(8, 1)
+PASS_FOR(8, 2)
+PASS_FOR(8, 3)
+PASS_FOR(8, 4)
+PASS_FOR(8, 8)
+
+/* Rows of x a pass takes when `remaining` are left: 8, 4, then what is left (1..3). */
+static ALWAYS_INLINE int pass_rows(int64_t remaining) { return remaining >= 8 ? 8 : remaining >= 4 ? 4 : (int)remaining; }
+
+static PassFunction pass_function(int bits, int rows) {
+    static const PassFunction four[] = {NULL, pass_4_1, pass_4_2, pass_4_3, pass_4_4, NULL, NULL, NULL, pass_4_8};
+    static const PassFunction eight[] = {NULL, pass_8_1, pass_8_2, pass_8_3, pass_8_4, NULL, NULL, NULL, pass_8_8};
+    return bits == 4 ? four[rows] : eight[rows];
+}
+
+static ALWAYS_INLINE float load_x(const void *x, int64_t index, int bf16) {
+    if (!bf16) return ((const float *)x)[index];
+    const uint32_t bits = (uint32_t)((const uint16_t *)x)[index] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* Rows first .. first + R of x gathered into internal order and interleaved ([k'][R]), each field's value
+ * pre-scaled by 2^(-bits j) (exact: a power of two), and each row's plain sums of x over the groups. */
+static void prepare_pass(const void *x, int x_bf16, int64_t x_stride, int64_t first, int R, const int32_t *src,
+                         int bits, const int32_t *group_rows, int64_t n_groups, float *xs, float *xsum) {
+    const int pack = 32 / bits;
+    float field_scale[8];
+    for (int j = 0; j < pack; ++j) field_scale[j] = j == pack - 1 ? 1.0f : 1.0f / (float)(1u << (bits * j));
+    for (int r = 0; r < R; ++r) {
+        const int64_t x_row = (first + r) * x_stride;
+        int64_t k = 0;
+        for (int64_t g = 0; g < n_groups; ++g) {
+            float sum = 0.0f;
+            const int64_t end = k + (int64_t)group_rows[g] * pack;
+            for (; k < end; ++k) {
+                const int64_t feature = src != NULL ? src[k] : k;
+                const float value = feature >= 0 ? load_x(x, x_row + feature, x_bf16) : 0.0f;
+                sum += value;
+                xs[k * R + r] = value * field_scale[k % pack];
+            }
+            xsum[r * n_groups + g] = sum;
+        }
+    }
+}
+
+/* y [rows][y_stride] (float32; columns 0 .. out_features) = x [rows][x_stride] (float32, or bfloat16 if x_bf16)
+ * W^T (+ bias[out_features] if not NULL). Returns 1 if the scratch for x could not be allocated, 2 for bits
+ * other than 4 and 8. */
+int wna16_matmul(const int32_t *packed, const float *gparams, const int32_t *group_rows, const int32_t *src,
+                 int bits, int64_t n_groups, int64_t k_rows, int64_t out_features, const void *x, int x_bf16,
+                 int64_t rows, int64_t x_stride, float *y, int64_t y_stride, const float *bias) {
+    if (bits != 4 && bits != 8) return 2;
+    if (rows <= 0 || out_features <= 0) return 0;
+    const int pack = 32 / bits;
+    const int64_t k_internal = k_rows * pack, n_blocks = (out_features + NB - 1) / NB;
+    int64_t n_passes = 0;
+    for (int64_t row = 0; row < rows; row += pass_rows(rows - row)) ++n_passes;
+    float *xs = malloc(sizeof(float) * (size_t)(rows * k_internal));
+    float *xsum = malloc(sizeof(float) * (size_t)(rows * (n_groups > 0 ? n_groups : 1)));
+    int64_t *pass_first = malloc(sizeof(int64_t) * (size_t)n_passes);
+    if (xs == NULL || xsum == NULL || pass_first == NULL) {
+        free(xs);
+        free(xsum);
+        free(pass_first);
+        return 1;
+    }
+    for (int64_t p = 0, row = 0; p < n_passes; row += pass_rows(rows - row)) pass_first[p++] = row;
+    const int parallel = rows * k_internal * n_blocks * NB >= PARALLEL_MIN_WORK;
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < n_passes; ++p) {
+            const int64_t first = pass_first[p];
+            prepare_pass(x, x_bf16, x_stride, first, pass_rows(rows - first), src, bits, group_rows, n_groups,
+                         xs + first * k_internal, xsum + first * n_groups);
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < n_blocks; ++b) {
+            const int32_t *block = packed + b * k_rows * NB;
+            const float *gp = gparams + b * n_groups * 2 * NB;
+            const int64_t column = b * NB, width = out_features - column < NB ? out_features - column : NB;
+            float out[MAX_PASS_ROWS][NB];
+            for (int64_t p = 0; p < n_passes; ++p) {
+                const int64_t first = pass_first[p];
+                const int taken = pass_rows(rows - first);
+                memset(out, 0, sizeof out);
+                pass_function(bits, taken)(block, gp, group_rows, n_groups, xs + first * k_internal,
+                                           xsum + first * n_groups, out);
+                for (int r = 0; r < taken; ++r) {
+                    float *dst = y + (first + r) * y_stride + column;
+                    for (int64_t c = 0; c < width; ++c)
+                        dst[c] = out[r][c] + (bias != NULL ? bias[column + c] : 0.0f);
+                }
+            }
+        }
+    }
+    free(xs);
+    free(xsum);
+    free(pass_first);
+    return 0;
+}
+
+/* Field j of each lane as its integer value, converted to float. */
+static ALWAYS_INLINE f32x8 field_value(u32x8 v, const int bits, const int j) {
+    const uint32_t mask = (1u << bits) - 1;
+    return __builtin_convertvector((i32x8)((v >> (bits * j)) & mask), f32x8);
+}
+
+static ALWAYS_INLINE void dequantize_block(const int32_t *block, const float *gp, const int32_t *group_rows,
+                                          int64_t n_groups, const int32_t *src, int64_t width, float *out,
+                                          int64_t out_stride, const int bits) {
+    const int pack = 32 / bits;
+    const int32_t *w = block;
+    int64_t k = 0;
+    for (int64_t g = 0; g < n_groups; ++g) {
+        f32x8 s[4], o[4];
+        for (int c = 0; c < 4; ++c) {
+            s[c] = load_f32x8(gp + g * 2 * NB + 8 * c);
+            o[c] = load_f32x8(gp + g * 2 * NB + NB + 8 * c);
+        }
+        for (int32_t p = 0; p < group_rows[g]; ++p, w += NB) {
+            u32x8 v[4];
+            for (int c = 0; c < 4; ++c) v[c] = load_u32x8(w + 8 * c);
+            for (int j = 0; j < pack; ++j, ++k) {
+                const int64_t feature = src != NULL ? src[k] : k;
+                if (feature < 0) continue;
+                float *row = out + feature * out_stride;
+                if (width == NB) {
+                    for (int c = 0; c < 4; ++c) store_f32x8(row + 8 * c, s[c] * field_value(v[c], bits, j) + o[c]);
+                } else {
+                    float values[NB];
+                    for (int c = 0; c < 4; ++c) store_f32x8(values + 8 * c, s[c] * field_value(v[c], bits, j) + o[c]);
+                    memcpy(row, values, sizeof(float) * (size_t)width);
+                }
+            }
+        }
+    }
+}
+
+/* out [in_features][out_stride] = columns n_first .. n_first + n_count of W^T (n_first a multiple of NB; out_stride
+ * >= n_count): each input feature's row in input order (padding rows dropped), a tile for a dense GEMM x @ tile.
+ * Returns 2 for bits other than 4 and 8, 3 for an n_first that is not a block boundary. */
+int wna16_dequantize_t(const int32_t *packed, const float *gparams, const int32_t *group_rows, const int32_t *src,
+                       int bits, int64_t n_groups, int64_t k_rows, int64_t n_first, int64_t n_count, float *out,
+                       int64_t out_stride) {
+    if (bits != 4 && bits != 8) return 2;
+    if (n_first % NB) return 3;
+    const int64_t first_block = n_first / NB, n_blocks = (n_count + NB - 1) / NB;
+#pragma omp parallel for schedule(static) if (n_count * k_rows * (32 / bits) >= PARALLEL_MIN_WORK / 4)
+    for (int64_t i = 0; i < n_blocks; ++i) {
+        const int64_t b = first_block + i, width = n_count - i * NB < NB ? n_count - i * NB : NB;
+        const int32_t *block = packed + b * k_rows * NB;
+        const float *gp = gparams + b * n_groups * 2 * NB;
+        if (bits == 4)
+            dequantize_block(block, gp, group_rows, n_groups, src, width, out + i * NB, out_stride, 4);
+        else
+            dequantize_block(block, gp, group_rows, n_groups, src, width, out + i * NB, out_stride, 8);
+    }
+    return 0;
+}
+
+/* Columns per block of the layout (the wrapper checks it against its own). */
+int wna16_block_columns(void) { return NB; }
+
+const char *pagellm_isa(void) { return ISA_NAME; }

@@ -1,0 +1,504 @@
+"""Linear layers on 8-bit weights: int8 W8A8 and FP8 (e4m3) weights, and the one place that picks their kernel
+for a device.
+
+int8 W8A8 (compressed-tensors' int8 schemes, quantization="int8"): weights int8 with a float32 scale per output
+channel; activations quantized to int8 per row as each product runs (dynamically, s = max|x| / 127, or with the
+checkpoint's static input_scale), rounded to nearest even and clamped to [-127, 127]; integer products summed
+exactly in int32, then y = acc * (s_x * s_w) + bias in float32. On the CPU: csrc/w8a8.c (AVX2 VPMADDUBSW, VNNI
+VPDPBUSD where the CPU has it, generic C); on CUDA: Triton (ops/w8a8_triton.py); elsewhere, or without a
+compiler, the torch reference below. Every path sums the same int32 values, so they agree to the float32
+epilogue (the C kernel and the torch reference bit for bit).
+
+FP8 (compressed-tensors float-quantized, quant_method "fp8", quantization="fp8"): weights float8_e4m3fn with a
+scale per output channel and block of K (per-tensor scales are expanded per channel, exactly; block-wise scales
+of [bn, bk] per column and K block). No CPU has fp8 arithmetic: the C kernel widens each group of 8 weights to
+float32 (exactly) and multiplies with float32 FMAs, activations kept as they are (weight-only, as vLLM runs FP8
+checkpoints on GPUs without fp8 products). From `fp8_dense_min_rows` rows of x on, tiles of the weight are
+dequantized instead and torch's GEMM runs on them (faster once the widening is shared by enough rows). On CUDA,
+Triton dequantizes weight tiles inside its GEMM.
+
+Where the C library cannot be built (no compiler, PAGELLM_NATIVE_KERNELS=0), TorchInt8Linear / TorchFp8Linear
+run the same arithmetic in torch (the int8 sums in float64, exact), which is also what the kernels are tested
+against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import pathlib
+import subprocess
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.attention import native
+from pagellm.cpu_features import cpu_has_native
+from pagellm.ops import gguf_kernels
+
+logger = logging.getLogger(__name__)
+
+_CSRC = pathlib.Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "w8a8.c"]
+_HEADERS = [_CSRC / "gguf_simd.h"]
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+# Output columns per packed panel and int8 inputs per dot group (csrc/w8a8.c's layouts).
+PANEL = 8
+GROUP = 4
+# The int32 sums of the VNNI build bound K (K * 255 * 128 < 2^31).
+MAX_IN_FEATURES = 65536
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+# Rows of x from which the fp8 product dequantizes weight tiles into torch's GEMM instead of widening each
+# weight inside the fused kernel: the widening costs about as much as the product itself, and the dense path
+# pays it once per call instead of once per 4 rows. Where the two met in benchmarks/w8a8_kernels.py (README,
+# "8-bit weights"); the AVX-512 build runs the AVX2 code and takes its value until measured there.
+FP8_DENSE_MIN_ROWS = {"avx512": 96, "avx2": 96, "generic": 8}
+# Weight bytes dequantized per tile of the dense path (the only dequantized copy that exists at a time).
+DENSE_TILE_BYTES = 4 << 20
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _check_in_features(in_features: int) -> None:
+    if not 0 < in_features <= MAX_IN_FEATURES:
+        raise ValueError(f"an 8-bit linear layer takes 1 .. {MAX_IN_FEATURES} input features, not {in_features} "
+                         "(the int32 sums of the int8 products would overflow past it)")
+
+
+# ---- quantizers (torch): the load-time quantizers, and the reference the kernels are tested against ----------
+
+
+def quantize_rows_int8(x: torch.Tensor, static_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q int8 [rows, K], scale float32 [rows]) as the kernels quantize activations: per row
+    s = max|x| / 127 and q = x * (127 / max|x|), or with a static scale s, q = x * (1 / s); rounded to nearest
+    even and clamped to [-127, 127]. A row holding a NaN or an infinity gets s = NaN and q = 0. Per-channel
+    weights are quantized the same way (a row of W is an output channel)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    finite = torch.isfinite(rows).all(dim=1)
+    # Divisions in float64, rounded once to float32: torch's float32 division by a scalar multiplies by its
+    # rounded reciprocal, which is not the correctly rounded quotient the kernels compute.
+    if static_scale is None:
+        amax = rows.abs().amax(dim=1).double()
+        scale = (amax / 127).float()
+        inverse = torch.where(amax != 0, 127 / amax, torch.zeros_like(amax)).float()
+    else:
+        scale = torch.full((rows.shape[0],), static_scale, dtype=torch.float32, device=rows.device)
+        inverse = (1 / scale.double()).float()
+    q = (rows * inverse[:, None]).clamp(-127, 127).round()
+    q = torch.where(finite[:, None], q, torch.zeros_like(q)).to(torch.int8)
+    return q, torch.where(finite, scale, torch.full_like(scale, float("nan")))
+
+
+def quantize_fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale []) with scale = max|w| / 448 (vLLM's dynamic per-tensor fp8)."""
+    w = weight.float()
+    amax = w.abs().amax()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def check_fp8_finite(weight: torch.Tensor, name: str) -> None:
+    """Refuses a float8_e4m3fn weight holding NaN codes (0x7F, 0xFF): no quantizer writes them, and the CPU
+    kernel's widening, which skips the test per weight, would read them as +-480."""
+    if ((weight.view(torch.uint8) & 0x7F) == 0x7F).any():
+        raise ValueError(f"checkpoint weight {name!r} holds float8_e4m3fn NaN values; a quantized weight never "
+                         "does, so the checkpoint is damaged: re-export it")
+
+
+def expand_block_scales(scales: torch.Tensor, out_features: int, block_n: int) -> torch.Tensor:
+    """A [ceil(N / bn), blocks of K] grid of block scales as [N, blocks of K] (one row per output column)."""
+    return scales.repeat_interleave(block_n, dim=0)[:out_features].contiguous()
+
+
+def int8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                          input_scale: float | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """y in x's dtype: the int8 sums computed exactly (float64 holds them), then the kernels' float32 epilogue."""
+    q, x_scale = quantize_rows_int8(x, input_scale)
+    sums = q.double() @ weight.double().t()
+    y = sums.float() * (x_scale[:, None] * weight_scale.float()[None, :])
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def dequantize_fp8(weight: torch.Tensor, scales: torch.Tensor, block_k: int) -> torch.Tensor:
+    """float8_e4m3fn [N, K] times scales [N, blocks of K] -> float32 [N, K]."""
+    in_features = weight.shape[1]
+    return weight.float() * scales.float().repeat_interleave(block_k, dim=1)[:, :in_features]
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_k: int,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """y in x's dtype, from the dequantized weight in float32."""
+    y = F.linear(x.float(), dequantize_fp8(weight, scales, block_k), bias.float() if bias is not None else None)
+    return y.to(x.dtype)
+
+
+# ---- packed layouts ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedInt8:
+    """An int8 weight as csrc/w8a8.c reads it: panels of 8 outputs by groups of 4 inputs (N and K padded with
+    zero weights), the column sums the VNNI build subtracts, and the per-channel scales (zero past N)."""
+
+    packed: torch.Tensor  # int8 [Np / 8, Kp / 4, 8, 4]
+    colsum: torch.Tensor  # int32 [Np]
+    scale: torch.Tensor  # float32 [Np]
+    in_features: int
+    out_features: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.colsum, self.scale]
+
+
+def pack_int8(weight: torch.Tensor, scale: torch.Tensor) -> PackedInt8:
+    """weight int8 [N, K], scale float32 [N] -> PackedInt8."""
+    out_features, in_features = weight.shape
+    _check_in_features(in_features)
+    if weight.dtype != torch.int8 or scale.shape != (out_features,):
+        raise ValueError(f"pack_int8 takes an int8 [N, K] weight and a [N] scale, not {weight.dtype} "
+                         f"{tuple(weight.shape)} and {tuple(scale.shape)}")
+    n_pad, k_pad = _round_up(out_features, PANEL), _round_up(in_features, GROUP)
+    padded = torch.zeros(n_pad, k_pad, dtype=torch.int8)
+    padded[:out_features, :in_features] = weight
+    packed = padded.view(n_pad // PANEL, PANEL, k_pad // GROUP, GROUP).permute(0, 2, 1, 3).contiguous()
+    colsum = padded.sum(dim=1, dtype=torch.int32)
+    scales = torch.zeros(n_pad, dtype=torch.float32)
+    scales[:out_features] = scale.float()
+    return PackedInt8(packed, colsum, scales, in_features, out_features)
+
+
+@dataclass
+class PackedFp8:
+    """An fp8 weight as csrc/w8a8.c reads it: panels of 8 outputs with each input's 8 bytes adjacent, and the
+    scales per K block and output column (times 256, which the kernel's widening divides out)."""
+
+    packed: torch.Tensor  # uint8 [Np / 8, K, 8]
+    scales: torch.Tensor  # float32 [blocks of K, Np]
+    block_k: int
+    in_features: int
+    out_features: int
+
+    @property
+    def padded_out_features(self) -> int:
+        return self.scales.shape[1]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scales]
+
+
+def pack_fp8(weight: torch.Tensor, scales: torch.Tensor, block_k: int) -> PackedFp8:
+    """weight float8_e4m3fn [N, K], scales float32 [N, ceil(K / block_k)] -> PackedFp8."""
+    out_features, in_features = weight.shape
+    blocks = -(-in_features // block_k)
+    if weight.dtype != torch.float8_e4m3fn or scales.shape != (out_features, blocks):
+        raise ValueError(f"pack_fp8 takes a float8_e4m3fn [N, K] weight and [N, {blocks}] scales for blocks of "
+                         f"{block_k}, not {weight.dtype} {tuple(weight.shape)} and {tuple(scales.shape)}")
+    n_pad = _round_up(out_features, PANEL)
+    padded = torch.zeros(n_pad, in_features, dtype=torch.uint8)
+    padded[:out_features] = weight.view(torch.uint8)
+    packed = padded.view(n_pad // PANEL, PANEL, in_features).permute(0, 2, 1).contiguous()
+    grid = torch.zeros(blocks, n_pad, dtype=torch.float32)
+    grid[:, :out_features] = scales.float().t() * 256
+    return PackedFp8(packed, grid, block_k, in_features, out_features)
+
+
+# ---- the C kernels -------------------------------------------------------------------------------------------
+
+
+def _rows_of(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} features in its last dimension; this weight takes {in_features}")
+    return x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
+
+
+def _check_bias(bias: torch.Tensor | None, dtype: torch.dtype, out_features: int) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if bias.shape != (out_features,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}; this layer has {out_features} outputs")
+    return bias.to(dtype).contiguous()
+
+
+class W8A8Kernels:
+    """csrc/w8a8.c with its argument types declared. Activations float32 or bfloat16 (others are computed from
+    float32 and returned in their dtype); outputs in x's dtype."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.isa = native.library_isa(library)
+        library.w8a8_dot_instructions.restype = ctypes.c_char_p
+        self.dot_instructions = library.w8a8_dot_instructions().decode()
+        self._int8 = library.w8a8_int8_linear
+        self._int8.restype = _INT
+        self._int8.argtypes = [_PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _F32, _PTR, _PTR]
+        self._quantize = library.w8a8_quantize_rows
+        self._quantize.restype = _INT
+        self._quantize.argtypes = [_PTR, _INT, _I64, _I64, _F32, _PTR, _PTR]
+        self._fp8 = library.w8a8_fp8_linear
+        self._fp8.restype = _INT
+        self._fp8.argtypes = [_PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
+        self._dequantize = library.w8a8_fp8_dequantize
+        self._dequantize.restype = _INT
+        self._dequantize.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _INT]
+        self.fp8_dense_min_rows = FP8_DENSE_MIN_ROWS[self.isa]
+        self._scratch = threading.local()
+
+    def _buffer(self, name: str, elements: int, dtype: torch.dtype) -> torch.Tensor:
+        """A per-thread scratch tensor kept between calls: a fresh one would fault in its pages every call."""
+        buffers = self._scratch.__dict__.setdefault("buffers", {})
+        buffer = buffers.get(name)
+        if buffer is None or buffer.numel() < elements:
+            buffer = buffers[name] = torch.empty(max(elements, 1), dtype=dtype)
+        return buffer
+
+    def quantize_rows(self, x: torch.Tensor, static_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 [rows, K], scale float32 [rows]) as the int8 product quantizes x (equal to quantize_rows_int8)."""
+        in_features = x.shape[-1]
+        rows = _rows_of(x if x.dtype in ACTIVATION_DTYPES else x.float(), in_features)
+        k_pad = _round_up(in_features, GROUP)
+        q = torch.empty(rows.shape[0], k_pad, dtype=torch.int8)
+        scale = torch.empty(rows.shape[0], dtype=torch.float32)
+        if self._quantize(rows.data_ptr(), int(rows.dtype == torch.bfloat16), rows.shape[0], in_features,
+                          _static(static_scale), q.data_ptr(), scale.data_ptr()):
+            raise ValueError(f"w8a8_quantize_rows refused in_features={in_features}")
+        return q[:, :in_features], scale
+
+    def int8_linear(self, x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None,
+                    static_scale: float | None = None) -> torch.Tensor:
+        """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, activations quantized to int8 per row."""
+        if x.dtype not in ACTIVATION_DTYPES:  # e.g. float16: computed from float32, returned in its dtype
+            return self.int8_linear(x.float(), weight, bias, static_scale).to(x.dtype)
+        rows = _rows_of(x, weight.in_features)
+        count, in_features, out_features = rows.shape[0], weight.in_features, weight.out_features
+        bias = _check_bias(bias, x.dtype, out_features)
+        y = torch.empty(count, out_features, dtype=x.dtype)
+        k_pad = _round_up(in_features, GROUP)
+        xq = self._buffer("xq", count * k_pad, torch.int8)
+        xs = self._buffer("xs", count, torch.float32)
+        bf16 = int(x.dtype == torch.bfloat16)
+        if self._int8(rows.data_ptr(), bf16, count, in_features, out_features, weight.packed.data_ptr(),
+                      weight.colsum.data_ptr(), weight.scale.data_ptr(),
+                      bias.data_ptr() if bias is not None else None, y.data_ptr(), bf16, _static(static_scale),
+                      xq.data_ptr(), xs.data_ptr()):
+            raise ValueError(f"w8a8_int8_linear refused in_features={in_features}, out_features={out_features}")
+        return y if rows is x else y.view(*x.shape[:-1], out_features)
+
+    def fp8_linear(self, x: torch.Tensor, weight: PackedFp8, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype: the fused kernel below `fp8_dense_min_rows` rows,
+        torch's GEMM on dequantized tiles from there."""
+        if x.numel() >= self.fp8_dense_min_rows * weight.in_features:
+            return self.fp8_linear_dense(x, weight, bias)
+        return self.fp8_linear_fused(x, weight, bias)
+
+    def fp8_linear_fused(self, x: torch.Tensor, weight: PackedFp8, bias: torch.Tensor | None) -> torch.Tensor:
+        """`fp8_linear` on the fused kernel whatever the row count."""
+        if x.dtype not in ACTIVATION_DTYPES:
+            return self.fp8_linear_fused(x.float(), weight, bias).to(x.dtype)
+        rows = _rows_of(x, weight.in_features)
+        bias = _check_bias(bias, x.dtype, weight.out_features)
+        y = torch.empty(rows.shape[0], weight.out_features, dtype=x.dtype)
+        bf16 = int(x.dtype == torch.bfloat16)
+        if self._fp8(rows.data_ptr(), bf16, rows.shape[0], weight.in_features, weight.out_features,
+                     weight.packed.data_ptr(), weight.scales.data_ptr(), weight.block_k,
+                     bias.data_ptr() if bias is not None else None, y.data_ptr(), bf16):
+            raise ValueError(f"w8a8_fp8_linear refused in_features={weight.in_features}, "
+                             f"out_features={weight.out_features}, block_k={weight.block_k}")
+        return y if rows is x else y.view(*x.shape[:-1], weight.out_features)
+
+    def fp8_linear_dense(self, x: torch.Tensor, weight: PackedFp8, bias: torch.Tensor | None) -> torch.Tensor:
+        """`fp8_linear` as torch's GEMM on tiles of W^T dequantized in turn (DENSE_TILE_BYTES each), in bfloat16
+        where x is bfloat16 and the CPU multiplies it natively, else float32."""
+        rows = _rows_of(x, weight.in_features)
+        gemm_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 and cpu_has_native(torch.bfloat16) else torch.float32
+        operand = rows.to(gemm_dtype)
+        in_features, out_features = weight.in_features, weight.out_features
+        y = torch.empty(rows.shape[0], out_features, dtype=gemm_dtype)
+        element = torch.finfo(gemm_dtype).bits // 8
+        panels = max(1, min(weight.padded_out_features // PANEL, DENSE_TILE_BYTES // (in_features * element * PANEL)))
+        tile = self._buffer(f"tile-{gemm_dtype}", in_features * panels * PANEL, gemm_dtype)
+        for first in range(0, weight.padded_out_features // PANEL, panels):
+            count = min(panels, weight.padded_out_features // PANEL - first)
+            width = count * PANEL
+            dense = tile[: in_features * width].view(in_features, width)
+            if self._dequantize(weight.packed.data_ptr(), in_features, weight.padded_out_features,
+                                weight.scales.data_ptr(), weight.block_k, first, count, dense.data_ptr(),
+                                int(gemm_dtype == torch.bfloat16)):
+                raise ValueError(f"w8a8_fp8_dequantize refused in_features={in_features}")
+            start, stop = first * PANEL, min(out_features, (first + count) * PANEL)
+            y[:, start:stop] = torch.mm(operand, dense[:, : stop - start])
+        if bias is not None:
+            y += _check_bias(bias, gemm_dtype, out_features)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return y.view(*x.shape[:-1], out_features)
+
+    def fp8_dequantize(self, weight: PackedFp8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole weight times its scales, [N, K] in float32 or bfloat16 (for tests and inspection)."""
+        width = weight.padded_out_features
+        out = torch.empty(weight.in_features, width, dtype=dtype)
+        if self._dequantize(weight.packed.data_ptr(), weight.in_features, width, weight.scales.data_ptr(),
+                            weight.block_k, 0, width // PANEL, out.data_ptr(), int(dtype == torch.bfloat16)):
+            raise ValueError(f"w8a8_fp8_dequantize refused in_features={weight.in_features}")
+        return out[:, : weight.out_features].t().contiguous()
+
+
+def _static(scale: float | None) -> float:
+    """The C kernels' static scale argument: 0 means dynamic per-row scales."""
+    if scale is None:
+        return 0.0
+    if not scale > 0 or scale == float("inf"):
+        raise ValueError(f"a static input scale must be a finite number > 0, not {scale}")
+    return scale
+
+
+@functools.cache
+def _library(isa: str) -> ctypes.CDLL | None:
+    try:
+        path = native.build_library(f"pagellm_w8a8_{isa}", _SOURCES, _HEADERS, gguf_kernels.build_flags(isa))
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
+        detail = (getattr(error, "stderr", None) or str(error)).strip()
+        logger.warning("8-bit CPU kernels unavailable (%s); int8/fp8 layers run on torch",
+                       detail.splitlines()[0] if detail else type(error).__name__)
+        return None
+
+
+def w8a8_kernels(isa: str | None = None) -> W8A8Kernels | None:
+    """The kernels built for `isa` (default: native.best_isa(), which honours PAGELLM_CPU_ISA), or None where
+    there is no compiler or PAGELLM_NATIVE_KERNELS=0."""
+    if os.environ.get("PAGELLM_NATIVE_KERNELS", "1") == "0":
+        return None
+    library = _library(isa or native.best_isa())
+    return W8A8Kernels(library) if library is not None else None
+
+
+# ---- one layer's product, on the kernel chosen for its device --------------------------------------------------
+
+
+class Int8Linear:
+    """x @ W^T + bias for one int8 weight (per-channel scales), activations quantized per row."""
+
+    name = "torch"
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: float | None) -> None:
+        _check_in_features(weight.shape[1])
+        self.weight = weight
+        self.scale = scale.float().contiguous()
+        self.input_scale = input_scale
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return int8_linear_reference(x, self.weight, self.scale, self.input_scale, bias)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the layer's weight is kept as (counted as weight memory)."""
+        return [self.weight, self.scale]
+
+
+class NativeInt8Linear(Int8Linear):
+    name = "native"
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: float | None,
+                 kernels: W8A8Kernels) -> None:
+        super().__init__(weight, scale, input_scale)
+        self.kernels = kernels
+        self.packed = pack_int8(weight, self.scale)
+        self.name = f"native-{kernels.dot_instructions}"
+        self.weight = None  # only the packed copy is kept
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.int8_linear(x, self.packed, bias, self.input_scale)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.packed.tensors()
+
+
+class TritonInt8Linear(Int8Linear):
+    name = "triton"
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from pagellm.ops import w8a8_triton
+
+        return w8a8_triton.int8_linear(x, self.weight, self.scale, self.input_scale, bias)
+
+
+class Fp8Linear:
+    """x @ W^T + bias for one float8_e4m3fn weight with scales per output column and K block."""
+
+    name = "torch"
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, block_k: int) -> None:
+        self.weight = weight
+        self.scales = scales.float().contiguous()
+        self.block_k = block_k
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8_linear_reference(x, self.weight, self.scales, self.block_k, bias)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.scales]
+
+
+class NativeFp8Linear(Fp8Linear):
+    name = "native"
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, block_k: int, kernels: W8A8Kernels) -> None:
+        super().__init__(weight, scales, block_k)
+        self.kernels = kernels
+        self.packed = pack_fp8(weight, self.scales, block_k)
+        self.weight = None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.fp8_linear(x, self.packed, bias)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.packed.tensors()
+
+
+class TritonFp8Linear(Fp8Linear):
+    name = "triton"
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from pagellm.ops import w8a8_triton
+
+        return w8a8_triton.fp8_linear(x, self.weight, self.scales, self.block_k, bias)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_int8_linear(weight: torch.Tensor, scale: torch.Tensor, input_scale: float | None) -> Int8Linear:
+    """The product for an int8 weight [N, K] with per-channel scales [N] on its device: the C kernels on the
+    CPU, Triton on CUDA, torch elsewhere or where those are missing."""
+    if weight.device.type == "cpu":
+        kernels = w8a8_kernels()
+        if kernels is not None:
+            return NativeInt8Linear(weight, scale, input_scale, kernels)
+    elif weight.device.type == "cuda" and _triton_available():
+        return TritonInt8Linear(weight, scale, input_scale)
+    return Int8Linear(weight, scale, input_scale)
+
+
+def choose_fp8_linear(weight: torch.Tensor, scales: torch.Tensor, block_k: int) -> Fp8Linear:
+    """The product for a float8_e4m3fn weight [N, K] with scales [N, ceil(K / block_k)] on its device."""
+    if weight.device.type == "cpu":
+        kernels = w8a8_kernels()
+        if kernels is not None:
+            return NativeFp8Linear(weight, scales, block_k, kernels)
+    elif weight.device.type == "cuda" and _triton_available():
+        return TritonFp8Linear(weight, scales, block_k)
+    return Fp8Linear(weight, scales, block_k)

@@ -1,0 +1,27 @@
+"""A quantized checkpoint on two tensor-parallel ranks gives one rank's tokens: AWQ (row-parallel ranks hold their
+own groups) and GPTQ with desc_act (row-parallel ranks hold every group's scales, their inputs' g_idx slice)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from tests.helpers import PROMPTS
+from tests.quant_checkpoints import QuantSpec, write_quantized
+
+ENGINE = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, distributed_timeout_seconds=60)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("awq", group_size=32),
+                                  QuantSpec("gptq", bits=4, group_size=32, desc_act=True, sym=False)],
+                         ids=["awq", "gptq_desc_act"])
+def test_tp2_equals_tp1(spec, tmp_path, tiny_4kv_dir):
+    write_quantized(tiny_4kv_dir, tmp_path / "quantized", tmp_path / "dequantized", spec)
+    model = str(tmp_path / "quantized")
+    expected = [o.outputs[0].token_ids for o in LLM(model, **ENGINE).generate(PROMPTS[:6], GREEDY, use_tqdm=False)]
+    llm = LLM(model, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], GREEDY, use_tqdm=False)] == expected
+    finally:
+        llm.llm_engine.shutdown()

@@ -1,0 +1,307 @@
+"""8-bit checkpoints and online quantization through the engine, on the tiny random Llama.
+
+The checkpoints are made here (tests/w8a8_checkpoints.py) in compressed-tensors' and vLLM's fp8 layouts, each
+beside a float checkpoint of its dequantized weights, whose greedy continuation transformers computes (the
+project's oracle; pagellm's float32 path equals it token for token, tests/test_correctness.py):
+- fp8 weights are weight-only on the CPU (activations stay float32), so the tokens must be equal;
+- int8 W8A8 also quantizes activations: transformers runs the dequantized weights with each linear layer's input
+  replaced by its int8 quantization (the kernels' rounding, dequantized), the same arithmetic up to float32
+  rounding; the continuations are compared as vLLM's check_logprobs_close does (equal up to a first difference,
+  where each side's token is in the other's top 5), and most must agree throughout.
+Online quantization (quantization="int8" / "fp8") is checked the same way against the weights it makes, its
+linear layers' memory against bfloat16's, and its loading against holding more than a layer in float at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import ArgumentValueError, EngineArgs
+from pagellm.layers.linear import LinearBase
+from pagellm.layers.quantization import quantization_config_for
+from pagellm.layers.quantization.compressed_tensors import CompressedTensorsConfig
+from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagellm.layers.quantization.w8a8 import (Fp8LinearMethod, Int8LinearMethod, OnlineQuantizedLinearMethod)
+from pagellm.layers.weights import weights_bytes
+from pagellm.models import loader
+from pagellm.ops import w8a8_kernels as wk
+from tests.helpers import PROMPTS, check_logprobs_close, hf_greedy_with_top_logprobs
+from tests.w8a8_checkpoints import compressed_tensors_config, write_quantized
+
+ENGINE = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=32, max_num_seqs=4)
+TOKENS = 10
+TOP = 5
+CASE_PROMPTS = [PROMPTS[1], PROMPTS[3], PROMPTS[7]]
+
+
+def _ours(path: str, **kwargs) -> list[tuple[list[int], list[dict]]]:
+    llm = LLM(path, **{**ENGINE, **kwargs})
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=TOP)
+    outputs = llm.generate(CASE_PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in outputs]
+
+
+def _hf(path: str, tokenizer, input_scales: dict[str, float | None] | None = None):
+    """transformers' greedy continuations and top logprobs; with `input_scales` (module name -> static scale, or
+    None for dynamic per-token scales), the inputs of those linear modules are replaced by their int8
+    quantization, dequantized (quantize_rows_int8: the kernels' rounding), so that the float32 model computes
+    what W8A8 computes, up to float32 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for name, module in model.named_modules():
+        if input_scales is not None and name in input_scales:
+            def fake_quantize(module, inputs, scale=input_scales[name]):
+                x = inputs[0]
+                q, step = wk.quantize_rows_int8(x, scale)
+                return ((q.float() * step[:, None]).view(x.shape),)
+
+            module.register_forward_pre_hook(fake_quantize)
+    return [hf_greedy_with_top_logprobs(model, tokenizer(p).input_ids, TOKENS, TOP) for p in CASE_PROMPTS]
+
+
+def _input_scales(quantized: str) -> dict[str, float | None]:
+    """Per quantized module of a checkpoint: its static input scale (the largest of a fused layer's shards, as
+    the layer uses), or None (dynamic)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{quantized}/model.safetensors")
+    modules = {name.rsplit(".", 1)[0] for name in tensors if name.endswith(".weight_scale")}
+    fused = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
+             "v_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj"),
+             "up_proj": ("gate_proj", "up_proj")}
+    scales = {}
+    for module in modules:
+        parent, last = module.rsplit(".", 1)
+        shards = [f"{parent}.{shard}.input_scale" for shard in fused.get(last, (last,))]
+        scales[module] = max(float(tensors[s]) for s in shards) if shards[0] in tensors else None
+    return scales
+
+
+def _load(path: str, dtype=torch.float32, quantization: str | None = None):
+    source = loader.resolve_model(path)
+    config, _ = loader.load_hf_config(source)
+    return loader.load_model(source, config, None, dtype, torch.device("cpu"), 64, quantization=quantization)
+
+
+@pytest.mark.parametrize("scheme, fmt, ignore", [
+    ("fp8-channel-dynamic", "compressed-tensors", ("lm_head", "re:.*mlp.down_proj$")),
+    ("fp8-tensor-static", "compressed-tensors", ("lm_head",)),  # q, k, v, gate, up: a scale each
+    ("fp8-block-dynamic", "fp8", ()),  # weight_scale_inv blocks of [32, 64]
+])
+def test_fp8_checkpoints_give_the_dequantized_model_s_tokens(tmp_path, tiny_llama_dir, default_tokenizer, scheme,
+                                                            fmt, ignore):
+    quantized, dequantized = write_quantized(tiny_llama_dir, tmp_path, scheme, fmt, ignore)
+    model = _load(quantized)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.quant_method, Fp8LinearMethod)
+    assert isinstance(layer.mlp.down_proj.quant_method,
+                      UnquantizedLinearMethod if "re:.*mlp.down_proj$" in ignore else Fp8LinearMethod)
+    assert isinstance(model.lm_head.quant_method, UnquantizedLinearMethod)
+    assert layer.self_attn.qkv_proj.weight.numel() == 0  # only the kernel's packed copy is kept
+    ours, theirs = _ours(quantized), _hf(dequantized, default_tokenizer)
+    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in theirs]
+
+
+@pytest.mark.parametrize("scheme", ["int8-channel-dynamic", "int8-tensor-static"])
+def test_int8_checkpoints_stay_close_to_the_dequantized_model(tmp_path, tiny_llama_dir, default_tokenizer, scheme):
+    quantized, dequantized = write_quantized(tiny_llama_dir, tmp_path, scheme)
+    model = _load(quantized)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant_method, Int8LinearMethod)
+    if scheme == "int8-tensor-static":
+        # One scale per shard, each channel given its shard's (q, k and v were quantized separately).
+        assert qkv.weight_scale.shape == (3,) and len(set(qkv.weight_scale.tolist())) == 3
+        assert qkv.int8_linear.input_scale == float(qkv.input_scale.max())
+    ours = _ours(quantized)
+    theirs = _hf(dequantized, default_tokenizer, _input_scales(quantized))
+    agreed = [check_logprobs_close(mine, hf) for mine, hf in zip(ours, theirs)]
+    assert sum(agreed) >= 2 * TOKENS, f"only {agreed} leading tokens agree"
+
+
+def _online_dequantized(tiny_llama_dir: str, directory, method: str) -> str:
+    """A float checkpoint of the weights quantization=`method` makes: int8 per output channel; fp8 with one scale
+    per fused weight (q/k/v together, gate/up together), as the layers quantize them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(f"{tiny_llama_dir}/model.safetensors")
+    for layer in range(3):
+        for parts in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
+                      ("self_attn.o_proj",), ("mlp.down_proj",)):
+            names = [f"model.layers.{layer}.{part}.weight" for part in parts]
+            fused = torch.cat([tensors[name] for name in names])
+            if method == "int8":
+                q, scale = wk.quantize_rows_int8(fused)
+                dequantized = q.float() * scale[:, None]
+            else:
+                q, scale = wk.quantize_fp8_per_tensor(fused)
+                dequantized = q.float() * scale
+            for name, piece in zip(names, dequantized.split([tensors[n].shape[0] for n in names])):
+                tensors[name] = piece.contiguous()
+    shutil.copytree(tiny_llama_dir, directory)
+    save_file(tensors, f"{directory}/model.safetensors")
+    return str(directory)
+
+
+def test_online_int8_halves_the_weights_and_computes_w8a8(tmp_path, tiny_llama_dir, default_tokenizer):
+    float_layers = weights_bytes(_load(tiny_llama_dir, torch.bfloat16).model.layers)
+    model = _load(tiny_llama_dir, torch.bfloat16, "int8")
+    assert weights_bytes(model.model.layers) <= 0.55 * float_layers
+    assert isinstance(model.lm_head.quant_method, UnquantizedLinearMethod)
+    ours = _ours(tiny_llama_dir, quantization="int8")
+    dequantized = _online_dequantized(tiny_llama_dir, tmp_path / "dequantized", "int8")
+    linears = {f"model.layers.{i}.{part}": None for i in range(3) for part in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")}
+    theirs = _hf(dequantized, default_tokenizer, linears)
+    agreed = [check_logprobs_close(mine, hf) for mine, hf in zip(ours, theirs)]
+    assert sum(agreed) >= 2 * TOKENS, f"only {agreed} leading tokens agree"
+
+
+def test_online_fp8_halves_the_weights_and_equals_its_dequantized_weights(tmp_path, tiny_llama_dir,
+                                                                         default_tokenizer):
+    float_layers = weights_bytes(_load(tiny_llama_dir, torch.bfloat16).model.layers)
+    assert weights_bytes(_load(tiny_llama_dir, torch.bfloat16, "fp8").model.layers) <= 0.55 * float_layers
+    ours = _ours(tiny_llama_dir, quantization="fp8")
+    theirs = _hf(_online_dequantized(tiny_llama_dir, tmp_path / "dequantized", "fp8"), default_tokenizer)
+    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in theirs]
+
+
+def test_online_quantization_keeps_one_layer_in_float_at_a_time(tiny_llama_dir, monkeypatch):
+    """Each layer's float weight exists from its first checkpoint tensor until its last shard has loaded: the
+    float copies of the whole model never exist together."""
+    live: set[int] = set()
+    most = []
+    load, finish = OnlineQuantizedLinearMethod._load, OnlineQuantizedLinearMethod._finish
+
+    def tracked_load(self, layer, param, tensor, shard=None):
+        live.add(id(layer))
+        most.append(len(live))
+        load(self, layer, param, tensor, shard)
+
+    def tracked_finish(self, layer):
+        finish(self, layer)
+        live.discard(id(layer))
+
+    monkeypatch.setattr(OnlineQuantizedLinearMethod, "_load", tracked_load)
+    monkeypatch.setattr(OnlineQuantizedLinearMethod, "_finish", tracked_finish)
+    model = _load(tiny_llama_dir, quantization="int8")
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and
+              isinstance(m.quant_method, OnlineQuantizedLinearMethod)]
+    assert len(layers) == 12 and not live
+    assert max(most) <= 2  # at most a fused layer waiting for its last shard while another loads
+    assert all(layer.weight.numel() == 0 and layer.online_kernel is not None for layer in layers)
+
+
+def test_dummy_weights_load_for_every_8_bit_format(tmp_path, tiny_llama_dir):
+    quantized, _ = write_quantized(tiny_llama_dir, tmp_path, "fp8-channel-dynamic")
+    source = loader.resolve_model(quantized)
+    config, _ = loader.load_hf_config(source)
+    model = loader.load_model(source, config, None, torch.float32, torch.device("cpu"), 64, "dummy")
+    assert model.model.layers[0].mlp.down_proj.fp8_linear is not None
+    source = loader.resolve_model(tiny_llama_dir)
+    config, _ = loader.load_hf_config(source)
+    model = loader.load_model(source, config, None, torch.float32, torch.device("cpu"), 64, "dummy",
+                              quantization="int8")
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.online_kernel is not None and layer.weight.numel() == 0
+
+
+# ---- configs: what is taken and what is refused, naming it (no engine) --------------------------------------
+
+def _config(**group_changes) -> dict:
+    config = compressed_tensors_config("int8-channel-dynamic")
+    config["config_groups"]["group_0"].update(group_changes)
+    return config
+
+
+def test_compressed_tensors_layers_take_their_group_or_stay_dense():
+    config = CompressedTensorsConfig.from_config(
+        {**_config(targets=["re:.*self_attn.*"]), "ignore": ["lm_head", "model.layers.1.self_attn.o_proj"]})
+    assert isinstance(config.linear_method("model.layers.0.self_attn.qkv_proj"), Int8LinearMethod)
+    assert isinstance(config.linear_method("model.layers.0.mlp.gate_up_proj"), UnquantizedLinearMethod)
+    assert isinstance(config.linear_method("model.layers.1.self_attn.o_proj"), UnquantizedLinearMethod)
+    assert isinstance(config.linear_method("model.embed_tokens"), UnquantizedLinearMethod)
+    assert "int8 channel weights, dynamic token activations" in config.describe()
+    mixed = CompressedTensorsConfig.from_config({**_config(), "ignore": ["model.layers.0.self_attn.k_proj"]})
+    with pytest.raises(ValueError, match="qkv_proj fuses .*quantized alike"):
+        mixed.linear_method("model.layers.0.self_attn.qkv_proj")
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(format="pack-quantized"), "format 'pack-quantized'"),
+    (dict(weights={"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}), "4-bit int weights"),
+    (dict(weights={"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}), "asymmetric weights"),
+    (dict(weights={"num_bits": 8, "type": "int", "strategy": "group", "group_size": 128}), "strategy 'group'"),
+    (dict(input_activations=None), "without input_activations"),
+    (dict(input_activations={"num_bits": 8, "type": "int", "symmetric": False, "strategy": "token",
+                             "dynamic": True}), "asymmetric int8 activations"),
+])
+def test_unsupported_compressed_tensors_schemes_are_refused_naming_them(change, words):
+    with pytest.raises(ValueError) as refusal:
+        CompressedTensorsConfig.from_config(_config(**change))
+    assert words in str(refusal.value) and "W8A8 int8" in str(refusal.value)
+
+
+def test_kv_cache_schemes_and_misplaced_methods_are_refused():
+    with pytest.raises(ValueError, match="kv_cache_scheme"):
+        CompressedTensorsConfig.from_config({**_config(), "kv_cache_scheme": {"num_bits": 8, "type": "float"}})
+    with pytest.raises(ValueError, match="needs a checkpoint whose config.json holds a compressed-tensors"):
+        quantization_config_for({}, "compressed-tensors")
+    with pytest.raises(ValueError, match="quantization='int8' but the checkpoint is quantized with"):
+        quantization_config_for({"quantization_config": _config()}, "int8")
+    assert "online W8A8" in quantization_config_for({}, "int8").describe()
+    assert "one scale per weight" in quantization_config_for({}, "fp8").describe()
+    assert "block-wise scales of [128, 128]" in quantization_config_for(
+        {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                 "weight_block_size": [128, 128]}}).describe()
+
+
+def test_engine_args_accept_the_8_bit_methods():
+    for method in ("compressed-tensors", "fp8", "int8"):
+        assert EngineArgs(quantization=method).quantization == method
+    with pytest.raises(ArgumentValueError, match="quantization='awq4'"):
+        EngineArgs(quantization="awq4")
+
+
+def test_block_scales_that_do_not_tile_a_layer_are_refused(tmp_path, tiny_llama_dir):
+    quantized, _ = write_quantized(tiny_llama_dir, tmp_path, "fp8-block-dynamic", "fp8")
+    import json
+
+    config_path = f"{quantized}/config.json"
+    config = json.loads(open(config_path).read())
+    config["quantization_config"]["weight_block_size"] = [48, 64]
+    open(config_path, "w").write(json.dumps(config))
+    with pytest.raises(ValueError, match=r"block-wise scales of \[48, 64\] need each output shard"):
+        _load(quantized)
+
+
+def test_the_compressed_tensors_package_reads_our_layout(tmp_path, tiny_llama_dir):
+    """Cross-check (where `compressed-tensors` is installed): its QuantizationConfig parses our config and its
+    compressors decompress our tensors to our dequantized weights, and compress the float weights to ours."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from safetensors.torch import load_file
+
+    for scheme in ("int8-channel-dynamic", "int8-tensor-static", "fp8-channel-dynamic", "fp8-block-dynamic"):
+        quantized, dequantized = write_quantized(tiny_llama_dir, tmp_path / scheme, scheme)
+        config = compressed_tensors_config(scheme)
+        parsed = QuantizationConfig.model_validate(config)
+        group = parsed.config_groups["group_0"]
+        assert isinstance(group, QuantizationScheme)
+        compressor = BaseCompressor.get_value_from_registry(config["format"])
+        ours, floats = load_file(f"{quantized}/model.safetensors"), load_file(f"{dequantized}/model.safetensors")
+        original = load_file(f"{tiny_llama_dir}/model.safetensors")
+        module = "model.layers.1.self_attn.k_proj"
+        state = {"weight": ours[f"{module}.weight"], "weight_scale": ours[f"{module}.weight_scale"]}
+        decompressed = compressor.decompress(state, group)["weight"]
+        assert torch.equal(decompressed.float(), floats[f"{module}.weight"]), (ct.__version__, scheme)
+        compressed = compressor.compress({"weight": original[f"{module}.weight"],
+                                          "weight_scale": ours[f"{module}.weight_scale"]}, group)["weight"]
+        assert torch.equal(compressed.view(torch.uint8), ours[f"{module}.weight"].view(torch.uint8)), scheme

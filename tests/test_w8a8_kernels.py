@@ -1,0 +1,242 @@
+"""The 8-bit weight kernels (pagellm/ops/csrc/w8a8.c) on every instruction set this CPU runs, against float64
+products; the builds it cannot run (VNNI) are compile-checked.
+
+int8 W8A8, per output y[r, n] of x [m, K] W^T (W = q_w s_w per channel):
+- bit for bit equal to the torch reference (w8a8_kernels.int8_linear_reference: the same int8 activations, the
+  int32 sums exact in float64, the same float32 epilogue), in float32 and bfloat16, dynamic and static scales;
+- against float64: |y - x_hat W^T| <= 1e-6 |x_hat| |W|^T (x_hat the activations as quantized: only the float32
+  epilogue's rounding), and |y - x W^T| <= s_x / 2 sum_k |W[n, k]| + that (each activation moves by at most half
+  its step: a dropped or misplaced group of weights exceeds it).
+fp8 weights (fused kernel, dequantized-tile path): within 2e-6 |x| |W|^T of the float64 product with the dequantized
+weight, per-tensor (expanded), per-channel and block scales; the widening equals torch's fp8 cast on every finite
+value. Shapes have row tails (1, 3, 5 rows of the 4-row tile), column tails (N not a multiple of 8 or 16) and,
+for int8, K not a multiple of 4.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from pagellm.attention import native
+from pagellm.ops import gguf_kernels as gk
+from pagellm.ops import w8a8_kernels as wk
+
+ISAS = native.runnable_isas()
+ROWS = (1, 3, 5, 8, 33)
+SHAPES = [(67, 21), (128, 40), (130, 9)]  # (K, N): K and N tails
+
+
+def _kernels(isa: str) -> wk.W8A8Kernels:
+    kernels = wk.w8a8_kernels(isa)
+    if kernels is None:
+        pytest.skip("no C compiler")
+    assert kernels.isa == isa
+    return kernels
+
+
+def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 weight quantized per channel from Gaussian weights, one row all zero and one reaching -128."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    q, scale = wk.quantize_rows_int8(w)
+    q[0] = 0
+    scale[0] = 0.0
+    q[-1, 0] = -128  # a checkpoint may hold -128 (compressed-tensors clamps to [-128, 127])
+    return q, scale
+
+
+def _x(m: int, k: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3
+    x[0, :5] = torch.tensor([0.5, -2.5, 1.5, 127.5, -0.0])  # values that round to even at some scale
+    if m > 2:
+        x[2] = 0.0  # an all-zero row: scale 0, outputs 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("static", [None, 0.04])
+def test_int8_equals_the_reference_and_float64(isa, dtype, static):
+    kernels = _kernels(isa)
+    for index, (k, n) in enumerate(SHAPES):
+        q, scale = _weight(n, k, index)
+        packed = wk.pack_int8(q, scale)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(9)).to(dtype)
+        w64 = q.double() * scale.double()[:, None]
+        for m in ROWS:
+            x = _x(m, k, m + index, dtype)
+            for b in (bias, None):
+                y = kernels.int8_linear(x, packed, b, static)
+                assert y.dtype == dtype and y.shape == (m, n)
+                assert torch.equal(y, wk.int8_linear_reference(x, q, scale, static, b)), (k, n, m)
+            if dtype != torch.float32:
+                continue
+            y = kernels.int8_linear(x, packed, None, static).double()
+            xq, xs = wk.quantize_rows_int8(x, static)
+            x_hat = xq.double() * xs.double()[:, None]
+            assert ((y - x_hat @ w64.T).abs() <= 1e-6 * (x_hat.abs() @ w64.abs().T) + 1e-30).all()
+            if static is None:  # static scales clamp outliers: the bound below is for unclamped activations
+                bound = xs.double()[:, None] / 2 * w64.abs().sum(1)[None, :] + 1e-6 * (x.double().abs() @ w64.abs().T)
+                assert ((y - x.double() @ w64.T).abs() <= bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_quantize_rows_equals_the_reference(isa):
+    kernels = _kernels(isa)
+    x = _x(6, 37, 1)
+    x[1, 4] = float("nan")
+    x[3, 36] = float("inf")  # in the scalar tail
+    x[4, 0] = -float("inf")
+    for static in (None, 0.01, 2.0):
+        for dtype in (torch.float32, torch.bfloat16):
+            q, s = kernels.quantize_rows(x.to(dtype), static)
+            q_ref, s_ref = wk.quantize_rows_int8(x.to(dtype), static)
+            assert torch.equal(q, q_ref) and torch.equal(s.isnan(), s_ref.isnan())
+            assert torch.equal(s[~s.isnan()], s_ref[~s_ref.isnan()])
+            assert s[[1, 3, 4]].isnan().all() and (q[[1, 3, 4]] == 0).all()
+            assert q.abs().max() <= 127
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_non_finite_activations_reach_their_row_only(isa):
+    kernels = _kernels(isa)
+    q, scale = _weight(24, 64, 3)
+    x = _x(5, 64, 4)
+    x[1, 7] = float("nan")
+    x[3, 0] = float("inf")
+    y = kernels.int8_linear(x, wk.pack_int8(q, scale), None)
+    assert y[[1, 3]].isnan().all()
+    assert torch.isfinite(y[[0, 2, 4]]).all()
+    assert torch.equal(y[[0, 2, 4]], kernels.int8_linear(x[[0, 2, 4]], wk.pack_int8(q, scale), None))
+
+
+def _fp8_case(n: int, k: int, block_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=generator) * 40).to(torch.float8_e4m3fn)
+    scales = torch.rand(n, -(-k // block_k), generator=generator) * 0.02 + 1e-3
+    return w, scales
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_paths_match_float64(isa, dtype):
+    kernels = _kernels(isa)
+    for index, (k, n) in enumerate(SHAPES):
+        for block_k in (k, 32):  # per channel (per tensor expanded), and K blocks with a tail block
+            w, scales = _fp8_case(n, k, block_k, index)
+            packed = wk.pack_fp8(w, scales, block_k)
+            w64 = wk.dequantize_fp8(w, scales, block_k).double()
+            bias = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(dtype)
+            for m in ROWS:
+                x = _x(m, k, m, dtype)
+                x64 = x.double()
+                reference = x64 @ w64.T + bias.double()
+                tolerance = 2e-6 * (x64.abs() @ w64.abs().T) + (0 if dtype == torch.float32 else
+                                                                2 ** -8 * reference.abs())
+                for path in (kernels.fp8_linear_fused, kernels.fp8_linear_dense):
+                    y = path(x, packed, bias)
+                    assert y.dtype == dtype and y.shape == (m, n)
+                    assert ((y.double() - reference).abs() <= tolerance + 1e-30).all(), (path.__name__, k, n, m)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp8_widening_is_exact_for_every_finite_value(isa):
+    kernels = _kernels(isa)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # the NaN codes, which check_fp8_finite refuses at load
+    w = codes[: len(codes) // 6 * 6].reshape(-1, 6).view(torch.float8_e4m3fn)  # 6 columns: a panel tail
+    scales = torch.ones(w.shape[0], 1)
+    assert torch.equal(kernels.fp8_dequantize(wk.pack_fp8(w, scales, 6)), w.float())
+    with pytest.raises(ValueError, match="NaN"):
+        wk.check_fp8_finite(torch.tensor([0x7F], dtype=torch.uint8).view(torch.float8_e4m3fn), "layer.weight")
+
+
+def test_threads_give_identical_results():
+    kernels = _kernels(ISAS[0])
+    q, scale = _weight(200, 576, 7)
+    w, scales = _fp8_case(200, 576, 576, 8)
+    x = _x(40, 576, 9)
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results[count] = [kernels.int8_linear(x, wk.pack_int8(q, scale), None),
+                              kernels.fp8_linear_fused(x, wk.pack_fp8(w, scales, 576), None)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(results[1], results[2]))
+
+
+def test_float16_activations_go_through_float32():
+    kernels = _kernels(ISAS[0])
+    q, scale = _weight(16, 32, 1)
+    x = _x(3, 32, 2)
+    y = kernels.int8_linear(x.half(), wk.pack_int8(q, scale), None)
+    assert y.dtype == torch.float16
+    assert torch.equal(y, kernels.int8_linear(x.half().float(), wk.pack_int8(q, scale), None).half())
+
+
+def test_torch_fallback_and_kernel_choice(monkeypatch):
+    q, scale = _weight(16, 32, 1)
+    w, scales = _fp8_case(16, 32, 32, 2)
+    assert wk.choose_int8_linear(q, scale, None).name.startswith("native")
+    assert wk.choose_fp8_linear(w, scales, 32).name == "native"
+    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
+    assert wk.w8a8_kernels() is None
+    int8, fp8 = wk.choose_int8_linear(q, scale, 0.05), wk.choose_fp8_linear(w, scales, 32)
+    assert type(int8) is wk.Int8Linear and type(fp8) is wk.Fp8Linear
+    x = _x(3, 32, 4)
+    assert torch.equal(int8(x, None), wk.int8_linear_reference(x, q, scale, 0.05, None))
+    assert torch.equal(fp8(x, None), wk.fp8_linear_reference(x, w, scales, 32, None))
+
+
+def test_bad_arguments_are_refused():
+    kernels = _kernels(ISAS[0])
+    q, scale = _weight(16, 32, 1)
+    packed = wk.pack_int8(q, scale)
+    with pytest.raises(ValueError, match="x has 31 features"):
+        kernels.int8_linear(torch.randn(2, 31), packed, None)
+    with pytest.raises(ValueError, match="bias has shape"):
+        kernels.int8_linear(torch.randn(2, 32), packed, torch.randn(15))
+    with pytest.raises(ValueError, match="static input scale"):
+        kernels.int8_linear(torch.randn(2, 32), packed, None, -1.0)
+    with pytest.raises(ValueError, match="1 .. 65536 input features"):
+        wk.pack_int8(torch.zeros(8, 70000, dtype=torch.int8), torch.ones(8))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        wk.pack_fp8(q, torch.ones(16, 1), 32)
+
+
+def test_isa_override_selects_the_library(monkeypatch):
+    monkeypatch.setenv("PAGELLM_CPU_ISA", ISAS[-1])
+    kernels = wk.w8a8_kernels()
+    assert kernels.isa == ISAS[-1]
+    if ISAS[-1] == "generic":
+        assert kernels.dot_instructions == "generic"
+
+
+def test_every_isa_compiles(tmp_path):
+    """Compile-only: the VNNI builds (AVX-512 VNNI, AVX-VNNI), which this CPU may not run, and the others,
+    without warnings."""
+    try:
+        compiler = native.find_compiler()
+    except FileNotFoundError:
+        pytest.skip("no C compiler")
+    if "avx2" not in native.cpu_flags() and "sse2" not in native.cpu_flags():
+        pytest.skip("x86 targets need an x86 compiler")
+    builds = {
+        "avx2_vnni": gk.build_flags("avx2", frozenset({"avx_vnni"})),
+        "avx512_vnni": gk.build_flags("avx512", frozenset({"avx512_vnni"})),
+        "avx512": gk.build_flags("avx512", frozenset()),
+    }
+    jobs = []
+    for name, flags in builds.items():
+        flags = ["-O0" if flag == "-O3" else flag for flag in flags]
+        for source in wk._SOURCES:
+            command = [compiler, *flags, "-Wall", "-Werror", "-c", str(source), "-o", str(tmp_path / f"{name}.o")]
+            jobs.append((name, subprocess.Popen(command, stderr=subprocess.PIPE, text=True)))
+    for name, job in jobs:
+        _, errors = job.communicate(timeout=120)
+        assert job.returncode == 0, f"{name}: {errors}"

@@ -1,0 +1,189 @@
+"""Quantized test checkpoints made from a float HF checkpoint by a reference quantizer written here, in the
+layouts the formats document, each beside a float checkpoint of its dequantized weights (the oracle).
+
+compressed-tensors (compressed_tensors.quantization, 0.20): per quantized module `weight` (int8 or
+float8_e4m3fn), `weight_scale` ([N, 1] per channel, [1] per tensor, [N / bn, K / bk] per block) and, with static
+activations, `input_scale` [1]; the scale of symmetric int8 is max|w| / 127.5 (calculate_qparams: the range 255
+over 2) and values are round(clamp(w / scale, -128, 127)); fp8 is clamp(w / scale, +-448) cast to e4m3 with scale
+max|w| / 448. quant_method "fp8" (vLLM's Fp8Config): per-tensor `weight_scale` scalar, block-wise
+`weight_scale_inv`, and `input_scale` scalars for activation_scheme "static". Static input scales come from the
+largest |input| each layer sees on a few calibration prompts (the min-max observer's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import PROMPTS as CALIBRATION
+
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8_MAX = 448.0
+
+
+def _args(kind: str, strategy: str, dynamic: bool = False, block=None) -> dict:
+    return {"num_bits": 8, "type": kind, "symmetric": True, "group_size": None, "strategy": strategy,
+            "block_structure": block, "dynamic": dynamic, "actorder": None, "observer": None if dynamic else "minmax",
+            "observer_kwargs": {}}
+
+
+# name -> (weight type, weight strategy, block [bn, bk] or None, activations: None, "dynamic" or "static")
+SCHEMES = {
+    "int8-channel-dynamic": ("int", "channel", None, "dynamic"),
+    "int8-tensor-static": ("int", "tensor", None, "static"),
+    "int8-channel-static": ("int", "channel", None, "static"),
+    "fp8-channel-dynamic": ("float", "channel", None, "dynamic"),
+    "fp8-tensor-static": ("float", "tensor", None, "static"),
+    "fp8-block-dynamic": ("float", "block", (32, 64), "dynamic"),
+    "fp8-tensor-w8a16": ("float", "tensor", None, None),
+}
+
+
+def compressed_tensors_config(scheme: str, ignore=("lm_head",)) -> dict:
+    kind, strategy, block, activations = SCHEMES[scheme]
+    fmt = "int-quantized" if kind == "int" else "float-quantized"
+    if activations is None:
+        fmt = "naive-quantized"
+        input_args = None
+    elif activations == "dynamic":
+        input_args = _args(kind, "token" if block is None else "group", dynamic=True)
+        if block is not None:
+            input_args["group_size"] = block[1]
+    else:
+        input_args = _args(kind, "tensor")
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": _args(kind, strategy, block=list(block) if block else None),
+                                      "input_activations": input_args, "output_activations": None, "format": fmt}},
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
+        "version": "0.20.1",
+    }
+
+
+def quantize_int8(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' symmetric int8: (q, scale [N, 1] or [1])."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+    scale = torch.where(amax > 0, amax / 127.5, torch.ones_like(amax))
+    q = (w / (scale if strategy == "channel" else scale[0])).clamp(-128, 127).round().to(torch.int8)
+    return q, scale
+
+
+def quantize_fp8(weight: torch.Tensor, strategy: str, block=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, scale [1], [N, 1] or [N / bn, K / bk])."""
+    w = weight.float()
+    if strategy == "block":
+        bn, bk = block
+        n, k = w.shape
+        tiles = w.reshape(n // bn, bn, k // bk, bk)
+        amax = tiles.abs().amax(dim=(1, 3))
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(n, k)
+        return q.to(torch.float8_e4m3fn), scale
+    amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / (scale if strategy == "channel" else scale[0])).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block=None) -> torch.Tensor:
+    if block is not None:
+        bn, bk = block
+        return q.float() * scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+    return q.float() * (scale if scale.dim() == 2 else scale[0])
+
+
+def input_amax(model_dir: str) -> dict[str, float]:
+    """The largest |input| of each linear module over the calibration prompts (float32 HF model)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    amax: dict[str, float] = {}
+
+    def hook(name):
+        def record(module, inputs, output):
+            amax[name] = max(amax.get(name, 0.0), float(inputs[0].abs().max()))
+        return record
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in model.named_modules()
+               if name.split(".")[-1] in LINEAR_SUFFIXES]
+    with torch.no_grad():
+        for prompt in CALIBRATION:
+            model(**tokenizer(prompt, return_tensors="pt"))
+    for handle in handles:
+        handle.remove()
+    return amax
+
+
+def _ignored(module: str, ignore: tuple[str, ...]) -> bool:
+    return any(re.match(entry[3:], module) if entry.startswith("re:") else entry == module for entry in ignore)
+
+
+def _copy_side_files(src: Path, dst: Path, config_update: dict) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():
+        if item.suffix != ".safetensors" and item.name != "config.json" and item.is_file():
+            shutil.copy(item, dst / item.name)
+    config = json.loads((src / "config.json").read_text())
+    config.update(config_update)
+    if not config_update:
+        config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compressed-tensors",
+                    ignore: tuple[str, ...] = ("lm_head",)) -> tuple[str, str]:
+    """(the quantized checkpoint, a float checkpoint of its dequantized weights) from the float checkpoint at
+    src_dir. fmt "compressed-tensors" takes any of SCHEMES; fmt "fp8" (quant_method fp8) takes the fp8 tensor
+    schemes ("fp8-tensor-static", "fp8-tensor-w8a16" as dynamic) and "fp8-block-dynamic". Modules matching
+    `ignore` (names, or "re:" patterns matched from the start) stay float."""
+    src = Path(src_dir)
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    kind, strategy, block, activations = SCHEMES[scheme]
+    amax = input_amax(src_dir) if activations == "static" else {}
+    quantized, dequantized = {}, {}
+    for name, tensor in tensors.items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and module.split(".")[-1] in LINEAR_SUFFIXES and not _ignored(module, ignore):
+            if kind == "int":
+                q, scale = quantize_int8(tensor, strategy)
+            else:
+                q, scale = quantize_fp8(tensor, strategy, block)
+            quantized[name] = q
+            scale_name = "weight_scale_inv" if fmt == "fp8" and block is not None else "weight_scale"
+            quantized[f"{module}.{scale_name}"] = scale.reshape(()) if fmt == "fp8" and block is None else scale
+            if activations == "static":
+                step = amax[module] / (127.5 if kind == "int" else FP8_MAX)
+                value = torch.tensor([step], dtype=torch.float32)
+                quantized[f"{module}.input_scale"] = value.reshape(()) if fmt == "fp8" else value
+            dequantized[name] = dequantize(q, scale, block).to(tensor.dtype)
+        else:
+            quantized[name] = tensor
+            dequantized[name] = tensor
+    dst = Path(dst_dir)
+    quant_dir, float_dir = dst / "quantized", dst / "dequantized"
+    if fmt == "compressed-tensors":
+        quant_config = compressed_tensors_config(scheme, ignore)
+    else:
+        quant_config = {"quant_method": "fp8", "activation_scheme": "static" if activations == "static" else "dynamic",
+                        "ignored_layers": [entry for entry in ignore if not entry.startswith("re:")]}
+        if block is not None:
+            quant_config["weight_block_size"] = list(block)
+    _copy_side_files(src, quant_dir, {"quantization_config": quant_config})
+    _copy_side_files(src, float_dir, {})
+    save_file({k: v.contiguous() for k, v in quantized.items()}, str(quant_dir / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, str(float_dir / "model.safetensors"))
+    return str(quant_dir), str(float_dir)
