@@ -84,9 +84,11 @@ class ModelWorker:
 
         self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[device.type]
         budget = self.max_num_batched_tokens
-        self.runner = ModelRunner(model, device, args.block_size, max_model_len, args.max_num_seqs, args.seed, eos_ids)
         spec = KVCacheSpec(hf_config.num_hidden_layers, model.num_kv_heads_per_rank, head_dim_of(hf_config),
-                           args.block_size, dtype)
+                           args.block_size, dtype, args.kv_cache_dtype)
+        self.kv_spec = spec
+        self.runner = ModelRunner(model, device, args.block_size, max_model_len, args.max_num_seqs, args.seed, eos_ids,
+                                  spec.format)
         self.weights_bytes = model.weights_bytes()
         # A step can never hold more than max_num_seqs sequences of max_model_len tokens.
         profile_tokens = min(budget, args.max_num_seqs * max_model_len)
