@@ -144,6 +144,13 @@ def run_pagellm(fmt: Format, path: str, args: argparse.Namespace) -> dict:
     ids = scored.prompt_token_ids
     logprobs = [position[token].logprob for token, position in zip(ids[1:], scored.prompt_logprobs[1:])]
     perplexity = float(torch.tensor(logprobs, dtype=torch.float64).neg().mean().exp())
+    row = {"format": fmt.name, "weight_format": llm.llm_engine.core.runner.model.weight_format,
+           "file_mib": size_on_disk(path) / MiB, "weights_mib": startup.weights_bytes / MiB,
+           "kv_mib": startup.kv_cache_bytes / MiB, "rss_added_mib": (rss_loaded - rss_before) / 1024,
+           "peak_added_mib": (peak - rss_before) / 1024, "load_s": load_s, "tokens": len(ids),
+           "perplexity": perplexity, "single_tok_s": None, "batched_tok_s": None}
+    if args.skip_speed:
+        return row
     greedy = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in prompts_of(ids, args.batch)]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -154,11 +161,7 @@ def run_pagellm(fmt: Format, path: str, args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     llm.generate(prompts, batched_params, use_tqdm=False)
     batched = args.batch * args.batch_tokens / (time.perf_counter() - started)
-    return {"format": fmt.name, "weight_format": llm.llm_engine.core.runner.model.weight_format,
-            "file_mib": size_on_disk(path) / MiB, "weights_mib": startup.weights_bytes / MiB,
-            "kv_mib": startup.kv_cache_bytes / MiB, "rss_added_mib": (rss_loaded - rss_before) / 1024,
-            "peak_added_mib": (peak - rss_before) / 1024, "load_s": load_s, "tokens": len(ids),
-            "perplexity": perplexity, "single_tok_s": single, "batched_tok_s": batched}
+    return {**row, "single_tok_s": single, "batched_tok_s": batched}
 
 
 LLAMA_WORKER = r"""
@@ -201,6 +204,8 @@ def measure(fmt: Format, workdir: Path, args: argparse.Namespace) -> dict:
     path = checkpoint(fmt, workdir)
     command = [sys.executable, __file__, "--worker", fmt.name, "--workdir", str(workdir), "--batch", str(args.batch),
                "--batch-tokens", str(args.batch_tokens), "--decode-tokens", str(args.decode_tokens)]
+    if args.skip_speed:
+        command.append("--skip-speed")
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
     if done.returncode != 0:
@@ -229,8 +234,10 @@ def print_tables(rows: list[dict], reference: float | None) -> None:
         llama = r.get("llama_cpp") or {}
         llama_ppl = f"{llama['perplexity']:.3f}" if llama else "-"
         llama_tok = f"{llama['single_tok_s']:.1f}" if llama else "-"
-        print(f"| {r['format']} | {r['perplexity']:.3f} | {versus} | {r['single_tok_s']:.1f} | "
-              f"{r['batched_tok_s']:.1f} | {llama_ppl} | {llama_tok} |")
+        single = "-" if r["single_tok_s"] is None else f"{r['single_tok_s']:.1f}"
+        batched = "-" if r["batched_tok_s"] is None else f"{r['batched_tok_s']:.1f}"
+        print(f"| {r['format']} | {r['perplexity']:.3f} | {versus} | {single} | {batched} | {llama_ppl} | "
+              f"{llama_tok} |")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -262,6 +269,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="requests at once in the batched run")
     parser.add_argument("--batch-tokens", type=int, default=32, help="output tokens per batched request")
     parser.add_argument("--decode-tokens", type=int, default=64, help="output tokens of the single stream")
+    parser.add_argument("--skip-speed", action="store_true", help="memory and perplexity only")
     parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python")
     parser.add_argument("--workdir", default=None, help="where the checkpoints are written (default: a temp dir)")
     parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "quantized_memory.png")
