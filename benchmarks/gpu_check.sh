@@ -33,7 +33,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>&
 $PYTHON -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__,
                                                           'transformers', t.__version__)"
 
-section tests "${TESTS_S:-140}" $PYTHON -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+section tests "${TESTS_S:-240}" $PYTHON -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
   --ignore=tests/gpu/test_triton_gguf_gpu.py
 summary=$(grep -E '^[0-9]+ (passed|failed)|passed|failed|error' "$DEST/tests.log" | tail -1)
 printf '{"section": "tests", "name": "pytest -m gpu tests/gpu", "summary": "%s"}\n' "${summary//\"/}" >> "$RESULTS"

@@ -83,8 +83,9 @@ SMOLLM2_PROMPTS = [
 
 
 def test_default_smollm2_matches_hf(hf_smollm2, default_tokenizer, monkeypatch):
-    """The GGUF's blocks multiplied exactly (dequantized in torch: PAGELLM_NATIVE_KERNELS=0) give transformers'
-    tokens on the same dequantized weights: the loading, the tied head on the embedding's blocks and the graph."""
+    """Without the kernels (PAGELLM_NATIVE_KERNELS=0) the GGUF's blocks are dequantized once at load and
+    multiplied in float32: transformers' tokens on the same dequantized weights (the loading, the tied head and
+    the graph). The kernels' own products are the next test's."""
     from pagellm.attention import native
 
     monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")

@@ -124,7 +124,7 @@ def test_every_argument_pagellm_does_not_do_is_refused_naming_it(cls):
     (dict(enable_lora=True), ["enable_lora=True", "LoRA"]),
     (dict(speculative_config={"method": "ngram"}), ["speculative_config=", "speculative decoding"]),
     (dict(data_parallel_size=2), ["data_parallel_size=2", "load balancer"]),
-    (dict(kv_cache_dtype="fp8"), ["kv_cache_dtype='fp8'"]),
+    (dict(kv_cache_dtype="fp8_inc"), ["kv_cache_dtype='fp8_inc'", "fp8_e4m3, fp8_e5m2"]),
     (dict(runner="pooling", trust_remote_code=True, tokenizer_mode="mistral"),
      ["2 arguments", "runner='pooling'", "tokenizer_mode='mistral'"]),
     (dict(structured_outputs_config={"backend": "guidance"}), ["structured_outputs_config.backend='guidance'"]),

@@ -22,6 +22,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from pagellm.attention.kv_spec import KVCacheFormat
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,6 +33,13 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    # The KV cache's format, from the pool's KVCacheSpec (kv_spec.py); None: the model's dtype, unquantized.
+    kv_format: KVCacheFormat | None = None
+
+    @property
+    def quantized_cache(self) -> KVCacheFormat | None:
+        """The cache's format where it is quantized, else None."""
+        return self.kv_format if self.kv_format is not None and self.kv_format.quantized else None
 
     @property
     def group(self) -> int:
@@ -84,7 +93,8 @@ BACKEND_ENV = "PAGELLM_ATTENTION_BACKEND"
 
 def select_backend(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> AttentionBackend:
     """Triton on CUDA (torch if triton is missing); on CPU torch ops with the native decode and prefill
-    kernels where they serve the dtype and head size, and the native K/V write."""
+    kernels where they serve the dtype, the cache's format and the head size, and the native K/V write.
+    `dtype` is the model's (the queries')."""
     from pagellm.attention.paged import TorchAttentionBackend
 
     forced = os.environ.get(BACKEND_ENV, "")
@@ -101,11 +111,21 @@ def select_backend(device: torch.device, dtype: torch.dtype, shape: AttentionSha
             return TritonAttentionBackend(shape, device)
         logger.warning("triton is not importable: CUDA attention runs on the torch reference path (slow)")
         return TorchAttentionBackend(shape, device, None)
-    from pagellm.attention.native import DecodeKernel, PrefillKernel, decode_kernel, kv_writer, prefill_kernel
+    from pagellm.attention.native import (
+        DecodeKernel,
+        KVWriter,
+        PrefillKernel,
+        decode_kernel,
+        kernels_read,
+        kv_writer,
+        prefill_kernel,
+    )
 
     native = prefill = None
-    if dtype in DecodeKernel.CACHE_DTYPES and DecodeKernel.supports(shape.head_dim):
+    cache_format = shape.kv_format or KVCacheFormat.resolve("auto", dtype)
+    if dtype in DecodeKernel.CACHE_DTYPES and kernels_read(cache_format) and DecodeKernel.supports(shape.head_dim):
         native = decode_kernel()
-    if dtype in PrefillKernel.DTYPES and PrefillKernel.supports(shape.head_dim):
+    if dtype in PrefillKernel.DTYPES and kernels_read(cache_format) and PrefillKernel.supports(shape.head_dim):
         prefill = prefill_kernel()
-    return TorchAttentionBackend(shape, device, native, kv_writer(), prefill)
+    writer = kv_writer() if KVWriter.writes(cache_format, dtype) else None
+    return TorchAttentionBackend(shape, device, native, writer, prefill)

@@ -1,11 +1,12 @@
 """pagellm's C kernels for the CPU: compiled on first use, cached, called via ctypes.
 
-csrc/paged_attention.c is decode attention straight from the paged cache (float32 or bfloat16 queries and
-caches, float32 arithmetic, optional sliding window); csrc/prefill_attention.c the causal attention of a
-step's prefill chunks from the same cache, flash-style; csrc/cpu_ops.c holds the fused RMSNorm (with the
-residual add), SiLU-and-multiply and in-place rotary embedding in float32 and bfloat16; csrc/vec.h the
-vector helpers both use, over the width header of the instruction set built for (vec_avx512.h,
-vec_avx2.h, vec_generic.h).
+csrc/paged_attention.c is decode attention straight from the paged cache (float32 or bfloat16 queries;
+float32, bfloat16 or quantized caches; float32 arithmetic, optional sliding window); csrc/prefill_attention.c
+the causal attention of a step's prefill chunks from the same cache, flash-style; csrc/cpu_ops.c holds the
+fused RMSNorm (with the residual add), SiLU-and-multiply and in-place rotary embedding in float32 and bfloat16,
+and the K/V writers; csrc/kv_format.h the cache's element formats (kv_spec.py's KVCacheFormat: reading codes
+in registers, quantizing rows as they are written); csrc/vec.h the vector helpers all use, over the width
+header of the instruction set built for (vec_avx512.h, vec_avx2.h, vec_generic.h).
 
 The instruction set is chosen from this CPU's flags (`best_isa`): "avx512" (16-float vectors, and
 avx512_bf16's rounding instruction where present), "avx2" (8-float vectors with FMA) or "generic" (no
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagellm.attention.kv_spec import KVCacheFormat
 from pagellm.cache_dir import cache_root
 from pagellm.cpu_features import cpu_flags
 
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "cpu_ops.c", "linear_bf16.c")]
-_HEADERS = [_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h")]
+_HEADERS = [_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h", "kv_format.h")]
 # No -ffast-math: the kernel is vectorised by hand, and its summation order and exp must stay as written.
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
 
@@ -67,6 +69,28 @@ _ISA_COMPILER_FLAGS = {
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 # What the kernels read and write: float32, or bfloat16 rounded as torch rounds it.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# The cache formats the attention kernels read (kv_format.h): these dtypes, or any quantized format.
+_KERNEL_FORMAT_NAMES = ("float32", "bfloat16")
+
+
+def kernels_read(kv_format: KVCacheFormat) -> bool:
+    """Whether the native attention kernels read caches of this format."""
+    return kv_format.quantized or kv_format.name in _KERNEL_FORMAT_NAMES
+
+
+def _cache_geometry(cache: torch.Tensor, head_dim: int, kv_format: KVCacheFormat | None) -> tuple[int, int, int]:
+    """(format code, kv heads, block size) of one layer's cache [num_blocks, kv_heads, *run] of `kv_format`
+    (None: unquantized, in the cache tensor's dtype), checked against the kernels' layout."""
+    if kv_format is None or not kv_format.quantized:
+        if cache.dim() != 4 or cache.dtype not in KERNEL_DTYPES or cache.shape[3] != head_dim:
+            raise TypeError(f"the native kernels read float32 or bfloat16 caches [blocks, kv_heads, block_size, "
+                            f"{head_dim}], not {cache.dtype} {tuple(cache.shape)}")
+        return int(cache.dtype == torch.bfloat16), cache.shape[1], cache.shape[2]
+    run = cache.shape[-1] if cache.dim() == 3 else 0
+    if cache.dtype != torch.uint8 or run % (head_dim + 2):
+        raise TypeError(f"a {kv_format.name} cache is uint8 runs [blocks, kv_heads, block_size * {head_dim + 2}], "
+                        f"not {cache.dtype} {tuple(cache.shape)}")
+    return kv_format.code, cache.shape[1], run // (head_dim + 2)
 
 
 def runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
@@ -114,7 +138,8 @@ def _check_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
 class DecodeKernel:
     """paged_decode_attention with its argument types declared; see the C source for layouts.
 
-    Queries and caches may be float32 or bfloat16 (each independently); the output has the query's dtype.
+    Queries may be float32 or bfloat16, caches float32, bfloat16 (each independently of q) or quantized
+    (`kv_format`); the output has the query's dtype.
     """
 
     CACHE_DTYPES = KERNEL_DTYPES
@@ -140,18 +165,21 @@ class DecodeKernel:
         context_lens: np.ndarray,
         scale: float,
         sliding_window: int = 0,
+        kv_format: KVCacheFormat | None = None,
     ) -> torch.Tensor:
-        """q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, kv_heads, block_size, head_dim].
+        """q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, kv_heads, block_size, head_dim], or runs of a
+        quantized `kv_format` (kv_spec.py).
 
         sliding_window > 0: each sequence attends only its last sliding_window keys (0: all of them)."""
-        if k_cache.dtype not in self.CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
-            raise TypeError(f"the native kernel reads float32 or bfloat16 caches, not {k_cache.dtype}")
         query_dtype = q.dtype
         if query_dtype not in KERNEL_DTYPES:  # float16: computed from float32 and returned in float16
             q = q.to(torch.float32)
         q = q.contiguous()
         num_seqs, num_heads, head_dim = q.shape
-        _, num_kv_heads, block_size, _ = k_cache.shape
+        format_code, num_kv_heads, block_size = _cache_geometry(k_cache, head_dim, kv_format)
+        if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape:
+            raise TypeError(f"k_cache {k_cache.dtype} {tuple(k_cache.shape)} and v_cache {v_cache.dtype} "
+                            f"{tuple(v_cache.shape)} differ")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the KV cache views must be contiguous for the native kernel")
         if block_tables.dtype != np.int64 or context_lens.dtype != np.int64:
@@ -162,7 +190,7 @@ class DecodeKernel:
         context_lens = np.ascontiguousarray(context_lens)
         out = torch.empty_like(q)
         failed = self._function(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), format_code,
             int(q.dtype == torch.bfloat16), block_tables.ctypes.data, block_tables.shape[1], context_lens.ctypes.data,
             out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
         )
@@ -203,7 +231,7 @@ class PrefillChunks:
 class PrefillKernel:
     """paged_prefill_attention with its argument types declared; see the C source for layouts.
 
-    Queries and caches share one dtype, float32 or bfloat16; the output has it too.
+    Queries are float32 or bfloat16, and so is the output; the cache has their dtype, or a quantized format.
     """
 
     DTYPES = KERNEL_DTYPES
@@ -217,8 +245,8 @@ class PrefillKernel:
         self.isa = library_isa(library)
         self._function = library.paged_prefill_attention
         self._function.restype = _INT
-        self._function.argtypes = [_PTR, _I64, _PTR, _PTR, _INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64,
-                                   _I64, _I64, _I64, _F32, _I64]
+        self._function.argtypes = [_PTR, _I64, _PTR, _PTR, _INT, _INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
+                                   _I64, _I64, _I64, _I64, _F32, _I64]
 
     def __call__(
         self,
@@ -228,20 +256,24 @@ class PrefillKernel:
         chunks: PrefillChunks,
         scale: float,
         sliding_window: int = 0,
+        kv_format: KVCacheFormat | None = None,
     ) -> torch.Tensor:
         """q: [tokens, num_heads, head_dim] (rows may be strided); caches: [num_blocks, kv_heads, block_size,
-        head_dim], already holding every chunk's keys and values. Returns [tokens, num_heads, head_dim]; rows
-        no chunk covers are left unwritten.
+        head_dim] (or runs of a quantized `kv_format`), already holding every chunk's keys and values. Returns
+        [tokens, num_heads, head_dim]; rows no chunk covers are left unwritten.
 
         sliding_window > 0: the query at position p attends keys in (p - sliding_window, p] only."""
-        if q.dtype not in self.DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-            raise TypeError(f"the native prefill kernel takes float32 or bfloat16 queries and caches of one dtype, "
-                            f"not q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+        quantized = kv_format is not None and kv_format.quantized
+        if q.dtype not in self.DTYPES or v_cache.dtype != k_cache.dtype or not quantized and k_cache.dtype != q.dtype:
+            raise TypeError(f"the native prefill kernel takes float32 or bfloat16 queries and caches of one dtype "
+                            f"(or a quantized cache), not q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
         tokens, num_heads, head_dim = q.shape
-        _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
-        if cache_head_dim != head_dim or num_heads % num_kv_heads:
-            raise ValueError(f"q has {num_heads} heads of {head_dim}, the cache {num_kv_heads} of {cache_head_dim}: "
-                             f"head sizes must match and the kv heads divide the query heads")
+        if k_cache.dim() == 4 and k_cache.shape[3] != head_dim:
+            raise ValueError(f"q has heads of {head_dim}, the cache of {k_cache.shape[3]}: head sizes must match")
+        format_code, num_kv_heads, block_size = _cache_geometry(k_cache, head_dim, kv_format)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"q has {num_heads} heads, the cache {num_kv_heads}: the kv heads must divide the "
+                             f"query heads")
         if not self.supports(head_dim):
             raise ValueError(f"head_dim={head_dim} is not a multiple of 32, which the native prefill kernel needs")
         if q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -259,7 +291,7 @@ class PrefillKernel:
         out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype)
         failed = self._function(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(q.dtype == torch.bfloat16),
-            tables.ctypes.data, tables.shape[1], chunks.query_starts.ctypes.data, chunks.query_lens.ctypes.data,
+            format_code, tables.ctypes.data, tables.shape[1], chunks.query_starts.ctypes.data, chunks.query_lens.ctypes.data,
             chunks.seq_lens.ctypes.data, len(chunks.query_lens), out.data_ptr(), num_heads, num_kv_heads, head_dim,
             block_size, scale, sliding_window,
         )
@@ -336,22 +368,35 @@ class CpuOps:
 
 
 class KVWriter:
-    """write_kv_rows: the step's keys and values into their cache rows (the torch path's index_copy_)."""
+    """write_kv_rows: the step's keys and values into their cache rows (the torch path's index_copy_); for a
+    quantized format, write_kv_rows_quantized (kv_spec.py's KVCacheFormat.quantize, byte for byte)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._function = library.write_kv_rows
         self._function.restype = None
         self._function.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+        self._quantized = library.write_kv_rows_quantized
+        self._quantized.restype = None
+        self._quantized.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
+
+    @staticmethod
+    def writes(kv_format: KVCacheFormat, dtype: torch.dtype) -> bool:
+        """Whether K/V of `dtype` go into a cache of `kv_format` here (quantizing takes float32 or bfloat16)."""
+        return not kv_format.quantized or dtype in KERNEL_DTYPES
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 rows: torch.Tensor) -> None:
+                 rows: torch.Tensor, kv_format: KVCacheFormat | None = None) -> None:
         """k, v: [tokens, kv_heads, head_dim] (rows may be strided, heads contiguous); caches contiguous
-        [num_blocks, kv_heads, block_size, head_dim]; rows: int64 [tokens * kv_heads] (kv_write_index)."""
+        [num_blocks, kv_heads, block_size, head_dim] (or runs of a quantized `kv_format`); rows: int64
+        [tokens * kv_heads] (kv_write_index)."""
         tokens, num_kv_heads, head_dim = k.shape
+        quantized = kv_format is not None and kv_format.quantized
+        if quantized and v.dtype != k.dtype:
+            raise ValueError(f"k is {k.dtype} and v {v.dtype}; quantizing takes them in one dtype")
         for name, x in (("k", k), ("v", v)):
-            if x.dtype != k_cache.dtype or x.shape != k.shape:
-                raise ValueError(f"{name} is {x.dtype} {tuple(x.shape)}; the cache takes {k_cache.dtype} "
-                                 f"{tuple(k.shape)}")
+            if (x.dtype not in KERNEL_DTYPES if quantized else x.dtype != k_cache.dtype) or x.shape != k.shape:
+                wanted = "float32 or bfloat16" if quantized else k_cache.dtype
+                raise ValueError(f"{name} is {x.dtype} {tuple(x.shape)}; the cache takes {wanted} {tuple(k.shape)}")
         k, v = (x if x.stride(2) == 1 and x.stride(1) == head_dim else x.contiguous() for x in (k, v))
         if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
             raise ValueError("write_kv_rows needs contiguous caches of one dtype")
@@ -359,6 +404,12 @@ class KVWriter:
         if rows.numel() != tokens * num_kv_heads or not rows.is_contiguous():
             raise ValueError(f"rows has {rows.numel()} entries; {tokens} tokens x {num_kv_heads} heads need "
                              f"as many, contiguous")
+        if quantized:
+            format_code, _, block_size = _cache_geometry(k_cache, head_dim, kv_format)
+            self._quantized(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
+                            v_cache.data_ptr(), rows.data_ptr(), tokens, num_kv_heads, head_dim, block_size,
+                            int(k.dtype == torch.bfloat16), format_code)
+            return
         self._function(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
                        v_cache.data_ptr(), rows.data_ptr(), tokens, num_kv_heads, head_dim, k.element_size())
 

@@ -15,6 +15,10 @@ own keys and values with `is_causal=True`, with no gather and no padding; a chun
 (chunked prefill, a prefix-cache hit, a resumed request) gathers its context and attends with a causal mask
 aligned to the lower right, because its first query sits `num_computed` tokens into the sequence.
 
+A quantized cache (kv_spec.py: fp8 or int8 codes with a scale per row) is written by quantizing each row; the
+torch path attends the dequantized cache in float32 (a chunk that starts its sequence attends its own K/V as the
+cache gives them back), which is the reference the kernels that read the codes directly are tested against.
+
 A layer with a sliding window of W tokens (`models/sliding_window.py`) lets the query at position p see
 keys in (p - W, p] only. Its decodes and chunks read only the blocks that window touches: block-table
 entries before it may be holes (`core.block_pool.HOLE`, blocks already given back to the pool), so they are
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import AttentionShape, StepAttentionInputs
+from pagellm.attention.kv_spec import KVCacheFormat
 from pagellm.attention.native import DecodeKernel, PrefillChunks, PrefillKernel
 from pagellm.cpu_features import cpu_has_native
 
@@ -81,6 +86,9 @@ class AttentionMetadata:
     native_prefill: tuple[PrefillKernel, PrefillChunks] | None = None
     # The backend whose forward serves this metadata; None is the torch path below.
     backend: object | None = None
+    # A quantized cache's format (kv_spec.py) and its block size; None: the cache holds K/V in their own dtype.
+    kv_format: KVCacheFormat | None = None
+    block_size: int = 0
 
 
 def kv_write_index(block_ids: np.ndarray, offsets: np.ndarray, num_kv_heads: int, block_size: int) -> np.ndarray:
@@ -90,27 +98,42 @@ def kv_write_index(block_ids: np.ndarray, offsets: np.ndarray, num_kv_heads: int
     return ((block_ids[:, None] * num_kv_heads + heads[None, :]) * block_size + offsets[:, None]).reshape(-1)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor) -> None:
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+             kv_format: KVCacheFormat | None = None) -> None:
     head_dim = k.shape[-1]
+    if kv_format is not None and kv_format.quantized:
+        for x, cache in ((k, k_cache), (v, v_cache)):
+            codes, scales = kv_format.split(cache, head_dim)
+            blocks, heads, block_size, _ = codes.shape
+            new_codes, new_scales = kv_format.quantize(x.reshape(-1, head_dim))
+            runs, offsets = rows // block_size, rows % block_size
+            codes.view(blocks * heads, block_size, head_dim)[runs, offsets] = new_codes
+            scales.view(blocks * heads, block_size)[runs, offsets] = new_scales
+        return
     k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
     v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim))
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_seqs, num_kv_heads, max_blocks * block_size, head_dim] keys or values of each sequence."""
-    _, num_kv_heads, block_size, head_dim = cache.shape
-    num_seqs, max_blocks = block_tables.shape
-    gathered = cache[block_tables]  # [num_seqs, max_blocks, kv_heads, block_size, head_dim]
-    return gathered.transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, kv_format: KVCacheFormat | None = None,
+              head_dim: int = 0) -> torch.Tensor:
+    """[num_seqs, num_kv_heads, max_blocks * block_size, head_dim] keys or values of each sequence; from a
+    quantized cache (of heads of `head_dim`), dequantized to float32."""
+    if kv_format is not None and kv_format.quantized:
+        codes, scales = kv_format.split(cache, head_dim)
+        values = kv_format.dequantize(codes[block_tables], scales[block_tables])
+    else:
+        values = cache[block_tables]  # [num_seqs, max_blocks, kv_heads, block_size, head_dim]
+    num_seqs, max_blocks, num_kv_heads, block_size, head_dim = values.shape
+    return values.transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
 
 
 def _attend(q, k, v, mask, scale, is_causal: bool = False) -> torch.Tensor:
     # q: [B, H, Q, D]; k/v: [B, KVH, L, D]. enable_gqa maps query head h to kv head h // (H / KVH)
     # without materialising repeated K/V (measured ~3x faster on a decode batch, bit-identical).
     dtype = q.dtype
-    if q.device.type == "cpu" and not cpu_has_native(dtype):
+    if q.device.type == "cpu" and not cpu_has_native(dtype) or k.dtype != dtype:
         # Emulated half SDPA is several times slower than float32 SDPA on widened inputs (which
-        # accumulates in float32 as the half kernel does).
+        # accumulates in float32 as the half kernel does). A dequantized cache is float32.
         q, k, v = q.float(), k.float(), v.float()
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
                                          enable_gqa=q.shape[1] != k.shape[1])
@@ -118,15 +141,18 @@ def _attend(q, k, v, mask, scale, is_causal: bool = False) -> torch.Tensor:
 
 
 def _decode_attention(q, k_cache, v_cache, decode: DecodeMetadata, kernel: DecodeKernel | None, scale,
-                      sliding_window: int | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, kv_format: KVCacheFormat | None = None,
+                      block_size: int = 0) -> torch.Tensor:
     if kernel is not None:
-        return kernel(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale, sliding_window or 0)
+        return kernel(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale, sliding_window or 0,
+                      kv_format)
+    block_size = block_size or k_cache.shape[2]
     if sliding_window is None:
-        tables, mask = decode.block_tables_tensor, _decode_mask(decode, k_cache.shape[2])
+        tables, mask = decode.block_tables_tensor, _decode_mask(decode, block_size)
     else:
-        tables, mask = _decode_window(decode, sliding_window, k_cache.shape[2])
-    k = gather_kv(k_cache, tables)
-    v = gather_kv(v_cache, tables)
+        tables, mask = _decode_window(decode, sliding_window, block_size)
+    k = gather_kv(k_cache, tables, kv_format, q.shape[-1])
+    v = gather_kv(v_cache, tables, kv_format, q.shape[-1])
     return _attend(q.unsqueeze(2), k, v, mask, scale).squeeze(2)
 
 
@@ -159,23 +185,26 @@ def _decode_window(decode: DecodeMetadata, window: int, block_size: int) -> tupl
 
 
 def _chunk_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale,
-                     sliding_window: int | None = None) -> torch.Tensor:
-    """q: [chunk, H, D]; k, v: the chunk's own [chunk, KVH, D]. Returns [chunk, H, D]."""
+                     sliding_window: int | None = None, kv_format: KVCacheFormat | None = None,
+                     block_size: int = 0) -> torch.Tensor:
+    """q: [chunk, H, D]; k, v: the chunk's own [chunk, KVH, D] (as the cache gives them back, when it is
+    quantized). Returns [chunk, H, D]."""
     num_queries = chunk.end - chunk.start
     seq_len = chunk.context_len or num_queries
+    head_dim = q.shape[-1]
     if sliding_window is not None and seq_len > sliding_window:
-        table, num_keys, mask = _chunk_window(chunk, sliding_window, k_cache.shape[2], q.device)
+        table, num_keys, mask = _chunk_window(chunk, sliding_window, block_size or k_cache.shape[2], q.device)
         if table is None:
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         else:
-            k = gather_kv(k_cache, table[None])[0, :, :num_keys]
-            v = gather_kv(v_cache, table[None])[0, :, :num_keys]
+            k = gather_kv(k_cache, table[None], kv_format, head_dim)[0, :, :num_keys]
+            v = gather_kv(v_cache, table[None], kv_format, head_dim)[0, :, :num_keys]
         out = _attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale)
         return out[0].transpose(0, 1)
     mask = None
     if chunk.block_table is not None:
-        k = gather_kv(k_cache, chunk.block_table[None])[0, :, : chunk.context_len]
-        v = gather_kv(v_cache, chunk.block_table[None])[0, :, : chunk.context_len]
+        k = gather_kv(k_cache, chunk.block_table[None], kv_format, head_dim)[0, :, : chunk.context_len]
+        v = gather_kv(v_cache, chunk.block_table[None], kv_format, head_dim)[0, :, : chunk.context_len]
         mask = _chunk_mask(chunk, q.device)
     else:
         k, v = k.transpose(0, 1), v.transpose(0, 1)
@@ -235,23 +264,27 @@ def paged_attention(
 
 def torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale: float,
                           sliding_window: int | None = None) -> torch.Tensor:
-    (meta.native_write or write_kv)(k, v, k_cache, v_cache, meta.kv_write_index)
+    kv_format = meta.kv_format
+    (meta.native_write or write_kv)(k, v, k_cache, v_cache, meta.kv_write_index, kv_format)
     num_decodes = meta.num_decode_tokens
+    block_size = meta.block_size
     parts = []
     if num_decodes:
         parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode, meta.native_decode, scale,
-                                       sliding_window))
+                                       sliding_window, kv_format, block_size))
     if meta.native_prefill is not None:
         # Every chunk, however short, goes to the kernel: measured per chunk length against flash SDPA
         # (benchmarks/cpu_attention.py), it costs about what SDPA does at a single token (and one call serves
         # all the step's chunks) and is several times faster on long chunks, so no length threshold sends
         # chunks back to the torch path.
         kernel, chunks = meta.native_prefill
-        parts.append(kernel(q[num_decodes:], k_cache, v_cache, chunks, scale, sliding_window or 0))
+        parts.append(kernel(q[num_decodes:], k_cache, v_cache, chunks, scale, sliding_window or 0, kv_format))
+    if meta.prefill_chunks and kv_format is not None:
+        k, v = kv_format.round_trip(k), kv_format.round_trip(v)
     for chunk in meta.prefill_chunks:
         start, end = num_decodes + chunk.start, num_decodes + chunk.end
         parts.append(_chunk_attention(q[start:end], k[start:end], v[start:end], k_cache, v_cache, chunk, scale,
-                                      sliding_window))
+                                      sliding_window, kv_format, block_size))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -268,6 +301,8 @@ class TorchAttentionBackend:
         self.native_decode = native_decode
         self.native_write = native_write
         self.native_prefill = native_prefill
+        # Only a quantized format changes what the torch path does; an unquantized cache has the model's dtype.
+        self.kv_format = shape.quantized_cache
         if native_decode is not None or native_prefill is not None:
             self.name = "cpu-native"
 
@@ -294,10 +329,12 @@ class TorchAttentionBackend:
             native_decode=self.native_decode,
             native_write=self.native_write,
             native_prefill=native_prefill,
+            kv_format=self.kv_format,
+            block_size=block_size,
         )
 
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        (meta.native_write or write_kv)(k, v, k_cache, v_cache, meta.kv_write_index)
+        (meta.native_write or write_kv)(k, v, k_cache, v_cache, meta.kv_write_index, meta.kv_format)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:

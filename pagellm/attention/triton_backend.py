@@ -5,6 +5,9 @@ prefill query-tile list to the device once; every layer then launches: the K/V w
 kernel over all decodes (plus a reduce when split), and one prefill kernel over every prefill chunk
 of the step (no gather, no per-sequence loop).
 
+A quantized cache (kv_spec.py) is handed to the kernels as the layer's bytes for the codes and the same bytes
+as int16 for the scales (`_cache_args`); the kernels quantize as they write and dequantize as they read.
+
 A decode-only step can also be described by static buffers (`StaticDecodeBuffers`), whose metadata a
 CUDA graph replays: its split count is fixed at capture from max_model_len, and padding rows (length 0,
 slot -1) write nothing and read nothing.
@@ -149,18 +152,34 @@ class TritonAttentionBackend:
 
     # ---- kernels ----------------------------------------------------------------------------------
 
+    def _cache_args(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[list, dict]:
+        """The kernels' cache arguments: (k, v, k scales, v scales, strides of a block, a head and a position, of
+        a block's and a head's scales, where a run's scales start) and the QUANT constant."""
+        _check_cache(k_cache, v_cache)
+        kv_format = self.shape.quantized_cache
+        if kv_format is None:
+            strides = [k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)]
+            return [k_cache, v_cache, k_cache, v_cache, *strides, 0, 0, 0], {}
+        # Scales as int16: a (block, head) run's byte strides halve, and its scales follow its codes.
+        scale_offset = self.shape.block_size * self.shape.head_dim // 2
+        args = [k_cache, v_cache, k_cache.view(torch.int16), v_cache.view(torch.int16), k_cache.stride(0),
+                k_cache.stride(1), self.shape.head_dim, k_cache.stride(0) // 2, k_cache.stride(1) // 2, scale_offset]
+        return args, {"QUANT": kv_format.code}
+
     def write_kv(self, k, v, k_cache, v_cache, meta: TritonMetadata) -> None:
         num_tokens = meta.slot_mapping.shape[0]
         if num_tokens == 0:
             return
-        _check_cache(k_cache, v_cache)
         shape = self.shape
+        cache_args, quant = self._cache_args(k_cache, v_cache)
+        if quant:
+            quant["MAX"] = shape.kv_format.max_value
+        k_cache, v_cache, k_scales, v_scales, *strides = cache_args
         kernels.write_kv_kernel[(num_tokens,)](
-            k, v, k_cache, v_cache, meta.slot_mapping,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            k, v, k_cache, v_cache, k_scales, v_scales, meta.slot_mapping,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides,
             NUM_KV_HEADS=shape.num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(shape.num_kv_heads),
-            HEAD_DIM=shape.head_dim, DIM_PAD=self.dim_pad, BLOCK_SIZE=shape.block_size,
+            HEAD_DIM=shape.head_dim, DIM_PAD=self.dim_pad, BLOCK_SIZE=shape.block_size, **quant,
         )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float,
@@ -193,12 +212,13 @@ class TritonAttentionBackend:
                                       device=q.device)
             partial_max = torch.empty((num_seqs, shape.num_heads, num_splits), dtype=torch.float32, device=q.device)
             partial_sum = torch.empty_like(partial_max)
+        cache_args, quant = self._cache_args(k_cache, v_cache)
+        caches, strides = cache_args[:4], cache_args[4:]
         kernels.paged_decode_kernel[(num_seqs, shape.num_kv_heads, num_splits)](
-            out, partial_out, partial_max, partial_sum, q, k_cache, v_cache, block_tables, seq_lens, scale, window,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            out, partial_out, partial_max, partial_sum, q, *caches, block_tables, seq_lens, scale, window,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *strides,
             GROUP=shape.group, GROUP_PAD=self.group_pad, BLOCK_SIZE=shape.block_size, TILE_N=DECODE_TILE_N,
-            NUM_SPLITS=num_splits, IEEE=ieee, num_warps=DECODE_NUM_WARPS, **common,
+            NUM_SPLITS=num_splits, IEEE=ieee, num_warps=DECODE_NUM_WARPS, **common, **quant,
         )
         if num_splits > 1:
             kernels.reduce_splits_kernel[(num_seqs, shape.num_heads)](
@@ -209,13 +229,15 @@ class TritonAttentionBackend:
     def prefill(self, out, q, k_cache, v_cache, meta: TritonMetadata, scale: float,
                 window: int = kernels.NO_WINDOW) -> None:
         shape = self.shape
+        cache_args, quant = self._cache_args(k_cache, v_cache)
+        caches, strides = cache_args[:4], cache_args[4:]
         kernels.paged_prefill_kernel[(meta.num_tiles, shape.num_kv_heads)](
-            out, q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_starts,
+            out, q, *caches, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_starts,
             meta.tile_seqs, meta.tile_first_queries, scale, window,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.prefill_block_tables.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.prefill_block_tables.stride(0), *strides,
             GROUP=shape.group, BLOCK_Q=self.block_q, BLOCK_M=self.prefill_block_m, HEAD_DIM=shape.head_dim,
             DIM_PAD=self.dim_pad, BLOCK_SIZE=shape.block_size, TILE_N=PREFILL_TILE_N, IEEE=q.dtype == torch.float32,
+            **quant,
         )
 
 

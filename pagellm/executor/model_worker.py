@@ -91,7 +91,7 @@ class ModelWorker:
         quant_config = None if source.is_gguf else quantization_config_for(hf_config, args.quantization)
         planned = planned_model(hf_config, max_model_len, dtype, group, quant_config)
         planned_spec = KVCacheSpec(hf_config.num_hidden_layers, planned.num_kv_heads, head_dim_of(hf_config),
-                                   args.block_size, dtype)
+                                   args.block_size, dtype, args.kv_cache_dtype)
         least_pool = _explicit_pool(args, planned_spec) or LeastPool(
             need_blocks * planned_spec.bytes_per_block, f"one request of max_model_len={max_model_len}",
             "max_model_len")
@@ -110,9 +110,11 @@ class ModelWorker:
         self.model_info = ModelInfo(source, hf_config, tokenizer, eos_ids, max_model_len, dtype, device)
         self.group = group
 
-        self.runner = ModelRunner(model, device, args.block_size, max_model_len, args.max_num_seqs, args.seed, eos_ids)
         spec = KVCacheSpec(hf_config.num_hidden_layers, model.num_kv_heads_per_rank, head_dim_of(hf_config),
-                           args.block_size, dtype)
+                           args.block_size, dtype, args.kv_cache_dtype)
+        self.kv_spec = spec
+        self.runner = ModelRunner(model, device, args.block_size, max_model_len, args.max_num_seqs, args.seed, eos_ids,
+                                  spec.format)
         self.weights_bytes = model.weights_bytes()
         # A step can never hold more than max_num_seqs sequences of max_model_len tokens.
         profile_tokens = min(budget, args.max_num_seqs * max_model_len)

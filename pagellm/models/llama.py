@@ -200,8 +200,7 @@ class LlamaForCausalLM(nn.Module):
         self.group = current_group()
         # The activations' dtype: the model is built with it as the default (weights may be stored otherwise).
         self.activation_dtype = torch.get_default_dtype()
-        # For the start-up log: how the weights are stored.
-        self.weight_format = quant_config.describe() if quant_config is not None else "unquantized"
+        self.quant_config = quant_config
         self.model = self.model_class(config, max_positions, quant_config)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         vocab_parallel = self.group.size > 1 and lm_head_mode() == "vocab_parallel"
@@ -214,6 +213,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config, "lm_head",
                                           vocab_parallel)
+
+    @property
+    def weight_format(self) -> str:
+        """How the weights are stored, for the start-up log (after loading: a method names its kernels then)."""
+        return self.quant_config.describe() if self.quant_config is not None else "unquantized"
 
     @property
     def num_heads_per_rank(self) -> int:

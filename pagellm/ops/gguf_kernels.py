@@ -136,13 +136,17 @@ def _row_ids(row_ids: torch.Tensor | np.ndarray, out_features: int) -> torch.Ten
 
 class TorchGGUFOps:
     """The same operations in numpy/torch: dequantize (pagellm.models.gguf_quants, equal to the gguf package's),
-    then F.linear in float32. Where the C kernels cannot be built, and the reference they are tested against."""
+    then F.linear in float32: the reference the kernels are tested against. Where the C kernels cannot be built
+    a model gets it with keeps_blocks=False: it takes no block type, so the layers dequantize once at load and
+    run dense, instead of dequantizing the whole model at every step."""
 
     isa = "torch"
 
-    @staticmethod
-    def supports(type_name: str) -> bool:
-        return type_name in _FORMATS
+    def __init__(self, keeps_blocks: bool = True) -> None:
+        self.keeps_blocks = keeps_blocks
+
+    def supports(self, type_name: str) -> bool:
+        return self.keeps_blocks and type_name in _FORMATS
 
     def dequantize_rows(self, weight: torch.Tensor, type_name: str, row_ids: torch.Tensor | np.ndarray,
                         in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -320,4 +324,4 @@ def gguf_ops(isa: str | None = None,
         from pagellm.ops.triton_gguf import TritonGGUFKernels
 
         return TritonGGUFKernels()
-    return gguf_kernels(isa) or TorchGGUFOps()
+    return gguf_kernels(isa) or TorchGGUFOps(keeps_blocks=False)

@@ -12,26 +12,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagellm.attention.kv_spec import KVCacheSpec
+
 logger = logging.getLogger(__name__)
 GiB = 1024**3
 
 
-@dataclass(frozen=True)
-class KVCacheSpec:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
-
-
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """One pool tensor [num_layers, 2 (K, V), num_blocks, kv_heads, block_size, head_dim].
+    """One pool tensor [num_layers, 2 (K, V), num_blocks, kv_heads, block_size, head_dim] (or, for a quantized
+    format, [..., kv_heads, run bytes]: see kv_spec.py).
 
     Head before position: a block's keys for one head are one contiguous run, which is what decode
     attention streams through per (sequence, kv head).
@@ -39,8 +28,8 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
     Zeroed because masked-out slots still enter the attention product with weight 0, and stale
     NaN/inf bytes times 0 would be NaN.
     """
-    shape = (spec.num_layers, 2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
-    pool = _zeroed_cpu(shape, spec.dtype) if device.type == "cpu" else torch.zeros(shape, dtype=spec.dtype, device=device)
+    shape, dtype = spec.pool_shape(num_blocks), spec.format.storage_dtype
+    pool = _zeroed_cpu(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
     return pool
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.backend import AttentionShape, select_backend
+from pagellm.attention.kv_spec import KVCacheFormat
 from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of
@@ -32,6 +33,7 @@ class ModelRunner:
         max_num_seqs: int,
         seed: int,
         eos_token_ids: set[int],
+        kv_format: KVCacheFormat | None = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -50,7 +52,8 @@ class ModelRunner:
         self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # This rank's heads (all of them without tensor parallelism).
-        shape = AttentionShape(model.num_heads_per_rank, self.num_kv_heads, head_dim_of(model.config), block_size)
+        shape = AttentionShape(model.num_heads_per_rank, self.num_kv_heads, head_dim_of(model.config), block_size,
+                               kv_format)
         self.attn_backend = select_backend(device, model.activation_dtype, shape)
         self.max_num_seqs = max_num_seqs
         # Captured after the KV pool exists (capture_cuda_graphs); None runs every step eagerly.

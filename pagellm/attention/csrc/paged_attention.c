@@ -9,7 +9,10 @@
  *   q, out        [num_seqs, num_heads, head_dim] float32, or bfloat16 (q widened on entry, out rounded to
  *                 nearest even once on store, as SDPA in bfloat16 does; all arithmetic is float32)
  *   k/v_cache     [num_blocks, num_kv_heads, block_size, head_dim]: one head of a block is contiguous;
- *                 float32, or bfloat16 (widened to float32 as it is loaded)
+ *                 float32, or bfloat16 (widened to float32 as it is loaded); or, in a quantized format, runs
+ *                 of [block_size][head_dim] one-byte codes and block_size scales (kv_format.h), the codes
+ *                 widened in registers, each key's scale folded into its score and each value's into its
+ *                 softmax weight
  *   block_tables  [num_seqs, table_stride] int64
  *   context_lens  [num_seqs] int64, each >= 1
  *   sliding_window  0 for full attention; else a sequence of context_len L attends only the keys at
@@ -21,7 +24,7 @@
  */
 #include <stdlib.h>
 
-#include "vec.h"
+#include "kv_format.h"
 
 
 /* Query heads that share a kv head are handled up to this many at a time, so that each key and value is
@@ -34,20 +37,34 @@ static ALWAYS_INLINE void prefetch_run(const void *run, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)run + i, 0, 3);
 }
 
-static ALWAYS_INLINE const void *element(const void *cache, int64_t index, const int bf16) {
-    return bf16 ? (const void *)((const uint16_t *)cache + index) : (const void *)((const float *)cache + index);
+static ALWAYS_INLINE const void *element(const void *cache, int64_t index, const int format) {
+    return (const char *)cache + index * kv_element_bytes(format);
 }
 
 /* The keys a sequence attends, [first, context_len), walked block by block: `run` keys of the block holding
- * position `position`, starting at cache element `start` (its first key's first element). */
+ * position `position`, starting at cache element `start` (its first key's first element). A (block, head) run
+ * is run_elements long (its scales after its codes when quantized). */
 typedef struct {
     const int64_t *table;
-    int64_t first, context_len, block_size, block_stride, head_offset, head_dim;
+    int64_t first, context_len, block_size, block_stride, head_offset, head_dim, run_elements;
 } KeyRange;
 
 static ALWAYS_INLINE int64_t run_start(const KeyRange *keys, int64_t position) {
     return keys->table[position / keys->block_size] * keys->block_stride + keys->head_offset +
            (position % keys->block_size) * keys->head_dim;
+}
+
+/* Where the scale of the key at `position` is (quantized formats): after its run's codes. */
+static ALWAYS_INLINE const void *scale_of(const KeyRange *keys, const void *cache, int64_t position) {
+    return (const char *)cache + keys->table[position / keys->block_size] * keys->block_stride + keys->head_offset +
+           keys->block_size * keys->head_dim + (position % keys->block_size) * KV_SCALE_BYTES;
+}
+
+/* Bytes to prefetch for `length` keys from `position`: their rows, and for a quantized run the rest of it,
+ * where their scales are. */
+static ALWAYS_INLINE int64_t rows_bytes(const KeyRange *keys, int64_t position, int64_t length, const int format) {
+    if (!kv_quantized(format)) return length * keys->head_dim * kv_element_bytes(format);
+    return keys->run_elements - (position % keys->block_size) * keys->head_dim;
 }
 
 static ALWAYS_INLINE int64_t run_length(const KeyRange *keys, int64_t position) {
@@ -57,10 +74,10 @@ static ALWAYS_INLINE int64_t run_length(const KeyRange *keys, int64_t position) 
 
 /* Prefetch the block `ahead` blocks after the one holding `position`, if the range reaches into it. */
 static ALWAYS_INLINE void prefetch_block_ahead(const KeyRange *keys, const void *cache, int64_t position,
-                                               int64_t ahead, const int bf16) {
+                                               int64_t ahead, const int format) {
     const int64_t target = (position / keys->block_size + ahead) * keys->block_size;
     if (target < keys->context_len)
-        prefetch_run(element(cache, run_start(keys, target), bf16), keys->block_size * keys->head_dim * (bf16 ? 2 : 4));
+        prefetch_run(element(cache, run_start(keys, target), format), keys->run_elements * kv_element_bytes(format));
 }
 
 /* Decode attention is bound by DRAM reads of blocks scattered over the pool, and one block ahead leaves too
@@ -90,14 +107,15 @@ static ALWAYS_INLINE void prefetch_share(const Prefetches *prefetches, int64_t s
  * key's products are summed in its own accumulator and the VEC horizontal sums are done together (vsums),
  * where one sum per key and head took a third of the kernel's instructions. q16, where not NULL, is q in
  * bfloat16 (then the cache is bfloat16 too): with avx512_bf16, one VDPBF16PS multiplies 32 pairs and adds
- * them in float32, where widening the keys and multiplying in float32 takes five instructions per 16. */
+ * them in float32, where widening the keys and multiplying in float32 takes five instructions per 16.
+ * `scale` is per key (lane): the softmax scale, times the key's own scale in a quantized cache. */
 static ALWAYS_INLINE fvec key_scores(const float *restrict q, const uint16_t *restrict q16,
                                      const void *restrict k_cache, const int64_t *keys, int64_t head_dim,
-                                     const int bf16, float scale) {
+                                     const int format, fvec scale) {
     fvec acc[VEC];
     for (int i = 0; i < VEC; ++i) acc[i] = splat(0.0f);
 #ifdef HAVE_BF16_DOT
-    if (bf16 && q16 != NULL) {
+    if (format == KV_BF16 && q16 != NULL) {
         for (int64_t d = 0; d < head_dim; d += 2 * VEC)
             for (int i = 0; i < VEC; ++i)
                 acc[i] = dot_bf16_pairs(acc[i], q16 + d, (const uint16_t *)k_cache + keys[i] + d);
@@ -106,27 +124,31 @@ static ALWAYS_INLINE fvec key_scores(const float *restrict q, const uint16_t *re
     {
         for (int64_t d = 0; d < head_dim; d += VEC) {
             const fvec qd = vload(q + d);
-            for (int i = 0; i < VEC; ++i) acc[i] += qd * load_any(k_cache, keys[i] + d, bf16);
+            for (int i = 0; i < VEC; ++i) acc[i] += qd * load_kv(k_cache, keys[i] + d, format);
         }
     }
     return vsums(acc) * scale;
 }
 
 /* scores[h * stride + i] = scale * q_h . key_i for the `count` keys of one run, starting at element `start`
- * of the cache, VEC keys at a time; a last group of fewer repeats its last key in the unused lanes, which
- * are not stored. */
+ * of the cache (their scales at `scales` when quantized), VEC keys at a time; a last group of fewer repeats its
+ * last key in the unused lanes, which are not stored. */
 static ALWAYS_INLINE void run_scores(const float *restrict q, const uint16_t *restrict q16,
-                                     const void *restrict k_cache, int64_t start, int64_t count, int64_t head_dim,
-                                     const int heads, const int bf16, float scale, float *restrict scores,
-                                     int64_t stride, const Prefetches *prefetches) {
+                                     const void *restrict k_cache, int64_t start, const void *scales, int64_t count,
+                                     int64_t head_dim, const int heads, const int format, float scale,
+                                     float *restrict scores, int64_t stride, const Prefetches *prefetches) {
     for (int64_t first = 0; first < count; first += VEC) {
         const int64_t n = count - first < VEC ? count - first : VEC;
         int64_t keys[VEC];
-        for (int i = 0; i < VEC; ++i) keys[i] = start + (first + (i < n ? i : n - 1)) * head_dim;
+        fvec scale_per_key = splat(scale);
+        for (int i = 0; i < VEC; ++i) {
+            keys[i] = start + (first + (i < n ? i : n - 1)) * head_dim;
+            if (kv_quantized(format)) scale_per_key[i] = scale * kv_row_scale(scales, first + (i < n ? i : n - 1), format);
+        }
         for (int h = 0; h < heads; ++h) {
             prefetch_share(prefetches, first / VEC * heads + h, (count + VEC - 1) / VEC * heads);
             const fvec s = key_scores(q + h * head_dim, q16 != NULL ? q16 + h * head_dim : NULL, k_cache, keys,
-                                      head_dim, bf16, scale);
+                                      head_dim, format, scale_per_key);
             if (n == VEC) vstore(scores + h * stride + first, s);
             else memcpy(scores + h * stride + first, &s, sizeof(float) * n);
         }
@@ -173,15 +195,15 @@ typedef struct {
 } Upcoming;
 
 /* Block `block` (counted from the first attended) of the upcoming item's keys, as a run to prefetch. */
-static ALWAYS_INLINE Prefetches upcoming_key_block(const Upcoming *upcoming, int64_t block, const int bf16) {
+static ALWAYS_INLINE Prefetches upcoming_key_block(const Upcoming *upcoming, int64_t block, const int format) {
     Prefetches run = {.runs = {NULL, NULL}, .bytes = {0, 0}};
     if (upcoming == NULL || upcoming->k_cache == NULL) return run;
     const KeyRange *keys = &upcoming->keys;
     int64_t position = (keys->first / keys->block_size + block) * keys->block_size;
     position = position > keys->first ? position : keys->first;
     if (position >= keys->context_len) return run;
-    run.runs[0] = (const char *)element(upcoming->k_cache, run_start(keys, position), bf16);
-    run.bytes[0] = run_length(keys, position) * keys->head_dim * (bf16 ? 2 : 4);
+    run.runs[0] = (const char *)element(upcoming->k_cache, run_start(keys, position), format);
+    run.bytes[0] = rows_bytes(keys, position, run_length(keys, position), format);
     return run;
 }
 
@@ -199,7 +221,7 @@ static ALWAYS_INLINE Prefetches upcoming_key_block(const Upcoming *upcoming, int
  * range]: one piece of every head at a time, so each value line is read once for all heads. */
 static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, const KeyRange *keys,
                                              const void *restrict v_cache, int64_t offset, const int vectors,
-                                             const int heads, const int bf16, const float *restrict inverse,
+                                             const int heads, const int format, const float *restrict inverse,
                                              float *restrict out, const Upcoming *upcoming) {
     const int64_t count = keys->context_len - keys->first, head_dim = keys->head_dim;
     int64_t block = 0;
@@ -208,16 +230,19 @@ static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, cons
         for (int c = 0; c < vectors; ++c) acc[h][c] = splat(0.0f);
     for (int64_t position = keys->first; position < keys->context_len;) {
         const int64_t start = run_start(keys, position) + offset, length = run_length(keys, position);
-        if (offset == 0) prefetch_block_ahead(keys, v_cache, position, 1, bf16);
-        const Prefetches next_keys = upcoming_key_block(upcoming, block++, bf16);
+        if (offset == 0) prefetch_block_ahead(keys, v_cache, position, 1, format);
+        const Prefetches next_keys = upcoming_key_block(upcoming, block++, format);
         const float *w = weights + (position - keys->first);
+        const void *scales = kv_quantized(format) ? scale_of(keys, v_cache, position) : NULL;
         for (int64_t i = 0; i < length; ++i) {
             prefetch_share(&next_keys, i, length);
             const int64_t value = start + i * head_dim;
+            /* A quantized value row's scale multiplies its softmax weight: one product per row and head. */
+            const float value_scale = kv_quantized(format) ? kv_row_scale(scales, i, format) : 1.0f;
             fvec v[MAX_PIECE_VECTORS];
-            for (int c = 0; c < vectors; ++c) v[c] = load_any(v_cache, value + VEC * c, bf16);
+            for (int c = 0; c < vectors; ++c) v[c] = load_kv(v_cache, value + VEC * c, format);
             for (int h = 0; h < heads; ++h) {
-                const fvec weight = splat(w[h * count + i]);
+                const fvec weight = splat(w[h * count + i] * value_scale);
                 for (int c = 0; c < vectors; ++c) acc[h][c] += weight * v[c];
             }
         }
@@ -232,21 +257,22 @@ static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, cons
 static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *restrict q16,
                                        const void *restrict k_cache,
                                        const void *restrict v_cache, const KeyRange *keys, const int heads,
-                                       const int bf16, float scale, float *restrict scores, float *restrict out,
+                                       const int format, float scale, float *restrict scores, float *restrict out,
                                        const Upcoming *upcoming) {
     const int64_t count = keys->context_len - keys->first;
     for (int64_t ahead = 1; ahead < KEY_PREFETCH_AHEAD; ++ahead)
-        prefetch_block_ahead(keys, k_cache, keys->first, ahead, bf16);
+        prefetch_block_ahead(keys, k_cache, keys->first, ahead, format);
     for (int64_t position = keys->first; position < keys->context_len;) {
         const int64_t length = run_length(keys, position);
-        const int64_t element_bytes = bf16 ? 2 : 4;
         const int64_t ahead = (position / keys->block_size + KEY_PREFETCH_AHEAD) * keys->block_size;
         const Prefetches prefetches = {
-            .runs = {ahead < keys->context_len ? (const char *)element(k_cache, run_start(keys, ahead), bf16) : NULL,
-                     (const char *)element(v_cache, run_start(keys, position), bf16)},
-            .bytes = {keys->block_size * keys->head_dim * element_bytes, length * keys->head_dim * element_bytes},
+            .runs = {ahead < keys->context_len ? (const char *)element(k_cache, run_start(keys, ahead), format)
+                                               : NULL,
+                     (const char *)element(v_cache, run_start(keys, position), format)},
+            .bytes = {keys->run_elements * kv_element_bytes(format), rows_bytes(keys, position, length, format)},
         };
-        run_scores(q, q16, k_cache, run_start(keys, position), length, keys->head_dim, heads, bf16, scale,
+        const void *scales = kv_quantized(format) ? scale_of(keys, k_cache, position) : NULL;
+        run_scores(q, q16, k_cache, run_start(keys, position), scales, length, keys->head_dim, heads, format, scale,
                    scores + (position - keys->first), count, &prefetches);
         position += length;
     }
@@ -256,9 +282,10 @@ static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *
         const int wide = keys->head_dim - offset >= WIDE_PIECE_FLOATS;
         const Upcoming *next = offset == 0 ? upcoming : NULL;  /* the next item's keys are asked for once */
         if (wide)
-            piece_weighted_sum(scores, keys, v_cache, offset, WIDE_PIECE_FLOATS / VEC, heads, bf16, inverse, out, next);
+            piece_weighted_sum(scores, keys, v_cache, offset, WIDE_PIECE_FLOATS / VEC, heads, format, inverse, out,
+                               next);
         else
-            piece_weighted_sum(scores, keys, v_cache, offset, PIECE_FLOATS / VEC, heads, bf16, inverse, out, next);
+            piece_weighted_sum(scores, keys, v_cache, offset, PIECE_FLOATS / VEC, heads, format, inverse, out, next);
         offset += wide ? WIDE_PIECE_FLOATS : PIECE_FLOATS;
     }
 }
@@ -266,7 +293,7 @@ static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *
 /* One (sequence, kv head): the `group` query heads that share it, head_dim a multiple of PIECE_FLOATS.
  * q and out are [group][head_dim] float32; scores is [group][keys attended]. */
 static void attend_one(const float *restrict q, const uint16_t *restrict q16, const void *restrict k_cache,
-                       const void *restrict v_cache, const KeyRange *keys, int64_t group, int bf16, float scale,
+                       const void *restrict v_cache, const KeyRange *keys, int64_t group, int format, float scale,
                        float *restrict scores, float *restrict out, const Upcoming *upcoming) {
     const int64_t count = keys->context_len - keys->first;
     for (int64_t first = 0; first < group; first += MAX_HEADS_PER_PASS) {
@@ -276,17 +303,22 @@ static void attend_one(const float *restrict q, const uint16_t *restrict q16, co
         float *hs = scores + first * count, *ho = out + first * keys->head_dim;
         /* Constant head counts and cache types per call, so attend_heads specialises for each. */
         const Upcoming *next = first + MAX_HEADS_PER_PASS >= group ? upcoming : NULL;
-#define ATTEND(HEADS, BF16) attend_heads(hq, hq16, k_cache, v_cache, keys, HEADS, BF16, scale, hs, ho, next)
-        switch (heads * 2 + (bf16 != 0)) {
-        case 2: ATTEND(1, 0); break;
-        case 3: ATTEND(1, 1); break;
-        case 4: ATTEND(2, 0); break;
-        case 5: ATTEND(2, 1); break;
-        case 6: ATTEND(3, 0); break;
-        case 7: ATTEND(3, 1); break;
-        case 8: ATTEND(4, 0); break;
-        default: ATTEND(4, 1); break;
+#define ATTEND(HEADS, FORMAT) attend_heads(hq, hq16, k_cache, v_cache, keys, HEADS, FORMAT, scale, hs, ho, next)
+#define ATTEND_HEADS(FORMAT)                                                                                     \
+    switch (heads) {                                                                                             \
+    case 1: ATTEND(1, FORMAT); break;                                                                            \
+    case 2: ATTEND(2, FORMAT); break;                                                                            \
+    case 3: ATTEND(3, FORMAT); break;                                                                            \
+    default: ATTEND(4, FORMAT); break;                                                                           \
+    }
+        switch (format) {
+        case KV_F32: ATTEND_HEADS(KV_F32); break;
+        case KV_BF16: ATTEND_HEADS(KV_BF16); break;
+        case KV_E4M3: ATTEND_HEADS(KV_E4M3); break;
+        case KV_E5M2: ATTEND_HEADS(KV_E5M2); break;
+        default: ATTEND_HEADS(KV_INT8); break;
         }
+#undef ATTEND_HEADS
 #undef ATTEND
     }
 }
@@ -311,22 +343,25 @@ static int64_t first_key(int64_t context_len, int64_t sliding_window) {
 /* The keys of work item `item`: (sequence item / num_kv_heads, kv head item % num_kv_heads). */
 static KeyRange key_range(int64_t item, const int64_t *block_tables, int64_t table_stride,
                           const int64_t *context_lens, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                          int64_t sliding_window) {
+                          int64_t sliding_window, int format) {
     const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+    const int64_t run = kv_run_elements(block_size, head_dim, format);
     const KeyRange keys = {
         .table = block_tables + seq * table_stride,
         .first = first_key(context_lens[seq], sliding_window),
         .context_len = context_lens[seq],
         .block_size = block_size,
-        .block_stride = num_kv_heads * block_size * head_dim,
-        .head_offset = kv_head * block_size * head_dim,
+        .block_stride = num_kv_heads * run,
+        .head_offset = kv_head * run,
         .head_dim = head_dim,
+        .run_elements = run,
     };
     return keys;
 }
 
-/* Returns 1 if a thread could not allocate its buffers, 2 if head_dim is not a multiple of PIECE_FLOATS. */
-int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int kv_is_bf16, int q_is_bf16,
+/* kv_format: kv_format.h's KV_* (not KV_F16). Returns 1 if a thread could not allocate its buffers, 2 if head_dim
+ * is not a multiple of PIECE_FLOATS. */
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int kv_format, int q_is_bf16,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                            void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, float scale, int64_t sliding_window) {
@@ -361,17 +396,18 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
             if (scores == NULL) continue;
             const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
             const KeyRange keys = key_range(item, block_tables, table_stride, context_lens, num_kv_heads, block_size,
-                                            head_dim, sliding_window);
+                                            head_dim, sliding_window, kv_format);
             const Upcoming upcoming = {
                 .keys = next < num_items ? key_range(next, block_tables, table_stride, context_lens, num_kv_heads,
-                                                     block_size, head_dim, sliding_window) : keys,
+                                                     block_size, head_dim, sliding_window, kv_format) : keys,
                 .k_cache = next < num_items ? k_cache : NULL,
             };
             const int64_t first_element = (seq * num_heads + kv_head * group) * head_dim;
-            widen(element(q, first_element, q_is_bf16), q32, group * head_dim, q_is_bf16);
-            const uint16_t *q16 = q_is_bf16 && kv_is_bf16 ? (const uint16_t *)q + first_element : NULL;
-            attend_one(q32, q16, k_cache, v_cache, &keys, group, kv_is_bf16, scale, scores, out32, &upcoming);
-            narrow(out32, (void *)element(out, first_element, q_is_bf16), group * head_dim, q_is_bf16);
+            const int q_format = q_is_bf16 ? KV_BF16 : KV_F32;
+            widen(element(q, first_element, q_format), q32, group * head_dim, q_is_bf16);
+            const uint16_t *q16 = q_is_bf16 && kv_format == KV_BF16 ? (const uint16_t *)q + first_element : NULL;
+            attend_one(q32, q16, k_cache, v_cache, &keys, group, kv_format, scale, scores, out32, &upcoming);
+            narrow(out32, (void *)element(out, first_element, q_format), group * head_dim, q_is_bf16);
         }
         free(scores);
     }

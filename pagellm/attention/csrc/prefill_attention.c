@@ -8,9 +8,10 @@
  *
  * Layouts (all contiguous unless said):
  *   q             [tokens, num_heads, head_dim], token t at q + t * q_token_stride (a view of the fused QKV
- *                 projection); float32 or bfloat16, the cache's dtype
+ *                 projection); float32 or bfloat16, the cache's dtype unless the cache is quantized
  *   out           [tokens, num_heads, head_dim], q's dtype (bfloat16 rounded to nearest even once, on store)
- *   k/v_cache     [num_blocks, num_kv_heads, block_size, head_dim]
+ *   k/v_cache     [num_blocks, num_kv_heads, block_size, head_dim], or runs of codes and scales in a quantized
+ *                 format (kv_format.h), dequantized as the tiles are packed
  *   block_tables  [num_chunks, table_stride] int64
  *   query_starts, query_lens, seq_lens  [num_chunks] int64: chunk c's queries are tokens query_starts[c] ..
  *                 + query_lens[c] of q, and its sequence holds seq_lens[c] keys once this step's are written;
@@ -21,7 +22,9 @@
  *
  * Numerics: float32 arithmetic throughout. In bfloat16, the softmax weights are rounded to bfloat16 before
  * they multiply the values, as torch's flash attention for bfloat16 does (its P.V product is a bfloat16
- * GEMM); with avx512_bf16 both products run on VDPBF16PS (exact bfloat16 products, float32 sums).
+ * GEMM); with avx512_bf16 both products run on VDPBF16PS (exact bfloat16 products, float32 sums). Over a
+ * quantized cache the keys and values are code * scale, exact in float32 but not in bfloat16, so the products
+ * and weights stay float32 whatever q's dtype (the torch reference attends the dequantized cache in float32).
  *
  * Work: the query rows of one work item are a run of a chunk's queries times the GQA group's heads (adjacent
  * in q), so each key tile is used by every head that shares it. Key tiles are first packed once per call into
@@ -30,7 +33,7 @@
  */
 #include <stdlib.h>
 
-#include "vec.h"
+#include "kv_format.h"
 
 /* Keys per tile: two vectors of scores per query row. */
 #define KEY_TILE (2 * VEC)
@@ -109,6 +112,7 @@ typedef struct {
     const void *k_cache, *v_cache;
     const int64_t *block_tables, *query_starts, *query_lens, *seq_lens;
     int64_t table_stride, num_heads, num_kv_heads, head_dim, block_size, sliding_window;
+    int64_t run_elements;  /* of one (block, kv head) run of the cache */
     /* Scores' scale: in bfloat16 the softmax scale times log2(e), so the softmax runs in base 2 (the cheaper
      * exponential; its results are rounded to bfloat16 anyway); in float32 the scale itself, which is exact
      * for the usual power-of-two scales, so scores are rounded as SDPA rounds them. */
@@ -130,8 +134,8 @@ static ALWAYS_INLINE int64_t tile_elements(const Prefill *p) { return 2 * KEY_TI
 /* Packs tile `tile` of (chunk, kv_head): keys from key_base + tile * KEY_TILE, zeros past the sequence.
  * dot: keys as [head_dim / 2][KEY_TILE] bfloat16 pairs (one vector: 2 dims of VEC keys), values as
  * [KEY_TILE / 2][head_dim] pairs of adjacent keys; else keys transposed to [head_dim][KEY_TILE] float32 and
- * values as [KEY_TILE][head_dim] float32. */
-static ALWAYS_INLINE void pack_tile(const Prefill *p, int64_t chunk, int64_t kv_head, int64_t tile, const int bf16,
+ * values as [KEY_TILE][head_dim] float32, a quantized cache's codes times their row's scale. */
+static ALWAYS_INLINE void pack_tile(const Prefill *p, int64_t chunk, int64_t kv_head, int64_t tile, const int format,
                                     const int dot) {
     const int64_t dim = p->head_dim, bs = p->block_size;
     const int64_t *table = p->block_tables + chunk * p->table_stride;
@@ -147,7 +151,8 @@ static ALWAYS_INLINE void pack_tile(const Prefill *p, int64_t chunk, int64_t kv_
                 for (int64_t d = 0; d < dim; ++d) values[((n / 2) * dim + d) * 2 + (n & 1)] = 0;
                 continue;
             }
-            const int64_t row = (table[position / bs] * p->num_kv_heads + kv_head) * bs * dim + (position % bs) * dim;
+            const int64_t row = (table[position / bs] * p->num_kv_heads + kv_head) * p->run_elements +
+                                (position % bs) * dim;
             const uint32_t *key = (const uint32_t *)((const uint16_t *)p->k_cache + row);
             const uint16_t *value = (const uint16_t *)p->v_cache + row;
             for (int64_t i = 0; i < dim / 2; ++i) keys[i * KEY_TILE + n] = key[i];
@@ -162,11 +167,18 @@ static ALWAYS_INLINE void pack_tile(const Prefill *p, int64_t chunk, int64_t kv_
             for (int64_t d = 0; d < dim; ++d) keys[d * KEY_TILE + n] = values[n * dim + d] = 0.0f;
             continue;
         }
-        const int64_t row = (table[position / bs] * p->num_kv_heads + kv_head) * bs * dim + (position % bs) * dim;
+        const int64_t run = (table[position / bs] * p->num_kv_heads + kv_head) * p->run_elements;
+        const int64_t row = run + (position % bs) * dim;
+        float key_scale = 1.0f, value_scale = 1.0f;  /* folded away when unquantized */
+        if (kv_quantized(format)) {
+            const int64_t scale = run + bs * dim + (position % bs) * KV_SCALE_BYTES;
+            key_scale = kv_row_scale((const char *)p->k_cache + scale, 0, format);
+            value_scale = kv_row_scale((const char *)p->v_cache + scale, 0, format);
+        }
         for (int64_t d = 0; d < dim; d += VEC) {
-            const fvec key = load_any(p->k_cache, row + d, bf16);
+            const fvec key = load_kv(p->k_cache, row + d, format) * key_scale;
             for (int i = 0; i < VEC; ++i) keys[(d + i) * KEY_TILE + n] = key[i];
-            vstore(values + n * dim + d, load_any(p->v_cache, row + d, bf16));
+            vstore(values + n * dim + d, load_kv(p->v_cache, row + d, format) * value_scale);
         }
     }
 }
@@ -309,9 +321,11 @@ static ALWAYS_INLINE void softmax_tile(const Prefill *p, const Scratch *s, int64
     }
 }
 
-/* One work item: queries [q_first, q_first + q_count) of `chunk` with the heads sharing `kv_head`. */
+/* One work item: queries [q_first, q_first + q_count) of `chunk` with the heads sharing `kv_head`. q_bf16: q and
+ * out are bfloat16; bf16: bfloat16 numerics (a bfloat16 cache). */
 static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_t chunk, int64_t kv_head,
-                                      int64_t q_first, int64_t q_count, const int bf16, const int dot) {
+                                      int64_t q_first, int64_t q_count, const int q_bf16, const int bf16,
+                                      const int dot) {
     const int64_t dim = p->head_dim, group = p->num_heads / p->num_kv_heads;
     const int64_t num_computed = p->seq_lens[chunk] - p->query_lens[chunk];
     const int64_t rows = q_count * group, padded = (rows + ROW_MULTIPLE - 1) / ROW_MULTIPLE * ROW_MULTIPLE;
@@ -331,7 +345,7 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
                 ((uint32_t *)s->queries)[block / 2 + i * QK_ROWS + lane] = m < rows ? pairs[i] : 0;
         } else {
             for (int64_t d = 0; d < dim; d += VEC) {
-                const fvec x = m < rows ? load_any(p->q, element + d, bf16) : splat(0.0f);
+                const fvec x = m < rows ? load_any(p->q, element + d, q_bf16) : splat(0.0f);
                 for (int i = 0; i < VEC; ++i) ((float *)s->queries)[block + (d + i) * QK_ROWS + lane] = x[i];
             }
         }
@@ -365,7 +379,7 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
                                 (kv_head * group + m % group) * dim;
         const fvec inverse = splat(1.0f / vsum(vload(s->row_sum + m * VEC)));
         for (int64_t d = 0; d < dim; d += VEC)
-            store_any(p->out, element + d, vload(s->acc + m * dim + d) * inverse, bf16);
+            store_any(p->out, element + d, vload(s->acc + m * dim + d) * inverse, q_bf16);
     }
 }
 
@@ -379,27 +393,31 @@ static int by_cost_descending(const void *a, const void *b) {
 }
 
 /* Every tile of every (chunk, kv head), split among the threads of the enclosing parallel region. */
-static void pack_all(const Prefill *p, int64_t total_tiles, int bf16, int dot) {
+static void pack_all(const Prefill *p, int64_t total_tiles, int format, int dot) {
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < total_tiles; ++g) {
         int64_t chunk = 0;
         while (g >= p->tile_offset[chunk + 1]) ++chunk;  /* tile_offset has num_chunks + 1 entries */
         const int64_t local = g - p->tile_offset[chunk], kv_head = local / p->num_tiles[chunk];
         const int64_t tile = local % p->num_tiles[chunk];
-        if (dot) pack_tile(p, chunk, kv_head, tile, 1, 1);
-        else if (bf16) pack_tile(p, chunk, kv_head, tile, 1, 0);
-        else pack_tile(p, chunk, kv_head, tile, 0, 0);
+        if (dot) pack_tile(p, chunk, kv_head, tile, KV_BF16, 1);
+        else if (format == KV_BF16) pack_tile(p, chunk, kv_head, tile, KV_BF16, 0);
+        else if (format == KV_E4M3) pack_tile(p, chunk, kv_head, tile, KV_E4M3, 0);
+        else if (format == KV_E5M2) pack_tile(p, chunk, kv_head, tile, KV_E5M2, 0);
+        else if (format == KV_INT8) pack_tile(p, chunk, kv_head, tile, KV_INT8, 0);
+        else pack_tile(p, chunk, kv_head, tile, KV_F32, 0);
     }
 }
 
-/* Returns 1 if a buffer could not be allocated, 2 if head_dim is not a multiple of 32. */
+/* kv_format: kv_format.h's KV_* (not KV_F16); an unquantized cache has q's dtype. Returns 1 if a buffer could
+ * not be allocated, 2 if head_dim is not a multiple of 32. */
 int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
-                            int is_bf16, const int64_t *block_tables, int64_t table_stride,
+                            int q_is_bf16, int kv_format, const int64_t *block_tables, int64_t table_stride,
                             const int64_t *query_starts, const int64_t *query_lens, const int64_t *seq_lens,
                             int64_t num_chunks, void *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, float scale, int64_t sliding_window) {
     if (head_dim % 32 != 0) return 2;
-    const int bf16 = is_bf16 != 0;
+    const int q_bf16 = q_is_bf16 != 0, bf16 = kv_format == KV_BF16;
 #ifdef HAVE_BF16_DOT
     const int dot = bf16;
 #else
@@ -422,6 +440,7 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
         .block_tables = block_tables, .query_starts = query_starts, .query_lens = query_lens, .seq_lens = seq_lens,
         .table_stride = table_stride, .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
         .block_size = block_size, .sliding_window = sliding_window, .out = out,
+        .run_elements = kv_run_elements(block_size, head_dim, kv_format),
         .score_scale = bf16 ? scale * 1.44269504088896341f : scale,
         .key_base = per_chunk, .num_tiles = per_chunk + num_chunks, .tile_offset = per_chunk + 2 * num_chunks,
     };
@@ -454,7 +473,7 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
     int failed = 0;
 #pragma omp parallel if (macs >= PARALLEL_MIN_MACS)
     {
-        pack_all(&p, total_tiles, bf16, dot);  /* ends in the omp for's barrier */
+        pack_all(&p, total_tiles, kv_format, dot);  /* ends in the omp for's barrier */
         char *buffer = malloc(rows * (head_dim * 4 + KEY_TILE * 4 * 2 + head_dim * 4 + VEC * 4 + 2 * 4 + 8));
         if (buffer == NULL) {
 #pragma omp atomic write
@@ -475,9 +494,10 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
         for (int64_t i = 0; i < num_items; ++i) {
             if (buffer == NULL) continue;
             const Item it = items[i];
-            if (dot) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 1);
-            else if (bf16) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 0);
-            else attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 0, 0);
+            if (dot) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 1, 1);
+            else if (bf16) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 1, 0);
+            else if (q_bf16) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 0, 0);
+            else attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 0, 0, 0);
         }
         free(buffer);
     }

@@ -17,6 +17,23 @@ static inline float vsum(fvec v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[
 
 #include <immintrin.h>
 
+/* Half floats (IEEE binary16 bits) to float32, exactly: one F16C instruction (VCVTPH2PS). */
+#define HAVE_HALF_CONVERT 1
+static inline fvec from_half_bits(hvec bits) { return (fvec)_mm256_cvtph_ps((__m128i)bits); }
+
+/* VEC signed bytes from p as float32: two instructions (VPMOVSXBD, VCVTDQ2PS). */
+#define HAVE_INT8_WIDEN 1
+static inline fvec from_int8(const void *p) {
+    return (fvec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* VEC bytes from p, each the high byte of a 16-bit lane: one load and one unpack (GCC 12 makes four
+ * instructions of the vector-extension widening). */
+#define HAVE_HIGH_BYTES 1
+static inline hvec high_bytes(const void *p) {
+    return (hvec)_mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p));
+}
+
 /* Lane i = the sum of v[i]'s lanes: eight horizontal sums in 7 adds and 14 shuffles by halving all eight
  * vectors together. The lanes come out in the order 2 * (i % 4) + i / 4, so the inputs are taken in the
  * inverse order, 4 * (i % 2) + i / 2. */

@@ -20,6 +20,22 @@ typedef uint16_t hvec __attribute__((vector_size(32)));
 
 static inline float vsum(fvec v) { return _mm512_reduce_add_ps((__m512)v); }
 
+/* Half floats (IEEE binary16 bits) to float32, exactly: one instruction (VCVTPH2PS). */
+#define HAVE_HALF_CONVERT 1
+static inline fvec from_half_bits(hvec bits) { return (fvec)_mm512_cvtph_ps((__m256i)bits); }
+
+/* VEC signed bytes from p as float32: two instructions (VPMOVSXBD, VCVTDQ2PS). */
+#define HAVE_INT8_WIDEN 1
+static inline fvec from_int8(const void *p) {
+    return (fvec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* VEC bytes from p, each the high byte of a 16-bit lane: a zero-extending load (VPMOVZXBW) and a shift. */
+#define HAVE_HIGH_BYTES 1
+static inline hvec high_bytes(const void *p) {
+    return (hvec)_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8);
+}
+
 /* Lane i = the sum of v[i]'s lanes: sixteen horizontal sums in 15 adds and 30 shuffles instead of 16 x 8
  * instructions, by halving all sixteen vectors together. The lanes come out in the order 4 * (i % 4) + i / 4,
  * so the inputs are taken in that order (the transposition is its own inverse). */

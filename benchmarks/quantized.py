@@ -1,0 +1,309 @@
+"""Quantized weights: memory, perplexity and speed of each format pagellm runs, beside llama.cpp on the GGUFs.
+
+Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
+- `fp32`, `bf16`: its HF export (benchmarks/export_hf.py: the GGUF's weights dequantized), the float reference;
+- `gguf Q4_1`: the GGUF file itself (the blocks kept as they are);
+- `int8 online`, `fp8 online`: the HF export with quantization="int8" (W8A8) / "fp8", quantized as it loads;
+- `awq 4-bit`, `gptq 4-bit act-order`, `gptq 8-bit`: the HF export packed as AutoAWQ / AutoGPTQ pack it
+  (round-to-nearest groups of 64, as 576 input features take: tests/quant_checkpoints.py);
+- `w8a8 int8 (c-t)`, `fp8 (c-t)`: compressed-tensors checkpoints of the export (tests/w8a8_checkpoints.py);
+- `gemma3 Q4_K_M` (with --gemma): the real Gemma 3 270M Q4_K_M GGUF, for memory against a mixed K-quant file.
+
+Each format runs in a fresh process: what LLM() adds to its RSS (VmRSS after `import torch` to after LLM(), and
+the peak, VmHWM), the engine's weight bytes, the perplexity of a fixed text (exp of the mean negative
+log-likelihood of its tokens after the first, prompt_logprobs), single-stream decode tok/s (one request, greedy,
+EOS ignored) and batched output tok/s (--batch requests at once). With --llama-python (a venv with
+llama-cpp-python, built for this CPU: `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python`), llama.cpp
+runs the GGUFs on the same cores: its perplexity of the same tokens and its single-stream decode tok/s.
+Writes a PNG of memory per format (--plot).
+
+    .venv/bin/python benchmarks/quantized.py
+    .venv/bin/python benchmarks/quantized.py --formats "gguf Q4_1" bf16 --llama-python /tmp/llama-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.texts import PERPLEXITY_TEXT
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 2**20
+KV_CACHE_BYTES = 256 << 20
+MAX_MODEL_LEN = 1024
+PROMPT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    source: str  # "gguf", "gemma", "hf" or a checkpoint writer's key
+    dtype: str = "auto"
+    quantization: str | None = None
+
+
+FORMATS = [
+    Format("fp32", "hf", "float32"),
+    Format("bf16", "hf", "bfloat16"),
+    Format("gguf Q4_1", "gguf"),
+    Format("int8 online", "hf", "float32", "int8"),
+    Format("fp8 online", "hf", "float32", "fp8"),
+    Format("awq 4-bit", "awq"),
+    Format("gptq 4-bit act-order", "gptq4"),
+    Format("gptq 8-bit", "gptq8"),
+    Format("w8a8 int8 (c-t)", "ct-int8"),
+    Format("fp8 (c-t)", "ct-fp8"),
+    Format("gemma3 Q4_K_M", "gemma"),
+]
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def gemma_path() -> str:
+    sys.path.insert(0, str(ROOT))
+    from tests.test_gguf_gemma3 import gemma3_270m_path  # assembles the file from its package once, cached
+
+    return str(gemma3_270m_path())
+
+
+def checkpoint(fmt: Format, workdir: Path) -> str:
+    """The model path for `fmt`, written under workdir on first use."""
+    from pagellm.models.gguf_loader import default_model_path
+
+    if fmt.source == "gguf":
+        return str(default_model_path())
+    if fmt.source == "gemma":
+        return gemma_path()
+    hf = workdir / "hf"
+    if not (hf / "config.json").exists():
+        from benchmarks.export_hf import export
+
+        export(default_model_path(), hf)
+    if fmt.source == "hf":
+        return str(hf)
+    out = workdir / fmt.source
+    if (out / "quantized" / "config.json").exists():
+        return str(out / "quantized")
+    sys.path.insert(0, str(ROOT))
+    if fmt.source.startswith("ct-"):
+        from tests.w8a8_checkpoints import write_quantized as write_w8a8
+
+        scheme = "int8-channel-dynamic" if fmt.source == "ct-int8" else "fp8-channel-dynamic"
+        return write_w8a8(str(hf), out, scheme)[0]
+    from tests.quant_checkpoints import QuantSpec, write_quantized
+
+    spec = {"awq": QuantSpec("awq", group_size=64),
+            "gptq4": QuantSpec("gptq", bits=4, group_size=64, desc_act=True),
+            "gptq8": QuantSpec("gptq", bits=8, group_size=64, sym=False)}[fmt.source]
+    write_quantized(hf, out / "quantized", out / "dequantized", spec)
+    return str(out / "quantized")
+
+
+def size_on_disk(path: str) -> int:
+    p = Path(path)
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.safetensors"))
+
+
+def prompts_of(tokenizer_ids: list[int], count: int) -> list[list[int]]:
+    """`count` prompts of PROMPT_TOKENS tokens, windows of the text's tokens (distinct, so no prefix is shared)."""
+    span = len(tokenizer_ids) - PROMPT_TOKENS
+    return [tokenizer_ids[(i * 7) % span:(i * 7) % span + PROMPT_TOKENS] for i in range(count)]
+
+
+def run_pagellm(fmt: Format, path: str, args: argparse.Namespace) -> dict:
+    """One format in this process (a fresh one): the figures as a dict."""
+    import torch  # noqa: F401 - the baseline RSS includes torch, as any engine process has it
+
+    from pagellm import LLM, SamplingParams
+
+    rss_before = _status_kib("VmRSS")
+    started = time.perf_counter()
+    llm = LLM(path, dtype=fmt.dtype, quantization=fmt.quantization, kv_cache_memory_bytes=KV_CACHE_BYTES,
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=max(args.batch, 8), enable_prefix_caching=False, seed=0)
+    load_s = time.perf_counter() - started
+    rss_loaded, peak = _status_kib("VmRSS"), _status_kib("VmHWM")
+    startup = llm.llm_engine.core.startup
+    scored = llm.generate([PERPLEXITY_TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ids = scored.prompt_token_ids
+    logprobs = [position[token].logprob for token, position in zip(ids[1:], scored.prompt_logprobs[1:])]
+    perplexity = float(torch.tensor(logprobs, dtype=torch.float64).neg().mean().exp())
+    row = {"format": fmt.name, "weight_format": llm.llm_engine.core.runner.model.weight_format,
+           "file_mib": size_on_disk(path) / MiB, "weights_mib": startup.weights_bytes / MiB,
+           "kv_mib": startup.kv_cache_bytes / MiB, "rss_added_mib": (rss_loaded - rss_before) / 1024,
+           "peak_added_mib": (peak - rss_before) / 1024, "load_s": load_s, "tokens": len(ids),
+           "perplexity": perplexity, "single_tok_s": None, "batched_tok_s": None}
+    if args.skip_speed:
+        return row
+    greedy = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of(ids, args.batch)]
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    started = time.perf_counter()
+    llm.generate(prompts[:1], greedy, use_tqdm=False)
+    single = args.decode_tokens / (time.perf_counter() - started)
+    batched_params = SamplingParams(temperature=0, max_tokens=args.batch_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    llm.generate(prompts, batched_params, use_tqdm=False)
+    batched = args.batch * args.batch_tokens / (time.perf_counter() - started)
+    return {**row, "single_tok_s": single, "batched_tok_s": batched}
+
+
+LLAMA_WORKER = r"""
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama
+
+path, text, decode_tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+scorer = Llama(path, n_ctx=2048, n_batch=512, n_threads=threads, logits_all=True, verbose=False)
+ids = scorer.tokenize(text.encode(), add_bos=True, special=False)
+scorer.eval(ids)
+logits = np.asarray(scorer.scores[: len(ids)], dtype=np.float64)
+logits -= logits.max(axis=1, keepdims=True)
+logprobs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+nll = -np.mean([logprobs[i - 1, ids[i]] for i in range(1, len(ids))])
+del scorer
+llm = Llama(path, n_ctx=2048, n_batch=512, n_threads=threads, verbose=False)
+prompt = ids[:32]
+llm.eval(prompt)
+started = time.perf_counter()
+for _ in range(decode_tokens):
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    llm.eval([token])
+single = decode_tokens / (time.perf_counter() - started)
+print(json.dumps({"tokens": len(ids), "perplexity": float(np.exp(nll)), "single_tok_s": single}))
+"""
+
+
+def run_llama(path: str, args: argparse.Namespace) -> dict | None:
+    threads = len(os.sched_getaffinity(0))
+    done = subprocess.run([args.llama_python, "-c", LLAMA_WORKER, path, PERPLEXITY_TEXT, str(args.decode_tokens),
+                           str(threads)], capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        print(f"llama.cpp on {path} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(fmt: Format, workdir: Path, args: argparse.Namespace) -> dict:
+    path = checkpoint(fmt, workdir)
+    command = [sys.executable, __file__, "--worker", fmt.name, "--workdir", str(workdir), "--batch", str(args.batch),
+               "--batch-tokens", str(args.batch_tokens), "--decode-tokens", str(args.decode_tokens)]
+    if args.skip_speed:
+        command.append("--skip-speed")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"{fmt.name} failed:\n{done.stderr[-3000:]}")
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    if args.llama_python and fmt.source in ("gguf", "gemma"):
+        row["llama_cpp"] = run_llama(path, args)
+    return row
+
+
+def print_tables(rows: list[dict], reference: float | None) -> None:
+    print("\n## Memory (MiB; what LLM() adds to the process, KV pool of "
+          f"{KV_CACHE_BYTES >> 20} MiB included)\n")
+    print("| format | weight format | file | weights | RSS added | peak added | RSS added - KV |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['format']} | {r['weight_format']} | {r['file_mib']:.0f} | {r['weights_mib']:.0f} | "
+              f"{r['rss_added_mib']:.0f} | {r['peak_added_mib']:.0f} | {r['rss_added_mib'] - r['kv_mib']:.0f} |")
+    print(f"\n## Perplexity of a fixed text ({rows[0]['tokens']} tokens) and speed\n")
+    print("| format | perplexity | vs fp32 | decode tok/s (1 stream) | batched output tok/s | llama.cpp perplexity | "
+          "llama.cpp decode tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        versus = f"{(r['perplexity'] / reference - 1) * 100:+.2f}%" if reference and "gemma" not in r["format"] \
+            else "-"
+        llama = r.get("llama_cpp") or {}
+        llama_ppl = f"{llama['perplexity']:.3f}" if llama else "-"
+        llama_tok = f"{llama['single_tok_s']:.1f}" if llama else "-"
+        single = "-" if r["single_tok_s"] is None else f"{r['single_tok_s']:.1f}"
+        batched = "-" if r["batched_tok_s"] is None else f"{r['batched_tok_s']:.1f}"
+        print(f"| {r['format']} | {r['perplexity']:.3f} | {versus} | {single} | {batched} | {llama_ppl} | "
+              f"{llama_tok} |")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["format"] for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["weights_mib"] for r in rows], width=0.4, label="weights (engine)")
+    ax.bar([x + 0.2 for x in xs], [r["rss_added_mib"] - r["kv_mib"] for r in rows], width=0.4,
+           label="RSS added by LLM(), less the KV pool")
+    ax.set_xticks(list(xs), names, rotation=30, ha="right")
+    ax.set_ylabel("MiB")
+    ax.set_title("Memory per weight format (SmolLM2-135M; Gemma 3 270M last)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", nargs="*", default=None,
+                        help=f"formats to run (default: all but gemma3 unless --gemma): {[f.name for f in FORMATS]}")
+    parser.add_argument("--gemma", action="store_true", help="also the Gemma 3 270M Q4_K_M GGUF")
+    parser.add_argument("--batch", type=int, default=64, help="requests at once in the batched run")
+    parser.add_argument("--batch-tokens", type=int, default=32, help="output tokens per batched request")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="output tokens of the single stream")
+    parser.add_argument("--skip-speed", action="store_true", help="memory and perplexity only")
+    parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python")
+    parser.add_argument("--workdir", default=None, help="where the checkpoints are written (default: a temp dir)")
+    parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "quantized_memory.png")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    by_name = {f.name: f for f in FORMATS}
+
+    if args.worker:
+        fmt = by_name[args.worker]
+        print(json.dumps(run_pagellm(fmt, checkpoint(fmt, Path(args.workdir)), args)))
+        return
+
+    names = args.formats or [f.name for f in FORMATS if f.source != "gemma" or args.gemma]
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown formats {unknown}; choose from {list(by_name)}")
+    from pagellm.cpu_features import SPEED_FLAGS, cpu_description, cpu_flags
+
+    with tempfile.TemporaryDirectory(prefix="pagellm-quantized-") as tmp:
+        workdir = Path(args.workdir or tmp)
+        rows = []
+        for name in names:
+            row = measure(by_name[name], workdir, args)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    reference = next((r["perplexity"] for r in rows if r["format"] == "fp32"), None)
+    flags = " ".join(f for f in SPEED_FLAGS if f in cpu_flags())
+    print(f"\n{cpu_description()}, flags: {flags or 'none of ' + ', '.join(SPEED_FLAGS)}; "
+          f"{len(os.sched_getaffinity(0))} CPUs; load average {os.getloadavg()[0]:.1f} at the end")
+    print_tables(rows, reference)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
