@@ -6,11 +6,12 @@ Threads: the CPUs of the affinity mask, capped by the cgroup's CPU quota (a cont
 Waiting: between two of a step's many short parallel regions, libgomp's threads spin before they sleep. On
 cores the process has to itself the spin is what makes a region cheap to start; where another process wants the
 same cores, each spinning thread holds a core its partner needs, and every region waits for the thread that
-was descheduled. libgomp's default spins ~300,000 iterations (milliseconds, a scheduler time slice); pagellm
-sets a spin bounded to tens of microseconds, which keeps a region's start cheap alone and gives a busy
-neighbour's core back (README, "Serving on a shared CPU"; benchmarks/contention.py measures both). libgomp
-reads the setting once, when torch loads it: `configure_openmp_wait` runs at `import pagellm`, before torch, and
-leaves OMP_WAIT_POLICY / GOMP_SPINCOUNT alone where the user set either.
+was descheduled. libgomp's default spins ~300,000 iterations (milliseconds, a scheduler time slice). At
+`import pagellm`, before torch loads libgomp (which reads the setting once), a 50 ms probe of /proc/stat sees
+whether other processes keep this process's CPUs busy: if they do, pagellm sets a spin of a few microseconds
+(GOMP_SPINCOUNT), which gives a busy neighbour's core back; on quiet CPUs it keeps libgomp's default, the faster
+one alone (README, "Serving on a shared CPU"; benchmarks/contention.py measures both). A user's
+OMP_WAIT_POLICY / GOMP_SPINCOUNT always wins.
 """
 
 from __future__ import annotations
@@ -18,13 +19,18 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 # Iterations of libgomp's spin-wait before a thread sleeps (its default without OMP_WAIT_POLICY: 300,000).
-# The value where benchmarks/contention.py found the run alone as fast as with the default and the run beside a
-# busy process near its fair share.
-BOUNDED_SPIN_COUNT = 10_000
+# Where benchmarks/contention.py found the best trade (README, "Serving on a shared CPU"): a few percent slower
+# alone than the default's spin, and beside a busy process within 1.8x of alone where the default took ~2.8x.
+BOUNDED_SPIN_COUNT = 1_000
+# The probe at import: how long it watches the CPUs, and how busy other processes must keep them (in CPUs) for
+# the bounded spin. On quiet cores libgomp's default spin is kept: it is the faster one alone.
+PROBE_SECONDS = 0.05
+SHARED_MIN_BUSY_CPUS = 0.5
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -113,10 +119,45 @@ def cpu_threads() -> int:
     return cpu_share().threads
 
 
-def configure_openmp_wait(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
-    """Sets GOMP_SPINCOUNT to BOUNDED_SPIN_COUNT unless the user chose a wait policy; returns what it set (None
-    when it left the environment alone). Effective only before torch loads libgomp."""
+def _cpu_times(cpus: set[int]) -> dict[int, tuple[int, int]]:
+    """(idle, total) jiffies of each CPU in `cpus`, from /proc/stat (empty where it cannot be read)."""
+    times: dict[int, tuple[int, int]] = {}
+    try:
+        with open("/proc/stat") as stat:
+            for line in stat:
+                name, *fields = line.split()
+                if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                    continue
+                values = [int(v) for v in fields[:8]]
+                times[int(name[3:])] = (values[3] + values[4], sum(values))  # idle + iowait
+    except (OSError, ValueError):
+        return {}
+    return times
+
+
+def busy_cpus_elsewhere(interval_s: float = PROBE_SECONDS) -> float:
+    """How many of this process's CPUs other processes kept busy over `interval_s` (this one sleeps meanwhile)."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    before = _cpu_times(cpus)
+    time.sleep(interval_s)
+    after = _cpu_times(cpus)
+    busy = 0.0
+    for cpu, (idle, total) in after.items():
+        if cpu in before and total > before[cpu][1]:
+            busy += 1.0 - (idle - before[cpu][0]) / (total - before[cpu][1])
+    return busy
+
+
+def configure_openmp_wait(environ: dict[str, str] | os._Environ = os.environ,
+                          busy_cpus: float | None = None) -> str | None:
+    """Unless the user chose a wait policy: GOMP_SPINCOUNT=BOUNDED_SPIN_COUNT where other processes keep at least
+    half a CPU of this process's busy (`busy_cpus`, probed when None), libgomp's default spin otherwise. Returns
+    what it set (None when it left the environment alone). Effective only before torch loads libgomp."""
+    global _busy_at_start
     if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return None
+    _busy_at_start = busy_cpus_elsewhere() if busy_cpus is None else busy_cpus
+    if _busy_at_start < SHARED_MIN_BUSY_CPUS:
         return None
     environ["GOMP_SPINCOUNT"] = str(BOUNDED_SPIN_COUNT)
     return environ["GOMP_SPINCOUNT"]
@@ -126,14 +167,17 @@ def openmp_wait_description(environ: dict[str, str] | os._Environ = os.environ) 
     """How libgomp's threads wait, for the start-up log."""
     if "OMP_WAIT_POLICY" in environ:
         return f"OMP_WAIT_POLICY={environ['OMP_WAIT_POLICY']}"
+    busy = "" if _busy_at_start is None else f"; other processes kept {_busy_at_start:.1f} CPUs busy at start"
     if "GOMP_SPINCOUNT" in environ:
         bounded = environ["GOMP_SPINCOUNT"] == str(BOUNDED_SPIN_COUNT) and _configured_before_torch
-        return f"GOMP_SPINCOUNT={environ['GOMP_SPINCOUNT']}" + (" (pagellm's bounded spin)" if bounded else "")
-    return "libgomp's default spin"
+        return f"GOMP_SPINCOUNT={environ['GOMP_SPINCOUNT']}" + (f" (pagellm's bounded spin{busy})" if bounded else "")
+    return f"libgomp's default spin{busy}"
 
 
-# Whether configure_openmp_wait ran before torch was imported (else libgomp already read its environment).
+# Whether configure_openmp_wait set the spin before torch was imported (else libgomp already read its
+# environment), and the probe's finding.
 _configured_before_torch = False
+_busy_at_start: float | None = None
 
 
 def configure_at_import() -> None:

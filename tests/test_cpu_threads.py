@@ -55,14 +55,26 @@ def test_threads_are_the_mask_capped_by_the_quota_rounded_up(affinity, quota, th
     assert f"{threads} threads" in share.describe()
 
 
-def test_the_bounded_spin_is_set_only_where_the_user_chose_nothing():
+def test_the_bounded_spin_is_set_only_on_busy_cpus_and_where_the_user_chose_nothing():
     environ: dict[str, str] = {}
-    assert configure_openmp_wait(environ) == str(BOUNDED_SPIN_COUNT)
+    assert configure_openmp_wait(environ, busy_cpus=1.0) == str(BOUNDED_SPIN_COUNT)
     assert environ == {"GOMP_SPINCOUNT": str(BOUNDED_SPIN_COUNT)}
+    environ = {}
+    assert configure_openmp_wait(environ, busy_cpus=0.1) is None and environ == {}  # quiet: libgomp's default
     for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}):
         environ = dict(chosen)
-        assert configure_openmp_wait(environ) is None
+        assert configure_openmp_wait(environ, busy_cpus=2.0) is None
         assert environ == chosen
+
+
+def test_the_probe_sees_a_busy_neighbour():
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        # The loop keeps one CPU busy from its first instant; the probe watches for 0.2 s.
+        assert cpu_threads.busy_cpus_elsewhere(0.2) >= 0.7
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def _in_fresh_python(code: str, **environ: str) -> str:
@@ -74,14 +86,24 @@ def _in_fresh_python(code: str, **environ: str) -> str:
                           timeout=120).stdout.strip()
 
 
-def test_import_pagellm_sets_the_spin_before_torch_loads_libgomp():
-    code = ("import sys, os; import pagellm; before = 'torch' in sys.modules; "
-            "from pagellm.cpu_threads import openmp_wait_description as d; "
-            "print(before, os.environ.get('GOMP_SPINCOUNT'), d(), sep='|')")
-    assert _in_fresh_python(code).split("|") == [
-        "False", str(BOUNDED_SPIN_COUNT), f"GOMP_SPINCOUNT={BOUNDED_SPIN_COUNT} (pagellm's bounded spin)"]
-    assert _in_fresh_python(code, OMP_WAIT_POLICY="PASSIVE").split("|") == [
-        "False", "None", "OMP_WAIT_POLICY=PASSIVE"]
-    # torch first: libgomp has read its environment already, so pagellm leaves it alone and says so.
-    late = "import torch; " + code
-    assert _in_fresh_python(late).split("|") == ["True", "None", "libgomp's default spin"]
+PROBE = ("import sys, os; import pagellm; before = 'torch' in sys.modules; "
+         "from pagellm.cpu_threads import openmp_wait_description as d; "
+         "print(before, os.environ.get('GOMP_SPINCOUNT'), d(), sep='|')")
+
+
+def test_import_pagellm_sets_the_spin_before_torch_loads_libgomp_beside_a_busy_process():
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        before, spin, description = _in_fresh_python(PROBE).split("|")
+    finally:
+        busy.kill()
+        busy.wait()
+    assert (before, spin) == ("False", str(BOUNDED_SPIN_COUNT))
+    assert description.startswith(f"GOMP_SPINCOUNT={BOUNDED_SPIN_COUNT} (pagellm's bounded spin; other processes kept")
+
+
+def test_the_user_s_choice_and_a_late_import_are_left_alone():
+    assert _in_fresh_python(PROBE, OMP_WAIT_POLICY="PASSIVE").split("|") == ["False", "None", "OMP_WAIT_POLICY=PASSIVE"]
+    assert _in_fresh_python(PROBE, GOMP_SPINCOUNT="5").split("|") == ["False", "5", "GOMP_SPINCOUNT=5"]
+    # torch first: libgomp has read its environment already, so pagellm neither probes nor sets anything.
+    assert _in_fresh_python("import torch; " + PROBE).split("|") == ["True", "None", "libgomp's default spin"]
