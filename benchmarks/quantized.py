@@ -273,6 +273,7 @@ def main() -> None:
     parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python")
     parser.add_argument("--workdir", default=None, help="where the checkpoints are written (default: a temp dir)")
     parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "quantized_memory.png")
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -301,7 +302,7 @@ def main() -> None:
     print(f"\n{cpu_description()}, flags: {flags or 'none of ' + ', '.join(SPEED_FLAGS)}; "
           f"{len(os.sched_getaffinity(0))} CPUs; load average {os.getloadavg()[0]:.1f} at the end")
     print_tables(rows, reference)
-    if args.plot:
+    if not args.no_plot:
         plot(rows, args.plot)
 
 
