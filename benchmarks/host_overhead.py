@@ -145,9 +145,14 @@ def run_size(model_dir: str, num_seqs: int, args) -> dict:
     runner, core = engine.core.runner, engine.core
     clock.wrap(scheduler, "schedule", "scheduler")
     clock.wrap(runner, "execute", "runner")
-    for name in ("_apply", "_prepare_inputs", "_step_sampling_batch"):
-        clock.wrap(runner, name, "runner prep")
-    clock.wrap(runner, "_run_model", "forward+sample")
+    import pagellm.worker.model_runner as runner_module
+
+    clock.wrap(runner, "_apply", "runner prep")
+    # The runner calls it by its module's name; the wrapper comes off at the end, before the next size's engine.
+    prepare_inputs = runner_module.prepare_inputs
+    clock.wrap(runner_module, "prepare_inputs", "runner prep")
+    clock.wrap(runner.sampling_batches, "for_step", "runner prep")
+    clock.wrap(runner, "run_model", "forward+sample")
     clock.wrap(runner.model, "compute_logits", "forward+sample")
     runner.sampler = _TimedCallable(runner.sampler, clock, "forward+sample")
     clock.wrap(scheduler, "update_from_output", "scheduler update")
@@ -189,6 +194,7 @@ def run_size(model_dir: str, num_seqs: int, args) -> dict:
         path = f"{args.profile}.{num_seqs}"
         profiler.dump_stats(path)
         print(f"cProfile of the timed steps at {num_seqs} sequences: {path}", file=sys.stderr)
+    runner_module.prepare_inputs = prepare_inputs
     result = {stage: statistics.median(r[stage] for r in repeats) for stage in (*STAGES, "step")}
     # What one full collection (the collector's oldest generation) would pause a step for, with the engine running.
     started = time.perf_counter()
