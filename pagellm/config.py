@@ -170,8 +170,8 @@ class EngineArgs:
                                     help="longest sequence (prompt + output) in tokens, e.g. 4096 or 4k "
                                          "(default: the model's max_position_embeddings)")
     quantization: str | None = default_only(
-        None, group=MODEL, kind="optional_str", flags=("-q",), accepted=("awq", "gptq", "compressed-tensors", "fp8", "int8"),
-        why=_QUANT_METHODS)
+        None, group=MODEL, kind="optional_str", flags=("-q",),
+        accepted=("awq", "gptq", "compressed-tensors", "fp8", "int8"), why=_QUANT_METHODS)
     quantization_config: dict | None = default_only(None, group=MODEL, kind="json", why=_NO_QUANT_OVERRIDE)
     allow_deprecated_quantization: bool = no_effect(False, group=MODEL)
     enforce_eager: bool = arg(False, group=MODEL, help="run every step eagerly (no CUDA graphs)")
