@@ -1,0 +1,87 @@
+"""Where the time goes in a decode step of Gemma 3 270M Q4_K_M (one stream, then 16): wall time of the GGUF linear
+products by layer and block type (the tied LM head among them), the paged-attention call, the sampler, and the rest
+(norms, rotary, the embedding gather, the engine's host work), summed over each step's calls, mean of --steps steps.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/gguf_step.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pagellm.models.llama as llama_module  # noqa: E402
+from pagellm import LLM, SamplingParams  # noqa: E402
+from pagellm.cpu_features import cpu_description  # noqa: E402
+from pagellm.layers.quantization.gguf import GGUFLinearMethod  # noqa: E402
+from tests.test_gguf_gemma3 import gemma3_270m_path  # noqa: E402
+
+Seconds = collections.Counter
+
+
+def timed(function: Callable, spent: Seconds, part: Callable[..., str] | str) -> Callable:
+    """`function`, adding each call's wall time to spent[part] (part may be named from the call's arguments)."""
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            spent[part(*args) if callable(part) else part] += time.perf_counter() - started
+
+    return wrapper
+
+
+def linear_part(method, layer, *_) -> str:
+    kinds = "+".join(p.type_name for p in (layer.quantized_parts or [])) or "dense"
+    name = layer.prefix.rsplit(".", 1)[-1]
+    return f"LM head ({kinds})" if name == "embed_tokens" else f"{name} ({kinds})"
+
+
+def measure(num_seqs: int, steps: int, spent: Seconds) -> float:
+    """Seconds of `steps` decode steps of `num_seqs` sequences; `spent` gets the parts'."""
+    llm = LLM(str(gemma3_270m_path()), dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=1024,
+              enable_prefix_caching=False)
+    engine = llm.llm_engine
+    runner = engine.core.runner
+    runner.sampler = timed(runner.sampler, spent, "sampler")
+    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    for i in range(num_seqs):
+        prompt = [2] + list(range(1000 + 50 * i, 1031 + 50 * i))
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    for _ in range(6):  # the prefill and warm-up decodes
+        engine.step()
+    spent.clear()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--seqs", type=int, nargs="*", default=[1, 16])
+    args = parser.parse_args()
+    spent: Seconds = collections.Counter()
+    GGUFLinearMethod.apply = timed(GGUFLinearMethod.apply, spent, linear_part)
+    llama_module.paged_attention = timed(llama_module.paged_attention, spent, "paged attention")
+    for num_seqs in args.seqs:
+        total = measure(num_seqs, args.steps, spent)
+        print(f"\n## {num_seqs} sequence(s), {cpu_description()}: {1000 * total / args.steps:.2f} ms per decode step "
+              f"(mean of {args.steps})\n")
+        print("| part | ms per step | share |\n|---|---:|---:|")
+        for name, seconds in spent.most_common():
+            print(f"| {name} | {1000 * seconds / args.steps:.2f} | {seconds / total:.0%} |")
+        rest = total - sum(spent.values())
+        print(f"| rest (norms, rotary, embedding, host) | {1000 * rest / args.steps:.2f} | {rest / total:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
