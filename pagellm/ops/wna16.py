@@ -27,6 +27,7 @@ import os
 import pathlib
 import subprocess
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -367,7 +368,7 @@ def wna16_kernels(isa: str | None = None) -> WNA16Kernels | None:
 Parts = list[tuple[int, GroupQuantWeight]]
 
 
-class GroupQuantKernel:
+class GroupQuantKernel(ABC):
     """x @ W^T + bias for one layer, in whatever layout the kernel keeps its parts."""
 
     name = "torch"
@@ -382,11 +383,13 @@ class GroupQuantKernel:
             y = self._matmul(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], self.out_features)
         return y if y.dtype is x.dtype else y.to(x.dtype)
 
+    @abstractmethod
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+        """x [rows, in_features] @ W^T + bias."""
 
+    @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The tensors the kernel keeps (counted in the weights' bytes)."""
 
 
 class TorchGroupQuant(GroupQuantKernel):

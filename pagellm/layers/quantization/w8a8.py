@@ -18,6 +18,7 @@ largest scale (vLLM's fp8 path) would round the other shards' weights again.
 from __future__ import annotations
 
 import functools
+from abc import abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -250,9 +251,9 @@ class OnlineQuantizedLinearMethod(LinearMethod):
         layer.online_kernel = self.quantize(layer.weight.data)
         _free(layer.weight)
 
+    @abstractmethod
     def quantize(self, weight: torch.Tensor):
         """The kernel of one loaded float weight [N, K] (pagellm/ops/w8a8_kernels.py)."""
-        raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.online_kernel is not None:
