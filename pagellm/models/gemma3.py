@@ -143,4 +143,4 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if logits is None or self.final_logit_softcapping is None:
             return logits
         cap = self.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap
+        return logits.div_(cap).tanh_().mul_(cap)  # in place: no [rows, vocab] temporaries

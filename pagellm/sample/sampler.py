@@ -119,9 +119,15 @@ class SamplingBatch:
         """Whether sampling is an argmax after in-place masks: no [rows, vocab] buffers needed."""
         return self.all_greedy and self.num_logprobs is None and self.penalties is None and not self.allowed_tokens
 
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
     def rows_slice(self, start: int, end: int) -> SamplingBatch:
         """Rows [start, end) with their indices from 0. all_greedy stays the whole batch's: a batch that is
         not all greedy draws noise for every row, greedy or not, and so must each of its chunks."""
+        if start == 0 and end >= self.num_rows:
+            return self
 
         def part(values: torch.Tensor | None) -> torch.Tensor | None:
             return None if values is None else values[start:end]
@@ -203,19 +209,31 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [S, V] float32 (modified in place)."""
+        output = self.new_output(batch, logits.device)
+        self.sample_into(logits, batch, 0, output)
+        return output
+
+    def new_output(self, batch: SamplingBatch, device: torch.device) -> SamplerOutput:
+        """The results of the batch's rows, for sample_into to fill, possibly over several calls."""
+        return _allocate_output(batch.num_rows, batch.num_logprobs, device)
+
+    def sample_into(self, logits: torch.Tensor, batch: SamplingBatch, first_row: int, output: SamplerOutput) -> None:
+        """Sample rows [first_row, first_row + len(logits)) of `batch` from `logits` (modified in place) into the
+        same rows of `output`. Rows must be given in order, each once: the noise stream is drawn row after row."""
         num_rows, vocab_size = logits.shape
+        end_row = first_row + num_rows
         if batch.filters_in_place:
-            _apply_constraints(logits, batch, None)
-            return SamplerOutput(logits.argmax(dim=-1))
+            _apply_constraints(logits, batch.rows_slice(first_row, end_row), None)
+            torch.argmax(logits, dim=-1, out=output.token_ids[first_row:end_row])
+            return
         step = min(num_rows, self.rows_per_chunk(vocab_size))
         workspace = self._workspace_for(step, vocab_size, logits.device)
         # Written chunk by chunk: no chunk's results outlive it in the C heap, between the chunks' buffers.
-        output = _allocate_output(num_rows, batch.num_logprobs, logits.device)
         for start in range(0, num_rows, step):
             end = min(start + step, num_rows)
-            chunk = batch if step == num_rows else batch.rows_slice(start, end)
-            self._sample_rows(logits[start:end], chunk, workspace.first(end - start), _output_rows(output, start, end))
-        return output
+            rows = (first_row + start, first_row + end)
+            self._sample_rows(logits[start:end], batch.rows_slice(*rows), workspace.first(end - start),
+                              _output_rows(output, *rows))
 
     def _workspace_for(self, rows: int, vocab_size: int, device: torch.device) -> _Workspace:
         current = self._workspace

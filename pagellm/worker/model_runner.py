@@ -1,8 +1,8 @@
 """SchedulerOutput -> input tensors -> forward -> logits of the sampling positions -> sampled tokens.
 
 The pieces live beside it: the rows of the running sequences (input_batch.py), a step's inputs
-(step_inputs.py), the sampler's per-row settings (sampling_metadata.py), prompt log-probabilities
-(prompt_logprobs.py) and start-up's profiling steps (profiling.py).
+(step_inputs.py), the sampler's per-row settings (sampling_metadata.py), the LM head's row chunks (logits.py),
+prompt log-probabilities (prompt_logprobs.py) and start-up's profiling steps (profiling.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from pagellm.attention.kv_spec import KVCacheFormat
 from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of
-from pagellm.sample.sampler import Sampler, SamplingBatch
+from pagellm.sample.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import layer_views
-from pagellm.worker.prompt_logprobs import score_prompt, token_logprobs
+from pagellm.worker.logits import logits_in_chunks, logits_rows_per_chunk
+from pagellm.worker.prompt_logprobs import PromptScorer, token_logprobs
 from pagellm.worker.sampling_metadata import SamplingBatchBuilder
 from pagellm.worker.step_inputs import StepInputs, prepare_inputs
 
@@ -47,6 +48,7 @@ class ModelRunner:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
+        self.logits_rows_per_chunk = logits_rows_per_chunk(self.vocab_size, device)
         # Under tensor parallelism only rank 0 samples; the other ranks skip building sampling inputs.
         self.samples = model.group.rank == 0
         self.kv_pool: torch.Tensor | None = None
@@ -116,15 +118,27 @@ class ModelRunner:
         sampling = self.sampling_batches.for_step(rows, inputs) if num_samples and self.samples else None
         hidden = self.run_model(inputs)
         output = ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[inputs.logits_index]) if len(inputs.logits_index) else None
-        # None on tensor-parallel ranks other than 0: rank 0 samples, and sends its tokens with the next step.
-        if logits is not None:
-            if num_samples:
-                self._sample(logits[:num_samples], rows, inputs, sampling, output)
-            if inputs.prompt_logprob_positions:
-                score_prompt(logits[num_samples:], batch, rows, inputs, output)
+        if len(inputs.logits_index):
+            self._consume_logits(hidden[inputs.logits_index], num_samples, rows, inputs, sampling, output)
         batch.num_computed[rows] += num_scheduled
         return output
+
+    def _consume_logits(self, hidden: torch.Tensor, num_samples: int, rows: np.ndarray, inputs: StepInputs,
+                        sampling: SamplingBatch | None, output: ModelRunnerOutput) -> None:
+        """Samples, then prompt scores, from the logits of `hidden`'s rows, computed a chunk at a time."""
+        scorer = PromptScorer(self.input_batch, rows, inputs, output) \
+            if inputs.prompt_logprob_positions and self.samples else None
+        result = self.sampler.new_output(sampling, hidden.device) if sampling is not None else None
+        for first, logits in logits_in_chunks(self.model.compute_logits, hidden, self.logits_rows_per_chunk):
+            if logits is None:
+                continue  # a tensor-parallel rank other than 0: rank 0 samples, and sends its tokens next step
+            sampled = logits[: max(0, num_samples - first)]
+            if len(sampled):
+                self.sampler.sample_into(sampled, sampling, first, result)
+            if scorer is not None and first + len(logits) > num_samples:
+                scorer.add(max(0, first - num_samples), logits[len(sampled):])
+        if result is not None:
+            self._emit_samples(result, rows, inputs, sampling, output)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs.attention):
@@ -132,11 +146,10 @@ class ModelRunner:
         meta = self.attn_backend.build_metadata(inputs.attention)
         return self.model(self._to_device(inputs.input_ids), self._to_device(inputs.positions), self.kv_caches, meta)
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray, inputs: StepInputs, sampling: SamplingBatch,
-                output: ModelRunnerOutput) -> None:
+    def _emit_samples(self, result: SamplerOutput, rows: np.ndarray, inputs: StepInputs, sampling: SamplingBatch,
+                      output: ModelRunnerOutput) -> None:
         batch = self.input_batch
         sample_rows = rows[inputs.sample_positions]
-        result = self.sampler(logits, sampling)
         tokens = result.token_ids.tolist()  # the step's one wait on the device
         if batch.plain_greedy[sample_rows].all():
             # One token per row, no log-probabilities, each appended: the whole batch at once.

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from pagellm.sample.sampler import Penalties, SamplingBatch, TokenHistory
+from pagellm.worker.logits import logits_in_chunks
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.step_inputs import prepare_inputs
 
@@ -59,18 +60,17 @@ def _profile_step(runner: ModelRunner, lengths: np.ndarray, blocks: np.ndarray, 
         batch.num_computed[rows] = 0
         batch.block_table[rows, : blocks.shape[1]] = blocks
         hidden = runner.run_model(prepare_inputs(batch, rows, lengths, runner.block_size, runner.device))
-        logits = runner.model.compute_logits(hidden) if sample else None
-        if logits is not None:  # None on tensor-parallel ranks that do not sample
-            _probe_sampler(runner, logits)
+        if sample:
+            _probe_sampling(runner, hidden)
     finally:
         (batch.token_ids[rows], batch.num_tokens[rows], batch.num_computed[rows], batch.block_table[rows]) = saved
         runner.kv_caches = saved_caches
 
 
-def _probe_sampler(runner: ModelRunner, logits: torch.Tensor) -> None:
-    """The sampler with every filter on, log-probabilities and penalties over full-length histories: the most
-    a step's sampling holds at once (it works through the rows in chunks, so this is one chunk's worth)."""
-    num_rows = logits.shape[0]
+def _probe_sampling(runner: ModelRunner, hidden: torch.Tensor) -> None:
+    """The LM head and the sampler with every filter on, log-probabilities and penalties over full-length
+    histories, as a step runs them (a chunk of rows at a time): the most a step's sampling holds at once."""
+    num_rows = hidden.shape[0]
     device = runner.device
 
     def column(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -79,7 +79,7 @@ def _probe_sampler(runner: ModelRunner, logits: torch.Tensor) -> None:
     rows = np.arange(num_rows)
     history = TokenHistory(runner.input_batch.token_ids, rows, np.zeros(num_rows, dtype=np.int64),
                            np.full(num_rows, runner.max_model_len, dtype=np.int64))
-    runner.sampler(logits, SamplingBatch(
+    batch = SamplingBatch(
         temperature=column(1.0),
         top_k=column(50, torch.int64),
         top_p=column(0.9),
@@ -90,4 +90,8 @@ def _probe_sampler(runner: ModelRunner, logits: torch.Tensor) -> None:
         penalties=Penalties(column(0.5), column(0.5), column(1.2), history),
         allowed_tokens=[(row, [0, 1]) for row in range(num_rows)],
         num_logprobs=PROFILED_LOGPROBS,
-    ))
+    )
+    output = runner.sampler.new_output(batch, device) if runner.samples else None
+    for first, logits in logits_in_chunks(runner.model.compute_logits, hidden, runner.logits_rows_per_chunk):
+        if logits is not None:  # None on tensor-parallel ranks that do not sample
+            runner.sampler.sample_into(logits, batch, first, output)

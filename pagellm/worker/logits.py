@@ -1,0 +1,33 @@
+"""The LM head over a step's logits rows, a bounded number of rows at a time.
+
+A step's logits rows (its samples, then the prompt positions scored for prompt_logprobs) can be many: 256
+decoding sequences, or a 2,048-token prefill chunk whose every position is scored. Their float32 logits for a
+large vocabulary are then hundreds of MiB to GiB (2,048 x 262k x 4 bytes is 2 GiB), and the LM head's output in
+the model's dtype sits beside them while it is converted. Computed and consumed a chunk of rows at a time, what a
+step holds is one chunk's logits whatever the batch, so start-up's profiling peak and serving's stay near the
+steady memory. Under vocab-parallel tensor parallelism every rank runs the same chunks (each one a gather).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+# Logits elements (rows x vocab) one chunk holds: 32 MiB of float32 on the CPU. On CUDA the profiled peak is
+# reserved anyway and fewer, larger chunks keep the LM head's GEMM efficient.
+CPU_LOGITS_CHUNK_ELEMENTS = 1 << 23
+CUDA_LOGITS_CHUNK_ELEMENTS = 1 << 26
+
+
+def logits_rows_per_chunk(vocab_size: int, device: torch.device) -> int:
+    elements = CUDA_LOGITS_CHUNK_ELEMENTS if device.type == "cuda" else CPU_LOGITS_CHUNK_ELEMENTS
+    return max(1, elements // vocab_size)
+
+
+def logits_in_chunks(compute_logits: Callable[[torch.Tensor], torch.Tensor | None], hidden: torch.Tensor,
+                     rows_per_chunk: int) -> Iterator[tuple[int, torch.Tensor | None]]:
+    """(first row, logits of rows [first, first + chunk)) for each chunk of `hidden`'s rows, in order; the
+    logits are None on tensor-parallel ranks that do not sample."""
+    for start in range(0, hidden.shape[0], rows_per_chunk):
+        yield start, compute_logits(hidden[start : start + rows_per_chunk])
