@@ -111,6 +111,29 @@ def test_tokenizer(llm):
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
 
+def test_the_engines_tokenizer_drops_its_construction_tables_and_works_as_built(llm, model_path, tmp_path):
+    """The Python vocabulary and merges GemmaTokenizer keeps after building its Rust tokenizer (~130 MiB for this
+    vocabulary) are released at load; encoding, decoding, the vocabulary and a save/reload
+    give what the tokenizer as built gives."""
+    from transformers import AutoTokenizer
+
+    from pagellm.models.gguf_loader import load_gguf_tokenizer
+
+    engines = llm.get_tokenizer()
+    as_built = load_gguf_tokenizer(model_path)
+    assert engines._merges is None and engines._vocab is None
+    assert len(as_built._merges) > 500_000  # what was released
+    texts = [*PROMPTS, "Paged attention, 한국어 and emoji 🙂 <unused17> <start_of_image>"]
+    for text in texts:
+        assert engines(text)["input_ids"] == as_built(text)["input_ids"]
+        assert engines.decode(engines.encode(text)) == as_built.decode(as_built.encode(text))
+    assert engines.get_vocab() == as_built.get_vocab()
+    assert engines.chat_template == as_built.chat_template
+    engines.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert [reloaded(text)["input_ids"] for text in texts] == [as_built(text)["input_ids"] for text in texts]
+
+
 def test_every_tensor_type_in_the_file_equals_gguf(model_path, loaded):
     """One tensor of each type in the file (Q4_K, Q6_K, Q5_0, Q8_0, F32), bit for bit against gguf's
     dequantize, norms less the 1 llama.cpp's converter added."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import ctypes
 import gc
 import logging
 import time
@@ -137,3 +138,15 @@ def freeze_startup_heap() -> None:
     gc.freeze()
     atexit.unregister(gc.unfreeze)
     atexit.register(gc.unfreeze)
+    return_free_heap()
+
+
+def return_free_heap() -> None:
+    """Hand back to the system the C heap that start-up freed (loading's conversions, the tokenizer's build, the
+    profiling steps): glibc keeps freed memory below its mmap threshold in the process, where it counts in the RSS
+    of a server that will not reuse most of it. Measured on Gemma 3 270M's GGUF, ~50-90 MiB."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to trim this way
+    libc.malloc_trim(0)

@@ -262,12 +262,31 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None, revision: 
 
     if tokenizer is not None:
         path = resolve_tokenizer(tokenizer, revision, download_dir)
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if source.is_gguf:
+        loaded = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    elif source.is_gguf:
         from pagellm.models.gguf_loader import load_gguf_tokenizer
 
-        return load_gguf_tokenizer(source.path)
-    return AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+        loaded = load_gguf_tokenizer(source.path)
+    else:
+        loaded = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    release_construction_tables(loaded)
+    return loaded
+
+
+# transformers tokenizer classes that keep the vocabulary and merges they built their Rust tokenizer from as Python
+# objects (`_vocab`, `_merges`) and read them in __init__ only: encoding, decoding, get_vocab and save_pretrained
+# go through the Rust tokenizer. For Gemma 3's 262k-token vocabulary and 515k merges these take ~130 MiB.
+_TOKENIZERS_WITH_CONSTRUCTION_TABLES = frozenset(
+    {"GemmaTokenizer", "LlamaTokenizer", "Qwen2Tokenizer", "GPT2Tokenizer", "CohereTokenizer"})
+
+
+def release_construction_tables(tokenizer) -> None:
+    """Drop the Python copies of the vocabulary and merges that the classes above keep after construction."""
+    if type(tokenizer).__name__ not in _TOKENIZERS_WITH_CONSTRUCTION_TABLES:
+        return
+    for name in ("_vocab", "_merges"):
+        if isinstance(getattr(tokenizer, name, None), (dict, list)):
+            setattr(tokenizer, name, None)
 
 
 def eos_token_ids(source: ModelSource, config, tokenizer) -> set[int]:
