@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "gguf_quant.c"]
-_HEADERS = [_CSRC / "gguf_simd.h"]
+_HEADERS = [_CSRC / "gguf_simd.h", _CSRC / "isa_name.h"]
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 # The block types the kernels compute with (GGML type ids); the others (F32, F16, BF16) are plain tensors.

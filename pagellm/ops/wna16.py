@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "wna16.c"]
+_HEADERS = [_CSRC / "isa_name.h"]
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 BITS = (4, 8)
@@ -343,7 +344,7 @@ def _operands(x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None, bias
 @functools.cache
 def _library(isa: str) -> ctypes.CDLL | None:
     try:
-        path = native.build_library(f"pagellm_wna16_{isa}", _SOURCES, [], native.compiler_flags(isa))
+        path = native.build_library(f"pagellm_wna16_{isa}", _SOURCES, _HEADERS, native.compiler_flags(isa))
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
         detail = (getattr(error, "stderr", None) or str(error)).strip()

@@ -26,14 +26,7 @@
 #include <string.h>
 
 #include "gguf_simd.h"
-
-#if defined(PAGELLM_ISA_AVX512)
-#define ISA_NAME "avx512"
-#elif defined(PAGELLM_ISA_AVX2)
-#define ISA_NAME "avx2"
-#else
-#define ISA_NAME "generic"
-#endif
+#include "isa_name.h"
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -287,22 +280,6 @@ typedef struct __attribute__((aligned(32))) {
     int16_t bsums[16];
     float d;
 } ActivationBlock256;
-
-static ALWAYS_INLINE f32x8 load_x8(const void *x, int64_t index, const int bf16) {
-    if (!bf16) {
-        f32x8 v;
-        memcpy(&v, (const float *)x + index, sizeof v);
-        return v;
-    }
-    u16x8 bits;
-    memcpy(&bits, (const uint16_t *)x + index, sizeof bits);
-    return from_bf16(bits);
-}
-
-static ALWAYS_INLINE f32x8 max_f32(f32x8 a, f32x8 b) {
-    const i32x8 greater = a > b;
-    return (f32x8)(((i32x8)a & greater) | ((i32x8)b & ~greater));
-}
 
 /* Quantizes n (a multiple of 8) values from x[start] to qs and returns their scale d = max |x| / 127:
  * qs = x * (127 / max |x|) rounded to nearest even. A NaN or infinity makes d NaN (and qs 0), so that it

@@ -182,4 +182,21 @@ static ALWAYS_INLINE f32x8 from_bf16(u16x8 bits) {
     return (f32x8)__builtin_shufflevector((u16x8){0}, bits, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15);
 }
 
+/* 8 activations from x[index] as float32, x being float32 or (bf16 != 0) bfloat16. */
+static ALWAYS_INLINE f32x8 load_x8(const void *x, int64_t index, const int bf16) {
+    if (!bf16) {
+        f32x8 v;
+        memcpy(&v, (const float *)x + index, sizeof v);
+        return v;
+    }
+    u16x8 bits;
+    memcpy(&bits, (const uint16_t *)x + index, sizeof bits);
+    return from_bf16(bits);
+}
+
+static ALWAYS_INLINE f32x8 max_f32(f32x8 a, f32x8 b) {
+    const i32x8 greater = a > b;
+    return (f32x8)(((i32x8)a & greater) | ((i32x8)b & ~greater));
+}
+
 #endif

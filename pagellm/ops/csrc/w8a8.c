@@ -36,14 +36,7 @@
 #include <string.h>
 
 #include "gguf_simd.h"
-
-#if defined(PAGELLM_ISA_AVX512)
-#define ISA_NAME "avx512"
-#elif defined(PAGELLM_ISA_AVX2)
-#define ISA_NAME "avx2"
-#else
-#define ISA_NAME "generic"
-#endif
+#include "isa_name.h"
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define HAVE_VNNI 1
@@ -73,22 +66,6 @@ static ALWAYS_INLINE float load_one(const void *x, int64_t index, const int bf16
     float v;
     memcpy(&v, &bits, sizeof v);
     return v;
-}
-
-static ALWAYS_INLINE f32x8 load_x8(const void *x, int64_t index, const int bf16) {
-    if (!bf16) {
-        f32x8 v;
-        memcpy(&v, (const float *)x + index, sizeof v);
-        return v;
-    }
-    u16x8 bits;
-    memcpy(&bits, (const uint16_t *)x + index, sizeof bits);
-    return from_bf16(bits);
-}
-
-static ALWAYS_INLINE f32x8 max_f32(f32x8 a, f32x8 b) {
-    const i32x8 greater = a > b;
-    return (f32x8)(((i32x8)a & greater) | ((i32x8)b & ~greater));
 }
 
 /* v clamped to [-127, 127] and rounded to nearest even (adding and subtracting 1.5 * 2^23 rounds a float of

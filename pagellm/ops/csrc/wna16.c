@@ -32,13 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(PAGELLM_ISA_AVX512)
-#define ISA_NAME "avx512"
-#elif defined(PAGELLM_ISA_AVX2)
-#define ISA_NAME "avx2"
-#else
-#define ISA_NAME "generic"
-#endif
+#include "isa_name.h"
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
