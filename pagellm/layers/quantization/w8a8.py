@@ -85,6 +85,20 @@ def _free(param: nn.Parameter) -> None:
     param.data = param.data.new_empty(0)
 
 
+def _register_weight(layer: nn.Module, out_features: int, input_size: int, dtype: torch.dtype) -> None:
+    weight = nn.Parameter(torch.empty(out_features, input_size, dtype=dtype), requires_grad=False)
+    set_weight_attrs(weight, input_dim=1, output_dim=0)
+    layer.register_parameter("weight", weight)
+
+
+def _register_channel_scale(layer: nn.Module, name: str, out_features: int) -> None:
+    """float32 [N, 1] parameter `name`: one scale per output channel."""
+    scale = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), requires_grad=False)
+    set_weight_attrs(scale, output_dim=0)
+    scale.weight_loader = functools.partial(_load_channel_scale, layer)
+    layer.register_parameter(name, scale)
+
+
 class Int8LinearMethod(LinearMethod):
     """A checkpoint's int8 weights: `weight` int8 [N, K]; `weight_scale` float [N, 1] (per channel) or one per
     checkpoint shard (per tensor); `input_scale` one per shard with static activation scales (their largest is
@@ -97,14 +111,9 @@ class Int8LinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         out_features = sum(output_sizes)
-        weight = nn.Parameter(torch.empty(out_features, input_size, dtype=torch.int8), requires_grad=False)
-        set_weight_attrs(weight, input_dim=1, output_dim=0)
-        layer.register_parameter("weight", weight)
+        _register_weight(layer, out_features, input_size, torch.int8)
         if self.per_channel:
-            scale = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), requires_grad=False)
-            set_weight_attrs(scale, output_dim=0)
-            scale.weight_loader = functools.partial(_load_channel_scale, layer)
-            layer.register_parameter("weight_scale", scale)
+            _register_channel_scale(layer, "weight_scale", out_features)
         else:
             per_shard_scale(layer, "weight_scale", len(output_sizes))
         if self.static_input:
@@ -157,16 +166,11 @@ class Fp8LinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         out_features = sum(output_sizes)
-        weight = nn.Parameter(torch.empty(out_features, input_size, dtype=torch.float8_e4m3fn), requires_grad=False)
-        set_weight_attrs(weight, input_dim=1, output_dim=0)
-        layer.register_parameter("weight", weight)
+        _register_weight(layer, out_features, input_size, torch.float8_e4m3fn)
         if self.strategy == "tensor":
             per_shard_scale(layer, self.scale_name, len(output_sizes))
         elif self.strategy == "channel":
-            scale = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), requires_grad=False)
-            set_weight_attrs(scale, output_dim=0)
-            scale.weight_loader = functools.partial(_load_channel_scale, layer)
-            layer.register_parameter(self.scale_name, scale)
+            _register_channel_scale(layer, self.scale_name, out_features)
         else:
             block_n, block_k = self.block
             _check_block_shape(layer.prefix, output_sizes, input_size, block_n, block_k)
