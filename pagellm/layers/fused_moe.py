@@ -29,6 +29,7 @@ from torch import nn
 
 from pagellm.distributed.parallel_state import current_group
 from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.linear import ReplicatedLinear
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.quantization.unquantized import Unquantized
 from pagellm.layers.weights import copy_checked, set_weight_attrs
@@ -366,3 +367,35 @@ class FusedMoE(nn.Module):
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}, routing={self.routing}, "
                 f"method={type(self.quant_method).__name__}")
+
+
+class SparseMoeBlock(nn.Module):
+    """A router (`gate`, kept unquantized and replicated, as vLLM keeps it) and the experts it routes to: the MLP
+    of Mixtral, Qwen3-MoE and OLMoE layers."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, routing: Routing,
+                 quant_config: QuantizationConfig | None, prefix: str, activation: str = "silu") -> None:
+        super().__init__()
+        self.gate = ReplicatedLinear(hidden_size, num_experts, False, None, f"{prefix}.gate")
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, activation, quant_config,
+                                f"{prefix}.experts", routing)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden, self.gate(hidden))
+
+
+class ExpertCheckpointMixin:
+    """For a causal LM built on LlamaForCausalLM: per-expert checkpoint tensors load into their FusedMoE's stacked
+    parameters. `moe_block_names` are the names a family's checkpoints give the MoE block (Mixtral's
+    `block_sparse_moe`), which pagellm calls `mlp`."""
+
+    moe_block_names: tuple[str, ...] = ()
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        for block in self.moe_block_names:
+            name = name.replace(f".{block}.", ".mlp.")
+        expert = FusedMoE.checkpoint_target(name)
+        if expert is not None:
+            param, target = expert
+            return param, (target.expert_id, target.shard_id)
+        return super().checkpoint_target(name)
