@@ -49,7 +49,17 @@ def _qwen3_moe():
     return Qwen3MoeForCausalLM, config
 
 
-VARIANTS = {"mixtral": _mixtral, "qwen3-moe": _qwen3_moe}
+def _olmoe():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    # clip_qkv low enough to clip some of the normed q/k values and about half of v (the wide init).
+    config = OlmoeConfig(**{**COMMON, "num_hidden_layers": 2}, intermediate_size=64, num_experts=8,
+                         num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=2.5, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, pad_token_id=0)
+    return OlmoeForCausalLM, config
+
+
+VARIANTS = {"mixtral": _mixtral, "qwen3-moe": _qwen3_moe, "olmoe": _olmoe}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +117,7 @@ def test_batched_greedy_matches_hf(variant, moe_dirs, hf_references):
     llm = LLM(moe_dirs(variant), **ENGINE_ARGS)
     model = llm.llm_engine.core.runner.model
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    assert len(experts) == 2  # Mixtral: both layers; Qwen3-MoE: layers 0 and 2 (layer 1 is dense)
+    assert len(experts) == 2  # Mixtral, OLMoE: both layers; Qwen3-MoE: layers 0 and 2 (layer 1 is dense)
     assert experts[0].gate_up_kernels is not None, "the experts run on the dense CPU kernels"
     _check_greedy(llm, MOE_PROMPTS, hf_references(variant, MOE_PROMPTS))
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
@@ -134,11 +144,13 @@ def test_chunked_prefill_and_prefix_cache_match_hf(variant, moe_dirs, hf_referen
     assert output.num_cached_tokens >= 16, "the shared prefix came from the cache"
 
 
-def test_two_tensor_parallel_ranks_match_hf(moe_dirs, hf_references):
-    # Each rank holds half of every expert's 48 intermediate features and half of the dense layer's.
-    llm = LLM(moe_dirs("qwen3-moe"), **ENGINE_ARGS, tensor_parallel_size=2, distributed_timeout_seconds=60)
+@pytest.mark.parametrize("variant", ["qwen3-moe", "olmoe"])
+def test_two_tensor_parallel_ranks_match_hf(variant, moe_dirs, hf_references):
+    # Each rank holds half of every expert's intermediate features (and of Qwen3-MoE's dense layer); OLMoE's
+    # whole-projection q/k norms sum their mean square over the ranks.
+    llm = LLM(moe_dirs(variant), **ENGINE_ARGS, tensor_parallel_size=2, distributed_timeout_seconds=60)
     try:
-        _check_greedy(llm, MOE_PROMPTS, hf_references("qwen3-moe", MOE_PROMPTS))
+        _check_greedy(llm, MOE_PROMPTS, hf_references(variant, MOE_PROMPTS))
     finally:
         llm.llm_engine.shutdown()
 
