@@ -215,10 +215,14 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         layer.gate_up_kernels = layer.down_kernels = None
-        if layer.w13_weight.device.type != "cpu":
+        if layer.w13_weight.device.type != "cpu" or layer.w13_weight.dtype == torch.float32:
+            # float32 experts multiply with F.linear on their slice of the stacked weights. A packed copy per
+            # expert (oneDNN, as dense layers keep one) would double the experts' memory, and in a decode step
+            # each expert's weight is read once, cold from memory, where the packed layout showed no steady
+            # gain (benchmarks/moe.py).
             return
-        # One dense kernel per expert product (oneDNN-packed in float32: 2-5x F.linear at the few rows an
-        # expert gets in a decode step); the stacked weights stay, as the plain copy those kernels fall back to.
+        # Half types: the dense layers' kernel choice per expert product (widened to float32 per call where the
+        # CPU has no instructions for the type, pagellm's bf16 kernel where it has).
         scratch = UpcastScratch()
         layer.gate_up_kernels = [choose_dense_kernel(w, True, scratch)[0] for w in layer.w13_weight.data]
         layer.down_kernels = [choose_dense_kernel(w, True, scratch)[0] for w in layer.w2_weight.data]
@@ -256,16 +260,16 @@ def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     flat_ids = topk_ids.reshape(-1)
     # Stable: an expert's rows keep token order, so each token's sum adds its experts in ascending order.
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts)
-    active = counts.nonzero().flatten().tolist()
-    ends = counts.cumsum(0).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     token_of_row = order // top_k
     rows_in = x.index_select(0, token_of_row)
     rows_out = torch.empty_like(rows_in)
-    for expert in active:
-        end = ends[expert]
-        start = end - int(counts[expert])
-        rows_out[start:end] = down(expert, act_fn(gate_up(expert, rows_in[start:end])))
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            end = start + count
+            rows_out[start:end] = down(expert, act_fn(gate_up(expert, rows_in[start:end])))
+            start = end
     rows_out.mul_(topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(rows_out.dtype))
     return torch.zeros_like(x).index_add_(0, token_of_row, rows_out)
 

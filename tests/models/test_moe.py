@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pagellm import LLM, SamplingParams
 from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
 from pagellm.layers.fused_moe import FusedMoE, Routing
+from pagellm.models.loader import default_dtype
 from tests.conftest import TINY_CONFIG
 from tests.helpers import PROMPTS, hf_greedy
 
@@ -118,7 +119,6 @@ def test_batched_greedy_matches_hf(variant, moe_dirs, hf_references):
     model = llm.llm_engine.core.runner.model
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert len(experts) == 2  # Mixtral, OLMoE: both layers; Qwen3-MoE: layers 0 and 2 (layer 1 is dense)
-    assert experts[0].gate_up_kernels is not None, "the experts run on the dense CPU kernels"
     _check_greedy(llm, MOE_PROMPTS, hf_references(variant, MOE_PROMPTS))
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 
@@ -277,21 +277,26 @@ def _per_token_reference(x, weights, ids, w1, w3, w2) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("processed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_fused_moe_matches_a_per_token_reference(tokens, processed):
+def test_fused_moe_matches_a_per_token_reference(tokens, dtype):
     num_experts, hidden, intermediate = 8, 32, 24
     w1, w3, w2 = _random_experts(num_experts, hidden, intermediate, seed=1)
-    layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
+    with default_dtype(dtype):
+        layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
     _load(layer, w1, w3, w2)
-    if processed:
-        layer.process_weights_after_loading()  # the per-expert dense kernels
+    layer.process_weights_after_loading()  # half types: the dense layers' kernel per expert product
+    if dtype != torch.float32:
+        assert layer.gate_up_kernels is not None and len(layer.down_kernels) == num_experts
     generator = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, hidden, generator=generator)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype)
     logits = torch.randn(tokens, num_experts, generator=generator)
     weights, ids = layer.routing.select(logits)
-    expected = _per_token_reference(x, weights, ids, w1, w3, w2)
-    torch.testing.assert_close(layer(x, logits).double(), expected, rtol=1e-5, atol=1e-5)
+    expected = _per_token_reference(x, weights, ids, *(w.to(dtype) for w in (w1, w3, w2)))
+    out = layer(x, logits)
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
 
 def test_inactive_experts_do_no_work():
