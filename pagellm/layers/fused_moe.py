@@ -280,7 +280,8 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  activation: str = "silu", quant_config: QuantizationConfig | None = None, prefix: str = "",
-                 routing: Routing | None = None, reduce_results: bool = True) -> None:
+                 routing: Routing | None = None, reduce_results: bool = True,
+                 has_correction_bias: bool = False) -> None:
         super().__init__()
         self.group = current_group()
         self.prefix = prefix
@@ -301,16 +302,23 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size // self.group.size
         self.reduce_results = reduce_results
         self.act_fn = SiluAndMul()
-        # DeepSeek-V3's bias, set (and loaded) by the model that has one; used only to choose experts.
-        self.e_score_correction_bias: nn.Parameter | None = None
+        # DeepSeek-V3's per-expert bias (float32, as its checkpoints store it), added to the scores only to
+        # choose experts; its checkpoint name is the model's to map (`mlp.gate.e_score_correction_bias`).
+        if has_correction_bias:
+            bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+            self.register_parameter("e_score_correction_bias", bias)
+        else:
+            self.register_parameter("e_score_correction_bias", None)
         self.quant_method = moe_method_for(quant_config, prefix)
         self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_size,
                                          torch.get_default_dtype())
         shards = {"w13_weight": ("w1", "w3"), "w2_weight": ("w2",)}
         for name, param in self.named_parameters(recurse=False):
+            if name not in shards:
+                continue  # the correction bias loads whole
             # (expert, shard) pairs a complete checkpoint fills, as the model's loader counts them.
             set_weight_attrs(param, weight_loader=self._checkpoint_loader,
-                             shard_ids=tuple((e, s) for e in range(num_experts) for s in shards.get(name, (None,))))
+                             shard_ids=tuple((e, s) for e in range(num_experts) for s in shards[name]))
 
     @staticmethod
     def checkpoint_target(name: str) -> tuple[str, ExpertTarget] | None:

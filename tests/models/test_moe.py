@@ -299,6 +299,26 @@ def test_fused_moe_matches_a_per_token_reference(tokens, dtype):
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
 
+def test_correction_bias_chooses_experts_but_does_not_weigh_them():
+    num_experts, hidden, intermediate = 8, 16, 8
+    w1, w3, w2 = _random_experts(num_experts, hidden, intermediate, seed=4)
+    routing = Routing(2, "sigmoid", True, 4, 2, "top2_sum", 2.5, sorted_choice=False)
+    layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer", routing=routing, has_correction_bias=True)
+    assert layer.e_score_correction_bias.dtype == torch.float32
+    assert "e_score_correction_bias" in dict(layer.named_parameters())
+    _load(layer, w1, w3, w2)
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0, 5.0])  # experts 6 and 7 always win the choice
+    layer.e_score_correction_bias.data.copy_(bias)
+    x, logits = torch.randn(5, hidden), torch.randn(5, num_experts)
+    weights, ids = layer.select_experts(logits)
+    assert sorted(ids[0].tolist()) == [6, 7]
+    scores = logits.sigmoid()[:, 6:]
+    torch.testing.assert_close(weights.sort(dim=-1).values,
+                               (scores / scores.sum(-1, keepdim=True) * 2.5).sort(dim=-1).values)
+    expected = _per_token_reference(x, weights, ids, w1, w3, w2)
+    torch.testing.assert_close(layer(x, logits).double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_inactive_experts_do_no_work():
     num_experts, hidden, intermediate = 8, 16, 8
     layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
