@@ -144,6 +144,15 @@ def test_chunked_prefill_and_prefix_cache_match_hf(variant, moe_dirs, hf_referen
     assert output.num_cached_tokens >= 16, "the shared prefix came from the cache"
 
 
+def test_preemption_keeps_outputs_exact(moe_dirs, hf_references):
+    # 10 blocks of 16 tokens: less than the batch needs at once, enough for the longest request alone.
+    llm = LLM(moe_dirs("mixtral"), dtype="float32", num_gpu_blocks_override=10, max_model_len=160, max_num_seqs=8)
+    _check_greedy(llm, MOE_PROMPTS, hf_references("mixtral", MOE_PROMPTS))
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0
+    assert stats.kv_cache.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("variant", ["qwen3-moe", "olmoe"])
 def test_two_tensor_parallel_ranks_match_hf(variant, moe_dirs, hf_references):
     # Each rank holds half of every expert's intermediate features (and of Qwen3-MoE's dense layer); OLMoE's
