@@ -234,42 +234,51 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
             return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
         return grouped_experts(x, topk_weights, topk_ids, layer.num_experts, self._product(layer, "gate_up"),
-                               self._product(layer, "down"), layer.act_fn)
+                               self._product(layer, "down"), 2 * layer.intermediate_size, layer.act_fn)
 
     @staticmethod
-    def _product(layer: FusedMoE, which: str) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    def _product(layer: FusedMoE, which: str) -> ExpertProduct:
         kernels: list[DenseKernel] | None = getattr(layer, f"{which}_kernels", None)
         if kernels is not None:
-            return lambda expert, rows: kernels[expert](rows, None)
+            return lambda expert, rows, out: out.copy_(kernels[expert](rows, None))
         stacked = layer.w13_weight if which == "gate_up" else layer.w2_weight
-        return lambda expert, rows: F.linear(rows, stacked[expert])
+        # Straight into the caller's rows: no temporary, no copy.
+        return lambda expert, rows, out: torch.mm(rows, stacked[expert].t(), out=out)
 
     def kernel_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
         kernels = (getattr(layer, "gate_up_kernels", None) or []) + (getattr(layer, "down_kernels", None) or [])
         return [tensor for kernel in kernels for tensor in kernel.tensors()]
 
 
+# (expert, rows [n, in], out [n, out]): writes rows @ W_expert^T into out.
+ExpertProduct = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
 def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                    gate_up: Callable[[int, torch.Tensor], torch.Tensor],
-                    down: Callable[[int, torch.Tensor], torch.Tensor],
+                    gate_up: ExpertProduct, down: ExpertProduct, gate_up_width: int,
                     act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The experts' weighted sum per token [T, H]: the T * k (token, expert) pairs sorted by expert once, each
-    expert with tokens running gate_up(rows) then down(act(...)) once over its rows, the weighted rows summed
-    back into their tokens with one index_add_."""
+    """The experts' weighted sum per token [T, H]: the T * k (token, expert) pairs sorted by expert once; each
+    expert with tokens runs gate_up once over its rows, the gated activation runs once over all rows, each
+    expert's down once over its rows; the weighted rows are summed back into their tokens with one index_add_."""
     tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     # Stable: an expert's rows keep token order, so each token's sum adds its experts in ascending order.
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    token_of_row = order // top_k
-    rows_in = x.index_select(0, token_of_row)
-    rows_out = torch.empty_like(rows_in)
-    start = 0
+    spans, start = [], 0
     for expert, count in enumerate(counts):
         if count:
-            end = start + count
-            rows_out[start:end] = down(expert, act_fn(gate_up(expert, rows_in[start:end])))
-            start = end
+            spans.append((expert, start, start + count))
+            start += count
+    token_of_row = order // top_k
+    rows_in = x.index_select(0, token_of_row)
+    gate_up_rows = rows_in.new_empty(rows_in.shape[0], gate_up_width)
+    for expert, begin, end in spans:
+        gate_up(expert, rows_in[begin:end], gate_up_rows[begin:end])
+    activated = act_fn(gate_up_rows)
+    rows_out = torch.empty_like(rows_in)
+    for expert, begin, end in spans:
+        down(expert, activated[begin:end], rows_out[begin:end])
     rows_out.mul_(topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(rows_out.dtype))
     return torch.zeros_like(x).index_add_(0, token_of_row, rows_out)
 

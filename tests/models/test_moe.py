@@ -237,7 +237,7 @@ def test_deepseek_v2_routing_matches_transformers(inputs, method):
     from transformers import DeepseekV2Config
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 
-    config = DeepseekV2Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+    config = DeepseekV2Config(hidden_size=16, num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                               topk_method=method, routed_scaling_factor=16.0)
     gate = DeepseekV2TopkRouter(config)
     x, weight = INPUTS[inputs](64, 16, 16, seed=7)
@@ -333,12 +333,18 @@ def test_inactive_experts_do_no_work():
     layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
     _load(layer, *_random_experts(num_experts, hidden, intermediate, seed=2))
     calls: list[int] = []
-    layer.quant_method._product = lambda _, which: lambda expert, rows: (
-        calls.append(expert), F.linear(rows, (layer.w13_weight if which == "gate_up" else layer.w2_weight)[expert]))[1]
+    product = layer.quant_method._product
+
+    def counted(_, which):
+        run = product(layer, which)
+        return lambda expert, rows, out: (calls.append((which, expert, rows.shape[0])), run(expert, rows, out))
+
+    layer.quant_method._product = counted
     logits = torch.full((5, num_experts), -10.0)
     logits[:, 3] = logits[:, 6] = 10.0  # every token routes to experts 3 and 6
     layer(torch.randn(5, hidden), logits)
-    assert calls == [3, 3, 6, 6], "each active expert's two products ran once, over all its tokens"
+    assert calls == [("gate_up", 3, 5), ("gate_up", 6, 5), ("down", 3, 5), ("down", 6, 5)], \
+        "each active expert's two products ran once, over all its tokens"
 
 
 def test_tensor_parallel_ranks_hold_their_slice_of_each_expert():
