@@ -399,3 +399,11 @@ def test_expert_settings_are_refused_before_loading(tmp_path, overrides, named):
     fields = {**config.to_dict(), "vocab_size": 64, **overrides}
     with pytest.raises(ValueError, match=named):
         LLM(_write_config(tmp_path / "model", **fields), dtype="float32")
+
+
+def test_vllm_style_mapping_agrees_with_checkpoint_target():
+    for param_prefix, name_prefix, expert, shard in FusedMoE.make_expert_params_mapping(4):
+        name = f"model.layers.1.mlp.{name_prefix}weight"
+        param, target = FusedMoE.checkpoint_target(name)
+        assert param == f"model.layers.1.mlp.{param_prefix}"
+        assert (target.expert_id, target.shard_id) == (expert, shard)
