@@ -8,9 +8,10 @@ way): softmax top-k with or without renormalisation (Mixtral, Qwen3-MoE, OLMoE),
 `routed_scaling_factor`.
 
 On the CPU a step's (token, expert) pairs are sorted by expert once; each expert that received tokens runs its
-gate_up and down products once over all of them (on the dense kernels of ops/dense_linear.py), and the weighted
-rows are summed back into their tokens with one index_add_. Experts that received no token cost nothing. On
-CUDA the same grouping runs in one Triton kernel per product (ops/triton_moe.py).
+gate_up and down products once over all of them (float32 with torch.mm on its slice of the stacked weights, half
+types on the dense layers' kernel choice of ops/dense_linear.py), and the weighted rows are summed back into
+their tokens with one index_add_. Experts that received no token cost nothing. On CUDA the same grouping runs in
+one Triton kernel per product (ops/triton_moe.py).
 
 Tensor parallelism splits each expert's intermediate features as LlamaMLP splits its own: a rank holds rows
 [r * I/n, (r + 1) * I/n) of w1 and w3 and the same columns of w2, and one all-reduce sums the ranks' outputs.
