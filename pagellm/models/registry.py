@@ -37,6 +37,10 @@ FAMILIES = (
     ModelFamily("Gemma 3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3"),
                 "pagellm.models.gemma3", "Gemma3ForCausalLM", text_of=("Gemma3ForConditionalGeneration",)),
     ModelFamily("Phi-3", ("Phi3ForCausalLM",), ("phi3",), "pagellm.models.phi3", "Phi3ForCausalLM"),
+    ModelFamily("Mixtral", ("MixtralForCausalLM",), ("mixtral",), "pagellm.models.mixtral", "MixtralForCausalLM"),
+    ModelFamily("Qwen3-MoE", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "pagellm.models.qwen3_moe",
+                "Qwen3MoeForCausalLM"),
+    ModelFamily("OLMoE", ("OlmoeForCausalLM",), ("olmoe",), "pagellm.models.olmoe", "OlmoeForCausalLM"),
 )
 SUPPORTED_ARCHITECTURES = tuple(arch for family in FAMILIES for arch in family.architectures)
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
