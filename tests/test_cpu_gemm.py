@@ -88,6 +88,8 @@ def test_float32_keeps_the_plain_weight_for_mkl_only_without_avx512(monkeypatch,
     layer.process_weights_after_loading()
     assert isinstance(layer.dense_kernel, OneDNNPacked)
     assert (layer.weight.numel() > 0) == keeps_plain
+    # Freed means freed: the kernel keeps no reference of its own to the plain weight.
+    assert (layer.dense_kernel.weight is not None) == keeps_plain
     assert layer.dense_kernel.plain_min_rows == (FLOAT32_PLAIN_MIN_ROWS if keeps_plain else None)
     with torch.no_grad():
         for rows in (3, FLOAT32_PLAIN_MIN_ROWS + 1):

@@ -43,7 +43,7 @@ class DenseKernel:
     name = "plain"
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
+        self.weight: torch.Tensor | None = weight
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.weight, bias)
@@ -138,7 +138,16 @@ def choose_dense_kernel(weight: torch.Tensor, shared: bool, scratch: UpcastScrat
     native = linear_bf16() if dtype == torch.bfloat16 else None
     out_features, in_features = weight.shape
     if native is not None and native.supports(in_features, out_features):
-        return NativeBF16Packed(weight, native), not shared
+        return _packed_only(NativeBF16Packed(weight, native), shared)
     if dtype == torch.float32 and "avx512f" not in cpu_flags():
         return OneDNNPacked(weight, FLOAT32_PLAIN_MIN_ROWS), False
-    return OneDNNPacked(weight, None), not shared
+    return _packed_only(OneDNNPacked(weight, None), shared)
+
+
+def _packed_only(kernel: DenseKernel, shared: bool) -> tuple[DenseKernel, bool]:
+    """A kernel that reads only its packed copy lets go of the plain weight, so that the caller's freeing it
+    frees its memory (a tensor another module shares stays, and so does the kernel's reference)."""
+    if shared:
+        return kernel, False
+    kernel.weight = None
+    return kernel, True
