@@ -193,6 +193,8 @@ class LlamaForCausalLM(nn.Module):
     and swap `model_class`."""
 
     model_class: type[nn.Module] = LlamaModel
+    # Checkpoint tensor names -> fused parameters; a family without fused q/k/v (DeepSeek's MLA) narrows it.
+    stacked_params: tuple[tuple[str, str, object], ...] = STACKED_PARAMS
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
@@ -255,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tied_to_embedding and name.startswith("lm_head."):
                 continue  # some tied checkpoints store the head too: it is the embedding
-            targets = [_fused_target(name)]
+            targets = [_fused_target(name, self.stacked_params)]
             if self.loads_embedding_into_head and name.startswith("model.embed_tokens."):
                 targets.append((name.replace("model.embed_tokens.", "lm_head."), None))
             for target, shard in targets:
@@ -282,8 +284,8 @@ def _expected_loads(model: nn.Module) -> set[tuple[str, object]]:
     return {(name, shard) for name, _ in model.named_parameters() for shard in shards_of.get(name, (None,))}
 
 
-def _fused_target(name: str) -> tuple[str, object]:
-    for fused, shard_name, shard in STACKED_PARAMS:
+def _fused_target(name: str, stacked_params=STACKED_PARAMS) -> tuple[str, object]:
+    for fused, shard_name, shard in stacked_params:
         if f".{shard_name}." in name:
             return name.replace(f".{shard_name}.", f".{fused}."), shard
     return name, None

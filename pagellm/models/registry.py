@@ -37,6 +37,10 @@ FAMILIES = (
     ModelFamily("Gemma 3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3"),
                 "pagellm.models.gemma3", "Gemma3ForCausalLM", text_of=("Gemma3ForConditionalGeneration",)),
     ModelFamily("Phi-3", ("Phi3ForCausalLM",), ("phi3",), "pagellm.models.phi3", "Phi3ForCausalLM"),
+    ModelFamily("DeepSeek-V2", ("DeepseekV2ForCausalLM",), ("deepseek_v2",), "pagellm.models.deepseek_v2",
+                "DeepseekV2ForCausalLM"),
+    ModelFamily("DeepSeek-V3", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), "pagellm.models.deepseek_v2",
+                "DeepseekV3ForCausalLM"),
 )
 SUPPORTED_ARCHITECTURES = tuple(arch for family in FAMILIES for arch in family.architectures)
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
