@@ -146,6 +146,9 @@ def select_mla_backend(device: torch.device, dtype: torch.dtype, shape: Attentio
 
             return MLABackend(shape, device, triton_latent_decode, "mla-triton")
         return MLABackend(shape, device, None, "mla-torch")
+    kernel = mla_decode_kernel() if device.type == "cpu" else None
+    if kernel is not None and dtype in MLADecodeKernel.DTYPES and cache_format.value_dtype in MLADecodeKernel.DTYPES:
+        return MLABackend(shape, device, kernel, "mla-cpu-native")
     return MLABackend(shape, device, None, "mla-torch")
 
 

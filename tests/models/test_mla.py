@@ -114,8 +114,8 @@ def attention_backend(monkeypatch):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_batched_greedy_matches_hf(variant, mla_dirs, hf_references):
     llm = LLM(mla_dirs(variant), **ENGINE_ARGS)
-    runner = llm.llm_engine.core.runner
-    assert runner.attn_backend.name.startswith("mla-")
+    # Decodes on the C kernel (csrc/mla_decode.c), as users' CPUs run them.
+    assert llm.llm_engine.core.runner.attn_backend.name == "mla-cpu-native"
     _check_greedy(llm, MLA_PROMPTS, hf_references(variant, MLA_PROMPTS))
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 
@@ -133,6 +133,15 @@ def test_chunked_prefill_and_prefix_cache_match_hf(variant, mla_dirs, hf_referen
     follow_up = [SHARED_PREFIX + " And once more:"]
     [output] = _check_greedy(llm, follow_up, hf_references(variant, follow_up))
     assert output.num_cached_tokens >= 16, "the shared prefix came from the cache"
+
+
+def test_triton_latent_decode_matches_hf(mla_dirs, hf_references, attention_backend):
+    # Under TRITON_INTERPRET=1 where there is no GPU (tests/conftest.py).
+    pytest.importorskip("triton")
+    attention_backend("triton")
+    llm = LLM(mla_dirs("v3"), **ENGINE_ARGS)
+    assert llm.llm_engine.core.runner.attn_backend.name == "mla-triton"
+    _check_greedy(llm, MLA_PROMPTS[:3], hf_references("v3", MLA_PROMPTS[:3]))
 
 
 def test_preemption_keeps_outputs_exact(mla_dirs, hf_references):
