@@ -3,8 +3,9 @@
 The graph is Llama's (pre-norm residual blocks, final norm, LM head) with multi-head latent attention
 (layers/mla.py: the cache holds one latent row per token and layer) and, from layer `first_k_dense_replace`
 on, a mixture-of-experts MLP: routed experts plus `n_shared_experts` shared ones (an MLP of
-moe_intermediate_size * n_shared_experts) added to every token. V3 is the same graph with sigmoid router
-scores, an e_score_correction_bias and grouped top-k; the router takes both from the config's fields.
+moe_intermediate_size * n_shared_experts) added to every token; the routed experts are layers/fused_moe.py's
+FusedMoE. V2's router is softmax top-k ("greedy" or "group_limited_greedy"); V3 is the same graph with sigmoid
+router scores, an e_score_correction_bias and grouped top-k (fused_moe.Routing.deepseek_v2/_v3).
 
 Parameter names follow HuggingFace's; gate/up are fused as in Llama. Tensors of layers past num_hidden_layers
 (DeepSeek-V3's multi-token-prediction layer, which generation does not run) are skipped.
@@ -19,12 +20,13 @@ from torch import nn
 
 from pagellm.attention.native import CpuOps
 from pagellm.layers.activation import SiluAndMul, gated_activation
+from pagellm.layers.fused_moe import ExpertCheckpointMixin, FusedMoE, Routing
 from pagellm.layers.layernorm import RMSNorm
-from pagellm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pagellm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagellm.layers.mla import MLAAttention
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RopeInputs, RotaryEmbedding
-from pagellm.models.llama import STACKED_PARAMS, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from pagellm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
 class DeepseekMLP(nn.Module):
@@ -50,13 +52,31 @@ def is_moe_layer(config, layer_index: int) -> bool:
         getattr(config, "n_routed_experts", None))
 
 
-def moe_block(config, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
-    raise ValueError(
-        f"{prefix}: this DeepSeek checkpoint has routed experts from layer first_k_dense_replace="
-        f"{getattr(config, 'first_k_dense_replace', 0)} on (num_hidden_layers={config.num_hidden_layers}), and "
-        "this build of pagellm has no mixture-of-experts layer; only configs whose every layer is dense "
-        "(first_k_dense_replace >= num_hidden_layers) run."
-    )
+class DeepseekMoE(nn.Module):
+    """The router (`gate`, unquantized and replicated), the routed experts and the shared ones, which every token
+    passes through beside its routed experts. DeepSeek-V3's gate scores by sigmoid and chooses with an
+    e_score_correction_bias (checkpoint name mlp.gate.e_score_correction_bias; held by the experts' layer)."""
+
+    def __init__(self, config, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        num_experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+        v3 = getattr(config, "model_type", "") == "deepseek_v3"
+        routing = Routing.deepseek_v3(config) if v3 else Routing.deepseek_v2(config)
+        self.gate = ReplicatedLinear(config.hidden_size, num_experts, False, None, f"{prefix}.gate")
+        self.experts = FusedMoE(num_experts, top_k, config.hidden_size, config.moe_intermediate_size,
+                                getattr(config, "hidden_act", "silu"), quant_config, f"{prefix}.experts", routing)
+        if v3:
+            self.experts.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                                requires_grad=False)
+        shared = getattr(config, "n_shared_experts", 0) or 0
+        self.shared_experts = (DeepseekMLP(config, config.moe_intermediate_size * shared, quant_config,
+                                           f"{prefix}.shared_experts") if shared else None)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.experts(hidden, self.gate(hidden))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
@@ -64,7 +84,7 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)
         self.self_attn = MLAAttention(config, layer_index, quant_config, f"{prefix}.self_attn")
         if is_moe_layer(config, layer_index):
-            self.mlp = moe_block(config, quant_config, f"{prefix}.mlp")
+            self.mlp = DeepseekMoE(config, quant_config, f"{prefix}.mlp")
         else:
             self.mlp = DeepseekMLP(config, config.intermediate_size, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -91,10 +111,8 @@ class DeepseekV2Model(LlamaModel):
         return self.norm(hidden, residual)[0]
 
 
-class DeepseekV2ForCausalLM(LlamaForCausalLM):
+class DeepseekV2ForCausalLM(ExpertCheckpointMixin, LlamaForCausalLM):
     model_class = DeepseekV2Model
-    # Only gate/up fuse: MLA's q_proj is a projection of its own.
-    stacked_params = tuple(entry for entry in STACKED_PARAMS if entry[0] == "gate_up_proj")
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         from pagellm.distributed.parallel_state import current_group
@@ -111,6 +129,15 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         for module in self.modules():
             if isinstance(module, (RMSNorm, SiluAndMul)):
                 module.ops = ops
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """Per-expert tensors into the stacked experts (ExpertCheckpointMixin), gate/up into the fused MLPs; MLA's
+        q_proj is a projection of its own (not Llama's fused q/k/v)."""
+        if name.endswith(".mlp.gate.e_score_correction_bias"):
+            return name.replace(".mlp.gate.", ".mlp.experts."), None
+        if ".self_attn." in name:
+            return name, None
+        return super().checkpoint_target(name)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -139,9 +139,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_index: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.self_attn = self.attention_class(config, layer_index, quant_config, f"{prefix}.self_attn")
-        self.mlp = self.mlp_class(config, quant_config, f"{prefix}.mlp")
+        self.mlp = self.make_mlp(config, layer_index, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config, layer_index: int, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
+        """This layer's MLP (mixture-of-experts families choose per layer between experts and a dense MLP)."""
+        return self.mlp_class(config, quant_config, prefix)
 
     def forward(self, rope, hidden, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream travels beside the layer's output, so each norm can add it in (fused)."""
@@ -193,8 +197,6 @@ class LlamaForCausalLM(nn.Module):
     and swap `model_class`."""
 
     model_class: type[nn.Module] = LlamaModel
-    # Checkpoint tensor names -> fused parameters; a family without fused q/k/v (DeepSeek's MLA) narrows it.
-    stacked_params: tuple[tuple[str, str, object], ...] = STACKED_PARAMS
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
@@ -257,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tied_to_embedding and name.startswith("lm_head."):
                 continue  # some tied checkpoints store the head too: it is the embedding
-            targets = [_fused_target(name, self.stacked_params)]
+            targets = [self.checkpoint_target(name)]
             if self.loads_embedding_into_head and name.startswith("model.embed_tokens."):
                 targets.append((name.replace("model.embed_tokens.", "lm_head."), None))
             for target, shard in targets:
@@ -274,6 +276,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """(parameter name, shard) a checkpoint tensor loads into."""
+        return _fused_target(name)
+
+
 def _expected_loads(model: nn.Module) -> set[tuple[str, object]]:
     """(parameter, shard) pairs a complete checkpoint fills: every shard of each fused layer's parameters."""
     shards_of = {}
@@ -281,11 +288,13 @@ def _expected_loads(model: nn.Module) -> set[tuple[str, object]]:
         if isinstance(module, LinearBase):
             for param_name, _ in module.named_parameters(recurse=False):
                 shards_of[f"{module_name}.{param_name}" if module_name else param_name] = module.shard_ids
-    return {(name, shard) for name, _ in model.named_parameters() for shard in shards_of.get(name, (None,))}
+    # Other parameters filled in parts say which (a FusedMoE's: one (expert, shard) pair per checkpoint tensor).
+    return {(name, shard) for name, param in model.named_parameters()
+            for shard in shards_of.get(name, getattr(param, "shard_ids", (None,)))}
 
 
-def _fused_target(name: str, stacked_params=STACKED_PARAMS) -> tuple[str, object]:
-    for fused, shard_name, shard in stacked_params:
+def _fused_target(name: str) -> tuple[str, object]:
+    for fused, shard_name, shard in STACKED_PARAMS:
         if f".{shard_name}." in name:
             return name.replace(f".{shard_name}.", f".{fused}."), shard
     return name, None

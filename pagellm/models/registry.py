@@ -41,6 +41,10 @@ FAMILIES = (
                 "DeepseekV2ForCausalLM"),
     ModelFamily("DeepSeek-V3", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), "pagellm.models.deepseek_v2",
                 "DeepseekV3ForCausalLM"),
+    ModelFamily("Mixtral", ("MixtralForCausalLM",), ("mixtral",), "pagellm.models.mixtral", "MixtralForCausalLM"),
+    ModelFamily("Qwen3-MoE", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "pagellm.models.qwen3_moe",
+                "Qwen3MoeForCausalLM"),
+    ModelFamily("OLMoE", ("OlmoeForCausalLM",), ("olmoe",), "pagellm.models.olmoe", "OlmoeForCausalLM"),
 )
 SUPPORTED_ARCHITECTURES = tuple(arch for family in FAMILIES for arch in family.architectures)
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}

@@ -5,7 +5,9 @@ latent decode path; and the pool holds the latent alone (tokens per GiB against 
 Each variant is a tiny random model saved with transformers' save_pretrained (the default model's tokenizer):
 "v2-lite" has no q_lora_rank (DeepSeek-V2-Lite's q_proj) and plain rope; "v3" has q_lora_rank, yarn rope with
 mscale/mscale_all_dim as DeepSeek-V3's config sets them (which also scale the softmax) and interleaved rope.
-Every layer is dense (first_k_dense_replace = num_hidden_layers): the routed experts are the MoE layer's.
+Layer 0 is dense and layer 1 a mixture of experts (first_k_dense_replace=1): 8 routed experts, 2 per token,
+and shared experts; V2's router is softmax top-k ("greedy", or "group_limited_greedy" in "v2-grouped"), V3's
+sigmoid with a (perturbed) e_score_correction_bias, grouped top-k and routed_scaling_factor.
 """
 
 from __future__ import annotations
@@ -27,26 +29,31 @@ SHARED_PREFIX = PROMPTS[8]
 # = 288 for the expanded K/V.
 COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.3, kv_lora_rank=64,
-              qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, first_k_dense_replace=2,
-              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+              qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, first_k_dense_replace=1,
+              n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
 
 
-def _v2_lite():
+def _v2(grouped: bool):
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    return DeepseekV2ForCausalLM, DeepseekV2Config(**COMMON, q_lora_rank=None, rope_theta=10000.0)
+    routing = dict(topk_method="group_limited_greedy", n_group=4, topk_group=2) if grouped else {}
+    config = DeepseekV2Config(**COMMON, q_lora_rank=None, rope_theta=10000.0, n_shared_experts=2, **routing)
+    return DeepseekV2ForCausalLM, config
 
 
 def _v3():
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(**COMMON, q_lora_rank=48, n_group=2, topk_group=1, rope_parameters=YARN)
+    config = DeepseekV3Config(**COMMON, q_lora_rank=48, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                              n_shared_experts=1, rope_parameters=YARN)
     return DeepseekV3ForCausalLM, config
 
 
-VARIANTS = {"v2-lite": _v2_lite, "v3": _v3}
+VARIANTS = {"v2-lite": lambda: _v2(grouped=False), "v2-grouped": lambda: _v2(grouped=True), "v3": _v3}
+# The chunked/prefix-cached test runs these; the grouped V2 router changes nothing there.
+CHUNKED_VARIANTS = ["v2-lite", "v3"]
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +72,10 @@ def mla_dirs(tmp_path_factory, default_tokenizer):
                 for name, param in model.named_parameters():
                     if "norm" in name:
                         param.add_(torch.randn_like(param) * 0.2)
+                # transformers starts V3's correction bias at zero; perturbed, it changes which experts are chosen.
+                for name, buffer in model.named_buffers():
+                    if name.endswith("e_score_correction_bias"):
+                        buffer.add_(torch.randn_like(buffer) * 0.3)
             path = tmp_path_factory.mktemp(variant)
             model.save_pretrained(path)
             default_tokenizer.save_pretrained(path)
@@ -120,7 +131,7 @@ def test_batched_greedy_matches_hf(variant, mla_dirs, hf_references):
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", CHUNKED_VARIANTS)
 def test_chunked_prefill_and_prefix_cache_match_hf(variant, mla_dirs, hf_references, attention_backend):
     # A 32-token budget splits the long prompts into chunks beside other requests' decodes, which read their
     # context's latents back from the cache; then a request sharing the long prompt's prefix starts from its

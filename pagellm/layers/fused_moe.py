@@ -1,0 +1,401 @@
+"""Mixture-of-experts layers: the router that picks each token's experts, and `FusedMoE`, which holds every
+expert's gate/up and down weights stacked and runs them grouped by expert.
+
+Routing follows transformers' gates exactly (the same torch.topk calls on the same scores, so ties fall the same
+way): softmax top-k with or without renormalisation (Mixtral, Qwen3-MoE, OLMoE), DeepSeek-V2's softmax with
+"greedy" or "group_limited_greedy" selection, and DeepSeek-V3's sigmoid scores with `e_score_correction_bias`
+(used to choose experts, not to weigh them), grouped top-k over `n_group`/`topk_group`, and
+`routed_scaling_factor`.
+
+On the CPU a step's (token, expert) pairs are sorted by expert once; each expert that received tokens runs its
+gate_up and down products once over all of them (on the dense kernels of ops/dense_linear.py), and the weighted
+rows are summed back into their tokens with one index_add_. Experts that received no token cost nothing. On
+CUDA the same grouping runs in one Triton kernel per product (ops/triton_moe.py).
+
+Tensor parallelism splits each expert's intermediate features as LlamaMLP splits its own: a rank holds rows
+[r * I/n, (r + 1) * I/n) of w1 and w3 and the same columns of w2, and one all-reduce sums the ranks' outputs.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.distributed.parallel_state import current_group
+from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.linear import ReplicatedLinear
+from pagellm.layers.quantization.base import QuantizationConfig
+from pagellm.layers.quantization.unquantized import Unquantized
+from pagellm.layers.weights import copy_checked, set_weight_attrs
+from pagellm.ops.dense_linear import DenseKernel, UpcastScratch, choose_dense_kernel
+
+SCORING_FUNCTIONS = ("softmax", "sigmoid")
+# How a group of experts is scored for group-limited routing: DeepSeek-V2 by its best expert, DeepSeek-V3 by
+# the sum of its best two (bias-corrected) scores.
+GROUP_SCORES = ("max", "top2_sum")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a token's experts are chosen from its router logits, and how their outputs are weighted."""
+
+    top_k: int
+    scoring: str = "softmax"
+    # Divide the chosen experts' weights by their sum.
+    renormalize: bool = True
+    # Group-limited routing: experts fall into `num_expert_group` equal groups, and a token chooses among the
+    # experts of its `topk_group` best groups only.
+    num_expert_group: int | None = None
+    topk_group: int | None = None
+    group_score: str = "max"
+    routed_scaling_factor: float = 1.0
+    # transformers' DeepSeek gates take the chosen set from an unsorted torch.topk (ties may fall otherwise
+    # than in a sorted one), the others from a sorted one.
+    sorted_choice: bool = True
+
+    @classmethod
+    def softmax_top_k(cls, top_k: int, renormalize: bool) -> Routing:
+        """Mixtral (renormalised), Qwen3-MoE and OLMoE (as their `norm_topk_prob` says)."""
+        return cls(top_k, "softmax", renormalize)
+
+    @classmethod
+    def deepseek_v2(cls, config) -> Routing:
+        """DeepSeek-V2's gate as transformers runs it: softmax scores, `topk_method` "greedy" or
+        "group_limited_greedy", weights scaled by routed_scaling_factor and not renormalised."""
+        method = getattr(config, "topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method={method!r} is not supported for DeepSeek-V2; supported: 'greedy', "
+                             "'group_limited_greedy'")
+        grouped = method == "group_limited_greedy"
+        return cls(config.num_experts_per_tok, "softmax", False,
+                   config.n_group if grouped else None, config.topk_group if grouped else None, "max",
+                   float(getattr(config, "routed_scaling_factor", 1.0)), sorted_choice=False)
+
+    @classmethod
+    def deepseek_v3(cls, config) -> Routing:
+        """DeepSeek-V3's gate: sigmoid scores, the correction bias added to choose (groups by their two best
+        experts), weights from the plain scores, renormalised if `norm_topk_prob`, then scaled."""
+        return cls(config.num_experts_per_tok, "sigmoid", bool(getattr(config, "norm_topk_prob", True)),
+                   config.n_group, config.topk_group, "top2_sum", float(config.routed_scaling_factor),
+                   sorted_choice=False)
+
+    @property
+    def grouped(self) -> bool:
+        return self.num_expert_group is not None
+
+    def check(self, num_experts: int) -> None:
+        """Refuses, naming the value, a setting the kernels cannot take for `num_experts` experts."""
+        if num_experts < 1:
+            raise ValueError(f"num_experts={num_experts}: a mixture-of-experts layer needs at least one expert")
+        if not 1 <= self.top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} with {num_experts} experts: each token must choose "
+                             f"between 1 and {num_experts} experts")
+        if self.scoring not in SCORING_FUNCTIONS:
+            raise ValueError(f"scoring_func={self.scoring!r} is not supported; supported: {SCORING_FUNCTIONS}")
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group score {self.group_score!r} is not supported; supported: {GROUP_SCORES}")
+        if not self.grouped:
+            return
+        groups, chosen = self.num_expert_group, self.topk_group
+        if groups is None or groups < 1 or num_experts % groups:
+            raise ValueError(f"n_group={groups} does not split {num_experts} experts into equal groups; it must "
+                             f"divide the expert count")
+        if chosen is None or not 1 <= chosen <= groups:
+            raise ValueError(f"topk_group={chosen} must be between 1 and n_group={groups}")
+        per_group = num_experts // groups
+        if self.group_score == "top2_sum" and per_group < 2:
+            raise ValueError(f"n_group={groups} leaves {per_group} expert per group; DeepSeek-V3's routing scores a "
+                             "group by its two best experts, so each group needs at least 2")
+        if chosen * per_group < self.top_k:
+            raise ValueError(f"topk_group={chosen} groups of {per_group} experts hold fewer than "
+                             f"num_experts_per_tok={self.top_k} experts; raise topk_group or lower the top-k")
+
+    def select(self, router_logits: torch.Tensor,
+               correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights [T, k] float32, topk_ids [T, k] int64) for router_logits [T, num_experts]."""
+        if self.scoring == "softmax":
+            scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        else:
+            scores = router_logits.float().sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if self.grouped:
+            choice = self._mask_groups(choice)
+        ids = torch.topk(choice, self.top_k, dim=-1, sorted=self.sorted_choice)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total + 1e-20 if self.scoring == "sigmoid" else total)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
+        return weights, ids
+
+    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` with every expert outside each token's topk_group best groups masked out."""
+        tokens, num_experts = choice.shape
+        grouped = choice.view(tokens, self.num_expert_group, num_experts // self.num_expert_group)
+        if self.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        group_ids = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, group_ids, 1).bool()
+        keep = keep.unsqueeze(-1).expand_as(grouped).reshape(tokens, num_experts)
+        # DeepSeek-V2 zeroes the softmax scores it drops, V3 sets its biased scores to -inf.
+        return choice.masked_fill(~keep, 0.0 if self.group_score == "max" else float("-inf"))
+
+
+# A checkpoint's per-expert tensor: Mixtral's experts.N.w1/w2/w3, or Qwen-MoE's / DeepSeek's / OLMoE's
+# experts.N.gate_proj/up_proj/down_proj. Shared experts (`shared_experts.gate_proj`) carry no number.
+_EXPERT_TENSOR = re.compile(r"^(?P<layer>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)"
+                            r"\.weight$")
+_SHARD_OF_PROJ = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
+SHARD_IDS = ("w1", "w3", "w2")
+
+
+@dataclass(frozen=True)
+class ExpertTarget:
+    """Where one checkpoint expert tensor goes: parameter `param` (w13_weight or w2_weight) of a FusedMoE,
+    expert `expert_id`, shard `shard_id` (w1 gate, w3 up, w2 down)."""
+
+    param: str
+    expert_id: int
+    shard_id: str
+
+
+class FusedMoEMethodBase(ABC):
+    """How the experts' weights are stored and run (unquantized here; quantized formats plug in with their own
+    parameters, loaders and kernels)."""
+
+    @abstractmethod
+    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        """Register w13 (gate and up stacked, [E, 2 * intermediate, hidden] in this rank's share) and w2
+        ([E, hidden, intermediate]) or their quantized equivalents."""
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        """Turn the loaded parameters into what `apply` runs on."""
+
+    @abstractmethod
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """sum over each token's k experts of weight * down(act(gate_up(x))), this rank's partial sum."""
+
+    def kernel_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
+        """Tensors kept beside the parameters (packed copies), counted as weights."""
+        return []
+
+
+def moe_method_for(quant_config: QuantizationConfig | None, prefix: str) -> FusedMoEMethodBase:
+    """The experts' method for the checkpoint's format; a ValueError naming a format whose experts no kernel
+    takes."""
+    if quant_config is None or isinstance(quant_config, Unquantized):
+        return UnquantizedFusedMoEMethod()
+    make_method = getattr(quant_config, "fused_moe_method", None)
+    if make_method is None:
+        raise ValueError(f"{prefix}: mixture-of-experts layers in the {quant_config.describe()} format are not "
+                         "supported; use the unquantized (float) checkpoint of this model")
+    return make_method(prefix)
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=params_dtype),
+                           requires_grad=False)
+        w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=params_dtype),
+                          requires_grad=False)
+        layer.register_parameter("w13_weight", w13)
+        layer.register_parameter("w2_weight", w2)
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        layer.gate_up_kernels = layer.down_kernels = None
+        if layer.w13_weight.device.type != "cpu":
+            return
+        # One dense kernel per expert product (oneDNN-packed in float32: 2-5x F.linear at the few rows an
+        # expert gets in a decode step); the stacked weights stay, as the plain copy those kernels fall back to.
+        scratch = UpcastScratch()
+        layer.gate_up_kernels = [choose_dense_kernel(w, True, scratch)[0] for w in layer.w13_weight.data]
+        layer.down_kernels = [choose_dense_kernel(w, True, scratch)[0] for w in layer.w2_weight.data]
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cuda":
+            from pagellm.ops.triton_moe import fused_experts
+
+            return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        return grouped_experts(x, topk_weights, topk_ids, layer.num_experts, self._product(layer, "gate_up"),
+                               self._product(layer, "down"), layer.act_fn)
+
+    @staticmethod
+    def _product(layer: FusedMoE, which: str) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        kernels: list[DenseKernel] | None = getattr(layer, f"{which}_kernels", None)
+        if kernels is not None:
+            return lambda expert, rows: kernels[expert](rows, None)
+        stacked = layer.w13_weight if which == "gate_up" else layer.w2_weight
+        return lambda expert, rows: F.linear(rows, stacked[expert])
+
+    def kernel_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
+        kernels = (getattr(layer, "gate_up_kernels", None) or []) + (getattr(layer, "down_kernels", None) or [])
+        return [tensor for kernel in kernels for tensor in kernel.tensors()]
+
+
+def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                    gate_up: Callable[[int, torch.Tensor], torch.Tensor],
+                    down: Callable[[int, torch.Tensor], torch.Tensor],
+                    act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The experts' weighted sum per token [T, H]: the T * k (token, expert) pairs sorted by expert once, each
+    expert with tokens running gate_up(rows) then down(act(...)) once over its rows, the weighted rows summed
+    back into their tokens with one index_add_."""
+    tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    # Stable: an expert's rows keep token order, so each token's sum adds its experts in ascending order.
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts)
+    active = counts.nonzero().flatten().tolist()
+    ends = counts.cumsum(0).tolist()
+    token_of_row = order // top_k
+    rows_in = x.index_select(0, token_of_row)
+    rows_out = torch.empty_like(rows_in)
+    for expert in active:
+        end = ends[expert]
+        start = end - int(counts[expert])
+        rows_out[start:end] = down(expert, act_fn(gate_up(expert, rows_in[start:end])))
+    rows_out.mul_(topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(rows_out.dtype))
+    return torch.zeros_like(x).index_add_(0, token_of_row, rows_out)
+
+
+class FusedMoE(nn.Module):
+    """`num_experts` gated-SiLU experts of `intermediate_size` features each (this rank's share under tensor
+    parallelism), each token weighted over the `top_k` experts its router logits choose."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 activation: str = "silu", quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 routing: Routing | None = None, reduce_results: bool = True) -> None:
+        super().__init__()
+        self.group = current_group()
+        self.prefix = prefix
+        self.routing = routing or Routing.softmax_top_k(top_k, renormalize=True)
+        if self.routing.top_k != top_k:
+            raise ValueError(f"{prefix}: top_k={top_k} but the routing chooses {self.routing.top_k} experts")
+        self.routing.check(num_experts)
+        if activation != "silu":
+            raise ValueError(f"{prefix}: hidden_act={activation!r} is not supported for experts; supported: 'silu'")
+        if intermediate_size < 1 or intermediate_size % self.group.size:
+            raise ValueError(
+                f"{prefix}: tensor_parallel_size={self.group.size} does not divide the experts' intermediate size "
+                f"({intermediate_size}); each rank needs an equal share of every expert: use a size dividing "
+                f"{intermediate_size}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size // self.group.size
+        self.reduce_results = reduce_results
+        self.act_fn = SiluAndMul()
+        # DeepSeek-V3's bias, set (and loaded) by the model that has one; used only to choose experts.
+        self.e_score_correction_bias: nn.Parameter | None = None
+        self.quant_method = moe_method_for(quant_config, prefix)
+        self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_size,
+                                         torch.get_default_dtype())
+        shards = {"w13_weight": ("w1", "w3"), "w2_weight": ("w2",)}
+        for name, param in self.named_parameters(recurse=False):
+            # (expert, shard) pairs a complete checkpoint fills, as the model's loader counts them.
+            set_weight_attrs(param, weight_loader=self._checkpoint_loader,
+                             shard_ids=tuple((e, s) for e in range(num_experts) for s in shards.get(name, (None,))))
+
+    @staticmethod
+    def checkpoint_target(name: str) -> tuple[str, ExpertTarget] | None:
+        """(parameter name, where in it) of a checkpoint expert tensor name, or None for any other tensor:
+        `model.layers.3.block_sparse_moe.experts.5.w1.weight` -> (`...experts.w13_weight`, expert 5, "w1")."""
+        match = _EXPERT_TENSOR.match(name)
+        if match is None:
+            return None
+        shard = _SHARD_OF_PROJ[match["proj"]]
+        param = "w2_weight" if shard == "w2" else "w13_weight"
+        return f"{match['layer']}.{param}", ExpertTarget(param, int(match["expert"]), shard)
+
+    @staticmethod
+    def make_expert_params_mapping(num_experts: int, gate: str = "gate_proj", up: str = "up_proj",
+                                   down: str = "down_proj") -> list[tuple[str, str, int, str]]:
+        """vLLM's table: (parameter prefix, checkpoint name prefix, expert_id, shard_id) per expert tensor."""
+        return [(("experts.w2_weight" if shard == "w2" else "experts.w13_weight"), f"experts.{expert}.{proj}.",
+                 expert, shard)
+                for expert in range(num_experts) for shard, proj in (("w1", gate), ("w2", down), ("w3", up))]
+
+    def _checkpoint_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: tuple[int, str]) -> None:
+        expert_id, shard_id = shard
+        self.weight_loader(param, tensor, shard_id, expert_id)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str, expert_id: int) -> None:
+        """One expert's w1 (gate) or w3 (up) [I, H], or w2 (down) [H, I], as the checkpoint stores it: this
+        rank's slice of the intermediate features goes to its place in the stacked parameter."""
+        name = f"{self.prefix}.experts.{expert_id}.{shard_id}"
+        if shard_id not in SHARD_IDS:
+            raise ValueError(f"{name}: unknown expert shard {shard_id!r}; shards are {SHARD_IDS}")
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"{name}: expert {expert_id} is out of range; this layer has {self.num_experts}")
+        # w1/w3 hold the intermediate features along rows, w2 along columns: this rank takes its slice.
+        dim = 1 if shard_id == "w2" else 0
+        size, total = self.intermediate_size, self.intermediate_size * self.group.size
+        if loaded_weight.dim() != 2 or loaded_weight.shape[dim] != total:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(loaded_weight.shape)}; expected "
+                             f"{total} intermediate features along dimension {dim}")
+        rank_slice = loaded_weight.narrow(dim, self.group.rank * size, size)
+        expert = param.data[expert_id]
+        if shard_id != "w2":
+            expert = expert.narrow(0, 0 if shard_id == "w1" else size, size)
+        copy_checked(expert, rank_slice, name)
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.routing.select(router_logits, self.e_score_correction_bias)
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], router_logits [T, num_experts] -> [T, H], summed over the ranks."""
+        topk_weights, topk_ids = self.select_experts(router_logits)
+        out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
+        return self.group.all_reduce(out) if self.reduce_results else out
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}, routing={self.routing}, "
+                f"method={type(self.quant_method).__name__}")
+
+
+class SparseMoeBlock(nn.Module):
+    """A router (`gate`, kept unquantized and replicated, as vLLM keeps it) and the experts it routes to: the MLP
+    of Mixtral, Qwen3-MoE and OLMoE layers."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, routing: Routing,
+                 quant_config: QuantizationConfig | None, prefix: str, activation: str = "silu") -> None:
+        super().__init__()
+        self.gate = ReplicatedLinear(hidden_size, num_experts, False, None, f"{prefix}.gate")
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, activation, quant_config,
+                                f"{prefix}.experts", routing)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden, self.gate(hidden))
+
+
+class ExpertCheckpointMixin:
+    """For a causal LM built on LlamaForCausalLM: per-expert checkpoint tensors load into their FusedMoE's stacked
+    parameters. `moe_block_names` are the names a family's checkpoints give the MoE block (Mixtral's
+    `block_sparse_moe`), which pagellm calls `mlp`."""
+
+    moe_block_names: tuple[str, ...] = ()
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        for block in self.moe_block_names:
+            name = name.replace(f".{block}.", ".mlp.")
+        expert = FusedMoE.checkpoint_target(name)
+        if expert is not None:
+            param, target = expert
+            return param, (target.expert_id, target.shard_id)
+        return super().checkpoint_target(name)

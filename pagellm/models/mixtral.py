@@ -1,0 +1,38 @@
+"""Mixtral (MixtralForCausalLM): Llama's (Mistral's) attention, and in every layer a mixture of
+`num_local_experts` gated-SiLU experts of `intermediate_size` features, each token routed to
+`num_experts_per_tok` of them by softmax top-k with the chosen weights renormalised.
+
+Checkpoints name the block `block_sparse_moe` and its experts' tensors `experts.N.w1/w2/w3`; they load into the
+layer's FusedMoE (pagellm/layers/fused_moe.py), which also says how tensor parallelism splits the experts.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pagellm.layers.fused_moe import ExpertCheckpointMixin, Routing, SparseMoeBlock
+from pagellm.layers.quantization.base import QuantizationConfig
+from pagellm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+def num_experts_of(config) -> int:
+    """The expert count, whichever name the config gives it (Mixtral's num_local_experts, Qwen's and OLMoE's
+    num_experts)."""
+    count = getattr(config, "num_experts", None)
+    return int(count if count is not None else config.num_local_experts)
+
+
+class MixtralDecoderLayer(LlamaDecoderLayer):
+    def make_mlp(self, config, layer_index: int, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
+        return SparseMoeBlock(num_experts_of(config), config.num_experts_per_tok, config.hidden_size,
+                              config.intermediate_size, Routing.softmax_top_k(config.num_experts_per_tok, True),
+                              quant_config, prefix, getattr(config, "hidden_act", "silu"))
+
+
+class MixtralModel(LlamaModel):
+    decoder_layer_class = MixtralDecoderLayer
+
+
+class MixtralForCausalLM(ExpertCheckpointMixin, LlamaForCausalLM):
+    model_class = MixtralModel
+    moe_block_names = ("block_sparse_moe",)

@@ -1,0 +1,361 @@
+"""Mixture-of-experts: the router against transformers' gates (ties included), FusedMoE against a per-token
+reference, and Mixtral / Qwen3-MoE from HF checkpoint directories with greedy output equal to transformers'
+generate token for token in fp32 (batched, chunked prefill, prefix-cached, two tensor-parallel ranks).
+
+Each model is a tiny random one (2-3 layers, 8 experts, small dims) saved with transformers' save_pretrained,
+with the default model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm import LLM, SamplingParams
+from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
+from pagellm.layers.fused_moe import FusedMoE, Routing
+from tests.conftest import TINY_CONFIG
+from tests.helpers import PROMPTS, hf_greedy
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ENGINE_ARGS = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_seqs=8, max_model_len=256)
+MOE_PROMPTS = [PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[5], PROMPTS[8]]
+SHARED_PREFIX = PROMPTS[8]
+
+FAMILY_OWN_KEYS = ("rms_norm_eps", "rope_theta", "tie_word_embeddings", "intermediate_size")
+COMMON = {key: value for key, value in TINY_CONFIG.items() if key not in FAMILY_OWN_KEYS}
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**{**COMMON, "num_hidden_layers": 2}, intermediate_size=64, num_local_experts=8,
+                           num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=None)
+    return MixtralForCausalLM, config
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    # Layer 1 dense (mlp_only_layers), layers 0 and 2 sparse; weights not renormalised (norm_topk_prob false,
+    # as in Qwen3-30B-A3B's config), head_dim 64 (not hidden / heads).
+    config = Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 3}, head_dim=64, intermediate_size=96,
+                            moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+                            decoder_sparse_step=1, mlp_only_layers=[1], rms_norm_eps=1e-6, rope_theta=10000.0)
+    return Qwen3MoeForCausalLM, config
+
+
+def _olmoe():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    # clip_qkv low enough to clip some of the normed q/k values and about half of v (the wide init).
+    config = OlmoeConfig(**{**COMMON, "num_hidden_layers": 2}, intermediate_size=64, num_experts=8,
+                         num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=2.5, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, pad_token_id=0)
+    return OlmoeForCausalLM, config
+
+
+VARIANTS = {"mixtral": _mixtral, "qwen3-moe": _qwen3_moe, "olmoe": _olmoe}
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory, default_tokenizer):
+    saved: dict[str, str] = {}
+
+    def get(variant: str) -> str:
+        if variant not in saved:
+            model_class, config = VARIANTS[variant]()
+            config.vocab_size = len(default_tokenizer)
+            config.bos_token_id, config.eos_token_id = default_tokenizer.bos_token_id, default_tokenizer.eos_token_id
+            torch.manual_seed(0)
+            path = tmp_path_factory.mktemp(variant)
+            model = model_class(config).to(torch.float32)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "norm" in name:
+                        param.add_(torch.randn_like(param) * 0.2)
+            model.save_pretrained(path)
+            default_tokenizer.save_pretrained(path)
+            saved[variant] = str(path)
+        return saved[variant]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf_references(moe_dirs, default_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[str, dict[str, list[int]]] = {}
+
+    def get(variant: str, prompts: list[str]) -> list[list[int]]:
+        known = cache.setdefault(variant, {})
+        missing = [p for p in prompts if p not in known]
+        if missing:
+            model = AutoModelForCausalLM.from_pretrained(moe_dirs(variant), dtype=torch.float32).eval()
+            for prompt in missing:
+                known[prompt] = hf_greedy(model, default_tokenizer, default_tokenizer.encode(prompt), MAX_TOKENS,
+                                          ignore_eos=True)
+        return [known[p] for p in prompts]
+
+    return get
+
+
+def _check_greedy(llm: LLM, prompts: list[str], expected: list[list[int]]) -> list:
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for output, reference in zip(outputs, expected):
+        assert output.outputs[0].token_ids == reference, output.prompt
+    return outputs
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_batched_greedy_matches_hf(variant, moe_dirs, hf_references):
+    llm = LLM(moe_dirs(variant), **ENGINE_ARGS)
+    model = llm.llm_engine.core.runner.model
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert len(experts) == 2  # Mixtral, OLMoE: both layers; Qwen3-MoE: layers 0 and 2 (layer 1 is dense)
+    assert experts[0].gate_up_kernels is not None, "the experts run on the dense CPU kernels"
+    _check_greedy(llm, MOE_PROMPTS, hf_references(variant, MOE_PROMPTS))
+    assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
+
+
+@pytest.fixture
+def torch_ops_only(monkeypatch):
+    from pagellm.attention import native
+
+    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
+    native.native_library.cache_clear()
+    yield
+    monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
+    native.native_library.cache_clear()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chunked_prefill_and_prefix_cache_match_hf(variant, moe_dirs, hf_references, torch_ops_only):
+    llm = LLM(moe_dirs(variant), **{**ENGINE_ARGS, "max_num_batched_tokens": 32, "block_size": 8,
+                                    "enable_prefix_caching": True})
+    _check_greedy(llm, MOE_PROMPTS, hf_references(variant, MOE_PROMPTS))
+    follow_up = [SHARED_PREFIX + " And once more:"]
+    [output] = _check_greedy(llm, follow_up, hf_references(variant, follow_up))
+    assert output.num_cached_tokens >= 16, "the shared prefix came from the cache"
+
+
+@pytest.mark.parametrize("variant", ["qwen3-moe", "olmoe"])
+def test_two_tensor_parallel_ranks_match_hf(variant, moe_dirs, hf_references):
+    # Each rank holds half of every expert's intermediate features (and of Qwen3-MoE's dense layer); OLMoE's
+    # whole-projection q/k norms sum their mean square over the ranks.
+    llm = LLM(moe_dirs(variant), **ENGINE_ARGS, tensor_parallel_size=2, distributed_timeout_seconds=60)
+    try:
+        _check_greedy(llm, MOE_PROMPTS, hf_references(variant, MOE_PROMPTS))
+    finally:
+        llm.llm_engine.shutdown()
+
+
+# --- the router against transformers' gates ---------------------------------------------------------------
+
+def _tied_hidden(tokens: int, hidden: int, num_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states and a gate weight of small integers: their logits repeat, so many experts tie."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (tokens, hidden), generator=generator).float()
+    weight = torch.randint(-1, 2, (num_experts, hidden), generator=generator).float()
+    return x, weight
+
+
+def _random_hidden(tokens: int, hidden: int, num_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, hidden, generator=generator), torch.randn(num_experts, hidden, generator=generator)
+
+
+INPUTS = {"ties": _tied_hidden, "random": _random_hidden}
+
+
+def _assert_same_routing(ours: tuple[torch.Tensor, torch.Tensor], theirs_weights: torch.Tensor,
+                         theirs_ids: torch.Tensor) -> None:
+    weights, ids = ours
+    assert weights.dtype == torch.float32 and ids.shape == theirs_ids.shape
+    assert torch.equal(ids, theirs_ids)
+    torch.testing.assert_close(weights, theirs_weights.float(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("inputs", INPUTS)
+@pytest.mark.parametrize("family, norm", [("mixtral", True), ("qwen3_moe", False), ("qwen3_moe", True)])
+def test_softmax_routing_matches_transformers(family, norm, inputs):
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    if family == "mixtral":
+        gate = MixtralTopKRouter(MixtralConfig(hidden_size=16, num_local_experts=8, num_experts_per_tok=2))
+    else:
+        gate = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3,
+                                                 norm_topk_prob=norm))
+    x, weight = INPUTS[inputs](64, 16, 8, seed=3)
+    gate.weight.data.copy_(weight)
+    if inputs == "ties":
+        edge = F.linear(x, weight).topk(gate.top_k + 1).values
+        assert (edge[:, -1] == edge[:, -2]).any(), "some token's k-th and (k+1)-th experts tie"
+    logits, theirs_weights, theirs_ids = gate(x)
+    _assert_same_routing(Routing.softmax_top_k(gate.top_k, norm).select(F.linear(x, weight)), theirs_weights,
+                         theirs_ids)
+
+
+@pytest.mark.parametrize("inputs", INPUTS)
+@pytest.mark.parametrize("norm", [True, False])
+def test_deepseek_v3_routing_matches_transformers(inputs, norm):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = DeepseekV3Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, norm_topk_prob=norm)
+    gate = DeepseekV3TopkRouter(config)
+    x, weight = INPUTS[inputs](64, 16, 16, seed=5)
+    gate.weight.data.copy_(weight)
+    # A bias that moves choices: with it some experts are chosen whose own score is not among the top k.
+    bias = torch.linspace(-0.3, 0.3, 16) if inputs == "random" else torch.zeros(16)
+    gate.e_score_correction_bias.copy_(bias)
+    _, theirs_weights, theirs_ids = gate(x)
+    routing = Routing.deepseek_v3(config)
+    _assert_same_routing(routing.select(F.linear(x, weight), bias), theirs_weights, theirs_ids)
+
+
+@pytest.mark.parametrize("inputs", INPUTS)
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_routing_matches_transformers(inputs, method):
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    config = DeepseekV2Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                              topk_method=method, routed_scaling_factor=16.0)
+    gate = DeepseekV2TopkRouter(config)
+    x, weight = INPUTS[inputs](64, 16, 16, seed=7)
+    gate.weight.data.copy_(weight)
+    _, theirs_weights, theirs_ids = gate(x)
+    _assert_same_routing(Routing.deepseek_v2(config).select(F.linear(x, weight)), theirs_weights, theirs_ids)
+
+
+@pytest.mark.parametrize("routing, num_experts, named", [
+    (Routing.softmax_top_k(9, True), 8, "num_experts_per_tok=9"),
+    (Routing.softmax_top_k(0, True), 8, "num_experts_per_tok=0"),
+    (Routing(4, "sigmoid", True, 3, 2, "top2_sum"), 16, "n_group=3"),
+    (Routing(4, "sigmoid", True, 4, 5, "top2_sum"), 16, "topk_group=5"),
+    (Routing(8, "sigmoid", True, 4, 1, "top2_sum"), 16, "topk_group=1"),
+    (Routing(2, "softmax", True, 8, 2, "top2_sum"), 8, "n_group=8"),
+    (Routing(2, "tanh", True), 8, "scoring_func='tanh'"),
+])
+def test_settings_the_kernels_cannot_take_are_refused(routing, num_experts, named):
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        routing.check(num_experts)
+
+
+# --- the experts ------------------------------------------------------------------------------------------
+
+def _random_experts(num_experts: int, hidden: int, intermediate: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_experts, intermediate, hidden, generator=generator) * 0.1,
+            torch.randn(num_experts, intermediate, hidden, generator=generator) * 0.1,
+            torch.randn(num_experts, hidden, intermediate, generator=generator) * 0.1)
+
+
+def _load(layer: FusedMoE, w1, w3, w2, expert_offset: int = 0) -> None:
+    for expert in range(layer.num_experts):
+        source = expert + expert_offset
+        for shard, tensor in (("w1", w1[source]), ("w3", w3[source])):
+            layer.weight_loader(layer.w13_weight, tensor, shard, expert)
+        layer.weight_loader(layer.w2_weight, w2[source], "w2", expert)
+
+
+def _per_token_reference(x, weights, ids, w1, w3, w2) -> torch.Tensor:
+    x, out = x.double(), torch.zeros(x.shape, dtype=torch.float64)
+    for token in range(x.shape[0]):
+        for weight, expert in zip(weights[token].tolist(), ids[token].tolist()):
+            gate, up = w1[expert].double() @ x[token], w3[expert].double() @ x[token]
+            out[token] += weight * (w2[expert].double() @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("processed", [False, True])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_fused_moe_matches_a_per_token_reference(tokens, processed):
+    num_experts, hidden, intermediate = 8, 32, 24
+    w1, w3, w2 = _random_experts(num_experts, hidden, intermediate, seed=1)
+    layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
+    _load(layer, w1, w3, w2)
+    if processed:
+        layer.process_weights_after_loading()  # the per-expert dense kernels
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=generator)
+    logits = torch.randn(tokens, num_experts, generator=generator)
+    weights, ids = layer.routing.select(logits)
+    expected = _per_token_reference(x, weights, ids, w1, w3, w2)
+    torch.testing.assert_close(layer(x, logits).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_inactive_experts_do_no_work():
+    num_experts, hidden, intermediate = 8, 16, 8
+    layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
+    _load(layer, *_random_experts(num_experts, hidden, intermediate, seed=2))
+    calls: list[int] = []
+    layer.quant_method._product = lambda _, which: lambda expert, rows: (
+        calls.append(expert), F.linear(rows, (layer.w13_weight if which == "gate_up" else layer.w2_weight)[expert]))[1]
+    logits = torch.full((5, num_experts), -10.0)
+    logits[:, 3] = logits[:, 6] = 10.0  # every token routes to experts 3 and 6
+    layer(torch.randn(5, hidden), logits)
+    assert calls == [3, 3, 6, 6], "each active expert's two products ran once, over all its tokens"
+
+
+def test_tensor_parallel_ranks_hold_their_slice_of_each_expert():
+    num_experts, hidden, intermediate = 4, 16, 12
+    w1, w3, w2 = _random_experts(num_experts, hidden, intermediate, seed=3)
+    x, logits = torch.randn(6, hidden), torch.randn(6, num_experts)
+    full = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
+    _load(full, w1, w3, w2)
+    partial = torch.zeros(6, hidden)
+    for rank in range(2):
+        with building_with(TensorParallelGroup(rank, 2)):
+            shard = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
+        _load(shard, w1, w3, w2)
+        assert shard.w13_weight.shape == (num_experts, intermediate, hidden)
+        # Without a device group the all-reduce cannot run: sum the ranks' partial outputs here.
+        shard.reduce_results = False
+        partial += shard(x, logits)
+    torch.testing.assert_close(partial, full(x, logits), rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_parallel_size_must_divide_the_experts_intermediate_size():
+    with building_with(TensorParallelGroup(0, 4)), pytest.raises(ValueError, match=r"tensor_parallel_size=4.*\(18\)"):
+        FusedMoE(4, 2, 16, 18, prefix="model.layers.0.mlp.experts")
+
+
+@pytest.mark.parametrize("name, target", [
+    ("model.layers.3.block_sparse_moe.experts.5.w1.weight", ("model.layers.3.block_sparse_moe.experts.w13_weight", 5, "w1")),
+    ("model.layers.3.block_sparse_moe.experts.5.w3.weight", ("model.layers.3.block_sparse_moe.experts.w13_weight", 5, "w3")),
+    ("model.layers.0.mlp.experts.17.down_proj.weight", ("model.layers.0.mlp.experts.w2_weight", 17, "w2")),
+    ("model.layers.0.mlp.experts.0.up_proj.weight", ("model.layers.0.mlp.experts.w13_weight", 0, "w3")),
+    ("model.layers.0.mlp.shared_experts.gate_proj.weight", None),
+    ("model.layers.0.mlp.gate.weight", None),
+])
+def test_checkpoint_names_map_to_expert_shards(name, target):
+    found = FusedMoE.checkpoint_target(name)
+    assert (None if found is None else (found[0], found[1].expert_id, found[1].shard_id)) == target
+
+
+def _write_config(directory, **fields) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(fields))
+    return str(directory)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),
+    (dict(num_experts_per_tok=0), "num_experts_per_tok=0"),
+])
+def test_expert_settings_are_refused_before_loading(tmp_path, overrides, named):
+    # config.json alone: the refusal comes from building the model, before any weight is looked for.
+    _, config = _mixtral()
+    fields = {**config.to_dict(), "vocab_size": 64, **overrides}
+    with pytest.raises(ValueError, match=named):
+        LLM(_write_config(tmp_path / "model", **fields), dtype="float32")
