@@ -122,3 +122,24 @@ def test_triton_kernel_matches_expanded_attention(q_dtype, cache_dtype):
     reference = _expanded_reference(rows, w_uk, w_uv, q_nope, q_pe, rank, scale)
     tolerance = max(TOLERANCE[q_dtype], TOLERANCE[cache_dtype] if cache_dtype != torch.bfloat16 else 2e-5)
     torch.testing.assert_close(ours, reference, atol=tolerance, rtol=tolerance)
+
+
+def test_quantized_latent_cache_reads_back_its_round_trip():
+    """An fp8 latent cache (codes and a bfloat16 scale per row): the torch decode over it equals the decode over
+    an unquantized cache holding the rows as the format gives them back."""
+    from pagellm.attention.kv_spec import KVCacheFormat
+
+    kv_format = KVCacheFormat.resolve("fp8", torch.float32)
+    heads, rank, rope, lens, block_size = SHAPES[0]
+    width = rank + rope
+    cache, rows, *_ , decode = _case(3, heads, rank, rope, lens, block_size, torch.float32)
+    quantized = torch.zeros(cache.shape[0], 1, kv_format.run_bytes(block_size, width), dtype=torch.uint8)
+    for i, latent in enumerate(rows):
+        positions = np.arange(len(latent))
+        index = torch.from_numpy(kv_write_index(decode.block_tables[i][positions // block_size],
+                                                positions % block_size, 1, block_size))
+        write_latent(latent.float(), quantized, index, kv_format)
+        write_latent(kv_format.round_trip(latent.float()), cache, index)
+    q = torch.randn(len(lens), heads, width, generator=torch.Generator().manual_seed(4))
+    ours = torch_latent_decode(q, quantized, decode, 0.2, rank, kv_format, block_size)
+    torch.testing.assert_close(ours, torch_latent_decode(q, cache, decode, 0.2, rank), atol=1e-6, rtol=1e-6)

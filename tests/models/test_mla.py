@@ -155,6 +155,41 @@ def test_triton_latent_decode_matches_hf(mla_dirs, hf_references, attention_back
     _check_greedy(llm, MLA_PROMPTS[:3], hf_references("v3", MLA_PROMPTS[:3]))
 
 
+def test_parallel_samples_and_beam_search_on_shared_latent_blocks(mla_dirs, hf_references, default_tokenizer):
+    # n=2 greedy forks share the prompt's latent blocks (copy-on-write past them): both equal transformers'.
+    from transformers import AutoModelForCausalLM
+
+    from pagellm.sampling_params import BeamSearchParams
+
+    path = mla_dirs("v3")
+    llm = LLM(path, **ENGINE_ARGS)
+    prompts = MLA_PROMPTS[1:3]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    for output, reference in zip(llm.generate(prompts, params, use_tqdm=False), hf_references("v3", prompts)):
+        assert [sample.token_ids for sample in output.outputs] == [reference, reference]
+    prompt_ids = default_tokenizer.encode(PROMPTS[2])
+    (result,) = llm.beam_search([PROMPTS[2]], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        beams = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=3, num_return_sequences=3,
+                               do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    assert [sequence.tokens[len(prompt_ids):] for sequence in result.sequences] == \
+        beams[:, len(prompt_ids):].tolist()
+    assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
+
+
+def test_fp8_latent_cache(mla_dirs):
+    """kv_cache_dtype="fp8": each latent row is 80 e4m3 codes and a bfloat16 scale (the torch path reads it);
+    the pool holds 4 * 80 / 82 times the tokens of the float32 latent."""
+    llm = LLM(mla_dirs("v2-lite"), **ENGINE_ARGS, kv_cache_dtype="fp8")
+    assert llm.llm_engine.core.runner.attn_backend.name == "mla-torch"
+    spec = llm.llm_engine.core.executor.driver.kv_spec
+    assert spec.tokens_per_gib == pytest.approx(GiB / (2 * 82))
+    [output] = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == MAX_TOKENS
+
+
 def test_preemption_keeps_outputs_exact(mla_dirs, hf_references):
     # 9 blocks of 16 tokens: less than the batch needs at once, enough for the longest request (113 tokens) alone.
     llm = LLM(mla_dirs("v3"), dtype="float32", num_gpu_blocks_override=9, max_model_len=144, max_num_seqs=8)
