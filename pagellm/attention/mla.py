@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
+import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,8 +46,6 @@ from pagellm.attention.paged import (
     _decode_mask,
     gather_kv,
 )
-
-logger = logging.getLogger(__name__)
 
 # (q [num_decodes, heads, rank + rope], cache, decode metadata, scale, rank) -> [num_decodes, heads, rank]
 LatentDecode = Callable[[torch.Tensor, torch.Tensor, DecodeMetadata, float, int], torch.Tensor]
@@ -197,24 +195,25 @@ class MLADecodeKernel:
         return out
 
 
-_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_CSRC = pathlib.Path(__file__).with_name("csrc")
 
 
-@functools.lru_cache(maxsize=None)
 def mla_library(isa: str | None = None) -> ctypes.CDLL | None:
-    """The MLA kernels built for `isa` (default: this CPU's best), or None where native kernels are off or
-    there is no compiler (native.native_library's rules)."""
-    import pathlib
-
+    """The MLA kernels built for `isa` (default: this CPU's best), or None where the native kernels are off
+    (PAGELLM_NATIVE_KERNELS=0) or cannot be built: native.native_library's rules, asked on every call."""
     from pagellm.attention import native
 
     if native.native_library(isa) is None:
         return None
-    isa = isa or native.best_isa()
-    csrc = pathlib.Path(_CSRC)
-    path = native.build_library(f"pagellm_mla_{isa}", [csrc / "mla_decode.c"],
-                                [csrc / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h")],
-                                native.compiler_flags(isa))
+    return _mla_library(isa or native.best_isa())
+
+
+@functools.cache
+def _mla_library(isa: str) -> ctypes.CDLL:
+    from pagellm.attention import native
+
+    headers = [_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h")]
+    path = native.build_library(f"pagellm_mla_{isa}", [_CSRC / "mla_decode.c"], headers, native.compiler_flags(isa))
     return ctypes.CDLL(str(path))
 
 
