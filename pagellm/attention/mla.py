@@ -85,12 +85,14 @@ def read_latents(cache: torch.Tensor, block_table: torch.Tensor, count: int, wid
 
 def torch_latent_decode(q: torch.Tensor, cache: torch.Tensor, decode: DecodeMetadata, scale: float, rank: int,
                         kv_format: KVCacheFormat | None = None, block_size: int = 0) -> torch.Tensor:
-    """The reference latent decode: q [num_decodes, heads, rank + rope] -> [num_decodes, heads, rank]."""
+    """The reference latent decode: q [num_decodes, heads, rank + rope] -> [num_decodes, heads, rank], in
+    float32 (two batched products over the gathered rows, which every head shares)."""
     width = q.shape[-1]
     block_size = block_size or cache.shape[2]
-    latents = gather_kv(cache, decode.block_tables_tensor, kv_format, width)  # [num_decodes, 1, keys, width]
-    out = _attend(q.unsqueeze(2), latents, latents[..., :rank], _decode_mask(decode, block_size), scale)
-    return out.squeeze(2)
+    latents = gather_kv(cache, decode.block_tables_tensor, kv_format, width)[:, 0].float()  # [decodes, keys, width]
+    scores = torch.bmm(q.float(), latents.transpose(1, 2)) * scale  # [decodes, heads, keys]
+    scores = scores.masked_fill(~_decode_mask(decode, block_size)[:, 0], float("-inf"))
+    return torch.bmm(scores.softmax(dim=-1), latents[..., :rank]).to(q.dtype)
 
 
 def chunk_context(chunk: PrefillChunk, own: torch.Tensor, cache: torch.Tensor,

@@ -177,12 +177,17 @@ static int attend_tile(const void *q, const int q_bf16, const void *cache, const
 int mla_decode_attention(const void *q, const void *cache, int q_bf16, int cache_bf16, const int64_t *block_tables,
                          int64_t max_blocks, const int64_t *context_lens, void *out, int64_t num_seqs,
                          int64_t num_heads, int64_t width, int64_t rank, int64_t block_size, float scale) {
-    const int64_t tiles = (num_heads + HEAD_TILE - 1) / HEAD_TILE;
+    /* Tiles of up to HEAD_TILE heads, smaller where there would be fewer tasks than threads (one long
+     * sequence would otherwise run on one core). */
+    const int64_t threads = omp_get_max_threads();
+    int64_t tile = HEAD_TILE;
+    while (tile > 1 && num_seqs * ((num_heads + tile - 1) / tile) < threads) tile /= 2;
+    const int64_t tiles = (num_heads + tile - 1) / tile;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
     for (int64_t task = 0; task < num_seqs * tiles; ++task) {
-        const int64_t seq = task / tiles, first_head = task % tiles * HEAD_TILE;
-        const int64_t heads = num_heads - first_head < HEAD_TILE ? num_heads - first_head : HEAD_TILE;
+        const int64_t seq = task / tiles, first_head = task % tiles * tile;
+        const int64_t heads = num_heads - first_head < tile ? num_heads - first_head : tile;
         failed |= attend_tile(q, q_bf16, cache, cache_bf16, block_tables + seq * max_blocks, context_lens[seq], out,
                               seq, first_head, heads, num_heads, width, rank, block_size, scale);
     }
