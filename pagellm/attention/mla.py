@@ -45,6 +45,7 @@ from pagellm.attention.paged import (
     _chunk_mask,
     _decode_mask,
     gather_kv,
+    to_device,
 )
 
 # (q [num_decodes, heads, rank + rope], cache, decode metadata, scale, rank) -> [num_decodes, heads, rank]
@@ -131,7 +132,13 @@ class MLABackend:
         self.kv_format = self._torch.kv_format
 
     def build_metadata(self, step: StepAttentionInputs) -> MLAMetadata:
-        return MLAMetadata(self._torch.build_metadata(step), self.latent_decode)
+        meta = self._torch.build_metadata(step)
+        latent_decode = self.latent_decode
+        if self.name == "mla-triton" and meta.decode is not None:
+            # The decode lengths on the device once per step, not once per layer.
+            latent_decode = functools.partial(latent_decode,
+                                              seq_lens=to_device(meta.decode.context_lens, self.device))
+        return MLAMetadata(meta, latent_decode)
 
 
 def select_mla_backend(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> MLABackend:

@@ -72,10 +72,11 @@ def mla_decode_kernel(
              out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & (latent_dims[None, :] < RANK))
 
 
-def triton_latent_decode(q: torch.Tensor, cache: torch.Tensor, decode: DecodeMetadata, scale: float,
-                         rank: int) -> torch.Tensor:
+def triton_latent_decode(q: torch.Tensor, cache: torch.Tensor, decode: DecodeMetadata, scale: float, rank: int,
+                         seq_lens: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_decodes, heads, width]; cache [num_blocks, 1, block_size, width] -> [num_decodes, heads, rank] in
-    q's dtype. Reads decode.block_tables_tensor and the context lengths."""
+    q's dtype. Reads decode.block_tables_tensor and the context lengths: `seq_lens` on q's device where the
+    backend put them there for the step, else decode.context_lens."""
     num_seqs, num_heads, width = q.shape
     if cache.dim() != 4 or cache.shape[1] != 1 or cache.shape[3] != width or cache.stride(3) != 1:
         raise TypeError(f"an MLA cache is [blocks, 1, block_size, {width}] with unit stride, not "
@@ -83,7 +84,8 @@ def triton_latent_decode(q: torch.Tensor, cache: torch.Tensor, decode: DecodeMet
     q = q.contiguous()
     out = torch.empty(num_seqs, num_heads, rank, dtype=q.dtype, device=q.device)
     tables = decode.block_tables_tensor
-    seq_lens = torch.as_tensor(decode.context_lens, device=q.device)
+    if seq_lens is None:
+        seq_lens = torch.as_tensor(decode.context_lens, device=q.device)
     grid = (num_seqs, triton.cdiv(num_heads, HEAD_TILE))
     mla_decode_kernel[grid](
         out, q, cache, tables, seq_lens, scale, num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
