@@ -215,10 +215,14 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         layer.gate_up_kernels = layer.down_kernels = None
-        if layer.w13_weight.device.type != "cpu":
+        if layer.w13_weight.device.type != "cpu" or layer.w13_weight.dtype == torch.float32:
+            # float32 experts multiply with F.linear on their slice of the stacked weights. A packed copy per
+            # expert (oneDNN, as dense layers keep one) would double the experts' memory, and in a decode step
+            # each expert's weight is read once, cold from memory, where the packed layout showed no steady
+            # gain (benchmarks/moe.py).
             return
-        # One dense kernel per expert product (oneDNN-packed in float32: 2-5x F.linear at the few rows an
-        # expert gets in a decode step); the stacked weights stay, as the plain copy those kernels fall back to.
+        # Half types: the dense layers' kernel choice per expert product (widened to float32 per call where the
+        # CPU has no instructions for the type, pagellm's bf16 kernel where it has).
         scratch = UpcastScratch()
         layer.gate_up_kernels = [choose_dense_kernel(w, True, scratch)[0] for w in layer.w13_weight.data]
         layer.down_kernels = [choose_dense_kernel(w, True, scratch)[0] for w in layer.w2_weight.data]
@@ -230,42 +234,51 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
             return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
         return grouped_experts(x, topk_weights, topk_ids, layer.num_experts, self._product(layer, "gate_up"),
-                               self._product(layer, "down"), layer.act_fn)
+                               self._product(layer, "down"), 2 * layer.intermediate_size, layer.act_fn)
 
     @staticmethod
-    def _product(layer: FusedMoE, which: str) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    def _product(layer: FusedMoE, which: str) -> ExpertProduct:
         kernels: list[DenseKernel] | None = getattr(layer, f"{which}_kernels", None)
         if kernels is not None:
-            return lambda expert, rows: kernels[expert](rows, None)
+            return lambda expert, rows, out: out.copy_(kernels[expert](rows, None))
         stacked = layer.w13_weight if which == "gate_up" else layer.w2_weight
-        return lambda expert, rows: F.linear(rows, stacked[expert])
+        # Straight into the caller's rows: no temporary, no copy.
+        return lambda expert, rows, out: torch.mm(rows, stacked[expert].t(), out=out)
 
     def kernel_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
         kernels = (getattr(layer, "gate_up_kernels", None) or []) + (getattr(layer, "down_kernels", None) or [])
         return [tensor for kernel in kernels for tensor in kernel.tensors()]
 
 
+# (expert, rows [n, in], out [n, out]): writes rows @ W_expert^T into out.
+ExpertProduct = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
 def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                    gate_up: Callable[[int, torch.Tensor], torch.Tensor],
-                    down: Callable[[int, torch.Tensor], torch.Tensor],
+                    gate_up: ExpertProduct, down: ExpertProduct, gate_up_width: int,
                     act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The experts' weighted sum per token [T, H]: the T * k (token, expert) pairs sorted by expert once, each
-    expert with tokens running gate_up(rows) then down(act(...)) once over its rows, the weighted rows summed
-    back into their tokens with one index_add_."""
+    """The experts' weighted sum per token [T, H]: the T * k (token, expert) pairs sorted by expert once; each
+    expert with tokens runs gate_up once over its rows, the gated activation runs once over all rows, each
+    expert's down once over its rows; the weighted rows are summed back into their tokens with one index_add_."""
     tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     # Stable: an expert's rows keep token order, so each token's sum adds its experts in ascending order.
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts)
-    active = counts.nonzero().flatten().tolist()
-    ends = counts.cumsum(0).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    spans, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            spans.append((expert, start, start + count))
+            start += count
     token_of_row = order // top_k
     rows_in = x.index_select(0, token_of_row)
+    gate_up_rows = rows_in.new_empty(rows_in.shape[0], gate_up_width)
+    for expert, begin, end in spans:
+        gate_up(expert, rows_in[begin:end], gate_up_rows[begin:end])
+    activated = act_fn(gate_up_rows)
     rows_out = torch.empty_like(rows_in)
-    for expert in active:
-        end = ends[expert]
-        start = end - int(counts[expert])
-        rows_out[start:end] = down(expert, act_fn(gate_up(expert, rows_in[start:end])))
+    for expert, begin, end in spans:
+        down(expert, activated[begin:end], rows_out[begin:end])
     rows_out.mul_(topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(rows_out.dtype))
     return torch.zeros_like(x).index_add_(0, token_of_row, rows_out)
 
@@ -276,7 +289,8 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  activation: str = "silu", quant_config: QuantizationConfig | None = None, prefix: str = "",
-                 routing: Routing | None = None, reduce_results: bool = True) -> None:
+                 routing: Routing | None = None, reduce_results: bool = True,
+                 has_correction_bias: bool = False) -> None:
         super().__init__()
         self.group = current_group()
         self.prefix = prefix
@@ -297,16 +311,23 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size // self.group.size
         self.reduce_results = reduce_results
         self.act_fn = SiluAndMul()
-        # DeepSeek-V3's bias, set (and loaded) by the model that has one; used only to choose experts.
-        self.e_score_correction_bias: nn.Parameter | None = None
+        # DeepSeek-V3's per-expert bias (float32, as its checkpoints store it), added to the scores only to
+        # choose experts; its checkpoint name is the model's to map (`mlp.gate.e_score_correction_bias`).
+        if has_correction_bias:
+            bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+            self.register_parameter("e_score_correction_bias", bias)
+        else:
+            self.register_parameter("e_score_correction_bias", None)
         self.quant_method = moe_method_for(quant_config, prefix)
         self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_size,
                                          torch.get_default_dtype())
         shards = {"w13_weight": ("w1", "w3"), "w2_weight": ("w2",)}
         for name, param in self.named_parameters(recurse=False):
+            if name not in shards:
+                continue  # the correction bias loads whole
             # (expert, shard) pairs a complete checkpoint fills, as the model's loader counts them.
             set_weight_attrs(param, weight_loader=self._checkpoint_loader,
-                             shard_ids=tuple((e, s) for e in range(num_experts) for s in shards.get(name, (None,))))
+                             shard_ids=tuple((e, s) for e in range(num_experts) for s in shards[name]))
 
     @staticmethod
     def checkpoint_target(name: str) -> tuple[str, ExpertTarget] | None:

@@ -46,7 +46,8 @@ def align_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_size: int = 
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add_ rather than bincount, which reads the largest id back to the host (no capture in a graph).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_size - 1) // block_size * block_size
     padded_ends = padded.cumsum(0)
     order = torch.argsort(flat, stable=True)

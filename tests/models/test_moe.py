@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pagellm import LLM, SamplingParams
 from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
 from pagellm.layers.fused_moe import FusedMoE, Routing
+from pagellm.models.loader import default_dtype
 from tests.conftest import TINY_CONFIG
 from tests.helpers import PROMPTS, hf_greedy
 
@@ -118,7 +119,6 @@ def test_batched_greedy_matches_hf(variant, moe_dirs, hf_references):
     model = llm.llm_engine.core.runner.model
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert len(experts) == 2  # Mixtral, OLMoE: both layers; Qwen3-MoE: layers 0 and 2 (layer 1 is dense)
-    assert experts[0].gate_up_kernels is not None, "the experts run on the dense CPU kernels"
     _check_greedy(llm, MOE_PROMPTS, hf_references(variant, MOE_PROMPTS))
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 
@@ -142,6 +142,15 @@ def test_chunked_prefill_and_prefix_cache_match_hf(variant, moe_dirs, hf_referen
     follow_up = [SHARED_PREFIX + " And once more:"]
     [output] = _check_greedy(llm, follow_up, hf_references(variant, follow_up))
     assert output.num_cached_tokens >= 16, "the shared prefix came from the cache"
+
+
+def test_preemption_keeps_outputs_exact(moe_dirs, hf_references):
+    # 10 blocks of 16 tokens: less than the batch needs at once, enough for the longest request alone.
+    llm = LLM(moe_dirs("mixtral"), dtype="float32", num_gpu_blocks_override=10, max_model_len=160, max_num_seqs=8)
+    _check_greedy(llm, MOE_PROMPTS, hf_references("mixtral", MOE_PROMPTS))
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0
+    assert stats.kv_cache.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("variant", ["qwen3-moe", "olmoe"])
@@ -228,7 +237,7 @@ def test_deepseek_v2_routing_matches_transformers(inputs, method):
     from transformers import DeepseekV2Config
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 
-    config = DeepseekV2Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+    config = DeepseekV2Config(hidden_size=16, num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                               topk_method=method, routed_scaling_factor=16.0)
     gate = DeepseekV2TopkRouter(config)
     x, weight = INPUTS[inputs](64, 16, 16, seed=7)
@@ -277,19 +286,44 @@ def _per_token_reference(x, weights, ids, w1, w3, w2) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("processed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_fused_moe_matches_a_per_token_reference(tokens, processed):
+def test_fused_moe_matches_a_per_token_reference(tokens, dtype):
     num_experts, hidden, intermediate = 8, 32, 24
     w1, w3, w2 = _random_experts(num_experts, hidden, intermediate, seed=1)
-    layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
+    with default_dtype(dtype):
+        layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
     _load(layer, w1, w3, w2)
-    if processed:
-        layer.process_weights_after_loading()  # the per-expert dense kernels
+    layer.process_weights_after_loading()  # half types: the dense layers' kernel per expert product
+    if dtype != torch.float32:
+        assert layer.gate_up_kernels is not None and len(layer.down_kernels) == num_experts
     generator = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, hidden, generator=generator)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype)
     logits = torch.randn(tokens, num_experts, generator=generator)
     weights, ids = layer.routing.select(logits)
+    expected = _per_token_reference(x, weights, ids, *(w.to(dtype) for w in (w1, w3, w2)))
+    out = layer(x, logits)
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_correction_bias_chooses_experts_but_does_not_weigh_them():
+    num_experts, hidden, intermediate = 8, 16, 8
+    w1, w3, w2 = _random_experts(num_experts, hidden, intermediate, seed=4)
+    routing = Routing(2, "sigmoid", True, 4, 2, "top2_sum", 2.5, sorted_choice=False)
+    layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer", routing=routing, has_correction_bias=True)
+    assert layer.e_score_correction_bias.dtype == torch.float32
+    assert "e_score_correction_bias" in dict(layer.named_parameters())
+    _load(layer, w1, w3, w2)
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0, 5.0])  # experts 6 and 7 always win the choice
+    layer.e_score_correction_bias.data.copy_(bias)
+    x, logits = torch.randn(5, hidden), torch.randn(5, num_experts)
+    weights, ids = layer.select_experts(logits)
+    assert sorted(ids[0].tolist()) == [6, 7]
+    scores = logits.sigmoid()[:, 6:]
+    torch.testing.assert_close(weights.sort(dim=-1).values,
+                               (scores / scores.sum(-1, keepdim=True) * 2.5).sort(dim=-1).values)
     expected = _per_token_reference(x, weights, ids, w1, w3, w2)
     torch.testing.assert_close(layer(x, logits).double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -299,12 +333,18 @@ def test_inactive_experts_do_no_work():
     layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
     _load(layer, *_random_experts(num_experts, hidden, intermediate, seed=2))
     calls: list[int] = []
-    layer.quant_method._product = lambda _, which: lambda expert, rows: (
-        calls.append(expert), F.linear(rows, (layer.w13_weight if which == "gate_up" else layer.w2_weight)[expert]))[1]
+    product = layer.quant_method._product
+
+    def counted(_, which):
+        run = product(layer, which)
+        return lambda expert, rows, out: (calls.append((which, expert, rows.shape[0])), run(expert, rows, out))
+
+    layer.quant_method._product = counted
     logits = torch.full((5, num_experts), -10.0)
     logits[:, 3] = logits[:, 6] = 10.0  # every token routes to experts 3 and 6
     layer(torch.randn(5, hidden), logits)
-    assert calls == [3, 3, 6, 6], "each active expert's two products ran once, over all its tokens"
+    assert calls == [("gate_up", 3, 5), ("gate_up", 6, 5), ("down", 3, 5), ("down", 6, 5)], \
+        "each active expert's two products ran once, over all its tokens"
 
 
 def test_tensor_parallel_ranks_hold_their_slice_of_each_expert():
