@@ -64,10 +64,8 @@ class DeepseekMoE(nn.Module):
         routing = Routing.deepseek_v3(config) if v3 else Routing.deepseek_v2(config)
         self.gate = ReplicatedLinear(config.hidden_size, num_experts, False, None, f"{prefix}.gate")
         self.experts = FusedMoE(num_experts, top_k, config.hidden_size, config.moe_intermediate_size,
-                                getattr(config, "hidden_act", "silu"), quant_config, f"{prefix}.experts", routing)
-        if v3:
-            self.experts.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
-                                                                requires_grad=False)
+                                getattr(config, "hidden_act", "silu"), quant_config, f"{prefix}.experts", routing,
+                                has_correction_bias=v3)
         shared = getattr(config, "n_shared_experts", 0) or 0
         self.shared_experts = (DeepseekMLP(config, config.moe_intermediate_size * shared, quant_config,
                                            f"{prefix}.shared_experts") if shared else None)
