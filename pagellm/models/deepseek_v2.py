@@ -22,7 +22,7 @@ from pagellm.attention.native import CpuOps
 from pagellm.layers.activation import SiluAndMul, gated_activation
 from pagellm.layers.fused_moe import ExpertCheckpointMixin, FusedMoE, Routing
 from pagellm.layers.layernorm import RMSNorm
-from pagellm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from pagellm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagellm.layers.mla import MLAAttention
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RopeInputs, RotaryEmbedding
@@ -52,8 +52,21 @@ def is_moe_layer(config, layer_index: int) -> bool:
         getattr(config, "n_routed_experts", None))
 
 
+class DeepseekGate(nn.Module):
+    """The router's weight [experts, hidden] in float32 whatever the model's dtype, and logits computed in
+    float32: transformers keeps DeepSeek's gate.weight in float32 (_keep_in_fp32_modules_strict), and a
+    bfloat16 product would choose other experts on near-ties."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden.float(), self.weight)
+
+
 class DeepseekMoE(nn.Module):
-    """The router (`gate`, unquantized and replicated), the routed experts and the shared ones, which every token
+    """The router (`gate`, float32 and replicated), the routed experts and the shared ones, which every token
     passes through beside its routed experts. DeepSeek-V3's gate scores by sigmoid and chooses with an
     e_score_correction_bias (checkpoint name mlp.gate.e_score_correction_bias; held by the experts' layer)."""
 
@@ -62,7 +75,7 @@ class DeepseekMoE(nn.Module):
         num_experts, top_k = config.n_routed_experts, config.num_experts_per_tok
         v3 = getattr(config, "model_type", "") == "deepseek_v3"
         routing = Routing.deepseek_v3(config) if v3 else Routing.deepseek_v2(config)
-        self.gate = ReplicatedLinear(config.hidden_size, num_experts, False, None, f"{prefix}.gate")
+        self.gate = DeepseekGate(config.hidden_size, num_experts)
         self.experts = FusedMoE(num_experts, top_k, config.hidden_size, config.moe_intermediate_size,
                                 getattr(config, "hidden_act", "silu"), quant_config, f"{prefix}.experts", routing,
                                 has_correction_bias=v3)
