@@ -35,6 +35,9 @@ class AttentionShape:
     block_size: int
     # The KV cache's format, from the pool's KVCacheSpec (kv_spec.py); None: the model's dtype, unquantized.
     kv_format: KVCacheFormat | None = None
+    # > 0: multi-head latent attention, whose one cache "head" per token is kv_lora_rank latent values then the
+    # rope key (head_dim = kv_lora_rank + qk_rope_head_dim); attention/mla.py serves it.
+    kv_lora_rank: int = 0
 
     @property
     def quantized_cache(self) -> KVCacheFormat | None:
@@ -100,6 +103,10 @@ def select_backend(device: torch.device, dtype: torch.dtype, shape: AttentionSha
     forced = os.environ.get(BACKEND_ENV, "")
     if forced not in ("", "torch", "triton", "native"):
         raise ValueError(f"{BACKEND_ENV}={forced!r} is not a backend; use torch, triton or native (or unset it)")
+    if shape.kv_lora_rank:
+        from pagellm.attention.mla import select_mla_backend
+
+        return select_mla_backend(device, dtype, shape)
     if forced == "torch":
         return TorchAttentionBackend(shape, device, None)
     if forced == "native" and device.type != "cpu":

@@ -148,6 +148,14 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype  # the model's: what K/V arrive in
     cache_dtype: str = "auto"
+    # Multi-head latent attention (DeepSeek-V2/V3): one plane per layer whose single "head" row per token is the
+    # normalised latent and the rotated rope key (head_dim = kv_lora_rank + qk_rope_head_dim); no V plane.
+    latent: bool = False
+
+    @property
+    def planes(self) -> int:
+        """Cache planes per layer: K and V, or the latent alone."""
+        return 1 if self.latent else 2
 
     @functools.cached_property
     def format(self) -> KVCacheFormat:
@@ -155,19 +163,37 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.format.run_bytes(self.block_size, self.head_dim)
+        return self.planes * self.num_layers * self.num_kv_heads * self.format.run_bytes(self.block_size, self.head_dim)
 
     @property
     def tokens_per_gib(self) -> float:
         return GiB / self.bytes_per_block * self.block_size
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """[num_layers, 2 (K, V), num_blocks, kv_heads, *run_shape]."""
-        return (self.num_layers, 2, num_blocks, self.num_kv_heads,
+        """[num_layers, planes (K, V; or the latent), num_blocks, kv_heads, *run_shape]."""
+        return (self.num_layers, self.planes, num_blocks, self.num_kv_heads,
                 *self.format.run_shape(self.block_size, self.head_dim))
 
     def describe(self) -> str:
         """The format and its density, for the start-up log."""
         kind = f"{self.format.name} with a bfloat16 scale per token and head" if self.format.quantized \
             else self.format.name
-        return f"KV dtype {kind} (kv_cache_dtype={self.cache_dtype}), {self.tokens_per_gib:,.0f} tokens per GiB"
+        layout = f", MLA latent of {self.head_dim} values per token and layer" if self.latent else ""
+        return (f"KV dtype {kind} (kv_cache_dtype={self.cache_dtype}){layout}, {self.tokens_per_gib:,.0f} tokens "
+                f"per GiB")
+
+
+def mla_latent_dim(config) -> int | None:
+    """kv_lora_rank + qk_rope_head_dim of a multi-head latent attention model (DeepSeek-V2/V3), whose cache holds
+    that one row per token and layer; None for a model with ordinary K/V heads."""
+    rank = getattr(config, "kv_lora_rank", None)
+    return rank + config.qk_rope_head_dim if rank else None
+
+
+def kv_cache_spec_for(config, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                      cache_dtype: str) -> KVCacheSpec:
+    """The pool of a model: its K/V heads of `head_dim`, or an MLA model's one latent row per token."""
+    latent_dim = mla_latent_dim(config)
+    if latent_dim is not None:
+        return KVCacheSpec(config.num_hidden_layers, 1, latent_dim, block_size, dtype, cache_dtype, latent=True)
+    return KVCacheSpec(config.num_hidden_layers, num_kv_heads, head_dim, block_size, dtype, cache_dtype)

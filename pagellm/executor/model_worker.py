@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.attention.kv_spec import kv_cache_spec_for
 from pagellm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from pagellm.core.kv_cache_manager import cdiv, max_blocks_per_sequence
 from pagellm.cpu_features import cpu_has_native
@@ -90,8 +91,8 @@ class ModelWorker:
         need_blocks = max_blocks_per_sequence(max_model_len, args.block_size, model_sliding_window(hf_config), budget)
         quant_config = None if source.is_gguf else quantization_config_for(hf_config, args.quantization)
         planned = planned_model(hf_config, max_model_len, dtype, group, quant_config)
-        planned_spec = KVCacheSpec(hf_config.num_hidden_layers, planned.num_kv_heads, head_dim_of(hf_config),
-                                   args.block_size, dtype, args.kv_cache_dtype)
+        planned_spec = kv_cache_spec_for(hf_config, planned.num_kv_heads, head_dim_of(hf_config), args.block_size,
+                                         dtype, args.kv_cache_dtype)
         least_pool = _explicit_pool(args, planned_spec) or LeastPool(
             need_blocks * planned_spec.bytes_per_block, f"one request of max_model_len={max_model_len}",
             "max_model_len")
@@ -110,8 +111,8 @@ class ModelWorker:
         self.model_info = ModelInfo(source, hf_config, tokenizer, eos_ids, max_model_len, dtype, device)
         self.group = group
 
-        spec = KVCacheSpec(hf_config.num_hidden_layers, model.num_kv_heads_per_rank, head_dim_of(hf_config),
-                           args.block_size, dtype, args.kv_cache_dtype)
+        spec = kv_cache_spec_for(hf_config, model.num_kv_heads_per_rank, head_dim_of(hf_config), args.block_size,
+                                 dtype, args.kv_cache_dtype)
         self.kv_spec = spec
         self.runner = ModelRunner(model, device, args.block_size, max_model_len, args.max_num_seqs, args.seed, eos_ids,
                                   spec.format)

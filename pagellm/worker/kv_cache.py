@@ -19,7 +19,7 @@ GiB = 1024**3
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """One pool tensor [num_layers, 2 (K, V), num_blocks, kv_heads, block_size, head_dim] (or, for a quantized
+    """One pool tensor [num_layers, 2 (K, V) or 1 (an MLA latent), num_blocks, kv_heads, block_size, head_dim] (or, for a quantized
     format, [..., kv_heads, run bytes]: see kv_spec.py).
 
     Head before position: a block's keys for one head are one contiguous run, which is what decode
@@ -34,8 +34,9 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
 
 
 def layer_views(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, the (K, V) views [num_blocks, kv_heads, block_size, head_dim] of the pool."""
-    return [(pool[i, 0], pool[i, 1]) for i in range(pool.shape[0])]
+    """Per layer, the (K, V) views [num_blocks, kv_heads, block_size, head_dim] of the pool; an MLA pool's one
+    latent plane is both (the MLA layer reads the first)."""
+    return [(pool[i, 0], pool[i, -1]) for i in range(pool.shape[0])]
 
 
 def _zeroed_cpu(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -41,7 +41,7 @@ def _madvise():
 
 
 class KVPoolPrefaulter:
-    """Faults in a CPU pool [num_layers, 2, num_blocks, ...] block by block, in block-id order, which is the
+    """Faults in a CPU pool [num_layers, planes, num_blocks, ...] block by block, in block-id order, which is the
     order the block pool first hands blocks out in."""
 
     def __init__(self, pool: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> None:
@@ -50,7 +50,9 @@ class KVPoolPrefaulter:
                              f"(contiguous={pool.is_contiguous()})")
         self.num_blocks = pool.shape[2]
         self._block_bytes = pool[0, 0, 0].numel() * pool.element_size() if self.num_blocks else 0
-        self._slab_starts = [pool[layer, kv].data_ptr() for layer in range(pool.shape[0]) for kv in range(2)]
+        # Per layer, its K and V planes (one latent plane for MLA).
+        self._slab_starts = [pool[layer, plane].data_ptr() for layer in range(pool.shape[0])
+                             for plane in range(pool.shape[1])]
         bytes_per_block = max(1, self._block_bytes * len(self._slab_starts))
         self._blocks_per_chunk = max(1, chunk_bytes // bytes_per_block)
         self.next_block = 0

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.backend import AttentionShape, select_backend
-from pagellm.attention.kv_spec import KVCacheFormat
+from pagellm.attention.kv_spec import KVCacheFormat, mla_latent_dim
 from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of
@@ -54,8 +54,10 @@ class ModelRunner:
         self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # This rank's heads (all of them without tensor parallelism).
-        shape = AttentionShape(model.num_heads_per_rank, self.num_kv_heads, head_dim_of(model.config), block_size,
-                               kv_format)
+        # An MLA model's one cache "head" is its latent row (kv_spec.mla_latent_dim).
+        head_dim = mla_latent_dim(model.config) or head_dim_of(model.config)
+        shape = AttentionShape(model.num_heads_per_rank, self.num_kv_heads, head_dim, block_size, kv_format,
+                               getattr(model.config, "kv_lora_rank", None) or 0)
         self.attn_backend = select_backend(device, model.activation_dtype, shape)
         self.max_num_seqs = max_num_seqs
         # Captured after the KV pool exists (capture_cuda_graphs); None runs every step eagerly.
