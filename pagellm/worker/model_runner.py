@@ -16,6 +16,7 @@ from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of
 from pagellm.sample.sampler import Sampler, SamplingBatch
+from pagellm.spec_decode.verify import extend_logits_index, prepare_spec_step, verify
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import layer_views
 from pagellm.worker.prompt_logprobs import score_prompt, token_logprobs
@@ -109,7 +110,11 @@ class ModelRunner:
         order = np.argsort(num_scheduled > 1, kind="stable")
         rows, num_scheduled = rows[order], num_scheduled[order]
 
+        spec = prepare_spec_step(batch, rows, num_scheduled, scheduler_output.spec_token_ids) \
+            if scheduler_output.spec_token_ids else None
         inputs = prepare_inputs(batch, rows, num_scheduled, self.block_size, self.device)
+        if spec is not None:
+            inputs.logits_index = extend_logits_index(inputs.logits_index, spec)
         num_samples = int(inputs.fanout.sum())
         # Built (and sent to the device) before the forward is queued: building it after would make each
         # host-to-device copy wait for the forward, and the GPU would idle while the sampler is launched.
@@ -124,6 +129,9 @@ class ModelRunner:
             if inputs.prompt_logprob_positions:
                 score_prompt(logits[num_samples:], batch, rows, inputs, output)
         batch.num_computed[rows] += num_scheduled
+        if spec is not None and logits is not None:
+            verify(logits[len(logits) - spec.num_logits:], spec, batch, self.sampling_batches, self.sampler, output,
+                   self.block_size)
         return output
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
