@@ -62,9 +62,9 @@ class SuffixTrie:
                     break
                 node = child
 
-    def longest_match(self, context: list[int]) -> tuple[_Node | None, int]:
-        """The node of the longest suffix of `context` (shorter than max_depth) that has a continuation."""
-        for length in range(min(self.max_depth - 1, len(context)), 0, -1):
+    def longest_match(self, context: list[int], max_length: int) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of `context`, of at most max_length tokens, that has a continuation."""
+        for length in range(min(max_length, len(context)), 0, -1):
             node = self.root
             for token in context[len(context) - length :]:
                 node = node.children.get(token)
@@ -75,7 +75,8 @@ class SuffixTrie:
         return None, 0
 
     def speculate(self, context: list[int], max_drafts: int, max_spec_factor: float, min_token_prob: float) -> Draft:
-        node, match = self.longest_match(context)
+        # The trie's depth bounds match + drafts: a match leaves room for the drafts asked for.
+        node, match = self.longest_match(context, max(1, self.max_depth - max_drafts))
         if node is None:
             return NO_DRAFT
         limit = min(max_drafts, int(max_spec_factor * match), self.max_depth - match)
