@@ -115,6 +115,7 @@ def main() -> None:
                           same_output=result["token_ids"] == base["token_ids"])
         for result in best.values():
             del result["token_ids"]
+            print(json.dumps(result), flush=True)  # as each workload ends: a long run shows progress
         results.extend(best.values())
 
     cpu = cpu_description()
