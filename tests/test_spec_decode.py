@@ -26,10 +26,15 @@ def _outputs(llm: LLM, prompts, params) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def plain_runs(tiny_llama_dir):
+def plain_llm(tiny_llama_dir):
+    return LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=32 << 20)
+
+
+@pytest.fixture(scope="module")
+def plain_runs(plain_llm):
     """Outputs without speculation: of PROMPTS, and of prompts that repeat themselves (prompt, its output, the
     prompt again), where even a random model's context has n-grams to look up."""
-    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=32 << 20)
+    llm = plain_llm
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     repeating = [{"prompt_token_ids": o.prompt_token_ids + o.outputs[0].token_ids + o.prompt_token_ids}
                  for o in outputs]
@@ -91,12 +96,11 @@ SAMPLED = dict(temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, presence_penalt
                repetition_penalty=1.1, logit_bias={100: 2.0}, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 
 
-def test_seeded_sampling_and_logprobs_are_the_same_with_speculation(tiny_llama_dir, monkeypatch):
+def test_seeded_sampling_and_logprobs_are_the_same_with_speculation(tiny_llama_dir, plain_llm, monkeypatch):
     """A seeded request draws the same noise at each output index with drafts or without, so its tokens (and their
     log-probabilities) do not change; rejected drafts are resampled from the target's distribution."""
     params = [SamplingParams(seed=index, **SAMPLED) for index in range(len(PROMPTS))]
-    plain = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=32 << 20)
-    expected = plain.generate(PROMPTS, params, use_tqdm=False)
+    expected = plain_llm.generate(PROMPTS, params, use_tqdm=False)
     references = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in expected}
     llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=32 << 20, speculative_config=NGRAM)
     _oracle(monkeypatch, references, error=0.3, seed=1)
