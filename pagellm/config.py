@@ -123,7 +123,7 @@ def default_only(default: object = MISSING, *, group: str, why: str, factory=MIS
 
 # Reasons shared by many DEFAULT_ONLY rows.
 _NO_LORA = "pagellm serves no LoRA adapters"
-_NO_SPEC = "pagellm does no speculative decoding"
+_SPEC_CONFIG_ONLY = "pagellm takes speculative decoding settings from speculative_config"
 _NO_DP = "pagellm runs one engine (data_parallel_size=1); start one server per replica behind a load balancer"
 _NO_MM = "pagellm serves text-only models"
 _NO_POOLING = "pagellm runs generative models (no pooling / embedding runners)"
@@ -479,10 +479,13 @@ class EngineArgs:
     sparse_indexer_topk_backend: str = no_effect("auto", group=KERNEL)
 
     # ---- VllmConfig ------------------------------------------------------------------------------------
-    speculative_config: dict | None = default_only(None, group=VLLM, kind="json", flags=("-sc",), why=_NO_SPEC)
-    spec_method: str | None = default_only(None, group=VLLM, kind="optional_str", why=_NO_SPEC)
-    spec_model: str | None = default_only(None, group=VLLM, kind="optional_str", why=_NO_SPEC)
-    spec_tokens: int | None = default_only(None, group=VLLM, kind="int", why=_NO_SPEC)
+    speculative_config: dict | None = arg(None, group=VLLM, kind="json", flags=("-sc",),
+                                          help='speculative decoding as JSON, e.g. {"method": "ngram", '
+                                               '"num_speculative_tokens": 4, "prompt_lookup_max": 4} (methods: '
+                                               'ngram, suffix)')
+    spec_method: str | None = default_only(None, group=VLLM, kind="optional_str", why=_SPEC_CONFIG_ONLY)
+    spec_model: str | None = default_only(None, group=VLLM, kind="optional_str", why=_SPEC_CONFIG_ONLY)
+    spec_tokens: int | None = default_only(None, group=VLLM, kind="int", why=_SPEC_CONFIG_ONLY)
     watermark_config: dict | None = default_only(None, group=VLLM, kind="json",
                                                  why="pagellm does not watermark its outputs")
     diffusion_config: dict | None = default_only(None, group=VLLM, kind="json", flags=("-dc",),
@@ -588,6 +591,7 @@ class EngineArgs:
             raise ArgumentValueError(f"scheduling_policy={self.scheduling_policy!r} is not supported; use fcfs or "
                                      "priority.")
         _validate_structured_outputs_config(self.structured_outputs_config)
+        self._validate_speculative_config()
         timeout = self.structured_outputs_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ArgumentValueError(f"structured_outputs_timeout={timeout!r} is out of range; allowed: a finite "
@@ -596,6 +600,20 @@ class EngineArgs:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
             raise ArgumentValueError(f"shutdown_timeout={timeout!r} is out of range; allowed: a number of "
                                      "seconds >= 0.")
+
+    def _validate_speculative_config(self) -> None:
+        if self.speculative_config is None:
+            return
+        from pagellm.spec_decode.config import SpeculativeConfig  # imports no torch
+
+        try:
+            SpeculativeConfig.from_dict(self.speculative_config)
+        except ValueError as exc:
+            raise ArgumentValueError(str(exc)) from None
+        if self.tensor_parallel_size > 1:
+            raise ArgumentValueError(f"speculative_config with tensor_parallel_size={self.tensor_parallel_size} is "
+                                     "not supported; speculate with tensor_parallel_size=1, or leave "
+                                     "speculative_config unset.")
 
     def _validate_model_arguments(self) -> None:
         for name in ("model", "tokenizer", "revision", "tokenizer_revision", "download_dir"):

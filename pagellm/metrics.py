@@ -254,6 +254,8 @@ class PrometheusStatLogger:
         self._add_vllm_counters()
         self._add_vllm_histograms(max_model_len)
         self._add_pagellm_metrics()
+        # Made at the first record from an engine that speculates (vLLM exports them only then too).
+        self._spec_decode_counters_added = False
 
     # ---- vLLM's metrics ----------------------------------------------------------------------------
 
@@ -365,6 +367,32 @@ class PrometheusStatLogger:
             "vllm:request_prefill_kv_computed_tokens",
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).", tokens)
 
+    def _add_spec_decode_counters(self) -> None:
+        self.spec_decode_num_drafts = self._counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = self._counter("vllm:spec_decode_num_draft_tokens",
+                                                          "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = self._counter("vllm:spec_decode_num_accepted_tokens",
+                                                             "Number of accepted tokens.")
+        self.spec_decode_num_accepted_tokens_per_pos = self._counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.", "position")
+        self._seen.update(spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0)
+
+    def _record_spec_decoding(self, stats) -> None:
+        """stats: the scheduler's SpecDecodingStats (counted since start-up), or None without speculation."""
+        if stats is None:
+            return
+        if not self._spec_decode_counters_added:
+            self._add_spec_decode_counters()
+            self._spec_decode_counters_added = True
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            key = f"spec_decode_{name}"
+            getattr(self, key).inc(self._increase(key, getattr(stats, name)))
+        for position, total in enumerate(stats.num_accepted_tokens_per_pos):
+            key = f"spec_decode_accepted_pos_{position}"
+            self._seen.setdefault(key, 0)
+            self.spec_decode_num_accepted_tokens_per_pos.labels(*self._labels, str(position)).inc(
+                self._increase(key, total))
+
     # ---- pagellm's own ---------------------------------------------------------------------------
 
     def _add_pagellm_metrics(self) -> None:
@@ -405,6 +433,7 @@ class PrometheusStatLogger:
         self.kv_cache_waste.set(kv.waste)
         self.kv_cache_shared_blocks.set(kv.num_shared_blocks)
         self.cow_copies.inc(self._increase("num_cow_copies", kv.num_cow_copies))
+        self._record_spec_decoding(stats.spec_decoding)
 
     def _record_iteration(self, stats: IterationStats) -> None:
         labels = self._labels

@@ -95,6 +95,17 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self._len += 1
 
+    def appendleft(self, block: KVBlock) -> None:
+        if block.prev_free is not None or block.next_free is not None:
+            raise BlockAccountingError(f"{block} is already in the free queue")
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self._len += 1
+
     def remove(self, block: KVBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:
@@ -191,6 +202,18 @@ class BlockPool:
                 self.free_queue.append(block)
             ids.append(block.block_id)
         np.subtract.at(self.ref_counts, ids, 1)
+
+    def free_unused(self, blocks: list[KVBlock]) -> None:
+        """Give back blocks taken and never used for tokens that stay (rejected speculative tokens' slots): to the
+        free queue's head, in the order they were taken, as if they had never left it."""
+        for block in reversed(blocks):
+            if block.ref_cnt != 1:
+                raise BlockAccountingError(f"{block} is shared or free; only a sequence's own block is given back")
+            block.ref_cnt = 0
+            self.num_stored_tokens -= block.num_tokens
+            self.free_queue.appendleft(block)
+        if blocks:
+            self.ref_counts[[block.block_id for block in blocks]] = 0
 
     def set_num_tokens(self, block: KVBlock, num_tokens: int) -> None:
         self.num_stored_tokens += num_tokens - block.num_tokens

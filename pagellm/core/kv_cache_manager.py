@@ -250,6 +250,27 @@ class KVCacheManager:
         replaced.extend((index, HOLE) for index in range(first, kept))
         return kept - first
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Take back the slots given for tokens past the first `num_tokens` (speculative tokens the target rejected):
+        blocks past the kept length return to the pool's free queue head, never published in the prefix cache."""
+        table = self._tables.get(request_id)
+        filled = self._num_slots.get(request_id, 0)
+        if table is None or filled <= num_tokens:
+            return
+        size, account = self.block_size, self._accounts[request_id]
+        keep = max(cdiv(num_tokens, size), self._num_holes.get(request_id, 0))
+        dropped = table[keep:]
+        if dropped:
+            del table[keep:]
+            account.remove(dropped)
+            self.pool.free_unused(dropped)
+        if keep and table[-1] is not None and num_tokens < keep * size:
+            last = table[-1]
+            count = num_tokens - (keep - 1) * size
+            account.fill(count - last.num_tokens)
+            self.pool.set_num_tokens(last, count)
+        self._num_slots[request_id] = num_tokens
+
     def _shared_tail_index(self, request_id: str, num_tokens: int) -> int | None:
         """Index of the partly filled, shared block that the next tokens would be written into."""
         table = self._tables.get(request_id)

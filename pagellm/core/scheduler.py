@@ -20,6 +20,7 @@ from pagellm.core.kv_cache_manager import (
 from pagellm.core.kv_usage import KVAccount
 from pagellm.core.request import Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
+from pagellm.spec_decode.speculator import SpecDecodingStats, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class SchedulerOutput:
     finished_request_ids: set[str]
     # (source, destination) blocks the runner copies before the forward: copy-on-write of shared blocks.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: draft tokens to verify after each listed request's next token (counted in
+    # num_scheduled_tokens; pagellm/spec_decode).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -105,6 +109,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Requests whose structured-output grammar allows no further token, with why: they stop unsampled.
     structured_stops: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: the tokens a request took after its sampled one (accepted drafts, then the
+    # target's correction or bonus token); logprobs, when asked for, cover them too.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,6 +142,7 @@ class _StepBuilder:
     num_scheduled: dict[str, int] = field(default_factory=dict)
     cached: list[CachedRequestData] = field(default_factory=list)
     new: list[NewRequestData] = field(default_factory=list)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, request_id: str, num_tokens: int) -> None:
         self.num_scheduled[request_id] = num_tokens
@@ -147,12 +155,15 @@ class SchedulerStats:
     num_waiting: int
     num_preemptions: int
     kv_cache: KVCacheStats
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 speculator: Speculator | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.speculator = speculator
         self.requests: dict[str, Request] = {}
         # Both kept in arrival order: the oldest request is served first and preempted last,
         # so it always makes progress and nothing waits forever.
@@ -281,7 +292,8 @@ class Scheduler:
         return bool(self.requests)
 
     def get_stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions, self.kv.stats())
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions, self.kv.stats(),
+                              self.speculator.stats if self.speculator is not None else None)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -297,17 +309,28 @@ class Scheduler:
         if not step.num_scheduled and self.waiting:
             self._admit_by_preempting_idle(step)
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
-        return SchedulerOutput(step.new, step.cached, step.num_scheduled, finished, self.kv.take_block_copies())
+        return SchedulerOutput(step.new, step.cached, step.num_scheduled, finished, self.kv.take_block_copies(),
+                               step.spec_token_ids)
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         index = 0
+        speculating = self.speculator is not None and self.speculator.active_for_batch(len(self.running))
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             if num_new == 0:
                 index += 1  # a beam candidate waiting for the caller to choose its next token
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new)
+            drafts = self.speculator.drafts_for(request, step.budget - 1, self.config.max_model_len) \
+                if speculating and request.num_computed_tokens == request.num_tokens - 1 else []
+            # Drafts take only free blocks: speculation never preempts anyone.
+            new_block_ids = self.kv.allocate_slots(request.request_id, request.num_tokens + len(drafts)) \
+                if drafts else None
+            if new_block_ids is not None:
+                step.spec_token_ids[request.request_id] = drafts
+                num_new += len(drafts)
+            else:
+                new_block_ids = self._allocate_or_preempt(request, num_new)
             if new_block_ids is None:
                 break  # the request preempted itself, and everything after it went first
             if request.request_id in self._unseen_by_runner:
@@ -493,7 +516,9 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             try:
-                outputs.extend(self._update_request(request, num_tokens, runner_output))
+                drafts = scheduler_output.spec_token_ids.get(request_id)
+                outputs.extend(self._update_request(request, num_tokens, runner_output) if drafts is None
+                               else self._update_speculative(request, drafts, runner_output))
             except Exception as exc:  # noqa: BLE001 - one request's fault must not end its neighbours
                 outputs.append(self._fail_group(request, exc))
         return outputs
@@ -538,6 +563,31 @@ class Scheduler:
             outputs.append(self._output(sequence, [token], status, entry,
                                         prompt_logprobs if sequence is request else None))
         return outputs
+
+    def _update_speculative(self, request: Request, drafts: list[int],
+                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """A request that verified drafts: it takes its sampled token and the accepted ones after it, up to a stop;
+        the slots of the tokens it did not take are given back (never published), as if never scheduled."""
+        request_id = request.request_id
+        taken = [runner_output.sampled_token_ids[request_id], *runner_output.spec_token_ids.get(request_id, ())]
+        self.speculator.record(request_id, len(drafts), len(taken) - 1)
+        logprobs = runner_output.logprobs.get(request_id)
+        status, num_taken = None, 0
+        while status is None and num_taken < len(taken):
+            request.append_token(taken[num_taken])
+            if logprobs:
+                request.cumulative_logprob += logprobs[num_taken].logprob
+            num_taken += 1
+            status = request.check_stop()
+        request.num_computed_tokens += num_taken
+        self.kv.truncate(request_id, request.num_computed_tokens)
+        self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens,
+                                    request.cache_salt)
+        self.kv.release_slid_out_blocks(request_id, request.num_computed_tokens)
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
+        return [self._output(request, taken[:num_taken], status, logprobs[:num_taken] if logprobs else None, None)]
 
     def _fail_group(self, request: Request, exc: Exception) -> EngineCoreOutput:
         """Ends every sequence of the request's group with FINISHED_ERROR, freeing their blocks."""
@@ -603,6 +653,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if self.speculator is not None:
+            self.speculator.finish(request)
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
         self._unseen_by_runner.discard(request.request_id)

@@ -18,6 +18,7 @@ from pagellm.executor import create_executor
 # Re-exported for benchmarks/memory.py and throughput.py: model resolution lives with the per-rank worker now.
 from pagellm.executor.model_worker import resolve_dtype, resolve_max_model_len  # noqa: F401
 from pagellm.models.sliding_window import model_sliding_window
+from pagellm.spec_decode.speculator import make_speculator
 from pagellm.worker.kv_cache import GiB
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class EngineCore:
                             args.enable_chunked_prefill),
             KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                            model_sliding_window(self.model_info.hf_config)),
+            make_speculator(args.speculative_config),
         )
         self.startup = StartupReport(time.perf_counter() - started, num_blocks, args.block_size, worker.kv_bytes,
                                      worker.weights_bytes, worker.activation_peak, max_model_len)

@@ -16,6 +16,7 @@ from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of
 from pagellm.sample.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagellm.spec_decode.verify import extend_logits_index, prepare_spec_step, verify
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import layer_views
 from pagellm.worker.logits import logits_in_chunks, logits_rows_per_chunk
@@ -113,16 +114,26 @@ class ModelRunner:
         order = np.argsort(num_scheduled > 1, kind="stable")
         rows, num_scheduled = rows[order], num_scheduled[order]
 
+        spec = prepare_spec_step(batch, rows, num_scheduled, scheduler_output.spec_token_ids) \
+            if scheduler_output.spec_token_ids else None
         inputs = prepare_inputs(batch, rows, num_scheduled, self.block_size, self.device)
+        if spec is not None:
+            inputs.logits_index = extend_logits_index(inputs.logits_index, spec)
         num_samples = int(inputs.fanout.sum())
         # Built (and sent to the device) before the forward is queued: building it after would make each
         # host-to-device copy wait for the forward, and the GPU would idle while the sampler is launched.
         sampling = self.sampling_batches.for_step(rows, inputs) if num_samples and self.samples else None
         hidden = self.run_model(inputs)
         output = ModelRunnerOutput()
-        if len(inputs.logits_index):
-            self._consume_logits(hidden[inputs.logits_index], num_samples, rows, inputs, sampling, output)
+        # The drafts' verification rows come last in logits_index (extend_logits_index).
+        num_plain = len(inputs.logits_index) - (spec.num_logits if spec is not None else 0)
+        if num_plain:
+            self._consume_logits(hidden[inputs.logits_index[:num_plain]], num_samples, rows, inputs, sampling, output)
         batch.num_computed[rows] += num_scheduled
+        if spec is not None:
+            spec_logits = self.model.compute_logits(hidden[inputs.logits_index[num_plain:]])
+            if spec_logits is not None:
+                verify(spec_logits, spec, batch, self.sampling_batches, self.sampler, output, self.block_size)
         return output
 
     def _consume_logits(self, hidden: torch.Tensor, num_samples: int, rows: np.ndarray, inputs: StepInputs,

@@ -27,19 +27,22 @@ class SamplingBatchBuilder:
         fork_index = np.arange(len(expanded_rows)) - np.repeat(np.cumsum(inputs.fanout) - inputs.fanout, inputs.fanout)
         return self.build(expanded_rows, fork_index)
 
-    def build(self, rows: np.ndarray, fork_index: np.ndarray) -> SamplingBatch:
+    def build(self, rows: np.ndarray, fork_index: np.ndarray, ahead: np.ndarray | None = None) -> SamplingBatch:
+        """ahead: per sampling row, tokens past the row's num_tokens that precede its sample (speculative decoding's
+        drafts, in the token table): they count in its history, its output index and min_tokens."""
         if self.batch.plain_greedy[rows].all():
             cached = self._greedy_batches.get(len(rows))
             if cached is None:
                 cached = self._greedy_batches[len(rows)] = self._full(rows, fork_index)
             return cached
-        return self._full(rows, fork_index)
+        return self._full(rows, fork_index, ahead)
 
-    def _full(self, rows: np.ndarray, fork_index: np.ndarray) -> SamplingBatch:
+    def _full(self, rows: np.ndarray, fork_index: np.ndarray, ahead: np.ndarray | None = None) -> SamplingBatch:
         batch = self.batch
         states = [batch.rows[int(r)] for r in rows]
         params = [s.params for s in states]
-        num_outputs = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+        lengths = batch.num_tokens[rows] if ahead is None else batch.num_tokens[rows] + ahead
+        num_outputs = lengths - batch.num_prompt_tokens[rows]
         temperature = self._to_device(np.array([p.temperature for p in params], dtype=np.float32))
         all_greedy = all(p.temperature == 0 for p in params)
         top_k = top_p = min_p = None
@@ -63,12 +66,12 @@ class SamplingBatchBuilder:
             for i, s in enumerate(states)
             if s.min_tokens_stop_ids and num_outputs[i] < s.params.min_tokens
         ]
-        banned += self._bad_word_bans(rows, states, num_outputs)
+        banned += self._bad_word_bans(rows, states, num_outputs, lengths)
         wanting = [s.num_logprobs for s in states if s.wants_logprobs]
         token_bitmask, structured_stops = self._grammar_bitmask(rows, states)
         return SamplingBatch(
             temperature, top_k, top_p, min_p, all_greedy, seeded, banned,
-            penalties=self._penalties(rows, params) if any(p.has_penalties for p in params) else None,
+            penalties=self._penalties(rows, params, lengths) if any(p.has_penalties for p in params) else None,
             logit_bias=self._logit_bias(params),
             allowed_tokens=self._allowed_tokens(params),
             token_bitmask=token_bitmask,
@@ -76,13 +79,13 @@ class SamplingBatchBuilder:
             structured_stops=structured_stops,
         )
 
-    def _bad_word_bans(self, rows, states, num_outputs) -> list[tuple[int, list[int]]]:
+    def _bad_word_bans(self, rows, states, num_outputs, lengths) -> list[tuple[int, list[int]]]:
         bans = []
         for i, state in enumerate(states):
             words = state.params.bad_words_token_ids
             if not words:
                 continue
-            row, end = int(rows[i]), int(self.batch.num_tokens[rows[i]])
+            row, end = int(rows[i]), int(lengths[i])
             output = self.batch.token_ids[row, end - int(num_outputs[i]) : end]
             banned = [w[-1] for w in words if len(w) == 1 or (len(output) >= len(w) - 1 and
                                                              list(output[len(output) - len(w) + 1 :]) == w[:-1])]
@@ -90,10 +93,9 @@ class SamplingBatchBuilder:
                 bans.append((i, banned))
         return bans
 
-    def _penalties(self, rows: np.ndarray, params: list[SamplingParams]) -> Penalties:
+    def _penalties(self, rows: np.ndarray, params: list[SamplingParams], lengths: np.ndarray) -> Penalties:
         # The occurrence counts ([rows, vocab]) are built by the sampler, one chunk of rows at a time.
-        history = TokenHistory(self.batch.token_ids, rows, self.batch.num_prompt_tokens[rows],
-                               self.batch.num_tokens[rows])
+        history = TokenHistory(self.batch.token_ids, rows, self.batch.num_prompt_tokens[rows], lengths)
 
         def column(name: str) -> torch.Tensor:
             return self._to_device(np.array([getattr(p, name) for p in params], dtype=np.float32))
