@@ -53,6 +53,9 @@ def test_any_chunking_of_the_logits_rows_gives_the_whole_batch_results(llm, rows
 def test_chunks_cover_every_row_in_order_and_bound_the_logits():
     hidden = torch.arange(10.0).unsqueeze(1)
     seen = [(first, logits.squeeze(1).tolist()) for first, logits in logits_in_chunks(lambda h: h * 2, hidden, 4)]
+    # 10 rows by at most 4: three chunks of ceil(10 / 3) rows.
     assert seen == [(0, [0.0, 2.0, 4.0, 6.0]), (4, [8.0, 10.0, 12.0, 14.0]), (8, [16.0, 18.0])]
+    seen = [(first, len(logits)) for first, logits in logits_in_chunks(lambda h: h, torch.zeros(558, 1), 170)]
+    assert seen == [(0, 140), (140, 140), (280, 140), (420, 138)]
     assert logits_rows_per_chunk(262_144, torch.device("cpu")) * 262_144 * 4 <= 32 << 20
     assert logits_rows_per_chunk(10**9, torch.device("cpu")) == 1

@@ -28,6 +28,13 @@ def logits_rows_per_chunk(vocab_size: int, device: torch.device) -> int:
 def logits_in_chunks(compute_logits: Callable[[torch.Tensor], torch.Tensor | None], hidden: torch.Tensor,
                      rows_per_chunk: int) -> Iterator[tuple[int, torch.Tensor | None]]:
     """(first row, logits of rows [first, first + chunk)) for each chunk of `hidden`'s rows, in order; the
-    logits are None on tensor-parallel ranks that do not sample."""
-    for start in range(0, hidden.shape[0], rows_per_chunk):
-        yield start, compute_logits(hidden[start : start + rows_per_chunk])
+    logits are None on tensor-parallel ranks that do not sample.
+
+    The rows are split into equal chunks of at most `rows_per_chunk` (558 rows by 170 make 4 of 140, not 3 of 170
+    and one of 48): a quantized LM head picks its kernel by the rows it is given (pagellm/ops/gguf_kernels.py's
+    dense_min_rows), and a short tail chunk would round its rows differently from the rest."""
+    num_rows = hidden.shape[0]
+    num_chunks = max(1, -(-num_rows // rows_per_chunk))
+    size = -(-num_rows // num_chunks)
+    for start in range(0, num_rows, size):
+        yield start, compute_logits(hidden[start : start + size])
