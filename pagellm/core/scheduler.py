@@ -19,6 +19,8 @@ from pagellm.core.kv_cache_manager import (
 )
 from pagellm.core.kv_usage import KVAccount
 from pagellm.core.request import Request, RequestStatus
+from pagellm.lora.request import LoRARequest
+from pagellm.lora.slot_table import LoRASlotTable
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ class NewRequestData:
     # Sequences to sample at once at the first sample (n > 1 / best_of), forked afterwards.
     num_samples_at_first: int = 1
     appends_sampled_tokens: bool = True
+    # The device slot of its LoRA adapter (-1: the base model).
+    lora_slot: int = -1
 
 
 @dataclass
@@ -71,6 +75,8 @@ class SchedulerOutput:
     finished_request_ids: set[str]
     # (source, destination) blocks the runner copies before the forward: copy-on-write of shared blocks.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (slot, adapter) the runner loads before the forward: adapters of requests admitted this step.
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -150,9 +156,12 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 lora_slots: LoRASlotTable | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        # With LoRA enabled: which adapter each device slot holds, and the requests using it.
+        self.lora_slots = lora_slots
         self.requests: dict[str, Request] = {}
         # Both kept in arrival order: the oldest request is served first and preempted last,
         # so it always makes progress and nothing waits forever.
@@ -253,6 +262,7 @@ class Scheduler:
         child.kv_account = parent.kv_account
         child.priority = parent.priority
         child.cache_salt = parent.cache_salt
+        child.lora_request = parent.lora_request
         # The prompt's scores belong to the parent: a child recomputed after preemption reports none.
         child.num_prompt_logprobs_reported = parent.num_prompt_tokens - 1
         self._fork_counter += 1
@@ -262,6 +272,7 @@ class Scheduler:
         self.groups[parent.group_id].add(child_id)
         if parent.status == RequestStatus.RUNNING:
             self.kv.fork(parent_id, child_id)
+            self._acquire_lora(child)
             bisect.insort(self.running, child, key=lambda r: r.order_key)
             self._unseen_by_runner.add(child_id)
         else:
@@ -297,7 +308,9 @@ class Scheduler:
         if not step.num_scheduled and self.waiting:
             self._admit_by_preempting_idle(step)
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
-        return SchedulerOutput(step.new, step.cached, step.num_scheduled, finished, self.kv.take_block_copies())
+        loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
+        return SchedulerOutput(step.new, step.cached, step.num_scheduled, finished, self.kv.take_block_copies(),
+                               loads)
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         index = 0
@@ -344,7 +357,7 @@ class Scheduler:
             # Prompt log-probabilities need logits at every prompt position, so nothing may be skipped.
             wants_prompt_scores = request.sampling_params.prompt_logprobs is not None
             prefix = (NO_CACHED_PREFIX if wants_prompt_scores
-                      else self.kv.find_cached_prefix(request.all_token_ids, request.cache_salt))
+                      else self.kv.find_cached_prefix(request.all_token_ids, request.cache_salt, request.lora_int_id))
             num_new = request.num_tokens - prefix.num_tokens
             if num_new > step.budget:
                 may_chunk = self.config.enable_chunked_prefill or request.num_preemptions > 0
@@ -358,6 +371,7 @@ class Scheduler:
             if new_block_ids is None:
                 break
             self.waiting.remove(request)
+            self._acquire_lora(request)
             self.kv.record_prefix_query(request.num_tokens, prefix.num_tokens)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = prefix.num_tokens
@@ -414,9 +428,18 @@ class Scheduler:
         """The oldest waiting request that can run: one whose structured-output grammar is still compiling
         (off the engine thread) is passed over, so it delays no one behind it."""
         for request in self.waiting:
-            if request.grammar_ready:
+            if request.grammar_ready and (self.lora_slots is None or self.lora_slots.can_admit(request.lora_request)):
                 return request
         return None
+
+    def _acquire_lora(self, request: Request) -> None:
+        if self.lora_slots is not None:
+            request.lora_slot = self.lora_slots.acquire(request.request_id, request.lora_request)
+
+    def _release_lora(self, request: Request) -> None:
+        if self.lora_slots is not None:
+            self.lora_slots.release(request.request_id, request.lora_slot)
+        request.lora_slot = -1
 
     def grammar_futures_pending(self) -> list:
         """Compile futures of waiting requests that cannot run until their grammar is ready."""
@@ -446,6 +469,7 @@ class Scheduler:
             request.sample_index,
             1 + request.num_pending_forks,
             request.appends_sampled_tokens,
+            request.lora_slot,
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
@@ -462,6 +486,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        self._release_lora(request)
         self._unseen_by_runner.discard(request.request_id)
         self._appended.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
@@ -506,7 +531,7 @@ class Scheduler:
         computed_before = request.num_computed_tokens
         request.num_computed_tokens += num_tokens
         self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens,
-                                    request.cache_salt)
+                                    request.cache_salt, request.lora_int_id)
         # After publishing: a released block stays in the prefix cache, free and evictable.
         self.kv.release_slid_out_blocks(request_id, request.num_computed_tokens)
         prompt_logprobs = self._new_prompt_logprobs(request, computed_before,
@@ -604,6 +629,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request.request_id)
+        self._release_lora(request)
         del self.requests[request.request_id]
         self._unseen_by_runner.discard(request.request_id)
         self._appended.pop(request.request_id, None)

@@ -1,0 +1,77 @@
+"""The adapter slots of one linear layer: A and B of up to `max_loras` adapters, stacked and padded.
+
+A fused layer (qkv_proj, gate_up_proj) has one A/B pair per shard in an adapter; a slot packs them side by side
+along the rank: rows [off, off + r) of A are shard i's A, and the same columns of B its B, placed at the shard's
+outputs (zero elsewhere), so one shrink and one expand cover every shard. Under tensor parallelism the slots
+are split as the layer is: B by output features of a column-parallel layer, A by input features of a
+row-parallel one (whose partial deltas the layer's all-reduce sums with its output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.layers.linear import LinearBase
+from pagellm.lora.peft import LoRAWeights
+from pagellm.lora.punica import LoRAStepMapping, add_lora_torch
+
+
+@dataclass
+class LoRAContext:
+    """Shared by every adapted layer of a model: this step's token grouping, set by the runner (None: no
+    token of the step has an adapter)."""
+
+    mapping: LoRAStepMapping | None = None
+
+
+class LoRALayerSlots:
+    def __init__(self, layer: LinearBase, context: LoRAContext, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.layer = layer
+        self.context = context
+        self.capacity = len(layer.shard_ids) * max_rank
+        self.a = torch.zeros(max_loras, self.capacity, layer.input_size, dtype=dtype, device=device)
+        self.b_t = torch.zeros(max_loras, self.capacity, layer.output_size, dtype=dtype, device=device)
+        self.widths = [0] * max_loras
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.nbytes + self.b_t.nbytes
+
+    def set_slot(self, slot: int, weights: list[LoRAWeights]) -> None:
+        """Writes one adapter's weights for this layer into `slot` (an empty list clears it)."""
+        self.a[slot].zero_()
+        self.b_t[slot].zero_()
+        offset = 0
+        layer = self.layer
+        for weight in weights:
+            rank = weight.rank
+            a = weight.a
+            if layer.splits_input:
+                a = a.narrow(1, layer.group.rank * layer.input_size, layer.input_size)
+            self.a[slot, offset : offset + rank].copy_(a)
+            for shard, b in self._shard_parts(weight):
+                for piece in layer.pieces(shard):
+                    self.b_t[slot, offset : offset + rank, piece.dest_start : piece.dest_start + piece.size].copy_(
+                        b[piece.source_start : piece.source_start + piece.size].t())
+            offset += rank
+        self.widths[slot] = offset
+
+    def _shard_parts(self, weight: LoRAWeights) -> list[tuple[object, torch.Tensor]]:
+        """(shard, its rows of B): one shard, or each of a fused layer's shards of a B over all its outputs."""
+        if weight.shard is not None or self.layer.shard_ids == (None,):
+            return [(weight.shard, weight.b)]
+        sizes = self.layer.checkpoint_shard_sizes()
+        return list(zip(self.layer.shard_ids, weight.b.split(sizes, dim=0)))
+
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        mapping = self.context.mapping
+        if mapping is None:
+            return out
+        if out.is_cuda:
+            from pagellm.lora.triton_kernels import add_lora_triton  # imports triton, absent on some CPU installs
+
+            return add_lora_triton(x, out, self.a, self.b_t, mapping)
+        return add_lora_torch(x, out, self.a, self.b_t, self.widths, mapping)
