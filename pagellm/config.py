@@ -122,7 +122,6 @@ def default_only(default: object = MISSING, *, group: str, why: str, factory=MIS
 
 
 # Reasons shared by many DEFAULT_ONLY rows.
-_NO_LORA = "pagellm serves no LoRA adapters"
 _NO_SPEC = "pagellm does no speculative decoding"
 _NO_DP = "pagellm runs one engine (data_parallel_size=1); start one server per replica behind a load balancer"
 _NO_MM = "pagellm serves text-only models"

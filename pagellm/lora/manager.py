@@ -8,6 +8,7 @@ and builds the step's token grouping that every layer reads.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -43,6 +44,8 @@ class LoRAManager:
             self.layers[name] = slots
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.slot_adapters: list[int | None] = [None] * max_loras
+        # The server checks adapters (load_lora_adapter) on a thread of its own, beside the engine thread.
+        self._host_lock = threading.Lock()
 
     @property
     def slots_bytes(self) -> int:
@@ -50,6 +53,10 @@ class LoRAManager:
 
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter from the host cache, or read (and checked) from its directory into it."""
+        with self._host_lock:
+            return self._load(request)
+
+    def _load(self, request: LoRARequest) -> LoRAAdapter:
         cached = self.host.get(request.lora_int_id)
         if cached is not None:
             if cached.request.lora_path != request.lora_path:
@@ -63,10 +70,6 @@ class LoRAManager:
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
         return adapter
-
-    def forget(self, lora_int_id: int) -> None:
-        """Drop an adapter from the host cache (it stays in a slot until the slot is reused)."""
-        self.host.pop(lora_int_id, None)
 
     def activate(self, slot: int, request: LoRARequest) -> None:
         """Copies the adapter's weights into `slot` of every layer (clearing the layers it leaves alone)."""
