@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+import numpy as np
+
 from pagellm.layers.linear import LinearBase
+from pagellm.lora.cpu_kernels import LoRAKernel
 from pagellm.lora.peft import LoRAWeights
 from pagellm.lora.punica import LoRAStepMapping, add_lora_torch
 
@@ -28,13 +31,15 @@ class LoRAContext:
 
 class LoRALayerSlots:
     def __init__(self, layer: LinearBase, context: LoRAContext, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, cpu_kernel: LoRAKernel | None = None) -> None:
         self.layer = layer
         self.context = context
+        self.cpu_kernel = cpu_kernel
         self.capacity = len(layer.shard_ids) * max_rank
         self.a = torch.zeros(max_loras, self.capacity, layer.input_size, dtype=dtype, device=device)
         self.b_t = torch.zeros(max_loras, self.capacity, layer.output_size, dtype=dtype, device=device)
         self.widths = [0] * max_loras
+        self.width_array = np.zeros(max_loras, dtype=np.int64)  # the same, for the C kernel
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +63,7 @@ class LoRALayerSlots:
                         b[piece.source_start : piece.source_start + piece.size].t())
             offset += rank
         self.widths[slot] = offset
+        self.width_array[slot] = offset
 
     def _shard_parts(self, weight: LoRAWeights) -> list[tuple[object, torch.Tensor]]:
         """(shard, its rows of B): one shard, or each of a fused layer's shards of a B over all its outputs."""
@@ -74,4 +80,7 @@ class LoRALayerSlots:
             from pagellm.lora.triton_kernels import add_lora_triton  # imports triton, absent on some CPU installs
 
             return add_lora_triton(x, out, self.a, self.b_t, mapping)
+        if self.cpu_kernel is not None and LoRAKernel.supports(x, out):
+            return self.cpu_kernel(x, out, self.a, self.b_t, mapping.rows, mapping.segment_array, self.width_array,
+                                   mapping.scratch)
         return add_lora_torch(x, out, self.a, self.b_t, self.widths, mapping)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagellm.layers.linear import LinearBase
+from pagellm.lora.cpu_kernels import lora_kernel
 from pagellm.lora.layers import LoRAContext, LoRALayerSlots
 from pagellm.lora.peft import LoRAAdapter, LoRALoadError, load_adapter, target_layers
 from pagellm.lora.punica import build_mapping
@@ -35,13 +36,15 @@ class LoRAManager:
         self.context = LoRAContext()
         self.targets = target_layers(model)
         modules = dict(model.named_modules())
+        cpu_kernel = lora_kernel() if device.type == "cpu" and dtype == torch.float32 else None
         self.layers: dict[str, LoRALayerSlots] = {}
         for name in self.targets:
             layer = modules[name]
             assert isinstance(layer, LinearBase)
-            slots = LoRALayerSlots(layer, self.context, max_loras, max_lora_rank, dtype, device)
+            slots = LoRALayerSlots(layer, self.context, max_loras, max_lora_rank, dtype, device, cpu_kernel)
             layer.lora = slots
             self.layers[name] = slots
+        self.max_width = max((slots.capacity for slots in self.layers.values()), default=0)
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.slot_adapters: list[int | None] = [None] * max_loras
         # The server checks adapters (load_lora_adapter) on a thread of its own, beside the engine thread.
@@ -81,7 +84,7 @@ class LoRAManager:
 
     def prepare_step(self, token_slots: np.ndarray) -> None:
         """This step's token grouping, from each token's slot (-1: no adapter)."""
-        self.context.mapping = build_mapping(token_slots, self.device)
+        self.context.mapping = build_mapping(token_slots, self.device, self.max_width)
 
     def clear_step(self) -> None:
         self.context.mapping = None
