@@ -158,3 +158,33 @@ def test_lora_request_without_enable_lora_is_refused(tiny_llama_dir, adapters):
     with pytest.raises(ValueError, match="enable_lora=True"):
         llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False,
                      lora_request=LoRARequest("a", 1, adapters["qv-r2"]))
+
+
+def test_async_engine_generates_with_adapters_side_by_side(tiny_llama_dir, adapters, references):
+    import asyncio
+
+    from pagellm.engine.arg_utils import AsyncEngineArgs
+    from pagellm.engine.async_llm_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
+        model=tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=32 << 20, enable_lora=True, max_loras=2))
+    loras = _requests(adapters)
+    names = [None, "mlp-r4", "qv-r2", None, "all-r16-rs"]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def one(index: int, name: str | None) -> list[int]:
+        final = None
+        async for output in engine.generate({"prompt_token_ids": PROMPTS[index % len(PROMPTS)]}, params,
+                                            f"async-{index}", lora_request=loras[name] if name else None):
+            final = output
+        return final.outputs[0].token_ids
+
+    async def run() -> list[list[int]]:
+        return await asyncio.gather(*(one(i, name) for i, name in enumerate(names)))
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    for index, (name, tokens) in enumerate(zip(names, results)):
+        assert tokens == references[name][index % len(PROMPTS)], (index, name)

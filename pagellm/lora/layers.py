@@ -21,6 +21,23 @@ from pagellm.lora.peft import LoRAWeights
 from pagellm.lora.punica import LoRAStepMapping, add_lora_torch
 
 
+@dataclass(frozen=True)
+class PackedSlot:
+    """One adapter's weights of one layer as a slot holds them (this rank's share, in the slots' dtype): swapping
+    the adapter in is then two contiguous copies per layer."""
+
+    a: torch.Tensor  # [width, in features of this rank]
+    b_t: torch.Tensor  # [width, out features of this rank]
+
+    @property
+    def width(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.nbytes + self.b_t.nbytes
+
+
 @dataclass
 class LoRAContext:
     """Shared by every adapted layer of a model: this step's token grouping, set by the runner (None: no
@@ -45,25 +62,39 @@ class LoRALayerSlots:
     def nbytes(self) -> int:
         return self.a.nbytes + self.b_t.nbytes
 
-    def set_slot(self, slot: int, weights: list[LoRAWeights]) -> None:
-        """Writes one adapter's weights for this layer into `slot` (an empty list clears it)."""
-        self.a[slot].zero_()
-        self.b_t[slot].zero_()
-        offset = 0
+    def pack(self, weights: list[LoRAWeights]) -> PackedSlot:
+        """One adapter's weights of this layer laid out as a slot holds them (on the host)."""
         layer = self.layer
+        width = sum(weight.rank for weight in weights)
+        a_packed = torch.zeros(width, layer.input_size, dtype=self.a.dtype)
+        b_packed = torch.zeros(width, layer.output_size, dtype=self.b_t.dtype)
+        offset = 0
         for weight in weights:
             rank = weight.rank
             a = weight.a
             if layer.splits_input:
                 a = a.narrow(1, layer.group.rank * layer.input_size, layer.input_size)
-            self.a[slot, offset : offset + rank].copy_(a)
+            a_packed[offset : offset + rank].copy_(a)
             for shard, b in self._shard_parts(weight):
                 for piece in layer.pieces(shard):
-                    self.b_t[slot, offset : offset + rank, piece.dest_start : piece.dest_start + piece.size].copy_(
+                    b_packed[offset : offset + rank, piece.dest_start : piece.dest_start + piece.size].copy_(
                         b[piece.source_start : piece.source_start + piece.size].t())
             offset += rank
-        self.widths[slot] = offset
-        self.width_array[slot] = offset
+        return PackedSlot(a_packed, b_packed)
+
+    def set_slot(self, slot: int, packed: PackedSlot | None) -> None:
+        """Copies one adapter's packed weights into `slot` (None: the adapter leaves this layer alone). Columns
+        the previous adapter used beyond the new width are cleared: the Triton kernels read the whole slot."""
+        width = packed.width if packed is not None else 0
+        if width:
+            self.a[slot, :width].copy_(packed.a, non_blocking=True)
+            self.b_t[slot, :width].copy_(packed.b_t, non_blocking=True)
+        previous = self.widths[slot]
+        if previous > width:
+            self.a[slot, width:previous].zero_()
+            self.b_t[slot, width:previous].zero_()
+        self.widths[slot] = width
+        self.width_array[slot] = width
 
     def _shard_parts(self, weight: LoRAWeights) -> list[tuple[object, torch.Tensor]]:
         """(shard, its rows of B): one shard, or each of a fused layer's shards of a B over all its outputs."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,12 +18,24 @@ from torch import nn
 
 from pagellm.layers.linear import LinearBase
 from pagellm.lora.cpu_kernels import lora_kernel
-from pagellm.lora.layers import LoRAContext, LoRALayerSlots
-from pagellm.lora.peft import LoRAAdapter, LoRALoadError, load_adapter, target_layers
+from pagellm.lora.layers import LoRAContext, LoRALayerSlots, PackedSlot
+from pagellm.lora.peft import LoRALoadError, load_adapter, target_layers
 from pagellm.lora.punica import build_mapping
 from pagellm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HostAdapter:
+    """An adapter in host memory, packed per layer as this rank's slots hold it."""
+
+    request: LoRARequest
+    layers: dict[str, PackedSlot]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(packed.nbytes for packed in self.layers.values())
 
 
 class LoRAManager:
@@ -45,7 +58,7 @@ class LoRAManager:
             layer.lora = slots
             self.layers[name] = slots
         self.max_width = max((slots.capacity for slots in self.layers.values()), default=0)
-        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self.host: OrderedDict[int, HostAdapter] = OrderedDict()
         self.slot_adapters: list[int | None] = [None] * max_loras
         # The server checks adapters (load_lora_adapter) on a thread of its own, beside the engine thread.
         self._host_lock = threading.Lock()
@@ -54,12 +67,12 @@ class LoRAManager:
     def slots_bytes(self) -> int:
         return sum(slots.nbytes for slots in self.layers.values())
 
-    def load(self, request: LoRARequest) -> LoRAAdapter:
+    def load(self, request: LoRARequest) -> HostAdapter:
         """The adapter from the host cache, or read (and checked) from its directory into it."""
         with self._host_lock:
             return self._load(request)
 
-    def _load(self, request: LoRARequest) -> LoRAAdapter:
+    def _load(self, request: LoRARequest) -> HostAdapter:
         cached = self.host.get(request.lora_int_id)
         if cached is not None:
             if cached.request.lora_path != request.lora_path:
@@ -68,7 +81,9 @@ class LoRAManager:
                     f"({cached.request.lora_path}); give {request.lora_name!r} ({request.lora_path}) an id of its own.")
             self.host.move_to_end(request.lora_int_id)
             return cached
-        adapter = load_adapter(request, self.targets, self.max_lora_rank, self.dtype)
+        weights = load_adapter(request, self.targets, self.max_lora_rank, self.dtype)
+        adapter = HostAdapter(request, {name: self.layers[name].pack(layer_weights)
+                                        for name, layer_weights in weights.layers.items()})
         self.host[request.lora_int_id] = adapter
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
@@ -78,7 +93,7 @@ class LoRAManager:
         """Copies the adapter's weights into `slot` of every layer (clearing the layers it leaves alone)."""
         adapter = self.load(request)
         for name, slots in self.layers.items():
-            slots.set_slot(slot, adapter.layers.get(name, []))
+            slots.set_slot(slot, adapter.layers.get(name))
         self.slot_adapters[slot] = request.lora_int_id
         logger.debug("LoRA adapter %r (id %d) loaded into slot %d", request.lora_name, request.lora_int_id, slot)
 

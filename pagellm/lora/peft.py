@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagellm.layers.linear import LinearBase
+from pagellm.layers.linear import LinearBase, ReplicatedLinear, RowParallelLinear
 from pagellm.lora.request import LoRARequest
 from pagellm.models.llama import STACKED_PARAMS
 
@@ -77,8 +77,10 @@ def target_layers(model: nn.Module) -> dict[str, TargetLayer]:
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and not any(part in name for part in REFUSED_MODULES):
             input_size = module.input_size * (module.group.size if module.splits_input else 1)
-            targets[name] = TargetLayer(name, tuple(module.shard_ids), tuple(module.checkpoint_shard_sizes()),
-                                        input_size)
+            # A row-parallel (or replicated) layer's outputs are whole on every rank.
+            whole_output = isinstance(module, (RowParallelLinear, ReplicatedLinear))
+            sizes = (module.output_size,) if whole_output else tuple(module.checkpoint_shard_sizes())
+            targets[name] = TargetLayer(name, tuple(module.shard_ids), sizes, input_size)
     return targets
 
 
