@@ -29,16 +29,17 @@ int pagellm_lora_sgmv_f32(const float *x, int64_t x_stride, float *out, int64_t 
         int64_t slot = segments[3 * s];
         if (slot < 0 || slot >= num_slots || widths[slot] < 0 || widths[slot] > cap) return -1;
     }
+    const int64_t num_blocks = (out_features + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
+    /* One parallel region, two work-shared loops over every segment at once: two barriers per call, however
+     * many slots are active (each barrier costs a time slice when the cores are oversubscribed). */
 #pragma omp parallel
-    for (int64_t s = 0; s < num_segments; s++) {
-        const int64_t slot = segments[3 * s], start = segments[3 * s + 1], end = segments[3 * s + 2];
-        const int64_t width = widths[slot];
-        if (width == 0) continue;
-        const float *A = a + slot * cap * in_features;
-        const float *Bt = bt + slot * cap * out_features;
+    {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < width; r++) {
-            const float *ar = A + r * in_features;
+        for (int64_t item = 0; item < num_segments * cap; item++) {
+            const int64_t s = item / cap, r = item % cap;
+            const int64_t slot = segments[3 * s], start = segments[3 * s + 1], end = segments[3 * s + 2];
+            if (r >= widths[slot]) continue;
+            const float *ar = a + (slot * cap + r) * in_features;
             int64_t g = start;
             for (; g + 4 <= end; g += 4) {  /* four rows per pass over A's row */
                 const float *x0 = x + rows[g] * x_stride, *x1 = x + rows[g + 1] * x_stride;
@@ -59,9 +60,13 @@ int pagellm_lora_sgmv_f32(const float *x, int64_t x_stride, float *out, int64_t 
             }
             for (; g < end; g++) h[g * cap + r] = dot(ar, x + rows[g] * x_stride, in_features);
         }
-        const int64_t num_blocks = (out_features + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
 #pragma omp for schedule(static)
-        for (int64_t block = 0; block < num_blocks; block++) {
+        for (int64_t item = 0; item < num_segments * num_blocks; item++) {
+            const int64_t s = item / num_blocks, block = item % num_blocks;
+            const int64_t slot = segments[3 * s], start = segments[3 * s + 1], end = segments[3 * s + 2];
+            const int64_t width = widths[slot];
+            if (width == 0) continue;
+            const float *Bt = bt + slot * cap * out_features;
             const int64_t n0 = block * COLUMN_BLOCK;
             const int64_t n1 = n0 + COLUMN_BLOCK < out_features ? n0 + COLUMN_BLOCK : out_features;
             const int64_t len = n1 - n0;
