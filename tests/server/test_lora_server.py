@@ -89,3 +89,31 @@ def test_adapters_load_and_unload_at_run_time(server, client, adapters, expected
         with pytest.raises(openai.NotFoundError):
             _complete(client, "gamma")
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 404
+
+
+def test_runtime_routes_exist_only_where_the_environment_allows_them(monkeypatch):
+    from fastapi import FastAPI
+
+    from pagellm.lora import serving as lora_serving
+
+    def paths() -> set[str]:
+        app = FastAPI()
+        lora_serving.install(app)
+        return set(app.openapi()["paths"])
+
+    for name in lora_serving.RUNTIME_UPDATING_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert "/v1/load_lora_adapter" not in paths()
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= paths()
+
+
+def test_lora_modules_take_both_of_vllms_forms_and_refuse_the_rest():
+    from pagellm.lora.serving import LoRAModulePath, parse_lora_modules
+
+    parsed = parse_lora_modules(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}'])
+    assert parsed == [LoRAModulePath("a", "/x"), LoRAModulePath("b", "/y", "m")]
+    for bad, words in (["nopath", "name=path"], ['{"name": "b"}', "must be"], ["a=/x a=/z".split(), "more than once"],
+                       ["{oops", "not valid JSON"]):
+        with pytest.raises(ValueError, match=words):
+            parse_lora_modules(bad if isinstance(bad, list) else [bad])
