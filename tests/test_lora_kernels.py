@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagellm.attention.native import runnable_isas
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request
 from pagellm.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig
@@ -54,15 +55,16 @@ def test_a_step_without_adapted_tokens_has_no_mapping():
     assert mapping.segments == [(0, 0, 1), (3, 1, 3)] and mapping.rows.tolist() == [2, 0, 3]
 
 
+@pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("case", CASES)
-def test_torch_and_c_kernel_add_the_delta_of_adapted_tokens_only(case):
+def test_torch_and_c_kernel_add_the_delta_of_adapted_tokens_only(case, isa):
     token_slots = case[0]
     x, out, a, b_t, widths = _operands(case)
     expected = _reference(x, out, a, b_t, token_slots)
     mapping = build_mapping(token_slots, torch.device("cpu"), case[2])
     torch_out = add_lora_torch(x, out.clone(), a, b_t, widths, mapping)
     torch.testing.assert_close(torch_out.double(), expected, rtol=1e-5, atol=1e-4)
-    kernel = lora_kernel()
+    kernel = lora_kernel(isa)
     if kernel is None:
         pytest.skip("no C compiler: the torch path is what runs")
     c_out = kernel(x, out.clone(), a, b_t, mapping.rows, mapping.segment_array, np.array(widths, dtype=np.int64),
