@@ -50,8 +50,8 @@ def _reference(x, out, a, b_t, token_slots) -> torch.Tensor:
 
 
 def test_a_step_without_adapted_tokens_has_no_mapping():
-    assert build_mapping(np.array([-1, -1, -1]), torch.device("cpu"), 16) is None
-    mapping = build_mapping(np.array([3, -1, 0, 3]), torch.device("cpu"), 16)
+    assert build_mapping(np.array([-1, -1, -1]), torch.device("cpu")) is None
+    mapping = build_mapping(np.array([3, -1, 0, 3]), torch.device("cpu"))
     assert mapping.segments == [(0, 0, 1), (3, 1, 3)] and mapping.rows.tolist() == [2, 0, 3]
 
 
@@ -61,14 +61,13 @@ def test_torch_and_c_kernel_add_the_delta_of_adapted_tokens_only(case, isa):
     token_slots = case[0]
     x, out, a, b_t, widths = _operands(case)
     expected = _reference(x, out, a, b_t, token_slots)
-    mapping = build_mapping(token_slots, torch.device("cpu"), case[2])
+    mapping = build_mapping(token_slots, torch.device("cpu"))
     torch_out = add_lora_torch(x, out.clone(), a, b_t, widths, mapping)
     torch.testing.assert_close(torch_out.double(), expected, rtol=1e-5, atol=1e-4)
     kernel = lora_kernel(isa)
     if kernel is None:
         pytest.skip("no C compiler: the torch path is what runs")
-    c_out = kernel(x, out.clone(), a, b_t, mapping.rows, mapping.segment_array, np.array(widths, dtype=np.int64),
-                   mapping.scratch)
+    c_out = kernel(x, out.clone(), a, b_t, mapping.rows, mapping.segment_array, np.array(widths, dtype=np.int64))
     torch.testing.assert_close(c_out.double(), expected, rtol=1e-5, atol=1e-4)
     untouched = token_slots < 0
     assert torch.equal(c_out[untouched], out[untouched])
@@ -83,7 +82,7 @@ def test_triton_kernels_match_the_reference_under_the_interpreter(case, dtype):
     token_slots = case[0]
     x, out, a, b_t, _ = _operands(case, dtype)
     expected = _reference(x, out, a, b_t, token_slots)
-    mapping = build_mapping(token_slots, torch.device("cpu"), case[2])
+    mapping = build_mapping(token_slots, torch.device("cpu"))
     result = add_lora_triton(x, out.clone(), a, b_t, mapping)
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.5)
     torch.testing.assert_close(result.double(), expected, **tolerance)

@@ -20,28 +20,28 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = pathlib.Path(__file__).resolve().parent.parent / "ops" / "csrc" / "lora.c"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# csrc/lora.c's MAX_WIDTH: the widest slot (shards x max_lora_rank) it takes; wider ones run on torch.
+MAX_WIDTH = 768
 
 
 class LoRAKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self.fn = library.pagellm_lora_sgmv_f32
         self.fn.restype = ctypes.c_int
-        self.fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR]
+        self.fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64]
 
     @staticmethod
-    def supports(x: torch.Tensor, out: torch.Tensor) -> bool:
-        return (x.dtype == out.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+    def supports(x: torch.Tensor, out: torch.Tensor, width: int) -> bool:
+        return (width <= MAX_WIDTH and x.dtype == out.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
                 and out.stride(-1) == 1 and x.dim() == out.dim() == 2)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, rows: np.ndarray,
-                 segments: np.ndarray, widths: np.ndarray, scratch: torch.Tensor) -> torch.Tensor:
+                 segments: np.ndarray, widths: np.ndarray) -> torch.Tensor:
         """out[rows[g]] += (x[rows[g]] @ a[s, :w]^T) @ b_t[s, :w] for each segment (s, start, end) of rows g."""
         cap = a.shape[1]
-        if scratch.numel() < len(rows) * cap:
-            raise ValueError(f"LoRA scratch holds {scratch.numel()} floats, the step needs {len(rows) * cap}")
         status = self.fn(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), a.data_ptr(), b_t.data_ptr(),
                          cap, a.shape[2], b_t.shape[2], rows.ctypes.data, segments.ctypes.data, len(segments),
-                         widths.ctypes.data, a.shape[0], scratch.data_ptr())
+                         widths.ctypes.data, a.shape[0])
         if status != 0:
             raise ValueError("the LoRA kernel refused a segment's slot or width")
         return out

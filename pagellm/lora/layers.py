@@ -111,7 +111,6 @@ class LoRALayerSlots:
             from pagellm.lora.triton_kernels import add_lora_triton  # imports triton, absent on some CPU installs
 
             return add_lora_triton(x, out, self.a, self.b_t, mapping)
-        if self.cpu_kernel is not None and LoRAKernel.supports(x, out):
-            return self.cpu_kernel(x, out, self.a, self.b_t, mapping.rows, mapping.segment_array, self.width_array,
-                                   mapping.scratch)
+        if self.cpu_kernel is not None and LoRAKernel.supports(x, out, self.capacity):
+            return self.cpu_kernel(x, out, self.a, self.b_t, mapping.rows, mapping.segment_array, self.width_array)
         return add_lora_torch(x, out, self.a, self.b_t, self.widths, mapping)

@@ -57,7 +57,6 @@ class LoRAManager:
             slots = LoRALayerSlots(layer, self.context, max_loras, max_lora_rank, dtype, device, cpu_kernel)
             layer.lora = slots
             self.layers[name] = slots
-        self.max_width = max((slots.capacity for slots in self.layers.values()), default=0)
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()
         self.slot_adapters: list[int | None] = [None] * max_loras
         # The server checks adapters (load_lora_adapter) on a thread of its own, beside the engine thread.
@@ -99,7 +98,7 @@ class LoRAManager:
 
     def prepare_step(self, token_slots: np.ndarray) -> None:
         """This step's token grouping, from each token's slot (-1: no adapter)."""
-        self.context.mapping = build_mapping(token_slots, self.device, self.max_width)
+        self.context.mapping = build_mapping(token_slots, self.device)
 
     def clear_step(self) -> None:
         self.context.mapping = None

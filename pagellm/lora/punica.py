@@ -25,17 +25,14 @@ class LoRAStepMapping:
     # The same for the C kernel: token index per grouped row, and the segments as an int64 [n, 3] array.
     rows: np.ndarray
     segment_array: np.ndarray
-    # The shrunk rows of a layer (the C kernel's scratch, [num_grouped, widest slot]); None on GPU.
-    scratch: torch.Tensor | None = None
     # For the Triton kernels (triton_kernels.py), made at their first layer of the step: the segments cut
     # into tiles, and `rows` on the device.
     tiles: torch.Tensor | None = None
     rows_tensor: torch.Tensor | None = None
 
 
-def build_mapping(token_slots: np.ndarray, device: torch.device, max_width: int) -> LoRAStepMapping | None:
-    """None when no token of the step has an adapter: the layers then add nothing and cost nothing.
-    `max_width`: the most columns any layer's slot has (its shards times max_lora_rank)."""
+def build_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAStepMapping | None:
+    """None when no token of the step has an adapter: the layers then add nothing and cost nothing."""
     adapted = np.nonzero(token_slots >= 0)[0]
     if len(adapted) == 0:
         return None
@@ -48,10 +45,7 @@ def build_mapping(token_slots: np.ndarray, device: torch.device, max_width: int)
     identity = len(order) == len(token_slots) and len(segments) == 1
     order_tensor = None if identity else torch.from_numpy(order).to(device)
     segment_array = np.array(segments, dtype=np.int64).reshape(-1, 3)
-    if device.type == "cuda":
-        return LoRAStepMapping(order_tensor, segments, len(order), order, segment_array)
-    scratch = torch.empty(len(order) * max_width, dtype=torch.float32)
-    return LoRAStepMapping(order_tensor, segments, len(order), order, segment_array, scratch)
+    return LoRAStepMapping(order_tensor, segments, len(order), order, segment_array)
 
 
 def add_lora_torch(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, widths: list[int],
