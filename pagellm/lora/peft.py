@@ -62,14 +62,6 @@ class LoRAAdapter:
     # Layer name (as the model names its modules: model.layers.0.self_attn.qkv_proj) -> its adapted shards.
     layers: dict[str, list[LoRAWeights]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(w.a.nbytes + w.b.nbytes for ws in self.layers.values() for w in ws)
-
-    @property
-    def max_rank(self) -> int:
-        return max(w.rank for ws in self.layers.values() for w in ws)
-
 
 def target_layers(model: nn.Module) -> dict[str, TargetLayer]:
     """The model's linear layers that adapters may target (not the LM head), by module name."""
