@@ -3,8 +3,9 @@
 The runner builds a `LoRAStepMapping` once per step from each token's slot (-1: no adapter): the tokens that
 have an adapter, sorted by slot, and the segment of each active slot. Every adapted layer then adds its delta
 with one call: gather the adapted tokens' rows, shrink each segment by its slot's A, expand by its B, scatter-add
-into the layer's output (Punica's SGMV, S-LoRA). On CPU the products are torch GEMMs, one pair per active slot
-(at most max_loras, never one per request); on GPU one Triton launch per product covers every segment.
+into the layer's output (Punica's SGMV, S-LoRA). On CPU in float32 one C call does it all (cpu_kernels.py);
+the torch path here (bfloat16, no compiler) runs one GEMM pair per active slot (at most max_loras, never one
+per request); on GPU one Triton launch per product covers every segment (triton_kernels.py).
 """
 
 from __future__ import annotations
