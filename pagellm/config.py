@@ -122,7 +122,6 @@ def default_only(default: object = MISSING, *, group: str, why: str, factory=MIS
 
 
 # Reasons shared by many DEFAULT_ONLY rows.
-_NO_LORA = "pagellm serves no LoRA adapters"
 _SPEC_CONFIG_ONLY = "pagellm takes speculative decoding settings from speculative_config"
 _NO_DP = "pagellm runs one engine (data_parallel_size=1); start one server per replica behind a load balancer"
 _NO_MM = "pagellm serves text-only models"
@@ -400,12 +399,14 @@ class EngineArgs:
     mm_device_do_normalize: bool | None = no_effect(True, group=MULTIMODAL, kind="bool")
 
     # ---- LoRAConfig (the tuning rows apply only with enable_lora) ---------------------------------------
-    enable_lora: bool | None = default_only(False, group=LORA, kind="bool", accepted=(None,), why=_NO_LORA)
-    max_loras: int = no_effect(1, group=LORA)
-    max_lora_rank: int = no_effect(16, group=LORA)
+    enable_lora: bool | None = arg(False, group=LORA, kind="bool",
+                                   help="serve LoRA adapters (LLM: lora_request=; serve: --lora-modules, model=name)")
+    max_loras: int = arg(1, group=LORA, help="adapters a batch may mix: the device slots kept for them")
+    max_lora_rank: int = arg(16, group=LORA, help="the largest adapter rank the slots hold")
     default_mm_loras: dict | None = no_effect(None, group=LORA, kind="json")
     fully_sharded_loras: bool = no_effect(False, group=LORA)
-    max_cpu_loras: int | None = no_effect(None, group=LORA, kind="int")
+    max_cpu_loras: int | None = arg(None, group=LORA, kind="int",
+                                    help="adapters kept loaded in host memory (default: max_loras)")
     lora_dtype: str | None = no_effect("auto", group=LORA, kind="optional_str")
     lora_target_modules: list[str] | None = no_effect(None, group=LORA, kind="list")
     enable_tower_connector_lora: bool = no_effect(False, group=LORA)
@@ -578,6 +579,7 @@ class EngineArgs:
                 _positive(name, getattr(self, name))
         self._validate_parallel()
         self._validate_model_arguments()
+        self._validate_lora()
         if self.dtype not in DTYPES:
             raise ArgumentValueError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}.")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -638,6 +640,16 @@ class EngineArgs:
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ArgumentValueError(f"max_logprobs={self.max_logprobs!r} is out of range; allowed: an int >= 0, "
                                      "or -1 for no limit.")
+
+    def _validate_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ArgumentValueError(f"{name}={value!r} is out of range; allowed: an int >= 1.")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ArgumentValueError(f"max_cpu_loras={cpu!r} is out of range; allowed: an int >= max_loras="
+                                     f"{self.max_loras} (every adapter in a device slot is also held in host memory).")
 
     def _validate_parallel(self) -> None:
         for name in ("tensor_parallel_size", "nnodes"):

@@ -50,10 +50,13 @@ class KVCacheStats:
         return 0.0 if slots == 0 else 1.0 - self.num_stored_tokens / slots
 
 
-def _block_key(parent: tuple[int, int] | None, token_ids: Sequence[int], cache_salt: str | None) -> BlockKey:
-    """Only a first block carries the salt: every later key chains on to its parent's identity, so a salted
-    chain and an unsalted one share no block."""
+def _block_key(parent: tuple[int, int] | None, token_ids: Sequence[int], cache_salt: str | None,
+               lora_int_id: int = 0) -> BlockKey:
+    """Only a first block carries the salt and the LoRA adapter: every later key chains on to its parent's
+    identity, so a salted chain and an unsalted one (or two adapters' chains) share no block."""
     extra = ("cache_salt", cache_salt) if parent is None and cache_salt is not None else ()
+    if parent is None and lora_int_id:
+        extra += ("lora", lora_int_id)
     return BlockKey(parent, tuple(token_ids), extra)
 
 
@@ -119,8 +122,10 @@ class KVCacheManager:
 
     # ---- prefix cache ------------------------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> CachedPrefix:
-        """The longest run of leading full blocks of `token_ids` held in the cache (under `cache_salt`).
+    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                           lora_int_id: int = 0) -> CachedPrefix:
+        """The longest run of leading full blocks of `token_ids` held in the cache (under `cache_salt`, computed
+        with LoRA adapter `lora_int_id`).
 
         At least the last token is always left to compute: its logits sample the next token.
         """
@@ -130,7 +135,7 @@ class KVCacheManager:
         blocks: list[KVBlock] = []
         parent = None
         for start in range(0, len(token_ids) - 1 - size + 1, size):
-            block = self.pool.lookup(_block_key(parent, token_ids[start : start + size], cache_salt))
+            block = self.pool.lookup(_block_key(parent, token_ids[start : start + size], cache_salt, lora_int_id))
             if block is None:
                 break
             blocks.append(block)
@@ -144,7 +149,7 @@ class KVCacheManager:
             self.prefix_cache_hits += num_hit_tokens
 
     def publish_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                            cache_salt: str | None = None) -> None:
+                            cache_salt: str | None = None, lora_int_id: int = 0) -> None:
         """Put the request's newly completed blocks (their K/V is written) into the prefix cache."""
         if not self.enable_prefix_caching:
             return
@@ -157,7 +162,7 @@ class KVCacheManager:
         for index in range(done, num_computed_tokens // size):
             block = table[index]
             if block.key is None:
-                key = _block_key(parent, token_ids[index * size : (index + 1) * size], cache_salt)
+                key = _block_key(parent, token_ids[index * size : (index + 1) * size], cache_salt, lora_int_id)
                 # Another request may have published the same contents first: chain on to that
                 # block, so this request's later blocks stay reachable from the cache.
                 block = self.pool.cache(block, key)

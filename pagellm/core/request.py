@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pagellm.core.kv_usage import KVAccount
+from pagellm.lora.request import LoRARequest
 from pagellm.sampling_params import SamplingParams
 
 
@@ -78,6 +79,9 @@ class Request:
     # Seats of max_num_seqs the user request holds while it runs, however many of its sequences are live
     # at the moment: a beam search holds its width (its beams fork and end at the caller's word).
     reserved_seats: int = 1
+    # The LoRA adapter it runs with (None: the base model), and its device slot while it runs (-1: none).
+    lora_request: LoRARequest | None = None
+    lora_slot: int = -1
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -88,6 +92,10 @@ class Request:
     def order_key(self) -> tuple[int, int, int]:
         """Served in this order, preempted in the reverse: by priority, then arrival, then fork."""
         return self.priority, self.arrival_index, self.fork_order
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,6 +19,8 @@ from pagellm.core.kv_cache_manager import (
 )
 from pagellm.core.kv_usage import KVAccount
 from pagellm.core.request import Request, RequestStatus
+from pagellm.lora.request import LoRARequest
+from pagellm.lora.slot_table import LoRASlotTable
 from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode.speculator import SpecDecodingStats, Speculator
 
@@ -51,6 +53,8 @@ class NewRequestData:
     # Sequences to sample at once at the first sample (n > 1 / best_of), forked afterwards.
     num_samples_at_first: int = 1
     appends_sampled_tokens: bool = True
+    # The device slot of its LoRA adapter (-1: the base model).
+    lora_slot: int = -1
 
 
 @dataclass
@@ -75,6 +79,8 @@ class SchedulerOutput:
     # Speculative decoding: draft tokens to verify after each listed request's next token (counted in
     # num_scheduled_tokens; pagellm/spec_decode).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # (slot, adapter) the runner loads before the forward: adapters of requests admitted this step.
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -160,10 +166,12 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, lora_slots: LoRASlotTable | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.speculator = speculator
+        # With LoRA enabled: which adapter each device slot holds, and the requests using it.
+        self.lora_slots = lora_slots
         self.requests: dict[str, Request] = {}
         # Both kept in arrival order: the oldest request is served first and preempted last,
         # so it always makes progress and nothing waits forever.
@@ -264,6 +272,7 @@ class Scheduler:
         child.kv_account = parent.kv_account
         child.priority = parent.priority
         child.cache_salt = parent.cache_salt
+        child.lora_request = parent.lora_request
         # The prompt's scores belong to the parent: a child recomputed after preemption reports none.
         child.num_prompt_logprobs_reported = parent.num_prompt_tokens - 1
         self._fork_counter += 1
@@ -273,6 +282,7 @@ class Scheduler:
         self.groups[parent.group_id].add(child_id)
         if parent.status == RequestStatus.RUNNING:
             self.kv.fork(parent_id, child_id)
+            self._acquire_lora(child)
             bisect.insort(self.running, child, key=lambda r: r.order_key)
             self._unseen_by_runner.add(child_id)
         else:
@@ -309,8 +319,9 @@ class Scheduler:
         if not step.num_scheduled and self.waiting:
             self._admit_by_preempting_idle(step)
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
+        loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
         return SchedulerOutput(step.new, step.cached, step.num_scheduled, finished, self.kv.take_block_copies(),
-                               step.spec_token_ids)
+                               spec_token_ids=step.spec_token_ids, lora_loads=loads)
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         index = 0
@@ -367,7 +378,7 @@ class Scheduler:
             # Prompt log-probabilities need logits at every prompt position, so nothing may be skipped.
             wants_prompt_scores = request.sampling_params.prompt_logprobs is not None
             prefix = (NO_CACHED_PREFIX if wants_prompt_scores
-                      else self.kv.find_cached_prefix(request.all_token_ids, request.cache_salt))
+                      else self.kv.find_cached_prefix(request.all_token_ids, request.cache_salt, request.lora_int_id))
             num_new = request.num_tokens - prefix.num_tokens
             if num_new > step.budget:
                 may_chunk = self.config.enable_chunked_prefill or request.num_preemptions > 0
@@ -381,6 +392,7 @@ class Scheduler:
             if new_block_ids is None:
                 break
             self.waiting.remove(request)
+            self._acquire_lora(request)
             self.kv.record_prefix_query(request.num_tokens, prefix.num_tokens)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = prefix.num_tokens
@@ -437,9 +449,18 @@ class Scheduler:
         """The oldest waiting request that can run: one whose structured-output grammar is still compiling
         (off the engine thread) is passed over, so it delays no one behind it."""
         for request in self.waiting:
-            if request.grammar_ready:
+            if request.grammar_ready and (self.lora_slots is None or self.lora_slots.can_admit(request.lora_request)):
                 return request
         return None
+
+    def _acquire_lora(self, request: Request) -> None:
+        if self.lora_slots is not None:
+            request.lora_slot = self.lora_slots.acquire(request.request_id, request.lora_request)
+
+    def _release_lora(self, request: Request) -> None:
+        if self.lora_slots is not None:
+            self.lora_slots.release(request.request_id, request.lora_slot)
+        request.lora_slot = -1
 
     def grammar_futures_pending(self) -> list:
         """Compile futures of waiting requests that cannot run until their grammar is ready."""
@@ -469,6 +490,7 @@ class Scheduler:
             request.sample_index,
             1 + request.num_pending_forks,
             request.appends_sampled_tokens,
+            request.lora_slot,
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
@@ -485,6 +507,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        self._release_lora(request)
         self._unseen_by_runner.discard(request.request_id)
         self._appended.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
@@ -531,7 +554,7 @@ class Scheduler:
         computed_before = request.num_computed_tokens
         request.num_computed_tokens += num_tokens
         self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens,
-                                    request.cache_salt)
+                                    request.cache_salt, request.lora_int_id)
         # After publishing: a released block stays in the prefix cache, free and evictable.
         self.kv.release_slid_out_blocks(request_id, request.num_computed_tokens)
         prompt_logprobs = self._new_prompt_logprobs(request, computed_before,
@@ -656,6 +679,7 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.finish(request)
         self.kv.free(request.request_id)
+        self._release_lora(request)
         del self.requests[request.request_id]
         self._unseen_by_runner.discard(request.request_id)
         self._appended.pop(request.request_id, None)

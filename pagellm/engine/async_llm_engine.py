@@ -66,6 +66,7 @@ class _AddOp:
     stream: RequestStream
     arrival_time: float
     priority: int = 0
+    lora_request: object = None
 
 
 @dataclass
@@ -147,17 +148,19 @@ class AsyncLLMEngine:
     # ---- the caller's side (any thread with a running event loop) ---------------------------------
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str, priority: int = 0
+        self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str, priority: int = 0, *,
+        lora_request=None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as the engine makes them: cumulative by default, or as
-        `sampling_params.output_kind` asks. Stopping the iteration (break, cancel, close) aborts the request."""
-        stream = self.add_request(request_id, prompt, sampling_params, priority)
+        `sampling_params.output_kind` asks. Stopping the iteration (break, cancel, close) aborts the request.
+        `lora_request`: the LoRA adapter it runs with (a pagellm.lora.request.LoRARequest), or None."""
+        stream = self.add_request(request_id, prompt, sampling_params, priority, lora_request=lora_request)
         async with aclosing(self.outputs(stream)) as outputs:
             async for output in outputs:
                 yield output
 
     def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None,
-                    priority: int = 0) -> RequestStream:
+                    priority: int = 0, *, lora_request=None) -> RequestStream:
         """Queues a request at once, raising here (not at the first output) when it cannot be taken:
         QueueFullError, EngineDeadError, or ValueError for a reused id. Pass the stream to `outputs`, or
         abort it; bad prompts and parameters are reported by the stream. With n > 1 each output carries
@@ -192,7 +195,8 @@ class AsyncLLMEngine:
                     "--max-num-queued-requests."
                 )
             self._request_ids.add(request_id)
-            self._ops.append(_AddOp(request_id, prompt, engine_params, stream, time.monotonic(), priority))
+            self._ops.append(_AddOp(request_id, prompt, engine_params, stream, time.monotonic(), priority,
+                                    lora_request))
             self._num_pending_sequences += engine_params.num_sequences
             self._ensure_started()
             self._cond.notify()
@@ -415,7 +419,7 @@ class AsyncLLMEngine:
 
     def _apply_add(self, op: _AddOp, deliveries: list[_Delivery]) -> None:
         try:
-            self.engine.add_request(op.request_id, op.prompt, op.params, op.priority)
+            self.engine.add_request(op.request_id, op.prompt, op.params, op.priority, op.lora_request)
         except ValueError as exc:  # bad input: this request's failure alone, and nothing of it was added
             self._forget(op.request_id)
             deliveries.append((op.stream, exc))

@@ -63,16 +63,19 @@ class _PromptSearch:
         return len(self.beams[0].generated) if self.beams else 0
 
 
-def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(engine, prompts: list[list[int]], params: BeamSearchParams,
+                lora_requests: list | None = None) -> list[BeamSearchOutput]:
+    """`lora_requests`: the LoRA adapter of each prompt's search (None: the base model for all)."""
     core = engine.core
     eos_ids = set() if params.ignore_eos else set(core.model_info.eos_token_ids)
     beams_to_keep = max(2, 1 + len(eos_ids)) * params.beam_width
     ids = itertools.count()
     searches = []
     try:
-        for prompt in prompts:
+        for prompt, lora_request in zip(prompts, lora_requests or [None] * len(prompts)):
             request_id = f"beam-{next(ids)}"
-            engine.add_beam_request(request_id, prompt, beams_to_keep, params.max_tokens, params.beam_width)
+            engine.add_beam_request(request_id, prompt, beams_to_keep, params.max_tokens, params.beam_width,
+                                    lora_request)
             beam = _Beam(request_id, [], torch.zeros((), dtype=torch.float32))
             searches.append(_PromptSearch(prompt, [beam], core.scheduler.requests[request_id].kv_account))
         while not all(s.done for s in searches):

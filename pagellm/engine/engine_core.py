@@ -15,6 +15,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig, SchedulerStats
 from pagellm.executor import create_executor
+from pagellm.lora.slot_table import LoRASlotTable
 # Re-exported for benchmarks/memory.py and throughput.py: model resolution lives with the per-rank worker now.
 from pagellm.executor.model_worker import resolve_dtype, resolve_max_model_len  # noqa: F401
 from pagellm.models.sliding_window import model_sliding_window
@@ -70,6 +71,7 @@ class EngineCore:
             KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                            model_sliding_window(self.model_info.hf_config)),
             make_speculator(args.speculative_config),
+            LoRASlotTable(args.max_loras) if args.enable_lora else None,
         )
         self.startup = StartupReport(time.perf_counter() - started, num_blocks, args.block_size, worker.kv_bytes,
                                      worker.weights_bytes, worker.activation_peak, max_model_len)

@@ -11,6 +11,7 @@ from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import SchedulerStats
 from pagellm.engine.engine_core import EngineCore
 from pagellm.engine.output_processor import OutputProcessor
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams, check_text
 from pagellm.structured_output.grammar import GrammarCompiler
@@ -104,16 +105,30 @@ class LLMEngine:
                              "scheduling_policy='priority' (--scheduling-policy priority), or leave priority at 0.")
         return priority
 
+    def check_lora_request(self, lora_request: object) -> LoRARequest | None:
+        """The adapter, read and checked now (a ValueError naming what is wrong), so that no step fails on it."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request={lora_request!r:.80} must be a pagellm.lora.request.LoRARequest or None.")
+        if self.core.runner.lora is None:
+            raise ValueError(f"lora_request names adapter {lora_request.lora_name!r}, but this engine runs without "
+                             "LoRA; start it with enable_lora=True (--enable-lora).")
+        self.core.runner.lora.load(lora_request)
+        return lora_request
+
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queues a request. `prompt` may carry a "cache_salt": requests reuse each other's cached prefix
         blocks only under the same salt (vLLM's tenant isolation); `priority` counts under the "priority"
-        scheduling policy, lower first."""
+        scheduling policy, lower first; `lora_request` names the LoRA adapter it runs with."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
         priority = self._check_priority(priority)
+        lora_request = self.check_lora_request(lora_request)
         cache_salt = _cache_salt(prompt)
         text, token_ids = self.process_prompt(prompt)
         self._check_prompt_length(len(token_ids))
@@ -139,12 +154,13 @@ class LLMEngine:
             num_pending_forks=params.num_sequences - 1,
             priority=priority,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         self.core.add_request(request)
         self.output_processor.add_request(request_id, text, token_ids, params, request.kv_account)
 
     def add_beam_request(self, request_id: str, token_ids: list[int], num_logprobs: int, max_tokens: int,
-                         beam_width: int) -> None:
+                         beam_width: int, lora_request: LoRARequest | None = None) -> None:
         """A beam-search sequence: it reports its next token's top log-probabilities each step and
         waits for the caller to append a token or fork it (see engine/beam_search.py). Its search holds
         beam_width seats of max_num_seqs from its admission on."""
@@ -156,7 +172,8 @@ class LLMEngine:
             )
         params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=num_logprobs, ignore_eos=True)
         request = Request(request_id, token_ids, params, next(self._arrivals), max_tokens,
-                          appends_sampled_tokens=False, reserved_seats=beam_width)
+                          appends_sampled_tokens=False, reserved_seats=beam_width,
+                          lora_request=self.check_lora_request(lora_request))
         self.core.add_request(request)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:

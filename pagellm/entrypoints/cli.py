@@ -104,6 +104,8 @@ def serve(args: argparse.Namespace) -> None:
             chat_template=chat_template,
             **server_config_kwargs(frontend, {f.name for f in dataclasses.fields(ServerConfig)}),
         )
+        if config.lora_modules and not engine_args.enable_lora:
+            raise ValueError("--lora-modules serves LoRA adapters, which need --enable-lora.")
     except ValueError as exc:
         sys.exit(f"pagellm serve: {with_flags(str(exc))}")
     try:

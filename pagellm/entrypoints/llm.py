@@ -23,6 +23,7 @@ from pagellm.entrypoints.chat_template import load_chat_template
 from pagellm.models.loader import generation_defaults
 from pagellm.outputs import RequestOutput
 from pagellm.engine.beam_search import BeamSearchOutput, beam_search
+from pagellm.lora.request import LoRARequest
 from pagellm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
@@ -74,11 +75,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`, each finished. `priority`: one per prompt, for an engine with
-        scheduling_policy="priority" (lower first)."""
+        scheduling_policy="priority" (lower first). `lora_request`: the LoRA adapter of every prompt, or one
+        per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -94,7 +97,8 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass one per prompt.")
-        return self._run(prompts, params_list, use_tqdm, priority or [0] * len(prompts))
+        loras = _per_prompt_loras(lora_request, len(prompts))
+        return self._run(prompts, params_list, use_tqdm, priority or [0] * len(prompts), loras)
 
     def chat(
         self,
@@ -118,8 +122,6 @@ class LLM:
         add_generation_prompt=False with it); `chat_template_content_format` "string" joins a message's text
         parts, "openai" hands the template the list of parts, "auto" picks what the template reads. `priority`: one
         for all conversations or one each, as LLM.generate takes it."""
-        if lora_request is not None:
-            raise ValueError(f"lora_request={lora_request!r:.80}: pagellm serves no LoRA adapters; pass None.")
         if mm_processor_kwargs is not None:
             raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r:.80}: pagellm serves text-only models; "
                              "pass None.")
@@ -139,7 +141,7 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         if isinstance(priority, int):
             priority = [priority] * len(prompts)
-        return self.generate(prompts, sampling_params, use_tqdm, priority=priority)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority=priority)
 
     @staticmethod
     def _chat_add_special_tokens(tokenization_kwargs: dict[str, Any] | None) -> bool:
@@ -153,12 +155,15 @@ class LLM:
             raise ValueError(f"tokenization_kwargs['add_special_tokens']={add_special_tokens!r} must be a bool.")
         return add_special_tokens
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search per prompt; each result's `sequences` are best first (see engine/beam_search.py)."""
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
+        """Beam search per prompt; each result's `sequences` are best first (see engine/beam_search.py).
+        `lora_request`: one LoRA adapter for every prompt, or one per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         token_lists = [self.llm_engine.process_prompt(p)[1] for p in prompts]
-        outputs = beam_search(self.llm_engine, token_lists, params)
+        loras = _per_prompt_loras(lora_request, len(token_lists))
+        outputs = beam_search(self.llm_engine, token_lists, params, loras)
         tokenizer = self.get_tokenizer()
         for output in outputs:
             for sequence in output.sequences:
@@ -166,7 +171,7 @@ class LLM:
         return outputs
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
-             priorities: Sequence[int]) -> list[RequestOutput]:
+             priorities: Sequence[int], loras: Sequence[LoRARequest | None]) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = [str(next(self._request_ids)) for _ in prompts]
         # Only finished outputs are read here: the engine builds nothing for the steps in between (vLLM's
@@ -174,10 +179,11 @@ class LLM:
         final_only: dict[int, SamplingParams] = {}
         added: list[str] = []
         try:
-            for request_id, prompt, params, priority in zip(request_ids, prompts, params_list, priorities):
+            for request_id, prompt, params, priority, lora in zip(request_ids, prompts, params_list, priorities,
+                                                                   loras):
                 if id(params) not in final_only:
                     final_only[id(params)] = _final_only(params)
-                engine.add_request(request_id, prompt, final_only[id(params)], priority)
+                engine.add_request(request_id, prompt, final_only[id(params)], priority, lora)
                 added.append(request_id)
         except Exception:
             engine.abort_request(added)
@@ -196,6 +202,19 @@ class LLM:
         finally:
             progress.close()
         return [finished[r] for r in request_ids]
+
+
+def _per_prompt_loras(lora_request, num_prompts: int) -> list:
+    """vLLM's lora_request argument: one adapter (or None) for every prompt, or a list with one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != num_prompts:
+            raise ValueError(f"got {len(lora_request)} lora_requests for {num_prompts} prompts; pass one, or one "
+                             "per prompt.")
+        return list(lora_request)
+    raise ValueError(f"lora_request={lora_request!r:.80} must be a LoRARequest, a list of them (one per prompt) "
+                     "or None.")
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

@@ -116,13 +116,20 @@ class ModelWorker:
         self.kv_spec = spec
         self.runner = ModelRunner(model, device, args.block_size, max_model_len, args.max_num_seqs, args.seed, eos_ids,
                                   spec.format)
-        self.weights_bytes = model.weights_bytes()
+        if args.enable_lora:
+            from pagellm.lora.manager import LoRAManager
+
+            self.runner.lora = LoRAManager(model, args.max_loras, args.max_lora_rank,
+                                           args.max_cpu_loras or args.max_loras, dtype, device)
+        # The adapters' device slots count as weights in the memory budget.
+        self.weights_bytes = model.weights_bytes() + (self.runner.lora.slots_bytes if self.runner.lora else 0)
         # A step can never hold more than max_num_seqs sequences of max_model_len tokens.
         profile_tokens = min(budget, args.max_num_seqs * max_model_len)
         self.num_profiled_decodes = min(args.max_num_seqs, budget)
         # A captured decode step would hold its collectives too, and the ranks would have to capture and replay
         # the same batch sizes in lockstep; that is not built, so tensor-parallel steps run eagerly.
-        self.use_graphs = not args.enforce_eager and group.size == 1 and self.runner.can_capture_cuda_graphs()
+        self.use_graphs = (not args.enforce_eager and group.size == 1 and not args.enable_lora
+                           and self.runner.can_capture_cuda_graphs())
         self.prefill_peak, self.decode_peak = self._profile(spec, profile_tokens, self.num_profiled_decodes,
                                                             max_model_len, device)
         self.activation_peak = max(self.prefill_peak, self.decode_peak)

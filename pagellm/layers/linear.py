@@ -36,6 +36,8 @@ class LinearBase(nn.Module):
 
     # Checkpoint shards this layer fuses, in their order along the output (None: one unfused weight).
     shard_ids: tuple[ShardId, ...] = (None,)
+    # LoRA adapter slots (pagellm/lora/layers.py) whose delta is added to the output; None without LoRA.
+    lora = None
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, quant_config: QuantizationConfig | None,
                  prefix: str, group: TensorParallelGroup | None = None) -> None:
@@ -98,9 +100,10 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T + b on this rank's partition (no collective)."""
-        return self.quant_method.apply(self, x, self.bias)
+    def matmul(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """x @ W^T + b on this rank's partition (no collective), plus the LoRA delta of adapted tokens."""
+        out = self.quant_method.apply(self, x, self.bias if add_bias else None)
+        return out if self.lora is None else self.lora.add_delta(x, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
@@ -210,6 +213,5 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.group.rank == 0 else None
-        out = self.quant_method.apply(self, x, bias)
+        out = self.matmul(x, add_bias=self.group.rank == 0)
         return self.group.all_reduce(out) if self.reduce_results else out

@@ -75,6 +75,8 @@ class InputBatch:
         self.num_samples_at_first = np.zeros(0, dtype=np.int64)
         self.plain_greedy = np.zeros(0, dtype=bool)
         self.row_request_ids = np.zeros(0, dtype=object)
+        # The device slot of each row's LoRA adapter (-1: the base model).
+        self.lora_slots = np.zeros(0, dtype=np.int64)
         # Rows whose requests asked for prompt_logprobs: the only ones a step must look at for them.
         self.prompt_scoring_rows: set[int] = set()
         self.free_rows: list[int] = []
@@ -92,6 +94,7 @@ class InputBatch:
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, np.int64)]))
         self.plain_greedy = np.concatenate([self.plain_greedy, np.zeros(extra, bool)])
         self.row_request_ids = np.concatenate([self.row_request_ids, np.zeros(extra, object)])
+        self.lora_slots = np.concatenate([self.lora_slots, np.full(extra, -1, np.int64)])
         self.free_rows.extend(range(old + extra - 1, old - 1, -1))
 
     def add_request(self, new: NewRequestData) -> None:
@@ -114,6 +117,7 @@ class InputBatch:
         self.num_samples_at_first[row] = new.num_samples_at_first
         self.plain_greedy[row] = state.is_plain_greedy
         self.row_request_ids[row] = new.request_id
+        self.lora_slots[row] = new.lora_slot
         if params.prompt_logprobs is not None:
             self.prompt_scoring_rows.add(row)
 

@@ -63,6 +63,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         # Captured after the KV pool exists (capture_cuda_graphs); None runs every step eagerly.
         self.graphs = None  # a cuda_graphs.DecodeGraphs
+        # With enable_lora: the adapters' device slots and host cache (a pagellm.lora.manager.LoRAManager).
+        self.lora = None
 
     @property
     def native_decode(self):
@@ -86,6 +88,8 @@ class ModelRunner:
         return self.graphs.capture()
 
     def _apply(self, scheduler_output: SchedulerOutput) -> None:
+        for slot, lora_request in scheduler_output.lora_loads:
+            self.lora.activate(slot, lora_request)
         for request_id in scheduler_output.finished_request_ids:
             self.input_batch.remove_request(request_id)
         if scheduler_output.block_copies:
@@ -119,6 +123,8 @@ class ModelRunner:
         inputs = prepare_inputs(batch, rows, num_scheduled, self.block_size, self.device)
         if spec is not None:
             inputs.logits_index = extend_logits_index(inputs.logits_index, spec)
+        if self.lora is not None:
+            self.lora.prepare_step(np.repeat(batch.lora_slots[rows], num_scheduled))
         num_samples = int(inputs.fanout.sum())
         # Built (and sent to the device) before the forward is queued: building it after would make each
         # host-to-device copy wait for the forward, and the GPU would idle while the sampler is launched.

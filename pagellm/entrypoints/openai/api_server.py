@@ -32,6 +32,7 @@ from pagellm.entrypoints.openai.errors import OpenAIError, install_error_handler
 from pagellm.entrypoints.openai.http_timeouts import ReadTimeoutConfig
 from pagellm.entrypoints.openai.server_load import ServerLoadTracker
 from pagellm.entrypoints.openai.serving import OpenAIServing, ServerConfig
+from pagellm.lora import serving as lora_serving
 from pagellm.metrics import PrometheusStatLogger, StructuredOutputCacheCollector, cache_config_info, server_registry
 
 logger = logging.getLogger(__name__)
@@ -283,6 +284,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     app.include_router(routes.router)
     app.include_router(api_server.router)
+    lora_serving.install(app)
     kv_map.install(app, engine)
     # Outermost last: the header count is checked first, then CORS (its preflights need no key, and its headers
     # go on the errors below too, which a browser can then read), the key, the body's size, then admission.
@@ -328,7 +330,11 @@ def uvicorn_config(app: ASGIApp, config: ServerConfig, host: str, port: int,
 
 
 def run_server(engine: AsyncLLMEngine, config: ServerConfig, host: str, port: int, log_level: str = "info") -> None:
-    app = build_app(engine, config)
+    try:
+        app = build_app(engine, config)
+    except ValueError as exc:  # an adapter of --lora-modules that cannot load
+        engine.shutdown()
+        raise SystemExit(f"pagellm serve: {exc}") from None
     server_config = uvicorn_config(app, config, host, port, log_level)
     try:
         server_config.load()  # builds the TLS context: a bad certificate or key is refused before serving

@@ -21,9 +21,8 @@ SERVER_CONFIG_FIELDS = (
     "allowed_headers", "allow_credentials", "root_path", "disable_fastapi_docs", "disable_uvicorn_access_log",
     "h11_max_incomplete_event_size", "h11_max_header_count", "header_read_timeout", "body_read_timeout",
     "enable_server_load_tracking", "enable_scale_out", "responses_store_max_entries", "responses_store_max_bytes",
-    "trust_request_chat_template", "response_role",
+    "trust_request_chat_template", "response_role", "lora_modules",
 )
-_NO_LORA = "pagellm serves no LoRA adapters"
 _NOT_IN_RESPONSES = "pagellm's responses do not carry it"
 
 
@@ -52,7 +51,9 @@ class FrontendArgs:
                                    help="a YAML file of flags (name: value), read before the command line's")
     grpc: bool = _frontend_default_only(False, why="pagellm serves HTTP")
     # vLLM's FrontendArgs.
-    lora_modules: list | None = _frontend_default_only(None, kind="list", why=_NO_LORA)
+    lora_modules: list | None = _frontend(None, kind="list",
+                                          help="LoRA adapters served under their names (with --enable-lora): "
+                                               'name=path or {"name": ..., "path": ..., "base_model_name": ...}')
     chat_template: str | None = _frontend(None, kind="optional_str",
                                           help="a Jinja chat template, or a file holding one, used instead of the "
                                                "tokenizer's")

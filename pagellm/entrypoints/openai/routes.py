@@ -42,6 +42,10 @@ async def list_models(raw_request: Request) -> JSONResponse:
     serving = _serving(raw_request)
     cards = [ModelCard(id=name, root=serving.config.model_root, max_model_len=serving.max_model_len)
              for name in serving.config.served_model_names]
+    # LoRA adapters as vLLM lists them: their directory as root, the base model (or the one they name) as parent.
+    cards += [ModelCard(id=name, root=lora.lora_path, max_model_len=serving.max_model_len,
+                        parent=serving.loras.base_model_names.get(name) or serving.model_name)
+              for name, lora in list(serving.loras.requests.items())]
     return JSONResponse(ModelList(data=cards).model_dump())
 
 

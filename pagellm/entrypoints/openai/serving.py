@@ -33,6 +33,8 @@ from pagellm.entrypoints.openai.errors import OpenAIError, bad_request, from_exc
 from pagellm.core.kv_usage import KVUsage
 from pagellm.entrypoints.openai.protocol import ChatMessage, PromptField, SamplingFields
 from pagellm.entrypoints.openai.structured import template_renders_tools
+from pagellm.lora.request import LoRARequest
+from pagellm.lora.serving import LoRARegistry, parse_lora_modules
 from pagellm.models.loader import ServerSamplingDefaults
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, check_text
@@ -99,6 +101,8 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     # --response-role: the role of a chat reply when add_generation_prompt is on.
     response_role: str = "assistant"
+    # --lora-modules: LoRA adapters served under their names (name=path or vLLM's JSON form; needs --enable-lora).
+    lora_modules: list | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (isinstance(self.api_key, str)
@@ -126,6 +130,7 @@ class ServerConfig:
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ValueError(f"{name}={path!r} is not a file (--{_flag(name)}).")
+        self.lora_modules = parse_lora_modules(self.lora_modules)
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise ValueError(f"root_path={self.root_path!r} must start with '/' and not end with one, e.g. '/llm' "
                              "(--root-path).")
@@ -200,6 +205,10 @@ class OpenAIServing:
         # One thread: the tokenizer is not shared between threads, and a second big prompt waits its turn
         # rather than taking a core from the engine.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-tokenizer")
+        # The adapters served under their own names (--lora-modules, and those loaded at run time).
+        self.loras = LoRARegistry(engine.engine.check_lora_request, config.served_model_names)
+        for module in config.lora_modules:
+            self.loras.add(module)
         if config.auto_tool_parser is not None and not template_renders_tools(self.tokenizer):
             logger.warning("--enable-auto-tool-choice: this model's chat template does not write the request's tools "
                            "into the prompt, so the model is not told about them and will rarely call one.")
@@ -221,12 +230,16 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.config.served_model_names[0]
 
-    def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested not in self.config.served_model_names:
+    def check_model(self, requested: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for a name not served."""
+        lora = self.loras.get(requested)
+        if requested is not None and requested not in self.config.served_model_names and lora is None:
+            served = self.config.served_model_names + list(self.loras.requests)
             raise OpenAIError(
-                404, f"the model `{requested}` does not exist; this server serves {self.config.served_model_names}.",
+                404, f"the model `{requested}` does not exist; this server serves {served}.",
                 "model", "model_not_found",
             )
+        return lora
 
     # ---- prompts ----------------------------------------------------------------------------------
 
@@ -430,14 +443,15 @@ class OpenAIServing:
         return priority
 
     def submit(self, base_id: str, prompts: Sequence[PromptInput], params: SamplingParams, priority: int = 0,
-               cache_salt: str | None = None) -> list[Choice]:
+               cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> list[Choice]:
         """One engine request per prompt, with params.n choices each; all queued or none (an error aborts
         those already queued). A cache_salt keeps their prefix-cache blocks apart from other salts'."""
         choices: list[Choice] = []
         try:
             for prompt_index, prompt in enumerate(prompts):
                 request_id = f"{base_id}-{prompt_index}"
-                stream = self.engine.add_request(request_id, prompt.engine_prompt(cache_salt), params, priority)
+                stream = self.engine.add_request(request_id, prompt.engine_prompt(cache_salt), params, priority,
+                                                 lora_request=lora_request)
                 choices += [Choice(prompt_index * params.n + i, prompt_index, request_id, stream, sample_index=i)
                             for i in range(params.n)]
         except BaseException as exc:

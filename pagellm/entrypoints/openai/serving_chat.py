@@ -124,7 +124,7 @@ def _echoed_content(request: ChatCompletionRequest, role: str) -> str:
 
 
 async def create_chat_completion(serving: OpenAIServing, request: ChatCompletionRequest, raw_request: Request):
-    serving.check_model(request.model)
+    lora_request = serving.check_model(request.model)
     serving.check_stream_options(request)
     refuse_unsupported(request)
     _check_chat_supported(request)
@@ -160,7 +160,7 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
         params = serving.sampling_params(request, max_tokens, num_top, structured=structured,
                                          prompt_logprobs=prompt_logprobs)
         params.structured_grammar = await compiled_grammar(serving.engine, structured)
-        choices = serving.submit(engine_id, [prompt], params, priority, request.cache_salt)
+        choices = serving.submit(engine_id, [prompt], params, priority, request.cache_salt, lora_request)
         if request.stream:
             stream = _stream(serving, request, raw_request, response_id, choices, prompt, num_top, plan, role)
             return StreamingResponse(stream, media_type="text/event-stream")

@@ -55,7 +55,7 @@ def _check_beam_search(request: CompletionRequest) -> None:
 
 
 async def create_completion(serving: OpenAIServing, request: CompletionRequest, raw_request: Request):
-    serving.check_model(request.model)
+    lora_request = serving.check_model(request.model)
     serving.check_stream_options(request)
     refuse_unsupported(request)
     _check_fields(request)
@@ -78,7 +78,7 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest, 
         params = serving.sampling_params(request, max_tokens, num_top, request.best_of,
                                          requested_structured_outputs(request), prompt_logprobs)
         params.structured_grammar = await compiled_grammar(serving.engine, params.structured_outputs)
-        choices = serving.submit(engine_id, prompts, params, priority, request.cache_salt)
+        choices = serving.submit(engine_id, prompts, params, priority, request.cache_salt, lora_request)
         if request.stream:
             stream = _stream(serving, request, raw_request, response_id, prompts, choices, num_top)
             return StreamingResponse(stream, media_type="text/event-stream")

@@ -464,7 +464,8 @@ def response_object(serving: OpenAIServing, prepared: PreparedResponse, status: 
 async def create_response(serving: OpenAIServing, store: ResponseStore, request: ResponsesRequest,
                           raw_request: Request):
     prepared = await prepare_response(serving, request, store)
-    choices = serving.submit(prepared.response_id, [prepared.prompt], prepared.params)
+    choices = serving.submit(prepared.response_id, [prepared.prompt], prepared.params,
+                             lora_request=serving.check_model(request.model))
     run = ResponseRun(serving, prepared, choices)
     if request.stream:
         return StreamingResponse(_stream(run, store, raw_request), media_type="text/event-stream")
