@@ -108,18 +108,10 @@ class DeepseekV2Model(LlamaModel):
     def make_rotary(self, config, max_positions: int) -> RotaryEmbedding:
         return RotaryEmbedding(config, config.qk_rope_head_dim, max_positions)
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        """Llama's, with the cos/sin of the step's positions always looked up: MLA rotates its rope parts in
-        torch (they are not the leading heads of a fused q/k/v row that the in-place kernel rotates)."""
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        cos, sin = self.rotary.lookup(positions, hidden.dtype)
-        rope = RopeInputs(positions, cos, sin, self.rotary)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
-        if residual is None:
-            return self.norm(hidden)
-        return self.norm(hidden, residual)[0]
+    def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        """The step's cos/sin, always: MLA rotates its rope parts in torch (they are not the leading heads of a
+        fused q/k/v row that the in-place kernel rotates)."""
+        return RopeInputs(positions, *self.rotary.lookup(positions, dtype), self.rotary)
 
 
 class DeepseekV2ForCausalLM(ExpertCheckpointMixin, LlamaForCausalLM):

@@ -177,12 +177,16 @@ class LlamaModel(nn.Module):
     def make_rotary(self, config, max_positions: int) -> RotaryEmbedding:
         return RotaryEmbedding(config, head_dim_of(config), max_positions)
 
+    def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        """The step's rotary inputs: the fused kernel reads the whole tables, the torch path the step's cos/sin."""
+        cos, sin = (None, None) if self.ops is not None else self.rotary.lookup(positions, dtype)
+        return RopeInputs(positions, cos, sin, self.rotary)
+
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         """Runs as many layers as `kv_caches` has entries (all of them, except in profiling runs)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        cos, sin = (None, None) if self.ops is not None else self.rotary.lookup(positions, hidden.dtype)
-        rope = RopeInputs(positions, cos, sin, self.rotary)
+        rope = self.rope_inputs(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         if residual is None:

@@ -14,7 +14,8 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from tests.conftest import TINY_CONFIG
-from tests.helpers import PROMPTS, hf_greedy
+from tests.helpers import PROMPTS
+from tests.models.tiny_checkpoints import check_greedy, checkpoint_dirs, greedy_references
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -109,55 +110,17 @@ CHUNKED_CASES = {"phi3-longrope-partial": (SHORT_PROMPTS, PROMPTS[6], {"max_mode
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory, default_tokenizer):
     """Checkpoint directories saved on first use, one per variant."""
-    saved: dict[str, str] = {}
-
-    def get(variant: str) -> str:
-        if variant not in saved:
-            model_class, config = VARIANTS[variant]()
-            for part in (config, getattr(config, "text_config", config)):
-                part.vocab_size = len(default_tokenizer)
-                part.bos_token_id, part.eos_token_id = default_tokenizer.bos_token_id, default_tokenizer.eos_token_id
-            torch.manual_seed(0)
-            path = tmp_path_factory.mktemp(variant)
-            model = model_class(config).to(torch.float32)
-            with torch.no_grad():
-                # Norms start as all ones (or zeros); perturbed, a norm weight loaded into the wrong place shows.
-                for name, param in model.named_parameters():
-                    if "norm" in name:
-                        param.add_(torch.randn_like(param) * 0.2)
-            model.save_pretrained(path)
-            default_tokenizer.save_pretrained(path)
-            saved[variant] = str(path)
-        return saved[variant]
-
-    return get
+    return checkpoint_dirs(VARIANTS, tmp_path_factory, default_tokenizer)
 
 
 @pytest.fixture(scope="module")
 def hf_references(family_dirs, default_tokenizer):
     """transformers' greedy continuation of each prompt, per variant, computed on first use."""
-    from transformers import AutoModelForCausalLM
-
-    cache: dict[str, dict[str, list[int]]] = {}
-
-    def get(variant: str, prompts: list[str]) -> list[list[int]]:
-        known = cache.setdefault(variant, {})
-        missing = [p for p in prompts if p not in known]
-        if missing:
-            model = AutoModelForCausalLM.from_pretrained(family_dirs(variant), dtype=torch.float32).eval()
-            for prompt in missing:
-                known[prompt] = hf_greedy(model, default_tokenizer, default_tokenizer.encode(prompt), MAX_TOKENS,
-                                          ignore_eos=True)
-        return [known[p] for p in prompts]
-
-    return get
+    return greedy_references(family_dirs, default_tokenizer, MAX_TOKENS)
 
 
 def _check_greedy(llm: LLM, prompts: list[str], expected: list[list[int]]) -> list:
-    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    for output, reference in zip(outputs, expected):
-        assert output.outputs[0].token_ids == reference, output.prompt
-    return outputs
+    return check_greedy(llm, prompts, expected, GREEDY)
 
 
 # Qwen3 with tied embeddings runs in the chunked test only: it differs from "qwen3" only in what is loaded.
