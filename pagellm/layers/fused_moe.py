@@ -391,6 +391,13 @@ class FusedMoE(nn.Module):
                 f"method={type(self.quant_method).__name__}")
 
 
+def num_experts_of(config) -> int:
+    """The expert count, whichever name the config gives it (Mixtral's num_local_experts, Qwen's and OLMoE's
+    num_experts)."""
+    count = getattr(config, "num_experts", None)
+    return int(count if count is not None else config.num_local_experts)
+
+
 class SparseMoeBlock(nn.Module):
     """A router (`gate`, kept unquantized and replicated, as vLLM keeps it) and the experts it routes to: the MLP
     of Mixtral, Qwen3-MoE and OLMoE layers."""
@@ -404,6 +411,18 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden, self.gate(hidden))
+
+    @classmethod
+    def from_config(cls, config, intermediate_size: int, quant_config: QuantizationConfig | None, prefix: str,
+                    renormalize: bool | None = None) -> SparseMoeBlock:
+        """The softmax top-k block of an HF config: `num_experts_per_tok` of its experts, renormalised as
+        `renormalize` says, or as the config's `norm_topk_prob` does where not given."""
+        top_k = config.num_experts_per_tok
+        if renormalize is None:
+            renormalize = bool(getattr(config, "norm_topk_prob", False))
+        return cls(num_experts_of(config), top_k, config.hidden_size, intermediate_size,
+                   Routing.softmax_top_k(top_k, renormalize), quant_config, prefix,
+                   getattr(config, "hidden_act", "silu"))
 
 
 class ExpertCheckpointMixin:

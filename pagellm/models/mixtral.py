@@ -10,23 +10,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagellm.layers.fused_moe import ExpertCheckpointMixin, Routing, SparseMoeBlock
+from pagellm.layers.fused_moe import ExpertCheckpointMixin, SparseMoeBlock
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
-def num_experts_of(config) -> int:
-    """The expert count, whichever name the config gives it (Mixtral's num_local_experts, Qwen's and OLMoE's
-    num_experts)."""
-    count = getattr(config, "num_experts", None)
-    return int(count if count is not None else config.num_local_experts)
-
-
 class MixtralDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, config, layer_index: int, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
-        return SparseMoeBlock(num_experts_of(config), config.num_experts_per_tok, config.hidden_size,
-                              config.intermediate_size, Routing.softmax_top_k(config.num_experts_per_tok, True),
-                              quant_config, prefix, getattr(config, "hidden_act", "silu"))
+        return SparseMoeBlock.from_config(config, config.intermediate_size, quant_config, prefix, renormalize=True)
 
 
 class MixtralModel(LlamaModel):

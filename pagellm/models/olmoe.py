@@ -14,12 +14,11 @@ from torch import nn
 
 from pagellm.attention.paged import AttentionMetadata
 from pagellm.distributed.parallel_state import TensorParallelGroup, current_group
-from pagellm.layers.fused_moe import ExpertCheckpointMixin, Routing, SparseMoeBlock
+from pagellm.layers.fused_moe import ExpertCheckpointMixin, SparseMoeBlock
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RopeInputs, apply_rotary
 from pagellm.layers.weights import copy_checked
 from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from pagellm.models.mixtral import num_experts_of
 
 
 class ShardedRMSNorm(nn.Module):
@@ -84,10 +83,7 @@ class OlmoeDecoderLayer(LlamaDecoderLayer):
     attention_class = OlmoeAttention
 
     def make_mlp(self, config, layer_index: int, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
-        top_k = config.num_experts_per_tok
-        return SparseMoeBlock(num_experts_of(config), top_k, config.hidden_size, config.intermediate_size,
-                              Routing.softmax_top_k(top_k, bool(getattr(config, "norm_topk_prob", False))),
-                              quant_config, prefix, getattr(config, "hidden_act", "silu"))
+        return SparseMoeBlock.from_config(config, config.intermediate_size, quant_config, prefix)
 
 
 class OlmoeModel(LlamaModel):

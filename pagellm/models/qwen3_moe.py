@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagellm.layers.fused_moe import ExpertCheckpointMixin, Routing, SparseMoeBlock
+from pagellm.layers.fused_moe import ExpertCheckpointMixin, SparseMoeBlock, num_experts_of
 from pagellm.layers.quantization.base import QuantizationConfig
-from pagellm.models.mixtral import num_experts_of
 from pagellm.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 
 
@@ -26,10 +25,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     def make_mlp(self, config, layer_index: int, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
         if not is_sparse_layer(config, layer_index):
             return super().make_mlp(config, layer_index, quant_config, prefix)
-        top_k = config.num_experts_per_tok
-        return SparseMoeBlock(num_experts_of(config), top_k, config.hidden_size, config.moe_intermediate_size,
-                              Routing.softmax_top_k(top_k, bool(getattr(config, "norm_topk_prob", False))),
-                              quant_config, prefix, getattr(config, "hidden_act", "silu"))
+        return SparseMoeBlock.from_config(config, config.moe_intermediate_size, quant_config, prefix)
 
 
 class Qwen3MoeModel(Qwen3Model):
