@@ -41,10 +41,10 @@ from pagellm.attention.paged import (
     DecodeMetadata,
     PrefillChunk,
     TorchAttentionBackend,
-    _attend,
-    _chunk_mask,
-    _decode_mask,
+    chunk_mask,
+    decode_mask,
     gather_kv,
+    sdpa_attend,
     to_device,
 )
 
@@ -92,7 +92,7 @@ def torch_latent_decode(q: torch.Tensor, cache: torch.Tensor, decode: DecodeMeta
     block_size = block_size or cache.shape[2]
     latents = gather_kv(cache, decode.block_tables_tensor, kv_format, width)[:, 0].float()  # [decodes, keys, width]
     scores = torch.bmm(q.float(), latents.transpose(1, 2)) * scale  # [decodes, heads, keys]
-    scores = scores.masked_fill(~_decode_mask(decode, block_size)[:, 0], float("-inf"))
+    scores = scores.masked_fill(~decode_mask(decode, block_size)[:, 0], float("-inf"))
     return torch.bmm(scores.softmax(dim=-1), latents[..., :rank]).to(q.dtype)
 
 
@@ -104,14 +104,14 @@ def chunk_context(chunk: PrefillChunk, own: torch.Tensor, cache: torch.Tensor,
     if chunk.block_table is None:
         return (kv_format.round_trip(own) if kv_format is not None and kv_format.quantized else own), None
     latents = read_latents(cache, chunk.block_table, chunk.context_len, own.shape[-1], kv_format)
-    return latents, _chunk_mask(chunk, own.device)
+    return latents, chunk_mask(chunk, own.device)
 
 
 def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                        scale: float) -> torch.Tensor:
     """q [queries, heads, qk], k [keys, heads, qk], v [keys, heads, v] -> [queries, heads, v]; causal when mask
     is None (queries and keys then are the same tokens)."""
-    out = _attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale,
+    out = sdpa_attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale,
                   is_causal=mask is None)
     return out[0].transpose(0, 1)
 

@@ -47,7 +47,7 @@ class PrefillChunk:
     end: int
     # Set only for a chunk with context before it: the sequence's blocks up to its context length, and
     # the [chunk, context] mask (True = attend) that makes the chunk causal at its real positions, built
-    # by the first layer that attends to the whole context (_chunk_mask): a model whose every layer slides
+    # by the first layer that attends to the whole context (chunk_mask): a model whose every layer slides
     # never builds it.
     block_table: torch.Tensor | None = None
     context_len: int = 0
@@ -64,7 +64,7 @@ class DecodeMetadata:
     # The torch path's padded batch; None when the native kernel runs.
     block_tables_tensor: torch.Tensor | None = None
     # [num_decodes, 1, 1, max_blocks * block_size], True = attend; built by the first layer that attends to
-    # every key (_decode_mask).
+    # every key (decode_mask).
     mask: torch.Tensor | None = None
     # Per sliding window, the torch path's (block tables, mask) over the blocks the window touches.
     windows: dict = field(default_factory=dict)
@@ -127,7 +127,7 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, kv_format: KVCach
     return values.transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
 
 
-def _attend(q, k, v, mask, scale, is_causal: bool = False) -> torch.Tensor:
+def sdpa_attend(q, k, v, mask, scale, is_causal: bool = False) -> torch.Tensor:
     # q: [B, H, Q, D]; k/v: [B, KVH, L, D]. enable_gqa maps query head h to kv head h // (H / KVH)
     # without materialising repeated K/V (measured ~3x faster on a decode batch, bit-identical).
     dtype = q.dtype
@@ -148,15 +148,15 @@ def _decode_attention(q, k_cache, v_cache, decode: DecodeMetadata, kernel: Decod
                       kv_format)
     block_size = block_size or k_cache.shape[2]
     if sliding_window is None:
-        tables, mask = decode.block_tables_tensor, _decode_mask(decode, block_size)
+        tables, mask = decode.block_tables_tensor, decode_mask(decode, block_size)
     else:
         tables, mask = _decode_window(decode, sliding_window, block_size)
     k = gather_kv(k_cache, tables, kv_format, q.shape[-1])
     v = gather_kv(v_cache, tables, kv_format, q.shape[-1])
-    return _attend(q.unsqueeze(2), k, v, mask, scale).squeeze(2)
+    return sdpa_attend(q.unsqueeze(2), k, v, mask, scale).squeeze(2)
 
 
-def _decode_mask(decode: DecodeMetadata, block_size: int) -> torch.Tensor:
+def decode_mask(decode: DecodeMetadata, block_size: int) -> torch.Tensor:
     """Which keys of the padded batch each decode attends: those before its context length."""
     if decode.mask is None:
         keys = np.arange(decode.block_tables.shape[1] * block_size)
@@ -199,20 +199,20 @@ def _chunk_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale,
         else:
             k = gather_kv(k_cache, table[None], kv_format, head_dim)[0, :, :num_keys]
             v = gather_kv(v_cache, table[None], kv_format, head_dim)[0, :, :num_keys]
-        out = _attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale)
+        out = sdpa_attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale)
         return out[0].transpose(0, 1)
     mask = None
     if chunk.block_table is not None:
         k = gather_kv(k_cache, chunk.block_table[None], kv_format, head_dim)[0, :, : chunk.context_len]
         v = gather_kv(v_cache, chunk.block_table[None], kv_format, head_dim)[0, :, : chunk.context_len]
-        mask = _chunk_mask(chunk, q.device)
+        mask = chunk_mask(chunk, q.device)
     else:
         k, v = k.transpose(0, 1), v.transpose(0, 1)
-    out = _attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale, is_causal=mask is None)
+    out = sdpa_attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale, is_causal=mask is None)
     return out[0].transpose(0, 1)
 
 
-def _chunk_mask(chunk: PrefillChunk, device) -> torch.Tensor:
+def chunk_mask(chunk: PrefillChunk, device) -> torch.Tensor:
     """The [chunk, context] causal mask of a chunk with context before it: query i sits at position
     num_computed + i and sees keys up to and including it. Built once per step, by the first layer that
     needs it."""
