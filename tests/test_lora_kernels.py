@@ -115,7 +115,7 @@ def _adapted_request(request_id: str, arrival: int, lora: LoRARequest | None) ->
 
 def test_a_request_waits_while_no_slot_can_be_freed_and_others_pass_it():
     kv = KVCacheManager(64, 4, enable_prefix_caching=True)
-    scheduler = Scheduler(SchedulerConfig(64, 8, max_model_len=64), kv, LoRASlotTable(1))
+    scheduler = Scheduler(SchedulerConfig(64, 8, max_model_len=64), kv, lora_slots=LoRASlotTable(1))
     scheduler.add_request(_adapted_request("a", 0, _lora(1)))
     scheduler.add_request(_adapted_request("b", 1, _lora(2)))
     scheduler.add_request(_adapted_request("base", 2, None))

@@ -171,7 +171,7 @@ def _cached_chains(kv: KVCacheManager) -> set[tuple[int, ...]]:
 
 def _run(prompts, max_tokens, speculator, num_blocks=256, budget=64, block_size=4):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
-    scheduler = Scheduler(SchedulerConfig(budget, 8, 128), kv, speculator)
+    scheduler = Scheduler(SchedulerConfig(budget, 8, 128), kv, speculator=speculator)
     requests = []
     for index, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
         request = Request(str(index), prompt, SamplingParams(temperature=0, max_tokens=limit), index, limit,
@@ -215,7 +215,8 @@ def test_rollback_mid_run_equals_the_run_without_speculation_step_for_step(promp
     plain_kv = KVCacheManager(64, 4, enable_prefix_caching=True)
     spec_kv = KVCacheManager(64, 4, enable_prefix_caching=True)
     plain = Scheduler(SchedulerConfig(64, 8, 128), plain_kv)
-    spec = Scheduler(SchedulerConfig(64, 8, 128), spec_kv, _OracleSpeculator(5, 0.3, seed=len(prompt)))
+    spec = Scheduler(SchedulerConfig(64, 8, 128), spec_kv,
+                     speculator=_OracleSpeculator(5, 0.3, seed=len(prompt)))
     for scheduler in (plain, spec):
         scheduler.add_request(Request("r", prompt, SamplingParams(temperature=0, max_tokens=40), 0, 40))
     twin, request = plain.requests["r"], spec.requests["r"]
@@ -233,14 +234,14 @@ def test_rollback_mid_run_equals_the_run_without_speculation_step_for_step(promp
 
 def test_drafts_stop_above_disable_by_batch_size_and_never_preempt():
     kv = KVCacheManager(64, 4)
-    scheduler = Scheduler(SchedulerConfig(64, 8, 128), kv, _OracleSpeculator(4, 0.0, 0, by_batch=1))
+    scheduler = Scheduler(SchedulerConfig(64, 8, 128), kv, speculator=_OracleSpeculator(4, 0.0, 0, by_batch=1))
     for index in range(2):
         scheduler.add_request(Request(str(index), [1, 2, 3], SamplingParams(temperature=0, max_tokens=9), index, 9))
     _fake_step(scheduler)
     assert not scheduler.schedule().spec_token_ids  # two running, more than disable_by_batch_size=1
     # A tight pool: drafts are not given where their slots would need a preemption.
     tight = KVCacheManager(6, 4)  # the 23 tokens of the request fit, its last drafts do not
-    scheduler = Scheduler(SchedulerConfig(64, 8, 128), tight, _OracleSpeculator(4, 0.0, 0))
+    scheduler = Scheduler(SchedulerConfig(64, 8, 128), tight, speculator=_OracleSpeculator(4, 0.0, 0))
     request = Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20), 0, 20)
     scheduler.add_request(request)
     for _ in range(40):

@@ -166,7 +166,7 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 speculator: Speculator | None = None, lora_slots: LoRASlotTable | None = None) -> None:
+                 *, speculator: Speculator | None = None, lora_slots: LoRASlotTable | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.speculator = speculator

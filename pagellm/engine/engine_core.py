@@ -70,8 +70,8 @@ class EngineCore:
                             args.enable_chunked_prefill),
             KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                            model_sliding_window(self.model_info.hf_config)),
-            make_speculator(args.speculative_config),
-            LoRASlotTable(args.max_loras) if args.enable_lora else None,
+            speculator=make_speculator(args.speculative_config),
+            lora_slots=LoRASlotTable(args.max_loras) if args.enable_lora else None,
         )
         self.startup = StartupReport(time.perf_counter() - started, num_blocks, args.block_size, worker.kv_bytes,
                                      worker.weights_bytes, worker.activation_peak, max_model_len)

@@ -387,9 +387,9 @@ def test_priority_reaches_the_engine_body_or_header(tiny_llama_dir, monkeypatch)
     seen: list[int] = []
     add_request = engine.add_request
 
-    def spy(request_id, prompt, params, priority=0):
+    def spy(request_id, prompt, params, priority=0, **more):
         seen.append(priority)
-        return add_request(request_id, prompt, params, priority)
+        return add_request(request_id, prompt, params, priority, **more)
 
     monkeypatch.setattr(engine, "add_request", spy)
     try:
