@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 import numpy as np
+import torch
 
 from pagellm.layers.linear import LinearBase
 from pagellm.lora.cpu_kernels import LoRAKernel
@@ -55,8 +54,7 @@ class LoRALayerSlots:
         self.capacity = len(layer.shard_ids) * max_rank
         self.a = torch.zeros(max_loras, self.capacity, layer.input_size, dtype=dtype, device=device)
         self.b_t = torch.zeros(max_loras, self.capacity, layer.output_size, dtype=dtype, device=device)
-        self.widths = [0] * max_loras
-        self.width_array = np.zeros(max_loras, dtype=np.int64)  # the same, for the C kernel
+        self.widths = np.zeros(max_loras, dtype=np.int64)  # columns of each slot in use (0: layer not adapted)
 
     @property
     def nbytes(self) -> int:
@@ -89,12 +87,11 @@ class LoRALayerSlots:
         if width:
             self.a[slot, :width].copy_(packed.a, non_blocking=True)
             self.b_t[slot, :width].copy_(packed.b_t, non_blocking=True)
-        previous = self.widths[slot]
+        previous = int(self.widths[slot])
         if previous > width:
             self.a[slot, width:previous].zero_()
             self.b_t[slot, width:previous].zero_()
         self.widths[slot] = width
-        self.width_array[slot] = width
 
     def _shard_parts(self, weight: LoRAWeights) -> list[tuple[object, torch.Tensor]]:
         """(shard, its rows of B): one shard, or each of a fused layer's shards of a B over all its outputs."""
@@ -112,5 +109,5 @@ class LoRALayerSlots:
 
             return add_lora_triton(x, out, self.a, self.b_t, mapping)
         if self.cpu_kernel is not None and LoRAKernel.supports(x, out, self.capacity):
-            return self.cpu_kernel(x, out, self.a, self.b_t, mapping.rows, mapping.segment_array, self.width_array)
+            return self.cpu_kernel(x, out, self.a, self.b_t, mapping.rows, mapping.segment_array, self.widths)
         return add_lora_torch(x, out, self.a, self.b_t, self.widths, mapping)

@@ -49,14 +49,14 @@ def build_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAStepMapp
     return LoRAStepMapping(order_tensor, segments, len(order), order, segment_array)
 
 
-def add_lora_torch(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, widths: list[int],
+def add_lora_torch(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, widths: np.ndarray,
                    mapping: LoRAStepMapping) -> torch.Tensor:
     """out[t] += (x[t] @ A[s]^T) @ B[s]^T for each adapted token t of slot s. a: [slots, cap, in],
     b_t: [slots, cap, out] (B transposed, the scaling folded in); widths[s]: the columns of slot s in use."""
     grouped = x if mapping.order is None else x.index_select(0, mapping.order)
     delta = None
     for slot, start, end in mapping.segments:
-        width = widths[slot]
+        width = int(widths[slot])
         if width == 0:
             continue  # the slot's adapter leaves this layer alone
         if delta is None:

@@ -13,6 +13,7 @@ same noise at each output index as without speculation, so its tokens are the sa
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,16 +64,24 @@ def extend_logits_index(logits_index: torch.Tensor, spec: SpecStep) -> torch.Ten
     return torch.cat([logits_index, to_device(spec.logits_index, logits_index.device)])
 
 
-def verify(logits: torch.Tensor, spec: SpecStep, batch: InputBatch, builder: SamplingBatchBuilder,
-           sampler: Sampler, output: ModelRunnerOutput, block_size: int) -> None:
-    """logits: [sum(1 + k), V], the spec rows' positions in order. Fills the output with each row's taken tokens
-    and updates the runner's copy: tokens appended, the rejected drafts' positions no longer computed."""
+def verify(logits_chunks: Iterable[tuple[int, torch.Tensor | None]], spec: SpecStep, batch: InputBatch,
+           builder: SamplingBatchBuilder, sampler: Sampler, output: ModelRunnerOutput, block_size: int) -> None:
+    """logits_chunks: (first row, logits) of the spec rows' sum(1 + k) positions in order, as
+    worker/logits.py's logits_in_chunks yields them (None on a rank that does not sample). Fills the output with
+    each row's taken tokens and updates the runner's copy: tokens appended, the rejected drafts' positions no
+    longer computed."""
     per_row = spec.num_drafts + 1
     sampling_rows = np.repeat(spec.rows, per_row)
     # Position j of a row samples as its (output index + j)-th token, with the drafts before it in its history.
     offsets = np.arange(len(sampling_rows)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
     sampling = builder.build(sampling_rows, np.zeros(len(sampling_rows), dtype=np.int64), offsets)
-    result = sampler(logits, sampling)
+    result = None
+    for first, logits in logits_chunks:
+        if logits is None:
+            return
+        if result is None:
+            result = sampler.new_output(sampling, logits.device)
+        sampler.sample_into(logits, sampling, first, result)
     tokens = result.token_ids.tolist()
     start = 0
     for row, k in zip(spec.rows.tolist(), spec.num_drafts.tolist()):

@@ -137,9 +137,9 @@ class ModelRunner:
             self._consume_logits(hidden[inputs.logits_index[:num_plain]], num_samples, rows, inputs, sampling, output)
         batch.num_computed[rows] += num_scheduled
         if spec is not None:
-            spec_logits = self.model.compute_logits(hidden[inputs.logits_index[num_plain:]])
-            if spec_logits is not None:
-                verify(spec_logits, spec, batch, self.sampling_batches, self.sampler, output, self.block_size)
+            spec_logits = logits_in_chunks(self.model.compute_logits, hidden[inputs.logits_index[num_plain:]],
+                                           self.logits_rows_per_chunk)
+            verify(spec_logits, spec, batch, self.sampling_batches, self.sampler, output, self.block_size)
         return output
 
     def _consume_logits(self, hidden: torch.Tensor, num_samples: int, rows: np.ndarray, inputs: StepInputs,
