@@ -14,7 +14,7 @@ cached k_pe is in that de-interleaved order.
 Tensor parallelism splits the heads: a rank holds its heads' rows of q_proj / q_b_proj and of kv_b_proj
 (their W_UK and W_UV) and the same input columns of o_proj (row-parallel, one all-reduce), as vLLM's MLA does.
 The latent side (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm) is replicated: every rank
-computes the same latent row and its pool holds it whole, so the cache per rank is the cache of one rank, and
+computes the same latent row and its pool holds it whole (the cache does not shrink with more ranks), and
 decode absorbs W_UK and W_UV per rank over its own heads.
 
 Softmax scale: qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) squared where the config's rope is
