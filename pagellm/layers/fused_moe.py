@@ -212,7 +212,8 @@ class FusedMoEMethodBase(ABC):
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate_size: int,
                        params_dtype: torch.dtype) -> None:
         """Register w13 (gate and up stacked, [E, 2 * intermediate, hidden] in this rank's share) and w2
-        ([E, hidden, intermediate]) or their quantized equivalents."""
+        ([E, hidden, intermediate]) or their quantized equivalents. E is `num_experts`, the experts this rank
+        holds (all, or its own under expert parallelism), and `apply` gets ids local to them."""
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         """Turn the loaded parameters into what `apply` runs on."""
