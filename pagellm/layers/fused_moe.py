@@ -377,9 +377,10 @@ class FusedMoE(nn.Module):
         if not self.expert_parallel:
             return ExpertPlacement.whole(num_experts)
         if num_experts < self.group.size:
+            experts = f"{num_experts} expert" + ("" if num_experts == 1 else "s")
             raise ValueError(
                 f"{prefix}: enable_expert_parallel places whole experts on the tensor_parallel_size="
-                f"{self.group.size} ranks, but this layer has {num_experts} experts, so a rank would hold none; use "
+                f"{self.group.size} ranks, but this layer has {experts}, so a rank would hold none; use "
                 f"tensor_parallel_size <= {num_experts}, or leave expert parallelism off to split every expert")
         return ExpertPlacement.for_rank(num_experts, self.group.rank, self.group.size)
 

@@ -423,6 +423,15 @@ def test_expert_parallel_refuses_more_ranks_than_experts():
             _model_class("mixtral")(config, 256)
 
 
+def test_engine_with_expert_parallel_refuses_a_single_expert(tmp_path):
+    # config.json alone, two ranks started: the engine fails to start with the layer's reason, nothing loaded.
+    _, config = _mixtral()
+    fields = {**config.to_dict(), "vocab_size": 64, "num_local_experts": 1, "num_experts_per_tok": 1}
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 ranks, but this layer has 1 expert, so a rank would hold none"):
+        LLM(_write_config(tmp_path / "model", **fields), dtype="float32", tensor_parallel_size=2,
+            enable_expert_parallel=True, distributed_timeout_seconds=60)
+
+
 def test_tensor_parallel_size_must_divide_the_experts_intermediate_size():
     with building_with(TensorParallelGroup(0, 4)), pytest.raises(ValueError, match=r"tensor_parallel_size=4.*\(18\)"):
         FusedMoE(4, 2, 16, 18, prefix="model.layers.0.mlp.experts")
