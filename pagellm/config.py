@@ -293,8 +293,11 @@ class EngineArgs:
     data_parallel_multi_port_external_lb: bool = default_only(False, group=PARALLEL, flags=("-dpm",), why=_NO_DP)
     data_parallel_backend: str = no_effect("mp", group=PARALLEL, flags=("-dpb",))
     enable_hc_sp: bool = default_only(False, group=PARALLEL, why="pagellm does no sequence parallelism")
-    # Expert parallelism and its tuning apply to MoE models, which pagellm does not run.
-    enable_expert_parallel: bool = no_effect(False, group=PARALLEL, flags=("-ep",))
+    enable_expert_parallel: bool = arg(False, group=PARALLEL, flags=("-ep",),
+                                       help="mixture-of-experts layers place whole experts on the tensor-parallel "
+                                            "ranks (E/tensor_parallel_size each) instead of a slice of every expert")
+    # The tuning of expert parallelism's all-to-all, load balancing and data-parallel variants, which pagellm's
+    # all-reduce expert parallelism over the tensor-parallel ranks has no use for.
     enable_batch_sharded_sampling: bool | None = no_effect(None, group=PARALLEL, kind="bool")
     enable_ep_weight_filter: bool = no_effect(False, group=PARALLEL)
     all2all_backend: str = no_effect("allgather_reducescatter", group=PARALLEL)

@@ -3,7 +3,8 @@
 An MLA layer caches, per token, one row of `kv_lora_rank + qk_rope_head_dim` values: the normalised latent c
 (kv_a_layernorm of the first kv_lora_rank outputs of kv_a_proj_with_mqa) and the rotated rope key k_pe shared
 by all heads. The pool holds that row as a single "head" of one plane per layer (kv_spec.KVCacheSpec with
-latent=True): no V, no per-head keys.
+latent=True): no V, no per-head keys. Under tensor parallelism every rank's pool holds the whole row (its heads
+all read it).
 
 Attention from that row, with W_UK [heads, qk_nope_head_dim, rank] and W_UV [heads, v_head_dim, rank] the two
 halves of kv_b_proj:

@@ -89,7 +89,8 @@ def join_group(store: dist.Store, rank: int, spec: LaunchSpec, device: torch.dev
                port: int) -> TensorParallelGroup:
     timeout = timedelta(seconds=spec.args.distributed_timeout_seconds)
     try:
-        return build_group(store, rank, spec.world_size, device, timeout, IDLE_TIMEOUT)
+        return build_group(store, rank, spec.world_size, device, timeout, IDLE_TIMEOUT,
+                           spec.args.enable_expert_parallel)
     except (RuntimeError, dist.DistError) as exc:
         hint = ""
         if spec.nnodes > 1:

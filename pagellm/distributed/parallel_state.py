@@ -6,6 +6,10 @@ directly on a rendezvous store, and each layer keeps the group that was current 
 Two process groups join the same ranks: `device_group` (gloo on CPU, NCCL on CUDA) carries the
 activations, `cpu_group` (always gloo) carries the driver's per-step messages, with a timeout of its
 own, because a worker waits there for as long as the engine stays idle.
+
+`expert_parallel` (vLLM's enable_expert_parallel) tells the mixture-of-experts layers built for the group to
+place whole experts on its ranks instead of a slice of every expert (layers/fused_moe.py); the same ranks and
+collectives serve both.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class TensorParallelGroup:
     size: int
     device_group: object | None = None
     cpu_group: object | None = None
+    expert_parallel: bool = False
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` over the ranks, in place."""
@@ -98,7 +103,7 @@ _current = SINGLE
 
 
 def build_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta,
-                idle_timeout: timedelta) -> TensorParallelGroup:
+                idle_timeout: timedelta, expert_parallel: bool = False) -> TensorParallelGroup:
     """Joins the ranks that meet on `store`; returns once all `size` have joined (or raises on timeout)."""
     cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
     cpu_group.set_timeout(idle_timeout)  # after the rendezvous, which `timeout` bounds
@@ -108,7 +113,7 @@ def build_group(store: dist.Store, rank: int, size: int, device: torch.device, t
         device_group = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, size, options)
     else:
         device_group = dist.ProcessGroupGloo(dist.PrefixStore("device", store), rank, size, timeout)
-    return TensorParallelGroup(rank, size, device_group, cpu_group)
+    return TensorParallelGroup(rank, size, device_group, cpu_group, expert_parallel)
 
 
 @contextmanager

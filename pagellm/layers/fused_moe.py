@@ -15,6 +15,13 @@ one Triton kernel per product (ops/triton_moe.py).
 
 Tensor parallelism splits each expert's intermediate features as LlamaMLP splits its own: a rank holds rows
 [r * I/n, (r + 1) * I/n) of w1 and w3 and the same columns of w2, and one all-reduce sums the ranks' outputs.
+
+Expert parallelism (the group's `expert_parallel`, vLLM's enable_expert_parallel) instead places whole experts
+on the ranks, contiguous as vLLM's "linear" placement puts them: with E experts on n ranks, rank r holds
+E // n of them, one more for the first E % n ranks. The router runs replicated on every rank; each rank runs
+its own experts' (token, expert) pairs for all tokens, and the same one all-reduce sums the ranks' outputs.
+Every rank already holds every token (the ranks are tensor-parallel), so no all-to-all dispatch is needed:
+it would move the same activations to fewer ranks but add a second collective per layer.
 """
 
 from __future__ import annotations
@@ -160,6 +167,34 @@ SHARD_IDS = ("w1", "w3", "w2")
 
 
 @dataclass(frozen=True)
+class ExpertPlacement:
+    """The experts one rank holds: [start, start + count) of the layer's `total`."""
+
+    start: int
+    count: int
+    total: int
+
+    @classmethod
+    def whole(cls, num_experts: int) -> ExpertPlacement:
+        return cls(0, num_experts, num_experts)
+
+    @classmethod
+    def for_rank(cls, num_experts: int, rank: int, size: int) -> ExpertPlacement:
+        """vLLM's linear placement (determine_expert_map): E // size each, one more on the first E % size ranks."""
+        base, extra = divmod(num_experts, size)
+        return cls(rank * base + min(rank, extra), base + (rank < extra), num_experts)
+
+    @property
+    def holds_all(self) -> bool:
+        return self.count == self.total
+
+    def local_index(self, expert_id: int) -> int | None:
+        """Where global expert `expert_id` sits in this rank's stacked weights, or None if another rank holds it."""
+        local = expert_id - self.start
+        return local if 0 <= local < self.count else None
+
+
+@dataclass(frozen=True)
 class ExpertTarget:
     """Where one checkpoint expert tensor goes: parameter `param` (w13_weight or w2_weight) of a FusedMoE,
     expert `expert_id`, shard `shard_id` (w1 gate, w3 up, w2 down)."""
@@ -177,7 +212,8 @@ class FusedMoEMethodBase(ABC):
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate_size: int,
                        params_dtype: torch.dtype) -> None:
         """Register w13 (gate and up stacked, [E, 2 * intermediate, hidden] in this rank's share) and w2
-        ([E, hidden, intermediate]) or their quantized equivalents."""
+        ([E, hidden, intermediate]) or their quantized equivalents. E is `num_experts`, the experts this rank
+        holds (all, or its own under expert parallelism), and `apply` gets ids local to them."""
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         """Turn the loaded parameters into what `apply` runs on."""
@@ -234,7 +270,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             from pagellm.ops.triton_moe import fused_experts
 
             return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-        return grouped_experts(x, topk_weights, topk_ids, layer.num_experts, self._product(layer, "gate_up"),
+        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, self._product(layer, "gate_up"),
                                self._product(layer, "down"), 2 * layer.intermediate_size, layer.act_fn)
 
     @staticmethod
@@ -285,8 +321,9 @@ def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
 
 
 class FusedMoE(nn.Module):
-    """`num_experts` gated-SiLU experts of `intermediate_size` features each (this rank's share under tensor
-    parallelism), each token weighted over the `top_k` experts its router logits choose."""
+    """`num_experts` gated-SiLU experts of `intermediate_size` features each, each token weighted over the `top_k`
+    experts its router logits choose. Under tensor parallelism a rank holds a slice of every expert's features;
+    with the group's expert parallelism, whole experts (`placement`)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  activation: str = "silu", quant_config: QuantizationConfig | None = None, prefix: str = "",
@@ -301,15 +338,20 @@ class FusedMoE(nn.Module):
         self.routing.check(num_experts)
         if activation != "silu":
             raise ValueError(f"{prefix}: hidden_act={activation!r} is not supported for experts; supported: 'silu'")
-        if intermediate_size < 1 or intermediate_size % self.group.size:
+        self.expert_parallel = self.group.expert_parallel and self.group.size > 1
+        self.placement = self._place_experts(num_experts, prefix)
+        # The ranks the intermediate features are split over: none under expert parallelism.
+        self.feature_rank, self.feature_ranks = (0, 1) if self.expert_parallel else (self.group.rank, self.group.size)
+        if intermediate_size < 1 or intermediate_size % self.feature_ranks:
             raise ValueError(
                 f"{prefix}: tensor_parallel_size={self.group.size} does not divide the experts' intermediate size "
                 f"({intermediate_size}); each rank needs an equal share of every expert: use a size dividing "
-                f"{intermediate_size}")
+                f"{intermediate_size}, or enable_expert_parallel to give each rank whole experts")
         self.num_experts = num_experts
+        self.local_num_experts = self.placement.count
         self.top_k = top_k
         self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size // self.group.size
+        self.intermediate_size = intermediate_size // self.feature_ranks
         self.reduce_results = reduce_results
         self.act_fn = SiluAndMul()
         # DeepSeek-V3's per-expert bias (float32, as its checkpoints store it), added to the scores only to
@@ -320,15 +362,27 @@ class FusedMoE(nn.Module):
         else:
             self.register_parameter("e_score_correction_bias", None)
         self.quant_method = moe_method_for(quant_config, prefix)
-        self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_size,
+        self.quant_method.create_weights(self, self.local_num_experts, hidden_size, self.intermediate_size,
                                          torch.get_default_dtype())
         shards = {"w13_weight": ("w1", "w3"), "w2_weight": ("w2",)}
         for name, param in self.named_parameters(recurse=False):
             if name not in shards:
                 continue  # the correction bias loads whole
-            # (expert, shard) pairs a complete checkpoint fills, as the model's loader counts them.
+            # (expert, shard) pairs a complete checkpoint fills, as the model's loader counts them: every expert's,
+            # those another rank holds included (this rank's loader passes over them).
             set_weight_attrs(param, weight_loader=self._checkpoint_loader,
                              shard_ids=tuple((e, s) for e in range(num_experts) for s in shards[name]))
+
+    def _place_experts(self, num_experts: int, prefix: str) -> ExpertPlacement:
+        if not self.expert_parallel:
+            return ExpertPlacement.whole(num_experts)
+        if num_experts < self.group.size:
+            experts = f"{num_experts} expert" + ("" if num_experts == 1 else "s")
+            raise ValueError(
+                f"{prefix}: enable_expert_parallel places whole experts on the tensor_parallel_size="
+                f"{self.group.size} ranks, but this layer has {experts}, so a rank would hold none; use "
+                f"tensor_parallel_size <= {num_experts}, or leave expert parallelism off to split every expert")
+        return ExpertPlacement.for_rank(num_experts, self.group.rank, self.group.size)
 
     @staticmethod
     def checkpoint_target(name: str) -> tuple[str, ExpertTarget] | None:
@@ -355,7 +409,8 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str, expert_id: int) -> None:
         """One expert's w1 (gate) or w3 (up) [I, H], or w2 (down) [H, I], as the checkpoint stores it: this
-        rank's slice of the intermediate features goes to its place in the stacked parameter."""
+        rank's slice of the intermediate features goes to its place in the stacked parameter; under expert
+        parallelism the whole tensor of an expert this rank holds, and nothing of the others'."""
         name = f"{self.prefix}.experts.{expert_id}.{shard_id}"
         if shard_id not in SHARD_IDS:
             raise ValueError(f"{name}: unknown expert shard {shard_id!r}; shards are {SHARD_IDS}")
@@ -363,12 +418,15 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{name}: expert {expert_id} is out of range; this layer has {self.num_experts}")
         # w1/w3 hold the intermediate features along rows, w2 along columns: this rank takes its slice.
         dim = 1 if shard_id == "w2" else 0
-        size, total = self.intermediate_size, self.intermediate_size * self.group.size
+        size, total = self.intermediate_size, self.intermediate_size * self.feature_ranks
         if loaded_weight.dim() != 2 or loaded_weight.shape[dim] != total:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(loaded_weight.shape)}; expected "
                              f"{total} intermediate features along dimension {dim}")
-        rank_slice = loaded_weight.narrow(dim, self.group.rank * size, size)
-        expert = param.data[expert_id]
+        local = self.placement.local_index(expert_id)
+        if local is None:
+            return
+        rank_slice = loaded_weight.narrow(dim, self.feature_rank * size, size)
+        expert = param.data[local]
         if shard_id != "w2":
             expert = expert.narrow(0, 0 if shard_id == "w1" else size, size)
         copy_checked(expert, rank_slice, name)
@@ -382,11 +440,32 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router_logits [T, num_experts] -> [T, H], summed over the ranks."""
         topk_weights, topk_ids = self.select_experts(router_logits)
-        out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
+        if self.placement.holds_all:
+            out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
+        else:
+            out = self._apply_local_experts(hidden, topk_weights, topk_ids)
         return self.group.all_reduce(out) if self.reduce_results else out
 
+    def _apply_local_experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                             topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's part under expert parallelism: the (token, expert) pairs routed to its experts, run by the
+        experts' method as one choice per row (ids local to the rank), summed back into their tokens; tokens with
+        no pair here get zeros."""
+        local_ids = topk_ids.reshape(-1) - self.placement.start
+        pairs = ((local_ids >= 0) & (local_ids < self.placement.count)).nonzero().squeeze(1)
+        out = torch.zeros_like(hidden)
+        if pairs.numel() == 0:
+            return out
+        tokens = pairs // topk_ids.shape[1]
+        rows = self.quant_method.apply(self, hidden.index_select(0, tokens),
+                                       topk_weights.reshape(-1).index_select(0, pairs).unsqueeze(1),
+                                       local_ids.index_select(0, pairs).unsqueeze(1))
+        return out.index_add_(0, tokens, rows)
+
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+        held = "" if self.placement.holds_all else \
+            f" (this rank: {self.placement.start}..{self.placement.start + self.placement.count - 1})"
+        return (f"experts={self.num_experts}{held}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}, routing={self.routing}, "
                 f"method={type(self.quant_method).__name__}")
 

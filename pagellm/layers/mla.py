@@ -11,6 +11,12 @@ the odd elements and rotates those halves as rotate-half does: V3's own formulat
 permutation of the rotated pairs, applied to queries and keys alike, so every dot product is the same. The
 cached k_pe is in that de-interleaved order.
 
+Tensor parallelism splits the heads: a rank holds its heads' rows of q_proj / q_b_proj and of kv_b_proj
+(their W_UK and W_UV) and the same input columns of o_proj (row-parallel, one all-reduce), as vLLM's MLA does.
+The latent side (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm) is replicated: every rank
+computes the same latent row and its pool holds it whole (the cache does not shrink with more ranks), and
+decode absorbs W_UK and W_UV per rank over its own heads.
+
 Softmax scale: qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) squared where the config's rope is
 scaled (yarn) with an `mscale_all_dim`, as DeepSeek's configs set it and transformers computes it; the cos/sin
 tables carry yarn's own attention factor (transformers' rope init).
@@ -30,8 +36,9 @@ from pagellm.attention.mla import (
     torch_latent_decode,
     write_latent,
 )
+from pagellm.distributed.parallel_state import current_group
 from pagellm.layers.layernorm import RMSNorm
-from pagellm.layers.linear import ReplicatedLinear
+from pagellm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RopeInputs, apply_rotary
 
@@ -58,7 +65,13 @@ class MLAAttention(nn.Module):
     def __init__(self, config, layer_index: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_attention_heads
+        group = current_group()
+        total_heads = config.num_attention_heads
+        if total_heads % group.size:
+            raise ValueError(f"tensor_parallel_size={group.size} does not divide num_attention_heads={total_heads}: "
+                             "multi-head latent attention gives each rank whole heads; use a size dividing "
+                             f"{total_heads}")
+        self.num_heads = total_heads // group.size  # this rank's
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
         self.nope_dim = config.qk_nope_head_dim
@@ -68,20 +81,20 @@ class MLAAttention(nn.Module):
         hidden = config.hidden_size
         bias = bool(getattr(config, "attention_bias", False))
         if self.q_lora_rank is None:
-            self.q_proj = ReplicatedLinear(hidden, self.num_heads * self.qk_dim, False, quant_config,
-                                           f"{prefix}.q_proj")
+            self.q_proj = ColumnParallelLinear(hidden, total_heads * self.qk_dim, False, quant_config,
+                                               f"{prefix}.q_proj")
         else:
             self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias, quant_config, f"{prefix}.q_a_proj")
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = ReplicatedLinear(self.q_lora_rank, self.num_heads * self.qk_dim, False, quant_config,
-                                             f"{prefix}.q_b_proj")
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * self.qk_dim, False, quant_config,
+                                                 f"{prefix}.q_b_proj")
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim, bias, quant_config,
                                                    f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
         # Unquantized whatever the checkpoint's method: decode absorbs its two halves into the query and output.
-        self.kv_b_proj = ReplicatedLinear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), False,
-                                          None, f"{prefix}.kv_b_proj")
-        self.o_proj = ReplicatedLinear(self.num_heads * self.v_dim, hidden, bias, quant_config, f"{prefix}.o_proj")
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, total_heads * (self.nope_dim + self.v_dim), False,
+                                              None, f"{prefix}.kv_b_proj")
+        self.o_proj = RowParallelLinear(total_heads * self.v_dim, hidden, bias, quant_config, f"{prefix}.o_proj")
         self.scale = mla_softmax_scale(config)
         self.interleaved = rope_interleaved(config)
         # W_UK [heads, nope, rank] and W_UV transposed [heads, rank, v], from kv_b_proj once it is loaded.

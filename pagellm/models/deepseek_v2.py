@@ -7,6 +7,10 @@ moe_intermediate_size * n_shared_experts) added to every token; the routed exper
 FusedMoE. V2's router is softmax top-k ("greedy" or "group_limited_greedy"); V3 is the same graph with sigmoid
 router scores, an e_score_correction_bias and grouped top-k (fused_moe.Routing.deepseek_v2/_v3).
 
+Under tensor parallelism the attention splits by heads with the latent replicated (layers/mla.py), the dense and
+shared-expert MLPs by features, and the routed experts by features or, with expert parallelism, whole experts
+per rank (layers/fused_moe.py).
+
 Parameter names follow HuggingFace's; gate/up are fused as in Llama. Tensors of layers past num_hidden_layers
 (DeepSeek-V3's multi-token-prediction layer, which generation does not run) are skipped.
 """
@@ -116,16 +120,6 @@ class DeepseekV2Model(LlamaModel):
 
 class DeepseekV2ForCausalLM(ExpertCheckpointMixin, LlamaForCausalLM):
     model_class = DeepseekV2Model
-
-    def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None) -> None:
-        from pagellm.distributed.parallel_state import current_group
-
-        if current_group().size > 1:
-            raise ValueError(
-                f"tensor_parallel_size={current_group().size}: multi-head latent attention "
-                f"({type(self).__name__}) runs on one rank only in this build; use tensor_parallel_size=1."
-            )
-        super().__init__(config, max_positions, quant_config)
 
     def use_cpu_ops(self, ops: CpuOps) -> None:
         """The fused norms and SiLU-and-multiply; rotary stays in torch (see DeepseekV2Model.forward)."""

@@ -1,6 +1,7 @@
 """DeepSeek-V2/V3 with multi-head latent attention on the paged latent cache: greedy output equals
-transformers' generate token for token in fp32 (batched, chunked prefill, prefix-cached, preempted), on every
-latent decode path; and the pool holds the latent alone (tokens per GiB against the same model with full K/V).
+transformers' generate token for token in fp32 (batched, chunked prefill, prefix-cached, preempted, on two
+tensor-parallel ranks with and without expert parallelism), on every latent decode path; and the pool holds the
+latent alone (tokens per GiB against the same model with full K/V).
 
 Each variant is a tiny random model saved with transformers' save_pretrained (the default model's tokenizer):
 "v2-lite" has no q_lora_rank (DeepSeek-V2-Lite's q_proj) and plain rope; "v3" has q_lora_rank, yarn rope with
@@ -203,14 +204,52 @@ def test_spec_of_an_ordinary_model_is_unchanged():
     assert not spec.latent and spec.pool_shape(5) == (3, 2, 5, 2, 16, 32)
 
 
-def test_tensor_parallel_is_refused_by_name(mla_dirs):
+@pytest.mark.parametrize("variant, expert_parallel", [
+    ("v2-lite", False), ("v3", False), ("v2-lite", True), ("v3", True)])
+def test_two_tensor_parallel_ranks_match_hf(variant, expert_parallel, mla_dirs, hf_references):
+    # Each rank holds 2 of the 4 heads of q and kv_b_proj and their o_proj columns, and the whole latent; the
+    # routed experts are split by features, or 4 of 8 whole per rank with expert parallelism. A 32-token budget
+    # mixes prefill chunks (reading their context's latents back) with other requests' decodes.
+    llm = LLM(mla_dirs(variant), **{**ENGINE_ARGS, "max_num_batched_tokens": 32, "block_size": 8},
+              tensor_parallel_size=2, enable_expert_parallel=expert_parallel, distributed_timeout_seconds=60)
+    try:
+        model = llm.llm_engine.core.runner.model
+        attention = model.model.layers[0].self_attn
+        assert attention.num_heads == 2 and attention.w_uk.shape == (2, 32, 64)
+        assert llm.llm_engine.core.runner.kv_pool.shape[-1] == 64 + 16  # the whole latent row on each rank
+        assert model.model.layers[1].mlp.experts.local_num_experts == (4 if expert_parallel else 8)
+        prompts = MLA_PROMPTS[:3]
+        _check_greedy(llm, prompts, hf_references(variant, prompts))
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _planned(config, rank: int, size: int):
+    from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
+    from pagellm.models.deepseek_v2 import DeepseekV3ForCausalLM
+
+    with torch.device("meta"), building_with(TensorParallelGroup(rank, size)):
+        return DeepseekV3ForCausalLM(config, 256)
+
+
+def test_tensor_parallel_ranks_hold_their_heads_and_the_whole_latent(mla_dirs):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(mla_dirs("v3"))
+    attention = _planned(config, 1, 2).model.layers[0].self_attn
+    shapes = {name: tuple(param.shape) for name, param in attention.named_parameters()}
+    # 2 of 4 heads: q (32 + 16 per head), kv_b (32 + 24 per head), o_proj's input (24 per head).
+    assert shapes["q_b_proj.weight"] == (2 * 48, 48) and shapes["kv_b_proj.weight"] == (2 * 56, 64)
+    assert shapes["o_proj.weight"] == (128, 2 * 24)
+    # Replicated: the latent and the query's low-rank input.
+    assert shapes["kv_a_proj_with_mqa.weight"] == (64 + 16, 128) and shapes["q_a_proj.weight"] == (48, 128)
+    assert attention.num_kv_heads == 1
+
+
+def test_tensor_parallel_size_not_dividing_the_heads_is_refused(mla_dirs):
     # As the worker's planning build meets it, before any weight is read (no ranks are started for this).
     from transformers import AutoConfig
 
-    from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
-    from pagellm.models.deepseek_v2 import DeepseekV2ForCausalLM
-
     config = AutoConfig.from_pretrained(mla_dirs("v2-lite"))
-    with torch.device("meta"), building_with(TensorParallelGroup(0, 2)):
-        with pytest.raises(ValueError, match="tensor_parallel_size=2.*use tensor_parallel_size=1"):
-            DeepseekV2ForCausalLM(config, 256)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
+        _planned(config, 0, 3)

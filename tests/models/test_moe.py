@@ -1,6 +1,7 @@
 """Mixture-of-experts: the router against transformers' gates (ties included), FusedMoE against a per-token
 reference, and Mixtral / Qwen3-MoE from HF checkpoint directories with greedy output equal to transformers'
-generate token for token in fp32 (batched, chunked prefill, prefix-cached, two tensor-parallel ranks).
+generate token for token in fp32 (batched, chunked prefill, prefix-cached, two tensor-parallel ranks, and two
+ranks with expert parallelism).
 
 Each model is a tiny random one (2-3 layers, 8 experts, small dims) saved with transformers' save_pretrained,
 with the default model's tokenizer.
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from pagellm import LLM, SamplingParams
 from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
-from pagellm.layers.fused_moe import FusedMoE, Routing
+from pagellm.layers.fused_moe import ExpertPlacement, FusedMoE, Routing
 from pagellm.models.loader import default_dtype
 from tests.conftest import TINY_CONFIG
 from tests.helpers import PROMPTS
@@ -125,6 +126,23 @@ def test_two_tensor_parallel_ranks_match_hf(variant, moe_dirs, hf_references):
     llm = LLM(moe_dirs(variant), **ENGINE_ARGS, tensor_parallel_size=2, distributed_timeout_seconds=60)
     try:
         _check_greedy(llm, MOE_PROMPTS, hf_references(variant, MOE_PROMPTS))
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe"])
+def test_expert_parallel_ranks_match_hf(variant, moe_dirs, hf_references):
+    # enable_expert_parallel: each rank holds 4 of the 8 experts whole (Qwen3-MoE's dense layer stays split).
+    llm = LLM(moe_dirs(variant), **ENGINE_ARGS, tensor_parallel_size=2, enable_expert_parallel=True,
+              distributed_timeout_seconds=60)
+    try:
+        # Rank 0 (this process): experts 0-3, each with all its intermediate features.
+        intermediate = {"mixtral": 64, "qwen3-moe": 48}[variant]
+        experts = [m for m in llm.llm_engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert [(m.placement.start, m.local_num_experts) for m in experts] == [(0, 4)] * 2
+        assert [m.w13_weight.shape for m in experts] == [(4, 2 * intermediate, 128)] * 2
+        prompts = MOE_PROMPTS[:3]
+        _check_greedy(llm, prompts, hf_references(variant, prompts))
     finally:
         llm.llm_engine.shutdown()
 
@@ -328,6 +346,90 @@ def test_tensor_parallel_ranks_hold_their_slice_of_each_expert():
         shard.reduce_results = False
         partial += shard(x, logits)
     torch.testing.assert_close(partial, full(x, logits), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_experts, size, held", [
+    (8, 2, [(0, 4), (4, 4)]),
+    (5, 2, [(0, 3), (3, 2)]),  # vLLM's linear placement: the first E % n ranks hold one more
+    (7, 4, [(0, 2), (2, 2), (4, 2), (6, 1)]),
+])
+def test_expert_parallel_ranks_hold_whole_experts(num_experts, size, held):
+    hidden, intermediate = 16, 12
+    w1, w3, w2 = _random_experts(num_experts, hidden, intermediate, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    x, logits = torch.randn(9, hidden, generator=generator), torch.randn(9, num_experts, generator=generator)
+    full = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
+    _load(full, w1, w3, w2)
+    partial = torch.zeros(9, hidden)
+    for rank in range(size):
+        with building_with(TensorParallelGroup(rank, size, expert_parallel=True)):
+            shard = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
+        assert shard.placement == ExpertPlacement.for_rank(num_experts, rank, size)
+        assert (shard.placement.start, shard.local_num_experts) == held[rank]
+        _load(shard, w1, w3, w2)  # every checkpoint expert is offered; the rank keeps its own
+        start, count = held[rank]
+        assert shard.w13_weight.shape == (count, 2 * intermediate, hidden)
+        torch.testing.assert_close(shard.w13_weight, full.w13_weight[start:start + count], rtol=0, atol=0)
+        torch.testing.assert_close(shard.w2_weight, full.w2_weight[start:start + count], rtol=0, atol=0)
+        shard.reduce_results = False
+        partial += shard(x, logits)
+    torch.testing.assert_close(partial, full(x, logits), rtol=1e-5, atol=1e-6)
+
+
+def test_expert_parallel_rank_with_no_routed_token_adds_zeros():
+    num_experts, hidden, intermediate = 4, 16, 8
+    with building_with(TensorParallelGroup(1, 2, expert_parallel=True)):
+        shard = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
+    _load(shard, *_random_experts(num_experts, hidden, intermediate, seed=7))
+    shard.reduce_results = False
+    logits = torch.full((3, num_experts), -10.0)
+    logits[:, :2] = 10.0  # experts 0 and 1, both on rank 0
+    assert torch.equal(shard(torch.randn(3, hidden), logits), torch.zeros(3, hidden))
+
+
+def _expert_bytes(model) -> list[int]:
+    return [sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules()
+            if isinstance(m, FusedMoE)]
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe"])
+def test_expert_parallel_rank_holds_its_share_of_expert_bytes(variant):
+    # The planning build (meta tensors, as the worker sizes its weights): each of 2 ranks holds 4 of 8 experts.
+    model_class = _model_class(variant)
+    _, config = VARIANTS[variant]()
+    config.vocab_size = 64
+    with torch.device("meta"):
+        whole = _expert_bytes(model_class(config, 256))
+        for rank in range(2):
+            with building_with(TensorParallelGroup(rank, 2, expert_parallel=True)):
+                share = _expert_bytes(model_class(config, 256))
+            assert share == [size // 2 for size in whole]
+
+
+def _model_class(variant: str):
+    from pagellm.models.mixtral import MixtralForCausalLM
+    from pagellm.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    return {"mixtral": MixtralForCausalLM, "qwen3-moe": Qwen3MoeForCausalLM}[variant]
+
+
+def test_expert_parallel_refuses_more_ranks_than_experts():
+    # As the worker's planning build meets it, before any weight is read: 4 ranks, 2 experts.
+    _, config = _mixtral()
+    config.vocab_size, config.num_local_experts, config.num_experts_per_tok = 64, 2, 1
+    with torch.device("meta"), building_with(TensorParallelGroup(0, 4, expert_parallel=True)):
+        with pytest.raises(ValueError, match=r"tensor_parallel_size=4 ranks, but this layer has 2 experts.*"
+                                             r"tensor_parallel_size <= 2"):
+            _model_class("mixtral")(config, 256)
+
+
+def test_engine_with_expert_parallel_refuses_a_single_expert(tmp_path):
+    # config.json alone, two ranks started: the engine fails to start with the layer's reason, nothing loaded.
+    _, config = _mixtral()
+    fields = {**config.to_dict(), "vocab_size": 64, "num_local_experts": 1, "num_experts_per_tok": 1}
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 ranks, but this layer has 1 expert, so a rank would hold none"):
+        LLM(_write_config(tmp_path / "model", **fields), dtype="float32", tensor_parallel_size=2,
+            enable_expert_parallel=True, distributed_timeout_seconds=60)
 
 
 def test_tensor_parallel_size_must_divide_the_experts_intermediate_size():
