@@ -163,6 +163,14 @@ class GGUFConfig(QuantizationConfig):
     def linear_method(self, prefix: str) -> LinearMethod:
         return self.method
 
+    def fused_moe_method(self, prefix: str):
+        """Every mixture-of-experts layer's method: experts kept in their blocks (layers/quantization/gguf_moe.py)."""
+        from pagellm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
+
+        if getattr(self, "moe_method", None) is None:
+            self.moe_method = GGUFFusedMoEMethod(self.method.ops)
+        return self.moe_method
+
     def describe(self) -> str:
         counts = ", ".join(f"{count} {name}" for name, count in sorted(self.type_counts.items(), key=lambda i: -i[1]))
         kernels = self.method.ops.isa if self.method.ops is not None else "none built"
