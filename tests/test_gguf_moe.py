@@ -28,7 +28,7 @@ from pagellm.models import gguf_quants
 from pagellm.models.gguf_loader import open_gguf
 from pagellm.models.loader import default_dtype
 from pagellm.ops import gguf_kernels as gk
-from tests.helpers import PROMPTS, hf_greedy
+from tests.helpers import PROMPTS, check_logprobs_close, hf_greedy, hf_greedy_with_top_logprobs
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -326,7 +326,8 @@ def test_config_from_the_file_equals_the_model(tiny_ggufs):
         assert getattr(config, field) == getattr(ref, field), field
     assert config.routed_scaling_factor == pytest.approx(ref.routed_scaling_factor)
     rope = config.rope_parameters
-    for field in ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+    # beta_fast / beta_slow are not written (the converter leaves llama.cpp's defaults, transformers' too: 32, 1).
+    for field in ("rope_type", "factor", "original_max_position_embeddings"):
         assert rope[field] == ref.rope_parameters[field], field
     assert rope["mscale_all_dim"] == pytest.approx(YARN["mscale_all_dim"]) == pytest.approx(rope["mscale"])
     lite, _ = open_gguf(tiny_ggufs("deepseek-v2-lite-q8_0")[2])
@@ -334,22 +335,21 @@ def test_config_from_the_file_equals_the_model(tiny_ggufs):
     assert lite.topk_method == "greedy" and lite.n_shared_experts == 2
 
 
-def test_int8_products_agree_with_transformers(tiny_ggufs, default_tokenizer):
-    """The kernels' own choice per product (int8 dot products at decode, dequantized tiles above their row
-    threshold) quantizes activations as llama.cpp does: exact up to a near-tie, compared as vLLM's
-    check_logprobs_close does."""
-    from tests.helpers import check_logprobs_close, hf_greedy_with_top_logprobs
-
+def test_int8_products_agree_with_transformers_up_to_near_ties(tiny_ggufs):
+    """The kernels' own choice per product (here the int8 dot products at every row count: Q4_K's tiles start at
+    1024 rows) quantizes activations as llama.cpp does, 0.5-0.7% off the exact product per product on these
+    weights and 1-2% through an expert (gate_up, activation, down): on this random model's flat logits the tokens
+    part within the first few, so what is checked is vLLM's check_logprobs_close (up to the first difference
+    each side's token is in the other's top 5); the layer's own error is bounded below."""
     model, directory, path = tiny_ggufs("mixtral-q4_k")
     llm = LLM(str(path), tokenizer=str(directory), dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    assert gk.gguf_kernels() is None or gk.DENSE_MIN_ROWS[gk.gguf_kernels().isa]["Q4_K"] > 64
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-    agreed = []
     for output in llm.generate(MOE_PROMPTS, params, use_tqdm=False):
         completion = output.outputs[0]
         ours = (completion.token_ids, [{t: lp.logprob for t, lp in p.items()} for p in completion.logprobs])
         theirs = hf_greedy_with_top_logprobs(model, output.prompt_token_ids, MAX_TOKENS, 5)
-        agreed.append(check_logprobs_close(ours, theirs))
-    assert sum(agreed) >= len(MOE_PROMPTS) * MAX_TOKENS // 2, agreed
+        check_logprobs_close(ours, theirs)
 
 
 # --- the method on random experts: the C kernels' int8 products and the Triton kernels on an expert's slice ---
@@ -418,10 +418,11 @@ def test_experts_multiply_on_their_blocks(kernels, type_name):
     logits = torch.randn(tokens, EXPERTS, generator=torch.Generator().manual_seed(3))
     weights, ids = layer.select_experts(logits)
     expected = _reference(x, w13, w2, weights, ids)
-    # int8 activations (C): llama.cpp's Q8 rounding of x and of the activated rows; Triton: float32 sums.
-    tolerance = 3e-2 if kernels == "c" else 1e-4
-    scale = expected.abs().max().item()
-    torch.testing.assert_close(layer(x, logits).double(), expected, rtol=0, atol=tolerance * scale)
+    # int8 activations (C): llama.cpp's Q8 rounding of x and of the activated rows, 1.2% (Q8_0) and 1.8% (Q4_K)
+    # of the output's norm here; Triton: float32 sums. A misplaced expert or shard is off by ~100%.
+    tolerance = 3e-2 if kernels == "c" else 1e-5
+    out = layer(x, logits).double()
+    assert (out - expected).norm() <= tolerance * expected.norm()
 
 
 def test_gate_and_up_of_different_types_are_separate_products():
