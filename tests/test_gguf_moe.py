@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import transformers
 
 from pagellm import LLM, SamplingParams
+from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
 from pagellm.layers.fused_moe import FusedMoE, Routing
 from pagellm.layers.quantization.gguf import GGUFConfig, GGUFWeight
 from pagellm.models import gguf_quants
@@ -384,10 +385,12 @@ def _reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     return out
 
 
-def _gguf_moe(ops, experts, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE) -> FusedMoE:
-    with default_dtype(torch.float32):
+def _gguf_moe(ops, experts, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE,
+              group: TensorParallelGroup | None = None) -> FusedMoE:
+    with building_with(group or TensorParallelGroup(0, 1)), default_dtype(torch.float32):
         layer = FusedMoE(EXPERTS, TOP_K, hidden, intermediate, quant_config=GGUFConfig(ops=ops),
-                         prefix="model.layers.0.mlp.experts", routing=Routing.softmax_top_k(TOP_K, True))
+                         prefix="model.layers.0.mlp.experts", routing=Routing.softmax_top_k(TOP_K, True),
+                         reduce_results=group is None)
     for expert, parts in enumerate(experts):
         for shard, weight in zip(("w1", "w3", "w2"), parts):
             param = layer.w2_weight if shard == "w2" else layer.w13_weight
@@ -438,6 +441,27 @@ def test_gate_and_up_of_different_types_are_separate_products():
     logits = torch.randn(4, EXPERTS, generator=torch.Generator().manual_seed(6))
     weights, ids = layer.select_experts(logits)
     torch.testing.assert_close(layer(x, logits).double(), _reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_tensor_parallel_ranks_take_their_rows_and_input_blocks():
+    """Two ranks: each holds its half of every expert's gate/up rows and of its down projection's input blocks;
+    the ranks' partial sums add up to the whole layer."""
+    experts, w13, w2 = _random_experts("Q8_0", seed=8)
+    x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(9))
+    logits = torch.randn(4, EXPERTS, generator=torch.Generator().manual_seed(10))
+    total = torch.zeros(4, HIDDEN, dtype=torch.float64)
+    for rank in range(2):
+        layer = _gguf_moe(gk.TorchGGUFOps(), experts, group=TensorParallelGroup(rank, 2))
+        assert layer.w13_weight.nbytes + layer.w2_weight.nbytes == sum(w.data.nbytes for e in experts for w in e) // 2
+        weights, ids = layer.select_experts(logits)
+        total += layer(x, logits).double()
+    torch.testing.assert_close(total, _reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_down_projection_split_inside_a_block_is_refused():
+    experts, _, _ = _random_experts("Q4_K", seed=11)  # 256 intermediate features: one block per row
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 gives each rank 128.*Q4_K"):
+        _gguf_moe(gk.TorchGGUFOps(), experts, group=TensorParallelGroup(0, 2))
 
 
 def test_experts_of_one_projection_in_two_types_are_refused():

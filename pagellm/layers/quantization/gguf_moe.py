@@ -82,7 +82,7 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
     def load_expert(self, layer: FusedMoE, tensor: GGUFWeight | torch.Tensor, shard_id: str, expert_id: int) -> None:
         """Expert `expert_id`'s gate (w1), up (w3) [I, H] or down (w2) [H, I] as the file stores it: this rank's
         slice of the intermediate features, copied into the shard's stack."""
-        name = f"{layer.prefix}.experts.{expert_id}.{shard_id}"
+        name = f"{layer.prefix}.{expert_id}.{shard_id}"
         size, total = layer.intermediate_size, layer.intermediate_size * layer.group.size
         rows_cols = (tensor.rows, tensor.cols) if isinstance(tensor, GGUFWeight) else tuple(tensor.shape)
         expected = (layer.hidden_size, total) if shard_id == "w2" else (total, layer.hidden_size)
