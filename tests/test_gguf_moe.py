@@ -26,7 +26,7 @@ from pagellm.distributed.parallel_state import TensorParallelGroup, building_wit
 from pagellm.layers.fused_moe import FusedMoE, Routing
 from pagellm.layers.quantization.gguf import GGUFConfig, GGUFWeight
 from pagellm.models import gguf_quants
-from pagellm.models.gguf_loader import open_gguf
+from pagellm.models.gguf_loader import load_gguf, open_gguf
 from pagellm.models.loader import default_dtype
 from pagellm.ops import gguf_kernels as gk
 from tests.helpers import PROMPTS, check_logprobs_close, hf_greedy, hf_greedy_with_top_logprobs
@@ -191,9 +191,10 @@ def _write_metadata(writer: gguf.GGUFWriter, config, arch: str) -> None:
 
 
 def write_moe_gguf(model: transformers.PreTrainedModel, arch: str, expert_type: gguf.GGMLQuantizationType,
-                   split_kv_b: bool, path: pathlib.Path) -> None:
+                   split_kv_b: bool, path: pathlib.Path, per_expert: bool = False) -> None:
     """The model as llama.cpp's converter writes it, experts in `expert_type`; the model's experts take the values
-    their blocks hold."""
+    their blocks hold. `per_expert`: one 2-D tensor per expert (blk.N.ffn_gate.E.weight), as Mixtral files were
+    written before llama.cpp stacked them."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     _write_metadata(writer, config, arch)
@@ -214,7 +215,12 @@ def write_moe_gguf(model: transformers.PreTrainedModel, arch: str, expert_type: 
             values = []
             for stem, stack in stacks.items():
                 blocks, dequantized = quantized(stack.contiguous(), expert_type)
-                writer.add_tensor(f"blk.{layer}.{stem}.weight", blocks, raw_dtype=expert_type)
+                if per_expert:
+                    for expert, expert_blocks in enumerate(blocks):
+                        writer.add_tensor(f"blk.{layer}.{stem.removesuffix('_exps')}.{expert}.weight",
+                                          np.ascontiguousarray(expert_blocks), raw_dtype=expert_type)
+                else:
+                    writer.add_tensor(f"blk.{layer}.{stem}.weight", blocks, raw_dtype=expert_type)
                 values.append(dequantized)
             with torch.no_grad():
                 state[hf_name].copy_(torch.cat(values, dim=1))
@@ -334,6 +340,39 @@ def test_config_from_the_file_equals_the_model(tiny_ggufs):
     lite, _ = open_gguf(tiny_ggufs("deepseek-v2-lite-q8_0")[2])
     assert lite.architectures == ["DeepseekV2ForCausalLM"] and lite.q_lora_rank is None
     assert lite.topk_method == "greedy" and lite.n_shared_experts == 2
+
+
+@pytest.mark.parametrize("variant", ["olmoe-q8_0", "deepseek-v2-lite-q8_0"])
+def test_float_state_dict_holds_each_expert_under_its_hf_name(variant, tiny_ggufs):
+    """load_gguf (everything dequantized) names each expert of a stack as an HF checkpoint does, with the values
+    the HF model runs on; kv_b_proj comes back whole from attn_k_b / attn_v_b."""
+    model, _, path = tiny_ggufs(variant)
+    _, state_dict = load_gguf(path)
+    reference = model.state_dict()
+    for name in ("mlp.gate.weight", "self_attn.kv_b_proj.weight" if "deepseek" in variant else "self_attn.q_norm.weight"):
+        assert torch.equal(state_dict[f"model.layers.1.{name}"], reference[f"model.layers.1.{name}"]), name
+    experts = model.model.layers[1].mlp.experts
+    for expert in range(experts.gate_up_proj.shape[0]):
+        gate, up = experts.gate_up_proj[expert].detach().chunk(2)
+        for proj, values in (("gate_proj", gate), ("up_proj", up), ("down_proj", experts.down_proj[expert].detach())):
+            assert torch.equal(state_dict[f"model.layers.1.mlp.experts.{expert}.{proj}.weight"], values), (expert, proj)
+
+
+def test_mixtral_with_one_tensor_per_expert_loads_as_the_stacked_file(tiny_ggufs, tmp_path):
+    model, _, stacked = tiny_ggufs("mixtral-q4_k")
+    legacy = tmp_path / "per-expert.gguf"
+    write_moe_gguf(model, "llama", T.Q4_K, False, legacy, per_expert=True)
+    config, tensors = open_gguf(legacy)
+    assert config.architectures == ["MixtralForCausalLM"] and config.num_local_experts == 8
+    ours = dict(tensors.items())
+    theirs = dict(open_gguf(stacked)[1].items())
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        if isinstance(tensor, GGUFWeight):
+            assert isinstance(ours[name], GGUFWeight) and ours[name].type_name == tensor.type_name == "Q4_K"
+            assert torch.equal(ours[name].data, tensor.data), name
+        else:
+            assert torch.equal(ours[name], tensor), name
 
 
 def test_int8_products_agree_with_transformers_up_to_near_ties(tiny_ggufs):
