@@ -233,7 +233,8 @@ def write_moe_gguf(model: transformers.PreTrainedModel, arch: str, expert_type: 
         if stem == "attn_kv_b" and split_kv_b:
             heads, nope = config.num_attention_heads, config.qk_nope_head_dim
             per_head = data.reshape(heads, nope + config.v_head_dim, -1)
-            writer.add_tensor(f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1)))
+            keys = np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1))  # [heads, rank, nope]
+            writer.add_tensor(f"blk.{layer}.attn_k_b.weight", keys)
             writer.add_tensor(f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(per_head[:, nope:]))
             continue
         if stem.endswith("_shexp") and expert_type == T.Q8_0:
@@ -349,7 +350,8 @@ def test_float_state_dict_holds_each_expert_under_its_hf_name(variant, tiny_gguf
     model, _, path = tiny_ggufs(variant)
     _, state_dict = load_gguf(path)
     reference = model.state_dict()
-    for name in ("mlp.gate.weight", "self_attn.kv_b_proj.weight" if "deepseek" in variant else "self_attn.q_norm.weight"):
+    whole = "self_attn.kv_b_proj.weight" if "deepseek" in variant else "self_attn.q_norm.weight"
+    for name in ("mlp.gate.weight", whole):
         assert torch.equal(state_dict[f"model.layers.1.{name}"], reference[f"model.layers.1.{name}"]), name
     experts = model.model.layers[1].mlp.experts
     for expert in range(experts.gate_up_proj.shape[0]):

@@ -383,7 +383,7 @@ def _build_config(header: _Header) -> transformers.PreTrainedConfig:
     has_qkv_bias = "blk.0.attn_q.bias" in tensors
     if arch_name == "deepseek2":
         return _deepseek2_config(fields, key)
-    if key("expert_count", 0):
+    if key("expert_count", 0) or arch_name in ("qwen3moe", "olmoe"):
         return _softmax_moe_config(arch_name, fields, key, tensors, has_qkv_bias)
     if arch_name == "qwen2":
         return transformers.Qwen2Config(**fields)
@@ -406,13 +406,17 @@ def _softmax_moe_config(arch_name: str, fields: dict[str, Any], key: Callable[..
     if scale not in (0.0, 1.0):
         raise ValueError(f"{arch_name}.expert_weights_scale={scale}: {arch_name} experts' weights are not scaled in "
                          "pagellm (nor in llama.cpp); a file asking for it is not one of these models")
-    experts = dict(num_experts_per_tok=key("expert_used_count"))
+    count, used = key("expert_count", 0), key("expert_used_count", 0)
+    if not count or not used:
+        raise ValueError(f"{arch_name} GGUF has expert_count={count} and expert_used_count={used}; a mixture of "
+                         "experts needs both (llama.cpp refuses such a file too): convert it again")
+    experts = dict(num_experts_per_tok=used)
     if arch_name == "llama":
         fields["architectures"] = ["MixtralForCausalLM"]
-        return transformers.MixtralConfig(**fields, **experts, num_local_experts=key("expert_count"),
+        return transformers.MixtralConfig(**fields, **experts, num_local_experts=count,
                                           sliding_window=None, attention_bias=has_qkv_bias)
     if arch_name == "olmoe":
-        return transformers.OlmoeConfig(**fields, **experts, num_experts=key("expert_count"),
+        return transformers.OlmoeConfig(**fields, **experts, num_experts=count,
                                         norm_topk_prob=bool(key("expert_weights_norm", False)),
                                         clip_qkv=key("attention.clamp_kqv"))
     if arch_name != "qwen3moe":
@@ -422,7 +426,7 @@ def _softmax_moe_config(arch_name: str, fields: dict[str, Any], key: Callable[..
     # llama.cpp gives every qwen3moe layer experts; a layer that has a dense MLP instead is one of mlp_only_layers.
     dense = [i for i in range(fields["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
     return transformers.Qwen3MoeConfig(**{**fields, "intermediate_size": fields["intermediate_size"] or moe_size},
-                                       **experts, num_experts=key("expert_count"), moe_intermediate_size=moe_size,
+                                       **experts, num_experts=count, moe_intermediate_size=moe_size,
                                        norm_topk_prob=bool(key("expert_weights_norm", True)), decoder_sparse_step=1,
                                        mlp_only_layers=dense, attention_bias=has_qkv_bias)
 
@@ -657,7 +661,9 @@ def _load_tensor(blob: np.ndarray, info: _TensorInfo, permute_heads: int | None)
 def _check_complete(header: _Header, config: transformers.PreTrainedConfig) -> None:
     """Every tensor the model needs is in the file (named as llama.cpp names it), before any is read."""
     arch_name, names = header.metadata["general.architecture"], set(header.tensors)
-    expected = {"token_embd.weight", "output_norm.weight"} | (set() if config.tie_word_embeddings else {"output.weight"})
+    expected = {"token_embd.weight", "output_norm.weight"}
+    if not config.tie_word_embeddings:
+        expected.add("output.weight")
     for layer in range(config.num_hidden_layers):
         expected |= {f"blk.{layer}.{stem}.weight" for stem in _layer_stems(arch_name, config, layer, names)}
     missing = expected - names

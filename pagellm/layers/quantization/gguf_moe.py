@@ -175,7 +175,8 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
             return lambda expert, x, out: ops.matmul(x, stack[expert], type_name, rows, hidden, out=out)
 
         def separate(expert: int, x: torch.Tensor, out: torch.Tensor) -> None:
-            halves = [ops.matmul(x, stack[expert], type_name, rows, hidden) for stack, type_name, rows in experts.gate_up]
+            halves = [ops.matmul(x, stack[expert], type_name, rows, hidden)
+                      for stack, type_name, rows in experts.gate_up]
             torch.cat(halves, dim=1, out=out)
 
         return separate
