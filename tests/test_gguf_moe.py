@@ -64,11 +64,12 @@ def _olmoe():
                                     num_experts=8, num_experts_per_tok=2, clip_qkv=2.5, rope_theta=10000.0)
 
 
-def _deepseek_v2_lite():
+def _deepseek_v2_lite(grouped: bool = False):
     # q_lora_rank None (attn_q), softmax routing, two shared experts; kv_b_proj split as newer llama.cpp writes it.
+    routing = dict(topk_method="group_limited_greedy", n_group=4, topk_group=2) if grouped else {}
     return transformers.DeepseekV2Config(**MLA, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                          moe_intermediate_size=64, q_lora_rank=None, n_shared_experts=2,
-                                         rope_theta=10000.0)
+                                         rope_theta=10000.0, **routing)
 
 
 def _deepseek_v3():
@@ -84,6 +85,8 @@ VARIANTS = {
     "qwen3moe-q8_0": (_qwen3_moe, "qwen3moe", T.Q8_0, False),
     "olmoe-q8_0": (_olmoe, "olmoe", T.Q8_0, False),
     "deepseek-v2-lite-q8_0": (_deepseek_v2_lite, "deepseek2", T.Q8_0, True),
+    # DeepSeek-V2's group-limited routing: the file's expert_group_count / expert_group_used_count.
+    "deepseek-v2-grouped-q8_0": (lambda: _deepseek_v2_lite(grouped=True), "deepseek2", T.Q8_0, False),
     "deepseek-v3-q4_k": (_deepseek_v3, "deepseek2", T.Q4_K, False),
 }
 
@@ -180,6 +183,7 @@ def _write_metadata(writer: gguf.GGUFWriter, config, arch: str) -> None:
     if config.model_type == "deepseek_v3":
         writer.add_expert_weights_norm(config.norm_topk_prob)
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if config.model_type == "deepseek_v3" or config.topk_method == "group_limited_greedy":
         writer.add_expert_group_count(config.n_group)
         writer.add_expert_group_used_count(config.topk_group)
     rope = config.rope_parameters
@@ -341,6 +345,8 @@ def test_config_from_the_file_equals_the_model(tiny_ggufs):
     lite, _ = open_gguf(tiny_ggufs("deepseek-v2-lite-q8_0")[2])
     assert lite.architectures == ["DeepseekV2ForCausalLM"] and lite.q_lora_rank is None
     assert lite.topk_method == "greedy" and lite.n_shared_experts == 2
+    grouped, _ = open_gguf(tiny_ggufs("deepseek-v2-grouped-q8_0")[2])
+    assert (grouped.topk_method, grouped.n_group, grouped.topk_group) == ("group_limited_greedy", 4, 2)
 
 
 @pytest.mark.parametrize("variant", ["olmoe-q8_0", "deepseek-v2-lite-q8_0"])
@@ -480,6 +486,19 @@ def test_gate_and_up_of_different_types_are_separate_products():
     assert [t for _, t, _ in layer.gguf_experts.gate_up] == ["Q8_0", "Q4_K"]
     x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(5))
     logits = torch.randn(4, EXPERTS, generator=torch.Generator().manual_seed(6))
+    weights, ids = layer.select_experts(logits)
+    torch.testing.assert_close(layer(x, logits).double(), _reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_experts_without_kernels_run_dequantized():
+    """Where the CPU kernels cannot be built (TorchGGUFOps without blocks) the experts are dequantized once at
+    load and run as float experts."""
+    experts, w13, w2 = _random_experts("Q4_K", seed=12)
+    layer = _gguf_moe(gk.TorchGGUFOps(keeps_blocks=False), experts)
+    assert layer.gguf_experts is None and layer.w13_weight.dtype == torch.float32
+    assert layer.w13_weight.shape == (EXPERTS, 2 * INTERMEDIATE, HIDDEN)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(13))
+    logits = torch.randn(3, EXPERTS, generator=torch.Generator().manual_seed(14))
     weights, ids = layer.select_experts(logits)
     torch.testing.assert_close(layer(x, logits).double(), _reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
 
