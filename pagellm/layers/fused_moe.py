@@ -416,6 +416,10 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{name}: unknown expert shard {shard_id!r}; shards are {SHARD_IDS}")
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"{name}: expert {expert_id} is out of range; this layer has {self.num_experts}")
+        load_expert = getattr(self.quant_method, "load_expert", None)
+        if load_expert is not None:  # a method that keeps the file's own blocks (GGUF) stacks them itself
+            load_expert(self, loaded_weight, shard_id, expert_id)
+            return
         # w1/w3 hold the intermediate features along rows, w2 along columns: this rank takes its slice.
         dim = 1 if shard_id == "w2" else 0
         size, total = self.intermediate_size, self.intermediate_size * self.feature_ranks

@@ -1,4 +1,12 @@
-"""Load a llama/qwen2/qwen3/gemma3 GGUF checkpoint as a HuggingFace config plus a float32 state dict."""
+"""Load a GGUF checkpoint (llama, qwen2, qwen3, gemma3; the mixtures of experts llama with experts (Mixtral),
+qwen3moe, olmoe and deepseek2 (DeepSeek-V2/V3, multi-head latent attention)) as a HuggingFace config plus its
+tensors under HF names.
+
+llama.cpp stacks a layer's experts in 3-D tensors (blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps, [E, rows,
+cols]); they are handed on one expert at a time under the per-expert HF names (mlp.experts.E.gate_proj ...), each
+a slice of the stack's blocks, which FusedMoE's GGUF method (layers/quantization/gguf_moe.py) stacks again.
+DeepSeek's kv_b_proj, which newer converters split into attn_k_b (transposed, [heads, rank, nope]) and attn_v_b
+([heads, v, rank]), is put back together: the MLA layer absorbs it in float."""
 
 from __future__ import annotations
 
@@ -11,7 +19,7 @@ import shutil
 import struct
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -44,6 +52,34 @@ _LLAMA_BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# A mixture-of-experts layer: the router, and llama.cpp's stacked experts (handled by _EXPERT_STACKS).
+_MOE_NAMES = {"ffn_gate_inp": "mlp.gate"}
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# Mixtral files from before llama.cpp stacked experts: one 2-D tensor per expert, blk.N.ffn_gate.E.weight.
+_LEGACY_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
+_SHARED_EXPERT_NAMES = {"ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                        "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+# DeepSeek-V2/V3's multi-head latent attention (attn_q where q_lora_rank is None, as in V2-Lite).
+_MLA_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Whole HF names of block tensors whose kind (weight/bias) the HF name does not end in.
+_WHOLE_NAMES = {("exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias"}
+# Stems read as floats whatever type the file stores: the layers that take them are unquantized (the router,
+# as vLLM keeps it; kv_b_proj, which MLA absorbs into its query and output).
+_FLOAT_ONLY_STEMS = frozenset({"ffn_gate_inp", "attn_kv_b", "attn_k_b", "attn_v_b", "exp_probs_b"})
 # Gemma's sandwich norms: GGUF's ffn_norm is the norm *before* the MLP there.
 _GEMMA3_NORM_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
@@ -73,11 +109,17 @@ class _GGUFArch:
 
 
 _ARCHS = {
-    "llama": _GGUFArch("LlamaForCausalLM", permuted_qk=True),
+    # With expert_count set: Mixtral (MixtralForCausalLM), as llama.cpp's converter writes it.
+    "llama": _GGUFArch("LlamaForCausalLM", {**_LLAMA_BLOCK_NAMES, **_MOE_NAMES}, permuted_qk=True),
     "qwen2": _GGUFArch("Qwen2ForCausalLM", tokenizer_type="qwen2"),
     "qwen3": _GGUFArch("Qwen3ForCausalLM", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES}, tokenizer_type="qwen3"),
     "gemma3": _GGUFArch("Gemma3ForCausalLM", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_GEMMA3_NORM_NAMES},
                         norm_offset=1.0, tokenizer_type="gemma3_text", end_of_turn_tokens=("<end_of_turn>",)),
+    "qwen3moe": _GGUFArch("Qwen3MoeForCausalLM", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_NAMES},
+                          tokenizer_type="qwen3"),
+    "olmoe": _GGUFArch("OlmoeForCausalLM", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_NAMES}),
+    # V2 or V3 as the file's gating function says (_deepseek2_config).
+    "deepseek2": _GGUFArch("DeepseekV2ForCausalLM", {**_MLA_NAMES, **_MOE_NAMES, **_SHARED_EXPERT_NAMES}),
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -129,25 +171,9 @@ class GGUFTensors:
         return counts
 
     def items(self):
-        from pagellm.layers.quantization.gguf import GGUFWeight
-
         with open(self.path, "rb", buffering=0) as file:
             for info in self.header.tensors.values():
-                name = _hf_name(self.arch, info.name)
-                permute = _permute_heads(self.arch, self.config, info.name)
-                fmt = quant_format(info.type_id, info.name)
-                if fmt.block_size > 1 and len(info.shape) == 2:
-                    raw = _read_tensor_bytes(file, info, len(self.header.blob))
-                    rows, cols = info.shape
-                    blocks = torch.from_numpy(raw).view(rows, -1)
-                    if permute is not None:
-                        blocks = torch.from_numpy(_unpermute_rows(blocks.numpy(), permute))
-                    yield name, GGUFWeight(blocks, fmt.name, rows, cols)
-                    continue
-                weights = _load_tensor(self.header.blob, info, permute)
-                if self.arch.norm_offset and info.name.endswith("norm.weight"):
-                    weights -= np.float32(self.arch.norm_offset)
-                yield name, torch.from_numpy(weights)
+                yield from _hf_tensors(self.header, self.arch, self.config, info, file)
 
 
 def open_gguf(path: str | os.PathLike) -> tuple[transformers.PreTrainedConfig, GGUFTensors]:
@@ -156,7 +182,7 @@ def open_gguf(path: str | os.PathLike) -> tuple[transformers.PreTrainedConfig, G
     header = _read_header(blob)
     arch = _gguf_arch(header.metadata)
     config = _build_config(header)
-    _check_complete(arch, config, {_hf_name(arch, name) for name in header.tensors})
+    _check_complete(header, config)
     return config, GGUFTensors(path, header, arch, config)
 
 
@@ -166,13 +192,10 @@ def load_gguf(path: str | os.PathLike) -> tuple[transformers.PreTrainedConfig, d
     header = _read_header(blob)
     arch = _gguf_arch(header.metadata)
     config = _build_config(header)
+    _check_complete(header, config)
     tensors = {}
     for info in header.tensors.values():
-        weights = _load_tensor(blob, info, _permute_heads(arch, config, info.name))
-        if arch.norm_offset and info.name.endswith("norm.weight"):
-            weights -= np.float32(arch.norm_offset)
-        tensors[_hf_name(arch, info.name)] = torch.from_numpy(weights)
-    _check_complete(arch, config, set(tensors))
+        tensors.update(_hf_tensors(header, arch, config, info, None))
     return config, tensors
 
 
@@ -327,7 +350,8 @@ def _build_config(header: _Header) -> transformers.PreTrainedConfig:
 
     hidden, n_heads = key("embedding_length"), key("attention.head_count")
     head_dim = key("attention.key_length", hidden // n_heads)
-    if key("rope.dimension_count", head_dim) != head_dim:
+    # DeepSeek's rope covers part of each head by design; its sizes are read in _deepseek2_config.
+    if arch_name != "deepseek2" and key("rope.dimension_count", head_dim) != head_dim:
         raise ValueError("partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
     embed_rows = tensors["token_embd.weight"].shape[0]
     vocab_size = key("vocab_size", embed_rows)
@@ -357,6 +381,10 @@ def _build_config(header: _Header) -> transformers.PreTrainedConfig:
     if end_of_turn:
         fields["eos_token_id"] = sorted({fields.get("eos_token_id", end_of_turn[0]), *end_of_turn})
     has_qkv_bias = "blk.0.attn_q.bias" in tensors
+    if arch_name == "deepseek2":
+        return _deepseek2_config(fields, key)
+    if key("expert_count", 0) or arch_name in ("qwen3moe", "olmoe"):
+        return _softmax_moe_config(arch_name, fields, key, tensors, has_qkv_bias)
     if arch_name == "qwen2":
         return transformers.Qwen2Config(**fields)
     if arch_name == "qwen3":
@@ -364,6 +392,94 @@ def _build_config(header: _Header) -> transformers.PreTrainedConfig:
     if arch_name == "gemma3":
         return _gemma3_config(fields, key)
     return transformers.LlamaConfig(attention_bias=has_qkv_bias, **fields)
+
+
+def _softmax_moe_config(arch_name: str, fields: dict[str, Any], key: Callable[..., Any], tensors: dict[str, Any],
+                        has_qkv_bias: bool) -> transformers.PreTrainedConfig:
+    """Mixtral (llama with experts), Qwen3-MoE and OLMoE: softmax top-k routing, renormalised as llama.cpp runs
+    each (Mixtral and Qwen3-MoE always, OLMoE never) unless the file's expert_weights_norm says otherwise."""
+    gating = key("expert_gating_func", 1)
+    if gating != 1:
+        raise ValueError(f"{arch_name}.expert_gating_func={gating}: pagellm runs {arch_name} experts with softmax "
+                         "routing (1) only")
+    scale = key("expert_weights_scale", 1.0)
+    if scale not in (0.0, 1.0):
+        raise ValueError(f"{arch_name}.expert_weights_scale={scale}: {arch_name} experts' weights are not scaled in "
+                         "pagellm (nor in llama.cpp); a file asking for it is not one of these models")
+    count, used = key("expert_count", 0), key("expert_used_count", 0)
+    if not count or not used:
+        raise ValueError(f"{arch_name} GGUF has expert_count={count} and expert_used_count={used}; a mixture of "
+                         "experts needs both (llama.cpp refuses such a file too): convert it again")
+    experts = dict(num_experts_per_tok=used)
+    if arch_name == "llama":
+        fields["architectures"] = ["MixtralForCausalLM"]
+        return transformers.MixtralConfig(**fields, **experts, num_local_experts=count,
+                                          sliding_window=None, attention_bias=has_qkv_bias)
+    if arch_name == "olmoe":
+        return transformers.OlmoeConfig(**fields, **experts, num_experts=count,
+                                        norm_topk_prob=bool(key("expert_weights_norm", False)),
+                                        clip_qkv=key("attention.clamp_kqv"))
+    if arch_name != "qwen3moe":
+        raise ValueError(f"GGUF architecture {arch_name!r} with experts is not supported; pagellm reads the "
+                         "mixtures of experts llama (Mixtral), qwen3moe, olmoe and deepseek2")
+    moe_size = key("expert_feed_forward_length")
+    # llama.cpp gives every qwen3moe layer experts; a layer that has a dense MLP instead is one of mlp_only_layers.
+    dense = [i for i in range(fields["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    return transformers.Qwen3MoeConfig(**{**fields, "intermediate_size": fields["intermediate_size"] or moe_size},
+                                       **experts, num_experts=count, moe_intermediate_size=moe_size,
+                                       norm_topk_prob=bool(key("expert_weights_norm", True)), decoder_sparse_step=1,
+                                       mlp_only_layers=dense, attention_bias=has_qkv_bias)
+
+
+# llama.cpp's expert_gating_func values (gguf.ExpertGatingFuncType).
+_SOFTMAX_GATING, _SIGMOID_GATING = 1, 2
+
+
+def _deepseek2_config(fields: dict[str, Any], key: Callable[..., Any]) -> transformers.PreTrainedConfig:
+    """DeepSeek-V2 (softmax routing) or V3 (sigmoid routing with exp_probs_b), as llama.cpp's converter writes
+    them: the latent attention's sizes, the dense leading layers, the routed and shared experts."""
+    rope_dim, kv_rank = key("rope.dimension_count"), key("attention.kv_lora_rank")
+    # Newer files give the cache's view (key_length = rank + rope, value_length = rank) and the heads' own sizes
+    # under *_mla; older ones the heads' sizes under key_length / value_length.
+    qk_head, v_head = key("attention.key_length_mla"), key("attention.value_length_mla")
+    if qk_head is None:
+        qk_head, v_head = key("attention.key_length"), key("attention.value_length")
+    if None in (rope_dim, kv_rank, qk_head, v_head):
+        raise ValueError("deepseek2 GGUF lacks rope.dimension_count, attention.kv_lora_rank or the key/value "
+                         "lengths; the file is incomplete: convert it again")
+    # Files without a gating function (DeepSeek-V2, V2.5) are softmax, as llama.cpp reads them.
+    gating = key("expert_gating_func", _SOFTMAX_GATING)
+    if gating not in (_SOFTMAX_GATING, _SIGMOID_GATING):
+        raise ValueError(f"deepseek2.expert_gating_func={gating} is not supported; supported: 1 (softmax, "
+                         "DeepSeek-V2) and 2 (sigmoid, DeepSeek-V3)")
+    groups, groups_used = key("expert_group_count", 1) or 1, key("expert_group_used_count", 1) or 1
+    renormalize = bool(key("expert_weights_norm", False))
+    rope = fields["rope_parameters"]
+    log_multiplier = key("rope.scaling.yarn_log_multiplier")
+    if rope["rope_type"] == "yarn" and log_multiplier:
+        # The converter writes 0.1 * mscale_all_dim; DeepSeek's configs set mscale equal to it.
+        rope["mscale"] = rope["mscale_all_dim"] = float(log_multiplier) / 0.1
+        for name in ("beta_fast", "beta_slow"):
+            if key(f"rope.scaling.yarn_{name}") is not None:
+                rope[name] = float(key(f"rope.scaling.yarn_{name}"))
+    fields.pop("head_dim")
+    fields["num_key_value_heads"] = fields["num_attention_heads"]  # the file's 1 is the latent cache's one head
+    deepseek = dict(
+        kv_lora_rank=kv_rank, q_lora_rank=key("attention.q_lora_rank"), qk_rope_head_dim=rope_dim,
+        qk_nope_head_dim=qk_head - rope_dim, v_head_dim=v_head, moe_intermediate_size=key("expert_feed_forward_length"),
+        n_routed_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+        n_shared_experts=key("expert_shared_count", 0), first_k_dense_replace=key("leading_dense_block_count", 0),
+        routed_scaling_factor=float(key("expert_weights_scale", 1.0) or 1.0), norm_topk_prob=renormalize,
+        n_group=groups, topk_group=groups_used,
+    )
+    if gating == _SIGMOID_GATING:
+        fields["architectures"] = ["DeepseekV3ForCausalLM"]
+        return transformers.DeepseekV3Config(**fields, **deepseek, rope_interleave=True)
+    if renormalize:
+        raise ValueError("deepseek2.expert_weights_norm=true with softmax routing: DeepSeek-V2 does not renormalise "
+                         "its experts' weights, and pagellm runs softmax-routed deepseek2 files as DeepSeek-V2")
+    return transformers.DeepseekV2Config(**fields, **deepseek,
+                                         topk_method="group_limited_greedy" if groups > 1 else "greedy")
 
 
 def _end_of_turn_ids(header: _Header, arch: _GGUFArch) -> list[int]:
@@ -427,10 +543,73 @@ def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
 def _hf_name(arch: _GGUFArch, gguf_name: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    legacy = _LEGACY_EXPERT_RE.fullmatch(gguf_name)
+    if legacy is not None and "ffn_gate_inp" in arch.block_names:
+        return f"model.layers.{legacy[1]}.mlp.experts.{legacy[3]}.{legacy[2]}_proj.weight"
     match = _BLOCK_RE.fullmatch(gguf_name)
+    if match is not None and (match[2], match[3]) in _WHOLE_NAMES and "ffn_gate_inp" in arch.block_names:
+        return f"model.layers.{match[1]}.{_WHOLE_NAMES[match[2], match[3]]}"
     if match is None or match[2] not in arch.block_names:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for this architecture ({arch.hf_architecture})")
     return f"model.layers.{match[1]}.{arch.block_names[match[2]]}.{match[3]}"
+
+
+def _hf_tensors(header: _Header, arch: _GGUFArch, config: transformers.PreTrainedConfig, info: _TensorInfo,
+                file) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor) pairs of one GGUF tensor: with `file` (the open GGUF) quantized weights as their blocks
+    (layers/quantization/gguf.py's GGUFWeight), without it every tensor as float32."""
+    from pagellm.layers.quantization.gguf import GGUFWeight
+
+    match = _BLOCK_RE.fullmatch(info.name)
+    stem = match[2] if match is not None else None
+    if stem == "attn_v_b":
+        return  # read with its attn_k_b
+    if stem == "attn_k_b":
+        yield f"model.layers.{match[1]}.self_attn.kv_b_proj.weight", _joined_kv_b(header, info, match[1])
+        return
+    fmt = quant_format(info.type_id, info.name)
+    keep_blocks = file is not None and fmt.block_size > 1 and stem not in _FLOAT_ONLY_STEMS
+    if stem in _EXPERT_STACKS:
+        if len(info.shape) != 3:
+            raise ValueError(f"GGUF tensor {info.name!r} has shape {info.shape}; stacked experts are 3-D "
+                             "[experts, rows, columns]")
+        experts, rows, cols = info.shape
+        if keep_blocks:
+            stacked = torch.from_numpy(_read_tensor_bytes(file, info, len(header.blob))).view(experts, rows, -1)
+            slices = (GGUFWeight(stacked[e], fmt.name, rows, cols) for e in range(experts))
+        else:
+            slices = iter(torch.from_numpy(_load_tensor(header.blob, info, None)))
+        for expert, tensor in enumerate(slices):
+            yield f"model.layers.{match[1]}.mlp.experts.{expert}.{_EXPERT_STACKS[stem]}.weight", tensor
+        return
+    name = _hf_name(arch, info.name)
+    permute = _permute_heads(arch, config, info.name)
+    if keep_blocks and len(info.shape) == 2:
+        rows, cols = info.shape
+        blocks = torch.from_numpy(_read_tensor_bytes(file, info, len(header.blob))).view(rows, -1)
+        if permute is not None:
+            blocks = torch.from_numpy(_unpermute_rows(blocks.numpy(), permute))
+        yield name, GGUFWeight(blocks, fmt.name, rows, cols)
+        return
+    weights = _load_tensor(header.blob, info, permute)
+    if arch.norm_offset and info.name.endswith("norm.weight"):
+        weights -= np.float32(arch.norm_offset)
+    yield name, torch.from_numpy(weights)
+
+
+def _joined_kv_b(header: _Header, k_b: _TensorInfo, layer: str) -> torch.Tensor:
+    """kv_b_proj's weight [heads * (nope + v), rank] from llama.cpp's split of it: attn_k_b [heads, rank, nope]
+    (each head's W_UK transposed) and attn_v_b [heads, v, rank]."""
+    v_b = header.tensors.get(f"blk.{layer}.attn_v_b.weight")
+    if v_b is None:
+        raise ValueError(f"GGUF file has {k_b.name!r} but not blk.{layer}.attn_v_b.weight; llama.cpp writes the two "
+                         "halves of kv_b_proj together. The file is incomplete: convert it again")
+    keys, values = _load_tensor(header.blob, k_b, None), _load_tensor(header.blob, v_b, None)
+    if keys.ndim != 3 or values.ndim != 3 or keys.shape[:2] != (values.shape[0], values.shape[2]):
+        raise ValueError(f"GGUF tensors {k_b.name!r} {keys.shape} and {v_b.name!r} {values.shape} are not the "
+                         "[heads, rank, nope] and [heads, v, rank] halves of one kv_b_proj")
+    joined = np.concatenate((keys.transpose(0, 2, 1), values), axis=1)
+    return torch.from_numpy(np.ascontiguousarray(joined.reshape(-1, joined.shape[-1])))
 
 
 def _permute_heads(arch: _GGUFArch, config: transformers.PreTrainedConfig, gguf_name: str) -> int | None:
@@ -479,12 +658,45 @@ def _load_tensor(blob: np.ndarray, info: _TensorInfo, permute_heads: int | None)
     return weights if permute_heads is None else _unpermute_rows(weights, permute_heads)
 
 
-def _check_complete(arch: _GGUFArch, config: transformers.PreTrainedConfig, names: set[str]) -> None:
-    per_layer = [f"{name}.weight" for name in arch.block_names.values()]
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    expected |= {f"model.layers.{i}.{p}" for i in range(config.num_hidden_layers) for p in per_layer}
+def _check_complete(header: _Header, config: transformers.PreTrainedConfig) -> None:
+    """Every tensor the model needs is in the file (named as llama.cpp names it), before any is read."""
+    arch_name, names = header.metadata["general.architecture"], set(header.tensors)
+    expected = {"token_embd.weight", "output_norm.weight"}
     if not config.tie_word_embeddings:
-        expected.add("lm_head.weight")
+        expected.add("output.weight")
+    for layer in range(config.num_hidden_layers):
+        expected |= {f"blk.{layer}.{stem}.weight" for stem in _layer_stems(arch_name, config, layer, names)}
     missing = expected - names
     if missing:
         raise ValueError(f"GGUF file lacks tensors: {sorted(missing)[:5]} ({len(missing)} missing)")
+
+
+_DENSE_MLP_STEMS = ("ffn_gate", "ffn_up", "ffn_down")
+
+
+def _layer_stems(arch_name: str, config: transformers.PreTrainedConfig, layer: int, names: set[str]) -> set[str]:
+    """The stems of layer `layer`'s weights: its attention, its norms, and a dense MLP or a router and experts."""
+    if arch_name == "deepseek2":
+        stems = {"attn_norm", "ffn_norm", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_output"}
+        stems |= {"attn_q"} if config.q_lora_rank is None else {"attn_q_a", "attn_q_a_norm", "attn_q_b"}
+        split_kv_b = f"blk.{layer}.attn_k_b.weight" in names or f"blk.{layer}.attn_v_b.weight" in names
+        stems |= {"attn_k_b", "attn_v_b"} if split_kv_b else {"attn_kv_b"}
+        sparse = layer >= config.first_k_dense_replace
+        if sparse and config.n_shared_experts:
+            stems |= set(_SHARED_EXPERT_NAMES)
+    else:
+        stems = set(_ARCHS[arch_name].block_names) - set(_MOE_NAMES) - set(_DENSE_MLP_STEMS)
+        sparse = _expert_layer(arch_name, config, layer)
+    if not sparse:
+        return stems | set(_DENSE_MLP_STEMS)
+    stems.add("ffn_gate_inp")
+    if f"blk.{layer}.ffn_gate.0.weight" in names:  # a Mixtral file from before experts were stacked
+        experts = range(config.num_local_experts)
+        return stems | {f"ffn_{proj}.{expert}" for proj in ("gate", "up", "down") for expert in experts}
+    return stems | set(_EXPERT_STACKS)
+
+
+def _expert_layer(arch_name: str, config: transformers.PreTrainedConfig, layer: int) -> bool:
+    if arch_name == "qwen3moe":
+        return layer not in config.mlp_only_layers
+    return arch_name == "olmoe" or (arch_name == "llama" and getattr(config, "num_local_experts", 0) > 0)

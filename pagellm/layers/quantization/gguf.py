@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,6 +17,9 @@ from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
 from pagellm.layers.weights import set_weight_attrs
 from pagellm.ops.dense_linear import DenseKernel, UpcastScratch, choose_dense_kernel
 from pagellm.ops.gguf_kernels import gguf_ops, row_bytes
+
+if TYPE_CHECKING:
+    from pagellm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +166,14 @@ class GGUFConfig(QuantizationConfig):
 
     def linear_method(self, prefix: str) -> LinearMethod:
         return self.method
+
+    def fused_moe_method(self, prefix: str) -> GGUFFusedMoEMethod:
+        """Every mixture-of-experts layer's method: experts kept in their blocks (layers/quantization/gguf_moe.py)."""
+        from pagellm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
+
+        if getattr(self, "moe_method", None) is None:
+            self.moe_method = GGUFFusedMoEMethod(self.method.ops)
+        return self.moe_method
 
     def describe(self) -> str:
         counts = ", ".join(f"{count} {name}" for name, count in sorted(self.type_counts.items(), key=lambda i: -i[1]))
