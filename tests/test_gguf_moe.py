@@ -518,6 +518,24 @@ def test_tensor_parallel_ranks_take_their_rows_and_input_blocks():
     torch.testing.assert_close(total, _reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
 
 
+def test_expert_parallel_ranks_take_whole_experts_of_their_own():
+    """Two ranks with expert parallelism: each holds the blocks of its half of the experts, whole (a Q4_K down
+    projection that tensor parallelism would split inside a block loads here), and the ranks' sums add up."""
+    experts, w13, w2 = _random_experts("Q4_K", seed=15)
+    x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(16))
+    logits = torch.randn(4, EXPERTS, generator=torch.Generator().manual_seed(17))
+    total = torch.zeros(4, HIDDEN, dtype=torch.float64)
+    for rank in range(2):
+        group = TensorParallelGroup(rank, 2, expert_parallel=True)
+        layer = _gguf_moe(gk.TorchGGUFOps(), experts, group=group)
+        held = experts[layer.placement.start:layer.placement.start + layer.placement.count]
+        assert layer.local_num_experts == EXPERTS // 2
+        assert layer.w13_weight.nbytes + layer.w2_weight.nbytes == sum(w.data.nbytes for e in held for w in e)
+        weights, ids = layer.select_experts(logits)
+        total += layer(x, logits).double()
+    torch.testing.assert_close(total, _reference(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
 def test_a_down_projection_split_inside_a_block_is_refused():
     experts, _, _ = _random_experts("Q4_K", seed=11)  # 256 intermediate features: one block per row
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 gives each rank 128.*Q4_K"):

@@ -81,19 +81,23 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
 
     def load_expert(self, layer: FusedMoE, tensor: GGUFWeight | torch.Tensor, shard_id: str, expert_id: int) -> None:
         """Expert `expert_id`'s gate (w1), up (w3) [I, H] or down (w2) [H, I] as the file stores it: this rank's
-        slice of the intermediate features, copied into the shard's stack."""
+        slice of the intermediate features (all of them under expert parallelism), copied into the shard's stack;
+        nothing of an expert another rank holds."""
         name = f"{layer.prefix}.{expert_id}.{shard_id}"
-        size, total = layer.intermediate_size, layer.intermediate_size * layer.group.size
+        size, total = layer.intermediate_size, layer.intermediate_size * layer.feature_ranks
         rows_cols = (tensor.rows, tensor.cols) if isinstance(tensor, GGUFWeight) else tuple(tensor.shape)
         expected = (layer.hidden_size, total) if shard_id == "w2" else (total, layer.hidden_size)
         if len(rows_cols) != 2 or rows_cols != expected:
             raise ValueError(f"checkpoint tensor {name!r} has shape {rows_cols}; expected {expected}")
-        start = layer.group.rank * size
+        local = layer.placement.local_index(expert_id)
+        if local is None:
+            return
+        start = layer.feature_rank * size
         if isinstance(tensor, GGUFWeight):
             data, type_name = tensor.data, tensor.type_name
             if shard_id == "w2":
                 width = _split_width(type_name, size, layer, name)
-                data = data.narrow(1, layer.group.rank * width, width)
+                data = data.narrow(1, layer.feature_rank * width, width)
             else:
                 data = data.narrow(0, start, size)
         else:
@@ -103,13 +107,14 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
         stack = layer.gguf_stacks.get(shard_id)
         if stack is None:
             dtype = torch.uint8 if type_name != DENSE else layer.params_dtype
-            stack = ExpertStack(type_name, torch.empty(layer.num_experts, *data.shape, dtype=dtype), rows, cols)
+            stack = ExpertStack(type_name, torch.empty(layer.local_num_experts, *data.shape, dtype=dtype), rows,
+                                cols)
             layer.gguf_stacks[shard_id] = stack
         if stack.type_name != type_name:
             raise ValueError(f"checkpoint tensor {name!r} is {type_name} but the layer's other {shard_id} experts are "
                              f"{stack.type_name}; pagellm stacks one type per expert projection, as llama.cpp's "
                              "ffn_*_exps tensors have it. Fix: requantize the file with one type per projection")
-        stack.data[expert_id].copy_(data)
+        stack.data[local].copy_(data)
         stack.loaded += 1
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
@@ -164,7 +169,7 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
         experts: QuantizedExperts | None = layer.gguf_experts
         if experts is None:
             return self.dense.apply(layer, x, topk_weights, topk_ids)
-        return grouped_experts(x, topk_weights, topk_ids, layer.num_experts, self._gate_up(experts, layer.hidden_size),
+        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, self._gate_up(experts, layer.hidden_size),
                                self._down(experts, layer.intermediate_size), 2 * layer.intermediate_size,
                                layer.act_fn)
 
@@ -197,5 +202,5 @@ def _split_width(type_name: str, size: int, layer: FusedMoE, name: str) -> int:
         return row_bytes(type_name, size)
     except ValueError:
         raise ValueError(f"{name}: tensor_parallel_size={layer.group.size} gives each rank {size} of the experts' "
-                         f"{size * layer.group.size} intermediate features, which splits {type_name}'s blocks; use a "
+                         f"{size * layer.feature_ranks} intermediate features, which splits {type_name}'s blocks; use a "
                          "size whose share is a multiple of the block") from None
