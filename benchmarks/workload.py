@@ -133,10 +133,22 @@ class Workload:
         )
 
 
-def sampleable_token_ids(tokenizer) -> np.ndarray:
-    """Ids a random prompt may use: the whole vocabulary except special and added tokens."""
+def sampleable_token_ids(tokenizer, model_vocab_size: int | None = None) -> np.ndarray:
+    """Ids a random prompt may use: the whole vocabulary except special and added tokens, and below the model's
+    embedding size where that is smaller than the tokenizer (a shape benchmark's config with a short vocabulary)."""
     excluded = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
-    return np.array([i for i in range(len(tokenizer)) if i not in excluded], dtype=np.int64)
+    limit = len(tokenizer) if model_vocab_size is None else min(len(tokenizer), model_vocab_size)
+    return np.array([i for i in range(limit) if i not in excluded], dtype=np.int64)
+
+
+def model_vocab_size(name: str | None) -> int | None:
+    """vocab_size from an HF directory's config.json; None for anything else."""
+    config = pathlib.Path(name).expanduser() / "config.json" if name else None
+    if config is None or not config.is_file():
+        return None
+    import json
+
+    return json.loads(config.read_text()).get("vocab_size")
 
 
 def generate_workload(spec: WorkloadSpec, token_ids: Sequence[int] | np.ndarray) -> Workload:

@@ -5,8 +5,17 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
-from hypothesis import settings
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on two cores: each is the other's busy neighbour, so libgomp's threads (of the
+    # workers and of the servers they start, which inherit this) spin briefly and then sleep, as pagellm chooses
+    # for shared CPUs (pagellm/cpu_threads.py). Before torch loads libgomp, which reads it once.
+    from pagellm.cpu_threads import configure_openmp_wait
+
+    configure_openmp_wait(os.environ, busy_cpus=1.0)
+
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 # Triton's kernels run under its interpreter where there is no GPU (tests/test_triton_kernels.py). Triton reads this
 # switch as it decorates its own library functions, at its first import, which some tests trigger indirectly.
