@@ -7,7 +7,10 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
 - `awq 4-bit`, `gptq 4-bit act-order`, `gptq 8-bit`: the HF export packed as AutoAWQ / AutoGPTQ pack it
   (round-to-nearest groups of 64, as 576 input features take: tests/quant_checkpoints.py);
 - `w8a8 int8 (c-t)`, `fp8 (c-t)`: compressed-tensors checkpoints of the export (tests/w8a8_checkpoints.py);
-- `gemma3 Q4_K_M` (with --gemma): the real Gemma 3 270M Q4_K_M GGUF, for memory against a mixed K-quant file.
+- `gemma3 Q4_K_M` (with --gemma): the real Gemma 3 270M Q4_K_M GGUF, for memory against a mixed K-quant file;
+- `llama 1B Q4_1 (synthetic)`: a Llama-3.2-1B-shaped GGUF of random Q4_1 blocks with the default model's tokenizer
+  (benchmarks/synthetic_gguf.py), for memory at a size where the fixed costs (tokenizer, sampler workspace, code)
+  weigh less; its perplexity and text are noise.
 
 Each format runs in a fresh process: what LLM() adds to its RSS (VmRSS after `import torch` to after LLM(), and
 the peak, VmHWM), the engine's weight bytes, the perplexity of a fixed text (exp of the mean negative
@@ -65,6 +68,7 @@ FORMATS = [
     Format("w8a8 int8 (c-t)", "ct-int8"),
     Format("fp8 (c-t)", "ct-fp8"),
     Format("gemma3 Q4_K_M", "gemma"),
+    Format("llama 1B Q4_1 (synthetic)", "synthetic"),
 ]
 
 
@@ -91,6 +95,10 @@ def checkpoint(fmt: Format, workdir: Path) -> str:
         return str(default_model_path())
     if fmt.source == "gemma":
         return gemma_path()
+    if fmt.source == "synthetic":
+        from benchmarks.synthetic_gguf import write_synthetic_gguf
+
+        return str(write_synthetic_gguf(workdir / "llama-1b-q4_1.gguf"))
     hf = workdir / "hf"
     if not (hf / "config.json").exists():
         from benchmarks.export_hf import export
@@ -229,8 +237,8 @@ def print_tables(rows: list[dict], reference: float | None) -> None:
           "llama.cpp decode tok/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        versus = f"{(r['perplexity'] / reference - 1) * 100:+.2f}%" if reference and "gemma" not in r["format"] \
-            else "-"
+        other_model = r["format"].startswith(("gemma", "llama 1B"))  # not the default model: no fp32 reference
+        versus = f"{(r['perplexity'] / reference - 1) * 100:+.2f}%" if reference and not other_model else "-"
         llama = r.get("llama_cpp") or {}
         llama_ppl = f"{llama['perplexity']:.3f}" if llama else "-"
         llama_tok = f"{llama['single_tok_s']:.1f}" if llama else "-"
@@ -266,6 +274,8 @@ def main() -> None:
     parser.add_argument("--formats", nargs="*", default=None,
                         help=f"formats to run (default: all but gemma3 unless --gemma): {[f.name for f in FORMATS]}")
     parser.add_argument("--gemma", action="store_true", help="also the Gemma 3 270M Q4_K_M GGUF")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="also the synthetic Llama-1B-shaped Q4_1 GGUF (memory at scale; writes 642 MiB)")
     parser.add_argument("--batch", type=int, default=64, help="requests at once in the batched run")
     parser.add_argument("--batch-tokens", type=int, default=32, help="output tokens per batched request")
     parser.add_argument("--decode-tokens", type=int, default=64, help="output tokens of the single stream")
@@ -284,7 +294,8 @@ def main() -> None:
         print(json.dumps(run_pagellm(fmt, checkpoint(fmt, Path(args.workdir)), args)))
         return
 
-    names = args.formats or [f.name for f in FORMATS if f.source != "gemma" or args.gemma]
+    names = args.formats or [f.name for f in FORMATS
+                             if (f.source != "gemma" or args.gemma) and (f.source != "synthetic" or args.synthetic)]
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise SystemExit(f"unknown formats {unknown}; choose from {list(by_name)}")
