@@ -615,10 +615,6 @@ class EngineArgs:
             SpeculativeConfig.from_dict(self.speculative_config)
         except ValueError as exc:
             raise ArgumentValueError(str(exc)) from None
-        if self.tensor_parallel_size > 1:
-            raise ArgumentValueError(f"speculative_config with tensor_parallel_size={self.tensor_parallel_size} is "
-                                     "not supported; speculate with tensor_parallel_size=1, or leave "
-                                     "speculative_config unset.")
 
     def _validate_model_arguments(self) -> None:
         for name in ("model", "tokenizer", "revision", "tokenizer_revision", "download_dir"):

@@ -78,6 +78,21 @@ def test_greedy_output_is_unchanged_by_accepted_and_rejected_drafts(tiny_llama_d
         assert llm.llm_engine.core.scheduler.num_preemptions > 0
 
 
+def test_greedy_output_is_unchanged_under_tensor_parallelism(tiny_llama_dir, plain_outputs, monkeypatch):
+    """Rank 0 verifies; the other rank learns from its next broadcast which drafts each row kept, and its copy of
+    the rows (tokens, computed positions, block table) must follow, or its attention reads other positions."""
+    llm = LLM(tiny_llama_dir, dtype="float32", speculative_config=NGRAM, tensor_parallel_size=2,
+              kv_cache_memory_bytes=32 << 20)
+    try:
+        prompt_ids = [o.prompt_token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=1), use_tqdm=False)]
+        _oracle(monkeypatch, {tuple(p): out for p, out in zip(prompt_ids, plain_outputs)}, error=0.3)
+        assert _outputs(llm, PROMPTS, GREEDY) == plain_outputs
+        stats = llm.llm_engine.core.scheduler.get_stats().spec_decoding
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
 @pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
 def test_greedy_output_is_unchanged_by_each_method(tiny_llama_dir, plain_runs, config):
     plain_outputs, repeating, plain_repeating = plain_runs

@@ -54,11 +54,6 @@ def test_bad_configs_are_refused_naming_the_field(config, words):
         assert word in str(info.value), str(info.value)
 
 
-def test_speculation_under_tensor_parallelism_is_refused():
-    with pytest.raises(ArgumentValueError, match="tensor_parallel_size=2"):
-        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, tensor_parallel_size=2)
-
-
 # ---- proposers -----------------------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -64,6 +64,8 @@ class StepMessage:
 
     scheduler_output: object
     sampled_token_ids: dict[str, int]
+    # The drafts rank 0 accepted after each sampled token (speculative decoding).
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

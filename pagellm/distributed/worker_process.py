@@ -89,7 +89,7 @@ def _serve(store: dist.Store, rank: int, local_rank: int, spec: LaunchSpec, addr
         message = group.broadcast_object()
         if message is None:
             break
-        worker.runner.append_sampled_tokens(message.sampled_token_ids)
+        worker.runner.append_sampled_tokens(message.sampled_token_ids, message.accepted_draft_ids)
         worker.runner.execute(message.scheduler_output)
     group.shutdown()
 

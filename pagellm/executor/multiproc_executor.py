@@ -40,6 +40,7 @@ class MultiprocExecutor:
         self._closed = False
         self._lock = threading.Lock()
         self._sampled: dict[str, int] = {}
+        self._accepted: dict[str, list[int]] = {}
         self.processes: list[subprocess.Popen] = []
         self.group = None
         # master_addr:master_port is where other hosts' ranks meet this one; on one host, as in vLLM, the ranks
@@ -85,7 +86,7 @@ class MultiprocExecutor:
         if self.failure is not None:
             raise ExecutorDeadError(self.failure)
         try:
-            self.group.broadcast_object(StepMessage(scheduler_output, self._sampled))
+            self.group.broadcast_object(StepMessage(scheduler_output, self._sampled, self._accepted))
             output = self.driver.runner.execute(scheduler_output)
         except Exception as exc:
             # Give a dying worker a moment to be reaped, so that the error names it rather than the socket.
@@ -95,7 +96,7 @@ class MultiprocExecutor:
             self.failure = (self._worker_failure() or self._remote_failure()
                             or f"a tensor-parallel step failed on rank 0: {exc!r}")
             raise ExecutorDeadError(f"{self.failure}; the engine cannot go on.") from exc
-        self._sampled = output.sampled_token_ids
+        self._sampled, self._accepted = output.sampled_token_ids, output.spec_token_ids
         return output
 
     def prefault_kv_cache(self, seconds: float) -> bool:

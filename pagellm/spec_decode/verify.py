@@ -84,6 +84,7 @@ def verify(logits_chunks: Iterable[tuple[int, torch.Tensor | None]], spec: SpecS
         sampler.sample_into(logits, sampling, first, result)
     tokens = result.token_ids.tolist()
     start = 0
+    taken_of_row = {}
     for row, k in zip(spec.rows.tolist(), spec.num_drafts.tolist()):
         state = batch.rows[row]
         first = int(batch.num_tokens[row])
@@ -93,16 +94,29 @@ def verify(logits_chunks: Iterable[tuple[int, torch.Tensor | None]], spec: SpecS
         while accepted < k and samples[accepted] == drafts[accepted]:
             accepted += 1
         taken = samples[: accepted + 1]
+        taken_of_row[row] = taken
         output.sampled_token_ids[state.request_id] = taken[0]
         if accepted:
             output.spec_token_ids[state.request_id] = taken[1:]
         if state.wants_logprobs and result.logprobs is not None:
             output.logprobs[state.request_id] = [token_logprobs(result, i, state.num_logprobs)
                                                  for i in range(start, start + accepted + 1)]
+        start += k + 1
+    keep_taken(batch, spec, taken_of_row, block_size)
+
+
+def keep_taken(batch: InputBatch, spec: SpecStep, taken_of_row: dict[int, list[int]], block_size: int) -> None:
+    """Each verified row keeps its taken tokens (the accepted drafts, then the target's own next token): rank 0
+    right after sampling them, the other tensor-parallel ranks when rank 0's next broadcast tells them."""
+    for row, k in zip(spec.rows.tolist(), spec.num_drafts.tolist()):
+        taken = taken_of_row.get(row)
+        if taken is None:
+            continue  # no longer in the batch on this rank (finished or aborted meanwhile)
+        accepted = len(taken) - 1
+        first = int(batch.num_tokens[row])
         batch.token_ids[row, first + accepted] = taken[-1]
         batch.num_tokens[row] = first + accepted + 1
         # The runner counted all 1 + k positions as computed; the rejected drafts' K/V is stale.
         batch.num_computed[row] -= k - accepted
         # The scheduler gives back the blocks past the kept tokens (KVCacheManager.truncate); so does the table.
         batch.num_blocks[row] = min(batch.num_blocks[row], -(-int(batch.num_computed[row]) // block_size))
-        start += k + 1

@@ -16,7 +16,7 @@ from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of
 from pagellm.sample.sampler import Sampler, SamplerOutput, SamplingBatch
-from pagellm.spec_decode.verify import extend_logits_index, prepare_spec_step, verify
+from pagellm.spec_decode.verify import SpecStep, extend_logits_index, keep_taken, prepare_spec_step, verify
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import layer_views
 from pagellm.worker.logits import logits_in_chunks, logits_rows_per_chunk
@@ -52,6 +52,8 @@ class ModelRunner:
         self.logits_rows_per_chunk = logits_rows_per_chunk(self.vocab_size, device)
         # Under tensor parallelism only rank 0 samples; the other ranks skip building sampling inputs.
         self.samples = model.group.rank == 0
+        # On a rank that does not sample: last step's verified rows, kept until rank 0 says what they took.
+        self._unsettled_spec: SpecStep | None = None
         self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # This rank's heads (all of them without tensor parallelism).
@@ -140,6 +142,8 @@ class ModelRunner:
             spec_logits = logits_in_chunks(self.model.compute_logits, hidden[inputs.logits_index[num_plain:]],
                                            self.logits_rows_per_chunk)
             verify(spec_logits, spec, batch, self.sampling_batches, self.sampler, output, self.block_size)
+            if not self.samples:
+                self._unsettled_spec = spec
         return output
 
     def _consume_logits(self, hidden: torch.Tensor, num_samples: int, rows: np.ndarray, inputs: StepInputs,
@@ -197,11 +201,21 @@ class ModelRunner:
             offset += fanout
         batch.append_tokens(appending)
 
-    def append_sampled_tokens(self, sampled_token_ids: dict[str, int]) -> None:
-        """On a tensor-parallel rank that does not sample: the tokens rank 0 sampled last step."""
+    def append_sampled_tokens(self, sampled_token_ids: dict[str, int],
+                              accepted_draft_ids: dict[str, list[int]] | None = None) -> None:
+        """On a tensor-parallel rank that does not sample: the tokens rank 0 sampled last step, and the drafts it
+        accepted after them (its verified rows keep exactly what rank 0's kept)."""
         batch = self.input_batch
+        verified: set[int] = set()
+        if self._unsettled_spec is not None:
+            spec, self._unsettled_spec = self._unsettled_spec, None
+            verified = set(spec.rows.tolist())
+            ids = batch.row_request_ids
+            taken = {row: [sampled_token_ids[ids[row]], *(accepted_draft_ids or {}).get(ids[row], [])]
+                     for row in verified if ids[row] in sampled_token_ids}
+            keep_taken(batch, spec, taken, self.block_size)
         batch.append_tokens([(batch.row_of[request_id], token) for request_id, token in sampled_token_ids.items()
-                             if request_id in batch.row_of
+                             if request_id in batch.row_of and batch.row_of[request_id] not in verified
                              and batch.rows[batch.row_of[request_id]].appends_sampled_tokens])
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
