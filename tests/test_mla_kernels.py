@@ -1,7 +1,8 @@
 """The latent decode kernels of multi-head latent attention (attention/mla.py): the C kernel on every
 instruction set this CPU runs, the Triton kernel under TRITON_INTERPRET=1 and the torch reference, each with
 W_UK absorbed into the query and W_UV applied to its output, against a float64 reference of the expanded
-attention (per head keys [c W_UK^T | k_pe] and values c W_UV^T) over the same paged rows.
+attention (per head keys [c W_UK^T | k_pe] and values c W_UV^T) over the same paged rows: for quantized caches
+(fp8 e4m3, fp8 e5m2, int8 codes with a bfloat16 scale per row), the rows as the format gives them back.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from pagellm.attention.kv_spec import KVCacheFormat  # noqa: E402
 from pagellm.attention.mla import mla_decode_kernel, torch_latent_decode, write_latent  # noqa: E402
 from pagellm.attention.native import runnable_isas  # noqa: E402
 from pagellm.attention.paged import DecodeMetadata, kv_write_index  # noqa: E402
@@ -22,25 +24,32 @@ from pagellm.attention.paged import DecodeMetadata, kv_write_index  # noqa: E402
 NOPE, V = 24, 20
 
 
-def _case(seed: int, heads: int, rank: int, rope: int, lens: list[int], block_size: int, cache_dtype: torch.dtype):
-    """Random latents written into a shuffled paged cache, per-head queries and the absorbed weights."""
+def _case(seed: int, heads: int, rank: int, rope: int, lens: list[int], block_size: int, cache_dtype: torch.dtype,
+          kv_format: KVCacheFormat | None = None):
+    """Random latents written into a shuffled paged cache (of cache_dtype, or quantized to `kv_format` from
+    float32), per-head queries and the absorbed weights."""
     generator = torch.Generator().manual_seed(seed)
     width = rank + rope
     blocks_per_seq = [-(-n // block_size) for n in lens]
     num_blocks = sum(blocks_per_seq) + 3
     order = torch.randperm(num_blocks, generator=generator).numpy()
     tables = np.zeros((len(lens), max(blocks_per_seq)), dtype=np.int64)
-    cache = torch.zeros(num_blocks, 1, block_size, width, dtype=cache_dtype)
+    if kv_format is not None:
+        cache = torch.zeros(num_blocks, 1, kv_format.run_bytes(block_size, width), dtype=torch.uint8)
+    else:
+        cache = torch.zeros(num_blocks, 1, block_size, width, dtype=cache_dtype)
     rows, used = [], 0
     for i, n in enumerate(lens):
         tables[i, : blocks_per_seq[i]] = order[used: used + blocks_per_seq[i]]
         used += blocks_per_seq[i]
         latent = torch.randn(n, width, generator=generator, dtype=torch.float64)
         positions = np.arange(n)
-        write_latent(latent.to(cache_dtype), cache,
-                     torch.from_numpy(kv_write_index(tables[i][positions // block_size], positions % block_size, 1,
-                                                     block_size)))
-        rows.append(latent.to(cache_dtype).double())  # what the cache holds
+        index = torch.from_numpy(kv_write_index(tables[i][positions // block_size], positions % block_size, 1,
+                                                block_size))
+        write_latent(latent.to(cache_dtype), cache, index, kv_format)
+        # what the cache holds
+        held = kv_format.round_trip(latent.to(cache_dtype)) if kv_format is not None else latent.to(cache_dtype)
+        rows.append(held.double())
     w_uk = torch.randn(heads, NOPE, rank, generator=generator, dtype=torch.float64) / rank**0.5
     w_uv = torch.randn(heads, V, rank, generator=generator, dtype=torch.float64) / rank**0.5
     q_nope = torch.randn(len(lens), heads, NOPE, generator=generator, dtype=torch.float64)
@@ -143,3 +152,55 @@ def test_quantized_latent_cache_reads_back_its_round_trip():
     q = torch.randn(len(lens), heads, width, generator=torch.Generator().manual_seed(4))
     ours = torch_latent_decode(q, quantized, decode, 0.2, rank, kv_format, block_size)
     torch.testing.assert_close(ours, torch_latent_decode(q, cache, decode, 0.2, rank), atol=1e-6, rtol=1e-6)
+
+
+# kv_cache_dtype names of the three quantized formats (fp8_e4m3, fp8_e5m2, int8).
+QUANTIZED_FORMATS = ["fp8", "fp8_e5m2", "int8_per_token_head"]
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("format_name", QUANTIZED_FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_c_kernel_reads_quantized_latents(isa, q_dtype, format_name, shape):
+    """The C kernel over the codes and scales as stored equals the float64 expanded attention over the
+    dequantized rows (to float32 rounding: the dequantization is exact)."""
+    kernel = mla_decode_kernel(isa)
+    if kernel is None:
+        pytest.skip("no C compiler: the native kernels are off")
+    kv_format = KVCacheFormat.resolve(format_name, torch.float32)
+    heads, rank, rope, lens, block_size = shape
+    cache, rows, w_uk, w_uv, q_nope, q_pe, decode = _case(5, heads, rank, rope, lens, block_size, torch.float32,
+                                                          kv_format)
+    scale = (NOPE + rope) ** -0.5
+    ours = _absorbed(lambda q: kernel(q, cache, decode, scale, rank, kv_format), q_nope, q_pe, w_uk, w_uv,
+                     q_dtype)
+    reference = _expanded_reference(rows, w_uk, w_uv, q_nope, q_pe, rank, scale)
+    torch.testing.assert_close(ours, reference, atol=TOLERANCE[q_dtype], rtol=TOLERANCE[q_dtype])
+
+
+def test_c_kernel_refuses_a_quantized_cache_without_its_format():
+    kernel = mla_decode_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler: the native kernels are off")
+    kv_format = KVCacheFormat.resolve("int8_per_token_head", torch.float32)
+    heads, rank, rope, lens, block_size = SHAPES[0]
+    cache, *_, decode = _case(6, heads, rank, rope, lens, block_size, torch.float32, kv_format)
+    with pytest.raises(TypeError, match="float32 or bfloat16 caches"):
+        kernel(torch.zeros(len(lens), heads, rank + rope), cache, decode, 0.1, rank)
+
+
+@pytest.mark.parametrize("format_name", QUANTIZED_FORMATS)
+def test_triton_kernel_reads_quantized_latents(format_name):
+    pytest.importorskip("triton")
+    from pagellm.attention.mla_triton import triton_latent_decode
+
+    kv_format = KVCacheFormat.resolve(format_name, torch.float32)
+    heads, rank, rope, lens, block_size = 4, 36, 10, [1, 13, 20], 8  # small: the interpreter is slow
+    cache, rows, w_uk, w_uv, q_nope, q_pe, decode = _case(7, heads, rank, rope, lens, block_size, torch.float32,
+                                                          kv_format)
+    scale = (NOPE + rope) ** -0.5
+    ours = _absorbed(lambda q: triton_latent_decode(q, cache, decode, scale, rank, kv_format=kv_format), q_nope,
+                     q_pe, w_uk, w_uv, torch.float32)
+    reference = _expanded_reference(rows, w_uk, w_uv, q_nope, q_pe, rank, scale)
+    torch.testing.assert_close(ours, reference, atol=2e-5, rtol=2e-5)

@@ -18,9 +18,11 @@ halves of kv_b_proj:
   which the layer then maps through W_UV. Per decode this reads rank + rope values per cached token, once for
   all heads: multi-query attention with head size rank + rope and value size rank.
 
-The latent decode runs on the C kernel (csrc/mla_decode.c, CPU, unquantized float32/bfloat16 caches), the Triton
-kernel (mla_triton.py, CUDA) or the torch reference below; `MLABackend` picks one per device and builds a step's
-metadata on the torch backend's (its write index, decode tables and prefill chunks).
+The latent decode runs on the C kernel (csrc/mla_decode.c, CPU), the Triton kernel (mla_triton.py, CUDA) or the
+torch reference below; `MLABackend` picks one per device and builds a step's metadata on the torch backend's (its
+write index, decode tables and prefill chunks). The C and Triton kernels read float32 and bfloat16 caches and the
+quantized ones (fp8 e4m3, fp8 e5m2, int8: kv_spec.py) as they are stored, widening each row's codes in registers
+and folding its scale into the row's score and softmax weight; the torch reference gathers and dequantizes.
 """
 
 from __future__ import annotations
@@ -143,20 +145,23 @@ class MLABackend:
 
 
 def select_mla_backend(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> MLABackend:
-    """The MLA backend for `shape` (kv_lora_rank > 0); `dtype` is the model's."""
+    """The MLA backend for `shape` (kv_lora_rank > 0); `dtype` is the model's. The kernels read a quantized
+    cache's codes and scales directly: they get its format bound to their calls."""
     forced = os.environ.get(BACKEND_ENV, "")
     cache_format = shape.kv_format or KVCacheFormat.resolve("auto", dtype)
-    if forced == "torch" or cache_format.quantized:
+    quantized = cache_format if cache_format.quantized else None
+    if forced == "torch":
         return MLABackend(shape, device, None, "mla-torch")
     if forced == "triton" or (device.type == "cuda" and not forced):
         if triton_available():
             from pagellm.attention.mla_triton import triton_latent_decode
 
-            return MLABackend(shape, device, triton_latent_decode, "mla-triton")
+            return MLABackend(shape, device, functools.partial(triton_latent_decode, kv_format=quantized),
+                              "mla-triton")
         return MLABackend(shape, device, None, "mla-torch")
     kernel = mla_decode_kernel() if device.type == "cpu" else None
-    if kernel is not None and dtype in MLADecodeKernel.DTYPES and cache_format.value_dtype in MLADecodeKernel.DTYPES:
-        return MLABackend(shape, device, kernel, "mla-cpu-native")
+    if kernel is not None and MLADecodeKernel.reads(dtype, cache_format):
+        return MLABackend(shape, device, functools.partial(kernel, kv_format=quantized), "mla-cpu-native")
     return MLABackend(shape, device, None, "mla-torch")
 
 
@@ -164,11 +169,17 @@ def select_mla_backend(device: torch.device, dtype: torch.dtype, shape: Attentio
 
 
 class MLADecodeKernel:
-    """mla_decode_attention: the latent decode from the paged cache, float32 or bfloat16 queries and caches,
-    float32 arithmetic, one pass over each sequence's rows shared by all heads."""
+    """mla_decode_attention: the latent decode from the paged cache, float32 or bfloat16 queries; float32,
+    bfloat16 or quantized (fp8 e4m3, fp8 e5m2, int8) caches; float32 arithmetic, one pass over each sequence's
+    rows shared by all heads."""
 
     DTYPES = (torch.float32, torch.bfloat16)
     _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+
+    @classmethod
+    def reads(cls, dtype: torch.dtype, cache_format: KVCacheFormat) -> bool:
+        """Whether the kernel serves queries of `dtype` over a cache of `cache_format`."""
+        return dtype in cls.DTYPES and (cache_format.quantized or cache_format.value_dtype in cls.DTYPES)
 
     def __init__(self, library: ctypes.CDLL) -> None:
         from pagellm.attention.native import library_isa
@@ -180,26 +191,29 @@ class MLADecodeKernel:
                                    self._PTR, self._I64, self._I64, self._I64, self._I64, self._I64, self._F32]
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor, decode: DecodeMetadata, scale: float,
-                 rank: int) -> torch.Tensor:
-        """q [num_decodes, heads, width]; cache [num_blocks, 1, block_size, width] -> [num_decodes, heads, rank]
-        in q's dtype."""
-        if q.dtype not in self.DTYPES or cache.dtype not in self.DTYPES:
-            raise TypeError(f"the MLA decode kernel reads float32 or bfloat16 queries and caches, not q {q.dtype}, "
-                            f"cache {cache.dtype}")
+                 rank: int, kv_format: KVCacheFormat | None = None) -> torch.Tensor:
+        """q [num_decodes, heads, width]; cache [num_blocks, 1, block_size, width] float32 or bfloat16, or the
+        [num_blocks, 1, run bytes] of a quantized `kv_format` -> [num_decodes, heads, rank] in q's dtype."""
+        from pagellm.attention.native import _cache_geometry
+
+        if q.dtype not in self.DTYPES:
+            raise TypeError(f"the MLA decode kernel reads float32 or bfloat16 queries, not {q.dtype}")
         q = q.contiguous()
         num_seqs, num_heads, width = q.shape
-        if cache.dim() != 4 or cache.shape[1] != 1 or cache.shape[3] != width or not cache.is_contiguous():
-            raise TypeError(f"an MLA cache is a contiguous [blocks, 1, block_size, {width}], not "
+        format_code, cache_heads, block_size = _cache_geometry(cache, width, kv_format)
+        if cache_heads != 1 or not cache.is_contiguous():
+            raise TypeError(f"an MLA cache holds one contiguous latent row per token ([blocks, 1, ...]), not "
                             f"{tuple(cache.shape)}")
         if not 0 < rank <= width:
             raise ValueError(f"rank={rank} must lie in (0, {width}] (the latent leads each cached row)")
         tables = np.ascontiguousarray(decode.block_tables, dtype=np.int64)
         lens = np.ascontiguousarray(decode.context_lens, dtype=np.int64)
         out = torch.empty(num_seqs, num_heads, rank, dtype=q.dtype)
-        failed = self._function(q.data_ptr(), cache.data_ptr(), int(q.dtype == torch.bfloat16),
-                                int(cache.dtype == torch.bfloat16), tables.ctypes.data, tables.shape[1],
-                                lens.ctypes.data, out.data_ptr(), num_seqs, num_heads, width, rank, cache.shape[2],
-                                scale)
+        failed = self._function(q.data_ptr(), cache.data_ptr(), int(q.dtype == torch.bfloat16), format_code,
+                                tables.ctypes.data, tables.shape[1], lens.ctypes.data, out.data_ptr(), num_seqs,
+                                num_heads, width, rank, block_size, scale)
+        if failed == 2:
+            raise TypeError(f"the MLA decode kernel does not read cache format code {format_code}")
         if failed:
             raise MemoryError("the MLA decode kernel could not allocate its score buffer")
         return out
@@ -222,7 +236,7 @@ def mla_library(isa: str | None = None) -> ctypes.CDLL | None:
 def _mla_library(isa: str) -> ctypes.CDLL:
     from pagellm.attention import native
 
-    headers = [_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h")]
+    headers = [_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h", "kv_format.h")]
     path = native.build_library(f"pagellm_mla_{isa}", [_CSRC / "mla_decode.c"], headers, native.compiler_flags(isa))
     return ctypes.CDLL(str(path))
 

@@ -149,15 +149,23 @@ def test_parallel_samples_and_beam_search_on_shared_latent_blocks(mla_dirs, hf_r
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 
 
-def test_fp8_latent_cache(mla_dirs):
-    """kv_cache_dtype="fp8": each latent row is 80 e4m3 codes and a bfloat16 scale (the torch path reads it);
-    the pool holds 4 * 80 / 82 times the tokens of the float32 latent."""
+def test_fp8_latent_cache(mla_dirs, attention_backend):
+    """kv_cache_dtype="fp8": each latent row is 80 e4m3 codes and a bfloat16 scale, which the C kernel reads as
+    stored; the pool holds 4 * 80 / 82 times the tokens of the float32 latent. Greedy output equals the torch
+    reference path's over the same cache format."""
+    prompts = MLA_PROMPTS[:3]
     llm = LLM(mla_dirs("v2-lite"), **ENGINE_ARGS, kv_cache_dtype="fp8")
-    assert llm.llm_engine.core.runner.attn_backend.name == "mla-torch"
+    assert llm.llm_engine.core.runner.attn_backend.name == "mla-cpu-native"
     spec = llm.llm_engine.core.executor.driver.kv_spec
     assert spec.tokens_per_gib == pytest.approx(GiB / (2 * 82))
-    [output] = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)
-    assert len(output.outputs[0].token_ids) == MAX_TOKENS
+    native = [output.outputs[0].token_ids for output in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    del llm
+    attention_backend("torch")
+    reference = LLM(mla_dirs("v2-lite"), **ENGINE_ARGS, kv_cache_dtype="fp8")
+    assert reference.llm_engine.core.runner.attn_backend.name == "mla-torch"
+    expected = [output.outputs[0].token_ids for output in reference.generate(prompts, GREEDY, use_tqdm=False)]
+    assert native == expected
+    assert all(len(tokens) == MAX_TOKENS for tokens in native)
 
 
 def test_preemption_keeps_outputs_exact(mla_dirs, hf_references):
