@@ -126,9 +126,9 @@ class PairedKVSpec:
         return GiB / self.bytes_per_block * self.block_size
 
     def describe(self) -> str:
-        return (f"{self.target.describe().rsplit(',', 1)[0]}, with the draft model's layers {self.tokens_per_gib:,.0f} "
-                f"tokens per GiB (bytes per block {self.bytes_per_block:,} = target {self.target.bytes_per_block:,} "
-                f"for {self.target.num_layers} layers + draft {self.draft.bytes_per_block:,} for "
+        return (f"{self.target.describe()} of the target's layers alone, {self.tokens_per_gib:,.0f} with the draft "
+                f"model's (bytes per block {self.bytes_per_block:,} = target {self.target.bytes_per_block:,} for "
+                f"{self.target.num_layers} layers + draft {self.draft.bytes_per_block:,} for "
                 f"{self.draft.num_layers} layers)")
 
 
@@ -201,12 +201,16 @@ class DraftProposer:
         segments = []
         for row, scheduled in zip(rows.tolist(), num_scheduled.tolist()):
             state = batch.rows[row]
+            computed = int(batch.num_computed[row])
+            # Before the target computes past them: the draft's K/V beyond the target's kept tokens is that of
+            # rejected drafts, to be recomputed whenever the draft next runs, even many steps later.
+            if self.computed.get(state.request_id, 0) > computed:
+                self.computed[state.request_id] = computed
             # Without drafts to propose, only prompt chunks are worth a draft forward (see the module's note).
             if not drafts_eligible(state) or (not drafts_of and batch.num_computed[row] >= state.num_prompt_tokens):
                 continue
-            computed = int(batch.num_computed[row])
             end = computed + scheduled - drafts_of.get(row, 0)
-            start = min(self.computed.get(state.request_id, computed), computed)
+            start = self.computed.get(state.request_id, computed)
             if start < end:
                 segments.append(_Segment(row, start, end, row in drafts_of))
             elif row in drafts_of:
