@@ -12,6 +12,8 @@ import pytest
 from pagellm import LLM, SamplingParams
 from pagellm.config import ArgumentValueError, EngineArgs
 from pagellm.spec_decode.config import SpeculativeConfig
+from pagellm.spec_decode.draft_model import _Segment, _split
+from pagellm.spec_decode.speculator import DRAFT_PLACEHOLDER, Speculator
 from tests.conftest import _save_tiny
 from tests.helpers import PROMPTS
 
@@ -206,3 +208,23 @@ def test_a_draft_with_a_shorter_context_is_refused(tiny_llama_dir, tmp_path, def
     with pytest.raises(ValueError, match="max_position_embeddings=128.*max_model_len=512"):
         LLM(tiny_llama_dir, dtype="float32", max_num_seqs=16, kv_cache_memory_bytes=32 << 20,
             speculative_config=_config(draft))
+
+
+def test_catch_up_forwards_hold_at_most_the_token_budget_decodes_first():
+    segments = [_Segment(0, 0, 1, True), _Segment(1, 5, 45, True), _Segment(2, 3, 4, False)]
+    chunks = _split(segments, 16)
+    assert [sum(s.end - s.start for s in chunk) for chunk in chunks] == [16, 16, 10]
+    # Row 1's 40 tokens in order across three forwards; only its last piece proposes.
+    pieces = [(s.start, s.end, s.proposes) for chunk in chunks for s in chunk if s.row == 1]
+    assert pieces == [(5, 20, False), (20, 36, False), (36, 45, True)]
+    for chunk in chunks:
+        lengths = [s.end - s.start for s in chunk]
+        assert lengths == sorted(lengths, key=lambda n: n > 1)
+
+
+def test_the_scheduler_gets_placeholders_the_runner_fills():
+    from pagellm.core.request import Request
+
+    speculator = Speculator(SpeculativeConfig.from_dict(_config("/tmp", k=3)))
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=10), 0, 10)
+    assert speculator.drafts_for(request, budget=2, max_model_len=64) == [DRAFT_PLACEHOLDER] * 2
