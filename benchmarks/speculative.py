@@ -76,7 +76,7 @@ def _chat_prompt(llm: LLM, text: str) -> list[int]:
 
 
 def draft_methods(target: str, draft: str) -> dict[str, dict | None]:
-    """The draft rows: (their speculative_config, k tuned for a close draft)."""
+    """The draft rows and their speculative_config (none-float: the float target without speculation)."""
     return {
         "none-float": None,
         "draft_model": {"method": "draft_model", "model": draft, "num_speculative_tokens": 4},

@@ -184,7 +184,7 @@ class ModelWorker:
         draft_runner, draft_spec = load_draft_runner(
             config, hf_config, max_model_len, dtype, device, args.block_size, self.runner.input_batch, args.seed,
             args.kv_cache_dtype, args.load_format, args.download_dir, args.trust_remote_code)
-        self.runner.drafter = DraftProposer(draft_runner, self.max_num_batched_tokens)
+        self.runner.drafter = DraftProposer(draft_runner, self.max_num_batched_tokens, config.disable_by_batch_size)
         return draft_spec
 
     @staticmethod
@@ -214,8 +214,8 @@ def _explicit_pool(args: EngineArgs, spec: KVCacheSpec | None) -> LeastPool | No
     return None
 
 
-def _num_blocks(args: EngineArgs, spec: KVCacheSpec | PairedKVSpec, device: torch.device, footprint: Footprint, need_blocks: int,
-                max_model_len: int) -> tuple[int, str, ValueError | None]:
+def _num_blocks(args: EngineArgs, spec: KVCacheSpec | PairedKVSpec, device: torch.device, footprint: Footprint,
+                need_blocks: int, max_model_len: int) -> tuple[int, str, ValueError | None]:
     """(blocks, what decided the size, the refusal where the pool cannot fit) of the KV pool."""
     if args.num_gpu_blocks_override is not None or args.kv_cache_memory_bytes is not None:
         name = "num_gpu_blocks_override" if args.num_gpu_blocks_override is not None else "kv_cache_memory_bytes"

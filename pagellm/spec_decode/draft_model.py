@@ -12,12 +12,13 @@ Which tokens the draft's cache holds, per request (`computed`, kept by request i
   speculate decode k - 1 more tokens, writing the drafts' K/V in the slots the target's verification uses;
 - after a rejection the draft's tokens past the target's kept ones are recomputed next time (its `computed` is
   clamped to the target's), their stale K/V overwritten in place;
-- a step with no speculating row (a batch above disable_by_batch_size, or every request backing off) runs the
-  draft over its prompt chunks only; decoding rows catch up when they next speculate, in forwards of at most the
-  step's token budget each, so the draft never exceeds the activation peak start-up profiled;
+- a step with no speculating row runs the draft over its prompt chunks only (every request backing off), or not
+  at all (a batch above disable_by_batch_size: a full batch would pay the draft's prefill for drafts it never
+  gets); the rows left behind catch up when they next speculate, in forwards of at most the step's token budget
+  each, so the draft never exceeds the activation peak start-up profiled;
 - a request admitted on a prefix-cache hit trusts the cached blocks' draft K/V: it is there whenever the request
   that computed them was eligible to speculate. (Where it was not - n > 1, beam search, structured outputs, or
-  decode steps the draft skipped - stale draft K/V only lowers the acceptance: verification stays exact.)
+  steps the draft skipped - stale draft K/V only lowers the acceptance: verification stays exact.)
 
 The drafts are point masses (greedy argmax of the draft), so verify.py's acceptance is exact rejection sampling.
 """
@@ -146,9 +147,12 @@ class DraftProposer:
     """Runs the draft model for the target's model runner. `runner` is a ModelRunner over the draft model (its
     attention backend, KV pool views and LM head), sharing the target runner's input batch."""
 
-    def __init__(self, runner, max_tokens_per_forward: int) -> None:
+    def __init__(self, runner, max_tokens_per_forward: int, disable_by_batch_size: int) -> None:
         self.runner = runner
         self.max_tokens_per_forward = max_tokens_per_forward
+        # A step of more rows than this proposes nothing (the scheduler's rule, seen from the runner), and its
+        # prompt chunks wait for the draft until their requests speculate.
+        self.disable_by_batch_size = disable_by_batch_size
         # Request id -> tokens whose draft K/V are in the cache (positions [0, computed)).
         self.computed: dict[str, int] = {}
         self.num_forwards = 0
@@ -175,8 +179,8 @@ class DraftProposer:
         its tokens, where verify.py reads them."""
         drafts_of = dict(zip(spec.rows.tolist(), spec.num_drafts.tolist())) if spec is not None else {}
         segments = self._catch_up_segments(batch, rows, num_scheduled, drafts_of)
-        if not segments:
-            return  # no speculation, no prompt chunk: the rows catch up when they next speculate
+        if not segments or (not drafts_of and len(rows) > self.disable_by_batch_size):
+            return  # no speculation now, nor soon: the rows catch up when they next speculate
         proposing = []
         for chunk in _split(segments, self.max_tokens_per_forward):
             tokens = self._forward(batch, chunk)
