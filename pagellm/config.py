@@ -486,7 +486,7 @@ class EngineArgs:
     speculative_config: dict | None = arg(None, group=VLLM, kind="json", flags=("-sc",),
                                           help='speculative decoding as JSON, e.g. {"method": "ngram", '
                                                '"num_speculative_tokens": 4, "prompt_lookup_max": 4} (methods: '
-                                               'ngram, suffix)')
+                                               'ngram, suffix, draft_model with "model": a draft path)')
     spec_method: str | None = default_only(None, group=VLLM, kind="optional_str", why=_SPEC_CONFIG_ONLY)
     spec_model: str | None = default_only(None, group=VLLM, kind="optional_str", why=_SPEC_CONFIG_ONLY)
     spec_tokens: int | None = default_only(None, group=VLLM, kind="int", why=_SPEC_CONFIG_ONLY)

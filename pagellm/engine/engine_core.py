@@ -81,7 +81,7 @@ class EngineCore:
             "once; %s. Weights %.2f GiB (%s), activation peak %.2f GiB (prefill %.2f, decode of %d + sampler %.2f), "
             "%s, device %s, dtype %s, attention %s, %s, ready in %.1f s.",
             num_blocks, args.block_size, self.startup.num_tokens, worker.kv_bytes / GiB, worker.kv_reason,
-            self.startup.max_concurrency, max_model_len, worker.kv_spec.describe(), worker.weights_bytes / GiB,
+            self.startup.max_concurrency, max_model_len, worker.pool_spec.describe(), worker.weights_bytes / GiB,
             self.runner.model.weight_format,
             worker.activation_peak / GiB,
             worker.prefill_peak / GiB, worker.num_profiled_decodes, worker.decode_peak / GiB,

@@ -22,6 +22,8 @@ from pagellm.layers.quantization import quantization_config_for
 from pagellm.models import loader
 from pagellm.models.llama import check_tensor_parallel_size, head_dim_of
 from pagellm.models.sliding_window import model_sliding_window
+from pagellm.spec_decode.config import SpeculativeConfig
+from pagellm.spec_decode.draft_model import DraftProposer, PairedKVSpec, load_draft_runner
 from pagellm.worker.kv_cache import (
     GiB,
     KVCacheSpec,
@@ -121,8 +123,10 @@ class ModelWorker:
 
             self.runner.lora = LoRAManager(model, args.max_loras, args.max_lora_rank,
                                            args.max_cpu_loras or args.max_loras, dtype, device)
-        # The adapters' device slots count as weights in the memory budget.
-        self.weights_bytes = model.weights_bytes() + (self.runner.lora.slots_bytes if self.runner.lora else 0)
+        draft_spec = self._load_draft(args, hf_config, max_model_len, dtype, device)
+        # The adapters' device slots and a draft model count as weights in the memory budget.
+        self.weights_bytes = (model.weights_bytes() + (self.runner.lora.slots_bytes if self.runner.lora else 0)
+                              + (self.runner.drafter.runner.model.weights_bytes() if draft_spec else 0))
         # A step can never hold more than max_num_seqs sequences of max_model_len tokens.
         profile_tokens = min(budget, args.max_num_seqs * max_model_len)
         self.num_profiled_decodes = min(args.max_num_seqs, budget)
@@ -130,14 +134,22 @@ class ModelWorker:
         # the same batch sizes in lockstep; that is not built, so tensor-parallel steps run eagerly.
         self.use_graphs = (not args.enforce_eager and group.size == 1 and not args.enable_lora
                            and self.runner.can_capture_cuda_graphs())
-        self.prefill_peak, self.decode_peak = self._profile(spec, profile_tokens, self.num_profiled_decodes,
-                                                            max_model_len, device)
+        self.prefill_peak, self.decode_peak = self._profile(self.runner, spec, profile_tokens,
+                                                            self.num_profiled_decodes, max_model_len, device)
+        if draft_spec is not None:
+            # The draft's forwards run apart from the target's: the larger of the two peaks counts.
+            peaks = self._profile(self.runner.drafter.runner, draft_spec, profile_tokens, self.num_profiled_decodes,
+                                  max_model_len, device)
+            self.prefill_peak, self.decode_peak = max(self.prefill_peak, peaks[0]), max(self.decode_peak, peaks[1])
+        # Every block holds its tokens' K/V of the target's layers and, with a draft model, of the draft's.
+        pool_spec = PairedKVSpec(spec, draft_spec) if draft_spec is not None else spec
         self.activation_peak = max(self.prefill_peak, self.decode_peak)
         # The graphs' pool keeps about one worst decode step's temporaries for good, beside the activations.
         self.graph_reserve = self.decode_peak if self.use_graphs else 0
         footprint = Footprint(memory, self.weights_bytes, self.prefill_peak, self.decode_peak,
                               self.num_profiled_decodes, self.graph_reserve)
-        num_blocks, self.kv_reason, refusal = _num_blocks(args, spec, device, footprint, need_blocks, max_model_len)
+        num_blocks, self.kv_reason, refusal = _num_blocks(args, pool_spec, device, footprint, need_blocks,
+                                                          max_model_len)
         # Every rank addresses the same block ids: the pool is as large as the smallest rank can hold. A rank
         # that refuses still takes part (with no blocks), so that no other rank waits on it.
         smallest = group.min_over_ranks(0 if refusal is not None else num_blocks)
@@ -146,16 +158,37 @@ class ModelWorker:
         if smallest < num_blocks:
             self.kv_reason += f"; the smallest of {group.size} ranks' pools"
         self.num_blocks = smallest
-        self.kv_bytes = smallest * spec.bytes_per_block
+        self.kv_bytes = smallest * pool_spec.bytes_per_block
         _check_fits(self.num_blocks, args.block_size, max_model_len, model_sliding_window(hf_config), budget)
         pool = allocate_kv_cache(spec, self.num_blocks, device)
         self.runner.set_kv_pool(pool)
+        if draft_spec is not None:
+            self.runner.drafter.runner.set_kv_pool(allocate_kv_cache(draft_spec, self.num_blocks, device))
+            logger.info("Speculative decoding with draft model %s: %s, %.2f GiB of weights; %s.",
+                        args.speculative_config.get("model"), self.runner.drafter.runner.model.weight_format,
+                        self.runner.drafter.runner.model.weights_bytes() / GiB, pool_spec.describe())
+        self.pool_spec = pool_spec
         self.kv_prefaulter = KVPoolPrefaulter(pool) if device.type == "cpu" else None
         if self.kv_prefaulter is not None:
             self.kv_prefaulter.advance(args.kv_prefault_seconds)
         self.graph_bytes = self.runner.capture_cuda_graphs() if self.use_graphs else 0
 
-    def _profile(self, spec: KVCacheSpec, budget: int, num_decodes: int, max_model_len: int,
+    def _load_draft(self, args: EngineArgs, hf_config, max_model_len: int, dtype: torch.dtype,
+                    device: torch.device) -> KVCacheSpec | None:
+        """speculative_config's draft model, when its method is draft_model: loaded into the runner's drafter."""
+        if args.speculative_config is None:
+            return None
+        config = SpeculativeConfig.from_dict(args.speculative_config)
+        if not config.uses_draft_model:
+            return None
+        draft_runner, draft_spec = load_draft_runner(
+            config, hf_config, max_model_len, dtype, device, args.block_size, self.runner.input_batch, args.seed,
+            args.kv_cache_dtype, args.load_format, args.download_dir, args.trust_remote_code)
+        self.runner.drafter = DraftProposer(draft_runner, self.max_num_batched_tokens, config.disable_by_batch_size)
+        return draft_spec
+
+    @staticmethod
+    def _profile(runner: ModelRunner, spec: KVCacheSpec, budget: int, num_decodes: int, max_model_len: int,
                  device) -> tuple[int, int]:
         """Activation peaks of the largest prefill step and of the worst decode step with its sampler."""
         seq_len = min(budget, max_model_len)
@@ -163,9 +196,9 @@ class ModelWorker:
         one_layer = dataclasses.replace(spec, num_layers=1)
         scratch = layer_views(allocate_kv_cache(one_layer, blocks, device))
         with measure_peak(device) as prefill:
-            profile_prefill(self.runner, budget, scratch)
+            profile_prefill(runner, budget, scratch)
         with measure_peak(device) as decode:
-            profile_decode(self.runner, num_decodes, scratch)
+            profile_decode(runner, num_decodes, scratch)
         del scratch
         return prefill["peak"], decode["peak"]
 
@@ -181,8 +214,8 @@ def _explicit_pool(args: EngineArgs, spec: KVCacheSpec | None) -> LeastPool | No
     return None
 
 
-def _num_blocks(args: EngineArgs, spec: KVCacheSpec, device: torch.device, footprint: Footprint, need_blocks: int,
-                max_model_len: int) -> tuple[int, str, ValueError | None]:
+def _num_blocks(args: EngineArgs, spec: KVCacheSpec | PairedKVSpec, device: torch.device, footprint: Footprint,
+                need_blocks: int, max_model_len: int) -> tuple[int, str, ValueError | None]:
     """(blocks, what decided the size, the refusal where the pool cannot fit) of the KV pool."""
     if args.num_gpu_blocks_override is not None or args.kv_cache_memory_bytes is not None:
         name = "num_gpu_blocks_override" if args.num_gpu_blocks_override is not None else "kv_cache_memory_bytes"

@@ -1,8 +1,10 @@
-"""Speculative decoding: cheap proposers of draft tokens (n-gram prompt lookup, suffix decoding) whose drafts
-the target model verifies in its normal batched step.
+"""Speculative decoding: proposers of draft tokens (n-gram prompt lookup, suffix decoding, a draft model) whose
+drafts the target model verifies in its normal batched step.
 
 - config.py: vLLM's SpeculativeConfig fields, validated (no torch).
 - ngram.py, suffix.py: the proposers (no torch).
 - speculator.py: what the scheduler asks: drafts per request, adaptivity, acceptance counters (no torch).
+- draft_model.py: the draft model's proposer, run by the model runner before the target's forward, and its share
+  of the KV pool (torch).
 - verify.py: the model runner's side: logits at every draft position, acceptance (torch).
 """

@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
+# Methods that propose without a model of their own.
+MODEL_FREE_METHODS = ("ngram", "suffix")
 # vLLM's other methods: named in the refusal, so that a user learns what pagellm lacks rather than a typo.
-_UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp",
-                        "ngram_gpu", "custom_class")
+_UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "ngram_gpu",
+                        "custom_class")
+# vLLM's `model` values that name the n-gram method rather than a draft model (when method is unset).
+_NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
 # When neither prompt_lookup bound is given (vLLM's default window).
 DEFAULT_PROMPT_LOOKUP = 5
 # Batches of more sequences than this decode with no drafts when disable_by_batch_size is unset: a batch that
 # large already fills the step's compute, so verifying drafts costs more than it saves (see speculator.py).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-# vLLM's fields that pagellm accepts at their defaults only (they select draft models, kernels or samplers).
+# vLLM's fields that pagellm accepts at their defaults only (they select kernels, samplers or draft settings
+# pagellm does not have).
 _DEFAULT_ONLY = {
-    "model": None, "draft_tensor_parallel_size": None, "tensor_parallel_size": None, "quantization": None,
-    "revision": None, "code_revision": None, "max_model_len": None, "parallel_drafting": False,
+    "tensor_parallel_size": None, "code_revision": None, "max_model_len": None, "parallel_drafting": False,
     "speculative_token_tree": None, "rejection_sample_method": "standard", "draft_sample_method": "greedy",
     "num_speculative_tokens_per_batch_size": None, "use_heterogeneous_vocab": False,
 }
@@ -44,6 +49,12 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # draft_model: the draft's checkpoint (a HuggingFace directory, a .gguf file or a cached hub id), its
+    # revision and quantization (as the engine's own `revision` / `quantization`).
+    model: str | None = None
+    revision: str | None = None
+    quantization: str | None = None
+    draft_tensor_parallel_size: int | None = None
 
     @classmethod
     def from_dict(cls, raw: object) -> SpeculativeConfig:
@@ -54,10 +65,9 @@ class SpeculativeConfig:
                                          '{"method": "ngram", "num_speculative_tokens": 4}.')
         values = dict(raw)
         method = values.pop("method", None)
-        if method is None and values.get("model") is not None:
-            raise SpeculativeConfigError(
-                f"speculative_config.model={values['model']!r}: draft models are not supported by pagellm; use "
-                f'"method": one of {", ".join(METHODS)} (no extra model).')
+        model = values.get("model")
+        if method is None and model is not None:
+            method = _infer_method(model)
         if method not in METHODS:
             known = " (a vLLM method pagellm does not run)" if method in _UNSUPPORTED_METHODS else ""
             raise SpeculativeConfigError(f"speculative_config.method={method!r} is not supported{known}; use one of "
@@ -67,8 +77,8 @@ class SpeculativeConfig:
         for name, default in _DEFAULT_ONLY.items():
             if name in values and values.pop(name) not in (default, None):
                 raise SpeculativeConfigError(
-                    f"speculative_config.{name}={raw[name]!r:.100} is not supported: pagellm speculates with "
-                    f"{'/'.join(METHODS)} only (no draft model); leave {name} unset.")
+                    f"speculative_config.{name}={raw[name]!r:.100} is not supported by pagellm's {method} method; "
+                    f"leave {name} unset.")
         for name in _NO_EFFECT:
             values.pop(name, None)
         fields = {f.name for f in dataclasses.fields(cls)} - {"method", "num_speculative_tokens"}
@@ -92,7 +102,40 @@ class SpeculativeConfig:
         _check_int("disable_by_batch_size", by_batch, 1, "the largest batch of sequences that still speculates")
         config = cls(method, k, lookup_min, lookup_max, by_batch, **values)
         config._check_suffix_fields()
+        config._check_model_fields()
         return config
+
+    def _check_model_fields(self) -> None:
+        if self.method in MODEL_FREE_METHODS:
+            if self.model is not None and self.model not in _NGRAM_MODEL_NAMES:
+                raise SpeculativeConfigError(
+                    f"speculative_config.model={self.model!r} with method={self.method!r}: that method uses no "
+                    'model; leave model unset, or use "method": "draft_model".')
+            for name in ("revision", "quantization", "draft_tensor_parallel_size"):
+                if getattr(self, name) is not None:
+                    raise SpeculativeConfigError(f"speculative_config.{name}={getattr(self, name)!r} is for a draft "
+                                                 f"model; method={self.method!r} has none: leave {name} unset.")
+            return
+        if not isinstance(self.model, str) or not self.model:
+            raise SpeculativeConfigError(
+                f"speculative_config.model={self.model!r}: method 'draft_model' needs the draft's checkpoint, e.g. "
+                '{"method": "draft_model", "model": "/path/to/small-model", "num_speculative_tokens": 4}.')
+        if _looks_like_path(self.model) and not Path(self.model).expanduser().exists():
+            raise SpeculativeConfigError(
+                f"speculative_config.model={self.model!r}: {Path(self.model).expanduser().absolute()} does not "
+                "exist; pass the draft's HuggingFace directory or .gguf file (or a hub id in the local cache).")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise SpeculativeConfigError(
+                f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size!r} is not "
+                "supported; the draft runs on one rank: leave it unset or 1.")
+        for name in ("revision", "quantization"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise SpeculativeConfigError(f"speculative_config.{name}={value!r} must be a str or unset.")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     def _check_suffix_fields(self) -> None:
         _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1,
@@ -105,6 +148,23 @@ class SpeculativeConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                 raise SpeculativeConfigError(f"speculative_config.{name}={value!r} is out of range; allowed: a "
                                              f"number in [{low:g}, {high:g}].")
+
+
+def _infer_method(model: object) -> str:
+    """vLLM's inference when only `model` is given: the n-gram names, else a draft model (an EAGLE head is named
+    by its checkpoint, and pagellm refuses it rather than running it as a draft)."""
+    if model in _NGRAM_MODEL_NAMES:
+        return "ngram"
+    if isinstance(model, str) and any(tag in model.lower() for tag in ("eagle-", "eagle3-")):
+        raise SpeculativeConfigError(
+            f"speculative_config.model={model!r} looks like an EAGLE head, which pagellm does not run; use a "
+            'draft model with "method": "draft_model", or one of ngram, suffix.')
+    return "draft_model"
+
+
+def _looks_like_path(model: str) -> bool:
+    """A local path rather than a hub id (org/name), which the loader looks up in the Hugging Face cache."""
+    return model.startswith(("/", ".", "~")) or model.endswith(".gguf") or model.count("/") > 1
 
 
 def _check_int(name: str, value: object, low: int, meaning: str) -> None:

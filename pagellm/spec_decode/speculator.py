@@ -24,6 +24,9 @@ from pagellm.spec_decode.suffix import SuffixProposer
 MIN_ACCEPTANCE = 0.25
 _EMA_WEIGHT = 0.5
 MAX_BACKOFF_STEPS = 64
+# What a draft_model request's drafts are in the scheduler: the count is decided here (budget, max_tokens,
+# back-off), the tokens by the model runner's draft model before the target's forward (draft_model.py).
+DRAFT_PLACEHOLDER = -1
 
 
 @dataclass
@@ -85,6 +88,8 @@ class Speculator:
         if state.paused_steps:
             state.paused_steps -= 1
             return []
+        if self.config.uses_draft_model:
+            return [DRAFT_PLACEHOLDER] * limit
         if self._suffix is not None:
             return self._suffix.propose(request.request_id, request.all_token_ids, limit)
         if state.tokens is None:

@@ -67,6 +67,8 @@ class ModelRunner:
         self.graphs = None  # a cuda_graphs.DecodeGraphs
         # With enable_lora: the adapters' device slots and host cache (a pagellm.lora.manager.LoRAManager).
         self.lora = None
+        # With speculative_config method draft_model: its proposer (pagellm.spec_decode.draft_model).
+        self.drafter = None
 
     @property
     def native_decode(self):
@@ -98,10 +100,14 @@ class ModelRunner:
             # Before any write of this step: a sequence that still shares the source may write into it.
             src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*scheduler_output.block_copies))
             self.kv_pool[:, :, dst] = self.kv_pool[:, :, src]
+            if self.drafter is not None:
+                self.drafter.copy_blocks(src, dst)
         for new in scheduler_output.new_requests:
             self.input_batch.add_request(new)
         for cached in scheduler_output.cached_requests:
             self.input_batch.update_request(cached)
+        if self.drafter is not None:
+            self.drafter.apply(scheduler_output)
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -122,6 +128,9 @@ class ModelRunner:
 
         spec = prepare_spec_step(batch, rows, num_scheduled, scheduler_output.spec_token_ids) \
             if scheduler_output.spec_token_ids else None
+        if self.drafter is not None:
+            # Fills the drafts (placeholders until now) before the target's inputs read them.
+            self.drafter.propose(batch, rows, num_scheduled, spec)
         inputs = prepare_inputs(batch, rows, num_scheduled, self.block_size, self.device)
         if spec is not None:
             inputs.logits_index = extend_logits_index(inputs.logits_index, spec)
