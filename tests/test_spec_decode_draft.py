@@ -190,6 +190,12 @@ def test_bad_draft_configs_are_refused_naming_the_field(config, words):
         assert word in str(info.value), str(info.value)
 
 
+def test_a_draft_model_under_tensor_parallelism_is_refused(tiny_llama_dir):
+    with pytest.raises(ArgumentValueError, match=r"'draft_model' with tensor_parallel_size=2.*'ngram' or 'suffix'"):
+        EngineArgs(speculative_config={"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 2},
+                   tensor_parallel_size=2)
+
+
 def test_a_draft_of_another_vocabulary_is_refused_naming_both_sizes(tiny_llama_dir, tmp_path):
     from transformers import LlamaConfig
 
