@@ -227,6 +227,26 @@ def test_rollback_mid_run_equals_the_run_without_speculation_step_for_step(promp
         assert spec_kv.pool.num_stored_tokens == plain_kv.pool.num_stored_tokens
 
 
+def test_a_lora_request_publishes_its_verified_blocks_under_its_adapter():
+    """A first block completed by accepted drafts carries the adapter in its key (later blocks chain on to it), as
+    one of a plain step does: under the base model's key a base request with the same tokens would reuse K/V the
+    adapter computed. The prompt is shorter than a block, so the first block fills during speculation."""
+    from pagellm.lora.request import LoRARequest
+    from pagellm.lora.slot_table import LoRASlotTable
+
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True)
+    scheduler = Scheduler(SchedulerConfig(64, 8, 128), kv, speculator=_OracleSpeculator(5, 0.0, seed=1),
+                          lora_slots=LoRASlotTable(1))
+    request = Request("r", [1, 2], SamplingParams(temperature=0, max_tokens=20), 0, 20)
+    request.lora_request = LoRARequest("adapter", 7, "/unused")
+    scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
+        _fake_step(scheduler)
+    assert scheduler.get_stats().spec_decoding.num_accepted_tokens > 0
+    first_blocks = [block.key for block in kv.pool.cached.values() if block.key.parent is None]
+    assert [key.extra for key in first_blocks] == [("lora", 7)]
+
+
 def test_drafts_stop_above_disable_by_batch_size_and_never_preempt():
     kv = KVCacheManager(64, 4)
     scheduler = Scheduler(SchedulerConfig(64, 8, 128), kv, speculator=_OracleSpeculator(4, 0.0, 0, by_batch=1))

@@ -605,7 +605,7 @@ class Scheduler:
         request.num_computed_tokens += num_taken
         self.kv.truncate(request_id, request.num_computed_tokens)
         self.kv.publish_full_blocks(request_id, request.all_token_ids, request.num_computed_tokens,
-                                    request.cache_salt)
+                                    request.cache_salt, request.lora_int_id)
         self.kv.release_slid_out_blocks(request_id, request.num_computed_tokens)
         if status is not None:
             self.running.remove(request)
