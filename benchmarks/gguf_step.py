@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -44,13 +47,15 @@ def linear_part(method, layer, *_) -> str:
     return f"LM head ({kinds})" if name == "embed_tokens" else f"{name} ({kinds})"
 
 
-def measure(num_seqs: int, steps: int, spent: Seconds) -> float:
+def measure(num_seqs: int, steps: int, spent: Seconds, threads: int | None = None) -> float:
     """Seconds of `steps` decode steps of `num_seqs` sequences; `spent` gets the parts'."""
     llm = LLM(str(gemma3_270m_path()), dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=1024,
               enable_prefix_caching=False)
     engine = llm.llm_engine
+    if threads:  # after the engine set its own count
+        torch.set_num_threads(threads)
     runner = engine.core.runner
-    runner.sampler = timed(runner.sampler, spent, "sampler")
+    runner.sampler.sample_into = timed(runner.sampler.sample_into, spent, "sampler")
     params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
     for i in range(num_seqs):
         prompt = [2] + list(range(1000 + 50 * i, 1031 + 50 * i))
@@ -68,14 +73,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seqs", type=int, nargs="*", default=[1, 16])
+    parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: the engine's)")
     args = parser.parse_args()
     spent: Seconds = collections.Counter()
     GGUFLinearMethod.apply = timed(GGUFLinearMethod.apply, spent, linear_part)
     llama_module.paged_attention = timed(llama_module.paged_attention, spent, "paged attention")
     for num_seqs in args.seqs:
-        total = measure(num_seqs, args.steps, spent)
-        print(f"\n## {num_seqs} sequence(s), {cpu_description()}: {1000 * total / args.steps:.2f} ms per decode step "
-              f"(mean of {args.steps})\n")
+        total = measure(num_seqs, args.steps, spent, args.threads)
+        print(f"\n## {num_seqs} sequence(s), {cpu_description()}, {torch.get_num_threads()} thread(s), load average "
+              f"{os.getloadavg()[0]:.1f}: {1000 * total / args.steps:.2f} ms per decode step (mean of {args.steps})\n")
         print("| part | ms per step | share |\n|---|---:|---:|")
         for name, seconds in spent.most_common():
             print(f"| {name} | {1000 * seconds / args.steps:.2f} | {seconds / total:.0%} |")

@@ -171,6 +171,37 @@ def test_matmul_picks_the_path_by_row_count(cases, monkeypatch):
     assert torch.equal(y, kernels.matmul_int8(x, weight, "Q4_K", OUT_FEATURES, IN_FEATURES["Q4_K"]))
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_a_prepared_product_equals_matmul(name, cases):
+    """The layers' per-step call: the int8 kernel directly for contiguous float32/bfloat16 rows below the dense
+    threshold, and matmul (with its conversions and paths) for any other x."""
+    kernels = _kernels(ISAS[0])
+    weight, _ = cases[name]
+    in_features = IN_FEATURES[name]
+    product = kernels.prepare(weight, name, OUT_FEATURES, in_features)
+    gen = torch.Generator().manual_seed(11)
+    threshold = kernels.dense_min_rows[name]
+    rows = [1, 5] + ([threshold] if threshold is not None else [])
+    for m in rows:
+        x = torch.randn(m, in_features, generator=gen)
+        for operand in (x, x.to(torch.bfloat16), x.to(torch.float16)):
+            expected = kernels.matmul(operand, weight, name, OUT_FEATURES, in_features)
+            y = product(operand)
+            assert y.dtype == operand.dtype and torch.equal(y, expected), (name, m, operand.dtype)
+    x = torch.randn(4, 2 * in_features, generator=gen)[:, ::2]  # strided, and 3-D below
+    assert torch.equal(product(x), kernels.matmul(x, weight, name, OUT_FEATURES, in_features))
+    assert torch.equal(product(x.reshape(2, 2, in_features)),
+                       kernels.matmul(x.reshape(2, 2, in_features), weight, name, OUT_FEATURES, in_features))
+    with pytest.raises(ValueError, match="last dimension"):
+        product(torch.randn(1, in_features + block_width(name)))
+    with pytest.raises(ValueError, match="contiguous uint8 tensor"):
+        kernels.prepare(weight[:, 1:], name, OUT_FEATURES, in_features)
+
+
+def block_width(name: str) -> int:
+    return 256 if name.endswith("_K") else 32
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_dequantize_rows_equals_gguf(isa, cases):
     kernels = _kernels(isa)

@@ -37,14 +37,35 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(nn.Module):
-    """Gemma's: scales by (1 + weight), computed in float32 and rounded back to the activations' dtype."""
+    """Gemma's: scales by (1 + weight), computed in float32 and rounded back to the activations' dtype. On the
+    fused CPU kernel (use_cpu_ops) for float32 activations: it multiplies by 1 + weight, summed once in float32
+    as the torch path sums it at every call, with the residual add folded in as RMSNorm's is."""
+
+    ops: CpuOps | None = None
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
         self.eps = eps
+        self.offset_weight: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def use_cpu_ops(self, ops: CpuOps | None) -> None:
+        """Run on `ops` (None: the torch ops again); call after the weight is loaded."""
+        self.ops = ops
+        self.offset_weight = None if ops is None else 1.0 + self.weight.detach().float()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, given the residual stream, (norm(x + residual), x + residual), the sum written into
+        `residual` in place on the fused kernel."""
+        if self.ops is not None and x.dtype == torch.float32 and x.dim() == 2:
+            out = self.ops.add_rms_norm(x, residual, self.offset_weight, self.eps)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)

@@ -12,8 +12,10 @@ Where Gemma 3 differs from Llama, following transformers' modeling_gemma3:
   rope_local_base_freq for local layers, rope_theta with any rope scaling for global ones;
 - the final logits are soft-capped, tanh(logits / cap) * cap, when final_logit_softcapping is set.
 
-It runs on the torch ops (the fused CPU kernels compute Llama's norm and SiLU, not these); its linear layers
-are Llama's (packed on CPU, sharded under tensor parallelism the same way).
+On the CPU with float32 activations its norms run on the fused RMSNorm kernel (given 1 + weight), the residual
+add before the feed-forward norm folded into it, and q/k rotate in place on the rotary kernel (Qwen3's path);
+the GELU runs on torch ops. Its linear layers are Llama's (packed on CPU, sharded under tensor parallelism the
+same way).
 """
 
 from __future__ import annotations
@@ -92,11 +94,15 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, rope, hidden, kv_cache, meta) -> torch.Tensor:
         attended = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
-        hidden = hidden + self.post_attention_layernorm(attended)
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        # hidden + post_norm(attended), then the feed-forward norm of that sum (in one kernel on the CPU ops,
+        # which add into a copy: `hidden` may be the caller's tensor)
+        normed, hidden = self.pre_feedforward_layernorm(self.post_attention_layernorm(attended), hidden.clone())
+        return hidden + self.post_feedforward_layernorm(self.mlp(normed))
 
 
 class Gemma3Model(nn.Module):
+    ops: CpuOps | None = None
+
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None,
                  prefix: str = "model") -> None:
         super().__init__()
@@ -117,7 +123,9 @@ class Gemma3Model(nn.Module):
         embedded = self.embed_tokens(input_ids)
         # transformers rounds the scale to the weights' dtype before multiplying.
         hidden = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
-        ropes = {kind: RopeInputs(positions, *table.lookup(positions, hidden.dtype), table)
+        # The rotary kernel reads the whole tables by position: no per-step cos/sin gather then.
+        ropes = {kind: RopeInputs(positions, *((None, None) if self.ops is not None else
+                                               table.lookup(positions, hidden.dtype)), table)
                  for kind, table in self.rotary.items()}
         for layer, kind, kv_cache in zip(self.layers, self.layer_types, kv_caches):
             hidden = layer(ropes[kind], hidden, kv_cache, meta)
@@ -136,7 +144,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().load_weights(_language_model_weights(weights))
 
     def use_cpu_ops(self, ops: CpuOps) -> None:
-        """Nothing to fuse: the fused kernels compute Llama's norm and SiLU, which Gemma 3 does not use."""
+        """Norms on the fused RMSNorm kernel (float32 activations; others keep the torch ops) and rotary in
+        place; the GELU stays on torch ops (the fused kernel computes SiLU)."""
+        for module in self.modules():
+            if isinstance(module, GemmaRMSNorm):
+                module.use_cpu_ops(ops)
+            elif isinstance(module, (Gemma3Model, Gemma3Attention)):
+                module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)

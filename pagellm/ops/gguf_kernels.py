@@ -212,6 +212,12 @@ class GGUFKernels:
             return self.matmul_dense(x, weight, type_name, out_features, in_features, out)
         return self.matmul_int8(x, weight, type_name, out_features, in_features, out)
 
+    def prepare(self, weight: torch.Tensor, type_name: str, out_features: int, in_features: int) -> PreparedProduct:
+        """`matmul` by this weight, checked once here: a layer calls it every step (a decode step makes ~100
+        products of a few microseconds of host work each, which the per-call checks would double)."""
+        _check_weight(weight, type_name, out_features, in_features)
+        return PreparedProduct(self, weight, type_name, self._type_id(type_name), out_features, in_features)
+
     def matmul_int8(self, x: torch.Tensor, weight: torch.Tensor, type_name: str, out_features: int,
                     in_features: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """`matmul` on the int8 products whatever the row count."""
@@ -281,6 +287,46 @@ class GGUFKernels:
                             int(kernel_dtype == torch.bfloat16)):
             raise ValueError(f"gguf_dequantize_rows refused {type_name} with in_features={in_features}")
         return out.to(dtype)
+
+
+class PreparedProduct:
+    """x @ W^T for one weight checked at load (GGUFKernels.prepare). A call whose x is a contiguous float32 or
+    bfloat16 matrix of rows below the dense path's threshold goes straight to the int8 kernel; any other x
+    takes GGUFKernels.matmul, with its checks and conversions."""
+
+    __slots__ = ("kernels", "weight", "type_name", "type_id", "out_features", "in_features", "weight_address",
+                 "int8_max_elements", "function")
+
+    def __init__(self, kernels: GGUFKernels, weight: torch.Tensor, type_name: str, type_id: int, out_features: int,
+                 in_features: int) -> None:
+        self.kernels = kernels
+        self.weight = weight  # held: the kernel reads it by address
+        self.type_name = type_name
+        self.type_id = type_id
+        self.out_features = out_features
+        self.in_features = in_features
+        self.weight_address = weight.data_ptr()
+        threshold = kernels.dense_min_rows.get(type_name)
+        self.int8_max_elements = None if threshold is None else threshold * in_features
+        self.function = kernels._matmul
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        limit = self.int8_max_elements
+        if (x.dim() != 2 or x.shape[1] != self.in_features or not x.is_contiguous()
+                or (dtype is not torch.float32 and dtype is not torch.bfloat16)
+                or (limit is not None and x.numel() >= limit)):
+            return self.kernels.matmul(x, self.weight, self.type_name, self.out_features, self.in_features)
+        rows = x.shape[0]
+        y = torch.empty(rows, self.out_features, dtype=dtype)
+        bf16 = dtype is torch.bfloat16
+        failed = self.function(self.type_id, self.weight_address, x.data_ptr(), bf16, rows, self.in_features,
+                               self.out_features, y.data_ptr(), bf16)
+        if failed:
+            raise MemoryError(f"gguf_matmul could not allocate the quantized activations of {rows} rows") \
+                if failed == 1 else ValueError(f"gguf_matmul refused {self.type_name} with in_features="
+                                               f"{self.in_features}")
+        return y
 
 
 def build_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:

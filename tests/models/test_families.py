@@ -100,7 +100,7 @@ VARIANTS = {
     "phi3-longrope-partial": lambda: _phi3(longrope=True),
 }
 # Whether the variant's attention runs the fused CPU kernels (norms, rotary) when they are there.
-FUSED_ATTENTION = {"qwen3": True, "qwen3-tied": True, "gemma3": False, "gemma3-multimodal": False, "phi3": True, "phi3-longrope-partial": False}
+FUSED_ATTENTION = {"qwen3": True, "qwen3-tied": True, "gemma3": True, "gemma3-multimodal": True, "phi3": True, "phi3-longrope-partial": False}
 # Per variant where not the defaults: (prompts, LLM arguments) of the batched test, and (prompts, prompt whose
 # prefix a follow-up request shares, LLM arguments) of the chunked/prefix-cached one.
 BATCHED_CASES = {"phi3-longrope-partial": (LONG_PROMPTS, {})}

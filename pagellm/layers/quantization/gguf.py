@@ -110,6 +110,9 @@ class GGUFLinearMethod(LinearMethod):
         if len(quantized) == len(parts) and all(self.ops.supports(w.type_name) for w in quantized):
             layer.weight.data, layer.quantized_parts = _pack_runs(quantized, padding, layer.weight.device)
             layer.dense_kernel = None
+            prepare = getattr(self.ops, "prepare", None)  # the C kernels check each weight once, here
+            layer.gguf_products = None if prepare is None else tuple(
+                prepare(part.data, part.type_name, part.rows, layer.input_size) for part in layer.quantized_parts)
             return
         for weight in quantized:
             self._report(weight.type_name, layer.prefix)
@@ -119,6 +122,7 @@ class GGUFLinearMethod(LinearMethod):
             dense.append(dense[0].new_zeros(padding, layer.input_size))
         layer.weight.data = torch.cat(dense).to(layer.weight.device).contiguous()
         layer.quantized_parts = None
+        layer.gguf_products = None
         if not getattr(layer, "serves_matmul", True):  # an embedding table only looked up
             layer.dense_kernel = DenseKernel(layer.weight.data)
             return
@@ -138,6 +142,10 @@ class GGUFLinearMethod(LinearMethod):
         kernel: DenseKernel | None = layer.dense_kernel
         if kernel is not None:
             return kernel(x, bias)
+        products = layer.gguf_products
+        if products is not None and products[0].kernels is self.ops:  # (ops swapped after loading: the else)
+            out = products[0](x) if len(products) == 1 else torch.cat([product(x) for product in products], dim=-1)
+            return out if bias is None else out + bias
         parts = layer.quantized_parts
         outputs = [self.ops.matmul(x, part.data, part.type_name, part.rows, layer.input_size) for part in parts]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
