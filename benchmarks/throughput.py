@@ -371,6 +371,10 @@ class MachineLoad:
 def main(argv: Sequence[str] | None = None) -> list[ThroughputResult]:
     args = parse_args(argv)
     load_at_start = os.getloadavg()[0]
+    if args.engine == "pagellm":
+        # Before the tokenizer's transformers loads torch: pagellm picks libgomp's wait policy at import, as in a
+        # script that starts with `from pagellm import LLM` (a late import leaves libgomp's default).
+        import pagellm  # noqa: F401
     tokenizer = load_tokenizer(args.model)
     workload = generate_workload(WorkloadSpec.from_args(args),
                                  sampleable_token_ids(tokenizer, model_vocab_size(args.model)))
