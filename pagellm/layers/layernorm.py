@@ -9,24 +9,39 @@ from torch import nn
 from pagellm.attention.native import CpuOps
 
 
-class RMSNorm(nn.Module):
+class _ResidualRMSNorm(nn.Module):
+    """norm(x); or, given the residual stream, (norm(x + residual), x + residual): on the fused CPU kernel (the sum
+    written into `residual` in place) where `_kernel_weight` gives the weight it multiplies by, else torch ops."""
+
     # The fused kernels (CPU, float32 or bfloat16) when the model runs on them; else torch ops.
     ops: CpuOps | None = None
+    eps: float
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.eps = eps
+    def _kernel_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x); or, given the residual stream, (norm(x + residual), x + residual)."""
-        if self.ops is not None:
-            out = self.ops.add_rms_norm(x, residual, self.weight, self.eps)  # adds into residual in place
+        weight = self._kernel_weight(x)
+        if weight is not None:
+            out = self.ops.add_rms_norm(x, residual, weight, self.eps)
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class RMSNorm(_ResidualRMSNorm):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def _kernel_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.weight if self.ops is not None else None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 statistics whatever the weights' dtype, as the reference implementation computes them.
@@ -36,12 +51,10 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(_ResidualRMSNorm):
     """Gemma's: scales by (1 + weight), computed in float32 and rounded back to the activations' dtype. On the
     fused CPU kernel (use_cpu_ops) for float32 activations: it multiplies by 1 + weight, summed once in float32
     as the torch path sums it at every call, with the residual add folded in as RMSNorm's is."""
-
-    ops: CpuOps | None = None
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -54,16 +67,11 @@ class GemmaRMSNorm(nn.Module):
         self.ops = ops
         self.offset_weight = None if ops is None else 1.0 + self.weight.detach().float()
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x); or, given the residual stream, (norm(x + residual), x + residual), the sum written into
-        `residual` in place on the fused kernel."""
+    def _kernel_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        # Float32 rows only: bfloat16 activations keep HF's rounding on the torch ops.
         if self.ops is not None and x.dtype == torch.float32 and x.dim() == 2:
-            out = self.ops.add_rms_norm(x, residual, self.offset_weight, self.eps)
-            return out if residual is None else (out, residual)
-        if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
+            return self.offset_weight
+        return None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
