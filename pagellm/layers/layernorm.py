@@ -3,13 +3,15 @@ Gemma's (scales by 1 + weight)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
 from pagellm.attention.native import CpuOps
 
 
-class _ResidualRMSNorm(nn.Module):
+class _ResidualRMSNorm(nn.Module, ABC):
     """norm(x); or, given the residual stream, (norm(x + residual), x + residual): on the fused CPU kernel (the sum
     written into `residual` in place) where `_kernel_weight` gives the weight it multiplies by, else torch ops."""
 
@@ -17,11 +19,13 @@ class _ResidualRMSNorm(nn.Module):
     ops: CpuOps | None = None
     eps: float
 
+    @abstractmethod
     def _kernel_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        raise NotImplementedError
+        """The weight the fused kernel multiplies by, or None where this call runs on torch ops."""
 
+    @abstractmethod
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The torch-ops norm of x."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         weight = self._kernel_weight(x)

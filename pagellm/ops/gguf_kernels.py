@@ -234,10 +234,8 @@ class GGUFKernels:
         bf16 = int(x.dtype == torch.bfloat16)
         failed = self._matmul(type_id, weight.data_ptr(), rows.data_ptr(), bf16, rows.shape[0], in_features,
                               out_features, y.data_ptr(), bf16)
-        if failed == 1:
-            raise MemoryError(f"gguf_matmul could not allocate the quantized activations of {rows.shape[0]} rows")
         if failed:
-            raise ValueError(f"gguf_matmul refused {type_name} with in_features={in_features}")
+            raise _matmul_failure(failed, rows.shape[0], type_name, in_features)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
     def matmul_dense(self, x: torch.Tensor, weight: torch.Tensor, type_name: str, out_features: int,
@@ -323,10 +321,15 @@ class PreparedProduct:
         failed = self.function(self.type_id, self.weight_address, x.data_ptr(), bf16, rows, self.in_features,
                                self.out_features, y.data_ptr(), bf16)
         if failed:
-            raise MemoryError(f"gguf_matmul could not allocate the quantized activations of {rows} rows") \
-                if failed == 1 else ValueError(f"gguf_matmul refused {self.type_name} with in_features="
-                                               f"{self.in_features}")
+            raise _matmul_failure(failed, rows, self.type_name, self.in_features)
         return y
+
+
+def _matmul_failure(code: int, rows: int, type_name: str, in_features: int) -> Exception:
+    """The error of gguf_matmul's non-zero return `code`."""
+    if code == 1:
+        return MemoryError(f"gguf_matmul could not allocate the quantized activations of {rows} rows")
+    return ValueError(f"gguf_matmul refused {type_name} with in_features={in_features}")
 
 
 def build_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:

@@ -37,6 +37,7 @@ from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import SchedulerOutput
 from pagellm.spec_decode.verify import SpecStep
 from pagellm.worker.input_batch import InputBatch
+from pagellm.worker.logits import logits_in_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -243,8 +244,12 @@ class DraftProposer:
         last = np.cumsum(lengths)[[i for i, s in enumerate(segments) if s.proposes]] - 1
         if len(last) == 0:
             return []
-        logits = runner.model.compute_logits(hidden[to_device(last, device)])
-        return logits.argmax(dim=-1).tolist()
+        # A chunk of rows at a time, as every logits row of the target (worker/logits.py): the peak start-up sized.
+        tokens: list[int] = []
+        for _, logits in logits_in_chunks(runner.model.compute_logits, hidden[to_device(last, device)],
+                                          runner.logits_rows_per_chunk):
+            tokens += logits.argmax(dim=-1).tolist()
+        return tokens
 
     @staticmethod
     def _write(batch: InputBatch, rows: list[int], tokens: list[int], index: int) -> None:

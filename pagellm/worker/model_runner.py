@@ -211,7 +211,7 @@ class ModelRunner:
         batch.append_tokens(appending)
 
     def append_sampled_tokens(self, sampled_token_ids: dict[str, int],
-                              accepted_draft_ids: dict[str, list[int]] | None = None) -> None:
+                              accepted_draft_ids: dict[str, list[int]]) -> None:
         """On a tensor-parallel rank that does not sample: the tokens rank 0 sampled last step, and the drafts it
         accepted after them (its verified rows keep exactly what rank 0's kept)."""
         batch = self.input_batch
@@ -220,7 +220,7 @@ class ModelRunner:
             spec, self._unsettled_spec = self._unsettled_spec, None
             verified = set(spec.rows.tolist())
             ids = batch.row_request_ids
-            taken = {row: [sampled_token_ids[ids[row]], *(accepted_draft_ids or {}).get(ids[row], [])]
+            taken = {row: [sampled_token_ids[ids[row]], *accepted_draft_ids.get(ids[row], [])]
                      for row in verified if ids[row] in sampled_token_ids}
             keep_taken(batch, spec, taken, self.block_size)
         batch.append_tokens([(batch.row_of[request_id], token) for request_id, token in sampled_token_ids.items()

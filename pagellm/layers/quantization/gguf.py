@@ -171,6 +171,7 @@ class GGUFConfig(QuantizationConfig):
     def __init__(self, type_counts: dict[str, int] | None = None, ops=None) -> None:
         self.method = GGUFLinearMethod(ops)
         self.type_counts = dict(type_counts or {})
+        self.moe_method: GGUFFusedMoEMethod | None = None  # made at the first mixture-of-experts layer
 
     def linear_method(self, prefix: str) -> LinearMethod:
         return self.method
@@ -179,7 +180,7 @@ class GGUFConfig(QuantizationConfig):
         """Every mixture-of-experts layer's method: experts kept in their blocks (layers/quantization/gguf_moe.py)."""
         from pagellm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
 
-        if getattr(self, "moe_method", None) is None:
+        if self.moe_method is None:
             self.moe_method = GGUFFusedMoEMethod(self.method.ops)
         return self.moe_method
 
