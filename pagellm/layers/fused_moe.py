@@ -8,10 +8,12 @@ way): softmax top-k with or without renormalisation (Mixtral, Qwen3-MoE, OLMoE),
 `routed_scaling_factor`.
 
 On the CPU a step's (token, expert) pairs are sorted by expert once; each expert that received tokens runs its
-gate_up and down products once over all of them (float32 with torch.mm on its slice of the stacked weights, half
-types on the dense layers' kernel choice of ops/dense_linear.py), and the weighted rows are summed back into
-their tokens with one index_add_. Experts that received no token cost nothing. On CUDA the same grouping runs in
-one Triton kernel per product (ops/triton_moe.py).
+gate_up and down products once over all of them, and the weighted rows are summed back into their tokens.
+Experts that received no token cost nothing. Gated-SiLU experts in float32 or bfloat16 do all of it in one native
+call per step (ops/cpu_moe.py), which reads each used expert's weights once whatever its row count; elsewhere
+(no C compiler, other activations, biases, bfloat16 on CPUs with a bf16 dot product, float16) each expert runs
+torch.mm on its slice (float32) or the dense layers' kernel choice of ops/dense_linear.py (half types), with
+one index_add_ summing back. On CUDA the same grouping runs in one Triton kernel per product (ops/triton_moe.py).
 
 Tensor parallelism splits each expert's intermediate features as LlamaMLP splits its own: a rank holds rows
 [r * I/n, (r + 1) * I/n) of w1 and w3 and the same columns of w2, and one all-reduce sums the ranks' outputs.
@@ -35,12 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.attention.native import linear_bf16
 from pagellm.distributed.parallel_state import current_group
 from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.linear import ReplicatedLinear
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.quantization.unquantized import Unquantized
 from pagellm.layers.weights import copy_checked, set_weight_attrs
+from pagellm.ops.cpu_moe import CpuMoEKernel, cpu_moe_kernel
 from pagellm.ops.dense_linear import DenseKernel, UpcastScratch, choose_dense_kernel
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
@@ -252,11 +256,17 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         layer.gate_up_kernels = layer.down_kernels = None
-        if layer.w13_weight.device.type != "cpu" or layer.w13_weight.dtype == torch.float32:
-            # float32 experts multiply with F.linear on their slice of the stacked weights. A packed copy per
-            # expert (oneDNN, as dense layers keep one) would double the experts' memory, and in a decode step
-            # each expert's weight is read once, cold from memory, where the packed layout showed no steady
-            # gain (benchmarks/moe.py).
+        layer.native_experts = None
+        if layer.w13_weight.device.type != "cpu":
+            return
+        if _takes_native_experts(layer):
+            # One native call per step for all the experts (ops/cpu_moe.py), on the stacked weights as loaded.
+            layer.native_experts = cpu_moe_kernel()
+            if layer.native_experts is not None:
+                return
+        if layer.w13_weight.dtype == torch.float32:
+            # Without the native kernels float32 experts multiply with torch.mm on their slice of the stacked
+            # weights: a packed copy per expert (oneDNN, as dense layers keep one) would double their memory.
             return
         # Half types: the dense layers' kernel choice per expert product (widened to float32 per call where the
         # CPU has no instructions for the type, pagellm's bf16 kernel where it has).
@@ -270,6 +280,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             from pagellm.ops.triton_moe import fused_experts
 
             return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        if getattr(layer, "native_experts", None) is not None:
+            return layer.native_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
         return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, self._product(layer, "gate_up"),
                                self._product(layer, "down"), 2 * layer.intermediate_size, layer.act_fn)
 
@@ -285,6 +297,16 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     def kernel_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
         kernels = (getattr(layer, "gate_up_kernels", None) or []) + (getattr(layer, "down_kernels", None) or [])
         return [tensor for kernel in kernels for tensor in kernel.tensors()]
+
+
+def _takes_native_experts(layer: FusedMoE) -> bool:
+    """Gated-SiLU experts without biases in float32, or in bfloat16 where the CPU has no bf16 dot product (there
+    the dense layers' own bf16 kernel runs each expert on its packed weight instead)."""
+    if not isinstance(layer.act_fn, SiluAndMul) or getattr(layer, "w13_bias", None) is not None:
+        return False
+    if layer.w13_weight.dtype == torch.bfloat16 and linear_bf16() is not None:
+        return False
+    return CpuMoEKernel.supports(layer.w13_weight, layer.w2_weight)
 
 
 # (expert, rows [n, in], out [n, out]): writes rows @ W_expert^T into out.

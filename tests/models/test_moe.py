@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from pagellm import LLM, SamplingParams
+from pagellm.attention.native import linear_bf16
 from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
 from pagellm.layers.fused_moe import ExpertPlacement, FusedMoE, Routing
 from pagellm.models.loader import default_dtype
+from pagellm.ops.cpu_moe import cpu_moe_kernel
 from tests.conftest import TINY_CONFIG
 from tests.helpers import PROMPTS
 from tests.models.tiny_checkpoints import check_greedy, checkpoint_dirs, greedy_references
@@ -269,16 +271,24 @@ def _per_token_reference(x, weights, ids, w1, w3, w2) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_fused_moe_matches_a_per_token_reference(tokens, dtype):
+def test_fused_moe_matches_a_per_token_reference(tokens, dtype, native, monkeypatch):
+    if native and cpu_moe_kernel() is None:
+        pytest.skip("no C compiler for the native kernels")
+    if native and dtype == torch.bfloat16 and linear_bf16() is not None:
+        pytest.skip("bfloat16 experts take the dense bf16 kernel on CPUs with a bf16 dot product")
+    if not native:
+        monkeypatch.setattr("pagellm.layers.fused_moe.cpu_moe_kernel", lambda: None)
     num_experts, hidden, intermediate = 8, 32, 24
     w1, w3, w2 = _random_experts(num_experts, hidden, intermediate, seed=1)
     with default_dtype(dtype):
         layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
     _load(layer, w1, w3, w2)
-    layer.process_weights_after_loading()  # half types: the dense layers' kernel per expert product
-    if dtype != torch.float32:
+    layer.process_weights_after_loading()
+    assert (layer.native_experts is not None) == native
+    if not native and dtype != torch.float32:  # the dense layers' kernel per expert product
         assert layer.gate_up_kernels is not None and len(layer.down_kernels) == num_experts
     generator = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=generator).to(dtype)

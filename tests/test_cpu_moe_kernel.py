@@ -1,0 +1,104 @@
+"""The native MoE experts kernel (moe_experts.c) against the grouped torch path it replaces, per instruction set
+this CPU runs: float32 and bfloat16, row tails, idle experts, one expert per row (expert parallelism's input)
+and expert ids it must refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.attention import native
+from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.fused_moe import grouped_experts
+from pagellm.ops.cpu_moe import CpuMoEKernel
+
+ISAS = native.runnable_isas()
+
+
+def _kernel(isa: str) -> CpuMoEKernel:
+    library = native.native_library(isa)
+    if library is None:
+        pytest.skip("no C compiler for the native kernels")
+    return CpuMoEKernel(library)
+
+
+def _experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=generator) * 0.2
+    w2 = torch.randn(num_experts, hidden, inter, generator=generator) * 0.2
+    return w13.to(dtype), w2.to(dtype)
+
+
+def _routed(tokens: int, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    scores = torch.randn(tokens, num_experts, generator=generator).softmax(-1)
+    weights, ids = torch.topk(scores, top_k)
+    return x, weights / weights.sum(-1, keepdim=True), ids
+
+
+def _torch_grouped(x, weights, ids, w13, w2):
+    return grouped_experts(x, weights, ids, w13.shape[0],
+                           lambda e, rows, out: torch.mm(rows, w13[e].t(), out=out),
+                           lambda e, rows, out: torch.mm(rows, w2[e].t(), out=out), w13.shape[1], SiluAndMul())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k", "hidden", "inter"), [
+    (1, 8, 2, 64, 32),      # decode: one row per expert
+    (5, 16, 4, 36, 10),     # tails: hidden and inter not multiples of any vector width
+    (40, 6, 3, 68, 38),     # prefill: many rows per expert, tiles of 3 rows with remainders
+    (3, 64, 2, 32, 16),     # most experts idle
+])
+def test_kernel_matches_the_grouped_torch_path(isa, dtype, tokens, num_experts, top_k, hidden, inter):
+    kernel = _kernel(isa)
+    w13, w2 = _experts(num_experts, hidden, inter, dtype, seed=hidden)
+    x, weights, ids = _routed(tokens, hidden, num_experts, top_k, dtype, seed=tokens)
+    assert CpuMoEKernel.supports(w13, w2)
+    out = kernel(x, w13, w2, weights, ids)
+    expected = _torch_grouped(x, weights, ids, w13, w2)
+    assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        # Both round every stored value to bfloat16 at the same points; only the dot products' summation order
+        # differs, which may move a rounding by one bfloat16 step.
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_one_expert_per_row_is_each_row_through_its_expert(isa):
+    """Expert parallelism hands the kernel a rank's pairs as rows with one choice each."""
+    kernel = _kernel(isa)
+    w13, w2 = _experts(4, 32, 16, torch.float32, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 32, generator=generator)
+    ids = torch.tensor([[2], [0], [2], [3], [0], [1]])
+    weights = torch.rand(6, 1, generator=generator)
+    out = kernel(x, w13, w2, weights, ids)
+    for row in range(6):
+        gate_up = w13[ids[row, 0]] @ x[row]
+        activated = torch.nn.functional.silu(gate_up[:16]) * gate_up[16:]
+        torch.testing.assert_close(out[row], weights[row, 0] * (w2[ids[row, 0]] @ activated), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_no_tokens_give_no_rows(isa):
+    w13, w2 = _experts(4, 32, 16, torch.float32, seed=5)
+    out = _kernel(isa)(torch.empty(0, 32), w13, w2, torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int64))
+    assert out.shape == (0, 32)
+
+
+@pytest.mark.parametrize("bad_id", [-1, 4])
+def test_an_expert_id_out_of_range_is_refused(bad_id):
+    w13, w2 = _experts(4, 32, 16, torch.float32, seed=6)
+    ids = torch.tensor([[0, bad_id]])
+    with pytest.raises(ValueError, match=r"expert id is outside \[0, experts\)"):
+        _kernel(native.best_isa())(torch.randn(1, 32), w13, w2, torch.full((1, 2), 0.5), ids)
+
+
+def test_shapes_the_tiles_cannot_take_are_not_claimed():
+    w13, w2 = _experts(4, 30, 16, torch.float32, seed=7)  # hidden 30: not a multiple of the 4-output tile
+    assert not CpuMoEKernel.supports(w13, w2)
+    assert not CpuMoEKernel.supports(*(w.half() for w in _experts(4, 32, 16, torch.float32, seed=7)))
