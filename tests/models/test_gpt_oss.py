@@ -1,7 +1,8 @@
 """gpt-oss (GptOssForCausalLM) from a tiny random HF checkpoint: greedy output equal to transformers' generate
 token for token in fp32 - batched, chunked prefill with prefix caching, preempted, on the native C kernels, on
-torch ops, on the Triton kernels under the interpreter, and over two tensor-parallel ranks; the experts'
-clamped SwiGLU and biases against transformers' GptOssExperts; MXFP4 checkpoints refused by name.
+torch ops, on the Triton kernels under the interpreter, over two tensor-parallel ranks and with expert
+parallelism; the experts' clamped SwiGLU and biases against transformers' GptOssExperts; MXFP4 checkpoints
+refused by name.
 
 The checkpoint has two layers (one sliding with an 8-token window, one full), 4 biased experts, yarn rope with
 an 8x factor over 64 original positions, and a low swiglu_limit so that the clamps cut; its biases and sinks,
@@ -139,6 +140,20 @@ def test_two_tensor_parallel_ranks_match_hf(gpt_oss_dir, hf_reference):
         assert [m.sinks.shape for m in model.modules() if isinstance(m, GptOssAttention)] == [(2,)] * 2
         assert [m.w13_bias.shape for m in model.modules() if isinstance(m, FusedMoE)] == [(4, 64)] * 2
         check_greedy(llm, GPT_OSS_PROMPTS, hf_reference(GPT_OSS_PROMPTS), GREEDY)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_expert_parallel_ranks_match_hf(gpt_oss_dir, hf_reference):
+    # enable_expert_parallel: each rank holds 2 of the 4 experts whole, with their whole biases (down's too).
+    llm = LLM(gpt_oss_dir, **ENGINE_ARGS, tensor_parallel_size=2, enable_expert_parallel=True,
+              distributed_timeout_seconds=60)
+    try:
+        experts = [m for m in llm.llm_engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert [(m.placement.start, m.local_num_experts, m.w13_bias.shape) for m in experts] == [(0, 2, (2, 128))] * 2
+        assert all(m.expert_bias("down") is m.w2_bias for m in experts)
+        prompts = GPT_OSS_PROMPTS[:3]
+        check_greedy(llm, prompts, hf_reference(prompts), GREEDY)
     finally:
         llm.llm_engine.shutdown()
 
