@@ -12,9 +12,10 @@ layer a mixture of `num_local_experts` biased experts with a clamped SwiGLU.
   them as Mixtral's experts. The activation is (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
   g = clamp(gate, max=limit) (fused_moe.ClampedSwiGLU).
 
-Released gpt-oss checkpoints keep their experts in MXFP4 (quantization_config.quant_method "mxfp4"), which no
-pagellm kernel reads: they are refused before loading (layers/quantization), naming the method; a bf16 or
-float32 conversion of the same model loads.
+Released gpt-oss checkpoints keep their experts in MXFP4 (quantization_config.quant_method "mxfp4":
+`gate_up_proj_blocks`/`_scales` and `down_proj_blocks`/`_scales`, each [E, out, ...] where the float tensors are
+[E, in, out]). No pagellm kernel multiplies MXFP4, so each expert is dequantized exactly as it loads
+(layers/quantization/mxfp4.py) and runs unquantized, in the memory of the bf16 model.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 from pagellm.attention.paged import AttentionMetadata, paged_attention
 from pagellm.layers.fused_moe import ExpertCheckpointMixin, FusedMoE, Routing, num_experts_of
 from pagellm.layers.linear import ReplicatedLinear
+from pagellm.layers.quantization.mxfp4 import dequantize_mxfp4
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.weights import copy_checked
 from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -107,18 +109,44 @@ _STACKED_EXPERTS = {
 }
 
 
+_MXFP4_PROJECTIONS = ("gate_up_proj", "down_proj")
+_MXFP4_PARTS = ("blocks", "scales")
+
+
 def per_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each stacked `...experts.gate_up_proj[_bias]` / `down_proj[_bias]` split into
     one tensor per expert and projection (`...experts.3.up_proj.weight` [intermediate, hidden]), as FusedMoE
-    loads them; views of the stacked tensor, no copies."""
+    loads them: views of the stacked tensor, no copies. An MXFP4 projection's blocks and scales (which may come
+    apart in the file) are dequantized expert by expert once both have been read."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         layer, _, suffix = name.rpartition(".")
-        if not layer.endswith(".experts") or suffix not in _STACKED_EXPERTS:
+        proj, _, part = suffix.rpartition("_")
+        if not layer.endswith(".experts"):
             yield name, tensor
-            continue
-        for expert in range(tensor.shape[0]):
-            for proj, kind, take in _STACKED_EXPERTS[suffix]:
-                yield f"{layer}.{expert}.{proj}.{kind}", take(tensor[expert])
+        elif suffix in _STACKED_EXPERTS:
+            for expert in range(tensor.shape[0]):
+                yield from _expert_tensors(layer, suffix, expert, tensor[expert])
+        elif proj in _MXFP4_PROJECTIONS and part in _MXFP4_PARTS:
+            parts = pending.setdefault(f"{layer}.{proj}", {})
+            parts[part] = tensor
+            if len(parts) == len(_MXFP4_PARTS):
+                del pending[f"{layer}.{proj}"]
+                for expert in range(parts["blocks"].shape[0]):
+                    # [out, in] dequantized: the float checkpoint's layout is its transpose.
+                    weight = dequantize_mxfp4(parts["blocks"][expert], parts["scales"][expert])
+                    yield from _expert_tensors(layer, proj, expert, weight.t())
+        else:
+            yield name, tensor
+    if pending:
+        raise ValueError(f"MXFP4 checkpoint: {sorted(pending)} have blocks or scales but not both "
+                         f"({[sorted(parts) for parts in pending.values()]} found)")
+
+
+def _expert_tensors(layer: str, suffix: str, expert: int, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Expert `expert`'s tensors of stacked `suffix`, from its slice `tensor` in the float checkpoint's layout."""
+    for proj, kind, take in _STACKED_EXPERTS[suffix]:
+        yield f"{layer}.{expert}.{proj}.{kind}", take(tensor)
 
 
 class GptOssForCausalLM(ExpertCheckpointMixin, LlamaForCausalLM):

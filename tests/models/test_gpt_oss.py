@@ -1,8 +1,8 @@
 """gpt-oss (GptOssForCausalLM) from a tiny random HF checkpoint: greedy output equal to transformers' generate
 token for token in fp32 - batched, chunked prefill with prefix caching, preempted, on the native C kernels, on
 torch ops, on the Triton kernels under the interpreter, over two tensor-parallel ranks and with expert
-parallelism; the experts' clamped SwiGLU and biases against transformers' GptOssExperts; MXFP4 checkpoints
-refused by name.
+parallelism; the experts' clamped SwiGLU and biases against transformers' GptOssExperts; an MXFP4 checkpoint
+(as gpt-oss is released) against transformers on the same dequantized experts.
 
 The checkpoint has two layers (one sliding with an 8-token window, one full), 4 biased experts, yarn rope with
 an 8x factor over 64 original positions, and a low swiglu_limit so that the clamps cut; its biases and sinks,
@@ -192,9 +192,93 @@ def test_experts_match_transformers_gpt_oss_experts():
         torch.testing.assert_close(block(hidden), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_mxfp4_checkpoints_are_refused_naming_the_method(tmp_path):
-    config = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-              "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="mxfp4.*not supported.*bfloat16"):
-        LLM(str(tmp_path), dtype="float32")
+# --- MXFP4 checkpoints ---------------------------------------------------------------------------------
+
+
+def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] float -> (blocks [..., K / 32, 16], scales [..., K / 32]): each group of 32 scaled by the power of
+    two that brings its largest value within FP4's 6, each value to its nearest FP4 code."""
+    from pagellm.layers.quantization.mxfp4 import FP4_VALUES
+
+    groups = weight.reshape(*weight.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    codes = (scaled.unsqueeze(-1) - torch.tensor(FP4_VALUES)).abs().argmin(-1)
+    pairs = codes.reshape(*codes.shape[:-1], 16, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
+
+
+def test_dequantize_mxfp4_matches_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pagellm.layers.quantization.mxfp4 import dequantize_mxfp4
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(118, 136, (3, 8, 4), generator=generator, dtype=torch.uint8)
+    # transformers returns the float checkpoint's layout [E, in, out], the transpose of the stored one.
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), expected)
+    with pytest.raises(ValueError, match="MXFP4 blocks"):
+        dequantize_mxfp4(blocks, scales[..., :3])
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(gpt_oss_dir, tmp_path_factory, default_tokenizer):
+    """The tiny checkpoint with its experts in MXFP4 as released gpt-oss checkpoints store them, and
+    transformers' greedy continuations of the model whose experts are those MXFP4 values dequantized."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tests.helpers import hf_greedy
+
+    directory = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    tensors, dequantized = {}, {}
+    for name, tensor in load_file(f"{gpt_oss_dir}/model.safetensors").items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = tensor
+            continue
+        blocks, scales = _quantize_mxfp4(tensor.transpose(1, 2).contiguous())  # stored [E, out, in]
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = json.load(open(f"{gpt_oss_dir}/config.json"))
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    default_tokenizer.save_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(gpt_oss_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in dequantized:
+                assert not torch.equal(param, dequantized[name]), "MXFP4 rounds the tiny model's experts"
+                param.copy_(dequantized[name])
+    prompts = GPT_OSS_PROMPTS[:3]
+    expected = [hf_greedy(model, default_tokenizer, default_tokenizer.encode(p), MAX_TOKENS, ignore_eos=True)
+                for p in prompts]
+    return str(directory), prompts, expected
+
+
+def test_mxfp4_checkpoint_matches_hf_on_its_dequantized_experts(mxfp4_checkpoint):
+    directory, prompts, expected = mxfp4_checkpoint
+    llm = LLM(directory, **ENGINE_ARGS)
+    assert "mxfp4" in llm.llm_engine.core.runner.model.weight_format
+    check_greedy(llm, prompts, expected, GREEDY)
+
+
+def test_mxfp4_is_not_an_online_quantization(gpt_oss_dir):
+    from pagellm.layers.quantization.mxfp4 import mxfp4_config
+
+    with pytest.raises(ValueError, match="quantization='mxfp4' is not supported"):
+        LLM(gpt_oss_dir, dtype="float32", quantization="mxfp4")
+    with pytest.raises(ValueError, match="MXFP4 is read from checkpoints"):
+        mxfp4_config(None, "mxfp4")
+
+
+def test_mxfp4_checkpoint_missing_scales_is_refused():
+    from pagellm.models.gpt_oss import per_expert_tensors
+
+    blocks = torch.zeros(2, 8, 4, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"\['model.layers.0.mlp.experts.down_proj'\] have blocks or scales"):
+        list(per_expert_tensors([("model.layers.0.mlp.experts.down_proj_blocks", blocks)]))
