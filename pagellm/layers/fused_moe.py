@@ -287,10 +287,12 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cuda" and layer.activation == "silu" and layer.w13_bias is None:
+        if x.device.type == "cuda":
             from pagellm.ops.triton_moe import fused_experts
 
-            return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+            return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                 layer.expert_bias("gate_up"), layer.expert_bias("down"),
+                                 None if layer.activation == "silu" else layer.act_fn)
         return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, self._product(layer, "gate_up"),
                                self._product(layer, "down"), 2 * layer.intermediate_size, layer.act_fn)
 
