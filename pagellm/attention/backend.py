@@ -2,8 +2,8 @@
 
 A step's attention inputs are host (numpy) arrays, built once per step by the runner
 (`StepAttentionInputs`). A backend turns them into its own metadata once per step (`build_metadata`),
-and every layer calls `forward(q, k, v, k_cache, v_cache, metadata, scale, sliding_window, sinks)`, which writes the step's
-K/V into the pool by slot mapping and attends. The metadata carries its backend, so the model calls
+and every layer calls `forward(q, k, v, k_cache, v_cache, metadata, scale, sliding_window, sinks)`, which writes
+the step's K/V into the pool by slot mapping and attends. The metadata carries its backend, so the model calls
 one function (`paged.paged_attention`) whatever backend built it.
 
 Backends:

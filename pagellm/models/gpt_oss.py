@@ -29,8 +29,8 @@ from torch import nn
 from pagellm.attention.paged import AttentionMetadata, paged_attention
 from pagellm.layers.fused_moe import ExpertCheckpointMixin, FusedMoE, Routing, num_experts_of
 from pagellm.layers.linear import ReplicatedLinear
-from pagellm.layers.quantization.mxfp4 import dequantize_mxfp4
 from pagellm.layers.quantization.base import QuantizationConfig
+from pagellm.layers.quantization.mxfp4 import dequantize_mxfp4
 from pagellm.layers.weights import copy_checked
 from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -102,7 +102,8 @@ class GptOssModel(LlamaModel):
 # transformers' stacked expert tensors: name suffix -> per expert, (projection, tensor kind) and how to take it
 # from expert e's slice. gate_up holds gate at even and up at odd columns of [hidden, 2 * intermediate].
 _STACKED_EXPERTS = {
-    "gate_up_proj": (("gate_proj", "weight", lambda t: t[:, 0::2].t()), ("up_proj", "weight", lambda t: t[:, 1::2].t())),
+    "gate_up_proj": (("gate_proj", "weight", lambda t: t[:, 0::2].t()),
+                     ("up_proj", "weight", lambda t: t[:, 1::2].t())),
     "gate_up_proj_bias": (("gate_proj", "bias", lambda t: t[0::2]), ("up_proj", "bias", lambda t: t[1::2])),
     "down_proj": (("down_proj", "weight", lambda t: t.t()),),
     "down_proj_bias": (("down_proj", "bias", lambda t: t),),

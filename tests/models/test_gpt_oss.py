@@ -86,7 +86,8 @@ def test_batched_greedy_matches_hf(gpt_oss_dir, hf_reference):
     assert [a.sliding_window for a in attention] == [SLIDING_WINDOW, None]
     assert all(a.sinks.abs().sum() > 0 for a in attention)
     experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
-    assert [(m.activation, m.w13_bias.shape, m.w2_bias.shape) for m in experts] == [("swigluoai", (4, 128), (4, 128))] * 2
+    assert [(m.activation, m.w13_bias.shape, m.w2_bias.shape) for m in experts] == [
+        ("swigluoai", (4, 128), (4, 128))] * 2
     check_greedy(llm, GPT_OSS_PROMPTS, hf_reference(GPT_OSS_PROMPTS), GREEDY)
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 

@@ -427,8 +427,8 @@ static void pack_all(const Prefill *p, int64_t total_tiles, int format, int dot)
     }
 }
 
-/* kv_format: kv_format.h's KV_* (not KV_F16); an unquantized cache has q's dtype; sinks NULL or [num_heads]. Returns 1 if a buffer could
- * not be allocated, 2 if head_dim is not a multiple of 32. */
+/* kv_format: kv_format.h's KV_* (not KV_F16); an unquantized cache has q's dtype; sinks NULL or [num_heads].
+ * Returns 1 if a buffer could not be allocated, 2 if head_dim is not a multiple of 32. */
 int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
                             int q_is_bf16, int kv_format, const int64_t *block_tables, int64_t table_stride,
                             const int64_t *query_starts, const int64_t *query_lens, const int64_t *seq_lens,
