@@ -55,3 +55,24 @@ def test_matches_the_grouped_torch_path(tokens, routing):
                                _silu_and_mul)
     assert ours.shape == x.shape and ours.dtype == x.dtype
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_biases_and_clamped_swiglu_match_the_grouped_torch_path(tokens):
+    """gpt-oss's experts: gate_up and down biases (down's weighted with its row) and ClampedSwiGLU."""
+    from pagellm.layers.fused_moe import ClampedSwiGLU
+
+    num_experts, hidden, intermediate, top_k = 5, 40, 24, 2
+    generator = torch.Generator().manual_seed(tokens)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) * 0.3
+    w2 = torch.randn(num_experts, hidden, intermediate, generator=generator) * 0.3
+    b13 = torch.randn(num_experts, 2 * intermediate, generator=generator)
+    b2 = torch.randn(num_experts, hidden, generator=generator)
+    x = torch.randn(tokens, hidden, generator=generator)
+    weights, ids = Routing.softmax_top_k(top_k, True).select(torch.randn(tokens, num_experts, generator=generator))
+    act = ClampedSwiGLU(1.702, 1.0)
+    ours = fused_experts(x, w13, w2, weights, ids, b13, b2, act)
+    expected = grouped_experts(x, weights, ids, num_experts,
+                               lambda e, rows, out: out.copy_(F.linear(rows, w13[e], b13[e])),
+                               lambda e, rows, out: out.copy_(F.linear(rows, w2[e], b2[e])), 2 * intermediate, act)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)

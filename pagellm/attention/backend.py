@@ -2,8 +2,8 @@
 
 A step's attention inputs are host (numpy) arrays, built once per step by the runner
 (`StepAttentionInputs`). A backend turns them into its own metadata once per step (`build_metadata`),
-and every layer calls `forward(q, k, v, k_cache, v_cache, metadata, scale, sliding_window)`, which writes the step's
-K/V into the pool by slot mapping and attends. The metadata carries its backend, so the model calls
+and every layer calls `forward(q, k, v, k_cache, v_cache, metadata, scale, sliding_window, sinks)`, which writes
+the step's K/V into the pool by slot mapping and attends. The metadata carries its backend, so the model calls
 one function (`paged.paged_attention`) whatever backend built it.
 
 Backends:
@@ -76,9 +76,11 @@ class AttentionBackend(Protocol):
                  metadata) -> None: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                v_cache: torch.Tensor, metadata, scale: float, sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """With `sliding_window`, the query at position p attends to keys in (p - sliding_window, p]; block-table
-        entries wholly before that may be holes and are never read."""
+        entries wholly before that may be holes and are never read. With `sinks` ([num_heads] float32, gpt-oss's
+        attention sinks), head h's softmax denominator also holds e^sinks[h], which carries no value."""
 
 
 def triton_available() -> bool:

@@ -136,6 +136,16 @@ def _check_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
                         f"weight share one dtype; rotary tables are float32, positions int64)")
 
 
+def _checked_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """Attention sinks as the kernels read them: contiguous float32 [num_heads] (None: no sinks)."""
+    if sinks is None:
+        return None
+    if sinks.shape != (num_heads,) or sinks.device.type != "cpu":
+        raise ValueError(f"sinks is {sinks.device} {tuple(sinks.shape)}; the kernels take one float32 logit per "
+                         f"query head, [{num_heads}] on the CPU")
+    return sinks.to(torch.float32).contiguous()
+
+
 class DecodeKernel:
     """paged_decode_attention with its argument types declared; see the C source for layouts.
 
@@ -155,7 +165,7 @@ class DecodeKernel:
         self._function = library.paged_decode_attention
         self._function.restype = _INT
         self._function.argtypes = [_PTR, _PTR, _PTR, _INT, _INT, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
-                                   _I64, _F32, _I64]
+                                   _I64, _F32, _I64, _PTR]
 
     def __call__(
         self,
@@ -167,11 +177,13 @@ class DecodeKernel:
         scale: float,
         sliding_window: int = 0,
         kv_format: KVCacheFormat | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, kv_heads, block_size, head_dim], or runs of a
         quantized `kv_format` (kv_spec.py).
 
-        sliding_window > 0: each sequence attends only its last sliding_window keys (0: all of them)."""
+        sliding_window > 0: each sequence attends only its last sliding_window keys (0: all of them).
+        sinks: None, or [num_heads] float32 logits each head's softmax denominator also holds."""
         query_dtype = q.dtype
         if query_dtype not in KERNEL_DTYPES:  # float16: computed from float32 and returned in float16
             q = q.to(torch.float32)
@@ -189,11 +201,13 @@ class DecodeKernel:
             raise ValueError(f"sliding_window={sliding_window} must be 0 (full attention) or a positive key count")
         block_tables = np.ascontiguousarray(block_tables)
         context_lens = np.ascontiguousarray(context_lens)
+        sinks = _checked_sinks(sinks, num_heads)
         out = torch.empty_like(q)
         failed = self._function(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), format_code,
             int(q.dtype == torch.bfloat16), block_tables.ctypes.data, block_tables.shape[1], context_lens.ctypes.data,
             out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
+            sinks.data_ptr() if sinks is not None else None,
         )
         if failed == 1:
             raise MemoryError("the native decode-attention kernel could not allocate its score buffer")
@@ -247,7 +261,7 @@ class PrefillKernel:
         self._function = library.paged_prefill_attention
         self._function.restype = _INT
         self._function.argtypes = [_PTR, _I64, _PTR, _PTR, _INT, _INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
-                                   _I64, _I64, _I64, _I64, _F32, _I64]
+                                   _I64, _I64, _I64, _I64, _F32, _I64, _PTR]
 
     def __call__(
         self,
@@ -258,12 +272,14 @@ class PrefillKernel:
         scale: float,
         sliding_window: int = 0,
         kv_format: KVCacheFormat | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [tokens, num_heads, head_dim] (rows may be strided); caches: [num_blocks, kv_heads, block_size,
         head_dim] (or runs of a quantized `kv_format`), already holding every chunk's keys and values. Returns
         [tokens, num_heads, head_dim]; rows no chunk covers are left unwritten.
 
-        sliding_window > 0: the query at position p attends keys in (p - sliding_window, p] only."""
+        sliding_window > 0: the query at position p attends keys in (p - sliding_window, p] only.
+        sinks: None, or [num_heads] float32 logits each head's softmax denominator also holds."""
         quantized = kv_format is not None and kv_format.quantized
         if q.dtype not in self.DTYPES or v_cache.dtype != k_cache.dtype or not quantized and k_cache.dtype != q.dtype:
             raise TypeError(f"the native prefill kernel takes float32 or bfloat16 queries and caches of one dtype "
@@ -289,12 +305,13 @@ class PrefillKernel:
         if chunks.max_seq_len > tables.shape[1] * block_size:
             raise ValueError(f"a sequence of {chunks.max_seq_len} tokens needs more than the "
                              f"{tables.shape[1]} blocks of {block_size} its table row holds")
+        sinks = _checked_sinks(sinks, num_heads)
         out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype)
         failed = self._function(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(q.dtype == torch.bfloat16),
             format_code, tables.ctypes.data, tables.shape[1], chunks.query_starts.ctypes.data, chunks.query_lens.ctypes.data,
             chunks.seq_lens.ctypes.data, len(chunks.query_lens), out.data_ptr(), num_heads, num_kv_heads, head_dim,
-            block_size, scale, sliding_window,
+            block_size, scale, sliding_window, sinks.data_ptr() if sinks is not None else None,
         )
         if failed:
             raise MemoryError("the native prefill-attention kernel could not allocate its buffers")

@@ -23,6 +23,11 @@ A layer with a sliding window of W tokens (`models/sliding_window.py`) lets the 
 keys in (p - W, p] only. Its decodes and chunks read only the blocks that window touches: block-table
 entries before it may be holes (`core.block_pool.HOLE`, blocks already given back to the pool), so they are
 never gathered. The windowed views are built the first time a layer with that window asks, once per step.
+
+A layer with attention sinks (gpt-oss: one learned logit per query head, `sinks` [heads] float32) adds e^sink to
+each query's softmax denominator, with no value: the torch path computes that softmax itself (SDPA has no
+sink), the native and Triton kernels fold it into their running sums. Layers without sinks pass None and run
+as before.
 """
 
 from __future__ import annotations
@@ -127,9 +132,11 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, kv_format: KVCach
     return values.transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
 
 
-def sdpa_attend(q, k, v, mask, scale, is_causal: bool = False) -> torch.Tensor:
+def sdpa_attend(q, k, v, mask, scale, is_causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     # q: [B, H, Q, D]; k/v: [B, KVH, L, D]. enable_gqa maps query head h to kv head h // (H / KVH)
     # without materialising repeated K/V (measured ~3x faster on a decode batch, bit-identical).
+    if sinks is not None:
+        return sink_attend(q, k, v, mask, scale, is_causal, sinks)
     dtype = q.dtype
     if q.device.type == "cpu" and not cpu_has_native(dtype) or k.dtype != dtype:
         # Emulated half SDPA is several times slower than float32 SDPA on widened inputs (which
@@ -140,12 +147,31 @@ def sdpa_attend(q, k, v, mask, scale, is_causal: bool = False) -> torch.Tensor:
     return out.to(dtype)
 
 
+def sink_attend(q, k, v, mask, scale, is_causal: bool, sinks: torch.Tensor) -> torch.Tensor:
+    """sdpa_attend's attention with a sink per query head (`sinks` [H]) in each row's softmax denominator, as
+    transformers' eager gpt-oss attention computes it: the scores with the sink logit appended, softmaxed, the
+    sink's column dropped. float32 arithmetic; `mask` True = attend, is_causal aligned to the upper left."""
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v).to(dtype)
+
+
 def _decode_attention(q, k_cache, v_cache, decode: DecodeMetadata, kernel: DecodeKernel | None, scale,
                       sliding_window: int | None = None, kv_format: KVCacheFormat | None = None,
-                      block_size: int = 0) -> torch.Tensor:
+                      block_size: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     if kernel is not None:
         return kernel(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale, sliding_window or 0,
-                      kv_format)
+                      kv_format, sinks)
     block_size = block_size or k_cache.shape[2]
     if sliding_window is None:
         tables, mask = decode.block_tables_tensor, decode_mask(decode, block_size)
@@ -153,7 +179,7 @@ def _decode_attention(q, k_cache, v_cache, decode: DecodeMetadata, kernel: Decod
         tables, mask = _decode_window(decode, sliding_window, block_size)
     k = gather_kv(k_cache, tables, kv_format, q.shape[-1])
     v = gather_kv(v_cache, tables, kv_format, q.shape[-1])
-    return sdpa_attend(q.unsqueeze(2), k, v, mask, scale).squeeze(2)
+    return sdpa_attend(q.unsqueeze(2), k, v, mask, scale, sinks=sinks).squeeze(2)
 
 
 def decode_mask(decode: DecodeMetadata, block_size: int) -> torch.Tensor:
@@ -186,7 +212,7 @@ def _decode_window(decode: DecodeMetadata, window: int, block_size: int) -> tupl
 
 def _chunk_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale,
                      sliding_window: int | None = None, kv_format: KVCacheFormat | None = None,
-                     block_size: int = 0) -> torch.Tensor:
+                     block_size: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [chunk, H, D]; k, v: the chunk's own [chunk, KVH, D] (as the cache gives them back, when it is
     quantized). Returns [chunk, H, D]."""
     num_queries = chunk.end - chunk.start
@@ -199,7 +225,7 @@ def _chunk_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale,
         else:
             k = gather_kv(k_cache, table[None], kv_format, head_dim)[0, :, :num_keys]
             v = gather_kv(v_cache, table[None], kv_format, head_dim)[0, :, :num_keys]
-        out = sdpa_attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale)
+        out = sdpa_attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale, sinks=sinks)
         return out[0].transpose(0, 1)
     mask = None
     if chunk.block_table is not None:
@@ -208,7 +234,7 @@ def _chunk_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale,
         mask = chunk_mask(chunk, q.device)
     else:
         k, v = k.transpose(0, 1), v.transpose(0, 1)
-    out = sdpa_attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale, is_causal=mask is None)
+    out = sdpa_attend(q.transpose(0, 1)[None], k[None], v[None], mask, scale, is_causal=mask is None, sinks=sinks)
     return out[0].transpose(0, 1)
 
 
@@ -251,19 +277,21 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Returns [T, H, D].
 
-    With `sliding_window`, the query at position p attends to keys in (p - sliding_window, p] only.
+    With `sliding_window`, the query at position p attends to keys in (p - sliding_window, p] only; with
+    `sinks` ([H] float32), head h's softmax denominator also holds e^sinks[h].
     Dispatches to the backend that built `meta`; metadata without one runs the torch path.
     """
     if meta.backend is not None:
-        return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
-    return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+        return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, sinks)
+    return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, sinks)
 
 
 def torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale: float,
-                          sliding_window: int | None = None) -> torch.Tensor:
+                          sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     kv_format = meta.kv_format
     (meta.native_write or write_kv)(k, v, k_cache, v_cache, meta.kv_write_index, kv_format)
     num_decodes = meta.num_decode_tokens
@@ -271,20 +299,20 @@ def torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale: float,
     parts = []
     if num_decodes:
         parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode, meta.native_decode, scale,
-                                       sliding_window, kv_format, block_size))
+                                       sliding_window, kv_format, block_size, sinks))
     if meta.native_prefill is not None:
         # Every chunk, however short, goes to the kernel: measured per chunk length against flash SDPA
         # (benchmarks/cpu_attention.py), it costs about what SDPA does at a single token (and one call serves
         # all the step's chunks) and is several times faster on long chunks, so no length threshold sends
         # chunks back to the torch path.
         kernel, chunks = meta.native_prefill
-        parts.append(kernel(q[num_decodes:], k_cache, v_cache, chunks, scale, sliding_window or 0, kv_format))
+        parts.append(kernel(q[num_decodes:], k_cache, v_cache, chunks, scale, sliding_window or 0, kv_format, sinks))
     if meta.prefill_chunks and kv_format is not None:
         k, v = kv_format.round_trip(k), kv_format.round_trip(v)
     for chunk in meta.prefill_chunks:
         start, end = num_decodes + chunk.start, num_decodes + chunk.end
         parts.append(_chunk_attention(q[start:end], k[start:end], v[start:end], k_cache, v_cache, chunk, scale,
-                                      sliding_window, kv_format, block_size))
+                                      sliding_window, kv_format, block_size, sinks))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -337,8 +365,8 @@ class TorchAttentionBackend:
         (meta.native_write or write_kv)(k, v, k_cache, v_cache, meta.kv_write_index, meta.kv_format)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
-        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, sinks)
 
     def _decode_metadata(self, block_tables: np.ndarray, context_lens: np.ndarray) -> DecodeMetadata:
         max_blocks = -(-int(context_lens.max()) // self.shape.block_size)

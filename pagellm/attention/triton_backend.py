@@ -183,8 +183,9 @@ class TritonAttentionBackend:
         )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] (strided views are fine, the last dim contiguous)."""
+                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] (strided views are fine, the last dim contiguous); sinks: None, or
+        [H] float32 logits each head's softmax denominator also holds."""
         for t in (q, k, v):
             if t.stride(-1) != 1:
                 raise ValueError("attention inputs need a contiguous last dimension")
@@ -192,15 +193,25 @@ class TritonAttentionBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decode_tokens
         window = sliding_window or kernels.NO_WINDOW
+        sink_args = self._sink_args(sinks, q.device)
         if nd:
             self.decode(out[:nd], q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                        meta.num_splits, scale, window)
+                        meta.num_splits, scale, window, sink_args)
         if meta.num_tiles:
-            self.prefill(out[nd:], q[nd:], k_cache, v_cache, meta, scale, window)
+            self.prefill(out[nd:], q[nd:], k_cache, v_cache, meta, scale, window, sink_args)
         return out
 
+    def _sink_args(self, sinks: torch.Tensor | None, device: torch.device) -> dict:
+        """The kernels' sink arguments: none (SINKS off, nothing compiled for it), or the float32 logits."""
+        if sinks is None:
+            return {}
+        if sinks.shape != (self.shape.num_heads,) or sinks.device != device:
+            raise ValueError(f"sinks is {sinks.device} {tuple(sinks.shape)}; the kernels take one logit per query "
+                             f"head, [{self.shape.num_heads}] on {device}")
+        return {"sinks_ptr": sinks.to(torch.float32).contiguous(), "SINKS": True}
+
     def decode(self, out, q, k_cache, v_cache, block_tables, seq_lens, num_splits: int, scale: float,
-               window: int = kernels.NO_WINDOW) -> None:
+               window: int = kernels.NO_WINDOW, sink_args: dict | None = None) -> None:
         shape = self.shape
         num_seqs = q.shape[0]
         ieee = q.dtype == torch.float32
@@ -218,16 +229,16 @@ class TritonAttentionBackend:
             out, partial_out, partial_max, partial_sum, q, *caches, block_tables, seq_lens, scale, window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *strides,
             GROUP=shape.group, GROUP_PAD=self.group_pad, BLOCK_SIZE=shape.block_size, TILE_N=DECODE_TILE_N,
-            NUM_SPLITS=num_splits, IEEE=ieee, num_warps=DECODE_NUM_WARPS, **common, **quant,
+            NUM_SPLITS=num_splits, IEEE=ieee, num_warps=DECODE_NUM_WARPS, **common, **quant, **(sink_args or {}),
         )
         if num_splits > 1:
             kernels.reduce_splits_kernel[(num_seqs, shape.num_heads)](
                 out, partial_out, partial_max, partial_sum, out.stride(0), out.stride(1),
-                NUM_SPLITS=num_splits, **common,
+                NUM_SPLITS=num_splits, **common, **(sink_args or {}),
             )
 
     def prefill(self, out, q, k_cache, v_cache, meta: TritonMetadata, scale: float,
-                window: int = kernels.NO_WINDOW) -> None:
+                window: int = kernels.NO_WINDOW, sink_args: dict | None = None) -> None:
         shape = self.shape
         cache_args, quant = self._cache_args(k_cache, v_cache)
         caches, strides = cache_args[:4], cache_args[4:]
@@ -237,7 +248,7 @@ class TritonAttentionBackend:
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.prefill_block_tables.stride(0), *strides,
             GROUP=shape.group, BLOCK_Q=self.block_q, BLOCK_M=self.prefill_block_m, HEAD_DIM=shape.head_dim,
             DIM_PAD=self.dim_pad, BLOCK_SIZE=shape.block_size, TILE_N=PREFILL_TILE_N, IEEE=q.dtype == torch.float32,
-            **quant,
+            **quant, **(sink_args or {}),
         )
 
 

@@ -23,6 +23,10 @@ Sliding windows: the attention kernels take `window` (in tokens; a value past an
 NO_WINDOW, means full attention). The query at position p sees keys in (p - window, p]; key tiles wholly
 before the lowest window start are skipped and positions before it are never loaded, so block-table
 entries there may be holes (blocks given back to the pool).
+
+Attention sinks (gpt-oss): with SINKS set, `sinks_ptr` holds one float32 logit per query head, which joins that
+head's softmax denominator after the last key tile (`_add_sink`; with split-K decode, once, in the reduce). With
+SINKS unset (a constexpr) no sink code is compiled and the pointer is never read.
 """
 
 from __future__ import annotations
@@ -179,6 +183,17 @@ def _attend_tile(
 
 
 @triton.jit
+def _add_sink(m, l, acc, sinks_ptr, heads, row_mask):
+    """The online softmax's running (max m, sum l, unnormalised acc) with each row's head's sink logit joined:
+    the maximum takes it in, the sum gains e^(sink - max), and what was summed shrinks with a raised maximum."""
+    sink = tl.load(sinks_ptr + heads, mask=row_mask, other=float("-inf")).to(tl.float32)
+    m_new = tl.maximum(m, sink)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    return m_new, l * alpha + tl.exp(sink - m_safe), acc * alpha[:, None]
+
+
+@triton.jit
 def paged_decode_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr, scale, window,
@@ -186,11 +201,12 @@ def paged_decode_kernel(
     stride_cache_block, stride_cache_head, stride_cache_pos, stride_scale_block, stride_scale_head, scale_offset,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
-    QUANT: tl.constexpr = 0,
+    QUANT: tl.constexpr = 0, sinks_ptr=None, SINKS: tl.constexpr = False,
 ):
     """grid (num_seqs, num_kv_heads, NUM_SPLITS). Split s of a sequence attends to its s-th share of the
     key tiles; with one split the program writes the output, else normalised partials plus (max, sum)
-    per head for reduce_splits_kernel. A sequence of length 0 (CUDA-graph padding) gets zeros."""
+    per head for reduce_splits_kernel (which then adds the sinks). A sequence of length 0 (CUDA-graph
+    padding) gets zeros."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -221,6 +237,8 @@ def paged_decode_kernel(
                                  stride_cache_block, stride_cache_head, stride_cache_pos, stride_scale_block,
                                  stride_scale_head, scale_offset, HEAD_DIM, DIM_PAD, BLOCK_SIZE, TILE_N, False, IEEE,
                                  QUANT)
+    if SINKS and NUM_SPLITS == 1:
+        m, l, acc = _add_sink(m, l, acc, sinks_ptr, heads, row_mask)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     store_mask = row_mask[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
@@ -238,9 +256,11 @@ def paged_decode_kernel(
 @triton.jit
 def reduce_splits_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, stride_out_token, stride_out_head,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, sinks_ptr=None,
+    SINKS: tl.constexpr = False,
 ):
-    """grid (num_seqs, num_heads): weight each split's normalised output by its share of the softmax sum."""
+    """grid (num_seqs, num_heads): weight each split's normalised output by its share of the softmax sum (with
+    SINKS, a sum that also holds e^sink of the head)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -249,9 +269,14 @@ def reduce_splits_kernel(
     maxes = tl.load(partial_max_ptr + stat_index)
     sums = tl.load(partial_sum_ptr + stat_index)
     overall = tl.max(maxes, axis=0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        overall = tl.maximum(overall, sink)
     overall = tl.where(overall == float("-inf"), 0.0, overall)
     weights = sums * tl.exp(maxes - overall)
     total = tl.sum(weights, axis=0)
+    if SINKS:
+        total += tl.exp(sink - overall)
     dims = tl.arange(0, DIM_PAD)
     partial = tl.load(partial_out_ptr + stat_index[:, None] * DIM_PAD + dims[None, :])
     out = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
@@ -267,7 +292,7 @@ def paged_prefill_kernel(
     stride_cache_block, stride_cache_head, stride_cache_pos, stride_scale_block, stride_scale_head, scale_offset,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, IEEE: tl.constexpr,
-    QUANT: tl.constexpr = 0,
+    QUANT: tl.constexpr = 0, sinks_ptr=None, SINKS: tl.constexpr = False,
 ):
     """grid (num_query_tiles, num_kv_heads). A query tile is BLOCK_Q consecutive queries of one sequence
     times the GROUP query heads of one KV head (row r: query r // GROUP, head r % GROUP). The chunk's own
@@ -305,6 +330,8 @@ def paged_prefill_kernel(
                                  kv_head, start, seq_len, query_positions, key_lo, window, scale, stride_cache_block,
                                  stride_cache_head, stride_cache_pos, stride_scale_block, stride_scale_head,
                                  scale_offset, HEAD_DIM, DIM_PAD, BLOCK_SIZE, TILE_N, True, IEEE, QUANT)
+    if SINKS:
+        m, l, acc = _add_sink(m, l, acc, sinks_ptr, heads, row_mask)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])

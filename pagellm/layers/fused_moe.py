@@ -48,9 +48,29 @@ from pagellm.ops.cpu_moe import CpuMoEKernel, cpu_moe_kernel
 from pagellm.ops.dense_linear import DenseKernel, UpcastScratch, choose_dense_kernel
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
+# What the experts apply between gate_up and down: SiLU(gate) * up, or gpt-oss's clamped SwiGLU (vLLM's name).
+EXPERT_ACTIVATIONS = ("silu", "swigluoai")
 # How a group of experts is scored for group-limited routing: DeepSeek-V2 by its best expert, DeepSeek-V3 by
 # the sum of its best two (bias-corrected) scores.
 GROUP_SCORES = ("max", "top2_sum")
+
+
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's expert activation on [gate | up] halves (as w13 stacks them): the gate clamped above at `limit`,
+    the up projection on both sides, then (up + 1) * gate * sigmoid(alpha * gate), in transformers' order."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
 
 
 @dataclass(frozen=True)
@@ -163,9 +183,10 @@ class Routing:
 
 
 # A checkpoint's per-expert tensor: Mixtral's experts.N.w1/w2/w3, or Qwen-MoE's / DeepSeek's / OLMoE's
-# experts.N.gate_proj/up_proj/down_proj. Shared experts (`shared_experts.gate_proj`) carry no number.
+# experts.N.gate_proj/up_proj/down_proj, and their biases where the experts have them (gpt-oss). Shared experts
+# (`shared_experts.gate_proj`) carry no number.
 _EXPERT_TENSOR = re.compile(r"^(?P<layer>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)"
-                            r"\.weight$")
+                            r"\.(?P<kind>weight|bias)$")
 _SHARD_OF_PROJ = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
 SHARD_IDS = ("w1", "w3", "w2")
 
@@ -200,7 +221,7 @@ class ExpertPlacement:
 
 @dataclass(frozen=True)
 class ExpertTarget:
-    """Where one checkpoint expert tensor goes: parameter `param` (w13_weight or w2_weight) of a FusedMoE,
+    """Where one checkpoint expert tensor goes: parameter `param` (w13_/w2_ weight or bias) of a FusedMoE,
     expert `expert_id`, shard `shard_id` (w1 gate, w3 up, w2 down)."""
 
     param: str
@@ -279,7 +300,9 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         if x.device.type == "cuda":
             from pagellm.ops.triton_moe import fused_experts
 
-            return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+            return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                 layer.expert_bias("gate_up"), layer.expert_bias("down"),
+                                 None if layer.activation == "silu" else layer.act_fn)
         native = getattr(layer, "native_experts", None)
         if native is not None and (x.dtype != torch.float32
                                    or x.shape[0] * topk_ids.shape[1] < TORCH_GEMM_MIN_ROWS * layer.local_num_experts):
@@ -290,10 +313,13 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     @staticmethod
     def _product(layer: FusedMoE, which: str) -> ExpertProduct:
         kernels: list[DenseKernel] | None = getattr(layer, f"{which}_kernels", None)
+        bias = layer.expert_bias(which)
         if kernels is not None:
-            return lambda expert, rows, out: out.copy_(kernels[expert](rows, None))
+            return lambda expert, rows, out: out.copy_(kernels[expert](rows, None if bias is None else bias[expert]))
         stacked = layer.w13_weight if which == "gate_up" else layer.w2_weight
         # Straight into the caller's rows: no temporary, no copy.
+        if bias is not None:
+            return lambda expert, rows, out: torch.mm(rows, stacked[expert].t(), out=out).add_(bias[expert])
         return lambda expert, rows, out: torch.mm(rows, stacked[expert].t(), out=out)
 
     def kernel_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
@@ -310,7 +336,7 @@ TORCH_GEMM_MIN_ROWS = 128
 def _takes_native_experts(layer: FusedMoE) -> bool:
     """Gated-SiLU experts without biases in float32, or in bfloat16 where the CPU has no bf16 dot product (there
     the dense layers' own bf16 kernel runs each expert on its packed weight instead)."""
-    if not isinstance(layer.act_fn, SiluAndMul) or getattr(layer, "w13_bias", None) is not None:
+    if layer.activation != "silu" or any(layer.expert_bias(which) is not None for which in ("gate_up", "down")):
         return False
     if layer.w13_weight.dtype == torch.bfloat16 and linear_bf16() is not None:
         return False
@@ -353,12 +379,16 @@ def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
 class FusedMoE(nn.Module):
     """`num_experts` gated-SiLU experts of `intermediate_size` features each, each token weighted over the `top_k`
     experts its router logits choose. Under tensor parallelism a rank holds a slice of every expert's features;
-    with the group's expert parallelism, whole experts (`placement`)."""
+    with the group's expert parallelism, whole experts (`placement`).
+
+    gpt-oss's experts (`activation` "swigluoai", `has_bias`) apply ClampedSwiGLU and add a bias after each
+    product: gate/up's split with the features, down's added by the rank holding feature slice 0 only."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  activation: str = "silu", quant_config: QuantizationConfig | None = None, prefix: str = "",
                  routing: Routing | None = None, reduce_results: bool = True,
-                 has_correction_bias: bool = False) -> None:
+                 has_correction_bias: bool = False, has_bias: bool = False, swiglu_alpha: float = 1.702,
+                 swiglu_limit: float = 7.0) -> None:
         super().__init__()
         self.group = current_group()
         self.prefix = prefix
@@ -366,8 +396,9 @@ class FusedMoE(nn.Module):
         if self.routing.top_k != top_k:
             raise ValueError(f"{prefix}: top_k={top_k} but the routing chooses {self.routing.top_k} experts")
         self.routing.check(num_experts)
-        if activation != "silu":
-            raise ValueError(f"{prefix}: hidden_act={activation!r} is not supported for experts; supported: 'silu'")
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"{prefix}: hidden_act={activation!r} is not supported for experts; supported: "
+                             f"{EXPERT_ACTIVATIONS}")
         self.expert_parallel = self.group.expert_parallel and self.group.size > 1
         self.placement = self._place_experts(num_experts, prefix)
         # The ranks the intermediate features are split over: none under expert parallelism.
@@ -383,7 +414,8 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size // self.feature_ranks
         self.reduce_results = reduce_results
-        self.act_fn = SiluAndMul()
+        self.activation = activation
+        self.act_fn = SiluAndMul() if activation == "silu" else ClampedSwiGLU(swiglu_alpha, swiglu_limit)
         # DeepSeek-V3's per-expert bias (float32, as its checkpoints store it), added to the scores only to
         # choose experts; its checkpoint name is the model's to map (`mlp.gate.e_score_correction_bias`).
         if has_correction_bias:
@@ -394,7 +426,8 @@ class FusedMoE(nn.Module):
         self.quant_method = moe_method_for(quant_config, prefix)
         self.quant_method.create_weights(self, self.local_num_experts, hidden_size, self.intermediate_size,
                                          torch.get_default_dtype())
-        shards = {"w13_weight": ("w1", "w3"), "w2_weight": ("w2",)}
+        self._create_biases(has_bias, prefix)
+        shards = {"w13_weight": ("w1", "w3"), "w2_weight": ("w2",), "w13_bias": ("w1", "w3"), "w2_bias": ("w2",)}
         for name, param in self.named_parameters(recurse=False):
             if name not in shards:
                 continue  # the correction bias loads whole
@@ -402,6 +435,29 @@ class FusedMoE(nn.Module):
             # those another rank holds included (this rank's loader passes over them).
             set_weight_attrs(param, weight_loader=self._checkpoint_loader,
                              shard_ids=tuple((e, s) for e in range(num_experts) for s in shards[name]))
+
+    def _create_biases(self, has_bias: bool, prefix: str) -> None:
+        """w13_bias [E, 2 * intermediate] (this rank's gate then up features, as w13 stacks them) and w2_bias
+        [E, hidden], or None for experts without biases."""
+        if not has_bias:
+            self.register_parameter("w13_bias", None)
+            self.register_parameter("w2_bias", None)
+            return
+        if not isinstance(self.quant_method, UnquantizedFusedMoEMethod):
+            raise ValueError(f"{prefix}: experts with biases run unquantized only, not in the "
+                             f"{type(self.quant_method).__name__} format; use the float checkpoint")
+        dtype = torch.get_default_dtype()
+        self.w13_bias = nn.Parameter(torch.empty(self.local_num_experts, 2 * self.intermediate_size, dtype=dtype),
+                                     requires_grad=False)
+        self.w2_bias = nn.Parameter(torch.empty(self.local_num_experts, self.hidden_size, dtype=dtype),
+                                    requires_grad=False)
+
+    def expert_bias(self, which: str) -> torch.Tensor | None:
+        """The stacked bias added after the `which` ("gate_up" or "down") product, or None. Down's is added by the
+        rank holding feature slice 0 alone: the ranks' partial outputs are summed, and it must count once."""
+        if which == "gate_up":
+            return self.w13_bias
+        return self.w2_bias if self.feature_rank == 0 else None
 
     def _place_experts(self, num_experts: int, prefix: str) -> ExpertPlacement:
         if not self.expert_parallel:
@@ -422,7 +478,7 @@ class FusedMoE(nn.Module):
         if match is None:
             return None
         shard = _SHARD_OF_PROJ[match["proj"]]
-        param = "w2_weight" if shard == "w2" else "w13_weight"
+        param = ("w2_" if shard == "w2" else "w13_") + match["kind"]
         return f"{match['layer']}.{param}", ExpertTarget(param, int(match["expert"]), shard)
 
     @staticmethod
@@ -450,6 +506,9 @@ class FusedMoE(nn.Module):
         if load_expert is not None:  # a method that keeps the file's own blocks (GGUF) stacks them itself
             load_expert(self, loaded_weight, shard_id, expert_id)
             return
+        if param is self.w13_bias or param is self.w2_bias:
+            self._load_bias(param, loaded_weight, shard_id, expert_id, name)
+            return
         # w1/w3 hold the intermediate features along rows, w2 along columns: this rank takes its slice.
         dim = 1 if shard_id == "w2" else 0
         size, total = self.intermediate_size, self.intermediate_size * self.feature_ranks
@@ -464,6 +523,24 @@ class FusedMoE(nn.Module):
         if shard_id != "w2":
             expert = expert.narrow(0, 0 if shard_id == "w1" else size, size)
         copy_checked(expert, rank_slice, name)
+
+    def _load_bias(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str, expert_id: int,
+                   name: str) -> None:
+        """One expert's gate (w1) or up (w3) bias [intermediate], this rank's slice into its half of w13_bias, or
+        its down (w2) bias [hidden], whole."""
+        total = self.hidden_size if shard_id == "w2" else self.intermediate_size * self.feature_ranks
+        if tuple(loaded_weight.shape) != (total,):
+            raise ValueError(f"checkpoint tensor {name!r} (bias) has shape {tuple(loaded_weight.shape)}; "
+                             f"expected ({total},)")
+        local = self.placement.local_index(expert_id)
+        if local is None:
+            return
+        if shard_id == "w2":
+            copy_checked(param.data[local], loaded_weight, name)
+            return
+        size = self.intermediate_size
+        copy_checked(param.data[local].narrow(0, 0 if shard_id == "w1" else size, size),
+                     loaded_weight.narrow(0, self.feature_rank * size, size), name)
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
@@ -500,8 +577,8 @@ class FusedMoE(nn.Module):
         held = "" if self.placement.holds_all else \
             f" (this rank: {self.placement.start}..{self.placement.start + self.placement.count - 1})"
         return (f"experts={self.num_experts}{held}, top_k={self.top_k}, hidden={self.hidden_size}, "
-                f"intermediate={self.intermediate_size}, routing={self.routing}, "
-                f"method={type(self.quant_method).__name__}")
+                f"intermediate={self.intermediate_size}, routing={self.routing}, activation={self.activation}, "
+                f"bias={self.w13_bias is not None}, method={type(self.quant_method).__name__}")
 
 
 def num_experts_of(config) -> int:

@@ -45,6 +45,7 @@ FAMILIES = (
     ModelFamily("Qwen3-MoE", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "pagellm.models.qwen3_moe",
                 "Qwen3MoeForCausalLM"),
     ModelFamily("OLMoE", ("OlmoeForCausalLM",), ("olmoe",), "pagellm.models.olmoe", "OlmoeForCausalLM"),
+    ModelFamily("gpt-oss", ("GptOssForCausalLM",), ("gpt_oss",), "pagellm.models.gpt_oss", "GptOssForCausalLM"),
 )
 SUPPORTED_ARCHITECTURES = tuple(arch for family in FAMILIES for arch in family.architectures)
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}

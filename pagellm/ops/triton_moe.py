@@ -12,6 +12,7 @@ checks it against the grouped torch path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,15 +125,29 @@ def expert_matmul(a: torch.Tensor, w: torch.Tensor, blocks: ExpertBlocks, num_pa
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """sum_j topk_weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]), e = topk_ids[t, j]: [T, H] in x's dtype."""
+                  topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]), e = topk_ids[t, j]: [T, H] in x's dtype.
+
+    gpt-oss's experts: `w13_bias` [E, 2I] and `w2_bias` [E, H] added after their products (down's weighted with
+    its row), and `act_fn` ([pairs, 2I] -> [pairs, I]) in place of SiLU-and-mul; torch ops on the pair rows, no
+    host sync, so a CUDA graph can hold them."""
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"the Triton MoE kernel takes float32, float16 or bfloat16 activations, not {x.dtype}")
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
     blocks = align_to_blocks(topk_ids, w13.shape[0])
     gate_up = expert_matmul(x, w13, blocks, num_pairs, top_k)
-    gate, up = gate_up.chunk(2, dim=-1)
-    hidden = F.silu(gate) * up
-    out = expert_matmul(hidden, w2, blocks, num_pairs, 1, topk_weights.reshape(-1).float().contiguous())
+    pair_ids = topk_ids.reshape(-1)
+    if w13_bias is not None:
+        gate_up += w13_bias.index_select(0, pair_ids).to(gate_up.dtype)
+    if act_fn is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+    else:
+        hidden = act_fn(gate_up)
+    pair_weights = topk_weights.reshape(-1).float().contiguous()
+    out = expert_matmul(hidden, w2, blocks, num_pairs, 1, pair_weights)
+    if w2_bias is not None:
+        out += (w2_bias.index_select(0, pair_ids).float() * pair_weights[:, None]).to(out.dtype)
     return out.view(tokens, top_k, -1).sum(dim=1)

@@ -18,6 +18,8 @@
  *   sliding_window  0 for full attention; else a sequence of context_len L attends only the keys at
  *                 positions >= L - sliding_window, and block-table entries wholly before them are never read
  *                 (they may be freed holes)
+ *   sinks         NULL, or [num_heads] float32: head h's softmax denominator also holds e^sinks[h] (gpt-oss's
+ *                 attention sinks, which carry no value)
  *
  * Built with OpenMP against the runtime torch already loaded (same soname), so the kernel shares
  * torch's thread pool and thread count instead of competing with it.
@@ -156,8 +158,9 @@ static ALWAYS_INLINE void run_scores(const float *restrict q, const uint16_t *re
 }
 
 /* Softmax numerators of row[0..n) in place (e^(x - max), max-subtracted like SDPA); returns 1 / their sum,
- * which the value pass applies once per output instead of once per score. */
-static float softmax_numerators(float *restrict row, int64_t n) {
+ * which the value pass applies once per output instead of once per score. With `sink` (not NULL), the maximum
+ * and the sum take in that logit too. */
+static float softmax_numerators(float *restrict row, int64_t n, const float *sink) {
     fvec maxes = splat(row[0]);
     int64_t t = 0;
     for (; t + VEC <= n; t += VEC) {
@@ -167,6 +170,7 @@ static float softmax_numerators(float *restrict row, int64_t n) {
     float max = maxes[0];
     for (int i = 1; i < VEC; ++i) max = maxes[i] > max ? maxes[i] : max;
     for (; t < n; ++t) max = row[t] > max ? row[t] : max;
+    if (sink != NULL && *sink > max) max = *sink;
     fvec totals = splat(0.0f);
     for (t = 0; t + VEC <= n; t += VEC) {
         const fvec e = exp_nonpositive(vload(row + t) - max);
@@ -183,6 +187,7 @@ static float softmax_numerators(float *restrict row, int64_t n) {
             total += e[i];
         }
     }
+    if (sink != NULL) total += expf(*sink - max);
     return 1.0f / total;
 }
 
@@ -253,12 +258,12 @@ static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, cons
 }
 
 /* Attention of `heads` (<= MAX_HEADS_PER_PASS) query heads over one kv head's keys in `keys`.
- * q and out are [heads][head_dim] float32; scores is [heads][keys attended]. */
+ * q and out are [heads][head_dim] float32; scores is [heads][keys attended]; sinks NULL or [heads]. */
 static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *restrict q16,
                                        const void *restrict k_cache,
                                        const void *restrict v_cache, const KeyRange *keys, const int heads,
                                        const int format, float scale, float *restrict scores, float *restrict out,
-                                       const Upcoming *upcoming) {
+                                       const Upcoming *upcoming, const float *sinks) {
     const int64_t count = keys->context_len - keys->first;
     for (int64_t ahead = 1; ahead < KEY_PREFETCH_AHEAD; ++ahead)
         prefetch_block_ahead(keys, k_cache, keys->first, ahead, format);
@@ -277,7 +282,8 @@ static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *
         position += length;
     }
     float inverse[MAX_HEADS_PER_PASS];
-    for (int h = 0; h < heads; ++h) inverse[h] = softmax_numerators(scores + h * count, count);
+    for (int h = 0; h < heads; ++h)
+        inverse[h] = softmax_numerators(scores + h * count, count, sinks != NULL ? sinks + h : NULL);
     for (int64_t offset = 0; offset < keys->head_dim;) {
         const int wide = keys->head_dim - offset >= WIDE_PIECE_FLOATS;
         const Upcoming *next = offset == 0 ? upcoming : NULL;  /* the next item's keys are asked for once */
@@ -291,10 +297,10 @@ static ALWAYS_INLINE void attend_heads(const float *restrict q, const uint16_t *
 }
 
 /* One (sequence, kv head): the `group` query heads that share it, head_dim a multiple of PIECE_FLOATS.
- * q and out are [group][head_dim] float32; scores is [group][keys attended]. */
+ * q and out are [group][head_dim] float32; scores is [group][keys attended]; sinks NULL or [group]. */
 static void attend_one(const float *restrict q, const uint16_t *restrict q16, const void *restrict k_cache,
                        const void *restrict v_cache, const KeyRange *keys, int64_t group, int format, float scale,
-                       float *restrict scores, float *restrict out, const Upcoming *upcoming) {
+                       float *restrict scores, float *restrict out, const Upcoming *upcoming, const float *sinks) {
     const int64_t count = keys->context_len - keys->first;
     for (int64_t first = 0; first < group; first += MAX_HEADS_PER_PASS) {
         const int64_t heads = group - first < MAX_HEADS_PER_PASS ? group - first : MAX_HEADS_PER_PASS;
@@ -303,7 +309,9 @@ static void attend_one(const float *restrict q, const uint16_t *restrict q16, co
         float *hs = scores + first * count, *ho = out + first * keys->head_dim;
         /* Constant head counts and cache types per call, so attend_heads specialises for each. */
         const Upcoming *next = first + MAX_HEADS_PER_PASS >= group ? upcoming : NULL;
-#define ATTEND(HEADS, FORMAT) attend_heads(hq, hq16, k_cache, v_cache, keys, HEADS, FORMAT, scale, hs, ho, next)
+        const float *hsinks = sinks != NULL ? sinks + first : NULL;
+#define ATTEND(HEADS, FORMAT) \
+    attend_heads(hq, hq16, k_cache, v_cache, keys, HEADS, FORMAT, scale, hs, ho, next, hsinks)
 #define ATTEND_HEADS(FORMAT)                                                                                     \
     switch (heads) {                                                                                             \
     case 1: ATTEND(1, FORMAT); break;                                                                            \
@@ -359,12 +367,13 @@ static KeyRange key_range(int64_t item, const int64_t *block_tables, int64_t tab
     return keys;
 }
 
-/* kv_format: kv_format.h's KV_* (not KV_F16). Returns 1 if a thread could not allocate its buffers, 2 if head_dim
- * is not a multiple of PIECE_FLOATS. */
+/* kv_format: kv_format.h's KV_* (not KV_F16); sinks NULL or [num_heads]. Returns 1 if a thread could not allocate
+ * its buffers, 2 if head_dim is not a multiple of PIECE_FLOATS. */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int kv_format, int q_is_bf16,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                            void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale, int64_t sliding_window) {
+                           int64_t head_dim, int64_t block_size, float scale, int64_t sliding_window,
+                           const float *sinks) {
     if (head_dim % PIECE_FLOATS != 0) return 2;
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_keys = 1;
@@ -406,7 +415,8 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
             const int q_format = q_is_bf16 ? KV_BF16 : KV_F32;
             widen(element(q, first_element, q_format), q32, group * head_dim, q_is_bf16);
             const uint16_t *q16 = q_is_bf16 && kv_format == KV_BF16 ? (const uint16_t *)q + first_element : NULL;
-            attend_one(q32, q16, k_cache, v_cache, &keys, group, kv_format, scale, scores, out32, &upcoming);
+            attend_one(q32, q16, k_cache, v_cache, &keys, group, kv_format, scale, scores, out32, &upcoming,
+                       sinks != NULL ? sinks + kv_head * group : NULL);
             narrow(out32, (void *)element(out, first_element, q_format), group * head_dim, q_is_bf16);
         }
         free(scores);

@@ -19,6 +19,8 @@
  *   sliding_window  0 for full attention; else the query at position p sees keys in (p - window, p] only,
  *                 and block-table entries wholly before the first key any query of the chunk sees are never
  *                 read (they may be freed holes)
+ *   sinks         NULL, or [num_heads] float32: head h's softmax denominator also holds e^sinks[h] (gpt-oss's
+ *                 attention sinks, which carry no value), added once per row after the last tile
  *
  * Numerics: float32 arithmetic throughout. In bfloat16, the softmax weights are rounded to bfloat16 before
  * they multiply the values, as torch's flash attention for bfloat16 does (its P.V product is a bfloat16
@@ -118,6 +120,7 @@ typedef struct {
      * for the usual power-of-two scales, so scores are rounded as SDPA rounds them. */
     float score_scale;
     void *out;
+    const float *sinks;  /* NULL: no sinks */
     /* Per chunk: the first key position any query sees, the packed tiles from it and where they start. */
     int64_t *key_base, *num_tiles, *tile_offset;
     void *packed;
@@ -321,6 +324,18 @@ static ALWAYS_INLINE void softmax_tile(const Prefill *p, const Scratch *s, int64
     }
 }
 
+/* 1 / the softmax denominator of a row whose numerators sum to `total` relative to its maximum `row_max`, once
+ * e^sink joins it (base 2 in bfloat16, where scores and row_max carry log2(e)). A sink above the maximum shrinks
+ * the numerators by e^(row_max - sink), which the inverse then carries. */
+static float sink_inverse(float total, float row_max, float sink, const int bf16) {
+    if (bf16) sink *= 1.44269504088896341f;
+    if (sink > row_max) {
+        const float shrink = bf16 ? exp2f(row_max - sink) : expf(row_max - sink);
+        return shrink / (total * shrink + 1.0f);
+    }
+    return 1.0f / (total + (bf16 ? exp2f(sink - row_max) : expf(sink - row_max)));
+}
+
 /* One work item: queries [q_first, q_first + q_count) of `chunk` with the heads sharing `kv_head`. q_bf16: q and
  * out are bfloat16; bf16: bfloat16 numerics (a bfloat16 cache). */
 static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_t chunk, int64_t kv_head,
@@ -377,7 +392,10 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
     for (int64_t m = 0; m < rows; ++m) {
         const int64_t element = (p->query_starts[chunk] + q_first + m / group) * p->num_heads * dim +
                                 (kv_head * group + m % group) * dim;
-        const fvec inverse = splat(1.0f / vsum(vload(s->row_sum + m * VEC)));
+        const float total = vsum(vload(s->row_sum + m * VEC));
+        const fvec inverse = splat(p->sinks == NULL ? 1.0f / total
+                                                    : sink_inverse(total, s->row_max[m],
+                                                                   p->sinks[kv_head * group + m % group], bf16));
         for (int64_t d = 0; d < dim; d += VEC)
             store_any(p->out, element + d, vload(s->acc + m * dim + d) * inverse, q_bf16);
     }
@@ -409,13 +427,13 @@ static void pack_all(const Prefill *p, int64_t total_tiles, int format, int dot)
     }
 }
 
-/* kv_format: kv_format.h's KV_* (not KV_F16); an unquantized cache has q's dtype. Returns 1 if a buffer could
- * not be allocated, 2 if head_dim is not a multiple of 32. */
+/* kv_format: kv_format.h's KV_* (not KV_F16); an unquantized cache has q's dtype; sinks NULL or [num_heads].
+ * Returns 1 if a buffer could not be allocated, 2 if head_dim is not a multiple of 32. */
 int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
                             int q_is_bf16, int kv_format, const int64_t *block_tables, int64_t table_stride,
                             const int64_t *query_starts, const int64_t *query_lens, const int64_t *seq_lens,
                             int64_t num_chunks, void *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, float scale, int64_t sliding_window) {
+                            int64_t block_size, float scale, int64_t sliding_window, const float *sinks) {
     if (head_dim % 32 != 0) return 2;
     const int q_bf16 = q_is_bf16 != 0, bf16 = kv_format == KV_BF16;
 #ifdef HAVE_BF16_DOT
@@ -439,7 +457,7 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
         .q = q, .q_token_stride = q_token_stride, .k_cache = k_cache, .v_cache = v_cache,
         .block_tables = block_tables, .query_starts = query_starts, .query_lens = query_lens, .seq_lens = seq_lens,
         .table_stride = table_stride, .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
-        .block_size = block_size, .sliding_window = sliding_window, .out = out,
+        .block_size = block_size, .sliding_window = sliding_window, .out = out, .sinks = sinks,
         .run_elements = kv_run_elements(block_size, head_dim, kv_format),
         .score_scale = bf16 ? scale * 1.44269504088896341f : scale,
         .key_base = per_chunk, .num_tiles = per_chunk + num_chunks, .tile_offset = per_chunk + 2 * num_chunks,
