@@ -315,7 +315,8 @@ def test_float32_steps_with_many_rows_per_expert_take_the_blas_gemm(monkeypatch)
     monkeypatch.setattr("pagellm.layers.fused_moe.TORCH_GEMM_MIN_ROWS", 4)
     generator = torch.Generator().manual_seed(2)
     for tokens in (7, 8):  # 7 x 2 pairs over 4 experts: 3.5 rows each, native; 8 x 2: 4 rows each, torch
-        x, logits = torch.randn(tokens, hidden, generator=generator), torch.randn(tokens, num_experts, generator=generator)
+        x = torch.randn(tokens, hidden, generator=generator)
+        logits = torch.randn(tokens, num_experts, generator=generator)
         weights, ids = layer.routing.select(logits)
         torch.testing.assert_close(layer(x, logits).double(), _per_token_reference(x, weights, ids, w1, w3, w2),
                                    rtol=1e-5, atol=1e-5)
