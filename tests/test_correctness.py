@@ -6,6 +6,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from tests.helpers import PROMPTS, check_logprobs_close, hf_greedy, hf_greedy_with_top_logprobs
+from tests.test_gguf_loader import assert_matches_transformers, head_dim
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -80,6 +81,24 @@ SMOLLM2_PROMPTS = [
     "Here is a list of three fruits:",
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
 ]
+
+
+def test_default_model_matches_transformers(hf_smollm2):
+    """pagellm's GGUF loader gives transformers' config and dequantized tensors for the default model. Here, beside
+    the oracle runs, so that one module alone loads transformers' SmolLM2 (each xdist worker would load its own)."""
+    import transformers
+
+    from pagellm.models.gguf_loader import default_model_path, load_gguf
+
+    model_path = default_model_path()
+    config, state_dict = load_gguf(model_path)
+    assert isinstance(config, transformers.LlamaConfig)
+    assert config.tie_word_embeddings and "lm_head.weight" not in state_dict
+    assert state_dict["model.layers.0.self_attn.k_proj.weight"].shape == (
+        config.num_key_value_heads * head_dim(config),
+        config.hidden_size,
+    )
+    assert_matches_transformers(model_path, config, state_dict, hf_smollm2)
 
 
 @pytest.fixture(scope="module")
