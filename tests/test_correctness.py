@@ -6,6 +6,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from tests.helpers import PROMPTS, check_logprobs_close, hf_greedy, hf_greedy_with_top_logprobs
+from tests.test_gguf_loader import assert_matches_transformers, head_dim
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -82,7 +83,34 @@ SMOLLM2_PROMPTS = [
 ]
 
 
-def test_default_smollm2_matches_hf(hf_smollm2, default_tokenizer, monkeypatch):
+def test_default_model_matches_transformers(hf_smollm2):
+    """pagellm's GGUF loader gives transformers' config and dequantized tensors for the default model. Here, beside
+    the oracle runs, so that one module alone loads transformers' SmolLM2 (each xdist worker would load its own)."""
+    import transformers
+
+    from pagellm.models.gguf_loader import default_model_path, load_gguf
+
+    model_path = default_model_path()
+    config, state_dict = load_gguf(model_path)
+    assert isinstance(config, transformers.LlamaConfig)
+    assert config.tie_word_embeddings and "lm_head.weight" not in state_dict
+    assert state_dict["model.layers.0.self_attn.k_proj.weight"].shape == (
+        config.num_key_value_heads * head_dim(config),
+        config.hidden_size,
+    )
+    assert_matches_transformers(model_path, config, state_dict, hf_smollm2)
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32_references(hf_smollm2, default_tokenizer) -> dict[str, tuple[list[int], list[dict]]]:
+    """Per prompt, transformers' fp32 greedy continuation (32 tokens, stopping at EOS as generate does) with each
+    position's top 5: the exact test compares the tokens, the kernels' test their first 24 and the top 5, so
+    that the 135M-parameter oracle runs once for both."""
+    return {prompt: hf_greedy_with_top_logprobs(hf_smollm2, default_tokenizer.encode(prompt), 32, 5)
+            for prompt in SMOLLM2_PROMPTS}
+
+
+def test_default_smollm2_matches_hf(smollm2_fp32_references, default_tokenizer, monkeypatch):
     """Without the kernels (PAGELLM_NATIVE_KERNELS=0) the GGUF's blocks are dequantized once at load and
     multiplied in float32: transformers' tokens on the same dequantized weights (the loading, the tied head and
     the graph). The kernels' own products are the next test's."""
@@ -100,12 +128,12 @@ def test_default_smollm2_matches_hf(hf_smollm2, default_tokenizer, monkeypatch):
     for prompt, output in zip(SMOLLM2_PROMPTS, outputs):
         ids = default_tokenizer.encode(prompt)
         assert output.prompt_token_ids == ids
-        expected = hf_greedy(hf_smollm2, default_tokenizer, ids, 32)
+        expected = smollm2_fp32_references[prompt][0]
         assert output.outputs[0].token_ids == expected, prompt
         assert output.outputs[0].text == default_tokenizer.decode(expected, skip_special_tokens=True)
 
 
-def test_default_smollm2_on_quantized_kernels_agrees_with_hf(hf_smollm2):
+def test_default_smollm2_on_quantized_kernels_agrees_with_hf(smollm2_fp32_references):
     """The kernels quantize each activation row to int8 before the dot products, as llama.cpp does: close to the
     exact product, not equal. Compared as vLLM's check_logprobs_close does (exact up to the first difference,
     each side's token in the other's top 5)."""
@@ -117,8 +145,9 @@ def test_default_smollm2_on_quantized_kernels_agrees_with_hf(hf_smollm2):
     for output in outputs:
         completion = output.outputs[0]
         ours = (completion.token_ids, [{t: lp.logprob for t, lp in p.items()} for p in completion.logprobs])
-        agreed.append(check_logprobs_close(ours, hf_greedy_with_top_logprobs(hf_smollm2, output.prompt_token_ids,
-                                                                              24, 5)))
+        # Greedy is causal: the first 24 of transformers' 32 tokens are its 24-token continuation.
+        tokens, tops = smollm2_fp32_references[output.prompt]
+        agreed.append(check_logprobs_close(ours, (tokens[:24], tops[:24])))
     assert sum(agreed) >= len(SMOLLM2_PROMPTS) * 8, agreed
 
 

@@ -24,6 +24,13 @@ def expected(prompts, hf_tiny, default_tokenizer):
     return [hf_greedy(hf_tiny, default_tokenizer, ids, MAX_TOKENS, ignore_eos=True) for ids in prompts]
 
 
+@pytest.fixture(scope="module")
+def batch_expected(hf_tiny, default_tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """PROMPTS' ids and transformers' continuations, once for both parametrizations of the chunking test."""
+    batch = [default_tokenizer.encode(p) for p in PROMPTS]
+    return batch, [hf_greedy(hf_tiny, default_tokenizer, ids, MAX_TOKENS, ignore_eos=True) for ids in batch]
+
+
 def _generate(llm, prompts):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
 
@@ -78,10 +85,8 @@ def test_forced_hash_collisions_keep_outputs_exact(tiny_llama_dir, prompts, expe
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_chunked_prefill_at_32_tokens_equals_unchunked(tiny_llama_dir, enable_prefix_caching, hf_tiny,
-                                                       default_tokenizer):
-    batch = [default_tokenizer.encode(p) for p in PROMPTS]
-    reference = [hf_greedy(hf_tiny, default_tokenizer, ids, MAX_TOKENS, ignore_eos=True) for ids in batch]
+def test_chunked_prefill_at_32_tokens_equals_unchunked(tiny_llama_dir, enable_prefix_caching, batch_expected):
+    batch, reference = batch_expected
     chunked = _engine(tiny_llama_dir, max_num_batched_tokens=32, enable_prefix_caching=enable_prefix_caching)
     whole = _engine(tiny_llama_dir, enable_chunked_prefill=False, enable_prefix_caching=enable_prefix_caching)
     assert [o.outputs[0].token_ids for o in _generate(chunked, batch)] == reference
