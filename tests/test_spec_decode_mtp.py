@@ -35,7 +35,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SOME_PROMPTS = [PROMPTS[i] for i in (0, 1, 3, 4, 9, 5)]
 NUM_SHORT = 5
 SEEDED = [SamplingParams(seed=index, temperature=0.8, top_p=0.9, presence_penalty=0.3, max_tokens=MAX_TOKENS,
-                         ignore_eos=True) for index in range(4)]
+                         ignore_eos=True) for index in range(2)]
 CACHE = 16 << 20
 # A shared opening longer than a block: the later requests hit the prefix cache.
 SHARED = "Paged attention stores the KV cache in fixed-size blocks, like an operating system's pages. "
@@ -179,7 +179,7 @@ def plain(deepseek_dir, llama_dir):
     for name, path in (("mtp", deepseek_dir), ("eagle", llama_dir)):
         llm = LLM(path, dtype="float32", **ENGINES["batched"])
         results[name] = (_outputs(llm, SOME_PROMPTS, GREEDY), _outputs(llm, CACHED_PROMPTS, GREEDY),
-                         _outputs(llm, SOME_PROMPTS[:4], SEEDED))
+                         _outputs(llm, SOME_PROMPTS[:len(SEEDED)], SEEDED))
     return results
 
 
@@ -187,16 +187,16 @@ def _target_and_head(method: str, deepseek_dir: str, llama_dir: str, eagle_dir: 
     return (deepseek_dir, None) if method == "mtp" else (llama_dir, eagle_dir)
 
 
-# (method, engine, k): k from 1 to 3 over the engines, each engine for each method.
-CASES = [("mtp", "batched", 3), ("mtp", "chunked", 1), ("mtp", "prefix-cached", 2), ("mtp", "preempted", 2),
-         ("eagle", "batched", 2), ("eagle", "chunked", 3), ("eagle", "prefix-cached", 1), ("eagle", "preempted", 3)]
+# (method, engine, k); chunked prefill is test_the_heads_cache_holds_a_recomputation_after_every_step's engine.
+CASES = [("mtp", "batched", 3), ("mtp", "prefix-cached", 1), ("mtp", "preempted", 2),
+         ("eagle", "batched", 2), ("eagle", "prefix-cached", 1), ("eagle", "preempted", 3)]
 
 
 @pytest.mark.parametrize("method, engine, k", CASES)
 def test_greedy_output_is_unchanged_by_a_head(method, engine, k, deepseek_dir, llama_dir, eagle_dir, plain):
     target, head = _target_and_head(method, deepseek_dir, llama_dir, eagle_dir)
     llm = LLM(target, dtype="float32", speculative_config=_config(method, k, head), **ENGINES[engine])
-    expected, expected_cached, _ = plain[method]
+    expected, expected_cached, expected_seeded = plain[method]
     if engine == "prefix-cached":
         # One request first: the others reuse its blocks, the head's K/V in them included.
         assert _outputs(llm, CACHED_PROMPTS[:1], GREEDY) == expected_cached[:1]
@@ -208,22 +208,15 @@ def test_greedy_output_is_unchanged_by_a_head(method, engine, k, deepseek_dir, l
         assert llm.llm_engine.core.scheduler.num_preemptions > 0
     else:
         assert _outputs(llm, SOME_PROMPTS, GREEDY) == expected
-    stats = _stats(llm)
-    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts, stats
-    if engine == "batched":
+        stats = _stats(llm)
         # The heads agree with their targets where the targets repeat a token, and not elsewhere.
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
         assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
+        # A seeded request draws the same noise at each output index with drafts or without.
+        assert _outputs(llm, SOME_PROMPTS[:len(SEEDED)], SEEDED) == expected_seeded
+    stats = _stats(llm)
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts, stats
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
-
-
-@pytest.mark.parametrize("method", ["mtp", "eagle"])
-def test_seeded_sampling_is_the_same_with_a_head(method, deepseek_dir, llama_dir, eagle_dir, plain):
-    """A seeded request draws the same noise at each output index with drafts or without."""
-    target, head = _target_and_head(method, deepseek_dir, llama_dir, eagle_dir)
-    llm = LLM(target, dtype="float32", speculative_config=_config(method, 3, head), **ENGINES["batched"])
-    assert _outputs(llm, SOME_PROMPTS[:4], SEEDED) == plain[method][2]
-    assert _stats(llm).num_draft_tokens > 0
 
 
 def _recomputed_head_kv(runner, drafter, tokens: list[int], count: int) -> torch.Tensor:
@@ -248,23 +241,26 @@ def _recomputed_head_kv(runner, drafter, tokens: list[int], count: int) -> torch
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle"])
-def test_the_heads_cache_holds_a_recomputation_after_every_step(method, deepseek_dir, llama_dir, eagle_dir):
-    """Chunked prompts, greedy requests (drafts accepted in part) and sampled ones (rejected mostly): after every
+def test_the_heads_cache_holds_a_recomputation_after_every_step(method, deepseek_dir, llama_dir, eagle_dir, plain):
+    """Chunked prefill, greedy requests (drafts accepted in part) and a sampled one (rejected mostly): after every
     step, each position the head counts as cached holds what the head computes there afresh from the target's
-    hidden states."""
+    hidden states; the greedy outputs are those without speculation."""
     target, head = _target_and_head(method, deepseek_dir, llama_dir, eagle_dir)
     llm = LLM(target, dtype="float32", speculative_config=_config(method, 3, head), **ENGINES["chunked"])
     engine = llm.llm_engine
-    for index, prompt in enumerate(SOME_PROMPTS[1:]):
-        params = GREEDY if index % 2 else SamplingParams(temperature=1.5, seed=index, max_tokens=MAX_TOKENS,
-                                                         ignore_eos=True)
-        engine.add_request(f"r{index}", prompt, params)
+    # Every prompt (the long one chunked), greedy but one.
+    sampled = SamplingParams(temperature=1.5, seed=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    chosen = {f"r{index}": (index, sampled if index == 2 else GREEDY) for index in range(len(SOME_PROMPTS))}
+    for request_id, (index, params) in chosen.items():
+        engine.add_request(request_id, SOME_PROMPTS[index], params)
     runner = engine.core.runner
     batch, drafter = runner.input_batch, runner.drafter
     checked = 0
+    outputs = {}
     with torch.inference_mode():
         while engine.has_unfinished_requests():
-            engine.step()
+            outputs.update((output.request_id, output.outputs[0].token_ids) for output in engine.step()
+                           if output.finished)
             for request_id, row in batch.row_of.items():
                 cached = drafter.computed.get(request_id, 0)
                 if not cached:
@@ -276,6 +272,9 @@ def test_the_heads_cache_holds_a_recomputation_after_every_step(method, deepseek
                 expected = _recomputed_head_kv(runner, drafter, tokens, cached)
                 torch.testing.assert_close(stored, expected, atol=2e-4, rtol=2e-4)
                 checked += cached
+    for request_id, (index, params) in chosen.items():
+        if params is GREEDY:
+            assert list(outputs[request_id]) == plain[method][0][index], request_id
     stats = _stats(llm)
     assert checked > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
