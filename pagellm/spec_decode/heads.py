@@ -123,6 +123,8 @@ class HeadProposer(PairedProposer):
 
     @torch.inference_mode()
     def after_step(self, batch: InputBatch, hidden: torch.Tensor) -> None:
+        """Catches each eligible row of the step up over the positions the target kept, but the last, whose hidden
+        state becomes the row's pending one (the module's note)."""
         layout, self._layout = self._layout, None
         if layout is None:
             return
@@ -228,7 +230,8 @@ def _mtp_head(target, source, target_config, dtype: torch.dtype, device: torch.d
     check_mtp_target(target_config, source.name)
     files = [] if dummy else _safetensors_of(source, "the target", "mtp")
     num_layers = target_config.num_hidden_layers
-    names = mtp_tensor_names(_tensor_names(files), num_layers)
+    layer_tensors = {name for name in _tensor_names(files) if mtp_layer_index(name, num_layers) == 0}
+    names = mtp_tensor_names(layer_tensors, num_layers)
     if files and not names:
         raise HeadError(f"speculative_config method 'mtp': model {source.name!r} has num_nextn_predict_layers="
                         f"{target_config.num_nextn_predict_layers} but its checkpoint holds no tensor of that layer "
@@ -236,8 +239,7 @@ def _mtp_head(target, source, target_config, dtype: torch.dtype, device: torch.d
     with _building(device, dtype):
         head = MTPHead(target_config, target, target.quant_config, "embed_tokens.weight" in names,
                        "shared_head.head.weight" in names)
-    wanted = lambda name: mtp_layer_index(name, num_layers) == 0  # noqa: E731
-    return head, mtp_tensors(_read(files, wanted), num_layers)
+    return head, mtp_tensors(_read(files, layer_tensors), num_layers)
 
 
 def _eagle_head(config, target, target_config, max_model_len: int, dtype: torch.dtype, device: torch.device,
@@ -262,7 +264,7 @@ def _eagle_head(config, target, target_config, max_model_len: int, dtype: torch.
         head = EagleHead(head_config, target, max_model_len, quantization_config_for(head_config, config.quantization),
                          fc_bias)
     head.rotary.reset_cache(device)
-    return head, eagle_tensors(_read(files, lambda name: True))
+    return head, eagle_tensors(_read(files))
 
 
 @contextlib.contextmanager
@@ -298,12 +300,13 @@ def _tensor_names(files: list[str]) -> list[str]:
     return names
 
 
-def _read(files: list[str], wanted) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors whose names `wanted` accepts, read one at a time (the rest of the checkpoint is not read)."""
+def _read(files: list[str], wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors named in `wanted` (all without it), read one at a time: the rest of the checkpoint is not
+    read."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if wanted(name):
+                if wanted is None or name in wanted:
                     yield name, f.get_tensor(name)

@@ -135,8 +135,7 @@ class MTPHead(nn.Module):
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         """The block's tensors map as the target's layers do (fused gate/up, stacked experts)."""
         if name.startswith("mtp_block."):
-            mapped, shard = self.target_checkpoint_target(name)
-            return mapped, shard
+            return self.target_checkpoint_target(name)
         return name, None
 
 
