@@ -167,7 +167,7 @@ class ModelWorker:
             self.runner.drafter.runner.set_kv_pool(allocate_kv_cache(draft_spec, self.num_blocks, device))
             logger.info("Speculative decoding with %s: %s, %.2f GiB of weights; %s.",
                         args.speculative_config.get("model") or args.speculative_config.get("method"),
-                        getattr(self.runner.drafter.runner.model, "weight_format", "unquantized"),
+                        self.runner.drafter.runner.model.weight_format,
                         self.runner.drafter.runner.model.weights_bytes() / GiB, pool_spec.describe())
         self.pool_spec = pool_spec
         self.kv_prefaulter = KVPoolPrefaulter(pool) if device.type == "cpu" else None

@@ -110,7 +110,8 @@ def load_draft_runner(config, target_config, max_model_len: int, dtype: torch.dt
 
 @dataclass(frozen=True)
 class PairedKVSpec:
-    """The pool as start-up sizes it: every block holds the target's and the draft's K/V of its tokens."""
+    """The pool as start-up sizes it: every block holds the target's and the draft's (a draft model's or an
+    MTP / EAGLE head's) K/V of its tokens."""
 
     target: KVCacheSpec
     draft: KVCacheSpec
@@ -128,8 +129,8 @@ class PairedKVSpec:
         return GiB / self.bytes_per_block * self.block_size
 
     def describe(self) -> str:
-        return (f"{self.target.describe()} of the target's layers alone, {self.tokens_per_gib:,.0f} with the draft "
-                f"model's (bytes per block {self.bytes_per_block:,} = target {self.target.bytes_per_block:,} for "
+        return (f"{self.target.describe()} of the target's layers alone, {self.tokens_per_gib:,.0f} with the draft's "
+                f"(bytes per block {self.bytes_per_block:,} = target {self.target.bytes_per_block:,} for "
                 f"{self.target.num_layers} layers + draft {self.draft.bytes_per_block:,} for "
                 f"{self.draft.num_layers} layers)")
 

@@ -56,6 +56,7 @@ class EagleHead(nn.Module):
         self.config = config
         self.group = current_group()
         self.activation_dtype = torch.get_default_dtype()
+        self.quant_config = quant_config
         hidden = config.hidden_size
         self.fc = ReplicatedLinear(2 * hidden, hidden, fc_bias, None, "fc")
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
@@ -71,6 +72,8 @@ class EagleHead(nn.Module):
     @property
     def num_kv_heads_per_rank(self) -> int:
         return self.layers[0].self_attn.num_kv_heads
+
+    weight_format = LlamaForCausalLM.weight_format
 
     @property
     def head_dim(self) -> int:

@@ -77,6 +77,7 @@ class MTPHead(nn.Module):
         self.group = current_group()
         self.activation_dtype = torch.get_default_dtype()
         self.target_checkpoint_target = target.checkpoint_target
+        self.quant_config = quant_config
         hidden = config.hidden_size
         layer = config.num_hidden_layers
         prefix = f"model.layers.{layer}"
@@ -101,6 +102,8 @@ class MTPHead(nn.Module):
     @property
     def num_kv_heads_per_rank(self) -> int:
         return self.mtp_block.self_attn.num_kv_heads
+
+    weight_format = LlamaForCausalLM.weight_format
 
     @property
     def head_dim(self) -> int:
