@@ -486,7 +486,8 @@ class EngineArgs:
     speculative_config: dict | None = arg(None, group=VLLM, kind="json", flags=("-sc",),
                                           help='speculative decoding as JSON, e.g. {"method": "ngram", '
                                                '"num_speculative_tokens": 4, "prompt_lookup_max": 4} (methods: '
-                                               'ngram, suffix, draft_model with "model": a draft path)')
+                                               'ngram, suffix, draft_model with "model": a draft path, mtp, '
+                                               'eagle with "model": an EAGLE-1 head path)')
     spec_method: str | None = default_only(None, group=VLLM, kind="optional_str", why=_SPEC_CONFIG_ONLY)
     spec_model: str | None = default_only(None, group=VLLM, kind="optional_str", why=_SPEC_CONFIG_ONLY)
     spec_tokens: int | None = default_only(None, group=VLLM, kind="int", why=_SPEC_CONFIG_ONLY)
@@ -615,9 +616,10 @@ class EngineArgs:
             config = SpeculativeConfig.from_dict(self.speculative_config)
         except ValueError as exc:
             raise ArgumentValueError(str(exc)) from None
-        if config.method == "draft_model" and self.tensor_parallel_size > 1:
-            # The draft would need its own sharded copy and pool on every rank; ngram and suffix drafts need none.
-            raise ArgumentValueError(f"speculative_config method 'draft_model' with tensor_parallel_size="
+        if config.uses_draft_model and self.tensor_parallel_size > 1:
+            # The draft (or head) would need its own sharded copy and pool on every rank; ngram and suffix drafts
+            # need none.
+            raise ArgumentValueError(f"speculative_config method '{config.method}' with tensor_parallel_size="
                                      f"{self.tensor_parallel_size} is not supported; use tensor_parallel_size=1, "
                                      "or the 'ngram' or 'suffix' method, which run under tensor parallelism.")
 

@@ -123,7 +123,7 @@ def test_every_argument_pagellm_does_not_do_is_refused_naming_it(cls):
     (dict(quantization="bitsandbytes"), ["quantization='bitsandbytes'", "unquantized"]),
     (dict(enable_lora=True, max_cpu_loras=0), ["max_cpu_loras=0", "max_loras=1"]),
     (dict(speculative_config={"method": "ngram"}), ["speculative_config.num_speculative_tokens=None"]),
-    (dict(speculative_config={"method": "eagle", "num_speculative_tokens": 2}), ["speculative_config.method='eagle'"]),
+    (dict(speculative_config={"method": "medusa", "num_speculative_tokens": 2}), ["method='medusa'"]),
     (dict(data_parallel_size=2), ["data_parallel_size=2", "load balancer"]),
     (dict(kv_cache_dtype="fp8_inc"), ["kv_cache_dtype='fp8_inc'", "fp8_e4m3, fp8_e5m2"]),
     (dict(runner="pooling", trust_remote_code=True, tokenizer_mode="mistral"),

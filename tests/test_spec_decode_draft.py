@@ -179,9 +179,9 @@ def test_only_a_model_means_a_draft_model_as_in_vllm(tiny_llama_dir):
     ({"model": "./missing-draft.gguf", "num_speculative_tokens": 2}, ["model='./missing-draft.gguf'"]),
     ({"method": "draft_model", "model": "/tmp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
      ["draft_tensor_parallel_size=2"]),
-    ({"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 2}, ["EAGLE"]),
+    ({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 2}, ["EAGLE-3"]),
     ({"method": "ngram", "model": "/tmp", "num_speculative_tokens": 2}, ["model='/tmp'", "uses no model"]),
-    ({"method": "mtp", "num_speculative_tokens": 1}, ["method='mtp'"]),
+    ({"method": "medusa", "num_speculative_tokens": 1}, ["method='medusa'"]),
 ])
 def test_bad_draft_configs_are_refused_naming_the_field(config, words):
     with pytest.raises(ArgumentValueError) as info:

@@ -24,6 +24,7 @@ from pagellm.models.llama import check_tensor_parallel_size, head_dim_of
 from pagellm.models.sliding_window import model_sliding_window
 from pagellm.spec_decode.config import SpeculativeConfig
 from pagellm.spec_decode.draft_model import DraftProposer, PairedKVSpec, load_draft_runner
+from pagellm.spec_decode.heads import HeadProposer, load_head_runner
 from pagellm.worker.kv_cache import (
     GiB,
     KVCacheSpec,
@@ -164,8 +165,9 @@ class ModelWorker:
         self.runner.set_kv_pool(pool)
         if draft_spec is not None:
             self.runner.drafter.runner.set_kv_pool(allocate_kv_cache(draft_spec, self.num_blocks, device))
-            logger.info("Speculative decoding with draft model %s: %s, %.2f GiB of weights; %s.",
-                        args.speculative_config.get("model"), self.runner.drafter.runner.model.weight_format,
+            logger.info("Speculative decoding with %s: %s, %.2f GiB of weights; %s.",
+                        args.speculative_config.get("model") or args.speculative_config.get("method"),
+                        self.runner.drafter.runner.model.weight_format,
                         self.runner.drafter.runner.model.weights_bytes() / GiB, pool_spec.describe())
         self.pool_spec = pool_spec
         self.kv_prefaulter = KVPoolPrefaulter(pool) if device.type == "cpu" else None
@@ -175,12 +177,20 @@ class ModelWorker:
 
     def _load_draft(self, args: EngineArgs, hf_config, max_model_len: int, dtype: torch.dtype,
                     device: torch.device) -> KVCacheSpec | None:
-        """speculative_config's draft model, when its method is draft_model: loaded into the runner's drafter."""
+        """speculative_config's draft model or head (methods draft_model, mtp, eagle): loaded into the runner's
+        drafter."""
         if args.speculative_config is None:
             return None
         config = SpeculativeConfig.from_dict(args.speculative_config)
         if not config.uses_draft_model:
             return None
+        if config.uses_head:
+            head_runner, head_spec = load_head_runner(
+                config, self.runner.model, self.model_info.source, hf_config, max_model_len, dtype, device,
+                args.block_size, self.runner.input_batch, args.seed, args.kv_cache_dtype, args.load_format,
+                args.download_dir, args.trust_remote_code)
+            self.runner.drafter = HeadProposer(head_runner, self.max_num_batched_tokens)
+            return head_spec
         draft_runner, draft_spec = load_draft_runner(
             config, hf_config, max_model_len, dtype, device, args.block_size, self.runner.input_batch, args.seed,
             args.kv_cache_dtype, args.load_format, args.download_dir, args.trust_remote_code)

@@ -12,7 +12,8 @@ shared-expert MLPs by features, and the routed experts by features or, with expe
 per rank (layers/fused_moe.py).
 
 Parameter names follow HuggingFace's; gate/up are fused as in Llama. Tensors of layers past num_hidden_layers
-(DeepSeek-V3's multi-token-prediction layer, which generation does not run) are skipped.
+(DeepSeek-V3's multi-token-prediction layer) are skipped here: speculative_config's "mtp" method loads them into
+a head of their own (spec_decode/mtp.py).
 """
 
 from __future__ import annotations
@@ -140,16 +141,17 @@ class DeepseekV2ForCausalLM(ExpertCheckpointMixin, LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         num_layers = self.config.num_hidden_layers
         super().load_weights((name, tensor) for name, tensor in weights
-                             if not _beyond_layers(name, num_layers))
+                             if mtp_layer_index(name, num_layers) is None)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """V2's graph; the differences (router, rope layout) are read from the config by the layers."""
 
 
-def _beyond_layers(name: str, num_layers: int) -> bool:
-    """Whether `name` belongs to a layer past the model's (DeepSeek-V3's multi-token-prediction layer)."""
+def mtp_layer_index(name: str, num_layers: int) -> int | None:
+    """Which multi-token-prediction layer (0 for the first) `name` belongs to: DeepSeek-V3 stores them as the
+    layers past the model's; None for every other tensor. spec_decode/mtp.py loads the first one."""
     parts = name.split(".")
     if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
-        return int(parts[2]) >= num_layers
-    return False
+        return int(parts[2]) - num_layers if int(parts[2]) >= num_layers else None
+    return None

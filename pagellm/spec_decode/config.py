@@ -7,12 +7,16 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model", "mtp", "eagle")
 # Methods that propose without a model of their own.
 MODEL_FREE_METHODS = ("ngram", "suffix")
+# Heads over the target's hidden states: DeepSeek-V3's multi-token-prediction layer in the target's own
+# checkpoint, an EAGLE-1 head in a checkpoint of its own (spec_decode/heads.py).
+HEAD_METHODS = ("mtp", "eagle")
+# vLLM's older names of a method.
+_METHOD_ALIASES = {"deepseek_mtp": "mtp"}
 # vLLM's other methods: named in the refusal, so that a user learns what pagellm lacks rather than a typo.
-_UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "ngram_gpu",
-                        "custom_class")
+_UNSUPPORTED_METHODS = ("eagle3", "medusa", "mlp_speculator", "ngram_gpu", "custom_class")
 # vLLM's `model` values that name the n-gram method rather than a draft model (when method is unset).
 _NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
 # When neither prompt_lookup bound is given (vLLM's default window).
@@ -68,6 +72,7 @@ class SpeculativeConfig:
         model = values.get("model")
         if method is None and model is not None:
             method = _infer_method(model)
+        method = _METHOD_ALIASES.get(method, method)
         if method not in METHODS:
             known = " (a vLLM method pagellm does not run)" if method in _UNSUPPORTED_METHODS else ""
             raise SpeculativeConfigError(f"speculative_config.method={method!r} is not supported{known}; use one of "
@@ -116,26 +121,47 @@ class SpeculativeConfig:
                     raise SpeculativeConfigError(f"speculative_config.{name}={getattr(self, name)!r} is for a draft "
                                                  f"model; method={self.method!r} has none: leave {name} unset.")
             return
-        if not isinstance(self.model, str) or not self.model:
-            raise SpeculativeConfigError(
-                f"speculative_config.model={self.model!r}: method 'draft_model' needs the draft's checkpoint, e.g. "
-                '{"method": "draft_model", "model": "/path/to/small-model", "num_speculative_tokens": 4}.')
-        if _looks_like_path(self.model) and not Path(self.model).expanduser().exists():
-            raise SpeculativeConfigError(
-                f"speculative_config.model={self.model!r}: {Path(self.model).expanduser().absolute()} does not "
-                "exist; pass the draft's HuggingFace directory or .gguf file (or a hub id in the local cache).")
         if self.draft_tensor_parallel_size not in (None, 1):
             raise SpeculativeConfigError(
                 f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size!r} is not "
                 "supported; the draft runs on one rank: leave it unset or 1.")
+        if self.method == "mtp":
+            # The layer is in the target's checkpoint (vLLM sets model to the target's for this method).
+            for name in ("model", "revision", "quantization"):
+                if getattr(self, name) is not None:
+                    raise SpeculativeConfigError(
+                        f"speculative_config.{name}={getattr(self, name)!r}: method 'mtp' runs the target's own "
+                        f"multi-token-prediction layer, from the target's checkpoint; leave {name} unset.")
+            return
+        if not isinstance(self.model, str) or not self.model:
+            example = "/path/to/eagle-head" if self.method == "eagle" else "/path/to/small-model"
+            raise SpeculativeConfigError(
+                f"speculative_config.model={self.model!r}: method {self.method!r} needs the {self._model_kind} "
+                f'checkpoint, e.g. {{"method": "{self.method}", "model": "{example}", '
+                '"num_speculative_tokens": 4}.')
+        if _looks_like_path(self.model) and not Path(self.model).expanduser().exists():
+            raise SpeculativeConfigError(
+                f"speculative_config.model={self.model!r}: {Path(self.model).expanduser().absolute()} does not "
+                f"exist; pass the {self._model_kind} HuggingFace directory or .gguf file (or a hub id in the local "
+                "cache).")
         for name in ("revision", "quantization"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise SpeculativeConfigError(f"speculative_config.{name}={value!r} must be a str or unset.")
 
     @property
+    def _model_kind(self) -> str:
+        return "EAGLE head's" if self.method == "eagle" else "draft's"
+
+    @property
     def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
+        """A model in the model runner proposes the drafts (a draft model or a head): the scheduler only counts
+        them."""
+        return self.method not in MODEL_FREE_METHODS
+
+    @property
+    def uses_head(self) -> bool:
+        return self.method in HEAD_METHODS
 
     def _check_suffix_fields(self) -> None:
         _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1,
@@ -151,14 +177,16 @@ class SpeculativeConfig:
 
 
 def _infer_method(model: object) -> str:
-    """vLLM's inference when only `model` is given: the n-gram names, else a draft model (an EAGLE head is named
-    by its checkpoint, and pagellm refuses it rather than running it as a draft)."""
+    """vLLM's inference when only `model` is given: the n-gram names, an EAGLE head named so by its checkpoint
+    (EAGLE-3 heads refused rather than run as a draft), else a draft model."""
     if model in _NGRAM_MODEL_NAMES:
         return "ngram"
-    if isinstance(model, str) and any(tag in model.lower() for tag in ("eagle-", "eagle3-")):
+    if isinstance(model, str) and "eagle3-" in model.lower():
         raise SpeculativeConfigError(
-            f"speculative_config.model={model!r} looks like an EAGLE head, which pagellm does not run; use a "
-            'draft model with "method": "draft_model", or one of ngram, suffix.')
+            f"speculative_config.model={model!r} looks like an EAGLE-3 head, which pagellm does not run; use an "
+            'EAGLE-1 head with "method": "eagle", a draft model with "method": "draft_model", or ngram, suffix.')
+    if isinstance(model, str) and "eagle-" in model.lower():
+        return "eagle"
     return "draft_model"
 
 

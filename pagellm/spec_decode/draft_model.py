@@ -110,7 +110,8 @@ def load_draft_runner(config, target_config, max_model_len: int, dtype: torch.dt
 
 @dataclass(frozen=True)
 class PairedKVSpec:
-    """The pool as start-up sizes it: every block holds the target's and the draft's K/V of its tokens."""
+    """The pool as start-up sizes it: every block holds the target's and the draft's (a draft model's or an
+    MTP / EAGLE head's) K/V of its tokens."""
 
     target: KVCacheSpec
     draft: KVCacheSpec
@@ -128,8 +129,8 @@ class PairedKVSpec:
         return GiB / self.bytes_per_block * self.block_size
 
     def describe(self) -> str:
-        return (f"{self.target.describe()} of the target's layers alone, {self.tokens_per_gib:,.0f} with the draft "
-                f"model's (bytes per block {self.bytes_per_block:,} = target {self.target.bytes_per_block:,} for "
+        return (f"{self.target.describe()} of the target's layers alone, {self.tokens_per_gib:,.0f} with the draft's "
+                f"(bytes per block {self.bytes_per_block:,} = target {self.target.bytes_per_block:,} for "
                 f"{self.target.num_layers} layers + draft {self.draft.bytes_per_block:,} for "
                 f"{self.draft.num_layers} layers)")
 
@@ -144,17 +145,15 @@ class _Segment:
     proposes: bool  # the row speculates and this segment ends at its last token: its logits give draft 1
 
 
-class DraftProposer:
-    """Runs the draft model for the target's model runner. `runner` is a ModelRunner over the draft model (its
-    attention backend, KV pool views and LM head), sharing the target runner's input batch."""
+class PairedProposer:
+    """What every proposer with a paged cache of its own keeps: `runner`, a ModelRunner over its model (attention
+    backend, KV pool views, LM head) sharing the target runner's input batch, and per request how many leading
+    positions its cache holds."""
 
-    def __init__(self, runner, max_tokens_per_forward: int, disable_by_batch_size: int) -> None:
+    def __init__(self, runner, max_tokens_per_forward: int) -> None:
         self.runner = runner
         self.max_tokens_per_forward = max_tokens_per_forward
-        # A step of more rows than this proposes nothing (the scheduler's rule, seen from the runner), and its
-        # prompt chunks wait for the draft until their requests speculate.
-        self.disable_by_batch_size = disable_by_batch_size
-        # Request id -> tokens whose draft K/V are in the cache (positions [0, computed)).
+        # Request id -> tokens whose K/V are in this proposer's cache (positions [0, computed)).
         self.computed: dict[str, int] = {}
         self.num_forwards = 0
 
@@ -172,6 +171,26 @@ class DraftProposer:
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         pool = self.runner.kv_pool
         pool[:, :, dst] = pool[:, :, src]
+
+    @staticmethod
+    def _write(batch: InputBatch, rows: list[int], tokens: list[int], index: int) -> None:
+        """Draft `index` (0-based) of each row, into the token table after the row's tokens."""
+        for row, token in zip(rows, tokens):
+            batch.token_ids[row, batch.num_tokens[row] + index] = token
+
+    def after_step(self, batch: InputBatch, hidden: torch.Tensor) -> None:
+        """After the target's forward and verification: `hidden` is the target's output at every token of the
+        step. A draft model reads none of it."""
+
+
+class DraftProposer(PairedProposer):
+    """Runs the draft model for the target's model runner."""
+
+    def __init__(self, runner, max_tokens_per_forward: int, disable_by_batch_size: int) -> None:
+        super().__init__(runner, max_tokens_per_forward)
+        # A step of more rows than this proposes nothing (the scheduler's rule, seen from the runner), and its
+        # prompt chunks wait for the draft until their requests speculate.
+        self.disable_by_batch_size = disable_by_batch_size
 
     @torch.inference_mode()
     def propose(self, batch: InputBatch, rows: np.ndarray, num_scheduled: np.ndarray, spec: SpecStep | None) -> None:
@@ -250,13 +269,6 @@ class DraftProposer:
                                           runner.logits_rows_per_chunk):
             tokens += logits.argmax(dim=-1).tolist()
         return tokens
-
-    @staticmethod
-    def _write(batch: InputBatch, rows: list[int], tokens: list[int], index: int) -> None:
-        """Draft `index` (0-based) of each row, into the token table after the row's tokens."""
-        for row, token in zip(rows, tokens):
-            batch.token_ids[row, batch.num_tokens[row] + index] = token
-
 
 def drafts_eligible(state) -> bool:
     """The rows that may ever speculate (Speculator.eligible's conditions, as the runner sees a row): only their

@@ -24,8 +24,9 @@ from pagellm.spec_decode.suffix import SuffixProposer
 MIN_ACCEPTANCE = 0.25
 _EMA_WEIGHT = 0.5
 MAX_BACKOFF_STEPS = 64
-# What a draft_model request's drafts are in the scheduler: the count is decided here (budget, max_tokens,
-# back-off), the tokens by the model runner's draft model before the target's forward (draft_model.py).
+# What the drafts of a request with a model-based method (draft_model, mtp, eagle) are in the scheduler: the count
+# is decided here (budget, max_tokens, back-off), the tokens by the model runner's draft model or head before the
+# target's forward (draft_model.py, heads.py).
 DRAFT_PLACEHOLDER = -1
 
 

@@ -67,7 +67,8 @@ class ModelRunner:
         self.graphs = None  # a cuda_graphs.DecodeGraphs
         # With enable_lora: the adapters' device slots and host cache (a pagellm.lora.manager.LoRAManager).
         self.lora = None
-        # With speculative_config method draft_model: its proposer (pagellm.spec_decode.draft_model).
+        # With speculative_config method draft_model, mtp or eagle: its proposer (pagellm.spec_decode.draft_model,
+        # pagellm.spec_decode.heads).
         self.drafter = None
 
     @property
@@ -153,6 +154,9 @@ class ModelRunner:
             verify(spec_logits, spec, batch, self.sampling_batches, self.sampler, output, self.block_size)
             if not self.samples:
                 self._unsettled_spec = spec
+        if self.drafter is not None:
+            # An MTP or EAGLE head reads the target's hidden states of the tokens just kept.
+            self.drafter.after_step(batch, hidden)
         return output
 
     def _consume_logits(self, hidden: torch.Tensor, num_samples: int, rows: np.ndarray, inputs: StepInputs,
