@@ -303,10 +303,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                                  layer.expert_bias("gate_up"), layer.expert_bias("down"),
                                  None if layer.activation == "silu" else layer.act_fn)
-        native = getattr(layer, "native_experts", None)
-        if native is not None and (x.dtype != torch.float32
-                                   or x.shape[0] * topk_ids.shape[1] < TORCH_GEMM_MIN_ROWS * layer.local_num_experts):
-            return native(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        if getattr(layer, "native_experts", None) is not None:
+            return layer.native_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
         return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, self._product(layer, "gate_up"),
                                self._product(layer, "down"), 2 * layer.intermediate_size, layer.act_fn)
 
@@ -325,12 +323,6 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     def kernel_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
         kernels = (getattr(layer, "gate_up_kernels", None) or []) + (getattr(layer, "down_kernels", None) or [])
         return [tensor for kernel in kernels for tensor in kernel.tensors()]
-
-
-# Rows per expert (on average over the step) from which float32 experts go to torch.mm per expert instead of the
-# native kernel: its register tiles read the weights once but reach a lower share of peak FLOP/s than the BLAS
-# GEMM, which wins once each expert has this many rows (benchmarks/moe_experts.py).
-TORCH_GEMM_MIN_ROWS = 128
 
 
 def _takes_native_experts(layer: FusedMoE) -> bool:

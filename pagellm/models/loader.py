@@ -21,6 +21,7 @@ from pagellm.layers.rotary import RotaryEmbedding
 from pagellm.layers.weights import process_weights_after_loading
 from pagellm.models import registry
 from pagellm.models.llama import LlamaForCausalLM
+from pagellm.worker.huge_pages import advise_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,8 @@ def load_model(
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_cache(device)
+    if device.type == "cpu":
+        advise_huge_pages([*model.parameters(), *model.buffers()])
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
     else:

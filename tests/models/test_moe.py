@@ -301,28 +301,6 @@ def test_fused_moe_matches_a_per_token_reference(tokens, dtype, native, monkeypa
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
 
-def test_float32_steps_with_many_rows_per_expert_take_the_blas_gemm(monkeypatch):
-    if cpu_moe_kernel() is None:
-        pytest.skip("no C compiler for the native kernels")
-    num_experts, hidden, intermediate = 4, 32, 16
-    w1, w3, w2 = _random_experts(num_experts, hidden, intermediate, seed=2)
-    layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
-    _load(layer, w1, w3, w2)
-    layer.process_weights_after_loading()
-    calls = []
-    native = layer.native_experts
-    layer.native_experts = lambda *args: calls.append(args[0].shape[0]) or native(*args)
-    monkeypatch.setattr("pagellm.layers.fused_moe.TORCH_GEMM_MIN_ROWS", 4)
-    generator = torch.Generator().manual_seed(2)
-    for tokens in (7, 8):  # 7 x 2 pairs over 4 experts: 3.5 rows each, native; 8 x 2: 4 rows each, torch
-        x = torch.randn(tokens, hidden, generator=generator)
-        logits = torch.randn(tokens, num_experts, generator=generator)
-        weights, ids = layer.routing.select(logits)
-        torch.testing.assert_close(layer(x, logits).double(), _per_token_reference(x, weights, ids, w1, w3, w2),
-                                   rtol=1e-5, atol=1e-5)
-    assert calls == [7]
-
-
 def test_correction_bias_chooses_experts_but_does_not_weigh_them():
     num_experts, hidden, intermediate = 8, 16, 8
     w1, w3, w2 = _random_experts(num_experts, hidden, intermediate, seed=4)
