@@ -7,7 +7,6 @@ checkpoint tensors load straight into their shard of it).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -145,7 +144,6 @@ class DirectLayer:
     o: Callable[[torch.Tensor], torch.Tensor]
     gate_up: Callable[[torch.Tensor], torch.Tensor]
     down: Callable[[torch.Tensor], torch.Tensor]
-    linears: tuple[LinearBase, ...]
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -197,12 +195,9 @@ class LlamaDecoderLayer(nn.Module):
         products = [linear.direct_product() for linear in linears]
         if any(product is None for product in products):
             return None
-        return DirectLayer(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, *products, linears,
+        return DirectLayer(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, *products,
                            attn.num_heads, attn.num_kv_heads, attn.head_dim, (attn.q_size, attn.kv_size, attn.kv_size),
                            attn.scale, attn.sliding_window)
-
-
-_LORA_OF = operator.attrgetter("lora")
 
 
 def run_direct_layers(layers: list[DirectLayer], ops: CpuOps, rope: RopeInputs, hidden: torch.Tensor,
@@ -235,10 +230,9 @@ class LlamaModel(nn.Module):
     # With the fused kernels, rotary runs in place per layer and needs no per-step cos/sin gather.
     ops: CpuOps | None = None
     decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
-    # direct_layers()'s: whether made since use_cpu_ops, the layers, and their linear layers (checked for LoRA).
+    # direct_layers()'s: whether made since use_cpu_ops / reset_direct_layers, and the layers.
     _direct_made = False
     _direct: list[DirectLayer] | None = None
-    _direct_linears: list[LinearBase] = []
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None,
                  prefix: str = "model") -> None:
@@ -259,19 +253,17 @@ class LlamaModel(nn.Module):
         return RopeInputs(positions, cos, sin, self.rotary)
 
     def direct_layers(self) -> list[DirectLayer] | None:
-        """Every layer as a DirectLayer (made at the first call after use_cpu_ops), or None where one cannot be
-        or LoRA slots were attached since: the layers then run as modules. A hook registered on a layer after the
-        first step is not seen; reset_direct_layers() makes them again."""
+        """Every layer as a DirectLayer (made at the first call since use_cpu_ops or reset_direct_layers), or None
+        where one cannot be: the layers then run as modules."""
         if not self._direct_made:
             direct = [layer.direct(self.ops) for layer in self.layers] if self.ops is not None else [None]
             self._direct = None if any(layer is None for layer in direct) else direct
-            self._direct_linears = [] if self._direct is None else [l for d in direct for l in d.linears]
             self._direct_made = True
-        if self._direct is not None and any(map(_LORA_OF, self._direct_linears)):
-            self._direct = None
         return self._direct
 
     def reset_direct_layers(self) -> None:
+        """Make the DirectLayers again at the next forward: whoever attaches LoRA slots (lora/manager.py) or hooks
+        to the layers after a forward calls this, so that the layers run as modules from then on."""
         self._direct_made = False
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:

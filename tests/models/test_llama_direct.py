@@ -57,8 +57,9 @@ def test_hooks_and_lora_slots_send_the_layers_back_to_their_modules(llm):
     model.reset_direct_layers()
     assert model.direct_layers() is not None
     down = model.layers[0].mlp.down_proj
-    down.lora = object()  # LoRA slots attached after the layers were made direct
+    down.lora = object()  # LoRA slots, attached as lora/manager.py does: it resets the direct layers
     try:
+        model.reset_direct_layers()
         assert model.direct_layers() is None
     finally:
         del down.lora
