@@ -147,7 +147,7 @@ class DirectLayer:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    qkv_sizes: tuple[int, int, int]
+    head_counts: tuple[int, int, int]  # of q, k and v
     scale: float
     sliding_window: int | None
 
@@ -196,7 +196,7 @@ class LlamaDecoderLayer(nn.Module):
         if any(product is None for product in products):
             return None
         return DirectLayer(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, *products,
-                           attn.num_heads, attn.num_kv_heads, attn.head_dim, (attn.q_size, attn.kv_size, attn.kv_size),
+                           attn.num_heads, attn.num_kv_heads, attn.head_dim, (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads),
                            attn.scale, attn.sliding_window)
 
 
@@ -204,7 +204,7 @@ def run_direct_layers(layers: list[DirectLayer], ops: CpuOps, rope: RopeInputs, 
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
     """LlamaDecoderLayer.forward of each layer in turn, as the same kernel calls without the module calls and
-    wrappers between them (~30% of a small model's decode step on the CPU): (hidden, residual) after the last."""
+    wrappers between them (much of a small model's host work per decode step): (hidden, residual) after the last."""
     cos, sin, positions = rope.tables.cos, rope.tables.sin, rope.positions
     attention = paged_attention  # read at each call: benchmarks/gguf_step.py wraps it to time it
     residual = None
@@ -217,11 +217,10 @@ def run_direct_layers(layers: list[DirectLayer], ops: CpuOps, rope: RopeInputs, 
         qkv = layer.qkv(x)
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         ops.rotary_inplace(qkv, heads + kv_heads, head_dim, cos, sin, positions)
-        q, k, v = qkv.split_with_sizes(layer.qkv_sizes, -1)
-        out = attention(q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim),
-                        k_cache, v_cache, meta, layer.scale, sliding_window=layer.sliding_window)
-        x = ops.add_rms_norm(layer.o(out.reshape(-1, layer.qkv_sizes[0])), residual, layer.post_norm,
-                             layer.post_eps)
+        # The views split_heads makes ([T, heads, head_dim] q, k and v), in two calls instead of four.
+        q, k, v = qkv.view(-1, heads + 2 * kv_heads, head_dim).split_with_sizes(layer.head_counts, 1)
+        out = attention(q, k, v, k_cache, v_cache, meta, layer.scale, layer.sliding_window)
+        x = ops.add_rms_norm(layer.o(out.reshape(-1, heads * head_dim)), residual, layer.post_norm, layer.post_eps)
         hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
     return hidden, residual
 
