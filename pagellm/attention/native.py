@@ -347,26 +347,37 @@ class CpuOps:
                             f"check CpuOps.supports(..., dtype) before enabling them")
         return int(x.dtype == torch.bfloat16)
 
+    # These run a few times per layer per decode step: the usual float32, contiguous call costs one identity
+    # test per check, and only a call that fails one pays for the full check and its message.
+
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
         """RMSNorm of x, or of x + residual after adding x into residual in place (then returns both)."""
-        bf16 = self._dtype_flag(x)
-        x = x.contiguous()
-        _check_dtype("weight", weight, x.dtype)
+        dtype = x.dtype
+        bf16 = 0 if dtype is torch.float32 else self._dtype_flag(x)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if weight.dtype is not dtype:
+            _check_dtype("weight", weight, dtype)
+        if not weight.is_contiguous():
+            weight = weight.contiguous()
         out = torch.empty_like(x)
         rows, hidden = x.shape
         if residual is not None:
-            _check_dtype("residual", residual, x.dtype)
+            if residual.dtype is not dtype:
+                _check_dtype("residual", residual, dtype)
             if not residual.is_contiguous():
                 raise ValueError("the residual stream must be contiguous")
-        self._add_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
-                           weight.contiguous().data_ptr(), out.data_ptr(), rows, hidden, eps, bf16)
+        self._add_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                           out.data_ptr(), rows, hidden, eps, bf16)
         return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        bf16 = self._dtype_flag(gate_up)
-        gate_up = gate_up.contiguous()
+        dtype = gate_up.dtype
+        bf16 = 0 if dtype is torch.float32 else self._dtype_flag(gate_up)
+        if not gate_up.is_contiguous():
+            gate_up = gate_up.contiguous()
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty((rows, width), dtype=gate_up.dtype)
+        out = torch.empty((rows, width), dtype=dtype)
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, bf16)
         return out
 
@@ -374,13 +385,16 @@ class CpuOps:
                        sin: torch.Tensor, positions: torch.Tensor) -> None:
         """Rotate the first num_heads heads of each row of qkv [tokens, width] (contiguous) in place;
         cos/sin are the float32 [max_positions, head_dim] tables, positions int64."""
-        bf16 = self._dtype_flag(qkv)
+        bf16 = 0 if qkv.dtype is torch.float32 else self._dtype_flag(qkv)
         if not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("rotary_inplace needs contiguous qkv and cos/sin tables")
-        _check_dtype("cos", cos, torch.float32)
-        _check_dtype("sin", sin, torch.float32)
-        positions = positions.contiguous()
-        _check_dtype("positions", positions, torch.int64)
+        if cos.dtype is not torch.float32 or sin.dtype is not torch.float32:
+            _check_dtype("cos", cos, torch.float32)
+            _check_dtype("sin", sin, torch.float32)
+        if not positions.is_contiguous():
+            positions = positions.contiguous()
+        if positions.dtype is not torch.int64:
+            _check_dtype("positions", positions, torch.int64)
         self._rotary(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, head_dim, cos.data_ptr(),
                      sin.data_ptr(), positions.data_ptr(), bf16)
 

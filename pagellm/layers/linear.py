@@ -8,6 +8,7 @@ shards) where this rank's part of it goes, whatever the format. Fused layers nev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,8 +109,19 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 
+    def direct_product(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """x -> forward(x) as one callable prepared at load, where forward adds nothing to the method's product
+        (no bias, one rank, no LoRA slots, no hooks); None otherwise."""
+        if self.bias is not None or self.group.size != 1 or self.lora is not None or _has_hooks(self):
+            return None
+        return self.quant_method.prepared_product(self)
+
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, method={type(self.quant_method).__name__}"
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
 def _param_name(module: nn.Module, param: nn.Parameter) -> str:

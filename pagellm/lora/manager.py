@@ -57,6 +57,9 @@ class LoRAManager:
             slots = LoRALayerSlots(layer, self.context, max_loras, max_lora_rank, dtype, device, cpu_kernel)
             layer.lora = slots
             self.layers[name] = slots
+        for module in modules.values():  # a LlamaModel that runs its layers without module calls sees the slots
+            if hasattr(module, "reset_direct_layers"):
+                module.reset_direct_layers()
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()
         self.slot_adapters: list[int | None] = [None] * max_loras
         # The server checks adapters (load_lora_adapter) on a thread of its own, beside the engine thread.

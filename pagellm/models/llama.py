@@ -7,7 +7,8 @@ checkpoint tensors load straight into their shard of it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -131,6 +132,26 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+@dataclass(frozen=True, slots=True)
+class DirectLayer:
+    """A LlamaDecoderLayer's weights and products as its module calls reach them, for LlamaModel's direct path."""
+
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_counts: tuple[int, int, int]  # of q, k and v
+    scale: float
+    sliding_window: int | None
+
+
 class LlamaDecoderLayer(nn.Module):
     # Families whose attention or MLP differ (pagellm/models/qwen3.py, ...) swap these in a subclass.
     attention_class: type[LlamaAttention] = LlamaAttention
@@ -158,11 +179,59 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def direct(self, ops: CpuOps) -> DirectLayer | None:
+        """This layer as a DirectLayer, where `forward` on the fused CPU ops `ops` is exactly the calls
+        LlamaModel's direct path makes: Llama's own classes (a family's subclass may compute otherwise), SiLU,
+        RMSNorm, linear layers with a prepared product (layers/linear.py's direct_product), no hooks; else None."""
+        attn, mlp = self.self_attn, self.mlp
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        modules = (self, attn, mlp, mlp.act_fn, *norms)
+        if (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP
+                or type(mlp.act_fn) is not SiluAndMul or any(type(norm) is not RMSNorm for norm in norms)
+                or any(module.ops is not ops for module in (attn, mlp.act_fn, *norms))
+                or any(module._forward_hooks or module._forward_pre_hooks for module in modules)):
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        products = [linear.direct_product() for linear in linears]
+        if any(product is None for product in products):
+            return None
+        return DirectLayer(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, *products,
+                           attn.num_heads, attn.num_kv_heads, attn.head_dim, (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads),
+                           attn.scale, attn.sliding_window)
+
+
+def run_direct_layers(layers: list[DirectLayer], ops: CpuOps, rope: RopeInputs, hidden: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """LlamaDecoderLayer.forward of each layer in turn, as the same kernel calls without the module calls and
+    wrappers between them (much of a small model's host work per decode step): (hidden, residual) after the last."""
+    cos, sin, positions = rope.tables.cos, rope.tables.sin, rope.positions
+    attention = paged_attention  # read at each call: benchmarks/gguf_step.py wraps it to time it
+    residual = None
+    for layer, (k_cache, v_cache) in zip(layers, kv_caches):
+        if residual is None:
+            residual = hidden
+            x = ops.add_rms_norm(hidden, None, layer.input_norm, layer.input_eps)
+        else:
+            x = ops.add_rms_norm(hidden, residual, layer.input_norm, layer.input_eps)
+        qkv = layer.qkv(x)
+        heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        ops.rotary_inplace(qkv, heads + kv_heads, head_dim, cos, sin, positions)
+        # The views split_heads makes ([T, heads, head_dim] q, k and v), in two calls instead of four.
+        q, k, v = qkv.view(-1, heads + 2 * kv_heads, head_dim).split_with_sizes(layer.head_counts, 1)
+        out = attention(q, k, v, k_cache, v_cache, meta, layer.scale, layer.sliding_window)
+        x = ops.add_rms_norm(layer.o(out.reshape(-1, heads * head_dim)), residual, layer.post_norm, layer.post_eps)
+        hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+    return hidden, residual
+
 
 class LlamaModel(nn.Module):
     # With the fused kernels, rotary runs in place per layer and needs no per-step cos/sin gather.
     ops: CpuOps | None = None
     decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # direct_layers()'s: whether made since use_cpu_ops / reset_direct_layers, and the layers.
+    _direct_made = False
+    _direct: list[DirectLayer] | None = None
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None,
                  prefix: str = "model") -> None:
@@ -182,13 +251,31 @@ class LlamaModel(nn.Module):
         cos, sin = (None, None) if self.ops is not None else self.rotary.lookup(positions, dtype)
         return RopeInputs(positions, cos, sin, self.rotary)
 
+    def direct_layers(self) -> list[DirectLayer] | None:
+        """Every layer as a DirectLayer (made at the first call since use_cpu_ops or reset_direct_layers), or None
+        where one cannot be: the layers then run as modules."""
+        if not self._direct_made:
+            direct = [layer.direct(self.ops) for layer in self.layers] if self.ops is not None else [None]
+            self._direct = None if any(layer is None for layer in direct) else direct
+            self._direct_made = True
+        return self._direct
+
+    def reset_direct_layers(self) -> None:
+        """Make the DirectLayers again at the next forward: whoever attaches LoRA slots (lora/manager.py) or hooks
+        to the layers after a forward calls this, so that the layers run as modules from then on."""
+        self._direct_made = False
+
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         """Runs as many layers as `kv_caches` has entries (all of them, except in profiling runs)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
         rope = self.rope_inputs(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        direct = self.direct_layers()
+        if direct is not None:
+            hidden, residual = run_direct_layers(direct, self.ops, rope, hidden, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         if residual is None:
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
@@ -250,6 +337,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (LlamaModel, RMSNorm, LlamaAttention, SiluAndMul)):
                 module.ops = ops
+            if isinstance(module, LlamaModel):
+                module.reset_direct_layers()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

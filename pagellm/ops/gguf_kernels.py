@@ -128,8 +128,11 @@ def _row_ids(row_ids: torch.Tensor | np.ndarray, out_features: int) -> torch.Ten
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         raise TypeError(f"row_ids must be integers, not {ids.dtype}")
     ids = ids.to(torch.int64).contiguous()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= out_features):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+    if not ids.numel():
+        return ids
+    low, high = (int(bound) for bound in torch.aminmax(ids))  # one pass: an embedding gather per step checks it
+    if low < 0 or high >= out_features:
+        bad = low if low < 0 else high
         raise IndexError(f"row id {bad} is outside this weight's {out_features} rows (0 .. {out_features - 1})")
     return ids
 

@@ -4,6 +4,7 @@ multiplies with them, chosen from the checkpoint's quantization config when the 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -27,6 +28,11 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T (+ bias) for x of shape [rows, input_size]."""
+
+    def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """x -> x @ W^T (no bias) as one callable made at load, equal to `apply(layer, x, None)`, for callers that
+        skip the layer's module call (a decode step's host work); None where the method has none."""
+        return None
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows `input_ids` of the weight, dequantized: for an embedding table kept in this format."""

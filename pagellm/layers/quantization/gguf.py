@@ -6,7 +6,9 @@ tensors (F32/F16/BF16), and a layer whose type the kernels cannot take, are dens
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -150,6 +152,15 @@ class GGUFLinearMethod(LinearMethod):
         outputs = [self.ops.matmul(x, part.data, part.type_name, part.rows, layer.input_size) for part in parts]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return out if bias is None else out + bias
+
+    def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        kernel: DenseKernel | None = getattr(layer, "dense_kernel", None)
+        if kernel is not None:
+            return functools.partial(kernel, bias=None)
+        products = getattr(layer, "gguf_products", None)
+        if products is not None and len(products) == 1 and products[0].kernels is self.ops:
+            return products[0]
+        return None
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         if layer.quantized_parts is None:

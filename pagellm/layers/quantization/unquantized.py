@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -36,6 +39,10 @@ class UnquantizedLinearMethod(LinearMethod):
         if kernel is None:  # not processed (a model used before loading finished, e.g. in a unit test)
             return torch.nn.functional.linear(x, layer.weight, bias)
         return kernel(x, bias)
+
+    def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        kernel: DenseKernel | None = getattr(layer, "dense_kernel", None)
+        return None if kernel is None else functools.partial(kernel, bias=None)
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(input_ids, layer.weight)
