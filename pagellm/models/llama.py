@@ -185,8 +185,11 @@ class LlamaDecoderLayer(nn.Module):
         RMSNorm, linear layers with a prepared product (layers/linear.py's direct_product), no hooks; else None."""
         attn, mlp = self.self_attn, self.mlp
         norms = (self.input_layernorm, self.post_attention_layernorm)
+        # The MLP's class first: a mixture-of-experts block in its place has no act_fn.
+        if type(mlp) is not LlamaMLP:
+            return None
         modules = (self, attn, mlp, mlp.act_fn, *norms)
-        if (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP
+        if (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention
                 or type(mlp.act_fn) is not SiluAndMul or any(type(norm) is not RMSNorm for norm in norms)
                 or any(module.ops is not ops for module in (attn, mlp.act_fn, *norms))
                 or any(module._forward_hooks or module._forward_pre_hooks for module in modules)):
