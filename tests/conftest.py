@@ -86,3 +86,16 @@ def hf_smollm2():
     from tests.helpers import hf_load_gguf
 
     return hf_load_gguf(default_model_path())
+
+
+@pytest.fixture
+def torch_ops_only(monkeypatch):
+    """The model without pagellm's C kernels (the families' torch path): PAGELLM_NATIVE_KERNELS=0 and the loaded
+    library forgotten for the test's duration."""
+    from pagellm.attention import native
+
+    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
+    native.native_library.cache_clear()
+    yield
+    monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
+    native.native_library.cache_clear()

@@ -180,6 +180,9 @@ def test_only_a_model_means_a_draft_model_as_in_vllm(tiny_llama_dir):
     ({"method": "draft_model", "model": "/tmp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
      ["draft_tensor_parallel_size=2"]),
     ({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 2}, ["EAGLE-3"]),
+    ({"method": "eagle", "num_speculative_tokens": 2}, ["model=None", "EAGLE head's checkpoint"]),
+    ({"method": "eagle", "model": "/no/such/head", "num_speculative_tokens": 2}, ["does not exist"]),
+    ({"method": "mtp", "model": "/tmp", "num_speculative_tokens": 2}, ["model='/tmp'", "leave model unset"]),
     ({"method": "ngram", "model": "/tmp", "num_speculative_tokens": 2}, ["model='/tmp'", "uses no model"]),
     ({"method": "medusa", "num_speculative_tokens": 1}, ["method='medusa'"]),
 ])

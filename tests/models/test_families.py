@@ -155,18 +155,6 @@ def test_gemma3_logprobs_match_hf_with_softcapped_logits(family_dirs, default_to
             assert ours[token].logprob == pytest.approx(logprob, abs=1e-4)
 
 
-@pytest.fixture
-def torch_ops_only(monkeypatch):
-    """The model without the fused C kernels (the families' torch path); the decode kernel goes too."""
-    from pagellm.attention import native
-
-    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
-    native.native_library.cache_clear()
-    yield
-    monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
-    native.native_library.cache_clear()
-
-
 # The multimodal layout changes only what is loaded; the batched test covers it.
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("qwen3", "gemma3-multimodal")])
 def test_chunked_prefill_and_prefix_cache_match_hf(variant, family_dirs, hf_references, torch_ops_only):

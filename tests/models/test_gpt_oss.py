@@ -67,17 +67,6 @@ def hf_reference(gpt_oss_dir, default_tokenizer):
     return lambda prompts: references("gpt-oss", prompts)
 
 
-@pytest.fixture
-def torch_ops_only(monkeypatch):
-    from pagellm.attention import native
-
-    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
-    native.native_library.cache_clear()
-    yield
-    monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
-    native.native_library.cache_clear()
-
-
 def test_batched_greedy_matches_hf(gpt_oss_dir, hf_reference):
     llm = LLM(gpt_oss_dir, **ENGINE_ARGS)
     runner = llm.llm_engine.core.runner

@@ -91,17 +91,6 @@ def test_batched_greedy_matches_hf(variant, moe_dirs, hf_references):
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 
 
-@pytest.fixture
-def torch_ops_only(monkeypatch):
-    from pagellm.attention import native
-
-    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
-    native.native_library.cache_clear()
-    yield
-    monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
-    native.native_library.cache_clear()
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_chunked_prefill_and_prefix_cache_match_hf(variant, moe_dirs, hf_references, torch_ops_only):
     llm = LLM(moe_dirs(variant), **{**ENGINE_ARGS, "max_num_batched_tokens": 32, "block_size": 8,
