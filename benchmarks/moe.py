@@ -99,8 +99,6 @@ class MlpClock:
         for layer in model.model.layers:
             layer.mlp.register_forward_pre_hook(self._start)
             layer.mlp.register_forward_hook(self._stop)
-        # Llama's direct layers skip module calls, hooks included, once made: they are made again and see these.
-        model.model.reset_direct_layers()
         for module in model.modules():
             if isinstance(module, FusedMoE):
                 select = module.select_experts

@@ -182,17 +182,16 @@ class LlamaDecoderLayer(nn.Module):
     def direct(self, ops: CpuOps) -> DirectLayer | None:
         """This layer as a DirectLayer, where `forward` on the fused CPU ops `ops` is exactly the calls
         LlamaModel's direct path makes: Llama's own classes (a family's subclass may compute otherwise), SiLU,
-        RMSNorm, linear layers with a prepared product (layers/linear.py's direct_product), no hooks; else None."""
+        RMSNorm, linear layers with a prepared product (layers/linear.py's direct_product); else None. (Hooks on
+        its modules are checked at every forward: LlamaModel.direct_modules.)"""
         attn, mlp = self.self_attn, self.mlp
         norms = (self.input_layernorm, self.post_attention_layernorm)
         # The MLP's class first: a mixture-of-experts block in its place has no act_fn.
         if type(mlp) is not LlamaMLP:
             return None
-        modules = (self, attn, mlp, mlp.act_fn, *norms)
         if (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention
                 or type(mlp.act_fn) is not SiluAndMul or any(type(norm) is not RMSNorm for norm in norms)
-                or any(module.ops is not ops for module in (attn, mlp.act_fn, *norms))
-                or any(module._forward_hooks or module._forward_pre_hooks for module in modules)):
+                or any(module.ops is not ops for module in (attn, mlp.act_fn, *norms))):
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         products = [linear.direct_product() for linear in linears]
@@ -228,6 +227,16 @@ def run_direct_layers(layers: list[DirectLayer], ops: CpuOps, rope: RopeInputs, 
     return hidden, residual
 
 
+def _hooked(modules: list[nn.Module]) -> bool:
+    """Whether a forward (pre-)hook is registered on any of `modules` or on every module (a ~30 layer model: a few
+    microseconds per step)."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
+
+
 class LlamaModel(nn.Module):
     # With the fused kernels, rotary runs in place per layer and needs no per-step cos/sin gather.
     ops: CpuOps | None = None
@@ -235,6 +244,7 @@ class LlamaModel(nn.Module):
     # direct_layers()'s: whether made since use_cpu_ops / reset_direct_layers, and the layers.
     _direct_made = False
     _direct: list[DirectLayer] | None = None
+    _direct_modules: list[nn.Module] = []
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None,
                  prefix: str = "model") -> None:
@@ -256,16 +266,23 @@ class LlamaModel(nn.Module):
 
     def direct_layers(self) -> list[DirectLayer] | None:
         """Every layer as a DirectLayer (made at the first call since use_cpu_ops or reset_direct_layers), or None
-        where one cannot be: the layers then run as modules."""
+        where one cannot be, or while a forward hook is registered on any of their modules (or globally): the
+        layers then run as modules, and the hooks run."""
         if not self._direct_made:
             direct = [layer.direct(self.ops) for layer in self.layers] if self.ops is not None else [None]
             self._direct = None if any(layer is None for layer in direct) else direct
+            self._direct_modules = [] if self._direct is None else [
+                module for layer in self.layers
+                for module in (layer, layer.self_attn, layer.mlp, layer.mlp.act_fn, layer.input_layernorm,
+                               layer.post_attention_layernorm)]
             self._direct_made = True
+        if self._direct is not None and _hooked(self._direct_modules):
+            return None
         return self._direct
 
     def reset_direct_layers(self) -> None:
-        """Make the DirectLayers again at the next forward: whoever attaches LoRA slots (lora/manager.py) or hooks
-        to the layers after a forward calls this, so that the layers run as modules from then on."""
+        """Make the DirectLayers again at the next forward: whoever attaches LoRA slots to the layers after a
+        forward (lora/manager.py) calls this, so that the layers run as modules from then on."""
         self._direct_made = False
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:

@@ -48,13 +48,14 @@ def test_hooks_and_lora_slots_send_the_layers_back_to_their_modules(llm):
     model = _model(llm)
     model.reset_direct_layers()
     assert model.direct_layers() is not None
-    handle = model.layers[1].mlp.register_forward_hook(lambda module, args, out: out)
-    try:
-        model.reset_direct_layers()
+    calls = []
+    handle = model.layers[1].mlp.register_forward_hook(lambda module, args, out: calls.append(1))
+    try:  # registered after the direct layers were made: seen at the next forward all the same
         assert model.direct_layers() is None
+        _generate(llm)
+        assert calls
     finally:
         handle.remove()
-    model.reset_direct_layers()
     assert model.direct_layers() is not None
     down = model.layers[0].mlp.down_proj
     down.lora = object()  # LoRA slots, attached as lora/manager.py does: it resets the direct layers
