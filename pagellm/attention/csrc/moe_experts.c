@@ -39,14 +39,6 @@ typedef struct {
 
 static ALWAYS_INLINE float stored(float v, const int bf16) { return bf16 ? round_bf16(splat(v))[0] : v; }
 
-static ALWAYS_INLINE float load_scalar(const void *p, int64_t index, const int bf16) {
-    if (!bf16) return ((const float *)p)[index];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[index] << 16;
-    float v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
 static ALWAYS_INLINE void store_scalar(void *p, int64_t index, float v, const int bf16) {
     if (!bf16) {
         ((float *)p)[index] = v;
