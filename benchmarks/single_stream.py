@@ -22,6 +22,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pagellm.cpu_features import cpu_description  # noqa: E402
+
 PROMPT_IDS = [(i * 37) % 40000 + 100 for i in range(32)]
 
 LLAMA_CPP = """
@@ -75,8 +77,8 @@ def main() -> None:
     args = parser.parse_args()
     load = os.getloadavg()[0]
     ours, path = pagellm_seconds(args.threads, args.tokens, args.rounds)
-    print(f"{Path(path).name}, {args.threads} threads, {args.tokens} tokens after a 32-token prompt, "
-          f"load average {load:.2f} at start")
+    print(f"{Path(path).name}, {args.threads} threads, {args.tokens} tokens after a 32-token prompt; "
+          f"{cpu_description()}; load average {load:.2f} at start")
     print(f"pagellm    {args.tokens / ours:6.1f} tok/s")
     if args.llama_python:
         theirs = llama_cpp_seconds(args.llama_python, path, args.threads, args.tokens, args.rounds)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata, paged_attention
@@ -230,8 +231,6 @@ def run_direct_layers(layers: list[DirectLayer], ops: CpuOps, rope: RopeInputs, 
 def _hooked(modules: list[nn.Module]) -> bool:
     """Whether a forward (pre-)hook is registered on any of `modules` or on every module (a ~30 layer model: a few
     microseconds per step)."""
-    from torch.nn.modules import module as torch_module
-
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     return any(module._forward_hooks or module._forward_pre_hooks for module in modules)

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from pagellm.worker.kv_prefault import _madvise
+from pagellm.worker.kv_prefault import libc_madvise
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ HUGE_PAGE_BYTES = 2 << 20
 def advise_huge_pages(tensors: list[torch.Tensor]) -> int:
     """Asks for huge pages on the whole 2 MiB-aligned pages inside each CPU tensor's memory; returns the bytes
     advised (0 where madvise is unavailable or refuses, e.g. THP disabled)."""
-    madvise = _madvise()
+    madvise = libc_madvise()
     if madvise is None:
         return 0
     advised, seen = 0, set()

@@ -29,7 +29,8 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 CHUNK_BYTES = 8 << 20
 
 
-def _madvise():
+def libc_madvise():
+    """libc's madvise(address, length, advice) via ctypes, or None where it cannot be loaded."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         function = libc.madvise
@@ -56,7 +57,7 @@ class KVPoolPrefaulter:
         bytes_per_block = max(1, self._block_bytes * len(self._slab_starts))
         self._blocks_per_chunk = max(1, chunk_bytes // bytes_per_block)
         self.next_block = 0
-        self._madvise = _madvise()
+        self._madvise = libc_madvise()
         if self._madvise is None:
             self.next_block = self.num_blocks
         # The pool tensor's storage must outlive the addresses taken above.
