@@ -616,12 +616,7 @@ class EngineArgs:
             config = SpeculativeConfig.from_dict(self.speculative_config)
         except ValueError as exc:
             raise ArgumentValueError(str(exc)) from None
-        if config.uses_draft_model and self.tensor_parallel_size > 1:
-            # The draft (or head) would need its own sharded copy and pool on every rank; ngram and suffix drafts
-            # need none.
-            raise ArgumentValueError(f"speculative_config method '{config.method}' with tensor_parallel_size="
-                                     f"{self.tensor_parallel_size} is not supported; use tensor_parallel_size=1, "
-                                     "or the 'ngram' or 'suffix' method, which run under tensor parallelism.")
+        del config  # validated; every method runs under tensor parallelism
 
     def _validate_model_arguments(self) -> None:
         for name in ("model", "tokenizer", "revision", "tokenizer_revision", "download_dir"):

@@ -193,10 +193,18 @@ def test_bad_draft_configs_are_refused_naming_the_field(config, words):
         assert word in str(info.value), str(info.value)
 
 
-def test_a_draft_model_under_tensor_parallelism_is_refused(tiny_llama_dir):
-    with pytest.raises(ArgumentValueError, match=r"'draft_model' with tensor_parallel_size=2.*'ngram' or 'suffix'"):
-        EngineArgs(speculative_config={"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 2},
-                   tensor_parallel_size=2)
+def test_a_draft_model_runs_under_tensor_parallelism(tiny_llama_dir, noisy_draft_dir, plain_outputs):
+    """The draft runs on rank 0 alone (draft_tensor_parallel_size=1) and hands its drafts to rank 1 before the
+    verifying forward: a rank verifying other tokens than rank 0 would put other K/V in its shard of the cache and
+    the output would drift from the TP=1 run's. The noisy draft has drafts rejected, so rollback crosses ranks too."""
+    llm = LLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=2, speculative_config=_config(noisy_draft_dir, k=4),
+              **ENGINES["batched"])
+    try:
+        assert _outputs(llm, PROMPTS, GREEDY) == plain_outputs[0]
+        stats = _stats(llm)
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    finally:
+        llm.llm_engine.core.shutdown()
 
 
 def test_a_draft_of_another_vocabulary_is_refused_naming_both_sizes(tiny_llama_dir, tmp_path):

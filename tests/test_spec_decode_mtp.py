@@ -305,10 +305,19 @@ def test_an_eagle_head_of_another_width_is_refused(tmp_path, eagle_dir, deepseek
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle"])
-def test_a_head_under_tensor_parallelism_is_refused(method, eagle_dir):
-    with pytest.raises(ArgumentValueError, match=rf"'{method}' with tensor_parallel_size=2.*'ngram' or 'suffix'"):
-        EngineArgs(speculative_config=_config(method, 2, eagle_dir if method == "eagle" else None),
-                   tensor_parallel_size=2)
+def test_a_head_runs_under_tensor_parallelism(method, deepseek_dir, llama_dir, eagle_dir, plain):
+    """Each rank runs its shard of the head over its shard of the target's embedding and LM head; rank 0 picks
+    the drafts and hands them on. A rank drafting other tokens would verify other tokens, and the output would
+    drift from the TP=1 run's; drafts are accepted in part, so rollback crosses ranks too."""
+    target, head = _target_and_head(method, deepseek_dir, llama_dir, eagle_dir)
+    llm = LLM(target, dtype="float32", tensor_parallel_size=2, speculative_config=_config(method, 2, head),
+              **ENGINES["batched"])
+    try:
+        assert _outputs(llm, SOME_PROMPTS, GREEDY) == plain[method][0]
+        stats = _stats(llm)
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    finally:
+        llm.llm_engine.core.shutdown()
 
 
 def test_vllm_names_of_the_head_methods():

@@ -78,6 +78,13 @@ class TensorParallelGroup:
             return obj
         return pickle.loads(first.numpy().tobytes() + rest.numpy().tobytes())
 
+    def broadcast_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` (a CPU tensor of the same shape and dtype on every rank), into every rank's, in place.
+        Runs on the CPU group."""
+        if self.size > 1:
+            self.cpu_group.broadcast(tensor, 0).wait()
+        return tensor
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value` (on the CPU group)."""
         if self.size == 1:

@@ -23,7 +23,7 @@ from pagellm.models import loader
 from pagellm.models.llama import check_tensor_parallel_size, head_dim_of
 from pagellm.models.sliding_window import model_sliding_window
 from pagellm.spec_decode.config import SpeculativeConfig
-from pagellm.spec_decode.draft_model import DraftProposer, PairedKVSpec, load_draft_runner
+from pagellm.spec_decode.draft_model import DraftProposer, DraftRelay, PairedKVSpec, load_draft_runner
 from pagellm.spec_decode.heads import HeadProposer, load_head_runner
 from pagellm.worker.kv_cache import (
     GiB,
@@ -188,13 +188,18 @@ class ModelWorker:
             head_runner, head_spec = load_head_runner(
                 config, self.runner.model, self.model_info.source, hf_config, max_model_len, dtype, device,
                 args.block_size, self.runner.input_batch, args.seed, args.kv_cache_dtype, args.load_format,
-                args.download_dir, args.trust_remote_code)
-            self.runner.drafter = HeadProposer(head_runner, self.max_num_batched_tokens)
+                args.download_dir, args.trust_remote_code, self.group)
+            self.runner.drafter = HeadProposer(head_runner, self.max_num_batched_tokens, self.group)
             return head_spec
+        if self.group.rank != 0:
+            # The draft runs on rank 0 alone; this rank's pool holds the target's layers only.
+            self.runner.drafter = DraftRelay(self.group)
+            return None
         draft_runner, draft_spec = load_draft_runner(
             config, hf_config, max_model_len, dtype, device, args.block_size, self.runner.input_batch, args.seed,
             args.kv_cache_dtype, args.load_format, args.download_dir, args.trust_remote_code)
-        self.runner.drafter = DraftProposer(draft_runner, self.max_num_batched_tokens, config.disable_by_batch_size)
+        self.runner.drafter = DraftProposer(draft_runner, self.max_num_batched_tokens, config.disable_by_batch_size,
+                                            self.group)
         return draft_spec
 
     @staticmethod

@@ -35,6 +35,7 @@ from pagellm.attention.backend import StepAttentionInputs
 from pagellm.attention.kv_spec import GiB, KVCacheSpec
 from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import SchedulerOutput
+from pagellm.distributed.parallel_state import SINGLE, TensorParallelGroup
 from pagellm.spec_decode.verify import SpecStep
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.logits import logits_in_chunks
@@ -81,7 +82,7 @@ def load_draft_runner(config, target_config, max_model_len: int, dtype: torch.dt
     from pagellm.models import loader
     from pagellm.models.llama import head_dim_of
     from pagellm.attention.kv_spec import kv_cache_spec_for
-    from pagellm.distributed.parallel_state import SINGLE, building_with
+    from pagellm.distributed.parallel_state import building_with
     from pagellm.worker.model_runner import ModelRunner
 
     name = config.model
@@ -150,6 +151,9 @@ class PairedProposer:
     backend, KV pool views, LM head) sharing the target runner's input batch, and per request how many leading
     positions its cache holds."""
 
+    # Whether after_step reads the tokens the target's verification kept in the same step (a head does).
+    reads_kept_tokens = False
+
     def __init__(self, runner, max_tokens_per_forward: int) -> None:
         self.runner = runner
         self.max_tokens_per_forward = max_tokens_per_forward
@@ -184,16 +188,23 @@ class PairedProposer:
 
 
 class DraftProposer(PairedProposer):
-    """Runs the draft model for the target's model runner."""
+    """Runs the draft model for the target's model runner: on rank 0 of a tensor-parallel group, which hands the
+    drafts to the other ranks (their DraftRelay)."""
 
-    def __init__(self, runner, max_tokens_per_forward: int, disable_by_batch_size: int) -> None:
+    def __init__(self, runner, max_tokens_per_forward: int, disable_by_batch_size: int,
+                 group: TensorParallelGroup = SINGLE) -> None:
         super().__init__(runner, max_tokens_per_forward)
         # A step of more rows than this proposes nothing (the scheduler's rule, seen from the runner), and its
         # prompt chunks wait for the draft until their requests speculate.
         self.disable_by_batch_size = disable_by_batch_size
+        self.group = group
+
+    def propose(self, batch: InputBatch, rows: np.ndarray, num_scheduled: np.ndarray, spec: SpecStep | None) -> None:
+        self._propose(batch, rows, num_scheduled, spec)
+        share_drafts(self.group, batch, spec)
 
     @torch.inference_mode()
-    def propose(self, batch: InputBatch, rows: np.ndarray, num_scheduled: np.ndarray, spec: SpecStep | None) -> None:
+    def _propose(self, batch: InputBatch, rows: np.ndarray, num_scheduled: np.ndarray, spec: SpecStep | None) -> None:
         """rows / num_scheduled: the step's rows and the tokens the target computes for each (drafts included);
         spec: the rows that verify drafts and how many. Writes each spec row's drafts into its token table after
         its tokens, where verify.py reads them."""
@@ -269,6 +280,45 @@ class DraftProposer(PairedProposer):
                                           runner.logits_rows_per_chunk):
             tokens += logits.argmax(dim=-1).tolist()
         return tokens
+
+class DraftRelay:
+    """The drafter of a tensor-parallel rank other than 0 under the draft_model method. The draft model runs
+    unsharded on rank 0 alone (vLLM's draft_tensor_parallel_size=1): a small draft gains nothing from sharding but
+    collectives, and only rank 0 samples. This rank holds no draft weights or draft K/V; it takes rank 0's drafts
+    into its token table before the target's forward, so that every rank verifies the same tokens."""
+
+    reads_kept_tokens = False
+
+    def __init__(self, group: TensorParallelGroup) -> None:
+        self.group = group
+
+    def apply(self, scheduler_output: SchedulerOutput) -> None:
+        pass
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        pass
+
+    def propose(self, batch: InputBatch, rows: np.ndarray, num_scheduled: np.ndarray, spec: SpecStep | None) -> None:
+        share_drafts(self.group, batch, spec)
+
+    def after_step(self, batch: InputBatch, hidden: torch.Tensor) -> None:
+        pass
+
+
+def share_drafts(group: TensorParallelGroup, batch: InputBatch, spec: SpecStep | None) -> None:
+    """Rank 0's drafts of the step's verifying rows, from its token table into every other rank's. Each rank
+    knows the rows and their draft counts from the schedule, so only the tokens travel."""
+    if group.size == 1 or spec is None or not len(spec.rows):
+        return
+    counts = spec.num_drafts.astype(np.int64)
+    token_rows = np.repeat(spec.rows, counts)
+    index_in_row = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    columns = batch.num_tokens[token_rows] + index_in_row
+    drafts = np.ascontiguousarray(batch.token_ids[token_rows, columns], dtype=np.int64)
+    group.broadcast_tensor(torch.from_numpy(drafts))  # in place: `drafts` holds rank 0's tokens after it
+    if group.rank != 0:
+        batch.token_ids[token_rows, columns] = drafts
+
 
 def drafts_eligible(state) -> bool:
     """The rows that may ever speculate (Speculator.eligible's conditions, as the runner sees a row): only their

@@ -36,6 +36,7 @@ from pagellm.attention.backend import StepAttentionInputs
 from pagellm.attention.kv_spec import kv_cache_spec_for
 from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import SchedulerOutput
+from pagellm.distributed.parallel_state import SINGLE, TensorParallelGroup
 from pagellm.models.deepseek_v2 import mtp_layer_index
 from pagellm.spec_decode.draft_model import PairedProposer, _Segment, _split, drafts_eligible
 from pagellm.spec_decode.eagle import EagleHead, check_eagle_config, eagle_tensors
@@ -66,8 +67,13 @@ class _StepLayout:
 class HeadProposer(PairedProposer):
     """Runs an MTP or EAGLE head for the target's model runner; `runner` is a ModelRunner over the head."""
 
-    def __init__(self, runner, max_tokens_per_forward: int) -> None:
+    reads_kept_tokens = True
+
+    def __init__(self, runner, max_tokens_per_forward: int, group: TensorParallelGroup = SINGLE) -> None:
         super().__init__(runner, max_tokens_per_forward)
+        # Under tensor parallelism every rank runs its shard of the head (over its shard of the target's embedding
+        # and LM head) in lockstep; rank 0 alone has the logits, and hands each draft's tokens to the others.
+        self.group = group
         self.pending: dict[str, _Pending] = {}
         self._layout: _StepLayout | None = None
 
@@ -182,17 +188,24 @@ class HeadProposer(PairedProposer):
     def _greedy(self, out: torch.Tensor) -> list[int]:
         tokens: list[int] = []
         for _, logits in logits_in_chunks(self.runner.model.compute_logits, out, self.runner.logits_rows_per_chunk):
-            tokens += logits.argmax(dim=-1).tolist()
-        return tokens
+            if logits is not None:  # None on a tensor-parallel rank other than 0
+                tokens += logits.argmax(dim=-1).tolist()
+        if self.group.size == 1:
+            return tokens
+        shared = torch.tensor(tokens, dtype=torch.int64) if self.group.rank == 0 else \
+            torch.empty(len(out), dtype=torch.int64)
+        return self.group.broadcast_tensor(shared).tolist()
 
 
 # ---- loading ---------------------------------------------------------------------------------------------------
 
 def load_head_runner(config, target, source, target_config, max_model_len: int, dtype: torch.dtype,
                      device: torch.device, block_size: int, input_batch: InputBatch, seed: int, cache_dtype: str,
-                     load_format: str, download_dir: str | None, trust_remote_code: bool):
+                     load_format: str, download_dir: str | None, trust_remote_code: bool,
+                     group: TensorParallelGroup = SINGLE):
     """The head of `config` (a validated SpeculativeConfig with method mtp or eagle) over the loaded `target`
-    model (from `source`), in a ModelRunner of its own sharing the target runner's input batch, and its KV spec."""
+    model (from `source`), in a ModelRunner of its own sharing the target runner's input batch, and its KV spec.
+    Its layers shard over `group` as the target's do."""
     from pagellm.layers.weights import process_weights_after_loading
     from pagellm.models.loader import initialize_dummy_weights
     from pagellm.worker.model_runner import ModelRunner
@@ -205,10 +218,10 @@ def load_head_runner(config, target, source, target_config, max_model_len: int, 
                         "whose released blocks the head's cache would still read; use method ngram or suffix.")
     dummy = load_format == "dummy"
     if config.method == "mtp":
-        head, tensors = _mtp_head(target, source, target_config, dtype, device, dummy)
+        head, tensors = _mtp_head(target, source, target_config, dtype, device, dummy, group)
     else:
         head, tensors = _eagle_head(config, target, target_config, max_model_len, dtype, device, dummy,
-                                    download_dir, trust_remote_code)
+                                    download_dir, trust_remote_code, group)
     if dummy:
         initialize_dummy_weights(head, seed)
     else:
@@ -225,8 +238,8 @@ def load_head_runner(config, target, source, target_config, max_model_len: int, 
     return runner, spec
 
 
-def _mtp_head(target, source, target_config, dtype: torch.dtype, device: torch.device,
-              dummy: bool) -> tuple[MTPHead, Iterator[tuple[str, torch.Tensor]]]:
+def _mtp_head(target, source, target_config, dtype: torch.dtype, device: torch.device, dummy: bool,
+              group: TensorParallelGroup) -> tuple[MTPHead, Iterator[tuple[str, torch.Tensor]]]:
     check_mtp_target(target_config, source.name)
     files = [] if dummy else _safetensors_of(source, "the target", "mtp")
     num_layers = target_config.num_hidden_layers
@@ -236,15 +249,15 @@ def _mtp_head(target, source, target_config, dtype: torch.dtype, device: torch.d
         raise HeadError(f"speculative_config method 'mtp': model {source.name!r} has num_nextn_predict_layers="
                         f"{target_config.num_nextn_predict_layers} but its checkpoint holds no tensor of that layer "
                         f"(model.layers.{num_layers}.*); use a checkpoint that keeps it, or another method.")
-    with _building(device, dtype):
+    with _building(device, dtype, group):
         head = MTPHead(target_config, target, target.quant_config, "embed_tokens.weight" in names,
                        "shared_head.head.weight" in names)
     return head, mtp_tensors(_read(files, layer_tensors), num_layers)
 
 
 def _eagle_head(config, target, target_config, max_model_len: int, dtype: torch.dtype, device: torch.device,
-                dummy: bool, download_dir: str | None,
-                trust_remote_code: bool) -> tuple[EagleHead, Iterator[tuple[str, torch.Tensor]]]:
+                dummy: bool, download_dir: str | None, trust_remote_code: bool,
+                group: TensorParallelGroup) -> tuple[EagleHead, Iterator[tuple[str, torch.Tensor]]]:
     from pagellm.layers.quantization import quantization_config_for
     from pagellm.layers.rotary import RotaryEmbedding
     from pagellm.models import loader
@@ -260,7 +273,7 @@ def _eagle_head(config, target, target_config, max_model_len: int, dtype: torch.
     check_eagle_config(head_config, target_config, config.model)
     files = [] if dummy else _safetensors_of(source, "the EAGLE head", "eagle")
     fc_bias = any(name.removeprefix("model.") == "fc.bias" for name in _tensor_names(files))
-    with _building(device, dtype):
+    with _building(device, dtype, group):
         head = EagleHead(head_config, target, max_model_len, quantization_config_for(head_config, config.quantization),
                          fc_bias)
     head.rotary.reset_cache(device)
@@ -268,12 +281,12 @@ def _eagle_head(config, target, target_config, max_model_len: int, dtype: torch.
 
 
 @contextlib.contextmanager
-def _building(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
-    """As the loader builds a model: parameters made on the device in `dtype`, on one rank."""
-    from pagellm.distributed.parallel_state import SINGLE, building_with
+def _building(device: torch.device, dtype: torch.dtype, group: TensorParallelGroup) -> Iterator[None]:
+    """As the loader builds a model: parameters made on the device in `dtype`, sharded over `group`."""
+    from pagellm.distributed.parallel_state import building_with
     from pagellm.models.loader import default_dtype
 
-    with torch.device(device), default_dtype(dtype), building_with(SINGLE):
+    with torch.device(device), default_dtype(dtype), building_with(group):
         yield
 
 

@@ -54,6 +54,8 @@ class ModelRunner:
         self.samples = model.group.rank == 0
         # On a rank that does not sample: last step's verified rows, kept until rank 0 says what they took.
         self._unsettled_spec: SpecStep | None = None
+        # Rows whose verification this rank settled within its step (_settle_spec_now), not at the next broadcast.
+        self._settled_rows: set[int] = set()
         self.kv_pool: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # This rank's heads (all of them without tensor parallelism).
@@ -154,6 +156,8 @@ class ModelRunner:
             verify(spec_logits, spec, batch, self.sampling_batches, self.sampler, output, self.block_size)
             if not self.samples:
                 self._unsettled_spec = spec
+            if self.drafter is not None and self.drafter.reads_kept_tokens and self.model.group.size > 1:
+                self._settle_spec_now(output)
         if self.drafter is not None:
             # An MTP or EAGLE head reads the target's hidden states of the tokens just kept.
             self.drafter.after_step(batch, hidden)
@@ -219,17 +223,36 @@ class ModelRunner:
         """On a tensor-parallel rank that does not sample: the tokens rank 0 sampled last step, and the drafts it
         accepted after them (its verified rows keep exactly what rank 0's kept)."""
         batch = self.input_batch
-        verified: set[int] = set()
-        if self._unsettled_spec is not None:
-            spec, self._unsettled_spec = self._unsettled_spec, None
-            verified = set(spec.rows.tolist())
-            ids = batch.row_request_ids
-            taken = {row: [sampled_token_ids[ids[row]], *accepted_draft_ids.get(ids[row], [])]
-                     for row in verified if ids[row] in sampled_token_ids}
-            keep_taken(batch, spec, taken, self.block_size)
+        verified = self._settle_verified(sampled_token_ids, accepted_draft_ids) | self._settled_rows
+        self._settled_rows = set()
         batch.append_tokens([(batch.row_of[request_id], token) for request_id, token in sampled_token_ids.items()
                              if request_id in batch.row_of and batch.row_of[request_id] not in verified
                              and batch.rows[batch.row_of[request_id]].appends_sampled_tokens])
+
+    def _settle_verified(self, sampled_token_ids: dict[str, int],
+                         accepted_draft_ids: dict[str, list[int]]) -> set[int]:
+        """On a rank that does not sample: the last verifying step's rows keep what rank 0 kept; returns them."""
+        if self._unsettled_spec is None:
+            return set()
+        spec, self._unsettled_spec = self._unsettled_spec, None
+        batch = self.input_batch
+        verified = set(spec.rows.tolist())
+        ids = batch.row_request_ids
+        taken = {row: [sampled_token_ids[ids[row]], *accepted_draft_ids.get(ids[row], [])]
+                 for row in verified if ids[row] in sampled_token_ids}
+        keep_taken(batch, spec, taken, self.block_size)
+        return verified
+
+    def _settle_spec_now(self, output: ModelRunnerOutput) -> None:
+        """Under tensor parallelism, for a head whose after_step reads the tokens kept in this very step: rank 0's
+        verification reaches the other ranks now, not with the next step's broadcast, so that every rank's head
+        catches up over the same positions (its collectives keep the ranks in lockstep)."""
+        group = self.model.group
+        if self.samples:
+            group.broadcast_object((output.sampled_token_ids, output.spec_token_ids))
+            return
+        sampled_token_ids, accepted_draft_ids = group.broadcast_object()
+        self._settled_rows = self._settle_verified(sampled_token_ids, accepted_draft_ids)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
