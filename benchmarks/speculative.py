@@ -114,11 +114,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--png", default=str(pathlib.Path(__file__).with_name("speculative.png")))
     parser.add_argument("--no-draft", action="store_true", help="skip the draft_model rows")
+    parser.add_argument("--model", default=None,
+                        help="the ngram/suffix rows' model (default: the default model, SmolLM2-135M Q4_1 GGUF); e.g. "
+                             "the float export below")
+    parser.add_argument("--dtype", default="auto", help="the ngram/suffix rows' dtype (vLLM's --dtype)")
     parser.add_argument("--float-target", default="/tmp/smollm2-hf",
                         help="the default model's HF export (written with benchmarks/export_hf.py if missing)")
     args = parser.parse_args()
 
-    llm = LLM(kv_cache_memory_bytes=1 << 30, max_model_len=2048)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=1 << 30, max_model_len=2048)
     workloads = {
         "copy": ([_chat_prompt(llm, COPY_PROMPT)], args.max_tokens),
         "open": ([_chat_prompt(llm, OPEN_PROMPT)], args.max_tokens),

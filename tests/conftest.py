@@ -22,6 +22,18 @@ from hypothesis import settings  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+@pytest.fixture(autouse=True)
+def _no_step_timings(request, monkeypatch):
+    """Engines in tests measure no step times: speculation then sizes drafts by acceptance alone, as it does
+    before its first measurement, so that which steps draft never depends on how busy the test machine is.
+    Tests marked step_timings (of the cost model itself) keep them."""
+    if request.node.get_closest_marker("step_timings"):
+        return
+    from pagellm.spec_decode.speculator import Speculator
+
+    monkeypatch.setattr(Speculator, "record_step", lambda self, num_tokens, decode_only, seconds: None)
+
+
 # Reproducible property tests: derandomized, no wall-clock deadline on a loaded 2-core machine.
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

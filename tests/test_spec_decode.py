@@ -51,7 +51,7 @@ def _oracle(monkeypatch, references: dict[tuple[int, ...], list[int]], error: fl
     `error`: exercises acceptance of every length and the rollback of rejected tokens."""
     rng = random.Random(seed)
 
-    def drafts_for(self, request, budget, max_model_len):
+    def drafts_for(self, request, budget, max_model_len, num_rows=1):
         limit = min(self.config.num_speculative_tokens, budget, max_model_len - request.num_tokens,
                     request.max_output_tokens - request.num_output_tokens - 1)
         done = request.num_output_tokens
@@ -162,7 +162,7 @@ def test_sampled_tokens_follow_the_target_distribution(small_vocab_dir, monkeypa
         second = model(contexts).logits[:, -1].softmax(-1)
     expected = (first[:, None] * second).sum(0)
 
-    def drafts_for(self, request, budget, max_model_len):
+    def drafts_for(self, request, budget, max_model_len, num_rows=1):
         return [draft] if request.num_output_tokens == 1 else []
 
     monkeypatch.setattr(Speculator, "drafts_for", drafts_for)

@@ -17,7 +17,8 @@ from pagellm.metrics import PrometheusStatLogger
 from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode.config import SpeculativeConfig
 from pagellm.spec_decode.ngram import TokenBuffer, propose_ngram
-from pagellm.spec_decode.speculator import Speculator
+from pagellm.spec_decode.speculator import (STEP_COST_WEIGHT, Speculator, StepCosts, best_num_drafts,
+                                             expected_tokens)
 from pagellm.spec_decode.suffix import SuffixProposer, SuffixTrie
 
 # ---- config --------------------------------------------------------------------------------------------
@@ -117,7 +118,7 @@ class _OracleSpeculator(Speculator):
                                                       "disable_by_batch_size": by_batch}))
         self.rng, self.error = random.Random(seed), error
 
-    def drafts_for(self, request, budget, max_model_len):
+    def drafts_for(self, request, budget, max_model_len, num_rows=1):
         limit = min(self.config.num_speculative_tokens, budget, max_model_len - request.num_tokens,
                     request.max_output_tokens - request.num_output_tokens - 1)
         sequence, drafts = list(request.all_token_ids), []
@@ -280,3 +281,80 @@ def test_prometheus_exports_the_spec_decode_counters():
                         ("num_accepted_tokens", spec.num_accepted_tokens)):
         assert f'vllm:spec_decode_{name}_total{{engine="0",model_name="m"}} {float(value)}' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"}' in text
+
+
+# ---- what a draft costs: sizing drafts by measured step times ------------------------------------------
+
+def test_step_costs_interpolate_between_measured_sizes_and_stay_flat_beyond():
+    costs = StepCosts()
+    assert costs.relative(6, 1) == 1.0  # nothing measured: no cost assumed
+    costs.observe(1, 0.010)
+    assert costs.relative(6, 1) == 1.0  # only the plain step: a larger one is tried before it is priced
+    costs.observe(6, 0.035)
+    assert costs.relative(6, 1) == pytest.approx(3.5)
+    assert costs.relative(3, 1) == pytest.approx(1.0 + 2 * 0.5)  # 10 ms + 2/5 of the 25 ms between them
+    assert costs.relative(9, 1) == pytest.approx(3.5)
+    costs.observe(6, 0.015)  # a moving average: the newer measurement counts for STEP_COST_WEIGHT
+    assert costs.relative(6, 1) == pytest.approx((0.035 + STEP_COST_WEIGHT * (0.015 - 0.035)) / 0.010)
+
+
+def _costs(per_extra_row: float) -> StepCosts:
+    costs = StepCosts()
+    for tokens in (1, 9):
+        costs.observe(tokens, 1.0 + per_extra_row * (tokens - 1))
+    return costs
+
+
+@pytest.mark.parametrize("acceptance, per_extra_row, expected", [
+    (0.3, 0.02, 3),  # a float model: extra rows nearly free, even poor drafts pay (up to 3: 1.34 tokens per step)
+    (0.9, 0.02, 5),
+    (0.1, 0.36, 0),  # int8 products, rarely accepted drafts: none pays
+    (0.6, 0.36, 1),  # int8 products, good drafts: one, since the next ones cost more than they yield
+    (0.95, 0.36, 5),
+])
+def test_drafts_are_sized_by_the_tokens_per_second_they_buy(acceptance, per_extra_row, expected):
+    assert best_num_drafts(acceptance, 5, 1, _costs(per_extra_row)) == expected
+    assert expected_tokens(acceptance, 2) == pytest.approx(1 + acceptance + acceptance ** 2)
+
+
+def test_a_request_whose_drafts_do_not_pay_pauses_doubling_and_probes_again():
+    speculator = Speculator(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4,
+                                                         "prompt_lookup_min": 1}))
+    speculator.costs = _costs(0.36)
+    # A prompt that repeats: ngram always finds a continuation to draft.
+    request = Request("r", [5, 6] * 20, SamplingParams(temperature=0, max_tokens=500), 0, 500)
+    drafted_steps = []
+    for step in range(400):
+        drafts = speculator.drafts_for(request, budget=64, max_model_len=1024)
+        if drafts:
+            drafted_steps.append(step)
+            speculator.record("r", len(drafts), 0)  # every draft rejected
+    # The prior (a half) buys one draft; after it, a step that finds no k paying, a pause of 1, 2, 4 ... 64
+    # steps, and one probe.
+    gaps = np.diff(drafted_steps)
+    assert list(gaps) == [2 + pause for pause in (1, 2, 4, 8, 16, 32, 64, 64, 64, 64)], drafted_steps
+    assert all(later >= earlier for earlier, later in zip(gaps, gaps[1:])), drafted_steps
+    # Drafts that are accepted again (the text turned to copying) keep it drafting.
+    speculator.record("r", 1, 1)
+    steps_with_drafts = 0
+    for _ in range(100):
+        drafts = speculator.drafts_for(request, budget=64, max_model_len=1024)
+        if drafts:
+            steps_with_drafts += 1
+            speculator.record("r", len(drafts), len(drafts))
+    assert steps_with_drafts > 90
+
+
+@pytest.mark.step_timings
+def test_the_scheduler_prices_drafts_by_decode_only_steps():
+    kv = KVCacheManager(64, 4)
+    scheduler = Scheduler(SchedulerConfig(64, 8, 128), kv, speculator=_OracleSpeculator(3, 0.0, 0))
+    scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=9), 0, 9))
+    prefill = scheduler.schedule()
+    scheduler.record_step_time(prefill, 0.5)
+    assert scheduler.speculator.costs.seconds == {}  # a prefill says nothing of a decode step's cost
+    scheduler.update_from_output(prefill, ModelRunnerOutput(sampled_token_ids={"a": 4}))
+    decode = scheduler.schedule()
+    assert decode.spec_token_ids["a"]
+    scheduler.record_step_time(decode, 0.02)
+    assert scheduler.speculator.costs.seconds == {1 + len(decode.spec_token_ids["a"]): 0.02}

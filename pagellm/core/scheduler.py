@@ -332,7 +332,8 @@ class Scheduler:
             if num_new == 0:
                 index += 1  # a beam candidate waiting for the caller to choose its next token
                 continue
-            drafts = self.speculator.drafts_for(request, step.budget - 1, self.config.max_model_len) \
+            drafts = self.speculator.drafts_for(request, step.budget - 1, self.config.max_model_len,
+                                                len(self.running)) \
                 if speculating and request.num_computed_tokens == request.num_tokens - 1 else []
             # Drafts take only free blocks: speculation never preempts anyone.
             new_block_ids = self.kv.allocate_slots(request.request_id, request.num_tokens + len(drafts)) \
@@ -527,6 +528,15 @@ class Scheduler:
         )
 
     # ---- after the forward pass ------------------------------------------------------------
+
+    def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """The step's forward took `seconds`: what speculation weighs its drafts' cost by."""
+        if self.speculator is None or scheduler_output.is_empty:
+            return
+        scheduled = scheduler_output.num_scheduled_tokens
+        num_tokens = sum(scheduled.values())
+        num_drafts = sum(len(drafts) for drafts in scheduler_output.spec_token_ids.values())
+        self.speculator.record_step(num_tokens, num_tokens == len(scheduled) + num_drafts, seconds)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

@@ -126,7 +126,9 @@ class EngineCore:
         elif scheduler_output.is_empty and self.scheduler.has_unfinished_requests():
             stats = self.scheduler.get_stats()
             raise RuntimeError(f"the scheduler could schedule nothing although requests are waiting: {stats}")
+        started = time.perf_counter()
         runner_output = self.executor.execute(scheduler_output)
+        self.scheduler.record_step_time(scheduler_output, time.perf_counter() - started)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def get_stats(self) -> SchedulerStats:

@@ -1,10 +1,16 @@
 """What the scheduler asks of speculative decoding: drafts for a running request, and what became of them.
 
-Adaptivity, because a rejected draft costs a step its verification and gains nothing:
+Whether to draft, and how many, is decided per request and step by what a draft buys here: a verifying step of
+n decoding rows and k drafts yields 1 + a + a^2 + ... + a^k tokens on average for a request whose drafts are
+accepted with probability a per token, and costs what a decode step of n + k query tokens costs on this model and
+machine. That cost is measured, not assumed (StepCosts: seconds of decode-only steps by their query tokens). It
+differs by an order of magnitude between models: a float model's decode step reads every weight once whatever its
+rows, so extra rows are nearly free, while a GGUF model's int8 products do most of a row's work again per extra
+row. So the number of drafts is the k (up to num_speculative_tokens) with the most tokens per second of step,
+and none where no k beats a plain step; then the request pauses its speculation for a number of steps that
+doubles each time (up to MAX_BACKOFF_STEPS) and tries again with its best k. Also:
 - globally, a batch of more than disable_by_batch_size running sequences gets no drafts (a full batch already
   fills the step's compute, so extra query tokens only slow it down);
-- per request, a run of poorly accepted drafts (acceptance below MIN_ACCEPTANCE over the recent drafts) pauses
-  its speculation for a number of steps that doubles each time (up to MAX_BACKOFF_STEPS), then it tries again;
 - proposers return nothing where nothing matches, which costs nothing.
 
 Requests that never speculate: n > 1 / best_of, beam search (the caller appends their tokens) and structured
@@ -20,14 +26,68 @@ from pagellm.spec_decode.config import SpeculativeConfig
 from pagellm.spec_decode.ngram import TokenBuffer, propose_ngram
 from pagellm.spec_decode.suffix import SuffixProposer
 
-# Acceptance (accepted / drafted, exponentially averaged) below which a request pauses its speculation.
-MIN_ACCEPTANCE = 0.25
-_EMA_WEIGHT = 0.5
 MAX_BACKOFF_STEPS = 64
+# A request's acceptance starts at PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED) and follows its recent
+# drafts: each verification scales the counts by ACCEPTANCE_DECAY before adding its own.
+PRIOR_ACCEPTED = 1.0
+PRIOR_REJECTED = 1.0
+ACCEPTANCE_DECAY = 0.8
+# The weight of a new measurement in a step size's average seconds.
+STEP_COST_WEIGHT = 0.25
 # What the drafts of a request with a model-based method (draft_model, mtp, eagle) are in the scheduler: the count
 # is decided here (budget, max_tokens, back-off), the tokens by the model runner's draft model or head before the
 # target's forward (draft_model.py, heads.py).
 DRAFT_PLACEHOLDER = -1
+
+
+@dataclass
+class StepCosts:
+    """Average seconds of a decode-only step by its query tokens (one per decoding row, plus drafts)."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        old = self.seconds.get(tokens)
+        self.seconds[tokens] = seconds if old is None else old + STEP_COST_WEIGHT * (seconds - old)
+
+    def relative(self, tokens: int, base: int) -> float:
+        """cost(tokens) / cost(base), from the measured sizes: linear between two of them, and an unmeasured size
+        above the largest (or with nothing measured) costs what the nearest measured one below does. That
+        optimism makes the first steps try drafts, and their measurement then corrects it."""
+        base_cost, cost = self._estimate(base), self._estimate(tokens)
+        if base_cost is None or cost is None or base_cost <= 0:
+            return 1.0
+        return max(cost / base_cost, 1.0)
+
+    def _estimate(self, tokens: int) -> float | None:
+        known = self.seconds
+        if tokens in known:
+            return known[tokens]
+        below = max((t for t in known if t < tokens), default=None)
+        above = min((t for t in known if t > tokens), default=None)
+        if below is None:
+            return known[above] if above is not None else None
+        if above is None:
+            return known[below]
+        share = (tokens - below) / (above - below)
+        return known[below] + share * (known[above] - known[below])
+
+
+def expected_tokens(acceptance: float, num_drafts: int) -> float:
+    """Tokens a verifying step yields on average: its own, then each draft while every one before it is accepted,
+    each with probability `acceptance`."""
+    return sum(acceptance ** i for i in range(num_drafts + 1))
+
+
+def best_num_drafts(acceptance: float, limit: int, num_rows: int, costs: StepCosts) -> int:
+    """The k in [0, limit] with the most expected tokens per second of step for a request in a step of `num_rows`
+    decoding rows; 0 when none beats a step without drafts."""
+    best, best_rate = 0, 1.0
+    for k in range(1, limit + 1):
+        rate = expected_tokens(acceptance, k) / costs.relative(num_rows + k, num_rows)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 @dataclass
@@ -52,16 +112,27 @@ class SpecDecodingStats:
 
 @dataclass
 class _RequestState:
-    acceptance: float = 1.0
+    # Decayed counts of accepted draft tokens and of drafts that ended in a rejection: their ratio estimates the
+    # chance that a draft token is accepted given the ones before it were.
+    accepted: float = PRIOR_ACCEPTED
+    rejected: float = PRIOR_REJECTED
     paused_steps: int = 0
     backoff: int = 1
+    # After a pause: the next draft is sized as for a new request, so that a request whose text turned to
+    # copying gets drafts again.
+    probe: bool = False
     tokens: TokenBuffer | None = None
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
 
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
+        self.costs = StepCosts()
         self._states: dict[str, _RequestState] = {}
         self._suffix = SuffixProposer(
             config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
@@ -77,9 +148,10 @@ class Speculator:
         return (request.appends_sampled_tokens and params.num_sequences == 1 and request.num_pending_forks == 0
                 and params.structured_outputs is None)
 
-    def drafts_for(self, request: Request, budget: int, max_model_len: int) -> list[int]:
-        """Drafts to verify after the request's next token: at most num_speculative_tokens, what the step's token
-        budget has left, what max_tokens and max_model_len leave after the token this step samples anyway."""
+    def drafts_for(self, request: Request, budget: int, max_model_len: int, num_rows: int = 1) -> list[int]:
+        """Drafts to verify after the request's next token, in a step of about `num_rows` decoding rows: at most
+        num_speculative_tokens, what the step's token budget has left, what max_tokens and max_model_len leave
+        after the token this step samples anyway, and what pays (best_num_drafts)."""
         limit = min(self.config.num_speculative_tokens, budget,
                     request.max_output_tokens - request.num_output_tokens - 1,
                     max_model_len - request.num_tokens)
@@ -88,6 +160,14 @@ class Speculator:
         state = self._states.setdefault(request.request_id, _RequestState())
         if state.paused_steps:
             state.paused_steps -= 1
+            return []
+        acceptance = PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED) if state.probe else state.acceptance
+        state.probe = False
+        limit = best_num_drafts(acceptance, limit, max(num_rows, 1), self.costs)
+        if limit == 0:
+            state.paused_steps = state.backoff
+            state.backoff = min(2 * state.backoff, MAX_BACKOFF_STEPS)
+            state.probe = True
             return []
         if self.config.uses_draft_model:
             return [DRAFT_PLACEHOLDER] * limit
@@ -109,13 +189,16 @@ class Speculator:
         state = self._states.get(request_id)
         if state is None:
             return
-        state.acceptance = (1 - _EMA_WEIGHT) * state.acceptance + _EMA_WEIGHT * num_accepted / num_drafts
-        if state.acceptance < MIN_ACCEPTANCE:
-            state.paused_steps = state.backoff
-            state.backoff = min(2 * state.backoff, MAX_BACKOFF_STEPS)
-            state.acceptance = MIN_ACCEPTANCE  # one good draft after the pause resumes it
-        elif num_accepted == num_drafts:
+        state.accepted = ACCEPTANCE_DECAY * state.accepted + num_accepted
+        state.rejected = ACCEPTANCE_DECAY * state.rejected + (num_accepted < num_drafts)
+        if num_accepted == num_drafts:
             state.backoff = 1
+
+    def record_step(self, num_tokens: int, decode_only: bool, seconds: float) -> None:
+        """A step of `num_tokens` query tokens took `seconds`; only decode-only steps (one token per row plus
+        drafts) say what drafts cost."""
+        if decode_only:
+            self.costs.observe(num_tokens, seconds)
 
     def finish(self, request: Request) -> None:
         """The request ended: its state goes; suffix decoding keeps its output in the global trie."""
