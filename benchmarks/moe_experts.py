@@ -63,6 +63,7 @@ def main() -> None:
         w13 = torch.randn(experts, 2 * inter, hidden, generator=generator) * 0.05
         w2 = torch.randn(experts, hidden, inter, generator=generator) * 0.05
         activation = SiluAndMul()
+        w13p, w2p = kernel.pack(w13, w2)
 
         def torch_path(x, weights, ids):
             return grouped_experts(x, weights, ids, experts,
@@ -72,7 +73,7 @@ def main() -> None:
         for tokens in args.tokens:
             x = torch.randn(tokens, hidden, generator=generator)
             weights, ids = torch.topk(torch.randn(tokens, experts, generator=generator).softmax(-1), top_k)
-            native_s, torch_s = best_of(7 if tokens <= 64 else 3, lambda: kernel(x, w13, w2, weights, ids),
+            native_s, torch_s = best_of(7 if tokens <= 64 else 3, lambda: kernel(x, w13p, w2p, weights, ids),
                                         lambda: torch_path(x, weights, ids))
             flops = tokens * top_k * 3 * hidden * inter * 2
             print(f"{shape:14s} {tokens:6d} {tokens * top_k / experts:11.1f} {native_s * 1e3:10.2f} "

@@ -48,7 +48,8 @@ def _torch_grouped(x, weights, ids, w13, w2):
 @pytest.mark.parametrize(("tokens", "num_experts", "top_k", "hidden", "inter"), [
     (1, 8, 2, 64, 32),      # decode: one row per expert
     (5, 16, 4, 36, 10),     # tails: hidden and inter not multiples of any vector width
-    (40, 6, 3, 68, 38),     # prefill: many rows per expert, tiles of 3 rows with remainders
+    (40, 6, 3, 68, 38),     # prefill: many rows per expert, tiles of 6 rows with remainders, padded panels
+    (300, 4, 2, 64, 48),    # long prefill: whole tiles, whole panels
     (3, 64, 2, 32, 16),     # most experts idle
 ])
 def test_kernel_matches_the_grouped_torch_path(isa, dtype, tokens, num_experts, top_k, hidden, inter):
@@ -56,7 +57,7 @@ def test_kernel_matches_the_grouped_torch_path(isa, dtype, tokens, num_experts, 
     w13, w2 = _experts(num_experts, hidden, inter, dtype, seed=hidden)
     x, weights, ids = _routed(tokens, hidden, num_experts, top_k, dtype, seed=tokens)
     assert CpuMoEKernel.supports(w13, w2)
-    out = kernel(x, w13, w2, weights, ids)
+    out = kernel(x, *kernel.pack(w13, w2), weights, ids)
     expected = _torch_grouped(x, weights, ids, w13, w2)
     assert out.dtype == dtype and out.shape == x.shape
     if dtype == torch.float32:
@@ -76,7 +77,7 @@ def test_one_expert_per_row_is_each_row_through_its_expert(isa):
     x = torch.randn(6, 32, generator=generator)
     ids = torch.tensor([[2], [0], [2], [3], [0], [1]])
     weights = torch.rand(6, 1, generator=generator)
-    out = kernel(x, w13, w2, weights, ids)
+    out = kernel(x, *kernel.pack(w13, w2), weights, ids)
     for row in range(6):
         gate_up = w13[ids[row, 0]] @ x[row]
         activated = torch.nn.functional.silu(gate_up[:16]) * gate_up[16:]
@@ -86,7 +87,8 @@ def test_one_expert_per_row_is_each_row_through_its_expert(isa):
 @pytest.mark.parametrize("isa", ISAS)
 def test_no_tokens_give_no_rows(isa):
     w13, w2 = _experts(4, 32, 16, torch.float32, seed=5)
-    out = _kernel(isa)(torch.empty(0, 32), w13, w2, torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int64))
+    kernel = _kernel(isa)
+    out = kernel(torch.empty(0, 32), *kernel.pack(w13, w2), torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int64))
     assert out.shape == (0, 32)
 
 
@@ -95,10 +97,29 @@ def test_an_expert_id_out_of_range_is_refused(bad_id):
     w13, w2 = _experts(4, 32, 16, torch.float32, seed=6)
     ids = torch.tensor([[0, bad_id]])
     with pytest.raises(ValueError, match=r"expert id is outside \[0, experts\)"):
-        _kernel(native.best_isa())(torch.randn(1, 32), w13, w2, torch.full((1, 2), 0.5), ids)
+        kernel = _kernel(native.best_isa())
+        kernel(torch.randn(1, 32), *kernel.pack(w13, w2), torch.full((1, 2), 0.5), ids)
 
 
-def test_shapes_the_tiles_cannot_take_are_not_claimed():
-    w13, w2 = _experts(4, 30, 16, torch.float32, seed=7)  # hidden 30: not a multiple of the 4-output tile
-    assert not CpuMoEKernel.supports(w13, w2)
+def test_stacks_the_kernel_cannot_take_are_not_claimed_nor_run_unpacked():
     assert not CpuMoEKernel.supports(*(w.half() for w in _experts(4, 32, 16, torch.float32, seed=7)))
+    w13, w2 = _experts(4, 32, 16, torch.float32, seed=7)
+    assert not CpuMoEKernel.supports(w13, w2[:, :, :8])  # w2's intermediate size is not w13's
+    kernel = _kernel(native.best_isa())
+    with pytest.raises(ValueError, match="not CpuMoEKernel.pack's"):
+        kernel(torch.randn(1, 32), w13.view(4, 2, 2, 8, 32), w2.view(4, 2, 16, 16), torch.ones(1, 1),
+               torch.zeros(1, 1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_puts_each_panels_features_side_by_side_zero_padded(dtype):
+    kernel = _kernel(native.best_isa())
+    w13, w2 = _experts(3, 20, 18, dtype, seed=7)  # 18 features: a full panel of 16 and a padded one
+    w13p, w2p = kernel.pack(w13, w2)
+    assert w13p.shape == (3, 2, 2, 20, 16) and w2p.shape == (3, 2, 18, 16)
+    for e, f, k in [(0, 0, 0), (1, 17, 19), (2, 5, 7)]:
+        assert w13p[e, f // 16, 0, k, f % 16] == w13[e, f, k]  # gate
+        assert w13p[e, f // 16, 1, k, f % 16] == w13[e, 18 + f, k]  # up
+    assert (w13p[:, 1, :, :, 2:] == 0).all() and (w2p[:, 1, :, 4:] == 0).all()
+    for e, h, k in [(0, 0, 0), (1, 19, 17), (2, 16, 3)]:
+        assert w2p[e, h // 16, k, h % 16] == w2[e, h, k]

@@ -281,9 +281,13 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         if layer.w13_weight.device.type != "cpu":
             return
         if _takes_native_experts(layer):
-            # One native call per step for all the experts (ops/cpu_moe.py), on the stacked weights as loaded.
+            # One native call per step for all the experts (ops/cpu_moe.py), on the weights packed into its
+            # panels here: the parameters hold the packed layout from now on (shapes [E, panels, 2, H, 16] and
+            # [E, panels, I, 16]), which only that kernel reads.
             layer.native_experts = cpu_moe_kernel()
             if layer.native_experts is not None:
+                w13p, w2p = layer.native_experts.pack(layer.w13_weight.data, layer.w2_weight.data)
+                layer.w13_weight.data, layer.w2_weight.data = w13p, w2p
                 return
         if layer.w13_weight.dtype == torch.float32:
             # Without the native kernels float32 experts multiply with torch.mm on their slice of the stacked

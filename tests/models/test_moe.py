@@ -131,7 +131,10 @@ def test_expert_parallel_ranks_match_hf(variant, moe_dirs, hf_references):
         intermediate = {"mixtral": 64, "qwen3-moe": 48}[variant]
         experts = [m for m in llm.llm_engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
         assert [(m.placement.start, m.local_num_experts) for m in experts] == [(0, 4)] * 2
-        assert [m.w13_weight.shape for m in experts] == [(4, 2 * intermediate, 128)] * 2
+        # The experts as the CPU kernel packed them: [experts, panels, 2, hidden, 16] and [experts, panels,
+        # intermediate, 16] (ops/cpu_moe.py).
+        assert [(m.w13_weight.shape[0], m.w13_weight.shape[3], m.w2_weight.shape[2]) for m in experts] \
+            == [(4, 128, intermediate)] * 2
         prompts = MOE_PROMPTS[:3]
         _check_greedy(llm, prompts, hf_references(variant, prompts))
     finally:

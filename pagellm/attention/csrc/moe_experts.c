@@ -4,13 +4,22 @@
  * Why not one torch.mm per expert: in a decode step an expert gets one to a few rows, and a GEMM with so few rows
  * is bound by reading the expert's weights once; torch's GEMM on the transposed stacked slice spent most of a
  * step re-laying out those weights (2 rows cost 1.7x 1 row), and each of the ~2 x experts-used calls per layer
- * pays a dispatch. Here each weight row is read once per span of rows and dotted with up to TILE_ROWS rows held
- * in registers, and the step's work (experts x feature blocks) is one parallel loop over both threads.
+ * pays a dispatch. Here the step's work (experts x blocks of PANEL features) is one parallel loop over all threads.
+ *
+ * The weights are packed once at load (moe_pack_experts) into panels of PANEL features: for each input element k
+ * the PANEL weights of consecutive features are adjacent, so a register tile of up to TILE_ROWS rows x PANEL
+ * features takes one broadcast of x per row and PANEL / VEC weight vectors per k, and the panel is read front to
+ * back once per tile (from L2 while an expert's rows run through it, from memory once in a decode step). The
+ * earlier layout (a weight row dotted with rows of x) loaded as many x vectors as weight vectors per
+ * multiply-add and needed a horizontal sum per output.
  *
  * Layouts (contiguous; x, the weights and out share one dtype, float32 or bfloat16):
  *   x        [tokens, hidden]
- *   w13      [experts, 2 * inter, hidden]: gate rows, then up rows
+ *   w13      [experts, 2 * inter, hidden]: gate rows, then up rows (as loaded; moe_pack_experts reads it)
  *   w2       [experts, hidden, inter]
+ *   w13p     [experts, panels(inter), 2, hidden, PANEL]: [e, b, 0, k, j] = w13[e, b * PANEL + j, k] (gate) and
+ *            [e, b, 1, k, j] = w13[e, inter + b * PANEL + j, k] (up); features past inter are zeros
+ *   w2p      [experts, panels(hidden), inter, PANEL]: [e, b, k, j] = w2[e, b * PANEL + j, k]; zeros past hidden
  *   ids      [tokens, top_k] int64, each in [0, experts)
  *   weights  [tokens, top_k] float32, the router's weight of each choice
  *   out      [tokens, hidden]
@@ -24,20 +33,141 @@
 
 #include "vec.h"
 
-#define TILE_ROWS 3      /* x rows per register tile: 3 x 4 accumulators, 3 x vectors and 1 weight vector */
-#define TILE_WEIGHTS 4   /* weight rows per register tile: gate and up of 2 features, or 4 outputs of down */
-#define BLOCK_FEATURES 16 /* intermediate features (phase 1) or hidden outputs (phase 2) per work item */
-/* Rows per pass over an item's weights: the pass's x rows stay in L2 while every weight tile of the item is
- * dotted with them, instead of a long span's rows streaming from L3 once per tile. */
-#define BLOCK_ROWS 24
+#define PANEL 16 /* features (gate/up) or outputs (down) per panel and per work item */
+#define PANEL_VECS (PANEL / VEC)
+#define TILE_ROWS 6 /* rows per register tile: 6 x PANEL_VECS accumulators (12 on AVX2) */
 #define PARALLEL_MIN_MACS 65536
 
 typedef struct {
     int64_t expert, begin, end; /* rows [begin, end) of the sorted pairs */
-    int64_t first, last;        /* features or outputs [first, last) */
+    int64_t panel;              /* features or outputs [panel * PANEL, panel * PANEL + PANEL) */
 } WorkItem;
 
-static ALWAYS_INLINE float stored(float v, const int bf16) { return bf16 ? round_bf16(splat(v))[0] : v; }
+static ALWAYS_INLINE int64_t panels_of(int64_t width) { return (width + PANEL - 1) / PANEL; }
+
+static ALWAYS_INLINE float scalar_any(const void *p, int64_t index, const int bf16) {
+    if (!bf16) return ((const float *)p)[index];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[index] << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static ALWAYS_INLINE fvec stored_vec(fvec v, const int bf16) { return bf16 ? round_bf16(v) : v; }
+
+/* out[r] = x[r] . panel over `length` elements, PANEL outputs per row, for `rows` rows (a constant after
+ * inlining). The sums stay in a local tile until the end: the caller's array, indexed by a variable later, would
+ * keep them in memory. */
+static ALWAYS_INLINE void panel_tile(const void *const *x, const void *panel, int64_t length,
+                                     fvec out[TILE_ROWS][PANEL_VECS], const int rows, const int bf16) {
+    fvec acc[TILE_ROWS][PANEL_VECS];
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < PANEL_VECS; ++v) acc[r][v] = splat(0.0f);
+    const void *row[TILE_ROWS];
+    for (int r = 0; r < rows; ++r) row[r] = x[r];
+    for (int64_t k = 0; k < length; ++k) {
+        fvec w[PANEL_VECS];
+        for (int v = 0; v < PANEL_VECS; ++v) w[v] = load_any(panel, k * PANEL + v * VEC, bf16);
+        for (int r = 0; r < rows; ++r) {
+            const fvec a = splat(scalar_any(row[r], k, bf16));
+            for (int v = 0; v < PANEL_VECS; ++v) acc[r][v] += a * w[v];
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < PANEL_VECS; ++v) out[r][v] = acc[r][v];
+}
+
+/* One function per (rows, dtype), not inlined into the work items: inlined, the caller's live values pushed an
+ * accumulator of the 6-row tile out to the stack in one of them, which halved its speed. */
+#define TILE_FUNCTION(R, B)                                                                                     \
+    static __attribute__((noinline)) void tile_##R##_##B(const void *const *x, const void *panel, int64_t length, \
+                                                         fvec out[TILE_ROWS][PANEL_VECS]) {                     \
+        panel_tile(x, panel, length, out, R, B);                                                                \
+    }
+#define TILE_FUNCTIONS(B) TILE_FUNCTION(1, B) TILE_FUNCTION(2, B) TILE_FUNCTION(3, B) TILE_FUNCTION(4, B) \
+    TILE_FUNCTION(5, B) TILE_FUNCTION(6, B)
+TILE_FUNCTIONS(0)
+TILE_FUNCTIONS(1)
+
+static ALWAYS_INLINE void panel_rows(const void *const *x, const void *panel, int64_t length,
+                                     fvec acc[TILE_ROWS][PANEL_VECS], int rows, const int bf16) {
+#define CALL(B)                                                   \
+    switch (rows) {                                               \
+    case 6: tile_6_##B(x, panel, length, acc); break;             \
+    case 5: tile_5_##B(x, panel, length, acc); break;             \
+    case 4: tile_4_##B(x, panel, length, acc); break;             \
+    case 3: tile_3_##B(x, panel, length, acc); break;             \
+    case 2: tile_2_##B(x, panel, length, acc); break;             \
+    default: tile_1_##B(x, panel, length, acc); break;            \
+    }
+    if (bf16) {
+        CALL(1)
+    } else {
+        CALL(0)
+    }
+#undef CALL
+}
+
+/* silu(gate) * up as torch computes it, g * sigmoid(g), the sigmoid from e^-|g| so nothing overflows; each
+ * product stored as torch stores it. */
+static ALWAYS_INLINE fvec silu_times(fvec gate, fvec up, const int bf16) {
+    const fvec magnitude = vselect(gate < 0.0f, -gate, gate);
+    const fvec e = exp_nonpositive(-magnitude);
+    const fvec sigmoid = vselect(gate < 0.0f, e, splat(1.0f)) / (1.0f + e);
+    return stored_vec(stored_vec(gate * sigmoid, bf16) * up, bf16);
+}
+
+typedef struct {
+    const void *x, *w13p, *w2p;
+    const int64_t *row_token;  /* [pairs] token of each sorted row */
+    const float *row_weight;   /* [pairs] router weight of each sorted row */
+    const int64_t *token_rows; /* [tokens, top_k] sorted rows of each token, ascending */
+    void *activated;           /* [pairs, panels(inter) * PANEL], x's dtype */
+    float *rows_out;           /* [pairs, panels(hidden) * PANEL], values as x's dtype stores them */
+    void *out;
+    int64_t hidden, inter, top_k;
+} Layer;
+
+/* activated[r, features of the item's panel] for the item's rows: the gate panel's tile, then the up panel's. */
+static ALWAYS_INLINE void gate_up_item(const Layer *l, const WorkItem *item, const int bf16) {
+    const int64_t size = bf16 ? 2 : 4, hidden = l->hidden, stride = panels_of(l->inter) * PANEL;
+    const char *gate = (const char *)l->w13p + ((item->expert * panels_of(l->inter) + item->panel) * 2) * hidden
+                                                   * PANEL * size;
+    const char *up = gate + hidden * PANEL * size;
+    for (int64_t r = item->begin; r < item->end; r += TILE_ROWS) {
+        const int rows = item->end - r < TILE_ROWS ? (int)(item->end - r) : TILE_ROWS;
+        const void *x[TILE_ROWS];
+        for (int i = 0; i < rows; ++i) x[i] = (const char *)l->x + l->row_token[r + i] * hidden * size;
+        fvec gates[TILE_ROWS][PANEL_VECS], ups[TILE_ROWS][PANEL_VECS];
+        panel_rows(x, gate, hidden, gates, rows, bf16);
+        panel_rows(x, up, hidden, ups, rows, bf16);
+        for (int i = 0; i < rows; ++i)
+            for (int v = 0; v < PANEL_VECS; ++v)
+                store_any(l->activated, (r + i) * stride + item->panel * PANEL + v * VEC,
+                          silu_times(stored_vec(gates[i][v], bf16), stored_vec(ups[i][v], bf16), bf16), bf16);
+    }
+}
+
+/* rows_out[r, outputs of the item's panel] = (activated[r] . w2 rows) * router weight, for the item's rows. */
+static ALWAYS_INLINE void down_item(const Layer *l, const WorkItem *item, const int bf16) {
+    const int64_t size = bf16 ? 2 : 4, inter = l->inter, stride = panels_of(l->hidden) * PANEL;
+    const int64_t activated_stride = panels_of(inter) * PANEL;
+    const char *panel = (const char *)l->w2p + (item->expert * panels_of(l->hidden) + item->panel) * inter * PANEL
+                                                   * size;
+    for (int64_t r = item->begin; r < item->end; r += TILE_ROWS) {
+        const int rows = item->end - r < TILE_ROWS ? (int)(item->end - r) : TILE_ROWS;
+        const void *x[TILE_ROWS];
+        for (int i = 0; i < rows; ++i) x[i] = (const char *)l->activated + (r + i) * activated_stride * size;
+        fvec acc[TILE_ROWS][PANEL_VECS];
+        panel_rows(x, panel, inter, acc, rows, bf16);
+        for (int i = 0; i < rows; ++i) {
+            const fvec router_weight = splat(bf16 ? round_bf16(splat(l->row_weight[r + i]))[0] : l->row_weight[r + i]);
+            for (int v = 0; v < PANEL_VECS; ++v)
+                vstore(l->rows_out + (r + i) * stride + item->panel * PANEL + v * VEC,
+                       stored_vec(stored_vec(acc[i][v], bf16) * router_weight, bf16));
+        }
+    }
+}
 
 static ALWAYS_INLINE void store_scalar(void *p, int64_t index, float v, const int bf16) {
     if (!bf16) {
@@ -48,131 +178,24 @@ static ALWAYS_INLINE void store_scalar(void *p, int64_t index, float v, const in
     ((uint16_t *)p)[index] = bits[0];
 }
 
-/* result[r][w] = dot(x[r], weight[w]) over `length` elements, for `rows` x rows and TILE_WEIGHTS weight rows;
- * `rows` is a constant after inlining. */
-static ALWAYS_INLINE void dot_tile(const void *const *x, const void *const *weight, int64_t length,
-                                   float result[TILE_ROWS][TILE_WEIGHTS], const int rows, const int bf16) {
-    fvec acc[TILE_ROWS][TILE_WEIGHTS];
-    for (int r = 0; r < rows; ++r)
-        for (int w = 0; w < TILE_WEIGHTS; ++w) acc[r][w] = splat(0.0f);
-    int64_t k = 0;
-    for (; k + VEC <= length; k += VEC) {
-        fvec xv[TILE_ROWS];
-        for (int r = 0; r < rows; ++r) xv[r] = load_any(x[r], k, bf16);
-        for (int w = 0; w < TILE_WEIGHTS; ++w) {
-            const fvec wv = load_any(weight[w], k, bf16);
-            for (int r = 0; r < rows; ++r) acc[r][w] += wv * xv[r];
-        }
-    }
-    if (k < length) {
-        const int64_t n = length - k;
-        fvec xv[TILE_ROWS];
-        for (int r = 0; r < rows; ++r) xv[r] = load_part(x[r], k, n, bf16);
-        for (int w = 0; w < TILE_WEIGHTS; ++w) {
-            const fvec wv = load_part(weight[w], k, n, bf16);
-            for (int r = 0; r < rows; ++r) acc[r][w] += wv * xv[r];
-        }
-    }
-    for (int r = 0; r < rows; ++r)
-        for (int w = 0; w < TILE_WEIGHTS; ++w) result[r][w] = vsum(acc[r][w]);
-}
-
-static ALWAYS_INLINE void dot_rows(const void *const *x, const void *const *weight, int64_t length,
-                                   float result[TILE_ROWS][TILE_WEIGHTS], int rows, const int bf16) {
-    switch (rows) {
-    case 3: dot_tile(x, weight, length, result, 3, bf16); break;
-    case 2: dot_tile(x, weight, length, result, 2, bf16); break;
-    default: dot_tile(x, weight, length, result, 1, bf16); break;
-    }
-}
-
-/* silu(gate) * up as torch computes it: g * sigmoid(g), the sigmoid from e^-|g| so nothing overflows. */
-static ALWAYS_INLINE float silu_times(float gate, float up, const int bf16) {
-    const float e = expf(-fabsf(gate));
-    const float sigmoid = (gate < 0.0f ? e : 1.0f) / (1.0f + e);
-    return stored(stored(gate * sigmoid, bf16) * up, bf16);
-}
-
-typedef struct {
-    const void *x, *w13, *w2;
-    const int64_t *row_token;  /* [pairs] token of each sorted row */
-    const float *row_weight;   /* [pairs] router weight of each sorted row */
-    const int64_t *token_rows; /* [tokens, top_k] sorted rows of each token, ascending */
-    void *activated;           /* [pairs, inter], x's dtype */
-    float *rows_out;           /* [pairs, hidden], values as x's dtype stores them */
-    void *out;
-    int64_t hidden, inter, top_k;
-} Layer;
-
-/* activated[r, f] for the item's rows and features: gate and up of two features per tile. */
-static ALWAYS_INLINE void gate_up_item(const Layer *l, const WorkItem *item, const int bf16) {
-    const int64_t size = bf16 ? 2 : 4, hidden = l->hidden, inter = l->inter;
-    const char *expert_w = (const char *)l->w13 + item->expert * 2 * inter * hidden * size;
-    for (int64_t block = item->begin; block < item->end; block += BLOCK_ROWS) {
-      const int64_t block_end = block + BLOCK_ROWS < item->end ? block + BLOCK_ROWS : item->end;
-      for (int64_t f = item->first; f < item->last; f += 2) {
-        const void *weight[TILE_WEIGHTS] = {
-            expert_w + f * hidden * size, expert_w + (f + 1) * hidden * size,
-            expert_w + (inter + f) * hidden * size, expert_w + (inter + f + 1) * hidden * size};
-        for (int64_t r = block; r < block_end; r += TILE_ROWS) {
-            const int rows = block_end - r < TILE_ROWS ? (int)(block_end - r) : TILE_ROWS;
-            const void *x[TILE_ROWS];
-            for (int i = 0; i < rows; ++i) x[i] = (const char *)l->x + l->row_token[r + i] * hidden * size;
-            float result[TILE_ROWS][TILE_WEIGHTS];
-            dot_rows(x, weight, hidden, result, rows, bf16);
-            for (int i = 0; i < rows; ++i)
-                for (int j = 0; j < 2; ++j) {
-                    const float gate = stored(result[i][j], bf16), up = stored(result[i][2 + j], bf16);
-                    store_scalar(l->activated, (r + i) * inter + f + j, silu_times(gate, up, bf16), bf16);
-                }
-        }
-      }
-    }
-}
-
-/* rows_out[r, h] = (activated[r] . w2[h]) * router weight, for the item's rows and outputs. */
-static ALWAYS_INLINE void down_item(const Layer *l, const WorkItem *item, const int bf16) {
-    const int64_t size = bf16 ? 2 : 4, hidden = l->hidden, inter = l->inter;
-    const char *expert_w = (const char *)l->w2 + item->expert * hidden * inter * size;
-    for (int64_t block = item->begin; block < item->end; block += BLOCK_ROWS) {
-      const int64_t block_end = block + BLOCK_ROWS < item->end ? block + BLOCK_ROWS : item->end;
-      for (int64_t h = item->first; h < item->last; h += TILE_WEIGHTS) {
-        const void *weight[TILE_WEIGHTS];
-        for (int j = 0; j < TILE_WEIGHTS; ++j) weight[j] = expert_w + (h + j) * inter * size;
-        for (int64_t r = block; r < block_end; r += TILE_ROWS) {
-            const int rows = block_end - r < TILE_ROWS ? (int)(block_end - r) : TILE_ROWS;
-            const void *x[TILE_ROWS];
-            for (int i = 0; i < rows; ++i) x[i] = (const char *)l->activated + (r + i) * inter * size;
-            float result[TILE_ROWS][TILE_WEIGHTS];
-            dot_rows(x, weight, inter, result, rows, bf16);
-            for (int i = 0; i < rows; ++i) {
-                const float router_weight = stored(l->row_weight[r + i], bf16);
-                for (int j = 0; j < TILE_WEIGHTS; ++j)
-                    l->rows_out[(r + i) * hidden + h + j] = stored(stored(result[i][j], bf16) * router_weight, bf16);
-            }
-        }
-      }
-    }
-}
+static ALWAYS_INLINE float stored(float v, const int bf16) { return bf16 ? round_bf16(splat(v))[0] : v; }
 
 static ALWAYS_INLINE void sum_token(const Layer *l, int64_t token, const int bf16) {
-    const int64_t *rows = l->token_rows + token * l->top_k;
+    const int64_t *rows = l->token_rows + token * l->top_k, stride = panels_of(l->hidden) * PANEL;
     for (int64_t h = 0; h < l->hidden; ++h) {
         float sum = 0.0f;
-        for (int64_t j = 0; j < l->top_k; ++j) sum = stored(sum + l->rows_out[rows[j] * l->hidden + h], bf16);
+        for (int64_t j = 0; j < l->top_k; ++j) sum = stored(sum + l->rows_out[rows[j] * stride + h], bf16);
         store_scalar(l->out, token * l->hidden + h, sum, bf16);
     }
 }
 
-/* Items of `width` features or outputs in blocks, for every expert with rows. */
+/* One item per panel of `width` features or outputs, for every expert with rows. */
 static int64_t make_items(WorkItem *items, const int64_t *start, int64_t experts, int64_t width) {
     int64_t count = 0;
     for (int64_t e = 0; e < experts; ++e) {
         if (start[e] == start[e + 1]) continue;
-        for (int64_t first = 0; first < width; first += BLOCK_FEATURES) {
-            const int64_t last = first + BLOCK_FEATURES < width ? first + BLOCK_FEATURES : width;
-            items[count++] = (WorkItem){e, start[e], start[e + 1], first, last};
-        }
+        for (int64_t panel = 0; panel < panels_of(width); ++panel)
+            items[count++] = (WorkItem){e, start[e], start[e + 1], panel};
     }
     return count;
 }
@@ -191,19 +214,47 @@ static ALWAYS_INLINE void run_layer(const Layer *l, const WorkItem *gate_up, int
     }
 }
 
+/* w13 and w2 (the stacked layouts above) into w13p and w2p, PANEL features at a time, zero-padded. Copies
+ * elements of `size` bytes as they are. Returns 0. */
+int moe_pack_experts(const void *w13, const void *w2, void *w13p, void *w2p, int64_t experts, int64_t hidden,
+                     int64_t inter, int bf16) {
+    const int64_t size = bf16 ? 2 : 4, inter_panels = panels_of(inter), hidden_panels = panels_of(hidden);
+#pragma omp parallel for schedule(static)
+    for (int64_t e = 0; e < experts; ++e) {
+        const char *gate_up = (const char *)w13 + e * 2 * inter * hidden * size;
+        char *packed = (char *)w13p + e * inter_panels * 2 * hidden * PANEL * size;
+        memset(packed, 0, (size_t)(inter_panels * 2 * hidden * PANEL * size));
+        for (int64_t f = 0; f < 2 * inter; ++f) {
+            const int64_t which = f >= inter, feature = f - which * inter;
+            char *panel = packed + ((feature / PANEL) * 2 + which) * hidden * PANEL * size;
+            for (int64_t k = 0; k < hidden; ++k)
+                memcpy(panel + (k * PANEL + feature % PANEL) * size, gate_up + (f * hidden + k) * size, (size_t)size);
+        }
+        const char *down = (const char *)w2 + e * hidden * inter * size;
+        packed = (char *)w2p + e * hidden_panels * inter * PANEL * size;
+        memset(packed, 0, (size_t)(hidden_panels * inter * PANEL * size));
+        for (int64_t h = 0; h < hidden; ++h) {
+            char *panel = packed + (h / PANEL) * inter * PANEL * size;
+            for (int64_t k = 0; k < inter; ++k)
+                memcpy(panel + (k * PANEL + h % PANEL) * size, down + (h * inter + k) * size, (size_t)size);
+        }
+    }
+    return 0;
+}
+
 /* Returns 0, 1 for an expert id out of range, 2 for sizes the kernel does not take, 3 when out of memory. */
-int moe_experts(const void *x, const void *w13, const void *w2, const int64_t *ids, const float *weights, void *out,
+int moe_experts(const void *x, const void *w13p, const void *w2p, const int64_t *ids, const float *weights, void *out,
                 int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t inter, int bf16) {
-    if (inter % 2 || hidden % TILE_WEIGHTS || tokens < 0 || top_k < 1 || experts < 1) return 2;
+    if (inter < 1 || hidden < 1 || tokens < 0 || top_k < 1 || experts < 1) return 2;
     const int64_t pairs = tokens * top_k, size = bf16 ? 2 : 4;
     for (int64_t i = 0; i < pairs; ++i)
         if (ids[i] < 0 || ids[i] >= experts) return 1;
-    const int64_t blocks = (inter > hidden ? inter : hidden) / BLOCK_FEATURES + 1;
+    const int64_t blocks = panels_of(inter > hidden ? inter : hidden);
     int64_t *start = calloc((size_t)(2 * experts + 1), sizeof *start); /* and each expert's next free row */
     int64_t *ints = malloc((size_t)(2 * pairs + 1) * sizeof *ints);
     float *row_weight = malloc((size_t)pairs * sizeof *row_weight);
-    float *rows_out = malloc((size_t)(pairs * hidden) * sizeof *rows_out);
-    void *activated = malloc((size_t)(pairs * inter * size));
+    float *rows_out = malloc((size_t)(pairs * panels_of(hidden) * PANEL) * sizeof *rows_out);
+    void *activated = malloc((size_t)(pairs * panels_of(inter) * PANEL * size));
     WorkItem *items = malloc((size_t)(2 * experts * blocks) * sizeof *items);
     int status = 0;
     if (!start || !ints || !row_weight || !rows_out || !activated || !items) {
@@ -234,7 +285,7 @@ int moe_experts(const void *x, const void *w13, const void *w2, const int64_t *i
     WorkItem *gate_up = items, *down = items + experts * blocks;
     const int64_t gate_up_items = make_items(gate_up, start, experts, inter);
     const int64_t down_items = make_items(down, start, experts, hidden);
-    const Layer layer = {x, w13, w2, row_token, row_weight, token_rows, activated, rows_out, out, hidden, inter,
+    const Layer layer = {x, w13p, w2p, row_token, row_weight, token_rows, activated, rows_out, out, hidden, inter,
                          top_k};
     const int parallel = pairs * hidden * inter >= PARALLEL_MIN_MACS;
     if (bf16) run_layer(&layer, gate_up, gate_up_items, down, down_items, tokens, parallel, 1);
