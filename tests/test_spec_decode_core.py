@@ -17,7 +17,7 @@ from pagellm.metrics import PrometheusStatLogger
 from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode.config import SpeculativeConfig
 from pagellm.spec_decode.ngram import TokenBuffer, propose_ngram
-from pagellm.spec_decode.speculator import (STEP_COST_WEIGHT, Speculator, StepCosts, best_num_drafts,
+from pagellm.spec_decode.speculator import (STALE_AFTER, STEP_COST_WEIGHT, Speculator, StepCosts, best_num_drafts,
                                              expected_tokens)
 from pagellm.spec_decode.suffix import SuffixProposer, SuffixTrie
 
@@ -296,6 +296,9 @@ def test_step_costs_interpolate_between_measured_sizes_and_stay_flat_beyond():
     assert costs.relative(9, 1) == pytest.approx(3.5)
     costs.observe(6, 0.015)  # a moving average: the newer measurement counts for STEP_COST_WEIGHT
     assert costs.relative(6, 1) == pytest.approx((0.035 + STEP_COST_WEIGHT * (0.015 - 0.035)) / 0.010)
+    for _ in range(STALE_AFTER):
+        costs.observe(1, 0.010)
+    assert costs.relative(6, 1) == 1.0  # not measured for STALE_AFTER decode steps: to be tried again
 
 
 def _costs(per_extra_row: float) -> StepCosts:

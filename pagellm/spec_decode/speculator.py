@@ -32,8 +32,10 @@ MAX_BACKOFF_STEPS = 64
 PRIOR_ACCEPTED = 1.0
 PRIOR_REJECTED = 1.0
 ACCEPTANCE_DECAY = 0.8
-# The weight of a new measurement in a step size's average seconds.
+# The weight of a new measurement in a step size's average seconds, and how many decode steps a size's average
+# stays valid without a new measurement.
 STEP_COST_WEIGHT = 0.25
+STALE_AFTER = 256
 # What the drafts of a request with a model-based method (draft_model, mtp, eagle) are in the scheduler: the count
 # is decided here (budget, max_tokens, back-off), the tokens by the model runner's draft model or head before the
 # target's forward (draft_model.py, heads.py).
@@ -42,35 +44,56 @@ DRAFT_PLACEHOLDER = -1
 
 @dataclass
 class StepCosts:
-    """Average seconds of a decode-only step by its query tokens (one per decoding row, plus drafts)."""
+    """Average seconds of a decode-only step by its query tokens (one per decoding row, plus drafts). A size not
+    measured in the last STALE_AFTER decode steps counts as unmeasured: a load spike that made drafts look dear
+    must not keep them off for good, as nothing would measure that size again."""
 
     seconds: dict[int, float] = field(default_factory=dict)
+    # The decode step (count of observations) at which each size was last measured.
+    last_seen: dict[int, int] = field(default_factory=dict)
+    num_observed: int = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
-        old = self.seconds.get(tokens)
+        old = self.seconds.get(tokens) if self._fresh(tokens) else None
         self.seconds[tokens] = seconds if old is None else old + STEP_COST_WEIGHT * (seconds - old)
+        self.num_observed += 1
+        self.last_seen[tokens] = self.num_observed
 
     def relative(self, tokens: int, base: int) -> float:
-        """cost(tokens) / cost(base), from the measured sizes: linear between two of them, and an unmeasured size
-        above the largest (or with nothing measured) costs what the nearest measured one below does. That
-        optimism makes the first steps try drafts, and their measurement then corrects it."""
-        base_cost, cost = self._estimate(base), self._estimate(tokens)
-        if base_cost is None or cost is None or base_cost <= 0:
-            return 1.0
-        return max(cost / base_cost, 1.0)
+        """cost(tokens) / cost(base)."""
+        return self.relative_to(base, [tokens])[0]
 
-    def _estimate(self, tokens: int) -> float | None:
-        known = self.seconds
-        if tokens in known:
-            return known[tokens]
-        below = max((t for t in known if t < tokens), default=None)
-        above = min((t for t in known if t > tokens), default=None)
-        if below is None:
-            return known[above] if above is not None else None
-        if above is None:
-            return known[below]
-        share = (tokens - below) / (above - below)
-        return known[below] + share * (known[above] - known[below])
+    def relative_to(self, base: int, sizes: list[int]) -> list[float]:
+        """cost(size) / cost(base) for each size, from the measured sizes: linear between two of them, and an
+        unmeasured size above the largest (or with nothing measured) costs what the nearest measured one below
+        does. That optimism makes the first steps try drafts, and their measurement then corrects it."""
+        known = sorted((size, seconds) for size, seconds in self.seconds.items()
+                       if self.num_observed - self.last_seen[size] < STALE_AFTER)
+        base_cost = _interpolate(known, base)
+        if base_cost is None or base_cost <= 0:
+            return [1.0] * len(sizes)
+        return [max((_interpolate(known, size) or base_cost) / base_cost, 1.0) for size in sizes]
+
+    def _fresh(self, tokens: int) -> bool:
+        return tokens in self.seconds and self.num_observed - self.last_seen[tokens] < STALE_AFTER
+
+
+def _interpolate(known: list[tuple[int, float]], tokens: int) -> float | None:
+    """The seconds at `tokens` from (size, seconds) pairs in ascending size."""
+    below = above = None
+    for size, seconds in known:
+        if size == tokens:
+            return seconds
+        if size < tokens:
+            below = (size, seconds)
+        elif above is None:
+            above = (size, seconds)
+    if below is None:
+        return above[1] if above is not None else None
+    if above is None:
+        return below[1]
+    share = (tokens - below[0]) / (above[0] - below[0])
+    return below[1] + share * (above[1] - below[1])
 
 
 def expected_tokens(acceptance: float, num_drafts: int) -> float:
@@ -83,8 +106,9 @@ def best_num_drafts(acceptance: float, limit: int, num_rows: int, costs: StepCos
     """The k in [0, limit] with the most expected tokens per second of step for a request in a step of `num_rows`
     decoding rows; 0 when none beats a step without drafts."""
     best, best_rate = 0, 1.0
+    relative = costs.relative_to(num_rows, [num_rows + k for k in range(1, limit + 1)])
     for k in range(1, limit + 1):
-        rate = expected_tokens(acceptance, k) / costs.relative(num_rows + k, num_rows)
+        rate = expected_tokens(acceptance, k) / relative[k - 1]
         if rate > best_rate:
             best, best_rate = k, rate
     return best
