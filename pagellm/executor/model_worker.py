@@ -85,7 +85,7 @@ class ModelWorker:
             check_weights_fit(*gguf_share(source.path, group), _explicit_pool(args, None), memory)
         hf_config, gguf_state_dict = loader.load_hf_config(source, args.trust_remote_code)
         loader.check_architecture(hf_config)
-        check_tensor_parallel_size(hf_config, group.size)
+        check_tensor_parallel_size(hf_config, group.size, group.expert_parallel)
         max_model_len = resolve_max_model_len(args.max_model_len, hf_config)
         dtype = resolve_dtype(args.dtype, hf_config, device)
         self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[device.type]

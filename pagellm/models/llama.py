@@ -40,21 +40,28 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def allowed_tensor_parallel_sizes(config) -> list[int]:
-    """Sizes that split query heads and the MLP evenly, and KV heads evenly or by whole replication."""
+def allowed_tensor_parallel_sizes(config, expert_parallel: bool = False) -> list[int]:
+    """Sizes that split query heads and the MLP evenly, KV heads evenly or by whole replication, and (without
+    expert parallelism, which places whole experts instead) each expert's intermediate features evenly."""
     heads, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    expert_inter = None if expert_parallel else getattr(config, "moe_intermediate_size", None)
     return [n for n in range(1, heads + 1)
-            if heads % n == 0 and inter % n == 0 and (kv % n == 0 or n % kv == 0)]
+            if heads % n == 0 and inter % n == 0 and (kv % n == 0 or n % kv == 0)
+            and (not expert_inter or expert_inter % n == 0)]
 
 
-def check_tensor_parallel_size(config, size: int) -> None:
-    allowed = allowed_tensor_parallel_sizes(config)
+def check_tensor_parallel_size(config, size: int, expert_parallel: bool = False) -> None:
+    allowed = allowed_tensor_parallel_sizes(config, expert_parallel)
     if size not in allowed:
+        experts = getattr(config, "moe_intermediate_size", None)
+        expert_part = (f", moe_intermediate_size={experts}" if experts and not expert_parallel else "")
         raise ValueError(
             f"tensor_parallel_size={size} cannot split this model (num_attention_heads="
             f"{config.num_attention_heads}, num_key_value_heads={config.num_key_value_heads}, intermediate_size="
-            f"{config.intermediate_size}): each rank needs whole query heads, an equal share of the MLP, and KV "
-            f"heads split evenly or replicated whole; allowed sizes: {allowed}."
+            f"{config.intermediate_size}{expert_part}): each rank needs whole query heads, an equal share of the "
+            f"MLP{' and of every expert' if expert_part else ''}, and KV heads split evenly or replicated whole; "
+            f"allowed sizes: {allowed}."
+            + (" With enable_expert_parallel each rank holds whole experts instead." if expert_part else "")
         )
 
 

@@ -25,6 +25,19 @@ def test_allowed_sizes_split_heads_evenly_or_replicate_kv_heads_whole():
         check_tensor_parallel_size(SMOLLM2, 2)
 
 
+def test_expert_features_must_split_evenly_unless_experts_are_placed_whole():
+    # Qwen3-MoE-shaped: 96 intermediate features per expert, dense sizes that 1, 2, 4 or 8 ranks split.
+    moe = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=512, moe_intermediate_size=96)
+    assert allowed_tensor_parallel_sizes(moe) == [1, 2, 4, 8]
+    moe.moe_intermediate_size = 90
+    assert allowed_tensor_parallel_sizes(moe) == [1, 2]
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .*moe_intermediate_size=90.*allowed sizes: \[1, 2\]"
+                                         r".*enable_expert_parallel"):
+        check_tensor_parallel_size(moe, 4)
+    assert allowed_tensor_parallel_sizes(moe, expert_parallel=True) == [1, 2, 4, 8]
+    check_tensor_parallel_size(moe, 4, expert_parallel=True)
+
+
 def test_head_shards_cover_every_head_and_map_queries_to_their_kv_head():
     for config in (SMOLLM2, LLAMA_8B):
         group_size = config.num_attention_heads // config.num_key_value_heads
