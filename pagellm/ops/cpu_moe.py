@@ -5,6 +5,8 @@ the router weights and the sum back into each token's row, in float32 or bfloat1
 from __future__ import annotations
 
 import ctypes
+import functools
+import threading
 
 import torch
 
@@ -31,7 +33,9 @@ class CpuMoEKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._function = library.moe_experts
         self._function.restype = _INT
-        self._function.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT]
+        self._function.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _PTR]
+        # Per calling thread: the kernel's row buffers, kept and grown (fresh ones would be faulted in every step).
+        self._scratch = threading.local()
         self._pack = library.moe_pack_experts
         self._pack.restype = _INT
         self._pack.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
@@ -77,16 +81,33 @@ class CpuMoEKernel:
         ids = topk_ids.to(torch.int64).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
         out = torch.empty_like(x)
+        pairs = tokens * top_k
+        activated = self._buffer("activated", pairs * _panels(inter) * PANEL, x.dtype)
+        rows_out = self._buffer("rows_out", pairs * _panels(hidden) * PANEL, torch.float32)
         status = self._function(x.data_ptr(), w13p.data_ptr(), w2p.data_ptr(), ids.data_ptr(), weights.data_ptr(),
                                 out.data_ptr(), tokens, top_k, experts, hidden, inter,
-                                int(x.dtype == torch.bfloat16))
+                                int(x.dtype == torch.bfloat16), activated.data_ptr(), rows_out.data_ptr())
         if status:
             raise ValueError(f"moe_experts refused {tokens} tokens x top_k={top_k} over {experts} experts "
                              f"(hidden {hidden}, intermediate {inter}): {_ERRORS.get(status, status)}")
         return out
 
 
+    def _buffer(self, name: str, elements: int, dtype: torch.dtype) -> torch.Tensor:
+        buffers = self._scratch.__dict__.setdefault("buffers", {})
+        buffer = buffers.get((name, dtype))
+        if buffer is None or buffer.numel() < elements:
+            buffer = buffers[(name, dtype)] = torch.empty(elements, dtype=dtype)
+        return buffer
+
+
 def cpu_moe_kernel() -> CpuMoEKernel | None:
-    """The native kernel, or None where the library cannot be built or native kernels are switched off."""
+    """The native kernel, or None where the library cannot be built or native kernels are switched off. One per
+    library, which every MoE layer shares: its row buffers are one step's, not one per layer."""
     library = native_library()
-    return CpuMoEKernel(library) if library is not None else None
+    return _kernel_of(library) if library is not None else None
+
+
+@functools.cache
+def _kernel_of(library: ctypes.CDLL) -> CpuMoEKernel:
+    return CpuMoEKernel(library)
