@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
+import gguf
 import pytest
 import torch
 import transformers
@@ -73,6 +75,9 @@ def hf_load_gguf(path: pathlib.Path) -> transformers.PreTrainedModel:
         # from_pretrained refuses GGUF without `accelerate` (not installed here), although the
         # dequantizing path for llama/qwen2 never uses it; lift only that gate.
         mp.setattr(transformers.modeling_utils, "is_accelerate_available", lambda: True)
+        # transformers builds gguf's tensor-name table anew for every submodule it maps (~400 times for SmolLM2,
+        # seconds of CPU); the table depends only on (architecture, layers) and is only read: built once here.
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         return transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         ).eval()

@@ -33,7 +33,8 @@ def _summary(outputs) -> list:
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, dtype="float32", max_model_len=128, seed=0)
+    # A small pool: the CPU default (4 GiB, faulted in for a second at start) takes seconds and tests nothing here.
+    return LLM(tiny_llama_dir, dtype="float32", max_model_len=128, seed=0, kv_cache_memory_bytes=16 << 20)
 
 
 @pytest.mark.parametrize("rows_per_chunk", [1, 3, 7])

@@ -92,6 +92,13 @@ def _probe_sampling(runner: ModelRunner, hidden: torch.Tensor) -> None:
         num_logprobs=PROFILED_LOGPROBS,
     )
     output = runner.sampler.new_output(batch, device) if runner.samples else None
+    # The sampler works through a logits chunk a sampler chunk of rows at a time, each chunk of one shape in the
+    # same workspace and freeing its temporaries before the next: its first chunk's peak is the whole chunk's, at
+    # a fraction of the start-up time (all 256 rows: ~1 s of a tiny model's start on a CPU). Every logits chunk
+    # is still computed, so that two of them coexist as they do in a step. The probe's noise is drawn from the
+    # engine's generator, whose state is restored: serving's random stream starts at the seed.
+    generator_state = runner.sampler.generator.get_state()
     for first, logits in logits_in_chunks(runner.model.compute_logits, hidden, runner.logits_rows_per_chunk):
         if logits is not None:  # None on tensor-parallel ranks that do not sample
-            runner.sampler.sample_into(logits, batch, first, output)
+            runner.sampler.sample_into(logits[: runner.sampler.rows_per_chunk(logits.shape[1])], batch, first, output)
+    runner.sampler.generator.set_state(generator_state)

@@ -13,9 +13,8 @@ TINY_SERVER_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "16MiB", "-
                     "--max-num-batched-tokens", "512", "--seed", "0", "--served-model-name", "tiny", "tiny-alias"]
 
 
-@pytest.fixture(scope="module")
-def start_server(tiny_llama_dir, tmp_path_factory):
-    """Starts servers on the tiny model (extra flags as arguments) and stops them after the module."""
+def _server_starter(tiny_llama_dir, tmp_path_factory):
+    """A `start(*extra_args)` that starts servers on the tiny model, and the list of those it started."""
     servers: list[ServerProcess] = []
 
     def start(*extra_args: str) -> ServerProcess:
@@ -25,15 +24,42 @@ def start_server(tiny_llama_dir, tmp_path_factory):
         server.wait_healthy()
         return server
 
+    return start, servers
+
+
+@pytest.fixture(scope="module")
+def start_server(tiny_llama_dir, tmp_path_factory):
+    """Starts servers on the tiny model (extra flags as arguments) and stops them after the module: for a module
+    that needs its own flags or a fresh server (counters from zero, an empty prefix cache, a shutdown)."""
+    start, servers = _server_starter(tiny_llama_dir, tmp_path_factory)
     yield start
     for server in servers:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def shared_servers(tiny_llama_dir, tmp_path_factory):
+    """One server per set of flags for the whole session (per xdist worker), started on first use: a start-up
+    costs seconds of CPU, and the modules that use these only assert on their own requests and on counter
+    deltas or idle gauges, never on a fresh server's state."""
+    start, servers = _server_starter(tiny_llama_dir, tmp_path_factory)
+    by_flags: dict[tuple[str, ...], ServerProcess] = {}
+
+    def shared(*extra_args: str) -> ServerProcess:
+        if extra_args not in by_flags:
+            by_flags[extra_args] = start(*extra_args)
+        return by_flags[extra_args]
+
+    yield shared
+    for server in servers:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
-def server(start_server) -> ServerProcess:
-    """A tiny-model server with the default flags; a module that needs other flags defines its own `server`."""
-    return start_server()
+def server(shared_servers) -> ServerProcess:
+    """The session's tiny-model server with the default flags; a module that needs other flags defines its own
+    `server`."""
+    return shared_servers()
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +69,9 @@ def client(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def keyed_server(start_server) -> ServerProcess:
-    """A tiny-model server behind `--api-key API_KEY`, for the modules that check errors and auth."""
-    return start_server("--api-key", API_KEY)
+def keyed_server(shared_servers) -> ServerProcess:
+    """The session's tiny-model server behind `--api-key API_KEY`, for the modules that check errors and auth."""
+    return shared_servers("--api-key", API_KEY)
 
 
 @pytest.fixture(scope="module")

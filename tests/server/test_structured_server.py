@@ -316,11 +316,11 @@ def test_output_keeps_the_schema_property_order(client):
         assert list(json.loads(response.choices[0].message.content)) == order
 
 
-def test_a_deep_schema_is_refused_at_once_while_health_and_streams_go_on(start_server):
+def test_a_deep_schema_is_refused_at_once_while_health_and_streams_go_on(shared_servers):
     """The issue's case on a real `pagellm serve` with its defaults (JSON whitespace allowed): a schema nested
     200 objects deep is a 400 naming its depth and the limit; the deepest and widest schemas the limits take
     are parsed and served while /health answers and a neighbour's stream goes on."""
-    live = start_server()
+    live = shared_servers()
     neighbour = _Stream(live.url, max_tokens=400)
     neighbour.wait_for_more(1)
     bound = _health_bound(live.url)

@@ -19,6 +19,9 @@ STARTUP_TIMEOUT_S = 180.0
 # The key of `keyed_server` (tests/server/conftest.py), and the header that presents it.
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# uvicorn's words when the port was taken between free_port() and the server's bind, and the starts allowed.
+ADDRESS_IN_USE = "address already in use"
+BIND_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -39,16 +42,40 @@ class ServerProcess:
     """`pagellm serve MODEL ARGS...`, its log in a file that tests show when they fail."""
 
     def __init__(self, model: str, args: list[str], log_path: pathlib.Path) -> None:
+        self.model, self.args, self.log_path = model, args, log_path
+        self._log = open(log_path, "wb")
+        self._start()
+
+    def _start(self) -> None:
+        self._log.flush()
+        self._log_start = self._log.tell()  # where this start's output begins in the log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
-                   "--port", str(self.port), *args]
+        command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", self.model, "--host", "127.0.0.1",
+                   "--port", str(self.port), *self.args]
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
-        self._log = open(log_path, "wb")
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        # The port is free when chosen, but the server binds it only after loading the engine: meanwhile another
+        # process's outgoing connection may take it as its ephemeral port. Then the server is started again on
+        # another port (the bind is the last step of start-up, so nothing else can have failed).
+        for attempt in range(BIND_ATTEMPTS):
+            try:
+                self._wait_healthy(timeout)
+                return
+            except AssertionError:
+                if attempt == BIND_ATTEMPTS - 1 or self.process.poll() is None or not self._lost_its_port():
+                    raise
+                self._start()
+
+    def _lost_its_port(self) -> bool:
+        self._log.flush()
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_start)
+            return ADDRESS_IN_USE in log.read().decode(errors="replace")
+
+    def _wait_healthy(self, timeout: float) -> None:
         def healthy() -> bool:
             if self.process.poll() is not None:
                 raise AssertionError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
