@@ -11,6 +11,7 @@ import threading
 import torch
 
 from pagellm.attention.native import native_library
+from pagellm.worker.huge_pages import advise_huge_pages
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -59,6 +60,9 @@ class CpuMoEKernel:
         w13, w2 = w13.contiguous(), w2.contiguous()
         w13p = torch.empty(experts, _panels(inter), 2, hidden, PANEL, dtype=w13.dtype)
         w2p = torch.empty(experts, _panels(hidden), inter, PANEL, dtype=w2.dtype)
+        # New memory, which the loader's advice on the parameters did not cover: huge pages before the first write
+        # (a decode step streams the used experts' panels at the memory's bandwidth).
+        advise_huge_pages([w13p, w2p])
         self._pack(w13.data_ptr(), w2.data_ptr(), w13p.data_ptr(), w2p.data_ptr(), experts, hidden, inter,
                    int(w13.dtype == torch.bfloat16))
         return w13p, w2p
