@@ -26,14 +26,6 @@
 
 const char *pagellm_isa(void) { return ISA_NAME; }
 
-static inline float scalar_any(const void *p, int64_t index, const int bf16) {
-    if (!bf16) return ((const float *)p)[index];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[index] << 16;
-    float x;
-    memcpy(&x, &bits, sizeof x);
-    return x;
-}
-
 /* Round to nearest even, as torch's float -> bfloat16 cast does; NaN stays a quiet NaN. */
 static inline uint16_t bf16_bits(float x) {
     uint32_t bits;

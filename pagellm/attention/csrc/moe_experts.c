@@ -45,14 +45,6 @@ typedef struct {
 
 static ALWAYS_INLINE int64_t panels_of(int64_t width) { return (width + PANEL - 1) / PANEL; }
 
-static ALWAYS_INLINE float scalar_any(const void *p, int64_t index, const int bf16) {
-    if (!bf16) return ((const float *)p)[index];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[index] << 16;
-    float v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
 static ALWAYS_INLINE fvec stored_vec(fvec v, const int bf16) { return bf16 ? round_bf16(v) : v; }
 
 /* out[r] = x[r] . panel over `length` elements, PANEL outputs per row, for `rows` rows (a constant after

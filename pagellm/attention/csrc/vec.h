@@ -71,6 +71,15 @@ static ALWAYS_INLINE fvec load_any(const void *p, int64_t index, const int bf16)
     return from_bf16_bits(bits);
 }
 
+/* Element `index` of a float32 (bf16 == 0) or bfloat16 array, as float32. */
+static ALWAYS_INLINE float scalar_any(const void *p, int64_t index, const int bf16) {
+    if (!bf16) return ((const float *)p)[index];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[index] << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
 /* Stores VEC float32 values as float32, or rounded once to bfloat16. */
 static ALWAYS_INLINE void store_any(void *p, int64_t index, fvec v, const int bf16) {
     if (!bf16) return vstore((float *)p + index, v);
