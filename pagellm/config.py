@@ -613,10 +613,9 @@ class EngineArgs:
         from pagellm.spec_decode.config import SpeculativeConfig  # imports no torch
 
         try:
-            config = SpeculativeConfig.from_dict(self.speculative_config)
+            SpeculativeConfig.from_dict(self.speculative_config)  # every method runs under tensor parallelism
         except ValueError as exc:
             raise ArgumentValueError(str(exc)) from None
-        del config  # validated; every method runs under tensor parallelism
 
     def _validate_model_arguments(self) -> None:
         for name in ("model", "tokenizer", "revision", "tokenizer_revision", "download_dir"):

@@ -71,7 +71,7 @@ class CpuMoEKernel:
                  topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]: each token's experts' outputs weighted by its router weights and summed; w13p and
         w2p as `pack` made them."""
-        experts, inter_panels, _, hidden, _ = w13p.shape
+        experts, _, _, hidden, _ = w13p.shape
         inter = w2p.shape[2]
         tokens, top_k = topk_ids.shape
         if (w13p.shape[1:] != (_panels(inter), 2, hidden, PANEL) or w2p.shape != (experts, _panels(hidden), inter, PANEL)
