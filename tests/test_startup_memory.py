@@ -75,9 +75,11 @@ def test_the_start_up_peak_stays_within_1_2x_of_the_steady_footprint(big_vocab_l
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     peak, steady = figures["peak"], figures["steady"]
     assert peak <= 1.2 * steady + 32 * MiB, {k: v / MiB for k, v in figures.items()}
-    # What the profile measured for the decode step: a chunk of logits and the sampler's buffers, not the batch's.
+    # What the profile measured for the decode step: a chunk of logits and the sampler's buffers, not the batch's
+    # (256 MiB of logits alone). Measured 121-131 MiB across runs (the heap's layout moves it): half the whole
+    # logits was too tight a bound, one run in four crossed it.
     whole_logits = MAX_NUM_SEQS * BIG_VOCAB * 4
-    assert figures["decode_peak"] <= whole_logits // 2, figures["decode_peak"] / MiB
+    assert figures["decode_peak"] <= whole_logits * 5 // 8, figures["decode_peak"] / MiB
 
 
 def simulate_available(monkeypatch, nbytes: int) -> None:
