@@ -307,14 +307,14 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                                  layer.expert_bias("gate_up"), layer.expert_bias("down"),
                                  None if layer.activation == "silu" else layer.act_fn)
-        if getattr(layer, "native_experts", None) is not None:
+        if layer.native_experts is not None:
             return layer.native_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
         return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, self._product(layer, "gate_up"),
                                self._product(layer, "down"), 2 * layer.intermediate_size, layer.act_fn)
 
     @staticmethod
     def _product(layer: FusedMoE, which: str) -> ExpertProduct:
-        kernels: list[DenseKernel] | None = getattr(layer, f"{which}_kernels", None)
+        kernels: list[DenseKernel] | None = layer.gate_up_kernels if which == "gate_up" else layer.down_kernels
         bias = layer.expert_bias(which)
         if kernels is not None:
             return lambda expert, rows, out: out.copy_(kernels[expert](rows, None if bias is None else bias[expert]))
@@ -325,7 +325,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         return lambda expert, rows, out: torch.mm(rows, stacked[expert].t(), out=out)
 
     def kernel_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
-        kernels = (getattr(layer, "gate_up_kernels", None) or []) + (getattr(layer, "down_kernels", None) or [])
+        kernels = (layer.gate_up_kernels or []) + (layer.down_kernels or [])
         return [tensor for kernel in kernels for tensor in kernel.tensors()]
 
 
@@ -379,6 +379,12 @@ class FusedMoE(nn.Module):
 
     gpt-oss's experts (`activation` "swigluoai", `has_bias`) apply ClampedSwiGLU and add a bias after each
     product: gate/up's split with the features, down's added by the rank holding feature slice 0 only."""
+
+    # What the unquantized method's process_weights_after_loading chose for the CPU: the native experts kernel
+    # (weights packed for it), or per-expert dense kernels of half types; neither: torch.mm per expert.
+    native_experts: CpuMoEKernel | None = None
+    gate_up_kernels: list[DenseKernel] | None = None
+    down_kernels: list[DenseKernel] | None = None
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  activation: str = "silu", quant_config: QuantizationConfig | None = None, prefix: str = "",

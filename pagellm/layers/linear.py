@@ -111,17 +111,14 @@ class LinearBase(nn.Module):
 
     def direct_product(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """x -> forward(x) as one callable prepared at load, where forward adds nothing to the method's product
-        (no bias, one rank, no LoRA slots, no hooks); None otherwise."""
-        if self.bias is not None or self.group.size != 1 or self.lora is not None or _has_hooks(self):
+        (no bias, one rank, no LoRA slots); None otherwise. A caller that skips the module call checks its
+        hooks itself, at every call (models/llama.py's direct layers do)."""
+        if self.bias is not None or self.group.size != 1 or self.lora is not None:
             return None
         return self.quant_method.prepared_product(self)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, method={type(self.quant_method).__name__}"
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
 def _param_name(module: nn.Module, param: nn.Parameter) -> str:

@@ -191,7 +191,7 @@ class LlamaDecoderLayer(nn.Module):
         """This layer as a DirectLayer, where `forward` on the fused CPU ops `ops` is exactly the calls
         LlamaModel's direct path makes: Llama's own classes (a family's subclass may compute otherwise), SiLU,
         RMSNorm, linear layers with a prepared product (layers/linear.py's direct_product); else None. (Hooks on
-        its modules are checked at every forward: LlamaModel.direct_modules.)"""
+        its modules, its linear layers included, are checked at every forward: LlamaModel.direct_layers.)"""
         attn, mlp = self.self_attn, self.mlp
         norms = (self.input_layernorm, self.post_attention_layernorm)
         # The MLP's class first: a mixture-of-experts block in its place has no act_fn.
@@ -205,9 +205,9 @@ class LlamaDecoderLayer(nn.Module):
         products = [linear.direct_product() for linear in linears]
         if any(product is None for product in products):
             return None
-        return DirectLayer(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, *products,
-                           attn.num_heads, attn.num_kv_heads, attn.head_dim, (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads),
-                           attn.scale, attn.sliding_window)
+        head_counts = (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads)
+        return DirectLayer(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, *products, attn.num_heads,
+                           attn.num_kv_heads, attn.head_dim, head_counts, attn.scale, attn.sliding_window)
 
 
 def run_direct_layers(layers: list[DirectLayer], ops: CpuOps, rope: RopeInputs, hidden: torch.Tensor,
@@ -279,8 +279,9 @@ class LlamaModel(nn.Module):
             self._direct = None if any(layer is None for layer in direct) else direct
             self._direct_modules = [] if self._direct is None else [
                 module for layer in self.layers
-                for module in (layer, layer.self_attn, layer.mlp, layer.mlp.act_fn, layer.input_layernorm,
-                               layer.post_attention_layernorm)]
+                for module in (layer, layer.self_attn, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp,
+                               layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.mlp.act_fn,
+                               layer.input_layernorm, layer.post_attention_layernorm)]
             self._direct_made = True
         if self._direct is not None and _hooked(self._direct_modules):
             return None

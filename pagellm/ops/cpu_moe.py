@@ -38,7 +38,7 @@ class CpuMoEKernel:
         # Per calling thread: the kernel's row buffers, kept and grown (fresh ones would be faulted in every step).
         self._scratch = threading.local()
         self._pack = library.moe_pack_experts
-        self._pack.restype = _INT
+        self._pack.restype = None
         self._pack.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
 
     @staticmethod

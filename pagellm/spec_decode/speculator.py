@@ -27,10 +27,11 @@ from pagellm.spec_decode.ngram import TokenBuffer, propose_ngram
 from pagellm.spec_decode.suffix import SuffixProposer
 
 MAX_BACKOFF_STEPS = 64
-# A request's acceptance starts at PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED) and follows its recent
+# A request's acceptance starts at PRIOR_ACCEPTANCE and follows its recent
 # drafts: each verification scales the counts by ACCEPTANCE_DECAY before adding its own.
 PRIOR_ACCEPTED = 1.0
 PRIOR_REJECTED = 1.0
+PRIOR_ACCEPTANCE = PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED)
 ACCEPTANCE_DECAY = 0.8
 # The weight of a new measurement in a step size's average seconds, and how many decode steps a size's average
 # stays valid without a new measurement.
@@ -67,8 +68,7 @@ class StepCosts:
         """cost(size) / cost(base) for each size, from the measured sizes: linear between two of them, and an
         unmeasured size above the largest (or with nothing measured) costs what the nearest measured one below
         does. That optimism makes the first steps try drafts, and their measurement then corrects it."""
-        known = sorted((size, seconds) for size, seconds in self.seconds.items()
-                       if self.num_observed - self.last_seen[size] < STALE_AFTER)
+        known = sorted((size, seconds) for size, seconds in self.seconds.items() if self._fresh(size))
         base_cost = _interpolate(known, base)
         if base_cost is None or base_cost <= 0:
             return [1.0] * len(sizes)
@@ -185,7 +185,7 @@ class Speculator:
         if state.paused_steps:
             state.paused_steps -= 1
             return []
-        acceptance = PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED) if state.probe else state.acceptance
+        acceptance = PRIOR_ACCEPTANCE if state.probe else state.acceptance
         state.probe = False
         limit = best_num_drafts(acceptance, limit, max(num_rows, 1), self.costs)
         if limit == 0:

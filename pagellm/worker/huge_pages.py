@@ -6,13 +6,9 @@ written, so the first write faults in 2 MiB pages; memory already written is lef
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from pagellm.worker.kv_prefault import libc_madvise
-
-logger = logging.getLogger(__name__)
 
 MADV_HUGEPAGE = 14
 HUGE_PAGE_BYTES = 2 << 20

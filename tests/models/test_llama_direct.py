@@ -57,6 +57,15 @@ def test_hooks_and_lora_slots_send_the_layers_back_to_their_modules(llm):
     finally:
         handle.remove()
     assert model.direct_layers() is not None
+    # A linear layer's hook too: the direct path calls its product without the module.
+    handle = model.layers[0].self_attn.qkv_proj.register_forward_pre_hook(lambda module, args: calls.append(2))
+    try:
+        assert model.direct_layers() is None
+        _generate(llm)
+        assert 2 in calls
+    finally:
+        handle.remove()
+    assert model.direct_layers() is not None
     down = model.layers[0].mlp.down_proj
     down.lora = object()  # LoRA slots, attached as lora/manager.py does: it resets the direct layers
     try:

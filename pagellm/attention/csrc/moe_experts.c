@@ -207,8 +207,8 @@ static ALWAYS_INLINE void run_layer(const Layer *l, const WorkItem *gate_up, int
 }
 
 /* w13 and w2 (the stacked layouts above) into w13p and w2p, PANEL features at a time, zero-padded. Copies
- * elements of `size` bytes as they are. Returns 0. */
-int moe_pack_experts(const void *w13, const void *w2, void *w13p, void *w2p, int64_t experts, int64_t hidden,
+ * elements of `size` bytes as they are. */
+void moe_pack_experts(const void *w13, const void *w2, void *w13p, void *w2p, int64_t experts, int64_t hidden,
                      int64_t inter, int bf16) {
     const int64_t size = bf16 ? 2 : 4, inter_panels = panels_of(inter), hidden_panels = panels_of(hidden);
 #pragma omp parallel for schedule(static)
@@ -231,7 +231,6 @@ int moe_pack_experts(const void *w13, const void *w2, void *w13p, void *w2p, int
                 memcpy(panel + (k * PANEL + h % PANEL) * size, down + (h * inter + k) * size, (size_t)size);
         }
     }
-    return 0;
 }
 
 /* activated: [tokens * top_k, panels(inter) * PANEL] of x's dtype, rows_out: [tokens * top_k, panels(hidden) * PANEL]
@@ -242,7 +241,7 @@ int moe_experts(const void *x, const void *w13p, const void *w2p, const int64_t 
                 int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t inter, int bf16,
                 void *activated, float *rows_out) {
     if (inter < 1 || hidden < 1 || tokens < 0 || top_k < 1 || experts < 1) return 2;
-    const int64_t pairs = tokens * top_k, size = bf16 ? 2 : 4;
+    const int64_t pairs = tokens * top_k;
     for (int64_t i = 0; i < pairs; ++i)
         if (ids[i] < 0 || ids[i] >= experts) return 1;
     const int64_t blocks = panels_of(inter > hidden ? inter : hidden);
