@@ -1,4 +1,4 @@
-"""Where the time goes in a decode step of Gemma 3 270M Q4_K_M (one stream, then 16): wall time of the GGUF linear
+"""Where the time goes in a decode step of a GGUF model (Gemma 3 270M Q4_K_M unless --model; one stream, then 16): wall time of the GGUF linear
 products by layer and block type (the tied LM head among them), the paged-attention call, the sampler, and the rest
 (norms, rotary, the embedding gather, the engine's host work), summed over each step's calls, mean of --steps steps.
 
@@ -47,9 +47,9 @@ def linear_part(method, layer, *_) -> str:
     return f"LM head ({kinds})" if name == "embed_tokens" else f"{name} ({kinds})"
 
 
-def measure(num_seqs: int, steps: int, spent: Seconds, threads: int | None = None) -> float:
+def measure(model: str, num_seqs: int, steps: int, spent: Seconds, threads: int | None = None) -> float:
     """Seconds of `steps` decode steps of `num_seqs` sequences; `spent` gets the parts'."""
-    llm = LLM(str(gemma3_270m_path()), dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=1024,
+    llm = LLM(model, dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=1024,
               enable_prefix_caching=False)
     engine = llm.llm_engine
     if threads:  # after the engine set its own count
@@ -73,13 +73,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seqs", type=int, nargs="*", default=[1, 16])
+    parser.add_argument("--model", default=None, help="a GGUF file (default: Gemma 3 270M Q4_K_M)")
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: the engine's)")
     args = parser.parse_args()
     spent: Seconds = collections.Counter()
     GGUFLinearMethod.apply = timed(GGUFLinearMethod.apply, spent, linear_part)
     llama_module.paged_attention = timed(llama_module.paged_attention, spent, "paged attention")
+    model = args.model or str(gemma3_270m_path())
     for num_seqs in args.seqs:
-        total = measure(num_seqs, args.steps, spent, args.threads)
+        total = measure(model, num_seqs, args.steps, spent, args.threads)
         print(f"\n## {num_seqs} sequence(s), {cpu_description()}, {torch.get_num_threads()} thread(s), load average "
               f"{os.getloadavg()[0]:.1f}: {1000 * total / args.steps:.2f} ms per decode step (mean of {args.steps})\n")
         print("| part | ms per step | share |\n|---|---:|---:|")

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "cpu_ops.c", "linear_bf16.c",
-                                        "moe_experts.c")]
+                                        "moe_experts.c", "decode_stack.c")]
 _HEADERS = [_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h", "kv_format.h")]
 # No -ffast-math: the kernel is vectorised by hand, and its summation order and exp must stay as written.
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
@@ -331,6 +331,7 @@ class CpuOps:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.isa = library_isa(library)
+        self.library = library  # for the kernels built on these ops (pagellm/ops/decode_stack.py)
         self._add_rms_norm = library.add_rms_norm
         self._add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]
         self._silu_and_mul = library.silu_and_mul

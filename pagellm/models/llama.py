@@ -24,6 +24,7 @@ from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RopeInputs, RotaryEmbedding, apply_rotary
 from pagellm.layers.vocab_embedding import ParallelLMHead, VocabEmbedding, compute_logits, lm_head_mode
 from pagellm.layers.weights import default_weight_loader, weights_bytes
+from pagellm.ops.decode_stack import DecodeStack
 from pagellm.models.sliding_window import layer_sliding_window
 
 # Checkpoint tensor names -> (fused parameter, shard), as the fused layers name their shards.
@@ -235,12 +236,19 @@ def run_direct_layers(layers: list[DirectLayer], ops: CpuOps, rope: RopeInputs, 
     return hidden, residual
 
 
-def _hooked(modules: list[nn.Module]) -> bool:
-    """Whether a forward (pre-)hook is registered on any of `modules` or on every module (a ~30 layer model: a few
-    microseconds per step)."""
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-        return True
-    return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
+def _hook_registries(modules: list[nn.Module]) -> list[dict]:
+    """The dicts torch registers `modules`' forward (pre-)hooks in, and the global ones: register_forward_hook
+    and its kin add to these dicts in place, so a list of them made once sees every later registration."""
+    registries: list[dict] = [torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks]
+    for module in modules:
+        registries += [module._forward_hooks, module._forward_pre_hooks]
+    return registries
+
+
+def _hooked(registries: list[dict]) -> bool:
+    """Whether any of `registries` (_hook_registries') holds a hook: one pass in C over the dicts, where reading
+    two attributes of each of a 30-layer model's 300 modules took several times as long every step."""
+    return any(registries)
 
 
 class LlamaModel(nn.Module):
@@ -250,7 +258,9 @@ class LlamaModel(nn.Module):
     # direct_layers()'s: whether made since use_cpu_ops / reset_direct_layers, and the layers.
     _direct_made = False
     _direct: list[DirectLayer] | None = None
-    _direct_modules: list[nn.Module] = []
+    _direct_hooks: list[dict] = []
+    # The direct layers' pure-decode steps in one C call (ops/decode_stack.py), where they can be.
+    _decode_stack: DecodeStack | None = None
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None,
                  prefix: str = "model") -> None:
@@ -277,13 +287,14 @@ class LlamaModel(nn.Module):
         if not self._direct_made:
             direct = [layer.direct(self.ops) for layer in self.layers] if self.ops is not None else [None]
             self._direct = None if any(layer is None for layer in direct) else direct
-            self._direct_modules = [] if self._direct is None else [
+            self._direct_hooks = [] if self._direct is None else _hook_registries([
                 module for layer in self.layers
                 for module in (layer, layer.self_attn, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp,
                                layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.mlp.act_fn,
-                               layer.input_layernorm, layer.post_attention_layernorm)]
+                               layer.input_layernorm, layer.post_attention_layernorm)])
+            self._decode_stack = None if self._direct is None else DecodeStack.build(self._direct, self.ops)
             self._direct_made = True
-        if self._direct is not None and _hooked(self._direct_modules):
+        if self._direct is not None and _hooked(self._direct_hooks):
             return None
         return self._direct
 
@@ -299,7 +310,11 @@ class LlamaModel(nn.Module):
         rope = self.rope_inputs(positions, hidden.dtype)
         direct = self.direct_layers()
         if direct is not None:
-            hidden, residual = run_direct_layers(direct, self.ops, rope, hidden, kv_caches, meta)
+            stack = self._decode_stack
+            if stack is not None and stack.serves(hidden, rope, kv_caches, meta):
+                hidden, residual = stack(hidden, rope, kv_caches, meta)
+            else:
+                hidden, residual = run_direct_layers(direct, self.ops, rope, hidden, kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 hidden, residual = layer(rope, hidden, residual, kv_cache, meta)

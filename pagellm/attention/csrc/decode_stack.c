@@ -1,0 +1,169 @@
+/* A Llama decode step's decoder layers in one call: per layer the same kernels, in the same order, with the same
+ * arguments as models/llama.py's run_direct_layers makes them from Python (add_rms_norm, the qkv product,
+ * rotary_inplace, the K/V write, paged_decode_attention, the o product, add_rms_norm, the gate_up product,
+ * silu_and_mul, the down product), so its results are those of that path bit for bit. From Python each of those
+ * calls costs microseconds of argument checks, tensor allocation and ctypes; a small model's decode step makes
+ * ~300 of them, a large share of its time. The linear products are the GGUF kernels' gguf_matmul, reached
+ * through a pointer (they live in their own library). */
+#include "kv_format.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* gguf_matmul's signature (pagellm/ops/csrc/gguf_quant.c). */
+typedef int (*ProductFunction)(int type, const void *w, const void *x, int x_bf16, int64_t rows, int64_t in_features,
+                               int64_t out_features, void *y, int y_bf16);
+
+/* One decoder layer's weights (GGUF blocks with their type ids) and its caches. */
+typedef struct {
+    const void *input_norm, *post_norm;
+    const void *qkv, *o, *gate_up, *down;
+    void *k_cache, *v_cache;
+    int64_t sliding_window; /* 0: every key */
+    float input_eps, post_eps, scale;
+    int32_t qkv_type, o_type, gate_up_type, down_type;
+} StackLayer;
+
+typedef struct {
+    int64_t hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, block_size;
+    int32_t kv_format; /* kv_format.h's code of the caches */
+    int32_t bf16;      /* activations in bfloat16 (else float32) */
+} StackShape;
+
+/* The step: `tokens` decode tokens, one per sequence. */
+typedef struct {
+    const int64_t *positions;    /* [tokens] */
+    const float *cos, *sin;      /* the rotary tables [max_positions, head_dim] */
+    const int64_t *kv_rows;      /* [tokens * num_kv_heads]: attention/paged.py's kv_write_index */
+    const int64_t *block_tables; /* [tokens, table_stride] */
+    const int64_t *context_lens; /* [tokens] */
+    int64_t tokens, table_stride;
+} StackStep;
+
+void add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t hidden,
+                  float eps, int bf16);
+void silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int bf16);
+void rotary_inplace(void *qkv, int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim,
+                    const float *cos_table, const float *sin_table, const int64_t *positions, int bf16);
+void write_kv_rows(const void *k, const void *v, int64_t k_row_stride, int64_t v_row_stride, void *k_cache,
+                   void *v_cache, const int64_t *rows, int64_t tokens, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t element_size);
+void write_kv_rows_quantized(const void *k, const void *v, int64_t k_row_stride, int64_t v_row_stride, void *k_cache,
+                             void *v_cache, const int64_t *rows, int64_t tokens, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, int bf16, int format);
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int kv_format, int q_is_bf16,
+                           const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
+                           void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale, int64_t sliding_window,
+                           const float *sinks);
+
+/* Failures, as (code, layer): DECODE_STACK_PRODUCT + gguf_matmul's code, DECODE_STACK_ATTENTION + the
+ * attention kernel's, or DECODE_STACK_MEMORY; the layer index is in *failed_layer. */
+enum { DECODE_STACK_MEMORY = 1, DECODE_STACK_PRODUCT = 10, DECODE_STACK_ATTENTION = 20 };
+
+/* Row buffers of one step, in the activations' dtype. */
+typedef struct {
+    char *x, *qkv, *q, *attended, *projected, *gate_up, *activated;
+} StackBuffers;
+
+static char *carve(char **next, int64_t elements, int64_t element_size) {
+    char *start = *next;
+    *next += (elements * element_size + 63) / 64 * 64;
+    return start;
+}
+
+static void *allocate_buffers(const StackShape *s, int64_t tokens, StackBuffers *b) {
+    const int64_t element = s->bf16 ? 2 : 4, width = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
+    const int64_t attention = s->num_heads * s->head_dim;
+    const int64_t per_token[7] = {s->hidden_size, width, attention, attention, s->hidden_size,
+                                  2 * s->intermediate_size, s->intermediate_size};
+    int64_t bytes = 0;
+    for (int i = 0; i < 7; ++i) bytes += (tokens * per_token[i] * element + 63) / 64 * 64;
+    char *base = aligned_alloc(64, bytes > 0 ? bytes : 64), *next = base;
+    if (base == NULL) return NULL;
+    b->x = carve(&next, tokens * per_token[0], element);
+    b->qkv = carve(&next, tokens * per_token[1], element);
+    b->q = carve(&next, tokens * per_token[2], element);
+    b->attended = carve(&next, tokens * per_token[3], element);
+    b->projected = carve(&next, tokens * per_token[4], element);
+    b->gate_up = carve(&next, tokens * per_token[5], element);
+    b->activated = carve(&next, tokens * per_token[6], element);
+    return base;
+}
+
+/* The step's K/V (views into qkv) into the layer's caches, as native.KVWriter does. */
+static void write_kv(const StackShape *s, const StackLayer *layer, const StackStep *step, const char *qkv) {
+    const int64_t element = s->bf16 ? 2 : 4, width = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
+    const char *k = qkv + s->num_heads * s->head_dim * element;
+    const char *v = k + s->num_kv_heads * s->head_dim * element;
+    if (kv_quantized(s->kv_format))
+        write_kv_rows_quantized(k, v, width, width, layer->k_cache, layer->v_cache, step->kv_rows, step->tokens,
+                                s->num_kv_heads, s->head_dim, s->block_size, s->bf16, s->kv_format);
+    else
+        write_kv_rows(k, v, width, width, layer->k_cache, layer->v_cache, step->kv_rows, step->tokens,
+                      s->num_kv_heads, s->head_dim, element);
+}
+
+/* The queries as the attention kernel reads them, [tokens, num_heads, head_dim] contiguous: qkv's own rows when
+ * there is one token, else copied out of them. */
+static const char *queries(const StackShape *s, int64_t tokens, const char *qkv, char *q) {
+    if (tokens == 1) return qkv;
+    const int64_t element = s->bf16 ? 2 : 4, width = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
+    const int64_t bytes = s->num_heads * s->head_dim * element;
+    for (int64_t t = 0; t < tokens; ++t) memcpy(q + t * bytes, qkv + t * width * element, bytes);
+    return q;
+}
+
+/* Layers [0, num_layers) over `embedded` [tokens, hidden_size]: `hidden` gets the last layer's output and
+ * `residual` the residual stream beside it (run_direct_layers' (hidden, residual)), both [tokens, hidden_size].
+ * Returns 0, or a failure code with *failed_layer set. */
+int decode_layer_stack(const StackLayer *layers, int64_t num_layers, const StackShape *s, const StackStep *step,
+                       ProductFunction product, const void *embedded, void *hidden, void *residual,
+                       int64_t *failed_layer) {
+    const int64_t tokens = step->tokens, element = s->bf16 ? 2 : 4, hidden_size = s->hidden_size;
+    const int64_t width = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim, attention = s->num_heads * s->head_dim;
+    const int bf16 = s->bf16;
+    *failed_layer = -1;
+    if (tokens <= 0 || num_layers <= 0) return 0;
+    StackBuffers b;
+    void *base = allocate_buffers(s, tokens, &b);
+    if (base == NULL) return DECODE_STACK_MEMORY;
+    int failed = 0;
+    /* The first layer's residual is its input itself (run_direct_layers: residual = hidden). */
+    memcpy(residual, embedded, tokens * hidden_size * element);
+    for (int64_t l = 0; l < num_layers && !failed; ++l) {
+        const StackLayer *layer = layers + l;
+        *failed_layer = l;
+        if (l == 0) add_rms_norm(residual, NULL, layer->input_norm, b.x, tokens, hidden_size, layer->input_eps, bf16);
+        else add_rms_norm(hidden, residual, layer->input_norm, b.x, tokens, hidden_size, layer->input_eps, bf16);
+        if ((failed = product(layer->qkv_type, layer->qkv, b.x, bf16, tokens, hidden_size, width, b.qkv, bf16)))
+            failed += DECODE_STACK_PRODUCT;
+        if (failed) break;
+        rotary_inplace(b.qkv, tokens, width, s->num_heads + s->num_kv_heads, s->head_dim, step->cos, step->sin,
+                       step->positions, bf16);
+        write_kv(s, layer, step, b.qkv);
+        const char *q = queries(s, tokens, b.qkv, b.q);
+        if ((failed = paged_decode_attention(q, layer->k_cache, layer->v_cache, s->kv_format, bf16,
+                                             step->block_tables, step->table_stride, step->context_lens, b.attended,
+                                             tokens, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
+                                             layer->scale, layer->sliding_window, NULL)))
+            failed += DECODE_STACK_ATTENTION;
+        if (failed) break;
+        if ((failed = product(layer->o_type, layer->o, b.attended, bf16, tokens, attention, hidden_size, b.projected,
+                              bf16)))
+            failed += DECODE_STACK_PRODUCT;
+        if (failed) break;
+        add_rms_norm(b.projected, residual, layer->post_norm, b.x, tokens, hidden_size, layer->post_eps, bf16);
+        if ((failed = product(layer->gate_up_type, layer->gate_up, b.x, bf16, tokens, hidden_size,
+                              2 * s->intermediate_size, b.gate_up, bf16)))
+            failed += DECODE_STACK_PRODUCT;
+        if (failed) break;
+        silu_and_mul(b.gate_up, b.activated, tokens, s->intermediate_size, bf16);
+        if ((failed = product(layer->down_type, layer->down, b.activated, bf16, tokens, s->intermediate_size,
+                              hidden_size, hidden, bf16)))
+            failed += DECODE_STACK_PRODUCT;
+    }
+    if (!failed) *failed_layer = -1;
+    free(base);
+    return failed;
+}
