@@ -357,15 +357,17 @@ static ALWAYS_INLINE void dot_rows_32(const int type, const uint8_t *w, int64_t 
         __builtin_prefetch(w + b * bytes + PREFETCH_AHEAD, 0, 3);
         for (int i = 0; i < 2 && b + i < nb; ++i) {
             const Block32 u = unpack_32(type, w + (b + i) * bytes);
-            /* sum_k (d (q_k - offset) + m) x_k = d dx sum_k (q_k - offset) qx_k + m s_x: the offset formats
-             * take signed quants (the sign trick), the others add m s_x on the side */
-            const i8x32 signed_q = (i8x32)(u.q - (uint8_t)u.offset);
+            /* sum_k (d (q_k - offset) + m) x_k = d dx sum_k q_k qx_k + (m - offset d) s_x: the 4- and 5-bit
+             * formats multiply their unsigned quants as they are (one instruction, where signed ones take the
+             * sign trick's two more) and add the offset's and the minimum's share on the side; Q8_0's quants are
+             * signed already */
+            const float m = type == Q4_1 || type == Q5_1 ? u.m : -(float)u.offset * u.d;
             for (int r = 0; r < R; ++r) {
                 const ActivationBlock32 *xb = x + r * stride + b + i;
                 const i8x32 xq = load_i8x32(xb->qs);
-                const i32x8 dot = type == Q4_1 || type == Q5_1 ? dot_u8s8(u.q, xq) : dot_s8s8(signed_q, xq);
+                const i32x8 dot = type == Q8_0 ? dot_s8s8((i8x32)u.q, xq) : dot_u8s8(u.q, xq);
                 acc[r][i] = fmadd(to_f32(dot), splat_f32(u.d * xb->d), acc[r][i]);
-                if (type == Q4_1 || type == Q5_1) side[r][i] += u.m * xb->s;
+                if (type != Q8_0) side[r][i] += m * xb->s;
             }
         }
     }
