@@ -5,6 +5,7 @@ greedy tokens as transformers."""
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 
 import gguf
 import numpy as np
@@ -34,8 +35,11 @@ HF_CONFIGS = {
 }
 
 
-def write_gguf_like_llama_cpp(model: transformers.PreTrainedModel, arch: str, path: pathlib.Path) -> None:
-    """The HF model's tensors under llama.cpp's names, in F32, with its metadata keys (convert_hf_to_gguf.py)."""
+def write_gguf_like_llama_cpp(model: transformers.PreTrainedModel, arch: str, path: pathlib.Path,
+                              quantized: Callable[[str], gguf.GGMLQuantizationType | None] = lambda name: None
+                              ) -> None:
+    """The HF model's tensors under llama.cpp's names, in F32 (or the block type `quantized` gives a GGUF name),
+    with its metadata keys (convert_hf_to_gguf.py)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -69,7 +73,11 @@ def write_gguf_like_llama_cpp(model: transformers.PreTrainedModel, arch: str, pa
         data = tensor.numpy().astype(np.float32)
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data + np.float32(1)  # llama.cpp multiplies by the weight, HF by 1 + weight
-        writer.add_tensor(name, data)
+        qtype = quantized(name)
+        if qtype is None:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -30,8 +30,9 @@ from pagellm.layers.layernorm import GemmaRMSNorm
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RopeInputs, RotaryEmbedding
 from pagellm.layers.vocab_embedding import VocabEmbedding
-from pagellm.models.llama import LlamaForCausalLM, LlamaMLP, head_dim_of
+from pagellm.models.llama import LlamaForCausalLM, LlamaMLP, _hook_registries, _hooked, head_dim_of
 from pagellm.models.qwen3 import Qwen3Attention
+from pagellm.ops.decode_stack import GemmaDecodeStack
 
 # Where a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its language model: transformers 5's
 # layout and the hub's older one. Its vision tower and projector are not used for text.
@@ -102,6 +103,11 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3Model(nn.Module):
     ops: CpuOps | None = None
+    # decode_stack()'s: whether made since use_cpu_ops / reset_direct_layers, the stack, and the dicts a hook on
+    # any of the layers' modules would be registered in.
+    _stack_made = False
+    _stack: GemmaDecodeStack | None = None
+    _stack_hooks: list[dict] = []
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None,
                  prefix: str = "model") -> None:
@@ -118,11 +124,31 @@ class Gemma3Model(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def decode_stack(self) -> GemmaDecodeStack | None:
+        """The layers' decode steps as C calls (ops/decode_stack.py), made at the first call since use_cpu_ops or
+        reset_direct_layers; None where it cannot be, or while a forward hook is registered on any module of the
+        layers (or globally): the modules then run, and the hooks with them."""
+        if not self._stack_made:
+            self._stack = None if self.ops is None else GemmaDecodeStack.build(
+                list(self.layers), [self.rotary[kind] for kind in self.layer_types], self.ops)
+            self._stack_hooks = [] if self._stack is None else _hook_registries(list(self.layers.modules()))
+            self._stack_made = True
+        if self._stack is not None and _hooked(self._stack_hooks):
+            return None
+        return self._stack
+
+    def reset_direct_layers(self) -> None:
+        """Make the stack again at the next forward (LoRA slots attached to the layers: lora/manager.py)."""
+        self._stack_made = False
+
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         """Runs as many layers as `kv_caches` has entries (all of them, except in profiling runs)."""
         embedded = self.embed_tokens(input_ids)
         # transformers rounds the scale to the weights' dtype before multiplying.
         hidden = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
+        stack = self.decode_stack()
+        if stack is not None and stack.serves(hidden, positions, kv_caches, meta):
+            return self.norm(stack(hidden, positions, kv_caches, meta))
         # The rotary kernel reads the whole tables by position: no per-step cos/sin gather then.
         ropes = {kind: RopeInputs(positions, *((None, None) if self.ops is not None else
                                                table.lookup(positions, hidden.dtype)), table)
@@ -151,6 +177,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 module.use_cpu_ops(ops)
             elif isinstance(module, (Gemma3Model, Gemma3Attention)):
                 module.ops = ops
+        self.model.reset_direct_layers()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)

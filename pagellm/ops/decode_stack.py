@@ -1,4 +1,5 @@
-"""A GGUF Llama's decode step as one C call for all its decoder layers (attention/csrc/decode_stack.c).
+"""A GGUF Llama's decode step as one C call for all its decoder layers, a Gemma 3's as one per layer
+(attention/csrc/decode_stack.c).
 
 models/llama.py's direct path already runs each layer as its bare kernel calls, but each of those ~10 calls per
 layer still pays for its Python: argument checks, a fresh output tensor, the ctypes call. For a small model a
@@ -10,6 +11,9 @@ step that the step is one the C loop serves, and otherwise leaves it to the dire
   the step's rows below the size where a product switches to dequantized tiles;
 - the step is decode tokens only, on the CPU attention backend with its native decode kernel and K/V writer;
 - the caches are float32/bfloat16 in the activations' dtype, or a quantized format the kernels read.
+
+Gemma 3 (GemmaDecodeStack) runs each layer's modules' kernel calls from C too, between its GELU: the gated
+activation stays torch's (its tanh rounds as torch's own vectorised code does), one call between two C calls.
 
 PAGELLM_DECODE_STACK=0 turns it off (for A/B measurements and for benchmarks that time the per-layer calls).
 """
@@ -51,6 +55,22 @@ class _StackShape(ctypes.Structure):
         ("kv_format", ctypes.c_int32), ("bf16", ctypes.c_int32)]
 
 
+_MAX_PARTS = 3
+
+
+class _StackLinear(ctypes.Structure):
+    _fields_ = [("weights", ctypes.c_void_p * _MAX_PARTS), ("out_features", ctypes.c_int64 * _MAX_PARTS),
+                ("types", ctypes.c_int32 * _MAX_PARTS), ("parts", ctypes.c_int32)]
+
+
+class _GemmaLayer(ctypes.Structure):
+    _fields_ = [(name, _StackLinear) for name in ("qkv", "o", "gate_up", "down")] + [
+        (name, ctypes.c_void_p) for name in ("input_norm", "post_attention_norm", "pre_feedforward_norm",
+                                             "post_feedforward_norm", "q_norm", "k_norm", "cos", "sin", "k_cache",
+                                             "v_cache")] + [
+        ("sliding_window", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
 class _StackStep(ctypes.Structure):
     _fields_ = [("positions", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
                 ("kv_rows", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("context_lens", ctypes.c_void_p),
@@ -61,74 +81,41 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-class DecodeStack:
-    """The direct layers' decode steps in one call (see the module's docstring). Made by `build`, which returns
-    None for layers the C loop cannot run; `serves` says whether it runs a given step."""
+def _same_kernels(products: list[PreparedProduct]) -> bool:
+    """Whether every product is a PreparedProduct of one GGUF library (the C loop calls one product function)."""
+    return bool(products) and all(type(p) is PreparedProduct and p.kernels is products[0].kernels
+                                  and p.function is products[0].function for p in products)
 
-    def __init__(self, layers: list[DirectLayer], ops: CpuOps, products: list[list[PreparedProduct]]) -> None:
-        first = layers[0]
-        qkv, o, gate_up, down = products[0]
-        self.layers = layers  # held: the C structs point into their tensors
-        self.dtype = first.input_norm.dtype
-        self.hidden_size, self.intermediate_size = o.out_features, down.in_features
-        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-        limits = [product.int8_max_elements // product.in_features for row in products for product in row
-                  if product.int8_max_elements is not None]
-        # PreparedProduct takes the int8 kernel below its dense threshold; the C loop only calls that kernel.
-        self.max_tokens = min(limits) - 1 if limits else None
-        self._function = ops.library.decode_layer_stack
-        self._function.restype = ctypes.c_int
-        self._function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.c_void_p]
-        self._product = ctypes.cast(qkv.function, ctypes.c_void_p).value
-        self._products = products
-        self._structs = (_StackLayer * len(layers))()
-        for struct, layer, (qkv_p, o_p, gate_up_p, down_p) in zip(self._structs, layers, products):
-            struct.input_norm, struct.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-            struct.input_eps, struct.post_eps, struct.scale = layer.input_eps, layer.post_eps, layer.scale
-            struct.sliding_window = layer.sliding_window or 0
-            for name, product in (("qkv", qkv_p), ("o", o_p), ("gate_up", gate_up_p), ("down", down_p)):
-                setattr(struct, name, product.weight_address)
-                setattr(struct, f"{name}_type", product.type_id)
-        self._shape = _StackShape(self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
-                                  self.head_dim, 0, 0, int(self.dtype is torch.bfloat16))
+
+def _int8_row_limit(products: list[PreparedProduct]) -> int | None:
+    """The most rows every product takes on its int8 kernel (PreparedProduct switches to dequantized tiles from
+    its dense threshold on; the C loop only calls the int8 kernel), or None for no limit."""
+    limits = [p.int8_max_elements // p.in_features for p in products if p.int8_max_elements is not None]
+    return min(limits) - 1 if limits else None
+
+
+class _Stack:
+    """What both stacks check and pass per step: the step's shape, the attention metadata, the caches."""
+
+    dtype: torch.dtype
+    num_kv_heads: int
+    head_dim: int
+    max_tokens: int | None
+    _structs: ctypes.Array
+
+    def _init_step(self, ops: CpuOps, products: list[PreparedProduct], shape: _StackShape) -> None:
+        self.max_tokens = _int8_row_limit(products)
+        self._product = ctypes.cast(products[0].function, ctypes.c_void_p).value
+        self._shape = shape
         self._step = _StackStep()
-        self._failed_layer = ctypes.c_int64(-1)
+        self._failed = ctypes.c_int64(-1)
         # The caches the structs point at, and their format: checked when the model runner's list changes.
         self._caches: list | None = None
         self._caches_format: object = None
         self._caches_ok = False
 
-    @classmethod
-    def build(cls, layers: list[DirectLayer], ops: CpuOps) -> DecodeStack | None:
-        if not enabled() or not layers or getattr(ops, "library", None) is None:
-            return None
-        products = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in layers]
-        flat = [product for row in products for product in row]
-        if not all(type(product) is PreparedProduct for product in flat):
-            return None
-        if any(product.kernels is not flat[0].kernels or product.function is not flat[0].function
-               for product in flat):
-            return None
-        first = layers[0]
-        heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-        hidden, intermediate = products[0][1].out_features, products[0][3].in_features
-        wanted = ((hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden), (hidden, 2 * intermediate),
-                  (intermediate, hidden))
-        for layer, row in zip(layers, products):
-            if ((layer.num_heads, layer.num_kv_heads, layer.head_dim) != (heads, kv_heads, head_dim)
-                    or [(p.in_features, p.out_features) for p in row] != list(wanted)
-                    or layer.input_norm.dtype != first.input_norm.dtype
-                    or layer.post_norm.dtype != first.input_norm.dtype
-                    or not (layer.input_norm.is_contiguous() and layer.post_norm.is_contiguous())):
-                return None
-        if first.input_norm.dtype not in _ACTIVATION_DTYPES or not DecodeKernel.supports(head_dim):
-            return None
-        return cls(layers, ops, products)
-
-    def serves(self, hidden: torch.Tensor, rope: RopeInputs, kv_caches: list, meta: AttentionMetadata) -> bool:
-        """Whether this step is one the C loop runs exactly as the direct path would (else the caller runs that)."""
+    def _serves_step(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                     meta: AttentionMetadata) -> bool:
         tokens = hidden.shape[0]
         if (hidden.dtype is not self.dtype or hidden.dim() != 2 or not hidden.is_contiguous()
                 or (self.max_tokens is not None and tokens > self.max_tokens) or tokens == 0):
@@ -139,11 +126,7 @@ class DecodeStack:
         if (meta.num_decode_tokens != tokens or meta.prefill_chunks or meta.native_prefill is not None
                 or meta.native_decode is None or type(meta.native_write) is not KVWriter or meta.decode is None):
             return False
-        tables = rope.tables
-        cos, sin, positions = tables.cos, tables.sin, rope.positions
-        if not (cos.dtype is torch.float32 and sin.dtype is torch.float32 and cos.is_contiguous()
-                and sin.is_contiguous() and positions.dtype is torch.int64 and positions.is_contiguous()
-                and positions.numel() == tokens):
+        if positions.dtype is not torch.int64 or not positions.is_contiguous() or positions.numel() != tokens:
             return False
         rows = meta.kv_write_index
         if rows.dtype is not torch.int64 or not rows.is_contiguous() or rows.numel() != tokens * self.num_kv_heads:
@@ -154,7 +137,7 @@ class DecodeStack:
         if kv_caches is self._caches and meta.kv_format is self._caches_format:
             return self._caches_ok
         self._caches, self._caches_format, self._caches_ok = kv_caches, meta.kv_format, False
-        if len(kv_caches) > len(self.layers):
+        if len(kv_caches) > len(self._structs):
             return False
         quantized = meta.kv_format is not None and meta.kv_format.quantized
         codes = set()
@@ -175,35 +158,218 @@ class DecodeStack:
         self._caches_ok = True
         return True
 
-    def __call__(self, hidden: torch.Tensor, rope: RopeInputs, kv_caches: list,
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) after the layers kv_caches has caches for, from the embeddings `hidden`: what
-        run_direct_layers returns. Call only where `serves` said so."""
-        tokens = hidden.shape[0]
+    def _fill_step(self, positions: torch.Tensor, meta: AttentionMetadata) -> list[np.ndarray]:
+        """The step's struct; returns the arrays it points into, to be held until the call returns."""
         decode = meta.decode
         block_tables = np.ascontiguousarray(decode.block_tables, dtype=np.int64)
         context_lens = np.ascontiguousarray(decode.context_lens, dtype=np.int64)
         step = self._step
-        step.positions, step.cos, step.sin = (rope.positions.data_ptr(), rope.tables.cos.data_ptr(),
-                                              rope.tables.sin.data_ptr())
+        step.positions = positions.data_ptr()
         step.kv_rows = meta.kv_write_index.data_ptr()
         step.block_tables, step.context_lens = block_tables.ctypes.data, context_lens.ctypes.data
-        step.tokens, step.table_stride = tokens, block_tables.shape[1]
-        out = torch.empty_like(hidden)
-        residual = torch.empty_like(hidden)
-        failed = self._function(ctypes.addressof(self._structs), len(kv_caches), ctypes.addressof(self._shape),
-                                ctypes.addressof(step), self._product, hidden.data_ptr(), out.data_ptr(),
-                                residual.data_ptr(), ctypes.addressof(self._failed_layer))
-        if failed:
-            raise self._failure(failed, tokens)
-        return out, residual
+        step.tokens, step.table_stride = positions.numel(), block_tables.shape[1]
+        return [block_tables, context_lens]
 
-    def _failure(self, code: int, tokens: int) -> Exception:
-        layer = self._failed_layer.value
+    def _failure(self, code: int, tokens: int, where: str, product: PreparedProduct) -> Exception:
         if code == _MEMORY:
             return MemoryError(f"the decode stack could not allocate its row buffers for {tokens} tokens")
         if code >= _ATTENTION:
-            return RuntimeError(f"layer {layer}: the decode attention kernel failed (code {code - _ATTENTION}) on "
+            return RuntimeError(f"{where}: the decode attention kernel failed (code {code - _ATTENTION}) on "
                                 f"{tokens} tokens, head_dim={self.head_dim}")
-        product = self._products[max(layer, 0)][0]
         return _matmul_failure(code - _PRODUCT, tokens, product.type_name, product.in_features)
+
+
+class DecodeStack(_Stack):
+    """The direct layers' decode steps in one call (see the module's docstring). Made by `build`, which returns
+    None for layers the C loop cannot run; `serves` says whether it runs a given step."""
+
+    def __init__(self, layers: list[DirectLayer], ops: CpuOps, products: list[list[PreparedProduct]]) -> None:
+        first = layers[0]
+        _, o, _, down = products[0]
+        self.layers = layers  # held: the C structs point into their tensors
+        self.dtype = first.input_norm.dtype
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self._function = ops.library.decode_layer_stack
+        self._function.restype = ctypes.c_int
+        argtypes = [ctypes.c_void_p] * 9
+        argtypes[1] = ctypes.c_int64  # the layer count
+        self._function.argtypes = argtypes
+        self._products = products
+        self._structs = (_StackLayer * len(layers))()
+        for struct, layer, (qkv_p, o_p, gate_up_p, down_p) in zip(self._structs, layers, products):
+            struct.input_norm, struct.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            struct.input_eps, struct.post_eps, struct.scale = layer.input_eps, layer.post_eps, layer.scale
+            struct.sliding_window = layer.sliding_window or 0
+            for name, product in (("qkv", qkv_p), ("o", o_p), ("gate_up", gate_up_p), ("down", down_p)):
+                setattr(struct, name, product.weight_address)
+                setattr(struct, f"{name}_type", product.type_id)
+        shape = _StackShape(o.out_features, down.in_features, self.num_heads, self.num_kv_heads, self.head_dim, 0,
+                            0, int(self.dtype is torch.bfloat16))
+        self._init_step(ops, [p for row in products for p in row], shape)
+
+    @classmethod
+    def build(cls, layers: list[DirectLayer], ops: CpuOps) -> DecodeStack | None:
+        if not enabled() or not layers or getattr(ops, "library", None) is None:
+            return None
+        products = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in layers]
+        if not _same_kernels([product for row in products for product in row]):
+            return None
+        first = layers[0]
+        heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        hidden, intermediate = products[0][1].out_features, products[0][3].in_features
+        wanted = ((hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden), (hidden, 2 * intermediate),
+                  (intermediate, hidden))
+        for layer, row in zip(layers, products):
+            if ((layer.num_heads, layer.num_kv_heads, layer.head_dim) != (heads, kv_heads, head_dim)
+                    or [(p.in_features, p.out_features) for p in row] != list(wanted)
+                    or layer.input_norm.dtype != first.input_norm.dtype
+                    or layer.post_norm.dtype != first.input_norm.dtype
+                    or not (layer.input_norm.is_contiguous() and layer.post_norm.is_contiguous())):
+                return None
+        if first.input_norm.dtype not in _ACTIVATION_DTYPES or not DecodeKernel.supports(head_dim):
+            return None
+        return cls(layers, ops, products)
+
+    def serves(self, hidden: torch.Tensor, rope: RopeInputs, kv_caches: list, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the C loop runs exactly as the direct path would (else the caller runs that)."""
+        cos, sin = rope.tables.cos, rope.tables.sin
+        if not (cos.dtype is torch.float32 and sin.dtype is torch.float32 and cos.is_contiguous()
+                and sin.is_contiguous()):
+            return False
+        return self._serves_step(hidden, rope.positions, kv_caches, meta)
+
+    def __call__(self, hidden: torch.Tensor, rope: RopeInputs, kv_caches: list,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after the layers kv_caches has caches for, from the embeddings `hidden`: what
+        run_direct_layers returns. Call only where `serves` said so."""
+        held = self._fill_step(rope.positions, meta)
+        self._step.cos, self._step.sin = rope.tables.cos.data_ptr(), rope.tables.sin.data_ptr()
+        out = torch.empty_like(hidden)
+        residual = torch.empty_like(hidden)
+        failed = self._function(ctypes.addressof(self._structs), len(kv_caches), ctypes.addressof(self._shape),
+                                ctypes.addressof(self._step), self._product, hidden.data_ptr(), out.data_ptr(),
+                                residual.data_ptr(), ctypes.addressof(self._failed))
+        del held
+        if failed:
+            layer = max(self._failed.value, 0)
+            raise self._failure(failed, hidden.shape[0], f"layer {layer}", self._products[layer][0])
+        return out, residual
+
+
+class GemmaDecodeStack(_Stack):
+    """A Gemma 3 model's decode steps as one C call per layer (gemma_decode_layer: the previous layer's down
+    product and this layer up to its gate_up product) with the layer's gated activation, a torch module, called
+    between them. Made by `build` from Gemma3Model's layers on the fused CPU ops, or None where a layer is not the
+    kind it runs (see build)."""
+
+    def __init__(self, layers: list, activations: list, linears: list[list[tuple[PreparedProduct, ...]]],
+                 ops: CpuOps, tables: dict, hidden_size: int, intermediate_size: int) -> None:
+        attn = layers[0].self_attn
+        self.layers = layers  # held: the C structs point into their tensors
+        self.activations = activations
+        self.dtype = torch.float32
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.intermediate_size = intermediate_size
+        self._tables = tables  # per layer the RotaryEmbedding whose cos/sin the struct points at, and them
+        self._function = ops.library.gemma_decode_layer
+        self._function.restype = ctypes.c_int
+        self._function.argtypes = [ctypes.c_void_p] * 9
+        self._linears = linears
+        self._structs = (_GemmaLayer * len(layers))()
+        for struct, layer, row, (table, cos, sin) in zip(self._structs, layers, linears, tables):
+            for name, parts in zip(("qkv", "o", "gate_up", "down"), row):
+                linear = getattr(struct, name)
+                linear.parts = len(parts)
+                for i, part in enumerate(parts):
+                    linear.weights[i], linear.out_features[i], linear.types[i] = (
+                        part.weight_address, part.out_features, part.type_id)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                     layer.post_feedforward_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)
+            for name, norm in zip(("input_norm", "post_attention_norm", "pre_feedforward_norm",
+                                   "post_feedforward_norm", "q_norm", "k_norm"), norms):
+                setattr(struct, name, norm.offset_weight.data_ptr())
+            struct.cos, struct.sin = cos.data_ptr(), sin.data_ptr()
+            struct.eps, struct.scale = layer.input_layernorm.eps, layer.self_attn.scale
+            struct.sliding_window = layer.self_attn.sliding_window or 0
+        shape = _StackShape(hidden_size, intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim, 0, 0, 0)
+        self._init_step(ops, [p for row in linears for parts in row for p in parts], shape)
+
+    @classmethod
+    def build(cls, layers: list, tables: list, ops: CpuOps) -> GemmaDecodeStack | None:
+        """`layers`: Gemma3DecoderLayers; `tables`: each one's RotaryEmbedding. None unless every layer's norms run
+        on the fused kernel (float32, `ops`), with one eps; its linear layers are GGUF int8 products of one
+        library (no bias, one rank, no LoRA slots), up to three parts each; and the heads fit the decode kernel."""
+        if not enabled() or not layers or getattr(ops, "library", None) is None:
+            return None
+        attn = layers[0].self_attn
+        heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        hidden = layers[0].self_attn.o_proj.output_size
+        intermediate = layers[0].mlp.down_proj.input_size
+        if not DecodeKernel.supports(head_dim):
+            return None
+        linears, activations, held = [], [], []
+        for layer, table in zip(layers, tables):
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                     layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm)
+            if any(norm.ops is not ops or getattr(norm, "offset_weight", None) is None
+                   or norm.offset_weight.dtype is not torch.float32 or not norm.offset_weight.is_contiguous()
+                   or norm.eps != norms[0].eps for norm in norms):
+                return None
+            if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (heads, kv_heads, head_dim):
+                return None
+            row = []
+            wanted = ((hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden),
+                      (hidden, 2 * intermediate), (intermediate, hidden))
+            for linear, (in_features, out_features) in zip(
+                    (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), wanted):
+                parts = getattr(linear, "gguf_products", None)
+                if (parts is None or not 0 < len(parts) <= _MAX_PARTS or linear.bias is not None
+                        or linear.group.size != 1 or linear.lora is not None
+                        or getattr(linear, "dense_kernel", None) is not None
+                        or getattr(linear.quant_method, "ops", None) is not parts[0].kernels
+                        or any(p.in_features != in_features for p in parts)
+                        or sum(p.out_features for p in parts) != out_features):
+                    return None
+                row.append(tuple(parts))
+            cos, sin = table.cos, table.sin
+            if not (cos.dtype is torch.float32 and sin.dtype is torch.float32 and cos.is_contiguous()
+                    and sin.is_contiguous()):
+                return None
+            linears.append(row)
+            activations.append(mlp.act_fn)
+            held.append((table, cos, sin))
+        if not _same_kernels([p for row in linears for parts in row for p in parts]):
+            return None
+        return cls(layers, activations, linears, ops, held, hidden, intermediate)
+
+    def serves(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+               meta: AttentionMetadata) -> bool:
+        """Whether this step is one the C calls run exactly as the modules would (else the caller runs those)."""
+        if any(table.cos is not cos or table.sin is not sin for table, cos, sin in self._tables):
+            return False  # a table replaced since the structs were made
+        return self._serves_step(hidden, positions, kv_caches, meta)
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """The hidden states after the layers kv_caches has caches for, from the scaled embeddings `hidden` (which
+        it updates in place): what the layers' modules return. Call only where `serves` said so."""
+        held = self._fill_step(positions, meta)
+        tokens = hidden.shape[0]
+        gate_up = torch.empty(tokens, 2 * self.intermediate_size)
+        shape, step, failed_part = (ctypes.addressof(x) for x in (self._shape, self._step, self._failed))
+        address = ctypes.addressof(self._structs[0])
+        size = ctypes.sizeof(_GemmaLayer)
+        activated = None
+        for index in range(len(kv_caches) + 1):
+            previous = address + (index - 1) * size if index else None
+            layer = address + index * size if index < len(kv_caches) else None
+            failed = self._function(previous, activated.data_ptr() if activated is not None else None, layer, shape,
+                                    step, self._product, hidden.data_ptr(), gate_up.data_ptr(), failed_part)
+            if failed:
+                where = index - 1 if self._failed.value == 0 else index
+                raise self._failure(failed, tokens, f"layer {where}", self._linears[where][0][0])
+            if layer is not None:
+                activated = self.activations[index](gate_up)
+        del held
+        return hidden

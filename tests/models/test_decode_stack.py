@@ -4,6 +4,7 @@ what the direct path computes, to the bit, and leaves every step it does not ser
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks.synthetic_gguf import LlamaShape, write_synthetic_gguf
 from pagellm import LLM, SamplingParams
@@ -97,7 +98,7 @@ def test_a_failing_kernel_raises_naming_the_layer_and_the_engine_goes_on(gguf_pa
     try:
         with pytest.raises(ValueError, match="gguf_matmul refused"):
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
-        assert stack._failed_layer.value == 1
+        assert stack._failed.value == 1
     finally:
         stack._structs[1].down_type = saved
     again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -109,3 +110,98 @@ def test_the_switch_turns_it_off(gguf_path, monkeypatch):
     llm = _llm(gguf_path)
     model = llm.llm_engine.core.runner.model.model
     assert model.direct_layers() is not None and model._decode_stack is None
+
+
+# ---- Gemma 3 ----------------------------------------------------------------------------------------------
+
+def _gemma_block_type(name: str):
+    """q, k, o, gate and up in Q8_0; v and down in Q5_0 (so qkv is two parts, as in the real Q4_K_M file); the
+    norms and the embedding stay F32."""
+    import gguf
+
+    stem = name.rsplit(".", 1)[0]
+    if not name.startswith("blk.") or "norm" in stem:
+        return None
+    return gguf.GGMLQuantizationType.Q5_0 if stem.endswith(("attn_v", "ffn_down")) else gguf.GGMLQuantizationType.Q8_0
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf(tmp_path_factory, default_tokenizer):
+    """(GGUF path, tokenizer directory) of a tiny random Gemma 3 (6 layers: 5 sliding over 32 keys, 1 global)."""
+    import transformers
+
+    from tests.test_gguf_families import COMMON, write_gguf_like_llama_cpp
+
+    torch.manual_seed(1)
+    config = transformers.Gemma3TextConfig(**{**COMMON, "tie_word_embeddings": True}, num_hidden_layers=6,
+                                           head_dim=32, query_pre_attn_scalar=32, sliding_window=32,
+                                           architectures=["Gemma3ForCausalLM"])
+    config.vocab_size = len(default_tokenizer)
+    config.bos_token_id, config.eos_token_id = default_tokenizer.bos_token_id, default_tokenizer.eos_token_id
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.round(torch.empty_like(param).uniform_(-0.5, 0.5) * 1024) / 1024)
+    directory = tmp_path_factory.mktemp("tiny-gemma3-q")
+    default_tokenizer.save_pretrained(directory)
+    path = directory / "tiny-gemma3-q.gguf"
+    write_gguf_like_llama_cpp(model, "gemma3", path, _gemma_block_type)
+    return path, directory
+
+
+GEMMA_PROMPTS = [[2, 5, 9], [2] + list(range(300, 340)), [2] + [11] * 7]
+
+
+def _gemma_generate(llm: LLM) -> list[tuple[list[int], list]]:
+    # 40 prompt tokens + 24 outputs pass the 32-key window: the sliding layers' window is in play.
+    params = [SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in GEMMA_PROMPTS], params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_gemma_stack_generates_what_the_modules_do(gemma_gguf, kv_cache_dtype, monkeypatch):
+    from pagellm.ops.decode_stack import GemmaDecodeStack
+
+    path, tokenizer = gemma_gguf
+    llm = LLM(str(path), tokenizer=str(tokenizer), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
+              max_num_batched_tokens=16, enable_prefix_caching=False, seed=0, kv_cache_dtype=kv_cache_dtype)
+    model = llm.llm_engine.core.runner.model.model
+    stack = model.decode_stack()
+    assert stack is not None
+    assert stack._structs[0].qkv.parts == 2 and stack._structs[0].down.parts == 1
+    ran: list[int] = []
+    call = GemmaDecodeStack.__call__
+
+    def counted(self, hidden, *args):
+        ran.append(hidden.shape[0])
+        return call(self, hidden, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(GemmaDecodeStack, "__call__", counted)
+        stacked = _gemma_generate(llm)
+    with monkeypatch.context() as patch:
+        patch.setattr(GemmaDecodeStack, "serves", lambda self, *args: False)
+        modules = _gemma_generate(llm)
+    assert stacked == modules  # the modules' kernel calls in their order: equal to the bit
+    assert {1, 3} <= set(ran)  # one sequence and several, the multi-part qkv's rows copied out per part
+
+
+def test_a_hook_on_a_gemma_layer_sends_the_step_to_the_modules(gemma_gguf):
+    path, tokenizer = gemma_gguf
+    llm = LLM(str(path), tokenizer=str(tokenizer), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
+              enable_prefix_caching=False, seed=0)
+    model = llm.llm_engine.core.runner.model.model
+    assert model.decode_stack() is not None
+    calls = []
+    handle = model.layers[3].self_attn.k_norm.register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        assert model.decode_stack() is None
+        llm.generate([{"prompt_token_ids": GEMMA_PROMPTS[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert len(calls) >= 4  # the prefill and every decode step
+    finally:
+        handle.remove()
+    assert model.decode_stack() is not None

@@ -91,26 +91,24 @@ static void *allocate_buffers(const StackShape *s, int64_t tokens, StackBuffers 
     return base;
 }
 
-/* The step's K/V (views into qkv) into the layer's caches, as native.KVWriter does. */
-static void write_kv(const StackShape *s, const StackLayer *layer, const StackStep *step, const char *qkv) {
-    const int64_t element = s->bf16 ? 2 : 4, width = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
-    const char *k = qkv + s->num_heads * s->head_dim * element;
-    const char *v = k + s->num_kv_heads * s->head_dim * element;
+/* The step's K/V (rows of k_stride and v_stride elements, heads contiguous) into a layer's caches, as
+ * native.KVWriter does. */
+static void write_kv(const StackShape *s, const StackStep *step, const char *k, int64_t k_stride, const char *v,
+                     int64_t v_stride, void *k_cache, void *v_cache) {
     if (kv_quantized(s->kv_format))
-        write_kv_rows_quantized(k, v, width, width, layer->k_cache, layer->v_cache, step->kv_rows, step->tokens,
+        write_kv_rows_quantized(k, v, k_stride, v_stride, k_cache, v_cache, step->kv_rows, step->tokens,
                                 s->num_kv_heads, s->head_dim, s->block_size, s->bf16, s->kv_format);
     else
-        write_kv_rows(k, v, width, width, layer->k_cache, layer->v_cache, step->kv_rows, step->tokens,
-                      s->num_kv_heads, s->head_dim, element);
+        write_kv_rows(k, v, k_stride, v_stride, k_cache, v_cache, step->kv_rows, step->tokens, s->num_kv_heads,
+                      s->head_dim, s->bf16 ? 2 : 4);
 }
 
-/* The queries as the attention kernel reads them, [tokens, num_heads, head_dim] contiguous: qkv's own rows when
- * there is one token, else copied out of them. */
-static const char *queries(const StackShape *s, int64_t tokens, const char *qkv, char *q) {
-    if (tokens == 1) return qkv;
-    const int64_t element = s->bf16 ? 2 : 4, width = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
-    const int64_t bytes = s->num_heads * s->head_dim * element;
-    for (int64_t t = 0; t < tokens; ++t) memcpy(q + t * bytes, qkv + t * width * element, bytes);
+/* The queries as the attention kernel reads them, [tokens, num_heads, head_dim] contiguous: the rows they lead
+ * (`width` elements apart) when there is one token, else copied out of them. */
+static const char *queries(const StackShape *s, int64_t tokens, const char *rows, int64_t width, char *q) {
+    if (tokens == 1) return rows;
+    const int64_t element = s->bf16 ? 2 : 4, bytes = s->num_heads * s->head_dim * element;
+    for (int64_t t = 0; t < tokens; ++t) memcpy(q + t * bytes, rows + t * width * element, bytes);
     return q;
 }
 
@@ -141,8 +139,9 @@ int decode_layer_stack(const StackLayer *layers, int64_t num_layers, const Stack
         if (failed) break;
         rotary_inplace(b.qkv, tokens, width, s->num_heads + s->num_kv_heads, s->head_dim, step->cos, step->sin,
                        step->positions, bf16);
-        write_kv(s, layer, step, b.qkv);
-        const char *q = queries(s, tokens, b.qkv, b.q);
+        const int64_t k_offset = attention * element, v_offset = k_offset + s->num_kv_heads * s->head_dim * element;
+        write_kv(s, step, b.qkv + k_offset, width, b.qkv + v_offset, width, layer->k_cache, layer->v_cache);
+        const char *q = queries(s, tokens, b.qkv, width, b.q);
         if ((failed = paged_decode_attention(q, layer->k_cache, layer->v_cache, s->kv_format, bf16,
                                              step->block_tables, step->table_stride, step->context_lens, b.attended,
                                              tokens, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
@@ -164,6 +163,140 @@ int decode_layer_stack(const StackLayer *layers, int64_t num_layers, const Stack
             failed += DECODE_STACK_PRODUCT;
     }
     if (!failed) *failed_layer = -1;
+    free(base);
+    return failed;
+}
+
+/* ---- Gemma 3 -------------------------------------------------------------------------------------------- */
+
+/* A linear layer of up to three GGUF parts (a fused qkv whose v has its own type), their outputs side by side. */
+#define MAX_PARTS 3
+typedef struct {
+    const void *weights[MAX_PARTS];
+    int64_t out_features[MAX_PARTS];
+    int32_t types[MAX_PARTS];
+    int32_t parts;
+} StackLinear;
+
+/* One Gemma 3 decoder layer: its linear layers, its norms' weights as the fused kernel takes them (1 + weight, in
+ * float32), its rotary tables (local or global) and window, and its caches. */
+typedef struct {
+    StackLinear qkv, o, gate_up, down;
+    const float *input_norm, *post_attention_norm, *pre_feedforward_norm, *post_feedforward_norm, *q_norm, *k_norm;
+    const float *cos, *sin;
+    void *k_cache, *v_cache;
+    int64_t sliding_window;
+    float eps, scale;
+} GemmaLayer;
+
+/* y [tokens, sum of the parts' outputs] = x [tokens, in_features] W^T, as the GGUF linear method's apply
+ * computes it (each part's product, concatenated). With several parts and tokens, each part's rows go through
+ * `scratch` (>= tokens * the widest part). Returns gguf_matmul's failure code, or 0. */
+static int linear(ProductFunction product, const StackLinear *l, const float *x, int64_t tokens, int64_t in_features,
+                  float *y, float *scratch) {
+    int64_t width = 0;
+    for (int p = 0; p < l->parts; ++p) width += l->out_features[p];
+    int64_t offset = 0;
+    for (int p = 0; p < l->parts; ++p) {
+        const int64_t out = l->out_features[p];
+        const int direct = l->parts == 1 || tokens == 1;
+        float *into = direct ? y + offset : scratch;
+        const int failed = product(l->types[p], l->weights[p], x, 0, tokens, in_features, out, into, 0);
+        if (failed) return failed;
+        if (!direct)
+            for (int64_t t = 0; t < tokens; ++t) memcpy(y + t * width + offset, scratch + t * out, out * sizeof(float));
+        offset += out;
+    }
+    return 0;
+}
+
+/* Row buffers of a Gemma layer in float32. */
+typedef struct {
+    float *x, *qkv, *qk, *q, *attended, *projected, *normed, *scratch;
+} GemmaBuffers;
+
+static void *allocate_gemma_buffers(const StackShape *s, int64_t tokens, GemmaBuffers *b) {
+    const int64_t attention = s->num_heads * s->head_dim, kv = s->num_kv_heads * s->head_dim;
+    const int64_t widest = 2 * s->intermediate_size > attention + 2 * kv ? 2 * s->intermediate_size : attention + 2 * kv;
+    const int64_t per_token[8] = {s->hidden_size, attention + 2 * kv, attention + kv, attention, attention,
+                                  s->hidden_size, s->hidden_size, widest};
+    int64_t bytes = 0;
+    for (int i = 0; i < 8; ++i) bytes += (tokens * per_token[i] * 4 + 63) / 64 * 64;
+    char *base = aligned_alloc(64, bytes), *next = base;
+    if (base == NULL) return NULL;
+    float **buffers[8] = {&b->x, &b->qkv, &b->qk, &b->q, &b->attended, &b->projected, &b->normed, &b->scratch};
+    for (int i = 0; i < 8; ++i) *buffers[i] = (float *)carve(&next, tokens * per_token[i], 4);
+    return base;
+}
+
+/* Finishes `previous`'s MLP where it is not NULL: hidden += post_feedforward_norm(down(activated)); then runs
+ * `layer` (where not NULL) up to its gate_up product, into `gate_up` [tokens, 2 * intermediate_size]:
+ *   x = input_norm(hidden); q, k, v = qkv(x); q, k = rotary(q_norm(q), k_norm(k)); K/V into the caches;
+ *   hidden += post_attention_norm(o(attention)); gate_up = gate_up(pre_feedforward_norm(hidden)).
+ * The gated activation between gate_up and down is the caller's (torch's GELU, whose rounding is its own).
+ * Every step is the call models/gemma3.py's modules make on the fused CPU ops, in their order: the result is
+ * theirs bit for bit. float32 activations. Returns 0 or decode_layer_stack's failure codes (*failed_part: 0
+ * previous, 1 layer). */
+int gemma_decode_layer(const GemmaLayer *previous, const float *activated, const GemmaLayer *layer,
+                       const StackShape *s, const StackStep *step, ProductFunction product, float *hidden,
+                       float *gate_up, int64_t *failed_part) {
+    const int64_t tokens = step->tokens, hidden_size = s->hidden_size, head_dim = s->head_dim;
+    const int64_t attention = s->num_heads * head_dim, kv = s->num_kv_heads * head_dim;
+    const int64_t width = attention + 2 * kv, qk_width = attention + kv;
+    *failed_part = -1;
+    if (tokens <= 0) return 0;
+    GemmaBuffers b;
+    void *base = allocate_gemma_buffers(s, tokens, &b);
+    if (base == NULL) return DECODE_STACK_MEMORY;
+    int failed = 0;
+    if (previous != NULL) {
+        *failed_part = 0;
+        failed = linear(product, &previous->down, activated, tokens, s->intermediate_size, b.projected, b.scratch);
+        if (failed) {
+            free(base);
+            return DECODE_STACK_PRODUCT + failed;
+        }
+        add_rms_norm(b.projected, NULL, previous->post_feedforward_norm, b.normed, tokens, hidden_size, previous->eps,
+                     0);
+        for (int64_t i = 0; i < tokens * hidden_size; ++i) hidden[i] = hidden[i] + b.normed[i];
+    }
+    if (layer != NULL) {
+        *failed_part = 1;
+        add_rms_norm(hidden, NULL, layer->input_norm, b.x, tokens, hidden_size, layer->eps, 0);
+        if ((failed = linear(product, &layer->qkv, b.x, tokens, hidden_size, b.qkv, b.scratch))) {
+            failed += DECODE_STACK_PRODUCT;
+            goto done;
+        }
+        /* Per-head norms, each head a row; the normed q and k side by side in qk, as the rotary kernel takes them. */
+        for (int64_t t = 0; t < tokens; ++t) {
+            add_rms_norm(b.qkv + t * width, NULL, layer->q_norm, b.qk + t * qk_width, s->num_heads, head_dim,
+                         layer->eps, 0);
+            add_rms_norm(b.qkv + t * width + attention, NULL, layer->k_norm, b.qk + t * qk_width + attention,
+                         s->num_kv_heads, head_dim, layer->eps, 0);
+        }
+        rotary_inplace(b.qk, tokens, qk_width, s->num_heads + s->num_kv_heads, head_dim, layer->cos, layer->sin,
+                       step->positions, 0);
+        write_kv(s, step, (const char *)(b.qk + attention), qk_width, (const char *)(b.qkv + attention + kv), width,
+                 layer->k_cache, layer->v_cache);
+        const char *q = queries(s, tokens, (const char *)b.qk, qk_width, (char *)b.q);
+        if ((failed = paged_decode_attention(q, layer->k_cache, layer->v_cache, s->kv_format, 0, step->block_tables,
+                                             step->table_stride, step->context_lens, b.attended, tokens,
+                                             s->num_heads, s->num_kv_heads, head_dim, s->block_size, layer->scale,
+                                             layer->sliding_window, NULL))) {
+            failed += DECODE_STACK_ATTENTION;
+            goto done;
+        }
+        if ((failed = linear(product, &layer->o, b.attended, tokens, attention, b.projected, b.scratch))) {
+            failed += DECODE_STACK_PRODUCT;
+            goto done;
+        }
+        add_rms_norm(b.projected, NULL, layer->post_attention_norm, b.normed, tokens, hidden_size, layer->eps, 0);
+        add_rms_norm(b.normed, hidden, layer->pre_feedforward_norm, b.x, tokens, hidden_size, layer->eps, 0);
+        if ((failed = linear(product, &layer->gate_up, b.x, tokens, hidden_size, gate_up, b.scratch)))
+            failed += DECODE_STACK_PRODUCT;
+    }
+done:
+    if (!failed) *failed_part = -1;
     free(base);
     return failed;
 }
