@@ -188,20 +188,27 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def direct(self, ops: CpuOps) -> DirectLayer | None:
-        """This layer as a DirectLayer, where `forward` on the fused CPU ops `ops` is exactly the calls
-        LlamaModel's direct path makes: Llama's own classes (a family's subclass may compute otherwise), SiLU,
-        RMSNorm, linear layers with a prepared product (layers/linear.py's direct_product); else None. (Hooks on
-        its modules, its linear layers included, are checked at every forward: LlamaModel.direct_layers.)"""
+    def plain(self, ops: CpuOps) -> bool:
+        """Whether `forward` is Llama's own on the fused CPU ops `ops`: Llama's classes (a family's subclass may
+        compute otherwise), SiLU, RMSNorm, every one of them on `ops`. The direct path and the decode stack make
+        the calls such a layer makes, and only those."""
         attn, mlp = self.self_attn, self.mlp
         norms = (self.input_layernorm, self.post_attention_layernorm)
         # The MLP's class first: a mixture-of-experts block in its place has no act_fn.
         if type(mlp) is not LlamaMLP:
+            return False
+        return not (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention
+                    or type(mlp.act_fn) is not SiluAndMul or any(type(norm) is not RMSNorm for norm in norms)
+                    or any(module.ops is not ops for module in (attn, mlp.act_fn, *norms)))
+
+    def direct(self, ops: CpuOps) -> DirectLayer | None:
+        """This layer as a DirectLayer, where it is `plain` and its linear layers have a prepared product
+        (layers/linear.py's direct_product); else None. (Hooks on its modules, its linear layers included, are
+        checked at every forward: LlamaModel.direct_layers.)"""
+        if not self.plain(ops):
             return None
-        if (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention
-                or type(mlp.act_fn) is not SiluAndMul or any(type(norm) is not RMSNorm for norm in norms)
-                or any(module.ops is not ops for module in (attn, mlp.act_fn, *norms))):
-            return None
+        attn, mlp = self.self_attn, self.mlp
+        norms = (self.input_layernorm, self.post_attention_layernorm)
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         products = [linear.direct_product() for linear in linears]
         if any(product is None for product in products):
@@ -259,7 +266,7 @@ class LlamaModel(nn.Module):
     _direct_made = False
     _direct: list[DirectLayer] | None = None
     _direct_hooks: list[dict] = []
-    # The direct layers' pure-decode steps in one C call (ops/decode_stack.py), where they can be.
+    # The layers' pure-decode steps in one C call (ops/decode_stack.py), where they can be.
     _decode_stack: DecodeStack | None = None
 
     def __init__(self, config, max_positions: int, quant_config: QuantizationConfig | None = None,
@@ -280,23 +287,39 @@ class LlamaModel(nn.Module):
         cos, sin = (None, None) if self.ops is not None else self.rotary.lookup(positions, dtype)
         return RopeInputs(positions, cos, sin, self.rotary)
 
+    def _make_direct(self) -> None:
+        """The direct layers and the decode stack, at the first forward since use_cpu_ops or reset_direct_layers."""
+        plain = self.ops is not None and all(layer.plain(self.ops) for layer in self.layers)
+        direct = [layer.direct(self.ops) for layer in self.layers] if plain else [None]
+        self._direct = None if any(layer is None for layer in direct) else direct
+        self._decode_stack = DecodeStack.build(list(self.layers), self.ops) if plain else None
+        # A plain layer's modules, all of them: a hook on any sends the step back to the modules.
+        self._direct_hooks = [] if not plain else _hook_registries([
+            module for layer in self.layers
+            for module in (layer, layer.self_attn, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.mlp.act_fn,
+                           layer.input_layernorm, layer.post_attention_layernorm)])
+        self._direct_made = True
+
     def direct_layers(self) -> list[DirectLayer] | None:
         """Every layer as a DirectLayer (made at the first call since use_cpu_ops or reset_direct_layers), or None
         where one cannot be, or while a forward hook is registered on any of their modules (or globally): the
         layers then run as modules, and the hooks run."""
         if not self._direct_made:
-            direct = [layer.direct(self.ops) for layer in self.layers] if self.ops is not None else [None]
-            self._direct = None if any(layer is None for layer in direct) else direct
-            self._direct_hooks = [] if self._direct is None else _hook_registries([
-                module for layer in self.layers
-                for module in (layer, layer.self_attn, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp,
-                               layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.mlp.act_fn,
-                               layer.input_layernorm, layer.post_attention_layernorm)])
-            self._decode_stack = None if self._direct is None else DecodeStack.build(self._direct, self.ops)
-            self._direct_made = True
+            self._make_direct()
         if self._direct is not None and _hooked(self._direct_hooks):
             return None
         return self._direct
+
+    def decode_stack(self) -> DecodeStack | None:
+        """The decode stack (made with the direct layers), or None where there is none or a hook is registered as
+        for direct_layers. Unlike the direct path it takes linear layers of several GGUF parts (a Q4_K_M file's
+        qkv whose v has its own type)."""
+        if not self._direct_made:
+            self._make_direct()
+        if self._decode_stack is not None and _hooked(self._direct_hooks):
+            return None
+        return self._decode_stack
 
     def reset_direct_layers(self) -> None:
         """Make the DirectLayers again at the next forward: whoever attaches LoRA slots to the layers after a
@@ -308,13 +331,11 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         residual = None
         rope = self.rope_inputs(positions, hidden.dtype)
-        direct = self.direct_layers()
-        if direct is not None:
-            stack = self._decode_stack
-            if stack is not None and stack.serves(hidden, rope, kv_caches, meta):
-                hidden, residual = stack(hidden, rope, kv_caches, meta)
-            else:
-                hidden, residual = run_direct_layers(direct, self.ops, rope, hidden, kv_caches, meta)
+        stack = self.decode_stack()
+        if stack is not None and stack.serves(hidden, rope, kv_caches, meta):
+            hidden, residual = stack(hidden, rope, kv_caches, meta)
+        elif (direct := self.direct_layers()) is not None:
+            hidden, residual = run_direct_layers(direct, self.ops, rope, hidden, kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 hidden, residual = layer(rope, hidden, residual, kv_cache, meta)

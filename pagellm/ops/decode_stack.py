@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,21 +31,10 @@ from pagellm.attention.paged import AttentionMetadata, TorchAttentionBackend
 from pagellm.layers.rotary import RopeInputs
 from pagellm.ops.gguf_kernels import PreparedProduct, _matmul_failure
 
-if TYPE_CHECKING:
-    from pagellm.models.llama import DirectLayer
-
 ENV = "PAGELLM_DECODE_STACK"
 _ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # decode_stack.c's failure codes.
 _MEMORY, _PRODUCT, _ATTENTION = 1, 10, 20
-
-
-class _StackLayer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache")] + [
-        ("sliding_window", ctypes.c_int64), ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float),
-        ("scale", ctypes.c_float), ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32),
-        ("gate_up_type", ctypes.c_int32), ("down_type", ctypes.c_int32)]
 
 
 class _StackShape(ctypes.Structure):
@@ -61,6 +49,13 @@ _MAX_PARTS = 3
 class _StackLinear(ctypes.Structure):
     _fields_ = [("weights", ctypes.c_void_p * _MAX_PARTS), ("out_features", ctypes.c_int64 * _MAX_PARTS),
                 ("types", ctypes.c_int32 * _MAX_PARTS), ("parts", ctypes.c_int32)]
+
+
+class _StackLayer(ctypes.Structure):
+    _fields_ = [(name, _StackLinear) for name in ("qkv", "o", "gate_up", "down")] + [
+        (name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "k_cache", "v_cache")] + [
+        ("sliding_window", ctypes.c_int64), ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float),
+        ("scale", ctypes.c_float)]
 
 
 class _GemmaLayer(ctypes.Structure):
@@ -179,59 +174,97 @@ class _Stack:
         return _matmul_failure(code - _PRODUCT, tokens, product.type_name, product.in_features)
 
 
-class DecodeStack(_Stack):
-    """The direct layers' decode steps in one call (see the module's docstring). Made by `build`, which returns
-    None for layers the C loop cannot run; `serves` says whether it runs a given step."""
+def _linear_parts(linear, in_features: int, out_features: int) -> tuple[PreparedProduct, ...] | None:
+    """The GGUF int8 products that make up `linear`'s forward (its parts' side by side, as GGUFLinearMethod.apply
+    concatenates them), or None where its forward adds anything to them or computes otherwise."""
+    parts = getattr(linear, "gguf_products", None)
+    if (parts is None or not 0 < len(parts) <= _MAX_PARTS or linear.bias is not None or linear.group.size != 1
+            or linear.lora is not None or getattr(linear, "dense_kernel", None) is not None
+            or getattr(linear.quant_method, "ops", None) is not parts[0].kernels
+            or any(type(p) is not PreparedProduct or p.in_features != in_features for p in parts)
+            or sum(p.out_features for p in parts) != out_features):
+        return None
+    return tuple(parts)
 
-    def __init__(self, layers: list[DirectLayer], ops: CpuOps, products: list[list[PreparedProduct]]) -> None:
-        first = layers[0]
-        _, o, _, down = products[0]
+
+def _set_linear(struct: _StackLinear, parts: tuple[PreparedProduct, ...]) -> None:
+    struct.parts = len(parts)
+    for i, part in enumerate(parts):
+        struct.weights[i], struct.out_features[i], struct.types[i] = (part.weight_address, part.out_features,
+                                                                      part.type_id)
+
+
+def _layer_linears(layers: list, hidden: int, intermediate: int) -> list[list[tuple[PreparedProduct, ...]]] | None:
+    """Each layer's (qkv, o, gate_up, down) parts, or None where a layer's differ from the first's heads and sizes
+    or one is not GGUF int8 products (_linear_parts)."""
+    attn = layers[0].self_attn
+    heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    wanted = ((hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden), (hidden, 2 * intermediate),
+              (intermediate, hidden))
+    linears = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (heads, kv_heads, head_dim):
+            return None
+        row = [_linear_parts(linear, *sizes)
+               for linear, sizes in zip((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), wanted)]
+        if any(parts is None for parts in row):
+            return None
+        linears.append(row)
+    return linears
+
+
+class DecodeStack(_Stack):
+    """A Llama model's decode steps in one call (see the module's docstring). Made by `build`, which returns None
+    for layers the C loop cannot run; `serves` says whether it runs a given step."""
+
+    def __init__(self, layers: list, ops: CpuOps, linears: list[list[tuple[PreparedProduct, ...]]],
+                 hidden_size: int, intermediate_size: int) -> None:
+        attn = layers[0].self_attn
         self.layers = layers  # held: the C structs point into their tensors
-        self.dtype = first.input_norm.dtype
-        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.dtype = layers[0].input_layernorm.weight.dtype
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self._function = ops.library.decode_layer_stack
         self._function.restype = ctypes.c_int
         argtypes = [ctypes.c_void_p] * 9
         argtypes[1] = ctypes.c_int64  # the layer count
         self._function.argtypes = argtypes
-        self._products = products
+        self._linears = linears
         self._structs = (_StackLayer * len(layers))()
-        for struct, layer, (qkv_p, o_p, gate_up_p, down_p) in zip(self._structs, layers, products):
-            struct.input_norm, struct.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-            struct.input_eps, struct.post_eps, struct.scale = layer.input_eps, layer.post_eps, layer.scale
-            struct.sliding_window = layer.sliding_window or 0
-            for name, product in (("qkv", qkv_p), ("o", o_p), ("gate_up", gate_up_p), ("down", down_p)):
-                setattr(struct, name, product.weight_address)
-                setattr(struct, f"{name}_type", product.type_id)
-        shape = _StackShape(o.out_features, down.in_features, self.num_heads, self.num_kv_heads, self.head_dim, 0,
-                            0, int(self.dtype is torch.bfloat16))
-        self._init_step(ops, [p for row in products for p in row], shape)
+        for struct, layer, row in zip(self._structs, layers, linears):
+            for name, parts in zip(("qkv", "o", "gate_up", "down"), row):
+                _set_linear(getattr(struct, name), parts)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            struct.input_norm, struct.post_norm = (norm.weight.data_ptr() for norm in norms)
+            struct.input_eps, struct.post_eps = (norm.eps for norm in norms)
+            struct.scale = layer.self_attn.scale
+            struct.sliding_window = layer.self_attn.sliding_window or 0
+        shape = _StackShape(hidden_size, intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim, 0, 0,
+                            int(self.dtype is torch.bfloat16))
+        self._init_step(ops, [p for row in linears for parts in row for p in parts], shape)
 
     @classmethod
-    def build(cls, layers: list[DirectLayer], ops: CpuOps) -> DecodeStack | None:
+    def build(cls, layers: list, ops: CpuOps) -> DecodeStack | None:
+        """`layers`: LlamaDecoderLayers the caller checked are plain (LlamaDecoderLayer.plain: Llama's own
+        classes on `ops`). None unless their linear layers are GGUF int8 products of one library, up to three
+        parts each (_linear_parts), their norms' weights contiguous in one float32 or bfloat16 dtype, and the heads
+        fit the decode kernel."""
         if not enabled() or not layers or getattr(ops, "library", None) is None:
             return None
-        products = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in layers]
-        if not _same_kernels([product for row in products for product in row]):
+        hidden = layers[0].self_attn.o_proj.output_size
+        intermediate = layers[0].mlp.down_proj.input_size
+        linears = _layer_linears(layers, hidden, intermediate)
+        if linears is None or not _same_kernels([p for row in linears for parts in row for p in parts]):
             return None
-        first = layers[0]
-        heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-        hidden, intermediate = products[0][1].out_features, products[0][3].in_features
-        wanted = ((hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden), (hidden, 2 * intermediate),
-                  (intermediate, hidden))
-        for layer, row in zip(layers, products):
-            if ((layer.num_heads, layer.num_kv_heads, layer.head_dim) != (heads, kv_heads, head_dim)
-                    or [(p.in_features, p.out_features) for p in row] != list(wanted)
-                    or layer.input_norm.dtype != first.input_norm.dtype
-                    or layer.post_norm.dtype != first.input_norm.dtype
-                    or not (layer.input_norm.is_contiguous() and layer.post_norm.is_contiguous())):
-                return None
-        if first.input_norm.dtype not in _ACTIVATION_DTYPES or not DecodeKernel.supports(head_dim):
+        dtype = layers[0].input_layernorm.weight.dtype
+        norms = [norm.weight for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        if (dtype not in _ACTIVATION_DTYPES or any(w.dtype is not dtype or not w.is_contiguous() for w in norms)
+                or not DecodeKernel.supports(layers[0].self_attn.head_dim)):
             return None
-        return cls(layers, ops, products)
+        return cls(layers, ops, linears, hidden, intermediate)
 
     def serves(self, hidden: torch.Tensor, rope: RopeInputs, kv_caches: list, meta: AttentionMetadata) -> bool:
-        """Whether this step is one the C loop runs exactly as the direct path would (else the caller runs that)."""
+        """Whether this step is one the C loop runs exactly as the layers would (else the caller runs those)."""
         cos, sin = rope.tables.cos, rope.tables.sin
         if not (cos.dtype is torch.float32 and sin.dtype is torch.float32 and cos.is_contiguous()
                 and sin.is_contiguous()):
@@ -240,8 +273,8 @@ class DecodeStack(_Stack):
 
     def __call__(self, hidden: torch.Tensor, rope: RopeInputs, kv_caches: list,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) after the layers kv_caches has caches for, from the embeddings `hidden`: what
-        run_direct_layers returns. Call only where `serves` said so."""
+        """(hidden, residual) after the layers kv_caches has caches for, from the embeddings `hidden`: what the
+        layers return (and run_direct_layers). Call only where `serves` said so."""
         held = self._fill_step(rope.positions, meta)
         self._step.cos, self._step.sin = rope.tables.cos.data_ptr(), rope.tables.sin.data_ptr()
         out = torch.empty_like(hidden)
@@ -252,7 +285,7 @@ class DecodeStack(_Stack):
         del held
         if failed:
             layer = max(self._failed.value, 0)
-            raise self._failure(failed, hidden.shape[0], f"layer {layer}", self._products[layer][0])
+            raise self._failure(failed, hidden.shape[0], f"layer {layer}", self._linears[layer][0][0])
         return out, residual
 
 
@@ -278,11 +311,7 @@ class GemmaDecodeStack(_Stack):
         self._structs = (_GemmaLayer * len(layers))()
         for struct, layer, row, (table, cos, sin) in zip(self._structs, layers, linears, tables):
             for name, parts in zip(("qkv", "o", "gate_up", "down"), row):
-                linear = getattr(struct, name)
-                linear.parts = len(parts)
-                for i, part in enumerate(parts):
-                    linear.weights[i], linear.out_features[i], linear.types[i] = (
-                        part.weight_address, part.out_features, part.type_id)
+                _set_linear(getattr(struct, name), parts)
             norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                      layer.post_feedforward_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)
             for name, norm in zip(("input_norm", "post_attention_norm", "pre_feedforward_norm",
@@ -301,42 +330,26 @@ class GemmaDecodeStack(_Stack):
         library (no bias, one rank, no LoRA slots), up to three parts each; and the heads fit the decode kernel."""
         if not enabled() or not layers or getattr(ops, "library", None) is None:
             return None
-        attn = layers[0].self_attn
-        heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         hidden = layers[0].self_attn.o_proj.output_size
         intermediate = layers[0].mlp.down_proj.input_size
-        if not DecodeKernel.supports(head_dim):
+        if not DecodeKernel.supports(layers[0].self_attn.head_dim):
             return None
-        linears, activations, held = [], [], []
+        linears = _layer_linears(layers, hidden, intermediate)
+        if linears is None:
+            return None
+        activations, held = [], []
         for layer, table in zip(layers, tables):
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                      layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm)
-            if any(norm.ops is not ops or getattr(norm, "offset_weight", None) is None
+            if attn.ops is not ops or any(norm.ops is not ops or getattr(norm, "offset_weight", None) is None
                    or norm.offset_weight.dtype is not torch.float32 or not norm.offset_weight.is_contiguous()
                    or norm.eps != norms[0].eps for norm in norms):
                 return None
-            if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (heads, kv_heads, head_dim):
-                return None
-            row = []
-            wanted = ((hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden),
-                      (hidden, 2 * intermediate), (intermediate, hidden))
-            for linear, (in_features, out_features) in zip(
-                    (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), wanted):
-                parts = getattr(linear, "gguf_products", None)
-                if (parts is None or not 0 < len(parts) <= _MAX_PARTS or linear.bias is not None
-                        or linear.group.size != 1 or linear.lora is not None
-                        or getattr(linear, "dense_kernel", None) is not None
-                        or getattr(linear.quant_method, "ops", None) is not parts[0].kernels
-                        or any(p.in_features != in_features for p in parts)
-                        or sum(p.out_features for p in parts) != out_features):
-                    return None
-                row.append(tuple(parts))
             cos, sin = table.cos, table.sin
             if not (cos.dtype is torch.float32 and sin.dtype is torch.float32 and cos.is_contiguous()
                     and sin.is_contiguous()):
                 return None
-            linears.append(row)
             activations.append(mlp.act_fn)
             held.append((table, cos, sin))
         if not _same_kernels([p for row in linears for parts in row for p in parts]):

@@ -37,8 +37,9 @@ def _generate(llm: LLM) -> list[tuple[list[int], list]]:
 def _stack(llm: LLM) -> DecodeStack:
     model = llm.llm_engine.core.runner.model.model
     assert model.direct_layers() is not None
-    assert model._decode_stack is not None  # a GGUF Llama of int8 products on the fused CPU ops has one
-    return model._decode_stack
+    stack = model.decode_stack()
+    assert stack is not None  # a GGUF Llama of int8 products on the fused CPU ops has one
+    return stack
 
 
 def _with_and_without(llm: LLM, monkeypatch) -> tuple[list, list, list[int]]:
@@ -93,14 +94,14 @@ def test_a_failing_kernel_raises_naming_the_layer_and_the_engine_goes_on(gguf_pa
     stack = _stack(llm)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     expected = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0].token_ids
-    saved = stack._structs[1].down_type
-    stack._structs[1].down_type = 99  # a type gguf_matmul does not know
+    saved = stack._structs[1].down.types[0]
+    stack._structs[1].down.types[0] = 99  # a type gguf_matmul does not know
     try:
         with pytest.raises(ValueError, match="gguf_matmul refused"):
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
         assert stack._failed.value == 1
     finally:
-        stack._structs[1].down_type = saved
+        stack._structs[1].down.types[0] = saved
     again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0].token_ids
     assert again == expected
 
@@ -109,7 +110,62 @@ def test_the_switch_turns_it_off(gguf_path, monkeypatch):
     monkeypatch.setenv("PAGELLM_DECODE_STACK", "0")
     llm = _llm(gguf_path)
     model = llm.llm_engine.core.runner.model.model
-    assert model.direct_layers() is not None and model._decode_stack is None
+    assert model.direct_layers() is not None and model.decode_stack() is None
+
+
+def _llama_block_type(name: str):
+    """As a Q4_K_M file mixes them: v and down in Q5_0, the rest of the blocks Q8_0 (so qkv is two parts, which the
+    direct path does not take); norms and the embedding F32."""
+    import gguf
+
+    stem = name.rsplit(".", 1)[0]
+    if not name.startswith("blk.") or "norm" in stem:
+        return None
+    return gguf.GGMLQuantizationType.Q5_0 if stem.endswith(("attn_v", "ffn_down")) else gguf.GGMLQuantizationType.Q8_0
+
+
+@pytest.fixture(scope="module")
+def mixed_llama_gguf(tmp_path_factory, default_tokenizer):
+    import transformers
+
+    from tests.test_gguf_families import COMMON, write_gguf_like_llama_cpp
+
+    torch.manual_seed(2)
+    config = transformers.LlamaConfig(**COMMON, num_hidden_layers=2, head_dim=32,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config.vocab_size = len(default_tokenizer)
+    config.bos_token_id, config.eos_token_id = default_tokenizer.bos_token_id, default_tokenizer.eos_token_id
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    directory = tmp_path_factory.mktemp("tiny-llama-mixed")
+    default_tokenizer.save_pretrained(directory)
+    path = directory / "tiny-llama-mixed.gguf"
+    write_gguf_like_llama_cpp(model, "llama", path, _llama_block_type)
+    return path, directory
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_llama_with_multi_part_layers_runs_on_the_stack_as_its_modules_do(mixed_llama_gguf, dtype, monkeypatch):
+    path, tokenizer = mixed_llama_gguf
+    llm = _llm(path, tokenizer=str(tokenizer), dtype=dtype)
+    model = llm.llm_engine.core.runner.model.model
+    assert model.direct_layers() is None  # a two-part qkv: no prepared product
+    stack = model.decode_stack()
+    assert stack is not None and stack._structs[0].qkv.parts == 2 and stack._structs[0].down.parts == 1
+    ran: list[int] = []
+    call = DecodeStack.__call__
+
+    def counted(self, hidden, *args):
+        ran.append(hidden.shape[0])
+        return call(self, hidden, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DecodeStack, "__call__", counted)
+        stacked = _generate(llm)
+    with monkeypatch.context() as patch:
+        patch.setattr(DecodeStack, "serves", lambda self, *args: False)
+        modules = _generate(llm)
+    assert stacked == modules
+    assert {1, 3} <= set(ran)
 
 
 # ---- Gemma 3 ----------------------------------------------------------------------------------------------

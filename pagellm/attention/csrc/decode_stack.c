@@ -14,14 +14,45 @@
 typedef int (*ProductFunction)(int type, const void *w, const void *x, int x_bf16, int64_t rows, int64_t in_features,
                                int64_t out_features, void *y, int y_bf16);
 
-/* One decoder layer's weights (GGUF blocks with their type ids) and its caches. */
+/* A linear layer of up to three GGUF parts (a fused qkv whose v has its own type), their outputs side by side. */
+#define MAX_PARTS 3
 typedef struct {
+    const void *weights[MAX_PARTS];
+    int64_t out_features[MAX_PARTS];
+    int32_t types[MAX_PARTS];
+    int32_t parts;
+} StackLinear;
+
+/* y [tokens, sum of the parts' outputs] = x [tokens, in_features] W^T, as the GGUF linear method's apply
+ * computes it (each part's product, concatenated), in float32 or (bf16) bfloat16. With several parts and tokens,
+ * each part's rows go through `scratch` (>= tokens * the widest part). Returns gguf_matmul's failure code, or 0. */
+static int linear(ProductFunction product, const StackLinear *l, const void *x, int64_t tokens, int64_t in_features,
+                  void *y, void *scratch, int bf16) {
+    const int64_t element = bf16 ? 2 : 4;
+    int64_t width = 0;
+    for (int p = 0; p < l->parts; ++p) width += l->out_features[p];
+    int64_t offset = 0;
+    for (int p = 0; p < l->parts; ++p) {
+        const int64_t out = l->out_features[p];
+        const int direct = l->parts == 1 || tokens == 1;
+        char *into = direct ? (char *)y + offset * element : (char *)scratch;
+        const int failed = product(l->types[p], l->weights[p], x, bf16, tokens, in_features, out, into, bf16);
+        if (failed) return failed;
+        if (!direct)
+            for (int64_t t = 0; t < tokens; ++t)
+                memcpy((char *)y + (t * width + offset) * element, (char *)scratch + t * out * element, out * element);
+        offset += out;
+    }
+    return 0;
+}
+
+/* One decoder layer's weights and its caches. */
+typedef struct {
+    StackLinear qkv, o, gate_up, down;
     const void *input_norm, *post_norm;
-    const void *qkv, *o, *gate_up, *down;
     void *k_cache, *v_cache;
     int64_t sliding_window; /* 0: every key */
     float input_eps, post_eps, scale;
-    int32_t qkv_type, o_type, gate_up_type, down_type;
 } StackLayer;
 
 typedef struct {
@@ -63,7 +94,7 @@ enum { DECODE_STACK_MEMORY = 1, DECODE_STACK_PRODUCT = 10, DECODE_STACK_ATTENTIO
 
 /* Row buffers of one step, in the activations' dtype. */
 typedef struct {
-    char *x, *qkv, *q, *attended, *projected, *gate_up, *activated;
+    char *x, *qkv, *q, *attended, *projected, *gate_up, *activated, *scratch;
 } StackBuffers;
 
 static char *carve(char **next, int64_t elements, int64_t element_size) {
@@ -75,10 +106,11 @@ static char *carve(char **next, int64_t elements, int64_t element_size) {
 static void *allocate_buffers(const StackShape *s, int64_t tokens, StackBuffers *b) {
     const int64_t element = s->bf16 ? 2 : 4, width = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
     const int64_t attention = s->num_heads * s->head_dim;
-    const int64_t per_token[7] = {s->hidden_size, width, attention, attention, s->hidden_size,
-                                  2 * s->intermediate_size, s->intermediate_size};
+    const int64_t widest = 2 * s->intermediate_size > width ? 2 * s->intermediate_size : width;
+    const int64_t per_token[8] = {s->hidden_size, width, attention, attention, s->hidden_size,
+                                  2 * s->intermediate_size, s->intermediate_size, widest};
     int64_t bytes = 0;
-    for (int i = 0; i < 7; ++i) bytes += (tokens * per_token[i] * element + 63) / 64 * 64;
+    for (int i = 0; i < 8; ++i) bytes += (tokens * per_token[i] * element + 63) / 64 * 64;
     char *base = aligned_alloc(64, bytes > 0 ? bytes : 64), *next = base;
     if (base == NULL) return NULL;
     b->x = carve(&next, tokens * per_token[0], element);
@@ -88,6 +120,7 @@ static void *allocate_buffers(const StackShape *s, int64_t tokens, StackBuffers 
     b->projected = carve(&next, tokens * per_token[4], element);
     b->gate_up = carve(&next, tokens * per_token[5], element);
     b->activated = carve(&next, tokens * per_token[6], element);
+    b->scratch = carve(&next, tokens * per_token[7], element);
     return base;
 }
 
@@ -134,7 +167,7 @@ int decode_layer_stack(const StackLayer *layers, int64_t num_layers, const Stack
         *failed_layer = l;
         if (l == 0) add_rms_norm(residual, NULL, layer->input_norm, b.x, tokens, hidden_size, layer->input_eps, bf16);
         else add_rms_norm(hidden, residual, layer->input_norm, b.x, tokens, hidden_size, layer->input_eps, bf16);
-        if ((failed = product(layer->qkv_type, layer->qkv, b.x, bf16, tokens, hidden_size, width, b.qkv, bf16)))
+        if ((failed = linear(product, &layer->qkv, b.x, tokens, hidden_size, b.qkv, b.scratch, bf16)))
             failed += DECODE_STACK_PRODUCT;
         if (failed) break;
         rotary_inplace(b.qkv, tokens, width, s->num_heads + s->num_kv_heads, s->head_dim, step->cos, step->sin,
@@ -148,18 +181,16 @@ int decode_layer_stack(const StackLayer *layers, int64_t num_layers, const Stack
                                              layer->scale, layer->sliding_window, NULL)))
             failed += DECODE_STACK_ATTENTION;
         if (failed) break;
-        if ((failed = product(layer->o_type, layer->o, b.attended, bf16, tokens, attention, hidden_size, b.projected,
-                              bf16)))
+        if ((failed = linear(product, &layer->o, b.attended, tokens, attention, b.projected, b.scratch, bf16)))
             failed += DECODE_STACK_PRODUCT;
         if (failed) break;
         add_rms_norm(b.projected, residual, layer->post_norm, b.x, tokens, hidden_size, layer->post_eps, bf16);
-        if ((failed = product(layer->gate_up_type, layer->gate_up, b.x, bf16, tokens, hidden_size,
-                              2 * s->intermediate_size, b.gate_up, bf16)))
+        if ((failed = linear(product, &layer->gate_up, b.x, tokens, hidden_size, b.gate_up, b.scratch, bf16)))
             failed += DECODE_STACK_PRODUCT;
         if (failed) break;
         silu_and_mul(b.gate_up, b.activated, tokens, s->intermediate_size, bf16);
-        if ((failed = product(layer->down_type, layer->down, b.activated, bf16, tokens, s->intermediate_size,
-                              hidden_size, hidden, bf16)))
+        if ((failed = linear(product, &layer->down, b.activated, tokens, s->intermediate_size, hidden, b.scratch,
+                             bf16)))
             failed += DECODE_STACK_PRODUCT;
     }
     if (!failed) *failed_layer = -1;
@@ -168,15 +199,6 @@ int decode_layer_stack(const StackLayer *layers, int64_t num_layers, const Stack
 }
 
 /* ---- Gemma 3 -------------------------------------------------------------------------------------------- */
-
-/* A linear layer of up to three GGUF parts (a fused qkv whose v has its own type), their outputs side by side. */
-#define MAX_PARTS 3
-typedef struct {
-    const void *weights[MAX_PARTS];
-    int64_t out_features[MAX_PARTS];
-    int32_t types[MAX_PARTS];
-    int32_t parts;
-} StackLinear;
 
 /* One Gemma 3 decoder layer: its linear layers, its norms' weights as the fused kernel takes them (1 + weight, in
  * float32), its rotary tables (local or global) and window, and its caches. */
@@ -188,27 +210,6 @@ typedef struct {
     int64_t sliding_window;
     float eps, scale;
 } GemmaLayer;
-
-/* y [tokens, sum of the parts' outputs] = x [tokens, in_features] W^T, as the GGUF linear method's apply
- * computes it (each part's product, concatenated). With several parts and tokens, each part's rows go through
- * `scratch` (>= tokens * the widest part). Returns gguf_matmul's failure code, or 0. */
-static int linear(ProductFunction product, const StackLinear *l, const float *x, int64_t tokens, int64_t in_features,
-                  float *y, float *scratch) {
-    int64_t width = 0;
-    for (int p = 0; p < l->parts; ++p) width += l->out_features[p];
-    int64_t offset = 0;
-    for (int p = 0; p < l->parts; ++p) {
-        const int64_t out = l->out_features[p];
-        const int direct = l->parts == 1 || tokens == 1;
-        float *into = direct ? y + offset : scratch;
-        const int failed = product(l->types[p], l->weights[p], x, 0, tokens, in_features, out, into, 0);
-        if (failed) return failed;
-        if (!direct)
-            for (int64_t t = 0; t < tokens; ++t) memcpy(y + t * width + offset, scratch + t * out, out * sizeof(float));
-        offset += out;
-    }
-    return 0;
-}
 
 /* Row buffers of a Gemma layer in float32. */
 typedef struct {
@@ -251,7 +252,7 @@ int gemma_decode_layer(const GemmaLayer *previous, const float *activated, const
     int failed = 0;
     if (previous != NULL) {
         *failed_part = 0;
-        failed = linear(product, &previous->down, activated, tokens, s->intermediate_size, b.projected, b.scratch);
+        failed = linear(product, &previous->down, activated, tokens, s->intermediate_size, b.projected, b.scratch, 0);
         if (failed) {
             free(base);
             return DECODE_STACK_PRODUCT + failed;
@@ -263,7 +264,7 @@ int gemma_decode_layer(const GemmaLayer *previous, const float *activated, const
     if (layer != NULL) {
         *failed_part = 1;
         add_rms_norm(hidden, NULL, layer->input_norm, b.x, tokens, hidden_size, layer->eps, 0);
-        if ((failed = linear(product, &layer->qkv, b.x, tokens, hidden_size, b.qkv, b.scratch))) {
+        if ((failed = linear(product, &layer->qkv, b.x, tokens, hidden_size, b.qkv, b.scratch, 0))) {
             failed += DECODE_STACK_PRODUCT;
             goto done;
         }
@@ -286,13 +287,13 @@ int gemma_decode_layer(const GemmaLayer *previous, const float *activated, const
             failed += DECODE_STACK_ATTENTION;
             goto done;
         }
-        if ((failed = linear(product, &layer->o, b.attended, tokens, attention, b.projected, b.scratch))) {
+        if ((failed = linear(product, &layer->o, b.attended, tokens, attention, b.projected, b.scratch, 0))) {
             failed += DECODE_STACK_PRODUCT;
             goto done;
         }
         add_rms_norm(b.projected, NULL, layer->post_attention_norm, b.normed, tokens, hidden_size, layer->eps, 0);
         add_rms_norm(b.normed, hidden, layer->pre_feedforward_norm, b.x, tokens, hidden_size, layer->eps, 0);
-        if ((failed = linear(product, &layer->gate_up, b.x, tokens, hidden_size, gate_up, b.scratch)))
+        if ((failed = linear(product, &layer->gate_up, b.x, tokens, hidden_size, gate_up, b.scratch, 0)))
             failed += DECODE_STACK_PRODUCT;
     }
 done:
