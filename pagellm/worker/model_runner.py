@@ -125,8 +125,14 @@ class ModelRunner:
         num_scheduled = np.fromiter(
             scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(request_ids)
         )
-        # Decodes (one query token) first: they share one attention call without query padding.
-        order = np.argsort(num_scheduled > 1, kind="stable")
+        # Decodes (one query token) first: they share one attention call without query padding. Then the rows
+        # that verify drafts, whose tokens attend as decodes do (prepare_inputs), then prefill chunks.
+        chunk = num_scheduled > 1
+        verifying = np.zeros_like(chunk)
+        if scheduler_output.spec_token_ids:
+            verifying = chunk & np.fromiter((r in scheduler_output.spec_token_ids for r in request_ids), dtype=bool,
+                                            count=len(request_ids))
+        order = np.argsort(chunk.astype(np.int64) + (chunk & ~verifying), kind="stable")
         rows, num_scheduled = rows[order], num_scheduled[order]
 
         spec = prepare_spec_step(batch, rows, num_scheduled, scheduler_output.spec_token_ids) \
@@ -134,7 +140,8 @@ class ModelRunner:
         if self.drafter is not None:
             # Fills the drafts (placeholders until now) before the target's inputs read them.
             self.drafter.propose(batch, rows, num_scheduled, spec)
-        inputs = prepare_inputs(batch, rows, num_scheduled, self.block_size, self.device)
+        inputs = prepare_inputs(batch, rows, num_scheduled, self.block_size, self.device,
+                                int(np.count_nonzero(verifying)))
         if spec is not None:
             inputs.logits_index = extend_logits_index(inputs.logits_index, spec)
         if self.lora is not None:

@@ -28,8 +28,9 @@ class StepInputs:
 
 
 def prepare_inputs(batch: InputBatch, rows: np.ndarray, num_scheduled: np.ndarray, block_size: int,
-                   device: torch.device) -> StepInputs:
-    """rows: the step's rows, decodes (one query token) first; num_scheduled: the tokens each computes."""
+                   device: torch.device, num_verifying: int = 0) -> StepInputs:
+    """rows: the step's rows, decodes (one query token) first, then `num_verifying` rows that verify drafts, then
+    the rest; num_scheduled: the tokens each computes."""
     computed = batch.num_computed[rows]
     ends = np.cumsum(num_scheduled)
     starts = ends - num_scheduled
@@ -60,10 +61,9 @@ def prepare_inputs(batch: InputBatch, rows: np.ndarray, num_scheduled: np.ndarra
             prompt_positions.append((position, flat, absolute[keep]))
             logits_index.append(flat)
 
-    num_decodes = int(np.count_nonzero(num_scheduled == 1))
     max_blocks = -(-int(context_lens.max()) // block_size)
-    attention = StepAttentionInputs(num_decodes, num_scheduled, context_lens,
-                                    batch.block_table[rows, :max_blocks], slot_mapping)
+    attention = _attention_inputs(batch, rows, num_scheduled, num_verifying, positions, token_rows, context_lens,
+                                  slot_mapping, max_blocks)
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -73,3 +73,23 @@ def prepare_inputs(batch: InputBatch, rows: np.ndarray, num_scheduled: np.ndarra
         logits_index=to_device(np.concatenate(logits_index), device),
         prompt_logprob_positions=prompt_positions,
     )
+
+
+def _attention_inputs(batch: InputBatch, rows: np.ndarray, num_scheduled: np.ndarray, num_verifying: int,
+                      positions: np.ndarray, token_rows: np.ndarray, context_lens: np.ndarray,
+                      slot_mapping: np.ndarray, max_blocks: int) -> StepAttentionInputs:
+    """The step as the attention backends take it. Each token of a row that verifies drafts attends as a decode
+    of its own (its sequence's block table, the keys up to its position): the attention of a verified token is
+    then the very computation a decode of it would have made, so speculation changes no output. (A chunk's
+    kernel sums in another order; a difference of one rounding in one layer, through the next layers' int8
+    activation quantization, moved a GGUF model's greedy tokens.)"""
+    decode_rows = int(np.count_nonzero(num_scheduled == 1)) + num_verifying
+    num_decodes = int(num_scheduled[:decode_rows].sum())
+    if num_decodes == decode_rows:  # no verifying rows: one row per sequence
+        return StepAttentionInputs(num_decodes, num_scheduled, context_lens, batch.block_table[rows, :max_blocks],
+                                   slot_mapping)
+    query_lens = np.concatenate([np.ones(num_decodes, dtype=np.int64), num_scheduled[decode_rows:]])
+    seq_lens = np.concatenate([positions[:num_decodes] + 1, context_lens[decode_rows:]])
+    block_tables = np.concatenate([batch.block_table[token_rows[:num_decodes], :max_blocks],
+                                   batch.block_table[rows[decode_rows:], :max_blocks]])
+    return StepAttentionInputs(num_decodes, query_lens, seq_lens, block_tables, slot_mapping)

@@ -261,3 +261,32 @@ def test_a_hook_on_a_gemma_layer_sends_the_step_to_the_modules(gemma_gguf):
     finally:
         handle.remove()
     assert model.decode_stack() is not None
+
+
+def test_verified_drafts_attend_as_decodes_so_speculation_changes_no_bit(gguf_path, monkeypatch):
+    """Each verified token attends as its decode would (worker/step_inputs.py): log-probabilities equal to the
+    bit, not merely close (a chunk's attention sums in another order, and a GGUF model's int8 activations carry
+    such a rounding on to its greedy tokens); the verification steps then run on the stack like decodes."""
+    from tests.test_spec_decode import _oracle
+
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    expected = _llm(gguf_path).generate(prompts, params, use_tqdm=False)
+    references = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in expected}
+    llm = _llm(gguf_path, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                              "disable_by_batch_size": 64})
+    _oracle(monkeypatch, references, error=0.3, seed=2)
+    ran: list[int] = []
+    call = DecodeStack.__call__
+
+    def counted(self, hidden, *args):
+        ran.append(hidden.shape[0])
+        return call(self, hidden, *args)
+
+    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for ours, theirs in zip(got, expected):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert ours.outputs[0].logprobs == theirs.outputs[0].logprobs
+    assert llm.llm_engine.core.scheduler.get_stats().spec_decoding.num_accepted_tokens > 0
+    assert max(ran) > len(PROMPTS)  # steps of several query tokens per sequence ran on the stack
