@@ -1,6 +1,9 @@
-"""Where the time goes in a decode step of a GGUF model (Gemma 3 270M Q4_K_M unless --model; one stream, then 16): wall time of the GGUF linear
-products by layer and block type (the tied LM head among them), the paged-attention call, the sampler, and the rest
-(norms, rotary, the embedding gather, the engine's host work), summed over each step's calls, mean of --steps steps.
+"""Where the time goes in a decode step of a GGUF model (Gemma 3 270M Q4_K_M unless --model; one stream, then
+16): wall time of the GGUF linear products by layer and block type (the tied LM head among them), the decode
+stack (ops/decode_stack.py: every layer of a decode step, its products inside; PAGELLM_DECODE_STACK=0 runs the
+layers as modules, whose products and attention calls are then split out), the paged-attention call, the sampler,
+and the rest (norms, rotary, the embedding gather, the engine's host work), summed over each step's calls, mean
+of --steps steps.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/gguf_step.py
 """
@@ -23,6 +26,7 @@ import pagellm.models.llama as llama_module  # noqa: E402
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.cpu_features import cpu_description  # noqa: E402
 from pagellm.layers.quantization.gguf import GGUFLinearMethod  # noqa: E402
+from pagellm.ops.decode_stack import DecodeStack, GemmaDecodeStack  # noqa: E402
 from tests.test_gguf_gemma3 import gemma3_270m_path  # noqa: E402
 
 Seconds = collections.Counter
@@ -78,6 +82,9 @@ def main() -> None:
     args = parser.parse_args()
     spent: Seconds = collections.Counter()
     GGUFLinearMethod.apply = timed(GGUFLinearMethod.apply, spent, linear_part)
+    # Decode steps run the layers on the decode stack (ops/decode_stack.py): one part, its products inside.
+    DecodeStack.__call__ = timed(DecodeStack.__call__, spent, "decode stack (every layer)")
+    GemmaDecodeStack.__call__ = timed(GemmaDecodeStack.__call__, spent, "decode stack (every layer)")
     llama_module.paged_attention = timed(llama_module.paged_attention, spent, "paged attention")
     model = args.model or str(gemma3_270m_path())
     for num_seqs in args.seqs:
