@@ -24,8 +24,8 @@ from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RopeInputs, RotaryEmbedding, apply_rotary
 from pagellm.layers.vocab_embedding import ParallelLMHead, VocabEmbedding, compute_logits, lm_head_mode
 from pagellm.layers.weights import default_weight_loader, weights_bytes
-from pagellm.ops.decode_stack import DecodeStack
 from pagellm.models.sliding_window import layer_sliding_window
+from pagellm.ops.decode_stack import DecodeStack
 
 # Checkpoint tensor names -> (fused parameter, shard), as the fused layers name their shards.
 STACKED_PARAMS = (
