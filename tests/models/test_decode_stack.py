@@ -26,6 +26,12 @@ def _llm(path, **kwargs) -> LLM:
                enable_prefix_caching=False, seed=0, **kwargs)
 
 
+@pytest.fixture(scope="module")
+def float_llm(gguf_path):
+    """The float32 engine several tests share (each restores what it changes)."""
+    return _llm(gguf_path, dtype="float32")
+
+
 def _generate(llm: LLM) -> list[tuple[list[int], list]]:
     params = [SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True),
@@ -62,8 +68,9 @@ def _with_and_without(llm: LLM, monkeypatch) -> tuple[list, list, list[int]]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_stack_generates_what_the_direct_path_does(gguf_path, dtype, monkeypatch):
-    stacked, direct, ran = _with_and_without(_llm(gguf_path, dtype=dtype), monkeypatch)
+def test_the_stack_generates_what_the_direct_path_does(gguf_path, float_llm, dtype, monkeypatch):
+    llm = float_llm if dtype == "float32" else _llm(gguf_path, dtype=dtype)
+    stacked, direct, ran = _with_and_without(llm, monkeypatch)
     assert stacked == direct
     # Decode steps of three, then two (the 8-token requests end together), then one sequence ran in C.
     assert {1, 2, 3} <= set(ran) or {1, 3} <= set(ran)
@@ -76,8 +83,8 @@ def test_the_stack_writes_and_reads_a_quantized_cache_as_the_direct_path_does(gg
     assert stacked == direct and ran
 
 
-def test_steps_beyond_the_int8_products_rows_are_left_to_the_direct_path(gguf_path, monkeypatch):
-    llm = _llm(gguf_path)
+def test_steps_beyond_the_int8_products_rows_are_left_to_the_direct_path(float_llm, monkeypatch):
+    llm = float_llm
     stack = _stack(llm)
     limit = stack.max_tokens
     stack.max_tokens = 1  # as if the products switched to dequantized tiles from 2 rows
@@ -89,8 +96,8 @@ def test_steps_beyond_the_int8_products_rows_are_left_to_the_direct_path(gguf_pa
     assert ran and set(ran) == {1}
 
 
-def test_a_failing_kernel_raises_naming_the_layer_and_the_engine_goes_on(gguf_path):
-    llm = _llm(gguf_path)
+def test_a_failing_kernel_raises_naming_the_layer_and_the_engine_goes_on(float_llm):
+    llm = float_llm
     stack = _stack(llm)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     expected = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -106,11 +113,16 @@ def test_a_failing_kernel_raises_naming_the_layer_and_the_engine_goes_on(gguf_pa
     assert again == expected
 
 
-def test_the_switch_turns_it_off(gguf_path, monkeypatch):
+def test_the_switch_turns_it_off(float_llm, monkeypatch):
+    model = float_llm.llm_engine.core.runner.model.model
     monkeypatch.setenv("PAGELLM_DECODE_STACK", "0")
-    llm = _llm(gguf_path)
-    model = llm.llm_engine.core.runner.model.model
-    assert model.direct_layers() is not None and model.decode_stack() is None
+    model.reset_direct_layers()
+    try:
+        assert model.direct_layers() is not None and model.decode_stack() is None
+    finally:
+        monkeypatch.delenv("PAGELLM_DECODE_STACK")
+        model.reset_direct_layers()
+    assert model.decode_stack() is not None
 
 
 def _llama_block_type(name: str):
@@ -218,13 +230,22 @@ def _gemma_generate(llm: LLM) -> list[tuple[list[int], list]]:
     return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
 
 
+def _gemma_llm(gemma_gguf, kv_cache_dtype: str = "auto") -> LLM:
+    path, tokenizer = gemma_gguf
+    return LLM(str(path), tokenizer=str(tokenizer), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
+               max_num_batched_tokens=16, enable_prefix_caching=False, seed=0, kv_cache_dtype=kv_cache_dtype)
+
+
+@pytest.fixture(scope="module")
+def gemma_llm(gemma_gguf):
+    return _gemma_llm(gemma_gguf)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_the_gemma_stack_generates_what_the_modules_do(gemma_gguf, kv_cache_dtype, monkeypatch):
+def test_the_gemma_stack_generates_what_the_modules_do(gemma_gguf, gemma_llm, kv_cache_dtype, monkeypatch):
     from pagellm.ops.decode_stack import GemmaDecodeStack
 
-    path, tokenizer = gemma_gguf
-    llm = LLM(str(path), tokenizer=str(tokenizer), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
-              max_num_batched_tokens=16, enable_prefix_caching=False, seed=0, kv_cache_dtype=kv_cache_dtype)
+    llm = gemma_llm if kv_cache_dtype == "auto" else _gemma_llm(gemma_gguf, kv_cache_dtype)
     model = llm.llm_engine.core.runner.model.model
     stack = model.decode_stack()
     assert stack is not None
@@ -246,10 +267,8 @@ def test_the_gemma_stack_generates_what_the_modules_do(gemma_gguf, kv_cache_dtyp
     assert {1, 3} <= set(ran)  # one sequence and several, the multi-part qkv's rows copied out per part
 
 
-def test_a_hook_on_a_gemma_layer_sends_the_step_to_the_modules(gemma_gguf):
-    path, tokenizer = gemma_gguf
-    llm = LLM(str(path), tokenizer=str(tokenizer), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
-              enable_prefix_caching=False, seed=0)
+def test_a_hook_on_a_gemma_layer_sends_the_step_to_the_modules(gemma_llm):
+    llm = gemma_llm
     model = llm.llm_engine.core.runner.model.model
     assert model.decode_stack() is not None
     calls = []
@@ -263,7 +282,7 @@ def test_a_hook_on_a_gemma_layer_sends_the_step_to_the_modules(gemma_gguf):
     assert model.decode_stack() is not None
 
 
-def test_verified_drafts_attend_as_decodes_so_speculation_changes_no_bit(gguf_path, monkeypatch):
+def test_verified_drafts_attend_as_decodes_so_speculation_changes_no_bit(gguf_path, float_llm, monkeypatch):
     """Each verified token attends as its decode would (worker/step_inputs.py): log-probabilities equal to the
     bit, not merely close (a chunk's attention sums in another order, and a GGUF model's int8 activations carry
     such a rounding on to its greedy tokens); the verification steps then run on the stack like decodes."""
@@ -271,10 +290,10 @@ def test_verified_drafts_attend_as_decodes_so_speculation_changes_no_bit(gguf_pa
 
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    expected = _llm(gguf_path).generate(prompts, params, use_tqdm=False)
+    expected = float_llm.generate(prompts, params, use_tqdm=False)
     references = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in expected}
-    llm = _llm(gguf_path, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                              "disable_by_batch_size": 64})
+    llm = _llm(gguf_path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                               "disable_by_batch_size": 64})
     _oracle(monkeypatch, references, error=0.3, seed=2)
     ran: list[int] = []
     call = DecodeStack.__call__
