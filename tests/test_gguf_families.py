@@ -84,14 +84,11 @@ def write_gguf_like_llama_cpp(model: transformers.PreTrainedModel, arch: str, pa
     writer.close()
 
 
-@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
-def tiny(request, tmp_path_factory, default_tokenizer):
-    """(arch, HF model, HF directory, GGUF path) for one family."""
-    arch = request.param
-    torch.manual_seed(0)
-    config = HF_CONFIGS[arch]()
-    config.vocab_size = len(default_tokenizer)
-    config.bos_token_id, config.eos_token_id = default_tokenizer.bos_token_id, default_tokenizer.eos_token_id
+def tiny_hf_model(config, tokenizer, seed: int) -> transformers.PreTrainedModel:
+    """A random float32 model of `config` over `tokenizer`'s vocabulary, its norms random too."""
+    torch.manual_seed(seed)
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -99,6 +96,14 @@ def tiny(request, tmp_path_factory, default_tokenizer):
                 # Random norms (Gemma's init is all zeros), on a 2^-10 grid so that the converter's + 1 and the
                 # loader's - 1 are exact in float32.
                 param.copy_(torch.round(torch.empty_like(param).uniform_(-0.5, 0.5) * 1024) / 1024)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+def tiny(request, tmp_path_factory, default_tokenizer):
+    """(arch, HF model, HF directory, GGUF path) for one family."""
+    arch = request.param
+    model = tiny_hf_model(HF_CONFIGS[arch](), default_tokenizer, seed=0)
     directory = tmp_path_factory.mktemp(f"tiny-{arch}")
     model.save_pretrained(directory)
     default_tokenizer.save_pretrained(directory)

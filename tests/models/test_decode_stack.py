@@ -3,8 +3,9 @@ what the direct path computes, to the bit, and leaves every step it does not ser
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
-import torch
 
 from benchmarks.synthetic_gguf import LlamaShape, write_synthetic_gguf
 from pagellm import LLM, SamplingParams
@@ -48,28 +49,30 @@ def _stack(llm: LLM) -> DecodeStack:
     return stack
 
 
-def _with_and_without(llm: LLM, monkeypatch) -> tuple[list, list, list[int]]:
+def _with_and_without(llm: LLM, monkeypatch, stack_class: type = DecodeStack,
+                      generate: Callable[[LLM], list] | None = None) -> tuple[list, list, list[int]]:
     """(outputs with the stack, outputs without it, the token count of each step the stack ran)."""
-    _stack(llm)
+    generate = generate or _generate
     ran: list[int] = []
-    call = DecodeStack.__call__
+    call = stack_class.__call__
 
     def counted(self, hidden, *args):
         ran.append(hidden.shape[0])
         return call(self, hidden, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(DecodeStack, "__call__", counted)
-        stacked = _generate(llm)
+        patch.setattr(stack_class, "__call__", counted)
+        stacked = generate(llm)
     with monkeypatch.context() as patch:
-        patch.setattr(DecodeStack, "serves", lambda self, *args: False)
-        direct = _generate(llm)
-    return stacked, direct, ran
+        patch.setattr(stack_class, "serves", lambda self, *args: False)
+        without = generate(llm)
+    return stacked, without, ran
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_stack_generates_what_the_direct_path_does(gguf_path, float_llm, dtype, monkeypatch):
     llm = float_llm if dtype == "float32" else _llm(gguf_path, dtype=dtype)
+    _stack(llm)
     stacked, direct, ran = _with_and_without(llm, monkeypatch)
     assert stacked == direct
     # Decode steps of three, then two (the 8-token requests end together), then one sequence ran in C.
@@ -79,7 +82,9 @@ def test_the_stack_generates_what_the_direct_path_does(gguf_path, float_llm, dty
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8_per_token_head"])
 def test_the_stack_writes_and_reads_a_quantized_cache_as_the_direct_path_does(gguf_path, kv_cache_dtype,
                                                                                monkeypatch):
-    stacked, direct, ran = _with_and_without(_llm(gguf_path, kv_cache_dtype=kv_cache_dtype), monkeypatch)
+    llm = _llm(gguf_path, kv_cache_dtype=kv_cache_dtype)
+    _stack(llm)
+    stacked, direct, ran = _with_and_without(llm, monkeypatch)
     assert stacked == direct and ran
 
 
@@ -125,9 +130,9 @@ def test_the_switch_turns_it_off(float_llm, monkeypatch):
     assert model.decode_stack() is not None
 
 
-def _llama_block_type(name: str):
-    """As a Q4_K_M file mixes them: v and down in Q5_0, the rest of the blocks Q8_0 (so qkv is two parts, which the
-    direct path does not take); norms and the embedding F32."""
+def _mixed_block_type(name: str):
+    """As a Q4_K_M file mixes them: v and down in Q5_0, the rest of the blocks Q8_0 (so qkv is two parts, which
+    Llama's direct path does not take); norms and the embedding F32."""
     import gguf
 
     stem = name.rsplit(".", 1)[0]
@@ -140,18 +145,15 @@ def _llama_block_type(name: str):
 def mixed_llama_gguf(tmp_path_factory, default_tokenizer):
     import transformers
 
-    from tests.test_gguf_families import COMMON, write_gguf_like_llama_cpp
+    from tests.test_gguf_families import COMMON, tiny_hf_model, write_gguf_like_llama_cpp
 
-    torch.manual_seed(2)
     config = transformers.LlamaConfig(**COMMON, num_hidden_layers=2, head_dim=32,
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    config.vocab_size = len(default_tokenizer)
-    config.bos_token_id, config.eos_token_id = default_tokenizer.bos_token_id, default_tokenizer.eos_token_id
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model = tiny_hf_model(config, default_tokenizer, seed=2)
     directory = tmp_path_factory.mktemp("tiny-llama-mixed")
     default_tokenizer.save_pretrained(directory)
     path = directory / "tiny-llama-mixed.gguf"
-    write_gguf_like_llama_cpp(model, "llama", path, _llama_block_type)
+    write_gguf_like_llama_cpp(model, "llama", path, _mixed_block_type)
     return path, directory
 
 
@@ -163,58 +165,28 @@ def test_a_llama_with_multi_part_layers_runs_on_the_stack_as_its_modules_do(mixe
     assert model.direct_layers() is None  # a two-part qkv: no prepared product
     stack = model.decode_stack()
     assert stack is not None and stack._structs[0].qkv.parts == 2 and stack._structs[0].down.parts == 1
-    ran: list[int] = []
-    call = DecodeStack.__call__
-
-    def counted(self, hidden, *args):
-        ran.append(hidden.shape[0])
-        return call(self, hidden, *args)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(DecodeStack, "__call__", counted)
-        stacked = _generate(llm)
-    with monkeypatch.context() as patch:
-        patch.setattr(DecodeStack, "serves", lambda self, *args: False)
-        modules = _generate(llm)
+    stacked, modules, ran = _with_and_without(llm, monkeypatch)
     assert stacked == modules
     assert {1, 3} <= set(ran)
 
 
 # ---- Gemma 3 ----------------------------------------------------------------------------------------------
 
-def _gemma_block_type(name: str):
-    """q, k, o, gate and up in Q8_0; v and down in Q5_0 (so qkv is two parts, as in the real Q4_K_M file); the
-    norms and the embedding stay F32."""
-    import gguf
-
-    stem = name.rsplit(".", 1)[0]
-    if not name.startswith("blk.") or "norm" in stem:
-        return None
-    return gguf.GGMLQuantizationType.Q5_0 if stem.endswith(("attn_v", "ffn_down")) else gguf.GGMLQuantizationType.Q8_0
-
-
 @pytest.fixture(scope="module")
 def gemma_gguf(tmp_path_factory, default_tokenizer):
     """(GGUF path, tokenizer directory) of a tiny random Gemma 3 (6 layers: 5 sliding over 32 keys, 1 global)."""
     import transformers
 
-    from tests.test_gguf_families import COMMON, write_gguf_like_llama_cpp
+    from tests.test_gguf_families import COMMON, tiny_hf_model, write_gguf_like_llama_cpp
 
-    torch.manual_seed(1)
     config = transformers.Gemma3TextConfig(**{**COMMON, "tie_word_embeddings": True}, num_hidden_layers=6,
                                            head_dim=32, query_pre_attn_scalar=32, sliding_window=32,
                                            architectures=["Gemma3ForCausalLM"])
-    config.vocab_size = len(default_tokenizer)
-    config.bos_token_id, config.eos_token_id = default_tokenizer.bos_token_id, default_tokenizer.eos_token_id
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(torch.round(torch.empty_like(param).uniform_(-0.5, 0.5) * 1024) / 1024)
+    model = tiny_hf_model(config, default_tokenizer, seed=1)
     directory = tmp_path_factory.mktemp("tiny-gemma3-q")
     default_tokenizer.save_pretrained(directory)
     path = directory / "tiny-gemma3-q.gguf"
-    write_gguf_like_llama_cpp(model, "gemma3", path, _gemma_block_type)
+    write_gguf_like_llama_cpp(model, "gemma3", path, _mixed_block_type)
     return path, directory
 
 
@@ -250,19 +222,7 @@ def test_the_gemma_stack_generates_what_the_modules_do(gemma_gguf, gemma_llm, kv
     stack = model.decode_stack()
     assert stack is not None
     assert stack._structs[0].qkv.parts == 2 and stack._structs[0].down.parts == 1
-    ran: list[int] = []
-    call = GemmaDecodeStack.__call__
-
-    def counted(self, hidden, *args):
-        ran.append(hidden.shape[0])
-        return call(self, hidden, *args)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(GemmaDecodeStack, "__call__", counted)
-        stacked = _gemma_generate(llm)
-    with monkeypatch.context() as patch:
-        patch.setattr(GemmaDecodeStack, "serves", lambda self, *args: False)
-        modules = _gemma_generate(llm)
+    stacked, modules, ran = _with_and_without(llm, monkeypatch, GemmaDecodeStack, _gemma_generate)
     assert stacked == modules  # the modules' kernel calls in their order: equal to the bit
     assert {1, 3} <= set(ran)  # one sequence and several, the multi-part qkv's rows copied out per part
 
