@@ -4,11 +4,11 @@
 models/llama.py's direct path already runs each layer as its bare kernel calls, but each of those ~10 calls per
 layer still pays for its Python: argument checks, a fresh output tensor, the ctypes call. For a small model a
 decode step's kernels are short (tens of microseconds), so that host work was a third of the step. Here the same
-kernels run in the same order from C, so the result is the direct path's bit for bit; this module checks once per
-step that the step is one the C loop serves, and otherwise leaves it to the direct path:
+kernels run in the same order from C, so the result is the layers' bit for bit; this module checks once per step
+that the step is one the C loop serves, and otherwise leaves it to the direct path or the modules:
 
-- every layer's four products are GGUF int8 products (ops/gguf_kernels.py's PreparedProduct, one library), with
-  the step's rows below the size where a product switches to dequantized tiles;
+- every layer's linear layers are GGUF int8 products (ops/gguf_kernels.py's PreparedProduct, one library; up to
+  three parts each), with the step's rows below the size where a product switches to dequantized tiles;
 - the step is decode tokens only, on the CPU attention backend with its native decode kernel and K/V writer;
 - the caches are float32/bfloat16 in the activations' dtype, or a quantized format the kernels read.
 
@@ -26,13 +26,12 @@ import os
 import numpy as np
 import torch
 
-from pagellm.attention.native import CpuOps, DecodeKernel, KVWriter, _cache_geometry
+from pagellm.attention.native import KERNEL_DTYPES, CpuOps, DecodeKernel, KVWriter, _cache_geometry
 from pagellm.attention.paged import AttentionMetadata, TorchAttentionBackend
 from pagellm.layers.rotary import RopeInputs
-from pagellm.ops.gguf_kernels import PreparedProduct, _matmul_failure
+from pagellm.ops.gguf_kernels import PreparedProduct
 
 ENV = "PAGELLM_DECODE_STACK"
-_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # decode_stack.c's failure codes.
 _MEMORY, _PRODUCT, _ATTENTION = 1, 10, 20
 
@@ -77,9 +76,9 @@ def enabled() -> bool:
 
 
 def _same_kernels(products: list[PreparedProduct]) -> bool:
-    """Whether every product is a PreparedProduct of one GGUF library (the C loop calls one product function)."""
-    return bool(products) and all(type(p) is PreparedProduct and p.kernels is products[0].kernels
-                                  and p.function is products[0].function for p in products)
+    """Whether every product is of one GGUF library (the C loop calls one product function)."""
+    return bool(products) and all(p.kernels is products[0].kernels and p.function is products[0].function
+                                  for p in products)
 
 
 def _int8_row_limit(products: list[PreparedProduct]) -> int | None:
@@ -98,12 +97,16 @@ class _Stack:
     max_tokens: int | None
     _structs: ctypes.Array
 
-    def _init_step(self, ops: CpuOps, products: list[PreparedProduct], shape: _StackShape) -> None:
+    def _init_step(self, products: list[PreparedProduct], shape: _StackShape) -> None:
         self.max_tokens = _int8_row_limit(products)
         self._product = ctypes.cast(products[0].function, ctypes.c_void_p).value
         self._shape = shape
         self._step = _StackStep()
         self._failed = ctypes.c_int64(-1)
+        # The structs' addresses, as every call passes them.
+        self._shape_address, self._step_address, self._failed_address = (
+            ctypes.addressof(x) for x in (self._shape, self._step, self._failed))
+        self._structs_address = ctypes.addressof(self._structs)
         # The caches the structs point at, and their format: checked when the model runner's list changes.
         self._caches: list | None = None
         self._caches_format: object = None
@@ -165,13 +168,15 @@ class _Stack:
         step.tokens, step.table_stride = positions.numel(), block_tables.shape[1]
         return [block_tables, context_lens]
 
-    def _failure(self, code: int, tokens: int, where: str, product: PreparedProduct) -> Exception:
-        if code == _MEMORY:
-            return MemoryError(f"the decode stack could not allocate its row buffers for {tokens} tokens")
+    def _failure(self, code: int, tokens: int, layer: int) -> Exception:
+        """The error of decode_stack.c's failure `code` in `layer` (which of its products failed, C does not say)."""
+        if code == _MEMORY or code == _PRODUCT + 1:
+            return MemoryError(f"layer {layer}: the decode stack could not allocate its buffers for {tokens} tokens")
         if code >= _ATTENTION:
-            return RuntimeError(f"{where}: the decode attention kernel failed (code {code - _ATTENTION}) on "
+            return RuntimeError(f"layer {layer}: the decode attention kernel failed (code {code - _ATTENTION}) on "
                                 f"{tokens} tokens, head_dim={self.head_dim}")
-        return _matmul_failure(code - _PRODUCT, tokens, product.type_name, product.in_features)
+        return ValueError(f"layer {layer}: gguf_matmul refused one of its products (code {code - _PRODUCT}: a block "
+                          f"type it does not know, or input features that are not whole blocks)")
 
 
 def _linear_parts(linear, in_features: int, out_features: int) -> tuple[PreparedProduct, ...] | None:
@@ -229,7 +234,6 @@ class DecodeStack(_Stack):
         argtypes = [ctypes.c_void_p] * 9
         argtypes[1] = ctypes.c_int64  # the layer count
         self._function.argtypes = argtypes
-        self._linears = linears
         self._structs = (_StackLayer * len(layers))()
         for struct, layer, row in zip(self._structs, layers, linears):
             for name, parts in zip(("qkv", "o", "gate_up", "down"), row):
@@ -241,7 +245,7 @@ class DecodeStack(_Stack):
             struct.sliding_window = layer.self_attn.sliding_window or 0
         shape = _StackShape(hidden_size, intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim, 0, 0,
                             int(self.dtype is torch.bfloat16))
-        self._init_step(ops, [p for row in linears for parts in row for p in parts], shape)
+        self._init_step([p for row in linears for parts in row for p in parts], shape)
 
     @classmethod
     def build(cls, layers: list, ops: CpuOps) -> DecodeStack | None:
@@ -258,7 +262,7 @@ class DecodeStack(_Stack):
             return None
         dtype = layers[0].input_layernorm.weight.dtype
         norms = [norm.weight for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-        if (dtype not in _ACTIVATION_DTYPES or any(w.dtype is not dtype or not w.is_contiguous() for w in norms)
+        if (dtype not in KERNEL_DTYPES or any(w.dtype is not dtype or not w.is_contiguous() for w in norms)
                 or not DecodeKernel.supports(layers[0].self_attn.head_dim)):
             return None
         return cls(layers, ops, linears, hidden, intermediate)
@@ -279,13 +283,13 @@ class DecodeStack(_Stack):
         self._step.cos, self._step.sin = rope.tables.cos.data_ptr(), rope.tables.sin.data_ptr()
         out = torch.empty_like(hidden)
         residual = torch.empty_like(hidden)
-        failed = self._function(ctypes.addressof(self._structs), len(kv_caches), ctypes.addressof(self._shape),
-                                ctypes.addressof(self._step), self._product, hidden.data_ptr(), out.data_ptr(),
-                                residual.data_ptr(), ctypes.addressof(self._failed))
+        failed = self._function(self._structs_address, len(kv_caches), self._shape_address, self._step_address,
+                                self._product, hidden.data_ptr(), out.data_ptr(), residual.data_ptr(),
+                                self._failed_address)
         del held
         if failed:
             layer = max(self._failed.value, 0)
-            raise self._failure(failed, hidden.shape[0], f"layer {layer}", self._linears[layer][0][0])
+            raise self._failure(failed, hidden.shape[0], layer)
         return out, residual
 
 
@@ -296,7 +300,7 @@ class GemmaDecodeStack(_Stack):
     kind it runs (see build)."""
 
     def __init__(self, layers: list, activations: list, linears: list[list[tuple[PreparedProduct, ...]]],
-                 ops: CpuOps, tables: dict, hidden_size: int, intermediate_size: int) -> None:
+                 ops: CpuOps, tables: list[tuple], hidden_size: int, intermediate_size: int) -> None:
         attn = layers[0].self_attn
         self.layers = layers  # held: the C structs point into their tensors
         self.activations = activations
@@ -307,7 +311,6 @@ class GemmaDecodeStack(_Stack):
         self._function = ops.library.gemma_decode_layer
         self._function.restype = ctypes.c_int
         self._function.argtypes = [ctypes.c_void_p] * 9
-        self._linears = linears
         self._structs = (_GemmaLayer * len(layers))()
         for struct, layer, row, (table, cos, sin) in zip(self._structs, layers, linears, tables):
             for name, parts in zip(("qkv", "o", "gate_up", "down"), row):
@@ -321,7 +324,7 @@ class GemmaDecodeStack(_Stack):
             struct.eps, struct.scale = layer.input_layernorm.eps, layer.self_attn.scale
             struct.sliding_window = layer.self_attn.sliding_window or 0
         shape = _StackShape(hidden_size, intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim, 0, 0, 0)
-        self._init_step(ops, [p for row in linears for parts in row for p in parts], shape)
+        self._init_step([p for row in linears for parts in row for p in parts], shape)
 
     @classmethod
     def build(cls, layers: list, tables: list, ops: CpuOps) -> GemmaDecodeStack | None:
@@ -370,8 +373,8 @@ class GemmaDecodeStack(_Stack):
         held = self._fill_step(positions, meta)
         tokens = hidden.shape[0]
         gate_up = torch.empty(tokens, 2 * self.intermediate_size)
-        shape, step, failed_part = (ctypes.addressof(x) for x in (self._shape, self._step, self._failed))
-        address = ctypes.addressof(self._structs[0])
+        shape, step, failed_part = self._shape_address, self._step_address, self._failed_address
+        address = self._structs_address
         size = ctypes.sizeof(_GemmaLayer)
         activated = None
         for index in range(len(kv_caches) + 1):
@@ -381,7 +384,7 @@ class GemmaDecodeStack(_Stack):
                                     step, self._product, hidden.data_ptr(), gate_up.data_ptr(), failed_part)
             if failed:
                 where = index - 1 if self._failed.value == 0 else index
-                raise self._failure(failed, tokens, f"layer {where}", self._linears[where][0][0])
+                raise self._failure(failed, tokens, where)
             if layer is not None:
                 activated = self.activations[index](gate_up)
         del held

@@ -75,8 +75,8 @@ def test_the_stack_generates_what_the_direct_path_does(gguf_path, float_llm, dty
     _stack(llm)
     stacked, direct, ran = _with_and_without(llm, monkeypatch)
     assert stacked == direct
-    # Decode steps of three, then two (the 8-token requests end together), then one sequence ran in C.
-    assert {1, 2, 3} <= set(ran) or {1, 3} <= set(ran)
+    # Decode steps of three sequences and of one ran in C.
+    assert {1, 3} <= set(ran)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8_per_token_head"])
