@@ -11,7 +11,8 @@ What is tested, per output y[r, o] of x [m, in] W^T:
 - int8 path, against the float activations: |y - y64| <= sum over blocks of d_block / 2 * sum_{k in block} |w_k|
   (+ the float32 term above): each activation moves by at most half a step of its block when it is quantized,
   which is all the error int8 activations explain. A bug that drops or misplaces a group of weights exceeds it.
-- dense path (dequantized tiles, torch's GEMM): within 1e-5 * sum_k |w_k x_k| of the float64 product.
+- dense path (dequantized tiles, torch's GEMM): within 1e-5 * sum_k |w_k x_k| of the float64 product (plus the
+  bfloat16 rounding of the tiles where the CPU multiplies bfloat16 natively).
 - dequantize_rows: equal to gguf_quants bit for bit (float32), and to its bfloat16 rounding.
 """
 
@@ -26,6 +27,7 @@ import torch
 
 from pagellm.attention import native
 from pagellm.cache_dir import cache_root
+from pagellm.cpu_features import cpu_has_native
 from pagellm.models import gguf_quants
 from pagellm.ops import gguf_kernels as gk
 
@@ -140,7 +142,11 @@ def test_bfloat16_activations_and_outputs(isa, name, cases):
     assert dense.dtype == torch.bfloat16
     expected = x.double().numpy() @ w64.T
     scale = np.abs(x.double().numpy()) @ np.abs(w64).T
-    assert (np.abs(dense.double().numpy() - expected) <= 2**-8 * np.abs(expected) + 1e-5 * scale).all()
+    # Where the CPU multiplies bfloat16 natively the tiles are dequantized to bfloat16: each weight moves by up to
+    # 2^-9 of itself before the float32-accumulated GEMM. Elsewhere they stay float32 and only the output rounds.
+    weight_rounding = 2**-9 if cpu_has_native(torch.bfloat16) else 0
+    bound = 2**-8 * np.abs(expected) + (weight_rounding + 1e-5) * scale
+    assert (np.abs(dense.double().numpy() - expected) <= bound).all()
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -88,15 +88,39 @@ def test_replicated_kv_head_tp2_equals_tp1_then_an_idle_worker_death_is_noticed(
         llm.llm_engine.shutdown()
 
 
+# SmolLM2's GGUF quantizes each product's activations to int8: a float sum taken in another order (each rank's
+# share, another vector width) can move a quantized activation by one step, and 30 layers carry it on, so TP=3's
+# log-probabilities sit near TP=1's (at most 0.09, 0.22 and 0.08 nats apart over these six tokens on the avx512,
+# avx2 and generic builds of an Intel Xeon with avx512) and not to the bit as the float models' do. A rank's
+# missing or misplaced share moves them by whole nats.
+SMOLLM2_LOGPROB_SPREAD = 0.35
+
+
+def _assert_same_up_to_a_near_tie(ours, reference) -> None:
+    """Equal tokens, and log-probabilities within the spread, until a step where the reference's two best tokens
+    lie within the spread of each other and TP took the other one: from there on the texts may part."""
+    for step, (token, expected) in enumerate(zip(ours.token_ids, reference.token_ids)):
+        theirs = reference.logprobs[step]
+        if token != expected:
+            assert token in theirs, (step, token, expected, theirs)
+            gap = theirs[expected].logprob - theirs[token].logprob
+            assert gap <= SMOLLM2_LOGPROB_SPREAD, (step, token, expected, gap)
+            return
+        assert ours.logprobs[step][token].logprob == pytest.approx(theirs[token].logprob,
+                                                                  abs=SMOLLM2_LOGPROB_SPREAD)
+
+
 def test_smollm2_tp3_equals_tp1():
     # 9 query heads and 3 KV heads: 3 ranks of 3 + 1. Short: SmolLM2 is 30 layers.
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[7]]
     kwargs = dict(max_model_len=128, num_gpu_blocks_override=64, max_num_batched_tokens=32, block_size=16)
-    expected = [o.outputs[0].token_ids for o in _engine(None, 1, **kwargs).generate(prompts, params, use_tqdm=False)]
+    expected = [o.outputs[0] for o in _engine(None, 1, **kwargs).generate(prompts, params, use_tqdm=False)]
     llm = _engine(None, 3, **kwargs)
     try:
         assert llm.llm_engine.core.runner.num_kv_heads == 1
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        for ours, reference in zip(outputs, expected, strict=True):
+            _assert_same_up_to_a_near_tie(ours, reference)
     finally:
         llm.llm_engine.shutdown()
