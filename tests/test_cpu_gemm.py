@@ -3,6 +3,8 @@ serve every row count) and pagellm's bf16 kernel, against the float32 product of
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,13 +123,27 @@ def _linear_kernel():
     return kernel
 
 
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 64])
-@pytest.mark.parametrize("in_features, out_features", [(2, 16), (64, 48), (576, 80), (130, 64)])
+def _on_path(kernel, path: str):
+    """The kernel made to take `path` at every row count: "vector" (VDPBF16PS) or "amx" (the tiles, where it has
+    them; in_features not a multiple of 32 stays on the vector path)."""
+    if path == "amx":
+        if not kernel.amx:
+            pytest.skip("no AMX tiles in this build, or the OS does not grant them")
+        kernel.amx_min_rows = 1
+    else:
+        kernel.amx_min_rows = 1 << 62
+    return kernel
+
+
+@pytest.mark.parametrize("path", ["vector", "amx"])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 64, 70])
+@pytest.mark.parametrize("in_features, out_features", [(2, 16), (64, 48), (576, 80), (130, 64), (96, 16)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_bf16_kernel_equals_the_exact_product_rounded(rows, in_features, out_features, bias):
-    """Row and panel tails (rows not a multiple of 8, 1-3 panels of 16 left), bias or none: float32 accumulation,
-    one rounding, so at least 99% of results equal the float64 product rounded to bfloat16, the rest one ulp off."""
-    kernel = _linear_kernel()
+def test_linear_bf16_kernel_equals_the_exact_product_rounded(path, rows, in_features, out_features, bias):
+    """Row and panel tails (rows not a multiple of 8 or of the tiles' 32, 1-3 panels of 16 left, an odd panel for
+    the tiles' pairs), bias or none: float32 accumulation, one rounding, so at least 99% of results equal the
+    float64 product rounded to bfloat16, the rest one ulp off."""
+    kernel = _on_path(_linear_kernel(), path)
     gen = torch.Generator().manual_seed(rows * 1000 + in_features + out_features)
     weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
@@ -153,7 +169,7 @@ def test_linear_bf16_kernel_layout_and_refusals():
         kernel(torch.zeros(3, 4, dtype=torch.bfloat16), packed, torch.zeros(16, dtype=torch.bfloat16))
 
 
-def test_only_the_avx512_bf16_build_has_the_linear_kernel():
+def test_only_the_avx512_bf16_build_has_the_linear_kernel_and_only_with_amx_its_tiles():
     from pagellm.attention import native
 
     for isa in native.runnable_isas():
@@ -163,6 +179,8 @@ def test_only_the_avx512_bf16_build_has_the_linear_kernel():
         has_dot = isa == "avx512" and "avx512_bf16" in native.cpu_flags()
         assert native.LinearBF16.available(library) == has_dot
         assert (native.linear_bf16(isa) is not None) == has_dot
+        has_tiles = has_dot and {"amx_tile", "amx_bf16"} <= set(native.cpu_flags())
+        assert ctypes.c_int.in_dll(library, "pagellm_linear_bf16_amx_available").value == has_tiles
 
 
 @needs_native_bf16

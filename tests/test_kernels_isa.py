@@ -264,8 +264,9 @@ def test_every_isa_compiles(tmp_path):
     if not any(flag in native.cpu_flags() for flag in ("avx2", "sse2")):
         pytest.skip("x86 targets need an x86 compiler")  # the generic build is what other CPUs load
     builds = {"generic": native.compiler_flags("generic"), "avx2": native.compiler_flags("avx2"),
-              "avx512": native.compiler_flags("avx512", native_bf16=False),
-              "avx512_bf16": native.compiler_flags("avx512", native_bf16=True)}
+              "avx512": native.compiler_flags("avx512", native_bf16=False, amx=False),
+              "avx512_bf16": native.compiler_flags("avx512", native_bf16=True, amx=False),
+              "avx512_amx": native.compiler_flags("avx512", native_bf16=True, amx=True)}
     jobs = []
     for name, flags in builds.items():
         # -O0: the same target checks (always_inline intrinsics need their instruction set) in less time.

@@ -61,6 +61,8 @@ _ISA_CPU_FLAGS = {
     "avx2": ("avx2", "fma"),
     "generic": (),
 }
+_AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
+_NEVER = 1 << 62  # a row count no call reaches
 _ISA_COMPILER_FLAGS = {
     "avx512": ["-DPAGELLM_ISA_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                "-mavx512dq"],
@@ -113,14 +115,19 @@ def best_isa() -> str:
     return forced
 
 
-def compiler_flags(isa: str, native_bf16: bool | None = None) -> list[str]:
+def compiler_flags(isa: str, native_bf16: bool | None = None, amx: bool | None = None) -> list[str]:
     """Flags that build the kernels for `isa` (without -shared/-o), with avx512_bf16's instructions if
-    `native_bf16` (default: if this CPU has them); usable on any machine to compile-check."""
+    `native_bf16`, and AMX's bfloat16 tiles besides if `amx` (defaults: if this CPU has them); usable on any
+    machine to compile-check."""
     flags = list(_ISA_COMPILER_FLAGS[isa])
     if native_bf16 is None:
         native_bf16 = "avx512_bf16" in cpu_flags()
+    if amx is None:
+        amx = all(flag in cpu_flags() for flag in _AMX_CPU_FLAGS)
     if isa == "avx512" and native_bf16:
         flags.append("-mavx512bf16")
+        if amx:
+            flags += ["-mamx-tile", "-mamx-bf16"]
     return _COMMON_FLAGS + flags
 
 
@@ -449,9 +456,13 @@ class KVWriter:
 
 class LinearBF16:
     """linear_bf16 (see linear_bf16.c): bfloat16 linear layers on a weight packed for it, where the library was
-    built with avx512_bf16's dot product; `available(library)` says whether it was."""
+    built with avx512_bf16's dot product; `available(library)` says whether it was. Where it was also built with
+    AMX's tiles and the OS grants them, calls of `amx_min_rows` rows or more run on the tiles (`amx` says so)."""
 
     PANEL = 16
+    # From this many rows the tiles beat the vector path: over 30 layers of SmolLM2's shapes streamed from memory
+    # on a 2-core Intel Xeon with amx_bf16, the vector path won at 1-6 rows, the tiles from 8 on (README).
+    AMX_MIN_ROWS = 8
 
     @staticmethod
     def available(library: ctypes.CDLL) -> bool:
@@ -467,7 +478,10 @@ class LinearBF16:
         self.isa = library_isa(library)
         self._function = library.linear_bf16
         self._function.restype = _INT
-        self._function.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+        self._function.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+        self.amx = bool(ctypes.c_int.in_dll(library, "pagellm_linear_bf16_amx_available").value
+                        and library.linear_bf16_amx_ready())
+        self.amx_min_rows = self.AMX_MIN_ROWS if self.amx else _NEVER
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> torch.Tensor:
@@ -490,7 +504,7 @@ class LinearBF16:
         rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
         y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
         if self._function(rows.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
-                          y.data_ptr(), rows.shape[0], in_features, out_features):
+                          y.data_ptr(), rows.shape[0], in_features, out_features, self.amx_min_rows):
             raise ValueError(f"linear_bf16 refused in_features={in_features}, out_features={out_features}")
         return y if rows is x else y.view(*x.shape[:-1], out_features)
 
