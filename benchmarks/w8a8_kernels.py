@@ -8,7 +8,9 @@ reads them from memory), through
 - `fp8`:        fp8 e4m3 weights as `fp8_linear` runs them (fused widening kernel below
                 FP8_DENSE_MIN_ROWS, dequantized tiles into torch's GEMM from there), and both paths forced;
 - `f32`, `bf16`: pagellm's dense layers as the loader sets them up (ops/dense_linear.py: oneDNN-packed or MKL
-                float32; bfloat16 on its own kernel, oneDNN, or widened per call where the CPU has no bf16).
+                float32; bfloat16 on its own kernel, oneDNN, or widened per call where the CPU has no bf16);
+- `int8-vector`, `bf16-vector`: where the CPU has AMX, the int8 and bf16 kernels kept on their vector paths
+                (VNNI, VDPBF16PS) at every row count, beside the AMX tiles the others take from 8 rows on.
 Prints GFLOP/s (CPU time, best of --repeats, --threads threads) and the speed-up over bfloat16, with the CPU's
 flags. Memory: pagellm's weights_bytes of SmolLM2 loaded from an HF export (benchmarks/export_hf.py) as
 bfloat16, float32, and with quantization="int8" and "fp8" (online, from the same float checkpoint).
@@ -27,11 +29,13 @@ import torch
 
 from pagellm.cpu_features import cpu_description, cpu_flags
 from pagellm.ops import w8a8_kernels as wk
-from pagellm.ops.dense_linear import UpcastScratch, choose_dense_kernel
+from pagellm.attention import native
+from pagellm.ops.dense_linear import NativeBF16Packed, UpcastScratch, choose_dense_kernel
 
 # (in_features, out_features) of SmolLM2-135M's four products per layer.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
-FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16")
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+NEVER = 1 << 62  # a row threshold no call reaches
 
 
 def build(layers: int, seed: int) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
@@ -42,12 +46,27 @@ def build(layers: int, seed: int) -> dict[str, list[Callable[[torch.Tensor], tor
     generator = torch.Generator().manual_seed(seed)
     scratch = UpcastScratch()
     options: dict[str, list] = {"int8": [], "fp8": [], "fp8-fused": [], "fp8-dense": [], "f32": [], "bf16": []}
+    # Where the CPU has AMX, the int8 and bf16 products switch to its tiles from a row count on: the vector
+    # paths forced at every row count, beside them.
+    int8_vector = wk.w8a8_kernels() if kernels.amx else None
+    if int8_vector is not None:
+        int8_vector.amx_min_rows = NEVER
+        options["int8-vector"] = []
+    bf16_vector = native.linear_bf16()
+    if bf16_vector is not None and bf16_vector.amx:
+        bf16_vector.amx_min_rows = NEVER
+        options["bf16-vector"] = []
     for _ in range(layers):
         for in_features, out_features in SHAPES:
             w = torch.randn(out_features, in_features, generator=generator) * 0.05
             q, scale = wk.quantize_rows_int8(w)
             packed = wk.pack_int8(q, scale)
             options["int8"].append(lambda x, p=packed: kernels.int8_linear(x, p, None))
+            if int8_vector is not None:
+                options["int8-vector"].append(lambda x, p=packed: int8_vector.int8_linear(x, p, None))
+            if "bf16-vector" in options:
+                layer = NativeBF16Packed(w.to(torch.bfloat16), bf16_vector)
+                options["bf16-vector"].append(lambda x, k=layer: k(x, None))
             f8, s8 = wk.quantize_fp8_per_tensor(w)
             packed8 = wk.pack_fp8(f8, s8.reshape(1, 1).expand(out_features, 1), in_features)
             options["fp8"].append(lambda x, p=packed8: kernels.fp8_linear(x, p, None))
@@ -81,7 +100,8 @@ def kernel_table(rows_list: list[int], layers: int, repeats: int, activation_dty
     for rows in rows_list:
         seconds = {}
         for name, products in options.items():
-            dtype = {"f32": torch.float32, "bf16": torch.bfloat16}.get(name, activation_dtype)
+            dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "bf16-vector": torch.bfloat16}.get(name,
+                                                                                                activation_dtype)
             time_option(products, rows, dtype, 1)  # warm: buffers, packed layouts, page faults
             seconds[name] = time_option(products, rows, dtype, repeats)
         cells = []

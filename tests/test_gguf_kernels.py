@@ -343,6 +343,7 @@ def test_every_isa_compiles(tmp_path):
     builds = {
         "avx2_vnni": gk.build_flags("avx2", frozenset({"avx_vnni"})),
         "avx512_vnni": gk.build_flags("avx512", frozenset({"avx512_vnni"})),
+        "avx512_amx": gk.build_flags("avx512", frozenset({"avx512_vnni", "amx_tile", "amx_int8"})),
     }
     assert "-mavx512vnni" in builds["avx512_vnni"] and "-mavxvnni" in builds["avx2_vnni"]
     jobs = []

@@ -26,8 +26,10 @@ from pagellm.ops import gguf_kernels as gk
 from pagellm.ops import w8a8_kernels as wk
 
 ISAS = native.runnable_isas()
-ROWS = (1, 3, 5, 8, 33)
-SHAPES = [(67, 21), (128, 40), (130, 9)]  # (K, N): K and N tails
+ROWS = (1, 3, 5, 8, 33, 70)
+# (K, N): K and N tails; K a multiple of 64 (what AMX's tiles take, in one or three tile steps) with an odd
+# number of 16-column strips.
+SHAPES = [(67, 21), (128, 40), (130, 9), (192, 48)]
 
 
 def _kernels(isa: str) -> wk.W8A8Kernels:
@@ -56,11 +58,21 @@ def _x(m: int, k: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.T
     return x.to(dtype)
 
 
+def _on_path(kernels: wk.W8A8Kernels, path: str) -> wk.W8A8Kernels:
+    """The int8 product made to take `path` at every row count: "vector" or "amx" (the tiles, where the build and
+    the OS have them; K not a multiple of 64 stays on the vector path)."""
+    if path == "amx" and not kernels.amx:
+        pytest.skip("no AMX int8 tiles in this build, or the OS does not grant them")
+    kernels.amx_min_rows = 1 if path == "amx" else 1 << 62
+    return kernels
+
+
+@pytest.mark.parametrize("path", ["vector", "amx"])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("static", [None, 0.04])
-def test_int8_equals_the_reference_and_float64(isa, dtype, static):
-    kernels = _kernels(isa)
+def test_int8_equals_the_reference_and_float64(path, isa, dtype, static):
+    kernels = _on_path(_kernels(isa), path)
     for index, (k, n) in enumerate(SHAPES):
         q, scale = _weight(n, k, index)
         packed = wk.pack_int8(q, scale)
@@ -234,6 +246,7 @@ def test_every_isa_compiles(tmp_path):
     builds = {
         "avx2_vnni": gk.build_flags("avx2", frozenset({"avx_vnni"})),
         "avx512_vnni": gk.build_flags("avx512", frozenset({"avx512_vnni"})),
+        "avx512_amx": gk.build_flags("avx512", frozenset({"avx512_vnni", "amx_tile", "amx_int8"})),
         "avx512": gk.build_flags("avx512", frozenset()),
     }
     jobs = []

@@ -337,11 +337,14 @@ def _matmul_failure(code: int, rows: int, type_name: str, in_features: int) -> E
 
 def build_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
     """The compiler flags of the kernels for `isa` on a CPU with `flags` (default: this one's): native.py's, plus
-    the VNNI dot product where the CPU has it, and no contracted multiply-adds (the dequantizers round as gguf's)."""
+    the VNNI dot product and AMX's int8 tiles where the CPU has them, and no contracted multiply-adds (the
+    dequantizers round as gguf's)."""
     flags = cpu_flags() if flags is None else flags
     extra = ["-ffp-contract=off"]
     if isa == "avx512" and "avx512_vnni" in flags:
         extra.append("-mavx512vnni")
+        if {"amx_tile", "amx_int8"} <= flags:
+            extra += ["-mamx-tile", "-mamx-int8"]
     elif isa == "avx2" and "avx_vnni" in flags:
         extra.append("-mavxvnni")
     return native.compiler_flags(isa) + extra

@@ -5,7 +5,8 @@ int8 W8A8 (compressed-tensors' int8 schemes, quantization="int8"): weights int8 
 channel; activations quantized to int8 per row as each product runs (dynamically, s = max|x| / 127, or with the
 checkpoint's static input_scale), rounded to nearest even and clamped to [-127, 127]; integer products summed
 exactly in int32, then y = acc * (s_x * s_w) + bias in float32. On the CPU: csrc/w8a8.c (AVX2 VPMADDUBSW, VNNI
-VPDPBUSD where the CPU has it, generic C); on CUDA: Triton (ops/w8a8_triton.py); elsewhere, or without a
+VPDPBUSD where the CPU has it, AMX's TDPBSSD tiles from INT8_AMX_MIN_ROWS rows where it has amx_int8, generic
+C); on CUDA: Triton (ops/w8a8_triton.py); elsewhere, or without a
 compiler, the torch reference below. Every path sums the same int32 values, so they agree to the float32
 epilogue (the C kernel and the torch reference bit for bit).
 
@@ -47,8 +48,9 @@ _SOURCES = [_CSRC / "w8a8.c"]
 _HEADERS = [_CSRC / "gguf_simd.h", _CSRC / "isa_name.h"]
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
-# Output columns per packed panel and int8 inputs per dot group (csrc/w8a8.c's layouts).
+# Output columns per packed fp8 panel and int8 strip, and int8 inputs per dot group (csrc/w8a8.c's layouts).
 PANEL = 8
+STRIP = 16
 GROUP = 4
 # The int32 sums of the VNNI build bound K (K * 255 * 128 < 2^31).
 MAX_IN_FEATURES = 65536
@@ -59,6 +61,10 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # pays it once per call instead of once per 4 rows. Where the two met in benchmarks/w8a8_kernels.py (README,
 # "8-bit weights"); the AVX-512 build runs the AVX2 code and takes its value until measured there.
 FP8_DENSE_MIN_ROWS = {"avx512": 96, "avx2": 96, "generic": 8}
+# Rows of x from which the int8 product runs on AMX tiles where the CPU has amx_int8 (the same int32 sums as the
+# vector paths); where the two met on SmolLM2's shapes (README, "AMX").
+INT8_AMX_MIN_ROWS = 8
+_NEVER = 1 << 62  # a row count no call reaches
 # Weight bytes dequantized per tile of the dense path (the only dequantized copy that exists at a time).
 DENSE_TILE_BYTES = 4 << 20
 
@@ -147,10 +153,10 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Te
 
 @dataclass
 class PackedInt8:
-    """An int8 weight as csrc/w8a8.c reads it: panels of 8 outputs by groups of 4 inputs (N and K padded with
+    """An int8 weight as csrc/w8a8.c reads it: strips of 16 outputs by groups of 4 inputs (N and K padded with
     zero weights), the column sums the VNNI build subtracts, and the per-channel scales (zero past N)."""
 
-    packed: torch.Tensor  # int8 [Np / 8, Kp / 4, 8, 4]
+    packed: torch.Tensor  # int8 [Np / 16, Kp / 4, 16, 4]
     colsum: torch.Tensor  # int32 [Np]
     scale: torch.Tensor  # float32 [Np]
     in_features: int
@@ -167,10 +173,10 @@ def pack_int8(weight: torch.Tensor, scale: torch.Tensor) -> PackedInt8:
     if weight.dtype != torch.int8 or scale.shape != (out_features,):
         raise ValueError(f"pack_int8 takes an int8 [N, K] weight and a [N] scale, not {weight.dtype} "
                          f"{tuple(weight.shape)} and {tuple(scale.shape)}")
-    n_pad, k_pad = _round_up(out_features, PANEL), _round_up(in_features, GROUP)
+    n_pad, k_pad = _round_up(out_features, STRIP), _round_up(in_features, GROUP)
     padded = torch.zeros(n_pad, k_pad, dtype=torch.int8)
     padded[:out_features, :in_features] = weight
-    packed = padded.view(n_pad // PANEL, PANEL, k_pad // GROUP, GROUP).permute(0, 2, 1, 3).contiguous()
+    packed = padded.view(n_pad // STRIP, STRIP, k_pad // GROUP, GROUP).permute(0, 2, 1, 3).contiguous()
     colsum = padded.sum(dim=1, dtype=torch.int32)
     scales = torch.zeros(n_pad, dtype=torch.float32)
     scales[:out_features] = scale.float()
@@ -239,7 +245,10 @@ class W8A8Kernels:
         self.dot_instructions = library.w8a8_dot_instructions().decode()
         self._int8 = library.w8a8_int8_linear
         self._int8.restype = _INT
-        self._int8.argtypes = [_PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _F32, _PTR, _PTR]
+        self._int8.argtypes = [_PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _F32, _PTR, _PTR,
+                               _I64]
+        self.amx = bool(ctypes.c_int.in_dll(library, "pagellm_w8a8_amx_available").value and library.w8a8_amx_ready())
+        self.amx_min_rows = INT8_AMX_MIN_ROWS if self.amx else _NEVER
         self._quantize = library.w8a8_quantize_rows
         self._quantize.restype = _INT
         self._quantize.argtypes = [_PTR, _INT, _I64, _I64, _F32, _PTR, _PTR]
@@ -288,7 +297,7 @@ class W8A8Kernels:
         if self._int8(rows.data_ptr(), bf16, count, in_features, out_features, weight.packed.data_ptr(),
                       weight.colsum.data_ptr(), weight.scale.data_ptr(),
                       bias.data_ptr() if bias is not None else None, y.data_ptr(), bf16, _static(static_scale),
-                      xq.data_ptr(), xs.data_ptr()):
+                      xq.data_ptr(), xs.data_ptr(), self.amx_min_rows):
             raise ValueError(f"w8a8_int8_linear refused in_features={in_features}, out_features={out_features}")
         return y if rows is x else y.view(*x.shape[:-1], out_features)
 

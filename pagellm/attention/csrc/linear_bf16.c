@@ -104,39 +104,14 @@ static void edge_tile(const uint16_t *x, int64_t in_features, const uint16_t *pa
 
 #ifdef HAVE_AMX_BF16
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx_tiles.h"
+
 #define AMX_ROWS 32 /* two A tiles of 16 rows */
 #define AMX_K 32    /* bfloat16 inputs per tile row (64 bytes) */
 #define AMX_CHUNK_BLOCKS 8 /* 256 rows of x: 288 KiB at 576 inputs */
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* 1 where this process may use the tile registers (asked of the kernel once; the grant is process-wide). */
-int linear_bf16_amx_ready(void) {
-    static int state; /* 0: not asked yet, 1: granted, -1: refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-/* Eight 16 x 64-byte tiles: 0-3 accumulate [row half][panel], 4-5 hold x's row halves, 6-7 two panels. */
-static void amx_configure(void) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-        config.colsb[t] = 64;
-        config.rows[t] = 16;
-    }
-    _tile_loadconfig(&config);
-}
+int linear_bf16_amx_ready(void) { return amx_ready(); }
 
 /* c[32][32] float32 = 32 rows of x (row stride in_features) times one or two panels. */
 static void amx_block(const uint16_t *x, int64_t in_features, const uint16_t *panel, int panels, float *c) {
@@ -180,7 +155,9 @@ static int linear_bf16_amx(const uint16_t *x, const uint16_t *packed, const uint
      * chunk; chunks bound the rows of x that one column block re-reads to what stays in L2. */
 #pragma omp parallel if (rows * out_features * in_features >= 65536)
     {
-        amx_configure();
+        /* Eight 16 x 64-byte tiles: 0-3 accumulate [row half][panel], 4-5 hold x's row halves, 6-7 two panels. */
+        static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+        amx_configure(colsb);
         float c[AMX_ROWS * 32] __attribute__((aligned(64)));
         for (int64_t chunk = 0; chunk < row_blocks; chunk += AMX_CHUNK_BLOCKS) {
             const int64_t chunk_blocks = row_blocks - chunk < AMX_CHUNK_BLOCKS ? row_blocks - chunk : AMX_CHUNK_BLOCKS;

@@ -22,8 +22,10 @@
  *   for torch's GEMM at prefill sizes (pagellm/ops/w8a8_kernels.py picks the path by row count).
  *
  * Packed layouts (made by pagellm/ops/w8a8_kernels.py; N padded to a multiple of 8 with zero weights):
- *   int8  [Np / 8][Kp / 4][8][4]: panel p, group g holds W[8p + c][4g + j] at [p][g][c][j] (Kp: K rounded up to 4,
- *         zero-padded), one 32-byte vector per (panel, group), whose int32 lane c sums column c's 4 products.
+ *   int8  [Np / 16][Kp / 4][16][4]: strip s, group g holds W[16s + c][4g + j] at [s][g][c][j] (Np: N rounded up to
+ *         16, Kp: K rounded up to 4, both zero-padded). Each (strip, group) is 64 bytes: to the vector paths two
+ *         32-byte vectors, the strip's two panels of 8 columns, whose int32 lane c sums column c's 4 products;
+ *         to AMX one row of a B tile of 16 columns.
  *   fp8   [Np / 8][K][8]: panel p, input k holds W[8p + c][k] at [p][k][c] (one 8-byte load per panel and k).
  *   fp8 scales [blocks of K][Np] float32, multiplied by 256 (the widening yields w / 256, exactly).
  *
@@ -33,10 +35,18 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gguf_simd.h"
 #include "isa_name.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define HAVE_AMX_INT8 1
+#include "../../attention/csrc/amx_tiles.h"
+#else
+#define HAVE_AMX_INT8 0
+#endif
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define HAVE_VNNI 1
@@ -47,6 +57,7 @@
 typedef int16_t i16x8 __attribute__((vector_size(16)));
 
 #define PANEL 8
+#define STRIP 16 /* int8 columns per packed strip: two vector panels, one AMX tile's width */
 #define GROUP 4
 /* Register tiles: rows of x by panels of 8 outputs, all accumulators in the 16 vector registers AVX2 has. */
 #define INT8_ROWS 4
@@ -197,10 +208,18 @@ typedef struct {
     int y_bf16;
 } Int8Problem;
 
-/* y rows [row, row + R) x panels [panel, panel + P). R and P are constants after inlining. */
+/* y[row][col .. col + 8) from the exact int32 sums of its products. */
+static ALWAYS_INLINE void int8_output(const Int8Problem *pr, int64_t row, int64_t col, i32x8 sums, f32x8 wscale,
+                                      f32x8 bias) {
+    const f32x8 out = to_f32(sums) * (splat_f32(pr->xs[row]) * wscale) + bias;
+    store_panel(pr->y, row, col, pr->N, out, pr->y_bf16);
+}
+
+/* y rows [row, row + R) x panels [panel, panel + P), panel even: P = 2 is one whole strip. R and P are
+ * constants after inlining. */
 static ALWAYS_INLINE void int8_tile(const Int8Problem *pr, int64_t row, int64_t panel, const int R, const int P) {
-    const int64_t groups = pr->Kp / GROUP, panel_bytes = groups * 32;
-    const int8_t *w_base = pr->packed + panel * panel_bytes;
+    const int64_t groups = pr->Kp / GROUP;
+    const int8_t *w_base = pr->packed + panel / 2 * groups * 64;
     const int8_t *x_base = pr->xq + row * pr->Kp;
     i32x8 acc[INT8_ROWS][INT8_PANELS];
     for (int r = 0; r < R; ++r)
@@ -209,7 +228,7 @@ static ALWAYS_INLINE void int8_tile(const Int8Problem *pr, int64_t row, int64_t 
         i8x32 w[INT8_PANELS];
         u8x32 w_abs[INT8_PANELS];
         for (int p = 0; p < P; ++p) {
-            w[p] = load_i8x32(w_base + p * panel_bytes + g * 32);
+            w[p] = load_i8x32(w_base + g * 64 + p * 32);
             w_abs[p] = abs_bytes(w[p]);
         }
         for (int r = 0; r < R; ++r) {
@@ -235,8 +254,7 @@ static ALWAYS_INLINE void int8_tile(const Int8Problem *pr, int64_t row, int64_t 
 #if HAVE_VNNI
             sums = sums - correction;
 #endif
-            const f32x8 out = to_f32(sums) * (splat_f32(pr->xs[row + r]) * wscale) + b;
-            store_panel(pr->y, row + r, col, pr->N, out, pr->y_bf16);
+            int8_output(pr, row + r, col, sums, wscale, b);
         }
     }
 }
@@ -254,33 +272,135 @@ static const Int8TileFunction INT8_TILES[INT8_PANELS][INT8_ROWS] = {
     {int8_tile_1_2, int8_tile_2_2, int8_tile_3_2, int8_tile_4_2},
 };
 
+/* ---- int8 products on AMX tiles ---------------------------------------------------------------------------
+ * TDPBSSD multiplies signed by signed bytes into the same exact int32 sums as the vector paths (no +128 bias,
+ * so no column-sum correction), so the outputs are theirs bit for bit. The packed weight's (strip, group) rows
+ * of 16 columns x 4 bytes are the rows of a B tile: 16 groups of a strip (64 inputs) are one 1 KiB tile load.
+ * A block is 32 rows x 2 strips: tiles 0-3 accumulate [row half][strip], 4-5 hold 64 quantized inputs of each
+ * row half, 6-7 the two strips' groups. */
+
+const int pagellm_w8a8_amx_available = HAVE_AMX_INT8;
+
+#if HAVE_AMX_INT8
+#define AMX_ROWS 32
+#define AMX_INPUTS 64
+#define AMX_CHUNK_BLOCKS 8 /* 256 rows of x per pass over the weight: they stay in L2 */
+
+int w8a8_amx_ready(void) { return amx_ready(); }
+
+/* acc [32][32] int32: 32 quantized rows of x (row stride Kp) times one or two strips. */
+static void amx_int8_block(const int8_t *xq, int64_t Kp, const int8_t *strip, int64_t strip_bytes, int strips,
+                           int32_t *acc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < Kp; k += AMX_INPUTS) {
+        _tile_loadd(4, xq + k, Kp);
+        _tile_loadd(5, xq + 16 * Kp + k, Kp);
+        _tile_loadd(6, strip + k / GROUP * 64, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(2, 5, 6);
+        if (strips == 2) {
+            _tile_loadd(7, strip + strip_bytes + k / GROUP * 64, 64);
+            _tile_dpbssd(1, 4, 7);
+            _tile_dpbssd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, acc, 128);
+    _tile_stored(2, acc + 16 * 32, 128);
+    if (strips == 2) {
+        _tile_stored(1, acc + 16, 128);
+        _tile_stored(3, acc + 16 * 32 + 16, 128);
+    }
+}
+
+/* Inside the caller's parallel region, after its rows are quantized. `tail`: the last, partial block of quantized
+ * rows, zero-padded to 32 (NULL where rows is a multiple of 32). */
+static void int8_linear_amx(const Int8Problem *pr, int64_t rows, int64_t strips, const int8_t *tail) {
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_configure(colsb);
+    const int64_t strip_bytes = pr->Kp / GROUP * 64, column_blocks = (strips + 1) / 2;
+    const int64_t row_blocks = (rows + AMX_ROWS - 1) / AMX_ROWS;
+    int32_t acc[AMX_ROWS * 32] __attribute__((aligned(64)));
+    for (int64_t chunk = 0; chunk < row_blocks; chunk += AMX_CHUNK_BLOCKS) {
+        const int64_t chunk_blocks = row_blocks - chunk < AMX_CHUNK_BLOCKS ? row_blocks - chunk : AMX_CHUNK_BLOCKS;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < column_blocks; ++b) {
+            for (int64_t t = 0; t < chunk_blocks; ++t) {
+                const int64_t strip = 2 * b, row = (chunk + t) * AMX_ROWS;
+                const int n_strips = strips - strip < 2 ? 1 : 2;
+                const int64_t n_rows = rows - row < AMX_ROWS ? rows - row : AMX_ROWS;
+                const int8_t *block_x = n_rows < AMX_ROWS ? tail : pr->xq + row * pr->Kp;
+                amx_int8_block(block_x, pr->Kp, pr->packed + strip * strip_bytes, strip_bytes, n_strips, acc);
+                for (int p = 0; p < 2 * n_strips; ++p) {
+                    const int64_t col = strip * STRIP + p * PANEL;
+                    f32x8 wscale;
+                    memcpy(&wscale, pr->wscale + col, sizeof wscale);
+                    const f32x8 b = load_bias(pr->bias, col, pr->N, pr->y_bf16);
+                    for (int64_t r = 0; r < n_rows; ++r) {
+                        i32x8 sums;
+                        memcpy(&sums, acc + r * 32 + p * PANEL, sizeof sums);
+                        int8_output(pr, row + r, col, sums, wscale, b);
+                    }
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#else
+int w8a8_amx_ready(void) { return 0; }
+#endif
+
 /* x [rows, K] float32 (or bfloat16 if x_bf16) -> y [rows, N] float32 (or bfloat16 if y_bf16; bias in y's
  * dtype or NULL). xq [rows * Kp] and xs [rows] are the caller's scratch for the quantized rows (Kp = K rounded
- * up to 4). Returns 2 for sizes outside what the layout holds. */
+ * up to 4). Calls of at least amx_min_rows rows take the AMX tiles where the build has them, the OS grants them
+ * and Kp is a multiple of 64. Returns 2 for sizes outside what the layout holds, 3 if memory ran out. */
 int w8a8_int8_linear(const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N, const int8_t *packed,
                      const int32_t *colsum, const float *wscale, const void *bias, void *y, int y_bf16,
-                     float static_scale, int8_t *xq, float *xs) {
+                     float static_scale, int8_t *xq, float *xs, int64_t amx_min_rows) {
     if (K <= 0 || K > MAX_IN_FEATURES || N <= 0 || rows < 0) return 2;
     if (rows == 0) return 0;
-    const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP, panels = (N + PANEL - 1) / PANEL;
+    const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP, strips = (N + STRIP - 1) / STRIP, panels = 2 * strips;
     const Int8Problem pr = {xq, xs, packed, colsum, wscale, bias, y, Kp, N, y_bf16};
     const int64_t column_tiles = (panels + INT8_PANELS - 1) / INT8_PANELS;
     const int64_t row_tiles = (rows + INT8_ROWS - 1) / INT8_ROWS;
+#if HAVE_AMX_INT8
+    const int on_tiles = rows >= amx_min_rows && Kp % AMX_INPUTS == 0 && amx_ready();
+    const int64_t tail_rows = rows % AMX_ROWS;
+    int8_t *tail = NULL;
+    if (on_tiles && tail_rows != 0 && (tail = calloc((size_t)(AMX_ROWS * Kp), 1)) == NULL) return 3;
+#else
+    const int on_tiles = 0;
+    (void)amx_min_rows;
+#endif
 #pragma omp parallel if (rows * K * N >= PARALLEL_MIN_WORK)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) xs[r] = quantize_row(x, r, K, Kp, x_bf16, static_scale, xq + r * Kp);
-        /* Column tiles outer: a thread keeps its panels' weights in cache for all row tiles. */
+        if (on_tiles) {
+#if HAVE_AMX_INT8
+#pragma omp single
+            if (tail != NULL) memcpy(tail, xq + (rows - tail_rows) * Kp, (size_t)(tail_rows * Kp));
+            int8_linear_amx(&pr, rows, strips, tail);
+#endif
+        } else {
+            /* Column tiles outer: a thread keeps its panels' weights in cache for all row tiles. */
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t c = 0; c < column_tiles; ++c) {
-            for (int64_t t = 0; t < row_tiles; ++t) {
-                const int64_t panel = c * INT8_PANELS, row = t * INT8_ROWS;
-                const int64_t P = panels - panel < INT8_PANELS ? panels - panel : INT8_PANELS;
-                const int64_t R = rows - row < INT8_ROWS ? rows - row : INT8_ROWS;
-                INT8_TILES[P - 1][R - 1](&pr, row, panel);
+            for (int64_t c = 0; c < column_tiles; ++c) {
+                for (int64_t t = 0; t < row_tiles; ++t) {
+                    const int64_t panel = c * INT8_PANELS, row = t * INT8_ROWS;
+                    const int64_t P = panels - panel < INT8_PANELS ? panels - panel : INT8_PANELS;
+                    const int64_t R = rows - row < INT8_ROWS ? rows - row : INT8_ROWS;
+                    INT8_TILES[P - 1][R - 1](&pr, row, panel);
+                }
             }
         }
     }
+#if HAVE_AMX_INT8
+    free(tail);
+#endif
     return 0;
 }
 
