@@ -62,8 +62,9 @@ FORMATS = [
     Format("fp32", "hf", "float32"),
     Format("bf16", "hf", "bfloat16"),
     Format("gguf Q4_1", "gguf"),
-    Format("int8 online", "hf", "float32", "int8"),
-    Format("fp8 online", "hf", "float32", "fp8"),
+    # The online formats run in the dtype a user gets (float32 on CPUs without bf16 instructions, else bfloat16).
+    Format("int8 online", "hf", "auto", "int8"),
+    Format("fp8 online", "hf", "auto", "fp8"),
     Format("awq 4-bit", "awq"),
     Format("gptq 4-bit act-order", "gptq4"),
     Format("gptq 8-bit", "gptq8"),
@@ -190,9 +191,21 @@ def decode_rate(llm, prompt: dict, params) -> float:
 LLAMA_WORKER = r"""
 import json, sys, time
 import numpy as np
+import llama_cpp
+import llama_cpp.llama_cpp as bindings
 from llama_cpp import Llama
 
 path, text, decode_tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if sys.argv[9] == "0":  # no extra buffer types (the AMX repacking): every model load below takes these params
+    default_params = bindings.llama_model_default_params
+
+    def without_extra_buffers():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    # Llama() calls the bindings module's function, the batched runs the package's re-export.
+    bindings.llama_model_default_params = llama_cpp.llama_model_default_params = without_extra_buffers
 scorer = Llama(path, n_ctx=2048, n_batch=512, n_threads=threads, logits_all=True, verbose=False)
 ids = scorer.tokenize(text.encode(), add_bos=True, special=False)
 scorer.eval(ids)
@@ -259,17 +272,26 @@ batch, batch_tokens, prompt_tokens = int(sys.argv[5]), int(sys.argv[6]), int(sys
 # llama.cpp splits a call into micro-batches of n_ubatch tokens; its best of two settings counts.
 rates = {n: batched(ids, batch, batch_tokens, prompt_tokens, n) for n in (512, batch * prompt_tokens)} if batch else {}
 print(json.dumps({"tokens": len(ids), "perplexity": float(np.exp(nll)), "single_tok_s": single,
+                  "extra_buffers": sys.argv[9] == "1",
                   "batched_tok_s": max(rates.values()) if rates else None,
                   "batched_n_ubatch": max(rates, key=rates.get) if rates else None}))
 """
 
 
 def run_llama(path: str, args: argparse.Namespace) -> dict | None:
+    """llama.cpp's figures, with its default extra buffer types (on CPUs with AMX, weights repacked for its AMX
+    kernels) and, where that run dies of a signal, again without them, saying so."""
     threads = len(os.sched_getaffinity(0))
     batch = 0 if args.skip_speed else args.batch
-    done = subprocess.run([args.llama_python, "-c", LLAMA_WORKER, path, PERPLEXITY_TEXT, str(args.decode_tokens),
-                           str(threads), str(batch), str(args.batch_tokens), str(PROMPT_TOKENS), str(args.repeats)],
-                          capture_output=True, text=True, timeout=args.timeout)
+    for extra_buffers in ("1", "0"):
+        done = subprocess.run([args.llama_python, "-c", LLAMA_WORKER, path, PERPLEXITY_TEXT, str(args.decode_tokens),
+                               str(threads), str(batch), str(args.batch_tokens), str(PROMPT_TOKENS),
+                               str(args.repeats), extra_buffers], capture_output=True, text=True,
+                              timeout=args.timeout)
+        if done.returncode >= 0:
+            break
+        print(f"llama.cpp on {path} died of signal {-done.returncode} with its extra buffer types; "
+              "running it without them (use_extra_bufts=False)", file=sys.stderr)
     if done.returncode != 0:
         print(f"llama.cpp on {path} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
         return None
@@ -314,8 +336,12 @@ def print_tables(rows: list[dict], reference: float | None) -> None:
         single = "-" if r["single_tok_s"] is None else f"{r['single_tok_s']:.1f}"
         batched = "-" if r["batched_tok_s"] is None else f"{r['batched_tok_s']:.1f}"
         llama_batched = f"{llama['batched_tok_s']:.1f}" if llama.get("batched_tok_s") else "-"
+        if llama and not llama.get("extra_buffers", True):
+            llama_tok, llama_batched = llama_tok + " (a)", llama_batched + " (a)"
         print(f"| {r['format']} | {r['perplexity']:.3f} | {versus} | {single} | {batched} | {llama_ppl} | "
               f"{llama_tok} | {llama_batched} |")
+    if any(not (r.get("llama_cpp") or {}).get("extra_buffers", True) for r in rows):
+        print("\n(a) llama.cpp without its extra buffer types (use_extra_bufts=False): with them it died of a signal")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -214,7 +215,10 @@ def _pack_runs(weights: list[GGUFWeight], padding: int,
             runs.append([weight])
     sizes = [sum(w.data.numel() for w in run) for run in runs]
     sizes[-1] += padding * runs[-1][0].data.shape[1]
-    buffer = torch.zeros(sum(sizes), dtype=torch.uint8)
+    # numpy's allocator asks for transparent huge pages for large arrays (torch's does not): a decode step streams
+    # each weight once, and on 4 KiB pages the hardware prefetcher stops at every page boundary (Gemma 3's
+    # 178 MB Q8_0 head: 9.3 ms a token on 4 KiB pages, 5.9 ms on huge pages, on a 2-core Intel Xeon).
+    buffer = torch.from_numpy(np.zeros(sum(sizes), dtype=np.uint8))
     offset = 0
     for run, size in zip(runs, sizes):
         view = buffer[offset : offset + size].view(-1, run[0].data.shape[1])
