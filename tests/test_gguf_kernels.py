@@ -177,6 +177,27 @@ def test_matmul_picks_the_path_by_row_count(cases, monkeypatch):
     assert torch.equal(y, kernels.matmul_int8(x, weight, "Q4_K", OUT_FEATURES, IN_FEATURES["Q4_K"]))
 
 
+def test_bfloat16_rows_take_their_own_threshold_where_amx_runs_their_gemm(cases, monkeypatch):
+    kernels = _kernels(ISAS[0])
+    amx = ISAS[0] == "avx512" and {"amx_tile", "amx_bf16"} <= native.cpu_flags() and cpu_has_native(torch.bfloat16)
+    assert (kernels.bf16_dense_min_rows is not None) == amx
+    weight, _ = cases["Q4_K"]
+    in_features = IN_FEATURES["Q4_K"]
+    monkeypatch.setitem(kernels.dense_min_rows, "Q4_K", 100)
+    if amx:
+        monkeypatch.setitem(kernels.bf16_dense_min_rows, "Q4_K", 6)
+    x = torch.randn(6, in_features).to(torch.bfloat16)
+    path = kernels.matmul_dense if amx else kernels.matmul_int8
+    y = kernels.matmul(x, weight, "Q4_K", OUT_FEATURES, in_features)
+    assert torch.equal(y, path(x, weight, "Q4_K", OUT_FEATURES, in_features))
+    product = kernels.prepare(weight, "Q4_K", OUT_FEATURES, in_features)
+    assert torch.equal(product(x), y)
+    assert product.int8_max_rows(torch.bfloat16) == (5 if amx else 99)
+    assert product.int8_max_rows(torch.float32) == 99
+    assert torch.equal(kernels.matmul(x.float(), weight, "Q4_K", OUT_FEATURES, in_features),
+                       kernels.matmul_int8(x.float(), weight, "Q4_K", OUT_FEATURES, in_features))
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_a_prepared_product_equals_matmul(name, cases):
     """The layers' per-step call: the int8 kernel directly for contiguous float32/bfloat16 rows below the dense
@@ -186,8 +207,8 @@ def test_a_prepared_product_equals_matmul(name, cases):
     in_features = IN_FEATURES[name]
     product = kernels.prepare(weight, name, OUT_FEATURES, in_features)
     gen = torch.Generator().manual_seed(11)
-    threshold = kernels.dense_min_rows[name]
-    rows = [1, 5] + ([threshold] if threshold is not None else [])
+    thresholds = {kernels.dense_threshold(name, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    rows = [1, 5] + sorted(t + d for t in thresholds if t is not None for d in (-1, 0))
     for m in rows:
         x = torch.randn(m, in_features, generator=gen)
         for operand in (x, x.to(torch.bfloat16), x.to(torch.float16)):

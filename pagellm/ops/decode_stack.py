@@ -81,11 +81,11 @@ def _same_kernels(products: list[PreparedProduct]) -> bool:
                                   for p in products)
 
 
-def _int8_row_limit(products: list[PreparedProduct]) -> int | None:
-    """The most rows every product takes on its int8 kernel (PreparedProduct switches to dequantized tiles from
-    its dense threshold on; the C loop only calls the int8 kernel), or None for no limit."""
-    limits = [p.int8_max_elements // p.in_features for p in products if p.int8_max_elements is not None]
-    return min(limits) - 1 if limits else None
+def _int8_row_limit(products: list[PreparedProduct], dtype: torch.dtype) -> int | None:
+    """The most rows of `dtype` every product takes on its int8 kernel (PreparedProduct switches to dequantized
+    tiles from its dense threshold on; the C loop only calls the int8 kernel), or None for no limit."""
+    limits = [limit for p in products if (limit := p.int8_max_rows(dtype)) is not None]
+    return min(limits) if limits else None
 
 
 class _Stack:
@@ -98,7 +98,7 @@ class _Stack:
     _structs: ctypes.Array
 
     def _init_step(self, products: list[PreparedProduct], shape: _StackShape) -> None:
-        self.max_tokens = _int8_row_limit(products)
+        self.max_tokens = _int8_row_limit(products, self.dtype)
         self._product = ctypes.cast(products[0].function, ctypes.c_void_p).value
         self._shape = shape
         self._step = _StackStep()

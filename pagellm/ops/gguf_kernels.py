@@ -77,6 +77,15 @@ DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
     "avx2": _AVX2_DENSE_MIN_ROWS,
     "generic": {name: 8 for name in _AVX2_DENSE_MIN_ROWS},
 }
+# Rows from which bfloat16 activations take the dense path where the CPU has AMX's bfloat16 tiles (its GEMM runs
+# on them there, oneDNN's tiles reaching ~1.2 TFLOP/s at 512 rows, where the int8 products stay near 100-200
+# GFLOP/s from 8 rows on). Where the two met on a 2-core Intel Xeon (avx512_vnni, amx_bf16), 2 threads, layers of
+# 768 x 2048 and 2048 x 768 (and Gemma 3's and SmolLM2's shapes), weights from memory: 17-24 rows for the
+# 32-weight types, 21-40 for Q8_0, ~30 for Q3_K/Q5_K, 36-48 for the other k-quants (README, "AMX").
+_AMX_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
+    "Q4_0": 24, "Q4_1": 24, "Q5_0": 24, "Q5_1": 24, "Q8_0": 40,
+    "Q2_K": 48, "Q3_K": 32, "Q4_K": 48, "Q5_K": 32, "Q6_K": 40,
+}
 # Weight bytes dequantized per tile of the dense path: one tile is the only dequantized copy that exists.
 DENSE_TILE_BYTES = 4 << 20
 
@@ -194,6 +203,9 @@ class GGUFKernels:
                 raise RuntimeError(f"gguf_quant.c has {type_name} blocks of {geometry}, gguf_quants "
                                    f"{(fmt.block_size, fmt.block_bytes)}")
         self.dense_min_rows = dict(DENSE_MIN_ROWS[self.isa])
+        # bfloat16 activations' own thresholds where their GEMM runs on AMX tiles; None: dense_min_rows
+        amx = self.isa == "avx512" and {"amx_tile", "amx_bf16"} <= cpu_flags() and cpu_has_native(torch.bfloat16)
+        self.bf16_dense_min_rows = dict(_AMX_BF16_DENSE_MIN_ROWS) if amx else None
         self._scratch = threading.local()
 
     @staticmethod
@@ -206,11 +218,18 @@ class GGUFKernels:
                              f"use TorchGGUFOps (dequantized) for it")
         return _format(type_name)[0]
 
+    def dense_threshold(self, type_name: str, dtype: torch.dtype) -> int | None:
+        """Rows of x in `dtype` from which `matmul` takes the dense path (None: never)."""
+        if dtype is torch.bfloat16 and self.bf16_dense_min_rows is not None:
+            return self.bf16_dense_min_rows.get(type_name)
+        return self.dense_min_rows.get(type_name)
+
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, type_name: str, out_features: int, in_features: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in_features] @ W^T -> [..., out_features] in x's dtype (written into `out` if given): int8
-        products below `dense_min_rows[type_name]` rows of x, torch's GEMM on dequantized weight tiles from there."""
-        threshold = self.dense_min_rows.get(type_name)
+        products below `dense_threshold(type_name, x.dtype)` rows of x, torch's GEMM on dequantized weight tiles
+        from there."""
+        threshold = self.dense_threshold(type_name, x.dtype)
         if threshold is not None and x.numel() >= threshold * in_features:
             return self.matmul_dense(x, weight, type_name, out_features, in_features, out)
         return self.matmul_int8(x, weight, type_name, out_features, in_features, out)
@@ -296,7 +315,7 @@ class PreparedProduct:
     takes GGUFKernels.matmul, with its checks and conversions."""
 
     __slots__ = ("kernels", "weight", "type_name", "type_id", "out_features", "in_features", "weight_address",
-                 "int8_max_elements", "function")
+                 "int8_max_elements", "bf16_int8_max_elements", "function")
 
     def __init__(self, kernels: GGUFKernels, weight: torch.Tensor, type_name: str, type_id: int, out_features: int,
                  in_features: int) -> None:
@@ -307,13 +326,21 @@ class PreparedProduct:
         self.out_features = out_features
         self.in_features = in_features
         self.weight_address = weight.data_ptr()
-        threshold = kernels.dense_min_rows.get(type_name)
-        self.int8_max_elements = None if threshold is None else threshold * in_features
+        self.int8_max_elements = self._limit(kernels.dense_threshold(type_name, torch.float32))
+        self.bf16_int8_max_elements = self._limit(kernels.dense_threshold(type_name, torch.bfloat16))
         self.function = kernels._matmul
+
+    def _limit(self, threshold: int | None) -> int | None:
+        return None if threshold is None else threshold * self.in_features
+
+    def int8_max_rows(self, dtype: torch.dtype) -> int | None:
+        """The most rows of x in `dtype` a call takes on the int8 kernel (None: no limit)."""
+        limit = self.bf16_int8_max_elements if dtype is torch.bfloat16 else self.int8_max_elements
+        return None if limit is None else limit // self.in_features - 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        limit = self.int8_max_elements
+        limit = self.bf16_int8_max_elements if dtype is torch.bfloat16 else self.int8_max_elements
         if (x.dim() != 2 or x.shape[1] != self.in_features or not x.is_contiguous()
                 or (dtype is not torch.float32 and dtype is not torch.bfloat16)
                 or (limit is not None and x.numel() >= limit)):
