@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagellm.attention import native
+from pagellm.attention.kv_spec import KVCacheFormat
 
 ISAS = native.runnable_isas()
 
@@ -136,11 +137,23 @@ def test_prefill_kernel_checks_its_inputs(kernel):
 
 
 def test_cpu_backend_takes_the_prefill_kernel_where_it_applies(monkeypatch):
+    from pagellm.attention import backend
     from pagellm.attention.backend import BACKEND_ENV, AttentionShape, select_backend
 
     cpu = torch.device("cpu")
     shape = AttentionShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
     monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert isinstance(select_backend(cpu, torch.float32, shape).native_prefill, native.PrefillKernel)
+    # bfloat16 takes torch's SDPA where the CPU has AMX tiles (it measured faster there), the kernel elsewhere
+    amx = {"amx_tile", "amx_bf16"} <= native.cpu_flags()
+    bf16 = select_backend(cpu, torch.bfloat16, shape).native_prefill
+    assert (bf16 is None) if amx else isinstance(bf16, native.PrefillKernel)
+    monkeypatch.setattr(backend, "cpu_flags", lambda: frozenset({"avx2", "amx_tile", "amx_bf16"}))
+    assert select_backend(cpu, torch.bfloat16, shape).native_prefill is None
+    fp8 = AttentionShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                         kv_format=KVCacheFormat.resolve("fp8", torch.bfloat16))
+    assert isinstance(select_backend(cpu, torch.bfloat16, fp8).native_prefill, native.PrefillKernel)
+    monkeypatch.setattr(backend, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
     assert isinstance(select_backend(cpu, torch.bfloat16, shape).native_prefill, native.PrefillKernel)
     assert select_backend(cpu, torch.float16, shape).native_prefill is None
     odd_heads = AttentionShape(num_heads=9, num_kv_heads=3, head_dim=48, block_size=16)
