@@ -49,8 +49,10 @@ logger = logging.getLogger(__name__)
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "cpu_ops.c", "linear_bf16.c",
                                         "moe_experts.c", "decode_stack.c")]
-_HEADERS = [_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h", "kv_format.h",
-                                      "amx_tiles.h")]
+# The AMX tile helpers, which the 8-bit kernels' library (ops/w8a8_kernels.py) includes too.
+AMX_HEADER = _CSRC / "amx_tiles.h"
+_HEADERS = [*(_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h", "kv_format.h")),
+            AMX_HEADER]
 # No -ffast-math: the kernel is vectorised by hand, and its summation order and exp must stay as written.
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
 

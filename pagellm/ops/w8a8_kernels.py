@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "w8a8.c"]
-_HEADERS = [_CSRC / "gguf_simd.h", _CSRC / "isa_name.h"]
+_HEADERS = [_CSRC / "gguf_simd.h", _CSRC / "isa_name.h", native.AMX_HEADER]
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 # Output columns per packed fp8 panel and int8 strip, and int8 inputs per dot group (csrc/w8a8.c's layouts).

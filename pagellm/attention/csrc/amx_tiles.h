@@ -38,4 +38,23 @@ static inline void amx_configure(const uint16_t colsb[8]) {
     _tile_loadconfig(&config);
 }
 
+/* Tiles 0-3 cleared: the [row half][column half] sums of a 32 x 32 block of 4-byte sums. */
+static inline void amx_zero_block(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* Tiles 0-3 into `out`, [32][32] 4-byte sums (row stride 128 bytes); with one column half, tiles 0 and 2 only. */
+static inline void amx_store_block(void *out, int halves) {
+    char *o = (char *)out;
+    _tile_stored(0, o, 128);
+    _tile_stored(2, o + 16 * 128, 128);
+    if (halves == 2) {
+        _tile_stored(1, o + 64, 128);
+        _tile_stored(3, o + 16 * 128 + 64, 128);
+    }
+}
+
 #endif

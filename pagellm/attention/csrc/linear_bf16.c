@@ -116,10 +116,7 @@ int linear_bf16_amx_ready(void) { return amx_ready(); }
 /* c[32][32] float32 = 32 rows of x (row stride in_features) times one or two panels. */
 static void amx_block(const uint16_t *x, int64_t in_features, const uint16_t *panel, int panels, float *c) {
     const int64_t x_stride = in_features * 2, panel_stride = in_features / 2 * 32;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_zero_block();
     for (int64_t k = 0; k < in_features; k += AMX_K) {
         _tile_loadd(4, x + k, x_stride);
         _tile_loadd(5, x + 16 * in_features + k, x_stride);
@@ -132,12 +129,7 @@ static void amx_block(const uint16_t *x, int64_t in_features, const uint16_t *pa
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, c, 128);
-    _tile_stored(2, c + 16 * 32, 128);
-    if (panels == 2) {
-        _tile_stored(1, c + 16, 128);
-        _tile_stored(3, c + 16 * 32 + 16, 128);
-    }
+    amx_store_block(c, panels);
 }
 
 /* in_features a multiple of AMX_K. The last, partial block of rows reads a zero-padded copy of them. */

@@ -291,10 +291,7 @@ int w8a8_amx_ready(void) { return amx_ready(); }
 /* acc [32][32] int32: 32 quantized rows of x (row stride Kp) times one or two strips. */
 static void amx_int8_block(const int8_t *xq, int64_t Kp, const int8_t *strip, int64_t strip_bytes, int strips,
                            int32_t *acc) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_zero_block();
     for (int64_t k = 0; k < Kp; k += AMX_INPUTS) {
         _tile_loadd(4, xq + k, Kp);
         _tile_loadd(5, xq + 16 * Kp + k, Kp);
@@ -307,12 +304,7 @@ static void amx_int8_block(const int8_t *xq, int64_t Kp, const int8_t *strip, in
             _tile_dpbssd(3, 5, 7);
         }
     }
-    _tile_stored(0, acc, 128);
-    _tile_stored(2, acc + 16 * 32, 128);
-    if (strips == 2) {
-        _tile_stored(1, acc + 16, 128);
-        _tile_stored(3, acc + 16 * 32 + 16, 128);
-    }
+    amx_store_block(acc, strips);
 }
 
 /* Inside the caller's parallel region, after its rows are quantized. `tail`: the last, partial block of quantized
