@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.worker.logits import logits_in_chunks, logits_rows_per_chunk
+from pagellm.worker.logits import logits_in_chunks, logits_rows_per_chunk, model_logits_in_chunks
 
 PROMPTS = [
     {"prompt_token_ids": list(range(300, 340))},
@@ -60,3 +60,44 @@ def test_chunks_cover_every_row_in_order_and_bound_the_logits():
     assert seen == [(0, 140), (140, 140), (280, 140), (420, 138)]
     assert logits_rows_per_chunk(262_144, torch.device("cpu")) * 262_144 * 4 <= 32 << 20
     assert logits_rows_per_chunk(10**9, torch.device("cpu")) == 1
+
+
+class _TwoStepModel:
+    """compute_logits in two steps, as LlamaForCausalLM splits it; records the rows of each head call."""
+
+    def __init__(self, ranked_first: bool = True) -> None:
+        self.head_rows: list[int] = []
+        self.ranked_first = ranked_first
+
+    def compute_head(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        self.head_rows.append(hidden.shape[0])
+        return hidden * 2 if self.ranked_first else None
+
+    def finish_logits(self, output: torch.Tensor) -> torch.Tensor:
+        return output.float() + 1
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        output = self.compute_head(hidden)
+        return None if output is None else self.finish_logits(output)
+
+
+def test_a_narrow_head_runs_over_twice_the_rows_and_hands_out_half_chunks():
+    model = _TwoStepModel()
+    hidden = torch.arange(10.0).unsqueeze(1).to(torch.bfloat16)
+    seen = [(first, logits.dtype, logits.squeeze(1).tolist())
+            for first, logits in model_logits_in_chunks(model, hidden, 4)]
+    # Head calls over equal groups of at most 8 rows (two of 5); float32 chunks of at most 2 rows from each.
+    assert model.head_rows == [5, 5]
+    assert [(first, values) for first, _, values in seen] == [
+        (0, [1.0, 3.0]), (2, [5.0, 7.0]), (4, [9.0]), (5, [11.0, 13.0]), (7, [15.0, 17.0]), (9, [19.0])]
+    assert {dtype for _, dtype, _ in seen} == {torch.float32}
+    # float32 activations: the logits chunks as before, one head call each
+    model = _TwoStepModel()
+    seen = [(first, len(logits)) for first, logits in model_logits_in_chunks(model, hidden.float(), 4)]
+    assert seen == [(0, 4), (4, 4), (8, 2)] and model.head_rows == [4, 4, 2]
+    # a tensor-parallel rank that does not sample: one None per head call
+    model = _TwoStepModel(ranked_first=False)
+    assert list(model_logits_in_chunks(model, hidden, 4)) == [(0, None), (5, None)]
+    # a model without the two steps keeps compute_logits
+    plain = type("Plain", (), {"compute_logits": staticmethod(lambda h: h.float() * 3)})()
+    assert [len(logits) for _, logits in model_logits_in_chunks(plain, hidden, 4)] == [4, 4, 2]

@@ -71,13 +71,19 @@ class ParallelLMHead(LinearBase):
         super().weight_loader(param, tensor, shard)
 
 
-def compute_logits(head: LinearBase, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-    """Logits [rows, vocab] in float32 on rank 0; None on the other tensor-parallel ranks."""
+def head_output(head: LinearBase, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """The LM head's output [rows, vocab] in its own dtype on rank 0; None on the other tensor-parallel ranks."""
     group = head.group
     if getattr(head, "vocab_parallel", False):
         logits = group.gather_to_first(head.matmul(hidden))
-        return None if logits is None else logits[:, :vocab_size].float()
+        return None if logits is None else logits[:, :vocab_size]
     if group.rank != 0:
         return None
-    return head.matmul(hidden).float()
+    return head.matmul(hidden)
+
+
+def compute_logits(head: LinearBase, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """Logits [rows, vocab] in float32 on rank 0; None on the other tensor-parallel ranks."""
+    output = head_output(head, hidden, vocab_size)
+    return None if output is None else output.float()
 

@@ -179,9 +179,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 module.ops = ops
         self.model.reset_direct_layers()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = super().compute_logits(hidden)
-        if logits is None or self.final_logit_softcapping is None:
+    def finish_logits(self, output: torch.Tensor) -> torch.Tensor:
+        logits = super().finish_logits(output)
+        if self.final_logit_softcapping is None:
             return logits
         cap = self.final_logit_softcapping
         return logits.div_(cap).tanh_().mul_(cap)  # in place: no [rows, vocab] temporaries

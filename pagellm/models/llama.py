@@ -22,7 +22,7 @@ from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RopeInputs, RotaryEmbedding, apply_rotary
-from pagellm.layers.vocab_embedding import ParallelLMHead, VocabEmbedding, compute_logits, lm_head_mode
+from pagellm.layers.vocab_embedding import ParallelLMHead, VocabEmbedding, head_output, lm_head_mode
 from pagellm.layers.weights import default_weight_loader, weights_bytes
 from pagellm.models.sliding_window import layer_sliding_window
 from pagellm.ops.decode_stack import DecodeStack
@@ -390,7 +390,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [rows, vocab] in float32 on rank 0; None on the other tensor-parallel ranks."""
-        return compute_logits(self.lm_head, hidden, self.config.vocab_size)
+        output = self.compute_head(hidden)
+        return None if output is None else self.finish_logits(output)
+
+    def compute_head(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head's output in the activations' dtype (compute_logits in two steps, see worker/logits.py)."""
+        return head_output(self.lm_head, hidden, self.config.vocab_size)
+
+    def finish_logits(self, output: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of rows of compute_head's output (which a float32 output's rows may be, changed in
+        place)."""
+        return output.float()
 
     def weights_bytes(self) -> int:
         return weights_bytes(self)

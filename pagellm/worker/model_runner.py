@@ -19,7 +19,7 @@ from pagellm.sample.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagellm.spec_decode.verify import SpecStep, extend_logits_index, keep_taken, prepare_spec_step, verify
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import layer_views
-from pagellm.worker.logits import logits_in_chunks, logits_rows_per_chunk
+from pagellm.worker.logits import logits_in_chunks, logits_rows_per_chunk, model_logits_in_chunks
 from pagellm.worker.prompt_logprobs import PromptScorer, token_logprobs
 from pagellm.worker.sampling_metadata import SamplingBatchBuilder
 from pagellm.worker.step_inputs import StepInputs, prepare_inputs
@@ -176,7 +176,7 @@ class ModelRunner:
         scorer = PromptScorer(self.input_batch, rows, inputs, output) \
             if inputs.prompt_logprob_positions and self.samples else None
         result = self.sampler.new_output(sampling, hidden.device) if sampling is not None else None
-        for first, logits in logits_in_chunks(self.model.compute_logits, hidden, self.logits_rows_per_chunk):
+        for first, logits in model_logits_in_chunks(self.model, hidden, self.logits_rows_per_chunk):
             if logits is None:
                 continue  # a tensor-parallel rank other than 0: rank 0 samples, and sends its tokens next step
             sampled = logits[: max(0, num_samples - first)]

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from pagellm.sample.sampler import Penalties, SamplingBatch, TokenHistory
-from pagellm.worker.logits import logits_in_chunks
+from pagellm.worker.logits import model_logits_in_chunks
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.step_inputs import prepare_inputs
 
@@ -98,7 +98,7 @@ def _probe_sampling(runner: ModelRunner, hidden: torch.Tensor) -> None:
     # is still computed, so that two of them coexist as they do in a step. The probe's noise is drawn from the
     # engine's generator, whose state is restored: serving's random stream starts at the seed.
     generator_state = runner.sampler.generator.get_state()
-    for first, logits in logits_in_chunks(runner.model.compute_logits, hidden, runner.logits_rows_per_chunk):
+    for first, logits in model_logits_in_chunks(runner.model, hidden, runner.logits_rows_per_chunk):
         if logits is not None:  # None on tensor-parallel ranks that do not sample
             runner.sampler.sample_into(logits[: runner.sampler.rows_per_chunk(logits.shape[1])], batch, first, output)
     runner.sampler.generator.set_state(generator_state)
