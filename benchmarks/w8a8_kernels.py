@@ -35,7 +35,6 @@ from pagellm.ops.dense_linear import NativeBF16Packed, UpcastScratch, choose_den
 # (in_features, out_features) of SmolLM2-135M's four products per layer.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-NEVER = 1 << 62  # a row threshold no call reaches
 
 
 def build(layers: int, seed: int) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
@@ -50,11 +49,11 @@ def build(layers: int, seed: int) -> dict[str, list[Callable[[torch.Tensor], tor
     # paths forced at every row count, beside them.
     int8_vector = wk.w8a8_kernels() if kernels.amx else None
     if int8_vector is not None:
-        int8_vector.amx_min_rows = NEVER
+        int8_vector.amx_min_rows = native.NEVER_ROWS
         options["int8-vector"] = []
     bf16_vector = native.linear_bf16()
     if bf16_vector is not None and bf16_vector.amx:
-        bf16_vector.amx_min_rows = NEVER
+        bf16_vector.amx_min_rows = native.NEVER_ROWS
         options["bf16-vector"] = []
     for _ in range(layers):
         for in_features, out_features in SHAPES:

@@ -26,6 +26,15 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# The flags of AMX's bfloat16 tiles: the tile registers and their bfloat16 product.
+AMX_BF16_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX's bfloat16 tiles (the kernels and oneDNN's GEMM and attention run on them)."""
+    return AMX_BF16_FLAGS <= cpu_flags()
+
+
 # The flags that decide which CPU kernels and dtypes run fast; benchmarks print them beside their figures.
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 

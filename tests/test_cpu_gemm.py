@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.cpu_features import cpu_has_native
+from pagellm.attention.native import NEVER_ROWS
+from pagellm.cpu_features import cpu_has_amx_bf16, cpu_has_native
 from pagellm.layers.linear import LinearBase, ReplicatedLinear
 from pagellm.layers.vocab_embedding import VocabEmbedding
 from pagellm.models.loader import default_dtype
@@ -131,7 +132,7 @@ def _on_path(kernel, path: str):
             pytest.skip("no AMX tiles in this build, or the OS does not grant them")
         kernel.amx_min_rows = 1
     else:
-        kernel.amx_min_rows = 1 << 62
+        kernel.amx_min_rows = NEVER_ROWS
     return kernel
 
 
@@ -179,7 +180,7 @@ def test_only_the_avx512_bf16_build_has_the_linear_kernel_and_only_with_amx_its_
         has_dot = isa == "avx512" and "avx512_bf16" in native.cpu_flags()
         assert native.LinearBF16.available(library) == has_dot
         assert (native.linear_bf16(isa) is not None) == has_dot
-        has_tiles = has_dot and {"amx_tile", "amx_bf16"} <= set(native.cpu_flags())
+        has_tiles = has_dot and cpu_has_amx_bf16()
         assert ctypes.c_int.in_dll(library, "pagellm_linear_bf16_amx_available").value == has_tiles
 
 

@@ -27,7 +27,7 @@ import torch
 
 from pagellm.attention import native
 from pagellm.cache_dir import cache_root
-from pagellm.cpu_features import cpu_has_native
+from pagellm.cpu_features import cpu_has_amx_bf16, cpu_has_native
 from pagellm.models import gguf_quants
 from pagellm.ops import gguf_kernels as gk
 
@@ -179,7 +179,7 @@ def test_matmul_picks_the_path_by_row_count(cases, monkeypatch):
 
 def test_bfloat16_rows_take_their_own_threshold_where_amx_runs_their_gemm(cases, monkeypatch):
     kernels = _kernels(ISAS[0])
-    amx = ISAS[0] == "avx512" and {"amx_tile", "amx_bf16"} <= native.cpu_flags() and cpu_has_native(torch.bfloat16)
+    amx = ISAS[0] == "avx512" and cpu_has_amx_bf16()
     assert (kernels.bf16_dense_min_rows is not None) == amx
     weight, _ = cases["Q4_K"]
     in_features = IN_FEATURES["Q4_K"]

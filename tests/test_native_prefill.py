@@ -15,6 +15,7 @@ import torch
 
 from pagellm.attention import native
 from pagellm.attention.kv_spec import KVCacheFormat
+from pagellm.cpu_features import cpu_has_amx_bf16
 
 ISAS = native.runnable_isas()
 
@@ -145,15 +146,15 @@ def test_cpu_backend_takes_the_prefill_kernel_where_it_applies(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert isinstance(select_backend(cpu, torch.float32, shape).native_prefill, native.PrefillKernel)
     # bfloat16 takes torch's SDPA where the CPU has AMX tiles (it measured faster there), the kernel elsewhere
-    amx = {"amx_tile", "amx_bf16"} <= native.cpu_flags()
+    amx = cpu_has_amx_bf16()
     bf16 = select_backend(cpu, torch.bfloat16, shape).native_prefill
     assert (bf16 is None) if amx else isinstance(bf16, native.PrefillKernel)
-    monkeypatch.setattr(backend, "cpu_flags", lambda: frozenset({"avx2", "amx_tile", "amx_bf16"}))
+    monkeypatch.setattr(backend, "cpu_has_amx_bf16", lambda: True)
     assert select_backend(cpu, torch.bfloat16, shape).native_prefill is None
     fp8 = AttentionShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
                          kv_format=KVCacheFormat.resolve("fp8", torch.bfloat16))
     assert isinstance(select_backend(cpu, torch.bfloat16, fp8).native_prefill, native.PrefillKernel)
-    monkeypatch.setattr(backend, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(backend, "cpu_has_amx_bf16", lambda: False)
     assert isinstance(select_backend(cpu, torch.bfloat16, shape).native_prefill, native.PrefillKernel)
     assert select_backend(cpu, torch.float16, shape).native_prefill is None
     odd_heads = AttentionShape(num_heads=9, num_kv_heads=3, head_dim=48, block_size=16)

@@ -63,7 +63,7 @@ def _on_path(kernels: wk.W8A8Kernels, path: str) -> wk.W8A8Kernels:
     the OS have them; K not a multiple of 64 stays on the vector path)."""
     if path == "amx" and not kernels.amx:
         pytest.skip("no AMX int8 tiles in this build, or the OS does not grant them")
-    kernels.amx_min_rows = 1 if path == "amx" else 1 << 62
+    kernels.amx_min_rows = 1 if path == "amx" else native.NEVER_ROWS
     return kernels
 
 

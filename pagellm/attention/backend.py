@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.kv_spec import KVCacheFormat
-from pagellm.cpu_features import cpu_flags
+from pagellm.cpu_features import cpu_has_amx_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,7 @@ def sdpa_prefill_is_faster(dtype: torch.dtype, cache_format: KVCacheFormat) -> b
     does not. On a 2-core Intel Xeon (amx_bf16) SDPA took 2.4-3.3x less time over 256-4,096 tokens, and a step
     prefilling 1,500 tokens beside 16 decodes 1.3-1.5x less, chunked or not (README, "AMX"). Quantized caches
     stay native: the torch path would dequantize them per step."""
-    return (dtype is torch.bfloat16 and not cache_format.quantized
-            and {"amx_tile", "amx_bf16"} <= cpu_flags())
+    return dtype is torch.bfloat16 and not cache_format.quantized and cpu_has_amx_bf16()
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> AttentionBackend:

@@ -42,7 +42,7 @@ import torch
 
 from pagellm.attention.kv_spec import KVCacheFormat
 from pagellm.cache_dir import cache_root
-from pagellm.cpu_features import cpu_flags
+from pagellm.cpu_features import cpu_flags, cpu_has_amx_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +64,8 @@ _ISA_CPU_FLAGS = {
     "avx2": ("avx2", "fma"),
     "generic": (),
 }
-_AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
-_NEVER = 1 << 62  # a row count no call reaches
+# A row threshold no call reaches: the kernels' tile paths switched off.
+NEVER_ROWS = 1 << 62
 _ISA_COMPILER_FLAGS = {
     "avx512": ["-DPAGELLM_ISA_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                "-mavx512dq"],
@@ -126,7 +126,7 @@ def compiler_flags(isa: str, native_bf16: bool | None = None, amx: bool | None =
     if native_bf16 is None:
         native_bf16 = "avx512_bf16" in cpu_flags()
     if amx is None:
-        amx = all(flag in cpu_flags() for flag in _AMX_CPU_FLAGS)
+        amx = cpu_has_amx_bf16()
     if isa == "avx512" and native_bf16:
         flags.append("-mavx512bf16")
         if amx:
@@ -484,7 +484,7 @@ class LinearBF16:
         self._function.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
         self.amx = bool(ctypes.c_int.in_dll(library, "pagellm_linear_bf16_amx_available").value
                         and library.linear_bf16_amx_ready())
-        self.amx_min_rows = self.AMX_MIN_ROWS if self.amx else _NEVER
+        self.amx_min_rows = self.AMX_MIN_ROWS if self.amx else NEVER_ROWS
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ is freed (where no other module shares it: a tied LM head's weight is the embedd
 bfloat16 where the native kernels have avx512_bf16's dot product: the weight is packed for pagellm's own kernel
 (linear_bf16.c), which beat oneDNN's packed weight at every row count there; oneDNN elsewhere. On CPUs with AMX
 (amx_bf16) oneDNN's packed weight runs on the tiles and beat that kernel's vector path from 8 rows on, so the
-kernel runs its own tile path from there, on the same packed copy (README, "bfloat16 on AMX").
+kernel runs its own tile path from there, on the same packed copy (README, "On a CPU with AMX").
 Half types on CPUs without instructions for them: torch emulates half matmuls (~20 GFLOP/s against ~170 in
 float32 on a 2-core AMD EPYC with avx2 only), so operands are widened to float32 per call and the result rounded
 back, the arithmetic of a half GEMM with float32 accumulation, while the weights stay half in memory.

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention import native
-from pagellm.cpu_features import cpu_flags, cpu_has_native
+from pagellm.cpu_features import cpu_flags, cpu_has_amx_bf16, cpu_has_native
 from pagellm.models.gguf_quants import QUANT_FORMATS, QuantFormat, dequantize
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ class GGUFKernels:
                                    f"{(fmt.block_size, fmt.block_bytes)}")
         self.dense_min_rows = dict(DENSE_MIN_ROWS[self.isa])
         # bfloat16 activations' own thresholds where their GEMM runs on AMX tiles; None: dense_min_rows
-        amx = self.isa == "avx512" and {"amx_tile", "amx_bf16"} <= cpu_flags() and cpu_has_native(torch.bfloat16)
+        amx = self.isa == "avx512" and cpu_has_amx_bf16()
         self.bf16_dense_min_rows = dict(_AMX_BF16_DENSE_MIN_ROWS) if amx else None
         self._scratch = threading.local()
 

@@ -64,7 +64,6 @@ FP8_DENSE_MIN_ROWS = {"avx512": 96, "avx2": 96, "generic": 8}
 # Rows of x from which the int8 product runs on AMX tiles where the CPU has amx_int8 (the same int32 sums as the
 # vector paths); where the two met on SmolLM2's shapes (README, "AMX").
 INT8_AMX_MIN_ROWS = 8
-_NEVER = 1 << 62  # a row count no call reaches
 # Weight bytes dequantized per tile of the dense path (the only dequantized copy that exists at a time).
 DENSE_TILE_BYTES = 4 << 20
 
@@ -248,7 +247,7 @@ class W8A8Kernels:
         self._int8.argtypes = [_PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _F32, _PTR, _PTR,
                                _I64]
         self.amx = bool(ctypes.c_int.in_dll(library, "pagellm_w8a8_amx_available").value and library.w8a8_amx_ready())
-        self.amx_min_rows = INT8_AMX_MIN_ROWS if self.amx else _NEVER
+        self.amx_min_rows = INT8_AMX_MIN_ROWS if self.amx else native.NEVER_ROWS
         self._quantize = library.w8a8_quantize_rows
         self._quantize.restype = _INT
         self._quantize.argtypes = [_PTR, _INT, _I64, _I64, _F32, _PTR, _PTR]
