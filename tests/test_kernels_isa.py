@@ -160,8 +160,10 @@ def _decode_case(num_heads, num_kv_heads, head_dim, block_size, context_lens, dt
     return q, k_cache, v_cache, tables, np.array(context_lens, dtype=np.int64)
 
 
-def _decode_reference(q, k_cache, v_cache, tables, context_lens, scale, window=0):
-    """Softmax attention in float64 over each sequence's keys, gathered block by block."""
+def _decode_reference(q, k_cache, v_cache, tables, context_lens, scale, window=0, sinks=None, magnitudes=False):
+    """Softmax attention in float64 over each sequence's keys, gathered block by block (with `sinks`, [heads]
+    logits each denominator also holds). magnitudes: the sums of weight * |value| instead, the scale of the error
+    that rounding each weight makes."""
     outs = []
     group = q.shape[1] // k_cache.shape[1]
     for seq, length in enumerate(context_lens):
@@ -169,9 +171,28 @@ def _decode_reference(q, k_cache, v_cache, tables, context_lens, scale, window=0
         values = v_cache[tables[seq]].transpose(1, 2).flatten(0, 1)[:length].double()
         first = max(0, length - window) if window else 0
         keys, values = keys[first:].repeat_interleave(group, 1), values[first:].repeat_interleave(group, 1)
-        weights = (torch.einsum("hd,lhd->hl", q[seq].double(), keys) * scale).softmax(-1)
-        outs.append(torch.einsum("hl,lhd->hd", weights, values))
+        scores = torch.einsum("hd,lhd->hl", q[seq].double(), keys) * scale
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
+        weights = scores.softmax(-1)[:, : keys.shape[0]]
+        outs.append(torch.einsum("hl,lhd->hd", weights, values.abs() if magnitudes else values))
     return torch.stack(outs)
+
+
+def _uses_tiles(kernel, dtype, block_size):
+    return kernel.amx and dtype == torch.bfloat16 and block_size % 16 == 0
+
+
+def _within_rounded_weights(out, case, scale, **reference_options):
+    """bfloat16 attention whose softmax weights were rounded to bfloat16 before the value product (the AMX path,
+    as SDPA's bfloat16 kernel rounds them): each output within 2^-8 of its sum of weight * |value| plus one
+    bfloat16 step of itself."""
+    expected = _decode_reference(*case, scale, **reference_options)
+    magnitude = _decode_reference(*case, scale, magnitudes=True, **reference_options)
+    error = (out.double() - expected).abs()
+    bound = 2**-8 * (magnitude + expected.abs()) + 1e-6
+    assert not torch.isnan(out).any()
+    assert (error <= bound).all(), f"worst error / bound {(error / bound).max().item():.2f}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -183,6 +204,9 @@ def test_decode_kernel_matches_reference(isa, dtype, block_size, num_heads, num_
                         seed=block_size + head_dim)
     out = kernel(*case, head_dim**-0.5)
     assert out.dtype == dtype
+    if _uses_tiles(kernel, dtype, block_size):
+        _within_rounded_weights(out, case, head_dim**-0.5)
+        return
     expected = _decode_reference(*case, head_dim**-0.5).to(dtype)
     _close(out, expected, dtype, (1e-4, 2e-5))
 
@@ -200,6 +224,45 @@ def test_decode_kernel_sliding_window_never_reads_slid_out_blocks(isa, dtype, wi
         tables[seq, : max(0, length - window) // block_size] = 1 << 40
     out = kernel(q, k_cache, v_cache, tables, context_lens, 0.125, sliding_window=window)
     _close(out, expected, dtype, (1e-4, 2e-5))
+
+
+@pytest.mark.skipif(not native.decode_kernel(ISAS[0]).amx, reason="no AMX tiles on this CPU (or not granted)")
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,window", [
+    (9, 3, 64, 16, 0), (40, 2, 128, 32, 0), (6, 3, 96, 16, 0), (8, 2, 64, 16, 21), (4, 1, 64, 32, 50)])
+def test_decode_tiles_against_reference_and_vector_loops(num_heads, num_kv_heads, head_dim, block_size, window):
+    """The AMX path (bfloat16 q and cache, block_size a multiple of 16): over 16 heads per kv head (two passes),
+    head sizes that end on a 32-float value tile, sliding windows starting mid-tile with slid-out blocks as holes,
+    sinks, and NaN in every cache slot past a sequence's end (a zero weight times NaN would poison the sum)."""
+    kernel = native.decode_kernel(ISAS[0])
+    lengths = [1, 15, 16, 17, 33, 100, 257]
+    case = _decode_case(num_heads, num_kv_heads, head_dim, block_size, lengths, torch.bfloat16, seed=head_dim + window)
+    q, k_cache, v_cache, tables, context_lens = case
+    for seq, length in enumerate(lengths):
+        if length % block_size:
+            k_cache[tables[seq, length // block_size], :, length % block_size :] = float("nan")
+            v_cache[tables[seq, length // block_size], :, length % block_size :] = float("nan")
+    sinks = torch.linspace(-1.0, 2.0, num_heads)
+    scale = head_dim**-0.5
+    options = {"window": window, "sinks": sinks}
+    holes = tables.copy()
+    for seq, length in enumerate(lengths):
+        if window:
+            holes[seq, : max(0, length - window) // block_size] = 1 << 40
+    kernel.amx = True
+    tiles = kernel(q, k_cache, v_cache, holes, context_lens, scale, sliding_window=window, sinks=sinks)
+    _within_rounded_weights(tiles, case, scale, **options)
+    kernel.amx = False
+    try:
+        loops = kernel(q, k_cache, v_cache, holes, context_lens, scale, sliding_window=window, sinks=sinks)
+    finally:
+        kernel.amx = True
+    # The loops keep the weights in float32: the two paths differ by the weights' rounding alone.
+    torch.testing.assert_close(tiles.float(), loops.float(), rtol=2**-6, atol=2**-7)
+
+
+def test_decode_tiles_only_where_the_build_has_them():
+    for isa in ISAS[1:]:
+        assert not native.decode_kernel(isa).amx, isa
 
 
 def test_decode_kernel_float32_queries_on_bf16_cache_equal_float32_cache(isa):
@@ -288,7 +351,10 @@ def test_bf16_model_on_fused_ops_gives_the_unfused_greedy_tokens(tiny_llama_dir)
     from tests.helpers import PROMPTS
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    llm = LLM(tiny_llama_dir, dtype="bfloat16", max_num_batched_tokens=64, kv_cache_memory_bytes=16 << 20)
+    # No prefix caching: the second run would start from the first run's cached blocks and prefill only the
+    # prompts' tails, another computation, whose rounding may flip a near tie in bfloat16.
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", max_num_batched_tokens=64, kv_cache_memory_bytes=16 << 20,
+              enable_prefix_caching=False)
     runner = llm.llm_engine.core.runner
     assert runner.native_decode is not None
     model = runner.model

@@ -160,7 +160,9 @@ class DecodeKernel:
     """paged_decode_attention with its argument types declared; see the C source for layouts.
 
     Queries may be float32 or bfloat16, caches float32, bfloat16 (each independently of q) or quantized
-    (`kv_format`); the output has the query's dtype.
+    (`kv_format`); the output has the query's dtype. bfloat16 queries over a bfloat16 cache run on AMX's tiles
+    where the build and the OS allow them (`amx`; set it False for the vector loops) and block_size is a multiple
+    of 16.
     """
 
     CACHE_DTYPES = KERNEL_DTYPES
@@ -175,7 +177,9 @@ class DecodeKernel:
         self._function = library.paged_decode_attention
         self._function.restype = _INT
         self._function.argtypes = [_PTR, _PTR, _PTR, _INT, _INT, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
-                                   _I64, _F32, _I64, _PTR]
+                                   _I64, _F32, _I64, _PTR, _INT]
+        library.paged_decode_amx_ready.restype = _INT
+        self.amx = bool(library.paged_decode_amx_ready())
 
     def __call__(
         self,
@@ -217,7 +221,7 @@ class DecodeKernel:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), format_code,
             int(q.dtype == torch.bfloat16), block_tables.ctypes.data, block_tables.shape[1], context_lens.ctypes.data,
             out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
-            sinks.data_ptr() if sinks is not None else None,
+            sinks.data_ptr() if sinks is not None else None, int(self.amx),
         )
         if failed == 1:
             raise MemoryError("the native decode-attention kernel could not allocate its score buffer")

@@ -224,7 +224,7 @@ class Sampler:
         end_row = first_row + num_rows
         if batch.filters_in_place:
             _apply_constraints(logits, batch.rows_slice(first_row, end_row), None)
-            torch.argmax(logits, dim=-1, out=output.token_ids[first_row:end_row])
+            output.token_ids[first_row:end_row].copy_(_argmax_rows(logits))
             return
         step = min(num_rows, self.rows_per_chunk(vocab_size))
         workspace = self._workspace_for(step, vocab_size, logits.device)
@@ -253,9 +253,9 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, ws: _Workspace, tokens: torch.Tensor) -> None:
         if batch.all_greedy:
-            torch.argmax(logits, dim=-1, out=tokens)
+            tokens.copy_(_argmax_rows(logits))
             return
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = _argmax_rows(logits)
         is_greedy = batch.temperature == 0
         temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
         logits.div_(temperature.unsqueeze(1))
@@ -352,6 +352,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     logits.scatter_(-1, order, sorted_logits)
 
 
+def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first maximum; NaN counts as the maximum), as torch.argmax gives it: torch.max's
+    indices are the same, and torch computes them several times faster on CPU."""
+    return torch.max(x, dim=-1).indices
+
+
 def _sample_exponential(
     probs: torch.Tensor, generator: torch.Generator, seeded_rows: list[tuple[int, int, int]], noise: torch.Tensor
 ) -> torch.Tensor:
@@ -361,4 +367,4 @@ def _sample_exponential(
         row_generator = torch.Generator(device=probs.device)
         row_generator.manual_seed((seed * _SEED_STRIDE + index) % (2**63))
         noise[row].exponential_(generator=row_generator)
-    return probs.div_(noise).argmax(dim=-1)
+    return _argmax_rows(probs.div_(noise))

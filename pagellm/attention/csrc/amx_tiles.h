@@ -26,16 +26,22 @@ static int amx_ready(void) {
     return state == 1;
 }
 
-/* This thread's tiles 0..7: 16 rows each, colsb[t] bytes per row. */
-static inline void amx_configure(const uint16_t colsb[8]) {
+/* This thread's tiles 0..7: rows[t] rows of colsb[t] bytes each (a tile of 0 bytes is unused). */
+static inline void amx_configure_shapes(const uint8_t rows[8], const uint16_t colsb[8]) {
     AmxTileConfig config;
     memset(&config, 0, sizeof config);
     config.palette_id = 1;
     for (int t = 0; t < 8; ++t) {
         config.colsb[t] = colsb[t];
-        config.rows[t] = 16;
+        config.rows[t] = rows[t];
     }
     _tile_loadconfig(&config);
+}
+
+/* This thread's tiles 0..7: 16 rows each, colsb[t] bytes per row. */
+static inline void amx_configure(const uint16_t colsb[8]) {
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    amx_configure_shapes(rows, colsb);
 }
 
 /* Tiles 0-3 cleared: the [row half][column half] sums of a 32 x 32 block of 4-byte sums. */

@@ -86,7 +86,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                            void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, float scale, int64_t sliding_window,
-                           const float *sinks);
+                           const float *sinks, int use_amx);
 
 /* Failures, as (code, layer): DECODE_STACK_PRODUCT + gguf_matmul's code, DECODE_STACK_ATTENTION + the
  * attention kernel's, or DECODE_STACK_MEMORY; the layer index is in *failed_layer. */
@@ -178,7 +178,7 @@ int decode_layer_stack(const StackLayer *layers, int64_t num_layers, const Stack
         if ((failed = paged_decode_attention(q, layer->k_cache, layer->v_cache, s->kv_format, bf16,
                                              step->block_tables, step->table_stride, step->context_lens, b.attended,
                                              tokens, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
-                                             layer->scale, layer->sliding_window, NULL)))
+                                             layer->scale, layer->sliding_window, NULL, 1)))
             failed += DECODE_STACK_ATTENTION;
         if (failed) break;
         if ((failed = linear(product, &layer->o, b.attended, tokens, attention, b.projected, b.scratch, bf16)))
@@ -283,7 +283,7 @@ int gemma_decode_layer(const GemmaLayer *previous, const float *activated, const
         if ((failed = paged_decode_attention(q, layer->k_cache, layer->v_cache, s->kv_format, 0, step->block_tables,
                                              step->table_stride, step->context_lens, b.attended, tokens,
                                              s->num_heads, s->num_kv_heads, head_dim, s->block_size, layer->scale,
-                                             layer->sliding_window, NULL))) {
+                                             layer->sliding_window, NULL, 1))) {
             failed += DECODE_STACK_ATTENTION;
             goto done;
         }

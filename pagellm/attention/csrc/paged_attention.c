@@ -96,13 +96,20 @@ typedef struct {
     int64_t bytes[2];
 } Prefetches;
 
-static ALWAYS_INLINE void prefetch_share(const Prefetches *prefetches, int64_t share, int64_t shares) {
+static ALWAYS_INLINE void prefetch_share(const Prefetches *prefetches, int64_t share, int64_t lines_per_share) {
     for (int r = 0; r < 2; ++r) {
         if (prefetches->runs[r] == NULL) continue;
-        const int64_t lines = (prefetches->bytes[r] + 63) / 64;
-        for (int64_t line = share * lines / shares; line < (share + 1) * lines / shares; ++line)
+        const int64_t lines = (prefetches->bytes[r] + 63) / 64, end = (share + 1) * lines_per_share;
+        for (int64_t line = share * lines_per_share; line < end && line < lines; ++line)
             __builtin_prefetch(prefetches->runs[r] + 64 * line, 0, 3);
     }
+}
+
+/* The lines per share that spread the longer of the two runs over `shares` (one division per run, where one
+ * per share cost as much as the arithmetic between them on CPUs with a slow divider). */
+static ALWAYS_INLINE int64_t lines_per_share(const Prefetches *prefetches, int64_t shares) {
+    const int64_t bytes = prefetches->bytes[0] > prefetches->bytes[1] ? prefetches->bytes[0] : prefetches->bytes[1];
+    return ((bytes + 63) / 64 + shares - 1) / shares;
 }
 
 /* scale * q . key for VEC keys, key i at element keys[i] of the cache, as one vector (lane i for key i): each
@@ -139,6 +146,7 @@ static ALWAYS_INLINE void run_scores(const float *restrict q, const uint16_t *re
                                      const void *restrict k_cache, int64_t start, const void *scales, int64_t count,
                                      int64_t head_dim, const int heads, const int format, float scale,
                                      float *restrict scores, int64_t stride, const Prefetches *prefetches) {
+    const int64_t per_share = lines_per_share(prefetches, (count + VEC - 1) / VEC * heads);
     for (int64_t first = 0; first < count; first += VEC) {
         const int64_t n = count - first < VEC ? count - first : VEC;
         int64_t keys[VEC];
@@ -148,7 +156,7 @@ static ALWAYS_INLINE void run_scores(const float *restrict q, const uint16_t *re
             if (kv_quantized(format)) scale_per_key[i] = scale * kv_row_scale(scales, first + (i < n ? i : n - 1), format);
         }
         for (int h = 0; h < heads; ++h) {
-            prefetch_share(prefetches, first / VEC * heads + h, (count + VEC - 1) / VEC * heads);
+            prefetch_share(prefetches, first / VEC * heads + h, per_share);
             const fvec s = key_scores(q + h * head_dim, q16 != NULL ? q16 + h * head_dim : NULL, k_cache, keys,
                                       head_dim, format, scale_per_key);
             if (n == VEC) vstore(scores + h * stride + first, s);
@@ -237,10 +245,11 @@ static ALWAYS_INLINE void piece_weighted_sum(const float *restrict weights, cons
         const int64_t start = run_start(keys, position) + offset, length = run_length(keys, position);
         if (offset == 0) prefetch_block_ahead(keys, v_cache, position, 1, format);
         const Prefetches next_keys = upcoming_key_block(upcoming, block++, format);
+        const int64_t per_share = lines_per_share(&next_keys, length);
         const float *w = weights + (position - keys->first);
         const void *scales = kv_quantized(format) ? scale_of(keys, v_cache, position) : NULL;
         for (int64_t i = 0; i < length; ++i) {
-            prefetch_share(&next_keys, i, length);
+            prefetch_share(&next_keys, i, per_share);
             const int64_t value = start + i * head_dim;
             /* A quantized value row's scale multiplies its softmax weight: one product per row and head. */
             const float value_scale = kv_quantized(format) ? kv_row_scale(scales, i, format) : 1.0f;
@@ -331,6 +340,218 @@ static void attend_one(const float *restrict q, const uint16_t *restrict q16, co
     }
 }
 
+#if defined(HAVE_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_DECODE_AMX 1
+#include "amx_tiles.h"
+
+/* ---- bfloat16 queries over a bfloat16 cache on AMX tiles ----
+ *
+ * On a core whose vector unit retires one 16-float multiply-add per cycle, the loops above spend tens of cycles
+ * per key for a few heads, longer than memory takes to deliver the key (README, "On a CPU with AMX"). The tiles
+ * take the same products in bulk:
+ *   scores: C[16 keys][16 heads] += K[16 keys][32 d] . Q[32 d][16 heads], the keys' tile read straight from
+ *           the cache (a block's 16 rows of one head are 16 rows of head_dim bfloat16, one after the other) and
+ *           the queries in the B tile's pair layout, zero columns for absent heads;
+ *   values: O[heads][16 d] += P[heads][32 keys] . V[32 keys][16 d], the softmax numerators rounded to bfloat16
+ *           (as SDPA's bfloat16 kernel rounds them) and the values moved into pair layout on the way: rows 2r and
+ *           2r+1 interleaved by VPUNPCKL/HWD, whose lanes order the output columns as `unpermute` undoes.
+ * Needs block_size a multiple of 16 (a tile's keys lie in one block) and head_dim a multiple of 32. */
+#define AMX_KEYS 16         /* keys per score tile */
+#define AMX_VALUE_KEYS 32   /* keys per value product (16 pairs) */
+#define AMX_HEADS 16        /* query heads per pass: the score tile's columns */
+#define AMX_OUT_FLOATS 64   /* output floats per pass over the values: four 16-float tiles */
+
+typedef struct {
+    float *scores;          /* [AMX_HEADS][stride]: scores, then softmax numerators */
+    uint16_t *weights;      /* [AMX_HEADS][stride]: the numerators in bfloat16, zero outside the keys attended */
+    uint16_t *q_pairs;      /* [head_dim / 32][16 pairs][AMX_HEADS][2]: the B tiles of the queries */
+    uint16_t *value_pairs;  /* [4][16 pairs][16 d][2]: the B tiles of 32 values */
+    float *tile_out;        /* [4][16][16]: stored C tiles */
+    int64_t stride;         /* keys per row of scores and weights, a multiple of AMX_VALUE_KEYS */
+} AmxScratch;
+
+static int amx_scratch_alloc(AmxScratch *scratch, int64_t max_keys, int64_t head_dim) {
+    /* The first tile starts at the block-aligned position before the first key: up to 15 more keys. */
+    const int64_t stride = (max_keys + AMX_KEYS - 1 + AMX_VALUE_KEYS - 1) / AMX_VALUE_KEYS * AMX_VALUE_KEYS;
+    const size_t floats = (size_t)AMX_HEADS * stride + 4 * 256, halves = (size_t)AMX_HEADS * stride +
+                          (size_t)head_dim / 32 * 512 + 4 * 512;
+    char *memory = aligned_alloc(64, (sizeof(float) * floats + sizeof(uint16_t) * halves + 63) / 64 * 64);
+    if (memory == NULL) return 1;
+    scratch->tile_out = (float *)memory;
+    scratch->scores = scratch->tile_out + 4 * 256;
+    scratch->value_pairs = (uint16_t *)(scratch->scores + (size_t)AMX_HEADS * stride);
+    scratch->q_pairs = scratch->value_pairs + 4 * 512;
+    scratch->weights = scratch->q_pairs + head_dim / 32 * 512;
+    scratch->stride = stride;
+    return 0;
+}
+
+static void amx_configure_scores(void) {
+    const uint8_t rows[8] = {16, 16, 16};
+    const uint16_t colsb[8] = {64, 64, 64};
+    amx_configure_shapes(rows, colsb);
+}
+
+/* Tiles 0-3: output columns; 4: the weights; 5: values. */
+static void amx_configure_values(int heads) {
+    const uint8_t rows[8] = {heads, heads, heads, heads, heads, 16};
+    const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64};
+    amx_configure_shapes(rows, colsb);
+}
+
+/* q's `heads` rows (bfloat16) in the B tiles' layout: pair r of tile k, column h = q[h][32k + 2r .. + 1]. */
+static void pair_queries(const uint16_t *q16, int heads, int64_t head_dim, uint16_t *restrict q_pairs) {
+    memset(q_pairs, 0, sizeof(uint16_t) * head_dim / 32 * 512);
+    for (int h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < head_dim; d += 2) {
+            uint16_t *pair = q_pairs + d / 32 * 512 + (d % 32) / 2 * 32 + 2 * h;
+            pair[0] = q16[h * head_dim + d];
+            pair[1] = q16[h * head_dim + d + 1];
+        }
+}
+
+/* scores[h][i] = scale * q_h . key(base + i) for the keys attended; the tile-aligned key chunks from `base`. */
+static void amx_scores(const uint16_t *k_cache, const KeyRange *keys, int64_t base, int heads, float scale,
+                       const AmxScratch *scratch) {
+    const int64_t head_dim = keys->head_dim;
+    const __m512i rows = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224,
+                                           240);
+    for (int64_t ahead = 1; ahead < KEY_PREFETCH_AHEAD; ++ahead)
+        prefetch_block_ahead(keys, k_cache, base, ahead, KV_BF16);
+    for (int64_t position = base; position < keys->context_len; position += AMX_KEYS) {
+        const int64_t start = run_start(keys, position);
+        /* Keys a block or two ahead; not the values, which the value pass's loads stream in as fast (the vector
+         * loop's prefetch of them measured ~7% slower here over scattered blocks). */
+        if (position % keys->block_size == 0)
+            prefetch_block_ahead(keys, k_cache, position, KEY_PREFETCH_AHEAD, KV_BF16);
+        _tile_zero(0);
+        for (int64_t d = 0; d < head_dim; d += 32) {
+            _tile_loadd(1, k_cache + start + d, head_dim * 2);
+            _tile_loadd(2, scratch->q_pairs + d / 32 * 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, scratch->tile_out, 64);
+        for (int h = 0; h < heads; ++h) {
+            const __m512 column = _mm512_i32gather_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(h)),
+                                                      scratch->tile_out, 4);
+            _mm512_storeu_ps(scratch->scores + h * scratch->stride + (position - base),
+                             _mm512_mul_ps(column, _mm512_set1_ps(scale)));
+        }
+    }
+}
+
+/* Rows a, b (32 bfloat16 each, or zeros where NULL) into row `pair` of the value tiles `tile` and `tile` + 1. */
+static ALWAYS_INLINE void pair_values(const uint16_t *a, const uint16_t *b, uint16_t *value_pairs, int tile,
+                                      int pair) {
+    const __m512i x = a != NULL ? _mm512_loadu_si512(a) : _mm512_setzero_si512();
+    const __m512i y = b != NULL ? _mm512_loadu_si512(b) : _mm512_setzero_si512();
+    _mm512_store_si512(value_pairs + tile * 512 + pair * 32, _mm512_unpacklo_epi16(x, y));
+    _mm512_store_si512(value_pairs + (tile + 1) * 512 + pair * 32, _mm512_unpackhi_epi16(x, y));
+}
+
+/* The value tiles of keys [position, position + 32) and output floats [offset, offset + width): a key outside
+ * [first, context_len) is a zero row (its cache slot may hold anything, NaN included, and 0 * NaN is NaN). */
+static void pack_values(const uint16_t *v_cache, const KeyRange *keys, int64_t position, int64_t offset,
+                        int width, uint16_t *value_pairs) {
+    for (int half = 0; half < 2; ++half) {
+        const int64_t run = position + half * AMX_KEYS;
+        const uint16_t *rows = run < keys->context_len ? v_cache + run_start(keys, run) + offset : NULL;
+        for (int r = 0; r < AMX_KEYS / 2; ++r) {
+            const int64_t a = run + 2 * r, b = a + 1;
+            const uint16_t *row_a = rows != NULL && a >= keys->first && a < keys->context_len ? rows + 2 * r * keys->head_dim : NULL;
+            const uint16_t *row_b = rows != NULL && b >= keys->first && b < keys->context_len ? rows + (2 * r + 1) * keys->head_dim : NULL;
+            for (int s = 0; s < width / 32; ++s)
+                pair_values(row_a != NULL ? row_a + 32 * s : NULL, row_b != NULL ? row_b + 32 * s : NULL,
+                            value_pairs, 2 * s, half * (AMX_KEYS / 2) + r);
+        }
+    }
+}
+
+/* Output tiles 2s (unpacklo) and 2s + 1 (unpackhi), row h, back in d order: 128-bit lane L of an unpack holds
+ * d 8L .. 8L + 3 (lo) or 8L + 4 .. 8L + 7 (hi) of its 32. */
+static ALWAYS_INLINE void unpermute(const float *lo, const float *hi, float inverse, float *out) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 a = _mm512_loadu_ps(lo), b = _mm512_loadu_ps(hi), scale = _mm512_set1_ps(inverse);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutex2var_ps(a, first, b), scale));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_permutex2var_ps(a, second, b), scale));
+}
+
+/* out[h][offset .. + width) = inverse[h] * sum over keys of weight . value, width 32 or 64. */
+static void amx_values(const uint16_t *v_cache, const KeyRange *keys, int64_t base, int heads, int64_t offset,
+                       int width, const float *inverse, const AmxScratch *scratch, float *out,
+                       const Upcoming *upcoming) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    int64_t block = 0;
+    for (int64_t position = base; position < keys->context_len; position += AMX_VALUE_KEYS) {
+        if (upcoming != NULL) {  /* the next item's first key blocks, one per 32 keys summed */
+            const Prefetches next_keys = upcoming_key_block(upcoming, block++, KV_BF16);
+            prefetch_share(&next_keys, 0, lines_per_share(&next_keys, 1));
+        }
+        pack_values(v_cache, keys, position, offset, width, scratch->value_pairs);
+        _tile_loadd(4, scratch->weights + (position - base), scratch->stride * 2);
+        _tile_loadd(5, scratch->value_pairs, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, scratch->value_pairs + 512, 64);
+        _tile_dpbf16ps(1, 4, 5);
+        if (width == 64) {
+            _tile_loadd(5, scratch->value_pairs + 2 * 512, 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(5, scratch->value_pairs + 3 * 512, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    float *tiles = scratch->tile_out;
+    _tile_stored(0, tiles, 64);
+    _tile_stored(1, tiles + 256, 64);
+    if (width == 64) {
+        _tile_stored(2, tiles + 512, 64);
+        _tile_stored(3, tiles + 768, 64);
+    }
+    for (int h = 0; h < heads; ++h)
+        for (int s = 0; s < width / 32; ++s)
+            unpermute(tiles + 2 * s * 256 + 16 * h, tiles + (2 * s + 1) * 256 + 16 * h, inverse[h],
+                      out + h * keys->head_dim + offset + 32 * s);
+}
+
+/* Attention of `heads` (<= AMX_HEADS) bfloat16 query heads over one kv head's bfloat16 keys: out [heads][head_dim]
+ * float32, sinks NULL or [heads]. */
+static void amx_attend(const uint16_t *q16, const uint16_t *k_cache, const uint16_t *v_cache, const KeyRange *keys,
+                       int heads, float scale, const AmxScratch *scratch, float *out, const Upcoming *upcoming,
+                       const float *sinks) {
+    const int64_t base = keys->first - keys->first % AMX_KEYS, stride = scratch->stride;
+    const int64_t skipped = keys->first - base, count = keys->context_len - keys->first;
+    const int64_t padded = (keys->context_len - base + AMX_VALUE_KEYS - 1) / AMX_VALUE_KEYS * AMX_VALUE_KEYS;
+    pair_queries(q16, heads, keys->head_dim, scratch->q_pairs);
+    amx_configure_scores();
+    amx_scores(k_cache, keys, base, heads, scale, scratch);
+    float inverse[AMX_HEADS];
+    for (int h = 0; h < heads; ++h) {
+        float *row = scratch->scores + h * stride;
+        inverse[h] = softmax_numerators(row + skipped, count, sinks != NULL ? sinks + h : NULL);
+        for (int64_t i = 0; i < skipped; ++i) row[i] = 0.0f;
+        for (int64_t i = skipped + count; i < padded; ++i) row[i] = 0.0f;
+        uint16_t *weights = scratch->weights + h * stride;
+        for (int64_t i = 0; i < padded; i += VEC) {
+            const hvec bits = to_bf16_bits(vload(row + i));
+            memcpy(weights + i, &bits, sizeof bits);
+        }
+    }
+    amx_configure_values(heads);
+    for (int64_t offset = 0; offset < keys->head_dim; offset += AMX_OUT_FLOATS) {
+        const int width = keys->head_dim - offset >= AMX_OUT_FLOATS ? AMX_OUT_FLOATS : 32;
+        amx_values(v_cache, keys, base, heads, offset, width, inverse, scratch, out, offset == 0 ? upcoming : NULL);
+    }
+}
+
+int paged_decode_amx_ready(void) { return amx_ready(); }
+#else
+int paged_decode_amx_ready(void) { return 0; }
+#endif
+
 /* n floats from a float32 or bfloat16 array (n a multiple of VEC), and back. */
 static void widen(const void *from, float *to, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; i += VEC) vstore(to + i, bf16 ? load_any(from, i, 1) : load_any(from, i, 0));
@@ -367,14 +588,35 @@ static KeyRange key_range(int64_t item, const int64_t *block_tables, int64_t tab
     return keys;
 }
 
-/* kv_format: kv_format.h's KV_* (not KV_F16); sinks NULL or [num_heads]. Returns 1 if a thread could not allocate
- * its buffers, 2 if head_dim is not a multiple of PIECE_FLOATS. */
+/* One (sequence, kv head) on the tiles: its `group` heads AMX_HEADS at a time. */
+#ifdef HAVE_DECODE_AMX
+static void amx_attend_one(const uint16_t *q16, const void *k_cache, const void *v_cache, const KeyRange *keys,
+                           int64_t group, float scale, const AmxScratch *scratch, float *out, const Upcoming *upcoming,
+                           const float *sinks) {
+    for (int64_t first = 0; first < group; first += AMX_HEADS) {
+        const int heads = group - first < AMX_HEADS ? (int)(group - first) : AMX_HEADS;
+        amx_attend(q16 + first * keys->head_dim, k_cache, v_cache, keys, heads, scale, scratch,
+                   out + first * keys->head_dim, first + AMX_HEADS >= group ? upcoming : NULL,
+                   sinks != NULL ? sinks + first : NULL);
+    }
+}
+#endif
+
+/* kv_format: kv_format.h's KV_* (not KV_F16); sinks NULL or [num_heads]. use_amx: take the tiles where this build
+ * has them, the process may use them (paged_decode_amx_ready), q and the cache are bfloat16 and block_size is a
+ * multiple of 16. Returns 1 if a thread could not allocate its buffers, 2 if head_dim is not a multiple of
+ * PIECE_FLOATS. */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int kv_format, int q_is_bf16,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                            void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, float scale, int64_t sliding_window,
-                           const float *sinks) {
+                           const float *sinks, int use_amx) {
     if (head_dim % PIECE_FLOATS != 0) return 2;
+#ifdef HAVE_DECODE_AMX
+    use_amx = use_amx && q_is_bf16 && kv_format == KV_BF16 && block_size % AMX_KEYS == 0 && amx_ready();
+#else
+    use_amx = 0;
+#endif
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_keys = 1;
     for (int64_t s = 0; s < num_seqs; ++s) {
@@ -388,7 +630,13 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     {
         /* Per thread: the scores of one group of heads, and its queries and outputs in float32. */
         float *scores = malloc(sizeof(float) * group * (max_keys + 2 * head_dim));
-        if (scores == NULL) {
+#ifdef HAVE_DECODE_AMX
+        AmxScratch amx_scratch = {0};
+        const int no_amx_scratch = use_amx && amx_scratch_alloc(&amx_scratch, max_keys, head_dim);
+#else
+        const int no_amx_scratch = 0;
+#endif
+        if (scores == NULL || no_amx_scratch) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -402,7 +650,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
             const int64_t item = next;
 #pragma omp atomic capture
             next = taken++;
-            if (scores == NULL) continue;
+            if (scores == NULL || no_amx_scratch) continue;
             const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
             const KeyRange keys = key_range(item, block_tables, table_stride, context_lens, num_kv_heads, block_size,
                                             head_dim, sliding_window, kv_format);
@@ -413,13 +661,26 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
             };
             const int64_t first_element = (seq * num_heads + kv_head * group) * head_dim;
             const int q_format = q_is_bf16 ? KV_BF16 : KV_F32;
+            const float *item_sinks = sinks != NULL ? sinks + kv_head * group : NULL;
+#ifdef HAVE_DECODE_AMX
+            if (use_amx) {
+                amx_attend_one((const uint16_t *)q + first_element, k_cache, v_cache, &keys, group, scale,
+                               &amx_scratch, out32, &upcoming, item_sinks);
+                narrow(out32, (void *)element(out, first_element, q_format), group * head_dim, q_is_bf16);
+                continue;
+            }
+#endif
             widen(element(q, first_element, q_format), q32, group * head_dim, q_is_bf16);
             const uint16_t *q16 = q_is_bf16 && kv_format == KV_BF16 ? (const uint16_t *)q + first_element : NULL;
             attend_one(q32, q16, k_cache, v_cache, &keys, group, kv_format, scale, scores, out32, &upcoming,
-                       sinks != NULL ? sinks + kv_head * group : NULL);
+                       item_sinks);
             narrow(out32, (void *)element(out, first_element, q_format), group * head_dim, q_is_bf16);
         }
         free(scores);
+#ifdef HAVE_DECODE_AMX
+        free(amx_scratch.tile_out);
+        if (use_amx) _tile_release();
+#endif
     }
     return failed;
 }
