@@ -35,7 +35,9 @@ static inline void amx_configure_shapes(const uint8_t rows[8], const uint16_t co
         config.colsb[t] = colsb[t];
         config.rows[t] = rows[t];
     }
-    _tile_loadconfig(&config);
+    /* Not _tile_loadconfig: GCC 12's tells the compiler that LDTILECFG reads 8 bytes, so once this function is
+     * inlined the stores of the shapes can be dropped as dead, and the CPU faults on the garbage it loads. */
+    __asm__ volatile("ldtilecfg %0" : : "m"(config));
 }
 
 /* This thread's tiles 0..7: 16 rows each, colsb[t] bytes per row. */

@@ -362,26 +362,32 @@ static void attend_one(const float *restrict q, const uint16_t *restrict q16, co
 #define AMX_OUT_FLOATS 64   /* output floats per pass over the values: four 16-float tiles */
 
 typedef struct {
-    float *scores;          /* [AMX_HEADS][stride]: scores, then softmax numerators */
-    uint16_t *weights;      /* [AMX_HEADS][stride]: the numerators in bfloat16, zero outside the keys attended */
-    uint16_t *q_pairs;      /* [head_dim / 32][16 pairs][AMX_HEADS][2]: the B tiles of the queries */
+    float *scores;          /* [rows][stride]: scores, then softmax numerators */
+    uint16_t *weights;      /* [rows][stride]: the numerators in bfloat16, zero outside the keys attended */
+    uint16_t *q_pairs;      /* [kv heads][head_dim / 32][16 pairs][AMX_HEADS][2]: the B tiles of the queries */
     uint16_t *value_pairs;  /* [4][16 pairs][16 d][2]: the B tiles of 32 values */
     float *tile_out;        /* [4][16][16]: stored C tiles */
+    float *out;             /* [out rows][head_dim]: the item's outputs */
     int64_t stride;         /* keys per row of scores and weights, a multiple of AMX_VALUE_KEYS */
 } AmxScratch;
 
-static int amx_scratch_alloc(AmxScratch *scratch, int64_t max_keys, int64_t head_dim) {
-    /* The first tile starts at the block-aligned position before the first key: up to 15 more keys. */
+/* Scratch for items of up to `kv_heads` kv heads of `heads` query heads each, attending up to max_keys keys, and
+ * writing `out_rows` rows of output. */
+static int amx_scratch_alloc(AmxScratch *scratch, int64_t max_keys, int64_t head_dim, int64_t kv_heads,
+                             int64_t heads, int64_t out_rows) {
+    /* The first tile starts at the 16-aligned position before the first key: up to 15 more keys. */
     const int64_t stride = (max_keys + AMX_KEYS - 1 + AMX_VALUE_KEYS - 1) / AMX_VALUE_KEYS * AMX_VALUE_KEYS;
-    const size_t floats = (size_t)AMX_HEADS * stride + 4 * 256, halves = (size_t)AMX_HEADS * stride +
-                          (size_t)head_dim / 32 * 512 + 4 * 512;
+    const size_t rows = (size_t)(kv_heads * heads), q_halves = (size_t)(kv_heads * head_dim / 32 * 512);
+    const size_t floats = rows * stride + 4 * 256 + (size_t)(out_rows * head_dim);
+    const size_t halves = rows * stride + q_halves + 4 * 512;
     char *memory = aligned_alloc(64, (sizeof(float) * floats + sizeof(uint16_t) * halves + 63) / 64 * 64);
     if (memory == NULL) return 1;
     scratch->tile_out = (float *)memory;
     scratch->scores = scratch->tile_out + 4 * 256;
-    scratch->value_pairs = (uint16_t *)(scratch->scores + (size_t)AMX_HEADS * stride);
+    scratch->out = scratch->scores + rows * stride;
+    scratch->value_pairs = (uint16_t *)(scratch->out + out_rows * head_dim);
     scratch->q_pairs = scratch->value_pairs + 4 * 512;
-    scratch->weights = scratch->q_pairs + head_dim / 32 * 512;
+    scratch->weights = scratch->q_pairs + q_halves;
     scratch->stride = stride;
     return 0;
 }
@@ -410,32 +416,52 @@ static void pair_queries(const uint16_t *q16, int heads, int64_t head_dim, uint1
         }
 }
 
-/* scores[h][i] = scale * q_h . key(base + i) for the keys attended; the tile-aligned key chunks from `base`. */
-static void amx_scores(const uint16_t *k_cache, const KeyRange *keys, int64_t base, int heads, float scale,
+/* An item's keys and values: `kv_heads` kv heads from the one `keys` names, whose runs follow each other in every
+ * block (a whole sequence, when it takes all its kv heads, reads each block's keys as one run of memory). */
+typedef struct {
+    KeyRange keys;
+    int kv_heads;
+} AmxItem;
+
+/* The runs of the item's kv heads in the block `ahead` blocks after the one holding `position`, if the item
+ * reaches into it: one span of memory. */
+static ALWAYS_INLINE void prefetch_item_block(const AmxItem *item, const uint16_t *cache, int64_t position,
+                                              int64_t ahead) {
+    const KeyRange *keys = &item->keys;
+    const int64_t target = (position / keys->block_size + ahead) * keys->block_size;
+    if (target < keys->context_len)
+        prefetch_run(cache + keys->table[target / keys->block_size] * keys->block_stride + keys->head_offset,
+                     item->kv_heads * keys->run_elements * 2);
+}
+
+/* scores[j * heads + h][i] = scale * q_jh . key_j(base + i) for the keys attended, kv head j of the item; the
+ * 16-key chunks from `base`, each chunk's kv heads one after the other. */
+static void amx_scores(const uint16_t *k_cache, const AmxItem *item, int64_t base, int heads, float scale,
                        const AmxScratch *scratch) {
-    const int64_t head_dim = keys->head_dim;
+    const KeyRange *keys = &item->keys;
+    const int64_t head_dim = keys->head_dim, q_tiles = head_dim / 32 * 512;
     const __m512i rows = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224,
                                            240);
-    for (int64_t ahead = 1; ahead < KEY_PREFETCH_AHEAD; ++ahead)
-        prefetch_block_ahead(keys, k_cache, base, ahead, KV_BF16);
+    for (int64_t ahead = 1; ahead < KEY_PREFETCH_AHEAD; ++ahead) prefetch_item_block(item, k_cache, base, ahead);
     for (int64_t position = base; position < keys->context_len; position += AMX_KEYS) {
-        const int64_t start = run_start(keys, position);
         /* Keys a block or two ahead; not the values, which the value pass's loads stream in as fast (the vector
          * loop's prefetch of them measured ~7% slower here over scattered blocks). */
-        if (position % keys->block_size == 0)
-            prefetch_block_ahead(keys, k_cache, position, KEY_PREFETCH_AHEAD, KV_BF16);
-        _tile_zero(0);
-        for (int64_t d = 0; d < head_dim; d += 32) {
-            _tile_loadd(1, k_cache + start + d, head_dim * 2);
-            _tile_loadd(2, scratch->q_pairs + d / 32 * 512, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, scratch->tile_out, 64);
-        for (int h = 0; h < heads; ++h) {
-            const __m512 column = _mm512_i32gather_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(h)),
-                                                      scratch->tile_out, 4);
-            _mm512_storeu_ps(scratch->scores + h * scratch->stride + (position - base),
-                             _mm512_mul_ps(column, _mm512_set1_ps(scale)));
+        if (position % keys->block_size == 0) prefetch_item_block(item, k_cache, position, KEY_PREFETCH_AHEAD);
+        for (int j = 0; j < item->kv_heads; ++j) {
+            const uint16_t *chunk = k_cache + run_start(keys, position) + j * keys->run_elements;
+            _tile_zero(0);
+            for (int64_t d = 0; d < head_dim; d += 32) {
+                _tile_loadd(1, chunk + d, head_dim * 2);
+                _tile_loadd(2, scratch->q_pairs + j * q_tiles + d / 32 * 512, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, scratch->tile_out, 64);
+            for (int h = 0; h < heads; ++h) {
+                const __m512 column = _mm512_i32gather_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(h)),
+                                                          scratch->tile_out, 4);
+                _mm512_storeu_ps(scratch->scores + (j * heads + h) * scratch->stride + (position - base),
+                                 _mm512_mul_ps(column, _mm512_set1_ps(scale)));
+            }
         }
     }
 }
@@ -477,22 +503,24 @@ static ALWAYS_INLINE void unpermute(const float *lo, const float *hi, float inve
     _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_permutex2var_ps(a, second, b), scale));
 }
 
-/* out[h][offset .. + width) = inverse[h] * sum over keys of weight . value, width 32 or 64. */
+/* out[h][offset .. + width) = inverse[h] * sum over keys of weight . value, width 32 or 64, for one kv head's
+ * `keys` and its heads' rows of `weights`. While it sums, it asks for the `upcoming` item's blocks, one per 32
+ * keys: DRAM would otherwise idle while the values come from L2. */
 static void amx_values(const uint16_t *v_cache, const KeyRange *keys, int64_t base, int heads, int64_t offset,
-                       int width, const float *inverse, const AmxScratch *scratch, float *out,
-                       const Upcoming *upcoming) {
+                       int width, const float *inverse, const uint16_t *weights, const AmxScratch *scratch,
+                       float *out, const AmxItem *upcoming, const uint16_t *k_cache) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     int64_t block = 0;
     for (int64_t position = base; position < keys->context_len; position += AMX_VALUE_KEYS) {
-        if (upcoming != NULL) {  /* the next item's first key blocks, one per 32 keys summed */
-            const Prefetches next_keys = upcoming_key_block(upcoming, block++, KV_BF16);
-            prefetch_share(&next_keys, 0, lines_per_share(&next_keys, 1));
+        if (upcoming != NULL) {
+            const int64_t first = upcoming->keys.first - upcoming->keys.first % upcoming->keys.block_size;
+            prefetch_item_block(upcoming, k_cache, first, block++);
         }
         pack_values(v_cache, keys, position, offset, width, scratch->value_pairs);
-        _tile_loadd(4, scratch->weights + (position - base), scratch->stride * 2);
+        _tile_loadd(4, weights + (position - base), scratch->stride * 2);
         _tile_loadd(5, scratch->value_pairs, 64);
         _tile_dpbf16ps(0, 4, 5);
         _tile_loadd(5, scratch->value_pairs + 512, 64);
@@ -517,33 +545,47 @@ static void amx_values(const uint16_t *v_cache, const KeyRange *keys, int64_t ba
                       out + h * keys->head_dim + offset + 32 * s);
 }
 
-/* Attention of `heads` (<= AMX_HEADS) bfloat16 query heads over one kv head's bfloat16 keys: out [heads][head_dim]
- * float32, sinks NULL or [heads]. */
-static void amx_attend(const uint16_t *q16, const uint16_t *k_cache, const uint16_t *v_cache, const KeyRange *keys,
-                       int heads, float scale, const AmxScratch *scratch, float *out, const Upcoming *upcoming,
-                       const float *sinks) {
-    const int64_t base = keys->first - keys->first % AMX_KEYS, stride = scratch->stride;
+/* Attention of the item's kv heads, `heads` (<= AMX_HEADS) bfloat16 query heads each, over their bfloat16 keys.
+ * q16 [kv heads][q_stride] bfloat16, kv head j's heads at q16 + j * q_stride; out likewise, float32; sinks NULL
+ * or laid out as q's rows. */
+static void amx_attend(const uint16_t *q16, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const AmxItem *item, int heads, float scale, const AmxScratch *scratch, float *out,
+                       const AmxItem *upcoming, const float *sinks) {
+    const KeyRange *keys = &item->keys;
+    const int64_t head_dim = keys->head_dim, stride = scratch->stride;
+    const int64_t base = keys->first - keys->first % AMX_KEYS;
     const int64_t skipped = keys->first - base, count = keys->context_len - keys->first;
     const int64_t padded = (keys->context_len - base + AMX_VALUE_KEYS - 1) / AMX_VALUE_KEYS * AMX_VALUE_KEYS;
-    pair_queries(q16, heads, keys->head_dim, scratch->q_pairs);
+    for (int j = 0; j < item->kv_heads; ++j)
+        pair_queries(q16 + j * q_stride, heads, head_dim, scratch->q_pairs + j * (head_dim / 32 * 512));
     amx_configure_scores();
-    amx_scores(k_cache, keys, base, heads, scale, scratch);
-    float inverse[AMX_HEADS];
-    for (int h = 0; h < heads; ++h) {
-        float *row = scratch->scores + h * stride;
-        inverse[h] = softmax_numerators(row + skipped, count, sinks != NULL ? sinks + h : NULL);
-        for (int64_t i = 0; i < skipped; ++i) row[i] = 0.0f;
-        for (int64_t i = skipped + count; i < padded; ++i) row[i] = 0.0f;
-        uint16_t *weights = scratch->weights + h * stride;
-        for (int64_t i = 0; i < padded; i += VEC) {
-            const hvec bits = to_bf16_bits(vload(row + i));
-            memcpy(weights + i, &bits, sizeof bits);
+    amx_scores(k_cache, item, base, heads, scale, scratch);
+    float inverse[AMX_HEADS * 16];
+    for (int j = 0; j < item->kv_heads; ++j)
+        for (int h = 0; h < heads; ++h) {
+            const int64_t r = j * heads + h;
+            float *row = scratch->scores + r * stride;
+            const float *sink = sinks != NULL ? sinks + j * q_stride / head_dim + h : NULL;
+            inverse[r] = softmax_numerators(row + skipped, count, sink);
+            for (int64_t i = 0; i < skipped; ++i) row[i] = 0.0f;
+            for (int64_t i = skipped + count; i < padded; ++i) row[i] = 0.0f;
+            uint16_t *weights = scratch->weights + r * stride;
+            for (int64_t i = 0; i < padded; i += VEC) {
+                const hvec bits = to_bf16_bits(vload(row + i));
+                memcpy(weights + i, &bits, sizeof bits);
+            }
         }
-    }
     amx_configure_values(heads);
-    for (int64_t offset = 0; offset < keys->head_dim; offset += AMX_OUT_FLOATS) {
-        const int width = keys->head_dim - offset >= AMX_OUT_FLOATS ? AMX_OUT_FLOATS : 32;
-        amx_values(v_cache, keys, base, heads, offset, width, inverse, scratch, out, offset == 0 ? upcoming : NULL);
+    for (int j = 0; j < item->kv_heads; ++j) {
+        KeyRange head_keys = *keys;
+        head_keys.head_offset += j * keys->run_elements;
+        for (int64_t offset = 0; offset < head_dim; offset += AMX_OUT_FLOATS) {
+            const int width = head_dim - offset >= AMX_OUT_FLOATS ? AMX_OUT_FLOATS : 32;
+            const int last = j == item->kv_heads - 1 && offset == 0;
+            amx_values(v_cache, &head_keys, base, heads, offset, width, inverse + j * heads,
+                       scratch->weights + j * heads * stride, scratch, out + j * q_stride, last ? upcoming : NULL,
+                       k_cache);
+        }
     }
 }
 
@@ -588,17 +630,60 @@ static KeyRange key_range(int64_t item, const int64_t *block_tables, int64_t tab
     return keys;
 }
 
-/* One (sequence, kv head) on the tiles: its `group` heads AMX_HEADS at a time. */
 #ifdef HAVE_DECODE_AMX
-static void amx_attend_one(const uint16_t *q16, const void *k_cache, const void *v_cache, const KeyRange *keys,
-                           int64_t group, float scale, const AmxScratch *scratch, float *out, const Upcoming *upcoming,
-                           const float *sinks) {
-    for (int64_t first = 0; first < group; first += AMX_HEADS) {
-        const int heads = group - first < AMX_HEADS ? (int)(group - first) : AMX_HEADS;
-        amx_attend(q16 + first * keys->head_dim, k_cache, v_cache, keys, heads, scale, scratch,
-                   out + first * keys->head_dim, first + AMX_HEADS >= group ? upcoming : NULL,
-                   sinks != NULL ? sinks + first : NULL);
+/* A whole sequence is one item on the tiles (all its kv heads, each block's keys read as one run) where its
+ * scores fit this many bytes per thread; else an item is one kv head, its query heads AMX_HEADS at a time. */
+#define AMX_SEQUENCE_SCRATCH_BYTES (64 << 20)
+
+static int amx_items_are_sequences(int64_t group, int64_t num_heads, int64_t max_keys) {
+    const int64_t stride = max_keys + AMX_KEYS + AMX_VALUE_KEYS;
+    return group <= AMX_HEADS && num_heads <= AMX_HEADS * 16 &&
+           num_heads * stride * (int64_t)(sizeof(float) + sizeof(uint16_t)) <= AMX_SEQUENCE_SCRATCH_BYTES;
+}
+
+/* The keys of item `item` on the tiles: sequence `item` (all kv heads), or (sequence, kv head) = (item / kv heads,
+ * item % kv heads). */
+static AmxItem amx_item(int64_t item, int sequences, const int64_t *block_tables, int64_t table_stride,
+                        const int64_t *context_lens, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                        int64_t sliding_window) {
+    const AmxItem result = {
+        .keys = key_range(sequences ? item * num_kv_heads : item, block_tables, table_stride, context_lens,
+                          num_kv_heads, block_size, head_dim, sliding_window, KV_BF16),
+        .kv_heads = sequences ? (int)num_kv_heads : 1,
+    };
+    return result;
+}
+
+/* Item `item` of paged_decode_attention's arguments on the tiles; `next` (if < num_items) is the item this thread
+ * takes after it, whose first blocks it asks for. */
+static void amx_run_item(int64_t item, int64_t next, int64_t num_items, int sequences, const uint16_t *q,
+                         const void *k_cache, const void *v_cache, const int64_t *block_tables, int64_t table_stride,
+                         const int64_t *context_lens, uint16_t *out, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale, int64_t sliding_window,
+                         const float *sinks, const AmxScratch *scratch) {
+    const int64_t group = num_heads / num_kv_heads;
+    const AmxItem current = amx_item(item, sequences, block_tables, table_stride, context_lens, num_kv_heads,
+                                     block_size, head_dim, sliding_window);
+    AmxItem upcoming;
+    if (next < num_items)
+        upcoming = amx_item(next, sequences, block_tables, table_stride, context_lens, num_kv_heads, block_size,
+                            head_dim, sliding_window);
+    const AmxItem *ahead = next < num_items ? &upcoming : NULL;
+    /* Its first query row: every head of a sequence, or the group of one kv head (items are seq * kv heads + j). */
+    const int64_t first_row = sequences ? item * num_heads : item * group, rows = sequences ? num_heads : group;
+    const float *item_sinks = sinks != NULL ? sinks + first_row % num_heads : NULL;
+    if (sequences) {  /* group <= AMX_HEADS */
+        amx_attend(q + first_row * head_dim, group * head_dim, k_cache, v_cache, &current, (int)group, scale, scratch,
+                   scratch->out, ahead, item_sinks);
+    } else {
+        for (int64_t first = 0; first < group; first += AMX_HEADS) {
+            const int heads = group - first < AMX_HEADS ? (int)(group - first) : AMX_HEADS;
+            amx_attend(q + (first_row + first) * head_dim, 0, k_cache, v_cache, &current, heads, scale, scratch,
+                       scratch->out + first * head_dim, first + AMX_HEADS >= group ? ahead : NULL,
+                       item_sinks != NULL ? item_sinks + first : NULL);
+        }
     }
+    narrow(scratch->out, out + first_row * head_dim, rows * head_dim, 1);
 }
 #endif
 
@@ -624,23 +709,32 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         max_keys = keys > max_keys ? keys : max_keys;
     }
     int failed = 0;
-    const int64_t num_items = num_seqs * num_kv_heads;
+#ifdef HAVE_DECODE_AMX
+    const int amx_sequences = use_amx && amx_items_are_sequences(group, num_heads, max_keys);
+#else
+    const int amx_sequences = 0;
+#endif
+    const int64_t num_items = amx_sequences ? num_seqs : num_seqs * num_kv_heads;
     int64_t taken = 0;
 #pragma omp parallel
     {
-        /* Per thread: the scores of one group of heads, and its queries and outputs in float32. */
-        float *scores = malloc(sizeof(float) * group * (max_keys + 2 * head_dim));
+        /* Per thread: the scores of one group of heads, and its queries and outputs in float32 (on the tiles, their
+         * own scratch instead). */
+        float *scores = use_amx ? NULL : malloc(sizeof(float) * group * (max_keys + 2 * head_dim));
 #ifdef HAVE_DECODE_AMX
         AmxScratch amx_scratch = {0};
-        const int no_amx_scratch = use_amx && amx_scratch_alloc(&amx_scratch, max_keys, head_dim);
+        const int no_scratch = use_amx ? amx_scratch_alloc(&amx_scratch, max_keys, head_dim,
+                                                           amx_sequences ? num_kv_heads : 1,
+                                                           amx_sequences ? group : AMX_HEADS,
+                                                           amx_sequences ? num_heads : group)
+                                       : scores == NULL;
 #else
-        const int no_amx_scratch = 0;
+        const int no_scratch = scores == NULL;
 #endif
-        if (scores == NULL || no_amx_scratch) {
+        if (no_scratch) {
 #pragma omp atomic write
             failed = 1;
         }
-        float *q32 = scores + group * max_keys, *out32 = q32 + group * head_dim;
         /* Items are taken one at a time (the longest sequences vary most in cost), and each thread takes its
          * next item when it starts the current one, so that it can ask for the next one's keys meanwhile. */
         int64_t next;
@@ -650,7 +744,16 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
             const int64_t item = next;
 #pragma omp atomic capture
             next = taken++;
-            if (scores == NULL || no_amx_scratch) continue;
+            if (no_scratch) continue;
+#ifdef HAVE_DECODE_AMX
+            if (use_amx) {
+                amx_run_item(item, next, num_items, amx_sequences, q, k_cache, v_cache, block_tables, table_stride,
+                             context_lens, out, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
+                             sinks, &amx_scratch);
+                continue;
+            }
+#endif
+            float *q32 = scores + group * max_keys, *out32 = q32 + group * head_dim;
             const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
             const KeyRange keys = key_range(item, block_tables, table_stride, context_lens, num_kv_heads, block_size,
                                             head_dim, sliding_window, kv_format);
@@ -661,19 +764,10 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
             };
             const int64_t first_element = (seq * num_heads + kv_head * group) * head_dim;
             const int q_format = q_is_bf16 ? KV_BF16 : KV_F32;
-            const float *item_sinks = sinks != NULL ? sinks + kv_head * group : NULL;
-#ifdef HAVE_DECODE_AMX
-            if (use_amx) {
-                amx_attend_one((const uint16_t *)q + first_element, k_cache, v_cache, &keys, group, scale,
-                               &amx_scratch, out32, &upcoming, item_sinks);
-                narrow(out32, (void *)element(out, first_element, q_format), group * head_dim, q_is_bf16);
-                continue;
-            }
-#endif
             widen(element(q, first_element, q_format), q32, group * head_dim, q_is_bf16);
             const uint16_t *q16 = q_is_bf16 && kv_format == KV_BF16 ? (const uint16_t *)q + first_element : NULL;
             attend_one(q32, q16, k_cache, v_cache, &keys, group, kv_format, scale, scores, out32, &upcoming,
-                       item_sinks);
+                       sinks != NULL ? sinks + kv_head * group : NULL);
             narrow(out32, (void *)element(out, first_element, q_format), group * head_dim, q_is_bf16);
         }
         free(scores);
