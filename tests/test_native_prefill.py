@@ -20,12 +20,24 @@ from pagellm.cpu_features import cpu_has_amx_bf16
 ISAS = native.runnable_isas()
 
 
-@pytest.fixture(params=ISAS)
+def _kernel_paths() -> list[tuple[str, bool]]:
+    """(isa, tiles) for every instruction set, and the widest once more on its vector loops where its bfloat16
+    products would take AMX's tiles."""
+    paths = [(isa, True) for isa in ISAS]
+    widest = native.prefill_kernel(ISAS[0])
+    if widest is not None and widest.amx:
+        paths.append((ISAS[0], False))
+    return paths
+
+
+@pytest.fixture(params=_kernel_paths(), ids=lambda path: path[0] + ("" if path[1] else "-vector"))
 def kernel(request):
-    kernel = native.prefill_kernel(request.param)
+    isa, tiles = request.param
+    kernel = native.prefill_kernel(isa)
     if kernel is None:
         pytest.skip("no C compiler")
-    assert kernel.isa == request.param
+    assert kernel.isa == isa
+    kernel.amx = kernel.amx and tiles
     return kernel
 
 
@@ -145,12 +157,22 @@ def test_cpu_backend_takes_the_prefill_kernel_where_it_applies(monkeypatch):
     shape = AttentionShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert isinstance(select_backend(cpu, torch.float32, shape).native_prefill, native.PrefillKernel)
-    # bfloat16 takes torch's SDPA where the CPU has AMX tiles (it measured faster there), the kernel elsewhere
-    amx = cpu_has_amx_bf16()
+    # bfloat16 takes torch's SDPA where the CPU has AMX tiles and the kernel cannot use them (SDPA measured
+    # faster than its vector loops there), the kernel elsewhere
+    sdpa = cpu_has_amx_bf16() and not native.prefill_kernel().amx
     bf16 = select_backend(cpu, torch.bfloat16, shape).native_prefill
-    assert (bf16 is None) if amx else isinstance(bf16, native.PrefillKernel)
+    assert (bf16 is None) if sdpa else isinstance(bf16, native.PrefillKernel)
     monkeypatch.setattr(backend, "cpu_has_amx_bf16", lambda: True)
+    kernel_on = native.prefill_kernel
+
+    def without_tiles(isa=None):
+        kernel = kernel_on(isa)
+        kernel.amx = False
+        return kernel
+
+    monkeypatch.setattr(native, "prefill_kernel", without_tiles)
     assert select_backend(cpu, torch.bfloat16, shape).native_prefill is None
+    monkeypatch.setattr(native, "prefill_kernel", kernel_on)
     fp8 = AttentionShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
                          kv_format=KVCacheFormat.resolve("fp8", torch.bfloat16))
     assert isinstance(select_backend(cpu, torch.bfloat16, fp8).native_prefill, native.PrefillKernel)

@@ -17,13 +17,16 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from pagellm.attention.kv_spec import KVCacheFormat
 from pagellm.cpu_features import cpu_has_amx_bf16
+
+if TYPE_CHECKING:
+    from pagellm.attention.native import PrefillKernel
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +100,14 @@ def triton_available() -> bool:
 BACKEND_ENV = "PAGELLM_ATTENTION_BACKEND"
 
 
-def sdpa_prefill_is_faster(dtype: torch.dtype, cache_format: KVCacheFormat) -> bool:
+def sdpa_prefill_is_faster(dtype: torch.dtype, cache_format: KVCacheFormat, prefill: PrefillKernel) -> bool:
     """Whether torch's SDPA (the torch path's prefill attention) beats the native prefill kernel here: for
-    bfloat16 on CPUs with AMX tiles, where oneDNN's attention runs on them and the native kernel's VDPBF16PS
-    does not. On a 2-core Intel Xeon (amx_bf16) SDPA took 2.4-3.3x less time over 256-4,096 tokens, and a step
-    prefilling 1,500 tokens beside 16 decodes 1.3-1.5x less, chunked or not (README, "AMX"). Quantized caches
-    stay native: the torch path would dequantize them per step."""
-    return dtype is torch.bfloat16 and not cache_format.quantized and cpu_has_amx_bf16()
+    bfloat16 on CPUs with AMX tiles where the kernel cannot take them (a build without them, or an OS that does
+    not grant them), since oneDNN's attention runs on the tiles and the kernel's VDPBF16PS loops took 2.4-3.3x
+    SDPA's time over 256-4,096 tokens on a 2-core Intel Xeon. On the tiles the kernel matches SDPA from 4,096
+    tokens and beats it below, with no gathered copy of a chunk's cached context (README, "On a CPU with AMX").
+    Quantized caches stay native: the torch path would dequantize them per step."""
+    return dtype is torch.bfloat16 and not cache_format.quantized and cpu_has_amx_bf16() and not prefill.amx
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, shape: AttentionShape) -> AttentionBackend:
@@ -144,8 +148,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, shape: AttentionSha
     cache_format = shape.kv_format or KVCacheFormat.resolve("auto", dtype)
     if dtype in DecodeKernel.CACHE_DTYPES and kernels_read(cache_format) and DecodeKernel.supports(shape.head_dim):
         native = decode_kernel()
-    if (dtype in PrefillKernel.DTYPES and kernels_read(cache_format) and PrefillKernel.supports(shape.head_dim)
-            and not sdpa_prefill_is_faster(dtype, cache_format)):
+    if dtype in PrefillKernel.DTYPES and kernels_read(cache_format) and PrefillKernel.supports(shape.head_dim):
         prefill = prefill_kernel()
+        if prefill is not None and sdpa_prefill_is_faster(dtype, cache_format, prefill):
+            prefill = None
     writer = kv_writer() if KVWriter.writes(cache_format, dtype) else None
     return TorchAttentionBackend(shape, device, native, writer, prefill)

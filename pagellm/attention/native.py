@@ -260,7 +260,9 @@ class PrefillChunks:
 class PrefillKernel:
     """paged_prefill_attention with its argument types declared; see the C source for layouts.
 
-    Queries are float32 or bfloat16, and so is the output; the cache has their dtype, or a quantized format.
+    Queries are float32 or bfloat16, and so is the output; the cache has their dtype, or a quantized format. A
+    bfloat16 cache's products run on AMX's tiles where the build and the OS allow them (`amx`; set it False for
+    the vector loops).
     """
 
     DTYPES = KERNEL_DTYPES
@@ -275,7 +277,9 @@ class PrefillKernel:
         self._function = library.paged_prefill_attention
         self._function.restype = _INT
         self._function.argtypes = [_PTR, _I64, _PTR, _PTR, _INT, _INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
-                                   _I64, _I64, _I64, _I64, _F32, _I64, _PTR]
+                                   _I64, _I64, _I64, _I64, _F32, _I64, _PTR, _INT]
+        library.paged_prefill_amx_ready.restype = _INT
+        self.amx = bool(library.paged_prefill_amx_ready())
 
     def __call__(
         self,
@@ -325,7 +329,7 @@ class PrefillKernel:
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(q.dtype == torch.bfloat16),
             format_code, tables.ctypes.data, tables.shape[1], chunks.query_starts.ctypes.data, chunks.query_lens.ctypes.data,
             chunks.seq_lens.ctypes.data, len(chunks.query_lens), out.data_ptr(), num_heads, num_kv_heads, head_dim,
-            block_size, scale, sliding_window, sinks.data_ptr() if sinks is not None else None,
+            block_size, scale, sliding_window, sinks.data_ptr() if sinks is not None else None, int(self.amx),
         )
         if failed:
             raise MemoryError("the native prefill-attention kernel could not allocate its buffers")

@@ -197,7 +197,96 @@ typedef struct {
     float *row_sum;  /* [rows][VEC]: per-lane partial sums, added up once at the end */
     float *row_max, *rescale;
     int64_t *position;
+    float *product;  /* [4][16][16]: stored C tiles of the AMX path */
 } Scratch;
+
+#if defined(HAVE_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_PREFILL_AMX 1
+#include "amx_tiles.h"
+
+/* ---- bfloat16 on AMX tiles ----
+ * The packed tiles are already in the tiles' B layout: a key tile's rows are pairs of dims, 32 keys of 4 bytes
+ * each (two 16-key B tiles side by side), a value tile's rows pairs of adjacent keys over head_dim. The queries
+ * are copied row-major (A tiles of 16 rows), and the weights' [rows][KEY_TILE] bfloat16 rows are A tiles as
+ * they are. Per 16 rows: scores C[16][32 keys] in tiles 0-1; per 16 dims of the output, C[16][16] in tile 6,
+ * then added into the float32 accumulators after their rescale. */
+#define AMX_ROW_BLOCK 16
+
+static void amx_configure_prefill(void) {
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_configure(colsb);
+}
+
+/* scores[row .. row + 16)[0..KEY_TILE) = score_scale * q . key, q from the row-major copy. */
+static ALWAYS_INLINE void amx_score_block(const Prefill *p, const Scratch *s, const uint16_t *q_rows,
+                                          const uint16_t *keys, int64_t row) {
+    const int64_t dim = p->head_dim;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t d = 0; d < dim; d += 32) {
+        _tile_loadd(2, q_rows + row * dim + d, dim * 2);
+        _tile_loadd(3, keys + d * KEY_TILE, KEY_TILE * 4);
+        _tile_loadd(4, keys + d * KEY_TILE + 2 * AMX_ROW_BLOCK, KEY_TILE * 4);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+    }
+    float *scores = s->scores + row * KEY_TILE;
+    _tile_stored(0, scores, KEY_TILE * 4);
+    _tile_stored(1, scores + AMX_ROW_BLOCK, KEY_TILE * 4);
+    const fvec scale = splat(p->score_scale);
+    for (int64_t i = 0; i < AMX_ROW_BLOCK * KEY_TILE; i += VEC) vstore(scores + i, vload(scores + i) * scale);
+}
+
+/* acc[rows][d .. d + 16 * tiles) = acc * rescale + the products stored in `product` ([tiles][16][16]). */
+static ALWAYS_INLINE void amx_add_products(const Prefill *p, const Scratch *s, int64_t row, int64_t d, int tiles,
+                                           const float *product) {
+    for (int r = 0; r < AMX_ROW_BLOCK; ++r) {
+        float *out = s->acc + (row + r) * p->head_dim + d;
+        const fvec rescale = splat(s->rescale[row + r]);
+        for (int t = 0; t < tiles; ++t)
+            vstore(out + 16 * t, vload(out + 16 * t) * rescale + vload(product + t * 256 + r * 16));
+    }
+}
+
+/* acc[row .. row + 16) = acc * rescale + weights . values: 64 dims at a time in four output tiles (0, 1, 6, 7),
+ * whose products overlap, then 32 where less is left. */
+static ALWAYS_INLINE void amx_accumulate_block(const Prefill *p, const Scratch *s, const uint16_t *values,
+                                               int64_t row, float *product) {
+    const int64_t dim = p->head_dim, stride = dim * 4;
+    _tile_loadd(2, (const uint16_t *)s->weights + row * KEY_TILE, KEY_TILE * 2);
+    int64_t d = 0;
+    for (; d + 64 <= dim; d += 64) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(6);
+        _tile_zero(7);
+        _tile_loadd(3, values + 2 * d, stride);
+        _tile_loadd(4, values + 2 * (d + 16), stride);
+        _tile_loadd(5, values + 2 * (d + 32), stride);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+        _tile_dpbf16ps(6, 2, 5);
+        _tile_loadd(3, values + 2 * (d + 48), stride);
+        _tile_dpbf16ps(7, 2, 3);
+        _tile_stored(0, product, 64);
+        _tile_stored(1, product + 256, 64);
+        _tile_stored(6, product + 512, 64);
+        _tile_stored(7, product + 768, 64);
+        amx_add_products(p, s, row, d, 4, product);
+    }
+    if (d < dim) {  /* 32 dims */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(3, values + 2 * d, stride);
+        _tile_loadd(4, values + 2 * (d + 16), stride);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+        _tile_stored(0, product, 64);
+        _tile_stored(1, product + 256, 64);
+        amx_add_products(p, s, row, d, 2, product);
+    }
+}
+#endif
 
 /* scores[row + r][0..KEY_TILE) = scale * log2(e) * q_row . key for QK_ROWS rows against one packed key tile. */
 static ALWAYS_INLINE void score_rows(const Prefill *p, const Scratch *s, const void *keys, int64_t row,
@@ -340,10 +429,11 @@ static float sink_inverse(float total, float row_max, float sink, const int bf16
  * out are bfloat16; bf16: bfloat16 numerics (a bfloat16 cache). */
 static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_t chunk, int64_t kv_head,
                                       int64_t q_first, int64_t q_count, const int q_bf16, const int bf16,
-                                      const int dot) {
+                                      const int dot, const int amx) {
     const int64_t dim = p->head_dim, group = p->num_heads / p->num_kv_heads;
     const int64_t num_computed = p->seq_lens[chunk] - p->query_lens[chunk];
-    const int64_t rows = q_count * group, padded = (rows + ROW_MULTIPLE - 1) / ROW_MULTIPLE * ROW_MULTIPLE;
+    const int64_t multiple = amx ? 16 : ROW_MULTIPLE, rows = q_count * group;
+    const int64_t padded = (rows + multiple - 1) / multiple * multiple;
     for (int64_t m = 0; m < padded; ++m) {
         /* Padding rows copy the last real row's position (they see its keys) and attend zeros. */
         const int64_t r = m < rows ? m / group : q_count - 1;
@@ -354,7 +444,11 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
         const int64_t element = (p->query_starts[chunk] + q_first + r) * p->q_token_stride +
                                 (kv_head * group + m % group) * dim;
         const int64_t block = m / QK_ROWS * dim * QK_ROWS, lane = m % QK_ROWS;
-        if (dot) {
+        if (amx) {
+            uint16_t *q_row = (uint16_t *)s->queries + m * dim;
+            if (m < rows) memcpy(q_row, (const uint16_t *)p->q + element, sizeof(uint16_t) * dim);
+            else memset(q_row, 0, sizeof(uint16_t) * dim);
+        } else if (dot) {
             const uint32_t *pairs = (const uint32_t *)((const uint16_t *)p->q + element);
             for (int64_t i = 0; i < dim / 2; ++i)
                 ((uint32_t *)s->queries)[block / 2 + i * QK_ROWS + lane] = m < rows ? pairs[i] : 0;
@@ -374,12 +468,25 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
         const int64_t packed_tile = p->tile_offset[chunk] + kv_head * p->num_tiles[chunk] + tile;
         const char *keys = (const char *)p->packed + packed_tile * tile_elements(p) * element_size;
         const char *values = keys + KEY_TILE * dim * element_size;
-        for (int64_t row = 0; row < padded; row += QK_ROWS) score_rows(p, s, keys, row, dot);
+#ifdef HAVE_PREFILL_AMX
+        if (amx) {
+            for (int64_t row = 0; row < padded; row += AMX_ROW_BLOCK)
+                amx_score_block(p, s, (const uint16_t *)s->queries, (const uint16_t *)keys, row);
+        } else
+#endif
+            for (int64_t row = 0; row < padded; row += QK_ROWS) score_rows(p, s, keys, row, dot);
         /* Every row sees the whole tile when its last key is at or before the first query and its first key
          * is inside the last query's window. */
         const int masked = last_key > low || first_key < first_visible(high, window);
         if (masked) softmax_tile(p, s, padded, first_key, 1, bf16, dot);  /* constant: no selects when unmasked */
         else softmax_tile(p, s, padded, first_key, 0, bf16, dot);
+#ifdef HAVE_PREFILL_AMX
+        if (amx) {
+            for (int64_t row = 0; row < padded; row += AMX_ROW_BLOCK)
+                amx_accumulate_block(p, s, (const uint16_t *)values, row, s->product);
+            continue;
+        }
+#endif
         for (int64_t offset = 0; offset < dim;) {
             const int wide = dim - offset >= PV_VECTORS * VEC;
             for (int64_t row = 0; row < padded; row += PV_ROWS) {
@@ -400,6 +507,12 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
             store_any(p->out, element + d, vload(s->acc + m * dim + d) * inverse, q_bf16);
     }
 }
+
+#ifdef HAVE_PREFILL_AMX
+int paged_prefill_amx_ready(void) { return amx_ready(); }
+#else
+int paged_prefill_amx_ready(void) { return 0; }
+#endif
 
 typedef struct {
     int64_t chunk, kv_head, q_first, q_count, cost;
@@ -428,18 +541,26 @@ static void pack_all(const Prefill *p, int64_t total_tiles, int format, int dot)
 }
 
 /* kv_format: kv_format.h's KV_* (not KV_F16); an unquantized cache has q's dtype; sinks NULL or [num_heads].
- * Returns 1 if a buffer could not be allocated, 2 if head_dim is not a multiple of 32. */
+ * use_amx: a bfloat16 cache takes the tiles where the build has them and the process may use them
+ * (paged_prefill_amx_ready). Returns 1 if a buffer could not be allocated, 2 if head_dim is not a multiple of 32. */
 int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
                             int q_is_bf16, int kv_format, const int64_t *block_tables, int64_t table_stride,
                             const int64_t *query_starts, const int64_t *query_lens, const int64_t *seq_lens,
                             int64_t num_chunks, void *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, float scale, int64_t sliding_window, const float *sinks) {
+                            int64_t block_size, float scale, int64_t sliding_window, const float *sinks,
+                            int use_amx) {
     if (head_dim % 32 != 0) return 2;
     const int q_bf16 = q_is_bf16 != 0, bf16 = kv_format == KV_BF16;
 #ifdef HAVE_BF16_DOT
     const int dot = bf16;
 #else
     const int dot = 0;
+#endif
+#ifdef HAVE_PREFILL_AMX
+    const int amx = use_amx && dot && amx_ready();
+#else
+    const int amx = 0;
+    (void)use_amx;
 #endif
     const int64_t group = num_heads / num_kv_heads;
     const int64_t tile_queries = ROWS_PER_ITEM / group > 0 ? ROWS_PER_ITEM / group : 1;
@@ -487,12 +608,14 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
         free(items);
         return 1;
     }
-    const int64_t rows = (tile_queries * group + ROW_MULTIPLE - 1) / ROW_MULTIPLE * ROW_MULTIPLE;
+    /* Rows padded for either path: to ROW_MULTIPLE for the vector products, to 16 for the tiles. */
+    const int64_t rows = (tile_queries * group + 47) / 48 * 48;
     int failed = 0;
 #pragma omp parallel if (macs >= PARALLEL_MIN_MACS)
     {
         pack_all(&p, total_tiles, kv_format, dot);  /* ends in the omp for's barrier */
-        char *buffer = malloc(rows * (head_dim * 4 + KEY_TILE * 4 * 2 + head_dim * 4 + VEC * 4 + 2 * 4 + 8));
+        char *buffer = malloc(rows * (head_dim * 4 + KEY_TILE * 4 * 2 + head_dim * 4 + VEC * 4 + 2 * 4 + 8) +
+                              4 * 256 * 4);
         if (buffer == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -507,16 +630,24 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
             s.row_max = s.row_sum + rows * VEC;
             s.rescale = s.row_max + rows;
             s.position = (int64_t *)(s.rescale + rows + (rows & 1));
+            s.product = (float *)(s.position + rows);
         }
+#ifdef HAVE_PREFILL_AMX
+        if (amx) amx_configure_prefill();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; ++i) {
             if (buffer == NULL) continue;
             const Item it = items[i];
-            if (dot) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 1, 1);
-            else if (bf16) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 1, 0);
-            else if (q_bf16) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 0, 0);
-            else attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 0, 0, 0);
+            if (amx) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 1, 1, 1);
+            else if (dot) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 1, 1, 0);
+            else if (bf16) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 1, 0, 0);
+            else if (q_bf16) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 0, 0, 0);
+            else attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 0, 0, 0, 0);
         }
+#ifdef HAVE_PREFILL_AMX
+        if (amx) _tile_release();
+#endif
         free(buffer);
     }
     free(p.packed);
