@@ -217,24 +217,45 @@ static void amx_configure_prefill(void) {
     amx_configure(colsb);
 }
 
-/* scores[row .. row + 16)[0..KEY_TILE) = score_scale * q . key, q from the row-major copy. */
-static ALWAYS_INLINE void amx_score_block(const Prefill *p, const Scratch *s, const uint16_t *q_rows,
-                                          const uint16_t *keys, int64_t row) {
+/* The stored scores of 16 rows times score_scale. */
+static ALWAYS_INLINE void amx_scale_scores(const Prefill *p, float *scores) {
+    const fvec scale = splat(p->score_scale);
+    for (int64_t i = 0; i < AMX_ROW_BLOCK * KEY_TILE; i += VEC) vstore(scores + i, vload(scores + i) * scale);
+}
+
+/* scores[row .. row + 16 * blocks)[0..KEY_TILE) = score_scale * q . key for one or two blocks of 16 rows, q from
+ * the row-major copy: two blocks' four products per 32 dims (tiles 0-1 and 6-7) overlap. */
+static ALWAYS_INLINE void amx_score_blocks(const Prefill *p, const Scratch *s, const uint16_t *q_rows,
+                                           const uint16_t *keys, int64_t row, const int blocks) {
     const int64_t dim = p->head_dim;
     _tile_zero(0);
     _tile_zero(1);
+    if (blocks == 2) {
+        _tile_zero(6);
+        _tile_zero(7);
+    }
     for (int64_t d = 0; d < dim; d += 32) {
-        _tile_loadd(2, q_rows + row * dim + d, dim * 2);
         _tile_loadd(3, keys + d * KEY_TILE, KEY_TILE * 4);
         _tile_loadd(4, keys + d * KEY_TILE + 2 * AMX_ROW_BLOCK, KEY_TILE * 4);
+        _tile_loadd(2, q_rows + row * dim + d, dim * 2);
         _tile_dpbf16ps(0, 2, 3);
         _tile_dpbf16ps(1, 2, 4);
+        if (blocks == 2) {
+            _tile_loadd(5, q_rows + (row + AMX_ROW_BLOCK) * dim + d, dim * 2);
+            _tile_dpbf16ps(6, 5, 3);
+            _tile_dpbf16ps(7, 5, 4);
+        }
     }
     float *scores = s->scores + row * KEY_TILE;
     _tile_stored(0, scores, KEY_TILE * 4);
     _tile_stored(1, scores + AMX_ROW_BLOCK, KEY_TILE * 4);
-    const fvec scale = splat(p->score_scale);
-    for (int64_t i = 0; i < AMX_ROW_BLOCK * KEY_TILE; i += VEC) vstore(scores + i, vload(scores + i) * scale);
+    amx_scale_scores(p, scores);
+    if (blocks == 2) {
+        scores += AMX_ROW_BLOCK * KEY_TILE;
+        _tile_stored(6, scores, KEY_TILE * 4);
+        _tile_stored(7, scores + AMX_ROW_BLOCK, KEY_TILE * 4);
+        amx_scale_scores(p, scores);
+    }
 }
 
 /* acc[rows][d .. d + 16 * tiles) = acc * rescale + the products stored in `product` ([tiles][16][16]). */
@@ -470,8 +491,10 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
         const char *values = keys + KEY_TILE * dim * element_size;
 #ifdef HAVE_PREFILL_AMX
         if (amx) {
-            for (int64_t row = 0; row < padded; row += AMX_ROW_BLOCK)
-                amx_score_block(p, s, (const uint16_t *)s->queries, (const uint16_t *)keys, row);
+            int64_t row = 0;
+            for (; row + 2 * AMX_ROW_BLOCK <= padded; row += 2 * AMX_ROW_BLOCK)
+                amx_score_blocks(p, s, (const uint16_t *)s->queries, (const uint16_t *)keys, row, 2);
+            if (row < padded) amx_score_blocks(p, s, (const uint16_t *)s->queries, (const uint16_t *)keys, row, 1);
         } else
 #endif
             for (int64_t row = 0; row < padded; row += QK_ROWS) score_rows(p, s, keys, row, dot);
