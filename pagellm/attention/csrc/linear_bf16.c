@@ -119,15 +119,15 @@ static void amx_block(const uint16_t *x, int64_t in_features, const uint16_t *pa
     amx_zero_block();
     for (int64_t k = 0; k < in_features; k += AMX_K) {
         _tile_loadd(4, x + k, x_stride);
-        _tile_loadd(5, x + 16 * in_features + k, x_stride);
         _tile_loadd(6, panel + k / 2 * 32, 64);
         _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(2, 5, 6);
         if (panels == 2) {
             _tile_loadd(7, panel + panel_stride + k / 2 * 32, 64);
             _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
         }
+        _tile_loadd(5, x + 16 * in_features + k, x_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        if (panels == 2) _tile_dpbf16ps(3, 5, 7);
     }
     amx_store_block(c, panels);
 }
