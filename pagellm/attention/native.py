@@ -487,6 +487,7 @@ class LinearBF16:
         if not self.available(library):
             raise ValueError(f"the {library_isa(library)} kernels were built without avx512_bf16's dot product")
         self.isa = library_isa(library)
+        self.library = library  # for the decode stack's product pointer (pagellm/ops/decode_stack.py)
         self._function = library.linear_bf16
         self._function.restype = _INT
         self._function.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]

@@ -8,7 +8,9 @@ kernels run in the same order from C, so the result is the layers' bit for bit; 
 that the step is one the C loop serves, and otherwise leaves it to the direct path or the modules:
 
 - every layer's linear layers are GGUF int8 products (ops/gguf_kernels.py's PreparedProduct, one library; up to
-  three parts each), with the step's rows below the size where a product switches to dequantized tiles;
+  three parts each), with the step's rows below the size where a product switches to dequantized tiles; or
+  every one is a bfloat16 layer on pagellm's own kernel (ops/dense_linear.py's NativeBF16Packed, linear_bf16.c),
+  which takes any row count;
 - the step is decode tokens only, on the CPU attention backend with its native decode kernel and K/V writer;
 - the caches are float32/bfloat16 in the activations' dtype, or a quantized format the kernels read.
 
@@ -22,13 +24,16 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagellm.attention.native import KERNEL_DTYPES, CpuOps, DecodeKernel, KVWriter, _cache_geometry
+from pagellm.attention.native import KERNEL_DTYPES, CpuOps, DecodeKernel, KVWriter, LinearBF16, _cache_geometry
 from pagellm.attention.paged import AttentionMetadata, TorchAttentionBackend
 from pagellm.layers.rotary import RopeInputs
+from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagellm.ops.dense_linear import NativeBF16Packed
 from pagellm.ops.gguf_kernels import PreparedProduct
 
 ENV = "PAGELLM_DECODE_STACK"
@@ -75,13 +80,40 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-def _same_kernels(products: list[PreparedProduct]) -> bool:
+@dataclass(frozen=True)
+class DenseBF16Part:
+    """A bfloat16 linear layer on linear_bf16 (NativeBF16Packed) as the C loop calls it: through the library's
+    linear_bf16_stack_product, gguf_matmul's signature, its `type` carrying the layer's amx_min_rows."""
+
+    kernels: ctypes.CDLL
+    function: object
+    weight_address: int
+    in_features: int
+    out_features: int
+    type_id: int
+
+    @classmethod
+    def of(cls, dense: NativeBF16Packed) -> DenseBF16Part:
+        library = dense.kernel.library
+        out_features, in_features = dense.packed.shape[0] * LinearBF16.PANEL, dense.packed.shape[1] * 2
+        return cls(library, library.linear_bf16_stack_product, dense.packed.data_ptr(), in_features, out_features,
+                   min(dense.kernel.amx_min_rows, _INT32_MAX))
+
+    def int8_max_rows(self, dtype: torch.dtype) -> int | None:
+        return None  # one kernel at every row count
+
+
+_INT32_MAX = 2**31 - 1
+StackProduct = PreparedProduct | DenseBF16Part
+
+
+def _same_kernels(products: list[StackProduct]) -> bool:
     """Whether every product is of one GGUF library (the C loop calls one product function)."""
     return bool(products) and all(p.kernels is products[0].kernels and p.function is products[0].function
                                   for p in products)
 
 
-def _int8_row_limit(products: list[PreparedProduct], dtype: torch.dtype) -> int | None:
+def _int8_row_limit(products: list[StackProduct], dtype: torch.dtype) -> int | None:
     """The most rows of `dtype` every product takes on its int8 kernel (PreparedProduct switches to dequantized
     tiles from its dense threshold on; the C loop only calls the int8 kernel), or None for no limit."""
     limits = [limit for p in products if (limit := p.int8_max_rows(dtype)) is not None]
@@ -97,9 +129,10 @@ class _Stack:
     max_tokens: int | None
     _structs: ctypes.Array
 
-    def _init_step(self, products: list[PreparedProduct], shape: _StackShape) -> None:
+    def _init_step(self, products: list[StackProduct], shape: _StackShape) -> None:
         self.max_tokens = _int8_row_limit(products, self.dtype)
         self._product = ctypes.cast(products[0].function, ctypes.c_void_p).value
+        self._dense = isinstance(products[0], DenseBF16Part)
         self._shape = shape
         self._step = _StackStep()
         self._failed = ctypes.c_int64(-1)
@@ -175,16 +208,28 @@ class _Stack:
         if code >= _ATTENTION:
             return RuntimeError(f"layer {layer}: the decode attention kernel failed (code {code - _ATTENTION}) on "
                                 f"{tokens} tokens, head_dim={self.head_dim}")
+        if self._dense:
+            return ValueError(f"layer {layer}: linear_bf16 refused one of its products (code {code - _PRODUCT}: "
+                              f"activations that are not bfloat16, or a layer shape its packed layout cannot have)")
         return ValueError(f"layer {layer}: gguf_matmul refused one of its products (code {code - _PRODUCT}: a block "
                           f"type it does not know, or input features that are not whole blocks)")
 
 
-def _linear_parts(linear, in_features: int, out_features: int) -> tuple[PreparedProduct, ...] | None:
+def _linear_parts(linear, in_features: int, out_features: int) -> tuple[StackProduct, ...] | None:
     """The GGUF int8 products that make up `linear`'s forward (its parts' side by side, as GGUFLinearMethod.apply
-    concatenates them), or None where its forward adds anything to them or computes otherwise."""
+    concatenates them), or its one bfloat16 product on linear_bf16; None where its forward adds anything to them or
+    computes otherwise."""
+    if linear.bias is not None or linear.group.size != 1 or linear.lora is not None:
+        return None
+    dense = getattr(linear, "dense_kernel", None)
+    if dense is not None:
+        if (type(dense) is not NativeBF16Packed or getattr(linear, "gguf_products", None) is not None
+                or type(linear.quant_method) is not UnquantizedLinearMethod):
+            return None
+        part = DenseBF16Part.of(dense)
+        return (part,) if (part.in_features, part.out_features) == (in_features, out_features) else None
     parts = getattr(linear, "gguf_products", None)
-    if (parts is None or not 0 < len(parts) <= _MAX_PARTS or linear.bias is not None or linear.group.size != 1
-            or linear.lora is not None or getattr(linear, "dense_kernel", None) is not None
+    if (parts is None or not 0 < len(parts) <= _MAX_PARTS
             or getattr(linear.quant_method, "ops", None) is not parts[0].kernels
             or any(type(p) is not PreparedProduct or p.in_features != in_features for p in parts)
             or sum(p.out_features for p in parts) != out_features):
@@ -192,16 +237,16 @@ def _linear_parts(linear, in_features: int, out_features: int) -> tuple[Prepared
     return tuple(parts)
 
 
-def _set_linear(struct: _StackLinear, parts: tuple[PreparedProduct, ...]) -> None:
+def _set_linear(struct: _StackLinear, parts: tuple[StackProduct, ...]) -> None:
     struct.parts = len(parts)
     for i, part in enumerate(parts):
         struct.weights[i], struct.out_features[i], struct.types[i] = (part.weight_address, part.out_features,
                                                                       part.type_id)
 
 
-def _layer_linears(layers: list, hidden: int, intermediate: int) -> list[list[tuple[PreparedProduct, ...]]] | None:
+def _layer_linears(layers: list, hidden: int, intermediate: int) -> list[list[tuple[StackProduct, ...]]] | None:
     """Each layer's (qkv, o, gate_up, down) parts, or None where a layer's differ from the first's heads and sizes
-    or one is not GGUF int8 products (_linear_parts)."""
+    or one is neither GGUF int8 products nor a bfloat16 linear_bf16 layer (_linear_parts)."""
     attn = layers[0].self_attn
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     wanted = ((hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden), (hidden, 2 * intermediate),
@@ -223,7 +268,7 @@ class DecodeStack(_Stack):
     """A Llama model's decode steps in one call (see the module's docstring). Made by `build`, which returns None
     for layers the C loop cannot run; `serves` says whether it runs a given step."""
 
-    def __init__(self, layers: list, ops: CpuOps, linears: list[list[tuple[PreparedProduct, ...]]],
+    def __init__(self, layers: list, ops: CpuOps, linears: list[list[tuple[StackProduct, ...]]],
                  hidden_size: int, intermediate_size: int) -> None:
         attn = layers[0].self_attn
         self.layers = layers  # held: the C structs point into their tensors

@@ -1,15 +1,18 @@
-"""The decode stack (ops/decode_stack.py: a GGUF Llama's decode step as one C call for all its layers) computes
-what the direct path computes, to the bit, and leaves every step it does not serve to that path."""
+"""The decode stack (ops/decode_stack.py: a GGUF Llama's decode step, or a bfloat16 Llama's on linear_bf16, as one C
+call for all its layers) computes what the direct path computes, to the bit, and leaves every step it does not
+serve to that path."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from benchmarks.synthetic_gguf import LlamaShape, write_synthetic_gguf
 from pagellm import LLM, SamplingParams
-from pagellm.ops.decode_stack import DecodeStack
+from pagellm.attention.native import LinearBF16, native_library
+from pagellm.ops.decode_stack import DecodeStack, DenseBF16Part
 
 # Q4_1 blocks, head_dim 64 (the native decode kernel's multiple of 32), grouped KV heads, three layers.
 SHAPE = LlamaShape(hidden_size=128, intermediate_size=256, num_layers=3, num_heads=2, num_kv_heads=1)
@@ -128,6 +131,33 @@ def test_the_switch_turns_it_off(float_llm, monkeypatch):
         monkeypatch.delenv("PAGELLM_DECODE_STACK")
         model.reset_direct_layers()
     assert model.decode_stack() is not None
+
+
+_LINEAR_BF16 = native_library() is not None and LinearBF16.available(native_library())
+
+
+@pytest.mark.skipif(not _LINEAR_BF16, reason="the CPU kernels were built without avx512_bf16's dot product")
+def test_a_bf16_llama_on_linear_bf16_runs_on_the_stack_as_its_direct_path_does(tiny_llama_dir, monkeypatch):
+    llm = _llm(tiny_llama_dir, dtype="bfloat16")
+    stack = _stack(llm)
+    parts = [stack._structs[0].qkv, stack._structs[0].down]
+    assert all(part.parts == 1 for part in parts) and stack.max_tokens is None  # one kernel at any row count
+    stacked, direct, ran = _with_and_without(llm, monkeypatch)
+    assert stacked == direct
+    assert {1, 3} <= set(ran)
+
+
+@pytest.mark.skipif(not _LINEAR_BF16, reason="the CPU kernels were built without avx512_bf16's dot product")
+def test_a_float32_llama_or_a_biased_layer_stays_on_the_direct_path(tiny_llama_dir, monkeypatch):
+    model = _llm(tiny_llama_dir, dtype="float32").llm_engine.core.runner.model.model
+    assert model.direct_layers() is not None and model.decode_stack() is None
+    bf16 = _llm(tiny_llama_dir, dtype="bfloat16").llm_engine.core.runner.model.model
+    o_proj = bf16.layers[1].self_attn.o_proj
+    part = DenseBF16Part.of(o_proj.dense_kernel)
+    assert (part.in_features, part.out_features) == (o_proj.input_size, o_proj.output_size)
+    monkeypatch.setattr(o_proj, "bias", torch.nn.Parameter(o_proj.weight.new_zeros(o_proj.output_size)))
+    bf16.reset_direct_layers()
+    assert bf16.decode_stack() is None
 
 
 def _mixed_block_type(name: str):

@@ -222,6 +222,16 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
     return 0;
 }
 
+/* linear_bf16 behind decode_stack.c's product signature (gguf_matmul's): `type` carries the layer's amx_min_rows
+ * (INT32_MAX: never), both activations are bfloat16, no bias. Returns 1 if memory ran out, 2 for shapes it does
+ * not take, as gguf_matmul numbers them. */
+int linear_bf16_stack_product(int type, const void *packed, const void *x, int x_bf16, int64_t rows,
+                              int64_t in_features, int64_t out_features, void *y, int y_bf16) {
+    if (!x_bf16 || !y_bf16) return 2;
+    const int failed = linear_bf16(x, packed, NULL, y, rows, in_features, out_features, type);
+    return failed == 3 ? 1 : failed;
+}
+
 #endif
 
 #ifndef HAVE_AMX_BF16
