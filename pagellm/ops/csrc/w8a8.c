@@ -307,6 +307,40 @@ static void amx_int8_block(const int8_t *xq, int64_t Kp, const int8_t *strip, in
     amx_store_block(acc, strips);
 }
 
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16_out __attribute__((vector_size(32)));
+typedef uint16_t u16x32 __attribute__((vector_size(64)));
+
+/* y[row .. row + n_rows)[col .. col + 16) from one strip's int32 sums (acc, row stride 32): int8_output's
+ * arithmetic, lane for lane, 16 columns at a time (its 8-column panels made the epilogue as long as a block's
+ * tile products); columns from N on are not written. */
+static ALWAYS_INLINE void amx_int8_strip_output(const Int8Problem *pr, int64_t row, int64_t n_rows, int64_t col,
+                                                const int32_t *acc) {
+    const int64_t n = pr->N - col < STRIP ? pr->N - col : STRIP;
+    f32x16 wscale, bias = {0};
+    memcpy(&wscale, pr->wscale + col, sizeof wscale);
+    if (pr->bias != NULL)
+        for (int64_t c = 0; c < n; ++c) bias[c] = load_one(pr->bias, col + c, pr->y_bf16);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        i32x16 sums;
+        memcpy(&sums, acc + r * 32, sizeof sums);
+        const f32x16 out = __builtin_convertvector(sums, f32x16) * ((pr->xs[row + r] - (f32x16){0}) * wscale) + bias;
+        const int64_t index = (row + r) * pr->N + col;
+        if (!pr->y_bf16) {
+            if (n == STRIP) memcpy((float *)pr->y + index, &out, sizeof out);
+            else memcpy((float *)pr->y + index, &out, (size_t)n * sizeof(float));
+            continue;
+        }
+        const u32x16 bits = (u32x16)out, nan = (u32x16)(out != out);
+        const u32x16 rounded = ((bits + 0x7FFFu + ((bits >> 16) & 1u)) & ~nan) | (0x7FC00000u & nan);
+        const u16x16_out halves = __builtin_shufflevector((u16x32)rounded, (u16x32)rounded, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                          17, 19, 21, 23, 25, 27, 29, 31);
+        memcpy((uint16_t *)pr->y + index, &halves, (size_t)n * sizeof(uint16_t));
+    }
+}
+
 /* Inside the caller's parallel region, after its rows are quantized. `tail`: the last, partial block of quantized
  * rows, zero-padded to 32 (NULL where rows is a multiple of 32). */
 static void int8_linear_amx(const Int8Problem *pr, int64_t rows, int64_t strips, const int8_t *tail) {
@@ -325,17 +359,8 @@ static void int8_linear_amx(const Int8Problem *pr, int64_t rows, int64_t strips,
                 const int64_t n_rows = rows - row < AMX_ROWS ? rows - row : AMX_ROWS;
                 const int8_t *block_x = n_rows < AMX_ROWS ? tail : pr->xq + row * pr->Kp;
                 amx_int8_block(block_x, pr->Kp, pr->packed + strip * strip_bytes, strip_bytes, n_strips, acc);
-                for (int p = 0; p < 2 * n_strips; ++p) {
-                    const int64_t col = strip * STRIP + p * PANEL;
-                    f32x8 wscale;
-                    memcpy(&wscale, pr->wscale + col, sizeof wscale);
-                    const f32x8 b = load_bias(pr->bias, col, pr->N, pr->y_bf16);
-                    for (int64_t r = 0; r < n_rows; ++r) {
-                        i32x8 sums;
-                        memcpy(&sums, acc + r * 32 + p * PANEL, sizeof sums);
-                        int8_output(pr, row + r, col, sums, wscale, b);
-                    }
-                }
+                for (int p = 0; p < n_strips; ++p)
+                    amx_int8_strip_output(pr, row, n_rows, (strip + p) * STRIP, acc + p * STRIP);
             }
         }
     }
