@@ -33,8 +33,11 @@ from pagellm.attention.native import KERNEL_DTYPES, CpuOps, DecodeKernel, KVWrit
 from pagellm.attention.paged import AttentionMetadata, TorchAttentionBackend
 from pagellm.layers.rotary import RopeInputs
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagellm.layers.quantization.w8a8 import Int8LinearMethod, OnlineInt8LinearMethod
 from pagellm.ops.dense_linear import NativeBF16Packed
 from pagellm.ops.gguf_kernels import PreparedProduct
+from pagellm.ops.w8a8_kernels import NativeInt8Linear
+from pagellm.ops.w8a8_kernels import _static as w8a8_static
 
 ENV = "PAGELLM_DECODE_STACK"
 # decode_stack.c's failure codes.
@@ -103,8 +106,42 @@ class DenseBF16Part:
         return None  # one kernel at every row count
 
 
+class _W8A8StackLayer(ctypes.Structure):
+    _fields_ = [("packed", ctypes.c_void_p), ("colsum", ctypes.c_void_p), ("wscale", ctypes.c_void_p),
+                ("amx_min_rows", ctypes.c_int64), ("static_scale", ctypes.c_float)]
+
+
+@dataclass(frozen=True)
+class Int8Part:
+    """An int8 W8A8 layer (NativeInt8Linear: a checkpoint's or quantization="int8"'s) as the C loop calls it:
+    through w8a8.c's w8a8_stack_product, gguf_matmul's signature, its weights in a struct `weight_address` points
+    at (held here)."""
+
+    kernels: ctypes.CDLL
+    function: object
+    struct: _W8A8StackLayer
+    in_features: int
+    out_features: int
+    type_id: int = 0
+
+    @classmethod
+    def of(cls, linear: NativeInt8Linear) -> Int8Part:
+        kernels, packed = linear.kernels, linear.packed
+        struct = _W8A8StackLayer(packed.packed.data_ptr(), packed.colsum.data_ptr(), packed.scale.data_ptr(),
+                                 min(kernels.amx_min_rows, 2**62), w8a8_static(linear.input_scale))
+        return cls(kernels.library, kernels.library.w8a8_stack_product, struct, packed.in_features,
+                   packed.out_features)
+
+    @property
+    def weight_address(self) -> int:
+        return ctypes.addressof(self.struct)
+
+    def int8_max_rows(self, dtype: torch.dtype) -> int | None:
+        return None  # one kernel at every row count
+
+
 _INT32_MAX = 2**31 - 1
-StackProduct = PreparedProduct | DenseBF16Part
+StackProduct = PreparedProduct | DenseBF16Part | Int8Part
 
 
 def _same_kernels(products: list[StackProduct]) -> bool:
@@ -132,7 +169,8 @@ class _Stack:
     def _init_step(self, products: list[StackProduct], shape: _StackShape) -> None:
         self.max_tokens = _int8_row_limit(products, self.dtype)
         self._product = ctypes.cast(products[0].function, ctypes.c_void_p).value
-        self._dense = isinstance(products[0], DenseBF16Part)
+        self._product_name = ("linear_bf16" if isinstance(products[0], DenseBF16Part)
+                              else "w8a8_int8_linear" if isinstance(products[0], Int8Part) else "gguf_matmul")
         self._shape = shape
         self._step = _StackStep()
         self._failed = ctypes.c_int64(-1)
@@ -208,19 +246,27 @@ class _Stack:
         if code >= _ATTENTION:
             return RuntimeError(f"layer {layer}: the decode attention kernel failed (code {code - _ATTENTION}) on "
                                 f"{tokens} tokens, head_dim={self.head_dim}")
-        if self._dense:
-            return ValueError(f"layer {layer}: linear_bf16 refused one of its products (code {code - _PRODUCT}: "
-                              f"activations that are not bfloat16, or a layer shape its packed layout cannot have)")
+        if self._product_name != "gguf_matmul":
+            return ValueError(f"layer {layer}: {self._product_name} refused one of its products (code "
+                              f"{code - _PRODUCT}: activations of another dtype, or a layer shape its packed layout "
+                              f"cannot have)")
         return ValueError(f"layer {layer}: gguf_matmul refused one of its products (code {code - _PRODUCT}: a block "
                           f"type it does not know, or input features that are not whole blocks)")
 
 
 def _linear_parts(linear, in_features: int, out_features: int) -> tuple[StackProduct, ...] | None:
     """The GGUF int8 products that make up `linear`'s forward (its parts' side by side, as GGUFLinearMethod.apply
-    concatenates them), or its one bfloat16 product on linear_bf16; None where its forward adds anything to them or
-    computes otherwise."""
+    concatenates them), or its one bfloat16 product on linear_bf16, or its one int8 W8A8 product; None where its
+    forward adds anything to them or computes otherwise."""
     if linear.bias is not None or linear.group.size != 1 or linear.lora is not None:
         return None
+    int8 = getattr(linear, "int8_linear", None) or getattr(linear, "online_kernel", None)
+    if int8 is not None:
+        if type(int8) is not NativeInt8Linear or type(linear.quant_method) not in (Int8LinearMethod,
+                                                                                  OnlineInt8LinearMethod):
+            return None
+        part = Int8Part.of(int8)
+        return (part,) if (part.in_features, part.out_features) == (in_features, out_features) else None
     dense = getattr(linear, "dense_kernel", None)
     if dense is not None:
         if (type(dense) is not NativeBF16Packed or getattr(linear, "gguf_products", None) is not None
@@ -272,6 +318,7 @@ class DecodeStack(_Stack):
                  hidden_size: int, intermediate_size: int) -> None:
         attn = layers[0].self_attn
         self.layers = layers  # held: the C structs point into their tensors
+        self.linears = linears  # held: an int8 part's struct is the memory its weights' pointer names
         self.dtype = layers[0].input_layernorm.weight.dtype
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self._function = ops.library.decode_layer_stack
@@ -348,6 +395,7 @@ class GemmaDecodeStack(_Stack):
                  ops: CpuOps, tables: list[tuple], hidden_size: int, intermediate_size: int) -> None:
         attn = layers[0].self_attn
         self.layers = layers  # held: the C structs point into their tensors
+        self.linears = linears  # held: an int8 part's struct is the memory its weights' pointer names
         self.activations = activations
         self.dtype = torch.float32
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim

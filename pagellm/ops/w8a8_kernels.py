@@ -240,6 +240,7 @@ class W8A8Kernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.isa = native.library_isa(library)
+        self.library = library  # for the decode stack's product pointer (pagellm/ops/decode_stack.py)
         library.w8a8_dot_instructions.restype = ctypes.c_char_p
         self.dot_instructions = library.w8a8_dot_instructions().decode()
         self._int8 = library.w8a8_int8_linear

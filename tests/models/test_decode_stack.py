@@ -147,6 +147,18 @@ def test_a_bf16_llama_on_linear_bf16_runs_on_the_stack_as_its_direct_path_does(t
     assert {1, 3} <= set(ran)
 
 
+def test_an_int8_w8a8_llama_runs_on_the_stack_as_its_modules_do(tiny_llama_dir, monkeypatch):
+    # The direct path takes no int8 layers (their steps ran as modules): the stack's kernels are the modules'.
+    llm = _llm(tiny_llama_dir, dtype="bfloat16", quantization="int8")
+    model = llm.llm_engine.core.runner.model.model
+    assert model.direct_layers() is None
+    stack = model.decode_stack()
+    assert stack.max_tokens is None and stack._structs[0].gate_up.parts == 1
+    stacked, direct, ran = _with_and_without(llm, monkeypatch)
+    assert stacked == direct
+    assert {1, 3} <= set(ran)
+
+
 @pytest.mark.skipif(not _LINEAR_BF16, reason="the CPU kernels were built without avx512_bf16's dot product")
 def test_a_float32_llama_or_a_biased_layer_stays_on_the_direct_path(tiny_llama_dir, monkeypatch):
     model = _llm(tiny_llama_dir, dtype="float32").llm_engine.core.runner.model.model

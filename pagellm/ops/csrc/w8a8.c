@@ -422,6 +422,35 @@ int w8a8_int8_linear(const void *x, int x_bf16, int64_t rows, int64_t K, int64_t
 }
 
 /* xq [rows * Kp], xs [rows]: the rows as w8a8_int8_linear quantizes them (for tests and the torch paths). */
+/* One int8 layer as the decode stack calls its products (attention/csrc/decode_stack.c: gguf_matmul's signature),
+ * its weights at `w`. */
+typedef struct {
+    const int8_t *packed;
+    const int32_t *colsum;
+    const float *wscale;
+    int64_t amx_min_rows;
+    float static_scale;
+} W8A8StackLayer;
+
+/* w8a8_int8_linear behind gguf_matmul's signature (`type` unused; activations and outputs in one dtype, no bias),
+ * its quantized rows in a buffer of its own. Returns 1 if memory ran out, 2 for inputs it does not take. */
+int w8a8_stack_product(int type, const void *w, const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N,
+                       void *y, int y_bf16) {
+    (void)type;
+    if (x_bf16 != y_bf16 || rows < 0 || K <= 0) return 2;
+    const W8A8StackLayer *layer = w;
+    const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP;
+    int8_t *xq = malloc((size_t)(rows * Kp + 1));
+    float *xs = malloc(sizeof(float) * (size_t)(rows + 1));
+    int failed = 1;
+    if (xq != NULL && xs != NULL)
+        failed = w8a8_int8_linear(x, x_bf16, rows, K, N, layer->packed, layer->colsum, layer->wscale, NULL, y, y_bf16,
+                                  layer->static_scale, xq, xs, layer->amx_min_rows) ? 2 : 0;
+    free(xq);
+    free(xs);
+    return failed;
+}
+
 int w8a8_quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t K, float static_scale, int8_t *xq,
                        float *xs) {
     if (K <= 0 || rows < 0) return 2;
