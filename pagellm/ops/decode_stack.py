@@ -1,4 +1,4 @@
-"""A GGUF Llama's decode step as one C call for all its decoder layers, a Gemma 3's as one per layer
+"""A GGUF, bfloat16 or int8 W8A8 Llama's decode step as one C call for all its decoder layers, a Gemma 3's as one per layer
 (attention/csrc/decode_stack.c).
 
 models/llama.py's direct path already runs each layer as its bare kernel calls, but each of those ~10 calls per
@@ -10,7 +10,7 @@ that the step is one the C loop serves, and otherwise leaves it to the direct pa
 - every layer's linear layers are GGUF int8 products (ops/gguf_kernels.py's PreparedProduct, one library; up to
   three parts each), with the step's rows below the size where a product switches to dequantized tiles; or
   every one is a bfloat16 layer on pagellm's own kernel (ops/dense_linear.py's NativeBF16Packed, linear_bf16.c),
-  which takes any row count;
+  or every one an int8 W8A8 layer (ops/w8a8_kernels.py's NativeInt8Linear, w8a8.c), which take any row count;
 - the step is decode tokens only, on the CPU attention backend with its native decode kernel and K/V writer;
 - the caches are float32/bfloat16 in the activations' dtype, or a quantized format the kernels read.
 
