@@ -444,8 +444,8 @@ static void amx_scores(const uint16_t *k_cache, const AmxItem *item, int64_t bas
                                            240);
     for (int64_t ahead = 1; ahead < KEY_PREFETCH_AHEAD; ++ahead) prefetch_item_block(item, k_cache, base, ahead);
     for (int64_t position = base; position < keys->context_len; position += AMX_KEYS) {
-        /* Keys a block or two ahead; not the values, which the value pass's loads stream in as fast (the vector
-         * loop's prefetch of them measured ~7% slower here over scattered blocks). */
+        /* Keys a block or two ahead; not the values, which the value pass's loads stream in as fast (prefetching
+         * them here measured ~7% slower over scattered blocks, and no faster over blocks in order). */
         if (position % keys->block_size == 0) prefetch_item_block(item, k_cache, position, KEY_PREFETCH_AHEAD);
         for (int j = 0; j < item->kv_heads; ++j) {
             const uint16_t *chunk = k_cache + run_start(keys, position) + j * keys->run_elements;
@@ -504,8 +504,8 @@ static ALWAYS_INLINE void unpermute(const float *lo, const float *hi, float inve
 }
 
 /* out[h][offset .. + width) = inverse[h] * sum over keys of weight . value, width 32 or 64, for one kv head's
- * `keys` and its heads' rows of `weights`. While it sums, it asks for the `upcoming` item's blocks, one per 32
- * keys: DRAM would otherwise idle while the values come from L2. */
+ * `keys` and its heads' rows of `weights`. While it sums, it asks for the `upcoming` item's key blocks, one per 32
+ * keys, so that the next score pass does not start on keys still in memory. */
 static void amx_values(const uint16_t *v_cache, const KeyRange *keys, int64_t base, int heads, int64_t offset,
                        int width, const float *inverse, const uint16_t *weights, const AmxScratch *scratch,
                        float *out, const AmxItem *upcoming, const uint16_t *k_cache) {
