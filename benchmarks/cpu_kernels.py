@@ -91,6 +91,10 @@ def _cases(dtype: torch.dtype, rows: int, seqs: int, context: int, layers: int) 
         cases[next(names)][isa] = lambda ops=ops: ops.rotary_inplace(qkv, HEADS + KV_HEADS, HEAD_DIM, rotary.cos,
                                                                      rotary.sin, positions)
         cases[next(names)][isa] = lambda kernel=kernel: native_decode(kernel)
+        if kernel.amx:  # bfloat16 decode takes the tiles: the vector loops beside them
+            vector = native.decode_kernel(isa)
+            vector.amx = False
+            cases[list(cases)[3]][f"{isa}-vector"] = lambda kernel=vector: native_decode(kernel)
     return cases
 
 
@@ -117,6 +121,9 @@ def main() -> None:
     with open("/proc/loadavg", encoding="utf-8") as loadavg:
         print(f"load average before: {loadavg.read().strip()}")
     columns = [TORCH, *isas]
+    decode = native.decode_kernel(isas[0])
+    if decode is not None and decode.amx:
+        columns.append(f"{isas[0]}-vector")  # the decode kernel's loops where bfloat16 takes AMX's tiles
     print(f"\nmicroseconds per call, best round (median round) of {args.rounds}, {args.calls} calls each")
     print(f"| kernel | dtype | {' | '.join(columns)} | best vs torch |")
     print(f"|---|---|{'---|' * len(columns)}---|")
@@ -132,8 +139,9 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for variant, function in variants.items():
                         rounds[variant].append(_median_call_us(function, args.calls))
-                cells = [f"{min(rounds[c]):.1f} ({statistics.median(rounds[c]):.1f})" for c in columns]
-                best = min(isas, key=lambda isa: min(rounds[isa]))
+                cells = [f"{min(rounds[c]):.1f} ({statistics.median(rounds[c]):.1f})" if c in rounds else "-"
+                         for c in columns]
+                best = min((c for c in columns[1:] if c in rounds), key=lambda variant: min(rounds[variant]))
                 speedup = min(rounds[TORCH]) / min(rounds[best])
                 print(f"| {name} | {str(dtype).removeprefix('torch.')} | {' | '.join(cells)} | {best} "
                       f"{speedup:.1f}x |", flush=True)
