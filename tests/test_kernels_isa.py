@@ -248,14 +248,10 @@ def test_decode_tiles_against_reference_and_vector_loops(num_heads, num_kv_heads
     for seq, length in enumerate(lengths):
         if window:
             holes[seq, : max(0, length - window) // block_size] = 1 << 40
-    kernel.amx = True
     tiles = kernel(q, k_cache, v_cache, holes, context_lens, scale, sliding_window=window, sinks=sinks)
     _within_rounded_weights(tiles, case, scale, **options)
-    kernel.amx = False
-    try:
-        loops = kernel(q, k_cache, v_cache, holes, context_lens, scale, sliding_window=window, sinks=sinks)
-    finally:
-        kernel.amx = True
+    kernel.amx = False  # a wrapper of its own (decode_kernel makes one per call)
+    loops = kernel(q, k_cache, v_cache, holes, context_lens, scale, sliding_window=window, sinks=sinks)
     # The loops keep the weights in float32: the two paths differ by the weights' rounding alone.
     torch.testing.assert_close(tiles.float(), loops.float(), rtol=2**-6, atol=2**-7)
 

@@ -103,10 +103,10 @@ BACKEND_ENV = "PAGELLM_ATTENTION_BACKEND"
 def sdpa_prefill_is_faster(dtype: torch.dtype, cache_format: KVCacheFormat, prefill: PrefillKernel) -> bool:
     """Whether torch's SDPA (the torch path's prefill attention) beats the native prefill kernel here: for
     bfloat16 on CPUs with AMX tiles where the kernel cannot take them (a build without them, or an OS that does
-    not grant them), since oneDNN's attention runs on the tiles and the kernel's VDPBF16PS loops took 2.4-3.3x
-    SDPA's time over 256-4,096 tokens on a 2-core Intel Xeon. On the tiles the kernel matches SDPA from 4,096
-    tokens and beats it below, with no gathered copy of a chunk's cached context (README, "On a CPU with AMX").
-    Quantized caches stay native: the torch path would dequantize them per step."""
+    not grant them), since oneDNN's attention runs on the tiles and the kernel's VDPBF16PS loops measured several
+    times slower. On the tiles the kernel keeps up with SDPA and reads a chunk's cached context in place (README,
+    "On a CPU with AMX", for the figures). Quantized caches stay native: the torch path would dequantize them per
+    step."""
     return dtype is torch.bfloat16 and not cache_format.quantized and cpu_has_amx_bf16() and not prefill.amx
 
 

@@ -156,6 +156,14 @@ def _checked_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor |
     return sinks.to(torch.float32).contiguous()
 
 
+def amx_bf16_ready(library: ctypes.CDLL) -> bool:
+    """Whether `library` was built with AMX's bfloat16 tiles and this process may use them: one answer for its
+    linear, decode and prefill kernels, which share the build's flags (vec_avx512.h's HAVE_AMX_BF16)."""
+    library.linear_bf16_amx_ready.restype = _INT
+    return bool(ctypes.c_int.in_dll(library, "pagellm_linear_bf16_amx_available").value
+                and library.linear_bf16_amx_ready())
+
+
 class DecodeKernel:
     """paged_decode_attention with its argument types declared; see the C source for layouts.
 
@@ -178,8 +186,7 @@ class DecodeKernel:
         self._function.restype = _INT
         self._function.argtypes = [_PTR, _PTR, _PTR, _INT, _INT, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
                                    _I64, _F32, _I64, _PTR, _INT]
-        library.paged_decode_amx_ready.restype = _INT
-        self.amx = bool(library.paged_decode_amx_ready())
+        self.amx = amx_bf16_ready(library)
 
     def __call__(
         self,
@@ -278,8 +285,7 @@ class PrefillKernel:
         self._function.restype = _INT
         self._function.argtypes = [_PTR, _I64, _PTR, _PTR, _INT, _INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
                                    _I64, _I64, _I64, _I64, _F32, _I64, _PTR, _INT]
-        library.paged_prefill_amx_ready.restype = _INT
-        self.amx = bool(library.paged_prefill_amx_ready())
+        self.amx = amx_bf16_ready(library)
 
     def __call__(
         self,
@@ -471,8 +477,8 @@ class LinearBF16:
     AMX's tiles and the OS grants them, calls of `amx_min_rows` rows or more run on the tiles (`amx` says so)."""
 
     PANEL = 16
-    # From this many rows the tiles beat the vector path: over 30 layers of SmolLM2's shapes streamed from memory
-    # on a 2-core Intel Xeon with amx_bf16, the vector path won at 1-6 rows, the tiles from 8 on (README).
+    # From this many rows the tiles beat the vector path, over 30 layers of SmolLM2's shapes streamed from memory
+    # (README, "On a CPU with AMX").
     AMX_MIN_ROWS = 8
 
     @staticmethod
@@ -491,8 +497,7 @@ class LinearBF16:
         self._function = library.linear_bf16
         self._function.restype = _INT
         self._function.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
-        self.amx = bool(ctypes.c_int.in_dll(library, "pagellm_linear_bf16_amx_available").value
-                        and library.linear_bf16_amx_ready())
+        self.amx = amx_bf16_ready(library)
         self.amx_min_rows = self.AMX_MIN_ROWS if self.amx else NEVER_ROWS
 
     @classmethod

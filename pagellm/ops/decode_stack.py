@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -84,26 +85,34 @@ def enabled() -> bool:
 
 
 @dataclass(frozen=True)
-class DenseBF16Part:
-    """A bfloat16 linear layer on linear_bf16 (NativeBF16Packed) as the C loop calls it: through the library's
-    linear_bf16_stack_product, gguf_matmul's signature, its `type` carrying the layer's amx_min_rows."""
+class _OnePart:
+    """A linear layer the C loop runs as one product at any row count, through a library's adapter with
+    gguf_matmul's signature (`function`, whose name its failures carry)."""
 
     kernels: ctypes.CDLL
     function: object
-    weight_address: int
     in_features: int
     out_features: int
-    type_id: int
+
+    def int8_max_rows(self, dtype: torch.dtype) -> int | None:
+        return None  # one kernel at every row count
+
+
+@dataclass(frozen=True)
+class DenseBF16Part(_OnePart):
+    """A bfloat16 linear layer on linear_bf16 (NativeBF16Packed): linear_bf16_stack_product, its `type` carrying
+    the layer's amx_min_rows."""
+
+    weight_address: int = 0
+    type_id: int = 0
+    product_name: ClassVar[str] = "linear_bf16"
 
     @classmethod
     def of(cls, dense: NativeBF16Packed) -> DenseBF16Part:
         library = dense.kernel.library
         out_features, in_features = dense.packed.shape[0] * LinearBF16.PANEL, dense.packed.shape[1] * 2
-        return cls(library, library.linear_bf16_stack_product, dense.packed.data_ptr(), in_features, out_features,
+        return cls(library, library.linear_bf16_stack_product, in_features, out_features, dense.packed.data_ptr(),
                    min(dense.kernel.amx_min_rows, _INT32_MAX))
-
-    def int8_max_rows(self, dtype: torch.dtype) -> int | None:
-        return None  # one kernel at every row count
 
 
 class _W8A8StackLayer(ctypes.Structure):
@@ -112,32 +121,25 @@ class _W8A8StackLayer(ctypes.Structure):
 
 
 @dataclass(frozen=True)
-class Int8Part:
-    """An int8 W8A8 layer (NativeInt8Linear: a checkpoint's or quantization="int8"'s) as the C loop calls it:
-    through w8a8.c's w8a8_stack_product, gguf_matmul's signature, its weights in a struct `weight_address` points
-    at (held here)."""
+class Int8Part(_OnePart):
+    """An int8 W8A8 layer (NativeInt8Linear: a checkpoint's or quantization="int8"'s): w8a8_stack_product, its
+    weights in a struct `weight_address` points at (held here)."""
 
-    kernels: ctypes.CDLL
-    function: object
-    struct: _W8A8StackLayer
-    in_features: int
-    out_features: int
+    struct: _W8A8StackLayer | None = None
     type_id: int = 0
+    product_name: ClassVar[str] = "w8a8_int8_linear"
 
     @classmethod
     def of(cls, linear: NativeInt8Linear) -> Int8Part:
         kernels, packed = linear.kernels, linear.packed
         struct = _W8A8StackLayer(packed.packed.data_ptr(), packed.colsum.data_ptr(), packed.scale.data_ptr(),
-                                 min(kernels.amx_min_rows, 2**62), w8a8_static(linear.input_scale))
-        return cls(kernels.library, kernels.library.w8a8_stack_product, struct, packed.in_features,
-                   packed.out_features)
+                                 kernels.amx_min_rows, w8a8_static(linear.input_scale))
+        return cls(kernels.library, kernels.library.w8a8_stack_product, packed.in_features, packed.out_features,
+                   struct)
 
     @property
     def weight_address(self) -> int:
         return ctypes.addressof(self.struct)
-
-    def int8_max_rows(self, dtype: torch.dtype) -> int | None:
-        return None  # one kernel at every row count
 
 
 _INT32_MAX = 2**31 - 1
@@ -145,7 +147,7 @@ StackProduct = PreparedProduct | DenseBF16Part | Int8Part
 
 
 def _same_kernels(products: list[StackProduct]) -> bool:
-    """Whether every product is of one GGUF library (the C loop calls one product function)."""
+    """Whether every product is of one library and kind (the C loop calls one product function)."""
     return bool(products) and all(p.kernels is products[0].kernels and p.function is products[0].function
                                   for p in products)
 
@@ -169,8 +171,7 @@ class _Stack:
     def _init_step(self, products: list[StackProduct], shape: _StackShape) -> None:
         self.max_tokens = _int8_row_limit(products, self.dtype)
         self._product = ctypes.cast(products[0].function, ctypes.c_void_p).value
-        self._product_name = ("linear_bf16" if isinstance(products[0], DenseBF16Part)
-                              else "w8a8_int8_linear" if isinstance(products[0], Int8Part) else "gguf_matmul")
+        self._product_name = getattr(products[0], "product_name", "gguf_matmul")
         self._shape = shape
         self._step = _StackStep()
         self._failed = ctypes.c_int64(-1)
@@ -261,19 +262,24 @@ def _linear_parts(linear, in_features: int, out_features: int) -> tuple[StackPro
     if linear.bias is not None or linear.group.size != 1 or linear.lora is not None:
         return None
     int8 = getattr(linear, "int8_linear", None) or getattr(linear, "online_kernel", None)
-    if int8 is not None:
-        if type(int8) is not NativeInt8Linear or type(linear.quant_method) not in (Int8LinearMethod,
-                                                                                  OnlineInt8LinearMethod):
-            return None
-        part = Int8Part.of(int8)
-        return (part,) if (part.in_features, part.out_features) == (in_features, out_features) else None
     dense = getattr(linear, "dense_kernel", None)
-    if dense is not None:
-        if (type(dense) is not NativeBF16Packed or getattr(linear, "gguf_products", None) is not None
-                or type(linear.quant_method) is not UnquantizedLinearMethod):
-            return None
-        part = DenseBF16Part.of(dense)
-        return (part,) if (part.in_features, part.out_features) == (in_features, out_features) else None
+    part: _OnePart | None = None
+    if int8 is not None:
+        if type(int8) is NativeInt8Linear and type(linear.quant_method) in (Int8LinearMethod, OnlineInt8LinearMethod):
+            part = Int8Part.of(int8)
+    elif dense is not None:
+        if (type(dense) is NativeBF16Packed and getattr(linear, "gguf_products", None) is None
+                and type(linear.quant_method) is UnquantizedLinearMethod):
+            part = DenseBF16Part.of(dense)
+    else:
+        return _gguf_parts(linear, in_features, out_features)
+    if part is None or (part.in_features, part.out_features) != (in_features, out_features):
+        return None
+    return (part,)
+
+
+def _gguf_parts(linear, in_features: int, out_features: int) -> tuple[PreparedProduct, ...] | None:
+    """`linear`'s GGUF int8 products, or None (see _linear_parts)."""
     parts = getattr(linear, "gguf_products", None)
     if (parts is None or not 0 < len(parts) <= _MAX_PARTS
             or getattr(linear.quant_method, "ops", None) is not parts[0].kernels
@@ -292,7 +298,7 @@ def _set_linear(struct: _StackLinear, parts: tuple[StackProduct, ...]) -> None:
 
 def _layer_linears(layers: list, hidden: int, intermediate: int) -> list[list[tuple[StackProduct, ...]]] | None:
     """Each layer's (qkv, o, gate_up, down) parts, or None where a layer's differ from the first's heads and sizes
-    or one is neither GGUF int8 products nor a bfloat16 linear_bf16 layer (_linear_parts)."""
+    or one is not a product the C loop runs (_linear_parts)."""
     attn = layers[0].self_attn
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     wanted = ((hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden), (hidden, 2 * intermediate),
@@ -342,8 +348,8 @@ class DecodeStack(_Stack):
     @classmethod
     def build(cls, layers: list, ops: CpuOps) -> DecodeStack | None:
         """`layers`: LlamaDecoderLayers the caller checked are plain (LlamaDecoderLayer.plain: Llama's own
-        classes on `ops`). None unless their linear layers are GGUF int8 products of one library, up to three
-        parts each (_linear_parts), their norms' weights contiguous in one float32 or bfloat16 dtype, and the heads
+        classes on `ops`). None unless their linear layers are all GGUF int8 products of one library (up to three
+        parts each), all linear_bf16 layers or all int8 W8A8 layers (_linear_parts), their norms' weights contiguous in one float32 or bfloat16 dtype, and the heads
         fit the decode kernel."""
         if not enabled() or not layers or getattr(ops, "library", None) is None:
             return None
@@ -395,7 +401,6 @@ class GemmaDecodeStack(_Stack):
                  ops: CpuOps, tables: list[tuple], hidden_size: int, intermediate_size: int) -> None:
         attn = layers[0].self_attn
         self.layers = layers  # held: the C structs point into their tensors
-        self.linears = linears  # held: an int8 part's struct is the memory its weights' pointer names
         self.activations = activations
         self.dtype = torch.float32
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -431,7 +436,8 @@ class GemmaDecodeStack(_Stack):
         if not DecodeKernel.supports(layers[0].self_attn.head_dim):
             return None
         linears = _layer_linears(layers, hidden, intermediate)
-        if linears is None:
+        # GGUF products only: the bfloat16 and int8 layers' products have not been checked against Gemma's modules.
+        if linears is None or any(type(p) is not PreparedProduct for row in linears for parts in row for p in parts):
             return None
         activations, held = [], []
         for layer, table in zip(layers, tables):

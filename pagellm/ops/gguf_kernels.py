@@ -78,10 +78,8 @@ DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
     "generic": {name: 8 for name in _AVX2_DENSE_MIN_ROWS},
 }
 # Rows from which bfloat16 activations take the dense path where the CPU has AMX's bfloat16 tiles (its GEMM runs
-# on them there, oneDNN's tiles reaching ~1.2 TFLOP/s at 512 rows, where the int8 products stay near 100-200
-# GFLOP/s from 8 rows on). Where the two met on a 2-core Intel Xeon (avx512_vnni, amx_bf16), 2 threads, layers of
-# 768 x 2048 and 2048 x 768 (and Gemma 3's and SmolLM2's shapes), weights from memory: 17-24 rows for the
-# 32-weight types, 21-40 for Q8_0, ~30 for Q3_K/Q5_K, 36-48 for the other k-quants (README, "AMX").
+# on them there, while the int8 products keep the vector units' rate): where the two met on the Intel Xeon with
+# AMX, layers from memory, per block type (README, "On a CPU with AMX", has the measured crossovers).
 _AMX_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
     "Q4_0": 24, "Q4_1": 24, "Q5_0": 24, "Q5_1": 24, "Q8_0": 40,
     "Q2_K": 48, "Q3_K": 32, "Q4_K": 48, "Q5_K": 32, "Q6_K": 40,

@@ -62,7 +62,7 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # "8-bit weights"); the AVX-512 build runs the AVX2 code and takes its value until measured there.
 FP8_DENSE_MIN_ROWS = {"avx512": 96, "avx2": 96, "generic": 8}
 # Rows of x from which the int8 product runs on AMX tiles where the CPU has amx_int8 (the same int32 sums as the
-# vector paths); where the two met on SmolLM2's shapes (README, "AMX").
+# vector paths); where the two met on SmolLM2's shapes (README, "On a CPU with AMX").
 INT8_AMX_MIN_ROWS = 8
 # Weight bytes dequantized per tile of the dense path (the only dequantized copy that exists at a time).
 DENSE_TILE_BYTES = 4 << 20

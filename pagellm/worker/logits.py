@@ -47,8 +47,9 @@ def model_logits_in_chunks(model, hidden: torch.Tensor, rows_per_chunk: int) -> 
     compute_logits into compute_head and finish_logits and its activations are narrower than float32.
 
     A quantized head picks its kernel by the rows it is given, and a GEMM over more rows reads its weight fewer
-    times: Gemma 3's 262k-row head over a step's 64 decodes took two 32-row calls of the int8 products (2 x 84
-    ms) where one 64-row call of its dense path took 108 ms. So the head runs over groups of 2 x rows_per_chunk
+    times: Gemma 3's 262k-row head over a step's 64 decodes ran as two 32-row calls of the int8 products, each
+    slower than one 64-row call of its dense path (README, "On a CPU with AMX"). So the head runs over groups of
+    2 x rows_per_chunk
     rows in bfloat16 (as many bytes as a float32 chunk and its bfloat16 output held before), and the groups' rows
     become float32 logits in chunks of half rows_per_chunk: the same bytes at a time. The groups are equal in size
     (logits_in_chunks' reason); a tensor-parallel rank other than 0 yields (first row, None) once per group."""

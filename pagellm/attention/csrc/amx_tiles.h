@@ -46,7 +46,8 @@ static inline void amx_configure(const uint16_t colsb[8]) {
     amx_configure_shapes(rows, colsb);
 }
 
-/* Tiles 0-3 cleared: the [row half][column half] sums of a 32 x 32 block of 4-byte sums. */
+/* Tiles 0-3 cleared: the accumulators (a GEMM's [row half][column half] of a 32 x 32 block of sums, the decode
+ * attention's four 16-float output tiles). */
 static inline void amx_zero_block(void) {
     _tile_zero(0);
     _tile_zero(1);

@@ -30,10 +30,6 @@ const int pagellm_linear_bf16_available =
     0;
 #endif
 
-#if defined(HAVE_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HAVE_AMX_BF16 1
-#endif
-
 const int pagellm_linear_bf16_amx_available =
 #ifdef HAVE_AMX_BF16
     1;

@@ -340,8 +340,7 @@ static void attend_one(const float *restrict q, const uint16_t *restrict q16, co
     }
 }
 
-#if defined(HAVE_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HAVE_DECODE_AMX 1
+#ifdef HAVE_AMX_BF16
 #include "amx_tiles.h"
 
 /* ---- bfloat16 queries over a bfloat16 cache on AMX tiles ----
@@ -360,6 +359,7 @@ static void attend_one(const float *restrict q, const uint16_t *restrict q16, co
 #define AMX_VALUE_KEYS 32   /* keys per value product (16 pairs) */
 #define AMX_HEADS 16        /* query heads per pass: the score tile's columns */
 #define AMX_OUT_FLOATS 64   /* output floats per pass over the values: four 16-float tiles */
+#define AMX_MAX_ITEM_ROWS (16 * AMX_HEADS)  /* query heads of one item at most (its softmax inverses) */
 
 typedef struct {
     float *scores;          /* [rows][stride]: scores, then softmax numerators */
@@ -371,12 +371,17 @@ typedef struct {
     int64_t stride;         /* keys per row of scores and weights, a multiple of AMX_VALUE_KEYS */
 } AmxScratch;
 
+/* Keys per row of the scores of items attending up to max_keys keys: the first tile starts at the 16-aligned
+ * position before the first key (up to 15 more keys), and the value products take whole 32-key steps. */
+static int64_t amx_stride(int64_t max_keys) {
+    return (max_keys + AMX_KEYS - 1 + AMX_VALUE_KEYS - 1) / AMX_VALUE_KEYS * AMX_VALUE_KEYS;
+}
+
 /* Scratch for items of up to `kv_heads` kv heads of `heads` query heads each, attending up to max_keys keys, and
  * writing `out_rows` rows of output. */
 static int amx_scratch_alloc(AmxScratch *scratch, int64_t max_keys, int64_t head_dim, int64_t kv_heads,
                              int64_t heads, int64_t out_rows) {
-    /* The first tile starts at the 16-aligned position before the first key: up to 15 more keys. */
-    const int64_t stride = (max_keys + AMX_KEYS - 1 + AMX_VALUE_KEYS - 1) / AMX_VALUE_KEYS * AMX_VALUE_KEYS;
+    const int64_t stride = amx_stride(max_keys);
     const size_t rows = (size_t)(kv_heads * heads), q_halves = (size_t)(kv_heads * head_dim / 32 * 512);
     const size_t floats = rows * stride + 4 * 256 + (size_t)(out_rows * head_dim);
     const size_t halves = rows * stride + q_halves + 4 * 512;
@@ -445,7 +450,7 @@ static void amx_scores(const uint16_t *k_cache, const AmxItem *item, int64_t bas
     for (int64_t ahead = 1; ahead < KEY_PREFETCH_AHEAD; ++ahead) prefetch_item_block(item, k_cache, base, ahead);
     for (int64_t position = base; position < keys->context_len; position += AMX_KEYS) {
         /* Keys a block or two ahead; not the values, which the value pass's loads stream in as fast (prefetching
-         * them here measured ~7% slower over scattered blocks, and no faster over blocks in order). */
+         * them here measured slower over scattered blocks and no faster over blocks in order: README). */
         if (position % keys->block_size == 0) prefetch_item_block(item, k_cache, position, KEY_PREFETCH_AHEAD);
         for (int j = 0; j < item->kv_heads; ++j) {
             const uint16_t *chunk = k_cache + run_start(keys, position) + j * keys->run_elements;
@@ -509,10 +514,7 @@ static ALWAYS_INLINE void unpermute(const float *lo, const float *hi, float inve
 static void amx_values(const uint16_t *v_cache, const KeyRange *keys, int64_t base, int heads, int64_t offset,
                        int width, const float *inverse, const uint16_t *weights, const AmxScratch *scratch,
                        float *out, const AmxItem *upcoming, const uint16_t *k_cache) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_zero_block();
     int64_t block = 0;
     for (int64_t position = base; position < keys->context_len; position += AMX_VALUE_KEYS) {
         if (upcoming != NULL) {
@@ -560,7 +562,7 @@ static void amx_attend(const uint16_t *q16, int64_t q_stride, const uint16_t *k_
         pair_queries(q16 + j * q_stride, heads, head_dim, scratch->q_pairs + j * (head_dim / 32 * 512));
     amx_configure_scores();
     amx_scores(k_cache, item, base, heads, scale, scratch);
-    float inverse[AMX_HEADS * 16];
+    float inverse[AMX_MAX_ITEM_ROWS];
     for (int j = 0; j < item->kv_heads; ++j)
         for (int h = 0; h < heads; ++h) {
             const int64_t r = j * heads + h;
@@ -588,10 +590,6 @@ static void amx_attend(const uint16_t *q16, int64_t q_stride, const uint16_t *k_
         }
     }
 }
-
-int paged_decode_amx_ready(void) { return amx_ready(); }
-#else
-int paged_decode_amx_ready(void) { return 0; }
 #endif
 
 /* n floats from a float32 or bfloat16 array (n a multiple of VEC), and back. */
@@ -630,15 +628,15 @@ static KeyRange key_range(int64_t item, const int64_t *block_tables, int64_t tab
     return keys;
 }
 
-#ifdef HAVE_DECODE_AMX
+#ifdef HAVE_AMX_BF16
 /* A whole sequence is one item on the tiles (all its kv heads, each block's keys read as one run) where its
  * scores fit this many bytes per thread; else an item is one kv head, its query heads AMX_HEADS at a time. */
 #define AMX_SEQUENCE_SCRATCH_BYTES (64 << 20)
 
 static int amx_items_are_sequences(int64_t group, int64_t num_heads, int64_t max_keys) {
-    const int64_t stride = max_keys + AMX_KEYS + AMX_VALUE_KEYS;
-    return group <= AMX_HEADS && num_heads <= AMX_HEADS * 16 &&
-           num_heads * stride * (int64_t)(sizeof(float) + sizeof(uint16_t)) <= AMX_SEQUENCE_SCRATCH_BYTES;
+    return group <= AMX_HEADS && num_heads <= AMX_MAX_ITEM_ROWS &&
+           num_heads * amx_stride(max_keys) * (int64_t)(sizeof(float) + sizeof(uint16_t)) <=
+               AMX_SEQUENCE_SCRATCH_BYTES;
 }
 
 /* The keys of item `item` on the tiles: sequence `item` (all kv heads), or (sequence, kv head) = (item / kv heads,
@@ -688,7 +686,7 @@ static void amx_run_item(int64_t item, int64_t next, int64_t num_items, int sequ
 #endif
 
 /* kv_format: kv_format.h's KV_* (not KV_F16); sinks NULL or [num_heads]. use_amx: take the tiles where this build
- * has them, the process may use them (paged_decode_amx_ready), q and the cache are bfloat16 and block_size is a
+ * has them, the process may use them (linear_bf16_amx_ready), q and the cache are bfloat16 and block_size is a
  * multiple of 16. Returns 1 if a thread could not allocate its buffers, 2 if head_dim is not a multiple of
  * PIECE_FLOATS. */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int kv_format, int q_is_bf16,
@@ -697,7 +695,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
                            int64_t head_dim, int64_t block_size, float scale, int64_t sliding_window,
                            const float *sinks, int use_amx) {
     if (head_dim % PIECE_FLOATS != 0) return 2;
-#ifdef HAVE_DECODE_AMX
+#ifdef HAVE_AMX_BF16
     use_amx = use_amx && q_is_bf16 && kv_format == KV_BF16 && block_size % AMX_KEYS == 0 && amx_ready();
 #else
     use_amx = 0;
@@ -709,7 +707,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         max_keys = keys > max_keys ? keys : max_keys;
     }
     int failed = 0;
-#ifdef HAVE_DECODE_AMX
+#ifdef HAVE_AMX_BF16
     const int amx_sequences = use_amx && amx_items_are_sequences(group, num_heads, max_keys);
 #else
     const int amx_sequences = 0;
@@ -721,11 +719,11 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         /* Per thread: the scores of one group of heads, and its queries and outputs in float32 (on the tiles, their
          * own scratch instead). */
         float *scores = use_amx ? NULL : malloc(sizeof(float) * group * (max_keys + 2 * head_dim));
-#ifdef HAVE_DECODE_AMX
+#ifdef HAVE_AMX_BF16
         AmxScratch amx_scratch = {0};
         const int no_scratch = use_amx ? amx_scratch_alloc(&amx_scratch, max_keys, head_dim,
                                                            amx_sequences ? num_kv_heads : 1,
-                                                           amx_sequences ? group : AMX_HEADS,
+                                                           amx_sequences || group < AMX_HEADS ? group : AMX_HEADS,
                                                            amx_sequences ? num_heads : group)
                                        : scores == NULL;
 #else
@@ -745,7 +743,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 #pragma omp atomic capture
             next = taken++;
             if (no_scratch) continue;
-#ifdef HAVE_DECODE_AMX
+#ifdef HAVE_AMX_BF16
             if (use_amx) {
                 amx_run_item(item, next, num_items, amx_sequences, q, k_cache, v_cache, block_tables, table_stride,
                              context_lens, out, num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
@@ -771,7 +769,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
             narrow(out32, (void *)element(out, first_element, q_format), group * head_dim, q_is_bf16);
         }
         free(scores);
-#ifdef HAVE_DECODE_AMX
+#ifdef HAVE_AMX_BF16
         free(amx_scratch.tile_out);
         if (use_amx) _tile_release();
 #endif

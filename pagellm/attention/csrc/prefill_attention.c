@@ -200,17 +200,19 @@ typedef struct {
     float *product;  /* [4][16][16]: stored C tiles of the AMX path */
 } Scratch;
 
-#if defined(HAVE_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HAVE_PREFILL_AMX 1
+/* Query rows per AMX tile (the tile path pads an item's rows to a multiple of it). */
+#define AMX_ROW_BLOCK 16
+
+#ifdef HAVE_AMX_BF16
 #include "amx_tiles.h"
 
 /* ---- bfloat16 on AMX tiles ----
  * The packed tiles are already in the tiles' B layout: a key tile's rows are pairs of dims, 32 keys of 4 bytes
  * each (two 16-key B tiles side by side), a value tile's rows pairs of adjacent keys over head_dim. The queries
  * are copied row-major (A tiles of 16 rows), and the weights' [rows][KEY_TILE] bfloat16 rows are A tiles as
- * they are. Per 16 rows: scores C[16][32 keys] in tiles 0-1; per 16 dims of the output, C[16][16] in tile 6,
- * then added into the float32 accumulators after their rescale. */
-#define AMX_ROW_BLOCK 16
+ * they are. Per 16 rows: scores C[16][32 keys] in tiles 0-1 (two row blocks at a time, the second in 6-7); per
+ * 64 dims of the output, C[16][16] in tiles 0, 1, 6 and 7, then added into the float32 accumulators after their
+ * rescale. */
 
 static void amx_configure_prefill(void) {
     static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
@@ -453,7 +455,7 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
                                       const int dot, const int amx) {
     const int64_t dim = p->head_dim, group = p->num_heads / p->num_kv_heads;
     const int64_t num_computed = p->seq_lens[chunk] - p->query_lens[chunk];
-    const int64_t multiple = amx ? 16 : ROW_MULTIPLE, rows = q_count * group;
+    const int64_t multiple = amx ? AMX_ROW_BLOCK : ROW_MULTIPLE, rows = q_count * group;
     const int64_t padded = (rows + multiple - 1) / multiple * multiple;
     for (int64_t m = 0; m < padded; ++m) {
         /* Padding rows copy the last real row's position (they see its keys) and attend zeros. */
@@ -489,7 +491,7 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
         const int64_t packed_tile = p->tile_offset[chunk] + kv_head * p->num_tiles[chunk] + tile;
         const char *keys = (const char *)p->packed + packed_tile * tile_elements(p) * element_size;
         const char *values = keys + KEY_TILE * dim * element_size;
-#ifdef HAVE_PREFILL_AMX
+#ifdef HAVE_AMX_BF16
         if (amx) {
             int64_t row = 0;
             for (; row + 2 * AMX_ROW_BLOCK <= padded; row += 2 * AMX_ROW_BLOCK)
@@ -503,7 +505,7 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
         const int masked = last_key > low || first_key < first_visible(high, window);
         if (masked) softmax_tile(p, s, padded, first_key, 1, bf16, dot);  /* constant: no selects when unmasked */
         else softmax_tile(p, s, padded, first_key, 0, bf16, dot);
-#ifdef HAVE_PREFILL_AMX
+#ifdef HAVE_AMX_BF16
         if (amx) {
             for (int64_t row = 0; row < padded; row += AMX_ROW_BLOCK)
                 amx_accumulate_block(p, s, (const uint16_t *)values, row, s->product);
@@ -530,12 +532,6 @@ static ALWAYS_INLINE void attend_item(const Prefill *p, const Scratch *s, int64_
             store_any(p->out, element + d, vload(s->acc + m * dim + d) * inverse, q_bf16);
     }
 }
-
-#ifdef HAVE_PREFILL_AMX
-int paged_prefill_amx_ready(void) { return amx_ready(); }
-#else
-int paged_prefill_amx_ready(void) { return 0; }
-#endif
 
 typedef struct {
     int64_t chunk, kv_head, q_first, q_count, cost;
@@ -565,7 +561,7 @@ static void pack_all(const Prefill *p, int64_t total_tiles, int format, int dot)
 
 /* kv_format: kv_format.h's KV_* (not KV_F16); an unquantized cache has q's dtype; sinks NULL or [num_heads].
  * use_amx: a bfloat16 cache takes the tiles where the build has them and the process may use them
- * (paged_prefill_amx_ready). Returns 1 if a buffer could not be allocated, 2 if head_dim is not a multiple of 32. */
+ * (linear_bf16_amx_ready). Returns 1 if a buffer could not be allocated, 2 if head_dim is not a multiple of 32. */
 int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
                             int q_is_bf16, int kv_format, const int64_t *block_tables, int64_t table_stride,
                             const int64_t *query_starts, const int64_t *query_lens, const int64_t *seq_lens,
@@ -579,7 +575,7 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
 #else
     const int dot = 0;
 #endif
-#ifdef HAVE_PREFILL_AMX
+#ifdef HAVE_AMX_BF16
     const int amx = use_amx && dot && amx_ready();
 #else
     const int amx = 0;
@@ -631,8 +627,11 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
         free(items);
         return 1;
     }
-    /* Rows padded for either path: to ROW_MULTIPLE for the vector products, to 16 for the tiles. */
-    const int64_t rows = (tile_queries * group + 47) / 48 * 48;
+    /* Rows padded for either path: to ROW_MULTIPLE for the vector products, to AMX_ROW_BLOCK for the tiles. */
+    const int64_t item_rows = tile_queries * group;
+    const int64_t vector_rows = (item_rows + ROW_MULTIPLE - 1) / ROW_MULTIPLE * ROW_MULTIPLE;
+    const int64_t tile_rows = (item_rows + AMX_ROW_BLOCK - 1) / AMX_ROW_BLOCK * AMX_ROW_BLOCK;
+    const int64_t rows = vector_rows > tile_rows ? vector_rows : tile_rows;
     int failed = 0;
 #pragma omp parallel if (macs >= PARALLEL_MIN_MACS)
     {
@@ -655,7 +654,7 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
             s.position = (int64_t *)(s.rescale + rows + (rows & 1));
             s.product = (float *)(s.position + rows);
         }
-#ifdef HAVE_PREFILL_AMX
+#ifdef HAVE_AMX_BF16
         if (amx) amx_configure_prefill();
 #endif
 #pragma omp for schedule(dynamic, 1)
@@ -668,7 +667,7 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
             else if (q_bf16) attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 1, 0, 0, 0);
             else attend_item(&p, &s, it.chunk, it.kv_head, it.q_first, it.q_count, 0, 0, 0, 0);
         }
-#ifdef HAVE_PREFILL_AMX
+#ifdef HAVE_AMX_BF16
         if (amx) _tile_release();
 #endif
         free(buffer);

@@ -66,6 +66,11 @@ static inline hvec to_bf16_bits(fvec v) {
 }
 
 #define HAVE_BF16_DOT 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX's bfloat16 tiles too (native.compiler_flags adds -mamx-tile -mamx-bf16 where the CPU has them): the linear,
+ * decode and prefill kernels of this build take them, and answer linear_bf16_amx_ready for all three. */
+#define HAVE_AMX_BF16 1
+#endif
 /* acc[i] += a[2i] * b[2i] + a[2i + 1] * b[2i + 1] over 2 * VEC bfloat16 values (VDPBF16PS: exact products,
  * float32 sums; subnormal inputs count as zero). */
 static inline fvec dot_bf16_pairs(fvec acc, const uint16_t *a, const uint16_t *b) {

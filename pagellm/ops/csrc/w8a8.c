@@ -310,7 +310,7 @@ static void amx_int8_block(const int8_t *xq, int64_t Kp, const int8_t *strip, in
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16_out __attribute__((vector_size(32)));
+typedef uint16_t u16x16_packed __attribute__((vector_size(32)));
 typedef uint16_t u16x32 __attribute__((vector_size(64)));
 
 /* y[row .. row + n_rows)[col .. col + 16) from one strip's int32 sums (acc, row stride 32): int8_output's
@@ -333,10 +333,12 @@ static ALWAYS_INLINE void amx_int8_strip_output(const Int8Problem *pr, int64_t r
             else memcpy((float *)pr->y + index, &out, (size_t)n * sizeof(float));
             continue;
         }
+        /* gguf_simd.h's to_bf16 rounding over 16 lanes at once: two 8-lane calls measured slower on a 64-stream
+         * int8 decode. */
         const u32x16 bits = (u32x16)out, nan = (u32x16)(out != out);
         const u32x16 rounded = ((bits + 0x7FFFu + ((bits >> 16) & 1u)) & ~nan) | (0x7FC00000u & nan);
-        const u16x16_out halves = __builtin_shufflevector((u16x32)rounded, (u16x32)rounded, 1, 3, 5, 7, 9, 11, 13, 15,
-                                                          17, 19, 21, 23, 25, 27, 29, 31);
+        const u16x16_packed halves = __builtin_shufflevector((u16x32)rounded, (u16x32)rounded, 1, 3, 5, 7, 9, 11, 13,
+                                                             15, 17, 19, 21, 23, 25, 27, 29, 31);
         memcpy((uint16_t *)pr->y + index, &halves, (size_t)n * sizeof(uint16_t));
     }
 }
@@ -421,7 +423,6 @@ int w8a8_int8_linear(const void *x, int x_bf16, int64_t rows, int64_t K, int64_t
     return 0;
 }
 
-/* xq [rows * Kp], xs [rows]: the rows as w8a8_int8_linear quantizes them (for tests and the torch paths). */
 /* One int8 layer as the decode stack calls its products (attention/csrc/decode_stack.c: gguf_matmul's signature),
  * its weights at `w`. */
 typedef struct {
@@ -432,25 +433,45 @@ typedef struct {
     float static_scale;
 } W8A8StackLayer;
 
+/* The calling thread's buffers of quantized rows, kept and grown between calls (a decode step makes one call per
+ * layer and product: fresh ones would be allocated each time). Returns 0 if memory ran out. */
+static int stack_buffers(int64_t rows, int64_t Kp, int8_t **xq, float **xs) {
+    static __thread int8_t *quantized;
+    static __thread float *scales;
+    static __thread int64_t quantized_bytes, scale_count;
+    if (rows * Kp > quantized_bytes) {
+        int8_t *grown = realloc(quantized, (size_t)(rows * Kp));
+        if (grown == NULL) return 0;
+        quantized = grown;
+        quantized_bytes = rows * Kp;
+    }
+    if (rows > scale_count) {
+        float *grown = realloc(scales, sizeof(float) * (size_t)rows);
+        if (grown == NULL) return 0;
+        scales = grown;
+        scale_count = rows;
+    }
+    *xq = quantized;
+    *xs = scales;
+    return 1;
+}
+
 /* w8a8_int8_linear behind gguf_matmul's signature (`type` unused; activations and outputs in one dtype, no bias),
- * its quantized rows in a buffer of its own. Returns 1 if memory ran out, 2 for inputs it does not take. */
+ * its quantized rows in this thread's buffers. Returns 1 if memory ran out, 2 for inputs it does not take. */
 int w8a8_stack_product(int type, const void *w, const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N,
                        void *y, int y_bf16) {
     (void)type;
     if (x_bf16 != y_bf16 || rows < 0 || K <= 0) return 2;
+    if (rows == 0) return 0;
     const W8A8StackLayer *layer = w;
-    const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP;
-    int8_t *xq = malloc((size_t)(rows * Kp + 1));
-    float *xs = malloc(sizeof(float) * (size_t)(rows + 1));
-    int failed = 1;
-    if (xq != NULL && xs != NULL)
-        failed = w8a8_int8_linear(x, x_bf16, rows, K, N, layer->packed, layer->colsum, layer->wscale, NULL, y, y_bf16,
-                                  layer->static_scale, xq, xs, layer->amx_min_rows) ? 2 : 0;
-    free(xq);
-    free(xs);
-    return failed;
+    int8_t *xq;
+    float *xs;
+    if (!stack_buffers(rows, (K + GROUP - 1) / GROUP * GROUP, &xq, &xs)) return 1;
+    return w8a8_int8_linear(x, x_bf16, rows, K, N, layer->packed, layer->colsum, layer->wscale, NULL, y, y_bf16,
+                            layer->static_scale, xq, xs, layer->amx_min_rows) ? 2 : 0;
 }
 
+/* xq [rows * Kp], xs [rows]: the rows as w8a8_int8_linear quantizes them (for tests and the torch paths). */
 int w8a8_quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t K, float static_scale, int8_t *xq,
                        float *xs) {
     if (K <= 0 || rows < 0) return 2;
