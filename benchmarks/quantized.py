@@ -15,7 +15,8 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
 Each format runs in a fresh process: what LLM() adds to its RSS (VmRSS after `import torch` to after LLM(), and
 the peak, VmHWM), the engine's weight bytes, the perplexity of a fixed text (exp of the mean negative
 log-likelihood of its tokens after the first, prompt_logprobs), single-stream decode tok/s (one request, greedy,
-EOS ignored, its decode steps after the prefill's; the best of --repeats runs) and batched output tok/s (--batch requests at once). With --llama-python (a venv with
+EOS ignored, its decode steps after the prefill's; the best of --repeats runs) and batched output tok/s (--batch requests at once), and batched prefill tok/s (those
+requests' prompt tokens per second, evaluated together for one output token each; best of --repeats). With --llama-python (a venv with
 llama-cpp-python, built for this CPU: `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python`), llama.cpp
 runs the GGUFs on the same cores: its perplexity of the same tokens, its single-stream decode tok/s (best of as many runs), and its
 batched output tok/s over the same number of sequences through its own batching (every sequence in one
@@ -159,7 +160,8 @@ def run_pagellm(fmt: Format, path: str, args: argparse.Namespace) -> dict:
            "file_mib": size_on_disk(path) / MiB, "weights_mib": startup.weights_bytes / MiB,
            "kv_mib": startup.kv_cache_bytes / MiB, "rss_added_mib": (rss_loaded - rss_before) / 1024,
            "peak_added_mib": (peak - rss_before) / 1024, "load_s": load_s, "tokens": len(ids),
-           "perplexity": perplexity, "single_tok_s": None, "batched_tok_s": None}
+           "perplexity": perplexity, "single_tok_s": None, "batched_tok_s": None,
+           "prefill_tok_s": None}
     if args.skip_speed:
         return row
     greedy = SamplingParams(temperature=0, max_tokens=args.decode_tokens + 1, ignore_eos=True)
@@ -171,7 +173,17 @@ def run_pagellm(fmt: Format, path: str, args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     llm.generate(prompts, batched_params, use_tqdm=False)
     batched = args.batch * args.batch_tokens / (time.perf_counter() - started)
-    return {**row, "single_tok_s": single, "batched_tok_s": batched}
+    prefill = max(prefill_rate(llm, prompts) for _ in range(args.repeats))
+    return {**row, "single_tok_s": single, "batched_tok_s": batched, "prefill_tok_s": prefill}
+
+
+def prefill_rate(llm, prompts: list[dict]) -> float:
+    """Prompt tokens per second of the batch's prompts evaluated together (one output token each)."""
+    from pagellm import SamplingParams
+
+    started = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    return sum(len(p["prompt_token_ids"]) for p in prompts) / (time.perf_counter() - started)
 
 
 def decode_rate(llm, prompt: dict, params) -> float:
@@ -324,9 +336,9 @@ def print_tables(rows: list[dict], reference: float | None) -> None:
         print(f"| {r['format']} | {r['weight_format']} | {r['file_mib']:.0f} | {r['weights_mib']:.0f} | "
               f"{r['rss_added_mib']:.0f} | {r['peak_added_mib']:.0f} | {r['rss_added_mib'] - r['kv_mib']:.0f} |")
     print(f"\n## Perplexity of a fixed text ({rows[0]['tokens']} tokens) and speed\n")
-    print("| format | perplexity | vs fp32 | decode tok/s (1 stream) | batched output tok/s | llama.cpp perplexity | "
-          "llama.cpp decode tok/s | llama.cpp batched output tok/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| format | perplexity | vs fp32 | decode tok/s (1 stream) | batched output tok/s | batched prefill tok/s | "
+          "llama.cpp perplexity | llama.cpp decode tok/s | llama.cpp batched output tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         other_model = r["format"].startswith(("gemma", "llama 1B"))  # not the default model: no fp32 reference
         versus = f"{(r['perplexity'] / reference - 1) * 100:+.2f}%" if reference and not other_model else "-"
@@ -335,10 +347,11 @@ def print_tables(rows: list[dict], reference: float | None) -> None:
         llama_tok = f"{llama['single_tok_s']:.1f}" if llama else "-"
         single = "-" if r["single_tok_s"] is None else f"{r['single_tok_s']:.1f}"
         batched = "-" if r["batched_tok_s"] is None else f"{r['batched_tok_s']:.1f}"
+        prefill = "-" if r.get("prefill_tok_s") is None else f"{r['prefill_tok_s']:.0f}"
         llama_batched = f"{llama['batched_tok_s']:.1f}" if llama.get("batched_tok_s") else "-"
         if llama and not llama.get("extra_buffers", True):
             llama_tok, llama_batched = llama_tok + " (a)", llama_batched + " (a)"
-        print(f"| {r['format']} | {r['perplexity']:.3f} | {versus} | {single} | {batched} | {llama_ppl} | "
+        print(f"| {r['format']} | {r['perplexity']:.3f} | {versus} | {single} | {batched} | {prefill} | {llama_ppl} | "
               f"{llama_tok} | {llama_batched} |")
     if any(not (r.get("llama_cpp") or {}).get("extra_buffers", True) for r in rows):
         print("\n(a) llama.cpp without its extra buffer types (use_extra_bufts=False): with them it died of a signal")

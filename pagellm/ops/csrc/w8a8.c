@@ -135,6 +135,13 @@ static float quantize_row(const void *x, int64_t row, int64_t K, int64_t Kp, con
     return scale;
 }
 
+/* VPDPBUSD multiplies unsigned bytes by signed ones: the vector paths of a VNNI build read x + 128 (x XOR 0x80),
+ * biased once per row here rather than once per row and weight group in the product loops. The column sums of
+ * the packed weight take the 128 back out. */
+static void bias_row(int8_t *q, int64_t Kp) {
+    for (int64_t i = 0; i < Kp; ++i) q[i] = (int8_t)((uint8_t)q[i] ^ 0x80u);
+}
+
 /* ---- outputs ---------------------------------------------------------------------------------------- */
 
 /* Bias of the 8 columns from col (zero past N or without bias). */
@@ -234,8 +241,9 @@ static ALWAYS_INLINE void int8_tile(const Int8Problem *pr, int64_t row, int64_t 
         for (int r = 0; r < R; ++r) {
             int32_t four;
             memcpy(&four, x_base + r * pr->Kp + g * GROUP, sizeof four);
+            /* A VNNI build's rows arrive biased (bias_row): the same bytes are x_biased there, x elsewhere. */
             const i8x32 x = (i8x32)splat_i32(four);
-            const u8x32 x_biased = (u8x32)x ^ (uint8_t)0x80;
+            const u8x32 x_biased = (u8x32)x;
             for (int p = 0; p < P; ++p) acc[r][p] = dot_accumulate(acc[r][p], w[p], w_abs[p], x, x_biased);
         }
     }
@@ -259,6 +267,42 @@ static ALWAYS_INLINE void int8_tile(const Int8Problem *pr, int64_t row, int64_t 
     }
 }
 
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16_packed __attribute__((vector_size(32)));
+typedef uint16_t u16x32 __attribute__((vector_size(64)));
+
+/* y[row .. row + n_rows)[col .. col + 16) from one strip's int32 sums (acc, row stride 32, the column-sum
+ * correction already taken): int8_output's arithmetic, lane for lane, 16 columns at a time (its 8-column panels
+ * made the AMX epilogue as long as a block's tile products); columns from N on are not written. */
+static ALWAYS_INLINE void int8_strip_output(const Int8Problem *pr, int64_t row, int64_t n_rows, int64_t col,
+                                                const int32_t *acc) {
+    const int64_t n = pr->N - col < STRIP ? pr->N - col : STRIP;
+    f32x16 wscale, bias = {0};
+    memcpy(&wscale, pr->wscale + col, sizeof wscale);
+    if (pr->bias != NULL)
+        for (int64_t c = 0; c < n; ++c) bias[c] = load_one(pr->bias, col + c, pr->y_bf16);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        i32x16 sums;
+        memcpy(&sums, acc + r * 32, sizeof sums);
+        const f32x16 out = __builtin_convertvector(sums, f32x16) * ((pr->xs[row + r] - (f32x16){0}) * wscale) + bias;
+        const int64_t index = (row + r) * pr->N + col;
+        if (!pr->y_bf16) {
+            if (n == STRIP) memcpy((float *)pr->y + index, &out, sizeof out);
+            else memcpy((float *)pr->y + index, &out, (size_t)n * sizeof(float));
+            continue;
+        }
+        /* gguf_simd.h's to_bf16 rounding over 16 lanes at once: two 8-lane calls measured slower on a 64-stream
+         * int8 decode. */
+        const u32x16 bits = (u32x16)out, nan = (u32x16)(out != out);
+        const u32x16 rounded = ((bits + 0x7FFFu + ((bits >> 16) & 1u)) & ~nan) | (0x7FC00000u & nan);
+        const u16x16_packed halves = __builtin_shufflevector((u16x32)rounded, (u16x32)rounded, 1, 3, 5, 7, 9, 11, 13,
+                                                             15, 17, 19, 21, 23, 25, 27, 29, 31);
+        memcpy((uint16_t *)pr->y + index, &halves, (size_t)n * sizeof(uint16_t));
+    }
+}
+
 typedef void (*Int8TileFunction)(const Int8Problem *pr, int64_t row, int64_t panel);
 
 /* One function per tile shape, called through pointers from the parallel region: OpenMP outlines a region
@@ -271,6 +315,87 @@ static const Int8TileFunction INT8_TILES[INT8_PANELS][INT8_ROWS] = {
     {int8_tile_1_1, int8_tile_2_1, int8_tile_3_1, int8_tile_4_1},
     {int8_tile_1_2, int8_tile_2_2, int8_tile_3_2, int8_tile_4_2},
 };
+
+/* ---- int8 products in 512-bit registers (AVX-512 VNNI) -------------------------------------------------------
+ * One VPDPBUSD on a zmm register takes a whole (strip, group): 16 columns x 4 inputs, the 64 bytes the packed
+ * layout keeps together. A tile is up to 8 rows x 2 strips, 16 accumulators of the 32 registers, each x broadcast
+ * feeding two products and each weight vector eight. The rows arrive biased (x + 128, see bias_row), so the
+ * inner loop is loads and products only; the epilogue is the AMX path's, 16 columns at a time. */
+
+/* Below this many rows the 256-bit tiles of one strip stream the weight faster (a decode's product is a read of
+ * the weight; two strips per tile are two streams). */
+#define WIDE_MIN_ROWS 6
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define HAVE_VNNI512 1
+#define WIDE_ROWS 8
+#define WIDE_STRIPS 2
+/* Rows of x per pass over the weight: 256 rows of up to 4 KiB inputs stay in L2 while every strip reads them. */
+#define WIDE_CHUNK_ROWS 256
+
+/* y rows [row, row + R) x strips [strip, strip + S); R and S constants after inlining. */
+static ALWAYS_INLINE void int8_wide_tile(const Int8Problem *pr, int64_t row, int64_t strip, const int R,
+                                         const int S) {
+    const int64_t groups = pr->Kp / GROUP, strip_bytes = groups * 64;
+    const int8_t *w_base = pr->packed + strip * strip_bytes;
+    const int8_t *x_base = pr->xq + row * pr->Kp;
+    __m512i acc[WIDE_ROWS][WIDE_STRIPS];
+    for (int r = 0; r < R; ++r)
+        for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512i w[WIDE_STRIPS];
+        for (int s = 0; s < S; ++s) w[s] = _mm512_loadu_si512(w_base + s * strip_bytes + g * 64);
+        for (int r = 0; r < R; ++r) {
+            int32_t four;
+            memcpy(&four, x_base + r * pr->Kp + g * GROUP, sizeof four);
+            const __m512i x = _mm512_set1_epi32(four);
+            for (int s = 0; s < S; ++s) acc[r][s] = _mm512_dpbusd_epi32(acc[r][s], x, w[s]);
+        }
+    }
+    int32_t sums[WIDE_ROWS * 32] __attribute__((aligned(64)));
+    for (int s = 0; s < S; ++s) {
+        const __m512i correction = _mm512_slli_epi32(_mm512_loadu_si512(pr->colsum + (strip + s) * STRIP), 7);
+        for (int r = 0; r < R; ++r) _mm512_store_si512(sums + r * 32 + s * STRIP, _mm512_sub_epi32(acc[r][s], correction));
+    }
+    for (int s = 0; s < S; ++s) int8_strip_output(pr, row, R, (strip + s) * STRIP, sums + s * STRIP);
+}
+
+#define INT8_WIDE_TILE(R, S) \
+    static void int8_wide_tile_##R##_##S(const Int8Problem *pr, int64_t row, int64_t strip) { \
+        int8_wide_tile(pr, row, strip, R, S); \
+    }
+INT8_WIDE_TILE(1, 1) INT8_WIDE_TILE(2, 1) INT8_WIDE_TILE(3, 1) INT8_WIDE_TILE(4, 1)
+INT8_WIDE_TILE(5, 1) INT8_WIDE_TILE(6, 1) INT8_WIDE_TILE(7, 1) INT8_WIDE_TILE(8, 1)
+INT8_WIDE_TILE(1, 2) INT8_WIDE_TILE(2, 2) INT8_WIDE_TILE(3, 2) INT8_WIDE_TILE(4, 2)
+INT8_WIDE_TILE(5, 2) INT8_WIDE_TILE(6, 2) INT8_WIDE_TILE(7, 2) INT8_WIDE_TILE(8, 2)
+static const Int8TileFunction INT8_WIDE_TILES[WIDE_STRIPS][WIDE_ROWS] = {
+    {int8_wide_tile_1_1, int8_wide_tile_2_1, int8_wide_tile_3_1, int8_wide_tile_4_1, int8_wide_tile_5_1,
+     int8_wide_tile_6_1, int8_wide_tile_7_1, int8_wide_tile_8_1},
+    {int8_wide_tile_1_2, int8_wide_tile_2_2, int8_wide_tile_3_2, int8_wide_tile_4_2, int8_wide_tile_5_2,
+     int8_wide_tile_6_2, int8_wide_tile_7_2, int8_wide_tile_8_2},
+};
+
+/* Inside the caller's parallel region, after its rows are quantized and biased. Rows in chunks that stay in L2,
+ * strips outer within a chunk: a thread's strips stay in its cache across the chunk's row tiles. */
+static void int8_linear_wide(const Int8Problem *pr, int64_t rows, int64_t strips) {
+    const int64_t strip_tiles = (strips + WIDE_STRIPS - 1) / WIDE_STRIPS;
+    for (int64_t chunk = 0; chunk < rows; chunk += WIDE_CHUNK_ROWS) {
+        const int64_t chunk_rows = rows - chunk < WIDE_CHUNK_ROWS ? rows - chunk : WIDE_CHUNK_ROWS;
+        const int64_t row_tiles = (chunk_rows + WIDE_ROWS - 1) / WIDE_ROWS;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t c = 0; c < strip_tiles; ++c) {
+            for (int64_t t = 0; t < row_tiles; ++t) {
+                const int64_t strip = c * WIDE_STRIPS, row = chunk + t * WIDE_ROWS;
+                const int64_t S = strips - strip < WIDE_STRIPS ? strips - strip : WIDE_STRIPS;
+                const int64_t R = rows - row < WIDE_ROWS ? rows - row : WIDE_ROWS;
+                INT8_WIDE_TILES[S - 1][R - 1](pr, row, strip);
+            }
+        }
+    }
+}
+#else
+#define HAVE_VNNI512 0
+#endif
 
 /* ---- int8 products on AMX tiles ---------------------------------------------------------------------------
  * TDPBSSD multiplies signed by signed bytes into the same exact int32 sums as the vector paths (no +128 bias,
@@ -307,42 +432,6 @@ static void amx_int8_block(const int8_t *xq, int64_t Kp, const int8_t *strip, in
     amx_store_block(acc, strips);
 }
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16_packed __attribute__((vector_size(32)));
-typedef uint16_t u16x32 __attribute__((vector_size(64)));
-
-/* y[row .. row + n_rows)[col .. col + 16) from one strip's int32 sums (acc, row stride 32): int8_output's
- * arithmetic, lane for lane, 16 columns at a time (its 8-column panels made the epilogue as long as a block's
- * tile products); columns from N on are not written. */
-static ALWAYS_INLINE void amx_int8_strip_output(const Int8Problem *pr, int64_t row, int64_t n_rows, int64_t col,
-                                                const int32_t *acc) {
-    const int64_t n = pr->N - col < STRIP ? pr->N - col : STRIP;
-    f32x16 wscale, bias = {0};
-    memcpy(&wscale, pr->wscale + col, sizeof wscale);
-    if (pr->bias != NULL)
-        for (int64_t c = 0; c < n; ++c) bias[c] = load_one(pr->bias, col + c, pr->y_bf16);
-    for (int64_t r = 0; r < n_rows; ++r) {
-        i32x16 sums;
-        memcpy(&sums, acc + r * 32, sizeof sums);
-        const f32x16 out = __builtin_convertvector(sums, f32x16) * ((pr->xs[row + r] - (f32x16){0}) * wscale) + bias;
-        const int64_t index = (row + r) * pr->N + col;
-        if (!pr->y_bf16) {
-            if (n == STRIP) memcpy((float *)pr->y + index, &out, sizeof out);
-            else memcpy((float *)pr->y + index, &out, (size_t)n * sizeof(float));
-            continue;
-        }
-        /* gguf_simd.h's to_bf16 rounding over 16 lanes at once: two 8-lane calls measured slower on a 64-stream
-         * int8 decode. */
-        const u32x16 bits = (u32x16)out, nan = (u32x16)(out != out);
-        const u32x16 rounded = ((bits + 0x7FFFu + ((bits >> 16) & 1u)) & ~nan) | (0x7FC00000u & nan);
-        const u16x16_packed halves = __builtin_shufflevector((u16x32)rounded, (u16x32)rounded, 1, 3, 5, 7, 9, 11, 13,
-                                                             15, 17, 19, 21, 23, 25, 27, 29, 31);
-        memcpy((uint16_t *)pr->y + index, &halves, (size_t)n * sizeof(uint16_t));
-    }
-}
-
 /* Inside the caller's parallel region, after its rows are quantized. `tail`: the last, partial block of quantized
  * rows, zero-padded to 32 (NULL where rows is a multiple of 32). */
 static void int8_linear_amx(const Int8Problem *pr, int64_t rows, int64_t strips, const int8_t *tail) {
@@ -362,7 +451,7 @@ static void int8_linear_amx(const Int8Problem *pr, int64_t rows, int64_t strips,
                 const int8_t *block_x = n_rows < AMX_ROWS ? tail : pr->xq + row * pr->Kp;
                 amx_int8_block(block_x, pr->Kp, pr->packed + strip * strip_bytes, strip_bytes, n_strips, acc);
                 for (int p = 0; p < n_strips; ++p)
-                    amx_int8_strip_output(pr, row, n_rows, (strip + p) * STRIP, acc + p * STRIP);
+                    int8_strip_output(pr, row, n_rows, (strip + p) * STRIP, acc + p * STRIP);
             }
         }
     }
@@ -397,12 +486,19 @@ int w8a8_int8_linear(const void *x, int x_bf16, int64_t rows, int64_t K, int64_t
 #pragma omp parallel if (rows * K * N >= PARALLEL_MIN_WORK)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) xs[r] = quantize_row(x, r, K, Kp, x_bf16, static_scale, xq + r * Kp);
+        for (int64_t r = 0; r < rows; ++r) {
+            xs[r] = quantize_row(x, r, K, Kp, x_bf16, static_scale, xq + r * Kp);
+            if (HAVE_VNNI && !on_tiles) bias_row(xq + r * Kp, Kp);
+        }
         if (on_tiles) {
 #if HAVE_AMX_INT8
 #pragma omp single
             if (tail != NULL) memcpy(tail, xq + (rows - tail_rows) * Kp, (size_t)(tail_rows * Kp));
             int8_linear_amx(&pr, rows, strips, tail);
+#endif
+        } else if (HAVE_VNNI512 && rows >= WIDE_MIN_ROWS) {
+#if HAVE_VNNI512
+            int8_linear_wide(&pr, rows, strips);
 #endif
         } else {
             /* Column tiles outer: a thread keeps its panels' weights in cache for all row tiles. */
