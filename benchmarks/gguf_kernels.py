@@ -47,22 +47,18 @@ def random_weight(type_name: str, out_features: int, in_features: int, rng: np.r
     return torch.from_numpy(blocks.reshape(out_features, -1))
 
 
-def pagellm_linears(dtype: torch.dtype, in_features: int, out_features: int, count: int) -> list[torch.nn.Module]:
-    """`count` of pagellm's dense linear layers in `dtype`, packed, or widened through one shared buffer, as the
-    loader leaves them (see models/llama.py)."""
-    from pagellm.models.llama import Linear, can_pack_for_cpu
+def pagellm_linears(dtype: torch.dtype, in_features: int, out_features: int, count: int) -> list:
+    """`count` of pagellm's dense products in `dtype` (callables of x), each on the kernel the loader picks for
+    its weight (ops/dense_linear.py's choose_dense_kernel: packed, the bfloat16 kernel, or widened per call
+    through one shared buffer)."""
+    from pagellm.ops.dense_linear import UpcastScratch, choose_dense_kernel
 
+    scratch = UpcastScratch()
     layers = []
-    buffer = None
     for _ in range(count):
-        layer = Linear(in_features, out_features, bias=False).to(dtype)
-        layer.weight.requires_grad_(False)
-        if can_pack_for_cpu(torch.device("cpu"), dtype):
-            layer.pack_for_cpu(free_plain=True)
-        else:
-            buffer = torch.empty(layer.weight.numel(), dtype=torch.float32) if buffer is None else buffer
-            layer.upcast_to, layer.upcast_buffer = torch.float32, buffer
-        layers.append(layer)
+        weight = (torch.randn(out_features, in_features) * 0.05).to(dtype)
+        kernel, _ = choose_dense_kernel(weight, False, scratch)
+        layers.append(lambda x, k=kernel: k(x, None))
     return layers
 
 
