@@ -173,21 +173,21 @@ static ALWAYS_INLINE void store_panel(void *y, int64_t row, int64_t col, int64_t
 static ALWAYS_INLINE i32x8 splat_i32(int32_t v) { return (i32x8){v, v, v, v, v, v, v, v}; }
 
 /* Column c's lane += the 4 products of w's bytes 4c .. 4c+3 with x's 4 bytes (x broadcast to every lane). AVX2:
- * `w_abs` is |w|, computed once per weight vector for all rows; VNNI: x_biased is x + 128 as unsigned bytes. */
-static ALWAYS_INLINE i32x8 dot_accumulate(i32x8 acc, i8x32 w, u8x32 w_abs, i8x32 x, u8x32 x_biased) {
+ * `w_abs` is |w|, computed once per weight vector for all rows; VNNI: x holds x + 128 as unsigned bytes
+ * (bias_row). */
+static ALWAYS_INLINE i32x8 dot_accumulate(i32x8 acc, i8x32 w, u8x32 w_abs, i8x32 x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    (void)w_abs, (void)x;
-    return (i32x8)_mm256_dpbusd_epi32((__m256i)acc, (__m256i)x_biased, (__m256i)w);
+    (void)w_abs;
+    return (i32x8)_mm256_dpbusd_epi32((__m256i)acc, (__m256i)x, (__m256i)w);
 #elif defined(__AVXVNNI__)
-    (void)w_abs, (void)x;
-    return (i32x8)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)x_biased, (__m256i)w);
+    (void)w_abs;
+    return (i32x8)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)x, (__m256i)w);
 #elif defined(__AVX2__)
-    (void)x_biased;
     const __m256i signed_x = _mm256_sign_epi8((__m256i)x, (__m256i)w);
     const __m256i pairs = _mm256_maddubs_epi16((__m256i)w_abs, signed_x);
     return acc + (i32x8)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #else
-    (void)w_abs, (void)x_biased;
+    (void)w_abs;
     const i16x16 w_even = ((i16x16)w << 8) >> 8, w_odd = (i16x16)w >> 8;
     const i16x16 x_even = ((i16x16)x << 8) >> 8, x_odd = (i16x16)x >> 8;
     return acc + madd_i16(w_even * x_even + w_odd * x_odd, splat_i16(1));
@@ -241,10 +241,8 @@ static ALWAYS_INLINE void int8_tile(const Int8Problem *pr, int64_t row, int64_t 
         for (int r = 0; r < R; ++r) {
             int32_t four;
             memcpy(&four, x_base + r * pr->Kp + g * GROUP, sizeof four);
-            /* A VNNI build's rows arrive biased (bias_row): the same bytes are x_biased there, x elsewhere. */
             const i8x32 x = (i8x32)splat_i32(four);
-            const u8x32 x_biased = (u8x32)x;
-            for (int p = 0; p < P; ++p) acc[r][p] = dot_accumulate(acc[r][p], w[p], w_abs[p], x, x_biased);
+            for (int p = 0; p < P; ++p) acc[r][p] = dot_accumulate(acc[r][p], w[p], w_abs[p], x);
         }
     }
     for (int p = 0; p < P; ++p) {
@@ -277,7 +275,7 @@ typedef uint16_t u16x32 __attribute__((vector_size(64)));
  * correction already taken): int8_output's arithmetic, lane for lane, 16 columns at a time (its 8-column panels
  * made the AMX epilogue as long as a block's tile products); columns from N on are not written. */
 static ALWAYS_INLINE void int8_strip_output(const Int8Problem *pr, int64_t row, int64_t n_rows, int64_t col,
-                                                const int32_t *acc) {
+                                            const int32_t *acc) {
     const int64_t n = pr->N - col < STRIP ? pr->N - col : STRIP;
     f32x16 wscale, bias = {0};
     memcpy(&wscale, pr->wscale + col, sizeof wscale);
@@ -355,7 +353,8 @@ static ALWAYS_INLINE void int8_wide_tile(const Int8Problem *pr, int64_t row, int
     int32_t sums[WIDE_ROWS * 32] __attribute__((aligned(64)));
     for (int s = 0; s < S; ++s) {
         const __m512i correction = _mm512_slli_epi32(_mm512_loadu_si512(pr->colsum + (strip + s) * STRIP), 7);
-        for (int r = 0; r < R; ++r) _mm512_store_si512(sums + r * 32 + s * STRIP, _mm512_sub_epi32(acc[r][s], correction));
+        for (int r = 0; r < R; ++r)
+            _mm512_store_si512(sums + r * 32 + s * STRIP, _mm512_sub_epi32(acc[r][s], correction));
     }
     for (int s = 0; s < S; ++s) int8_strip_output(pr, row, R, (strip + s) * STRIP, sums + s * STRIP);
 }
