@@ -3,8 +3,9 @@
 For each GGUF block type and each row count m, times y = x W^T on one layer shape (default 2048 x 8192, an MLP
 projection of a ~1B model) through both paths of the kernels:
 - `int8`:  activations quantized per row, integer dot products on the blocks (what `matmul` runs for small m);
-- `dense`: tiles of the weight dequantized to float32 and torch's GEMM on them (what it runs from
-           `dense_min_rows[type]` on); `*` marks the path `matmul` picks;
+- `dense`: tiles of the weight dequantized to float32 (bfloat16 with --activations bfloat16 where the CPU
+           multiplies it natively) and torch's GEMM on them (what it runs from `dense_threshold` rows on);
+           `*` marks the path `matmul` picks;
 and, on the same shape, pagellm's dense linear layer (pagellm.models.llama.Linear, set up as the loader sets it up)
 in float32 and bfloat16: oneDNN on a packed weight, MKL from 512 rows in float32 on AVX2, the avx512_bf16 kernel
 where the CPU has it, or half weights widened to float32 per call where it has no bf16 instructions.
@@ -109,6 +110,9 @@ def main() -> None:
     parser.add_argument("--min-mib", type=int, default=128, help="MiB of distinct weights each option cycles through")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    parser.add_argument("--activations", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype of x for the GGUF paths (bfloat16: the dense path's tiles are bfloat16 where "
+                             "the CPU multiplies it natively, and `*` marks that dtype's threshold)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time the calling thread's CPU time (with --threads 1, on a machine shared with others)")
     args = parser.parse_args()
@@ -119,6 +123,7 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("the GGUF kernels cannot be built here (no C compiler, or PAGELLM_NATIVE_KERNELS=0)")
     in_features, out_features = args.in_features, args.out_features
+    activations = getattr(torch, args.activations)
     flags = " ".join(flag for flag in FLAGS if flag in cpu_flags()) or "none of " + " ".join(FLAGS)
     print(f"CPU: {cpu_description()}; flags: {flags}")
     print(f"kernels: {kernels.isa} build, integer dot products on {kernels.dot_instructions}; torch "
@@ -127,6 +132,7 @@ def main() -> None:
     bandwidth = read_bandwidth(args.cpu_time)
     print(f"plain read (torch sum of 256 MiB float32): {bandwidth / 1e9:.1f} GB/s; matmul call overhead "
           f"{call_overhead(kernels, args.cpu_time) * 1e6:.1f} us")
+    print(f"GGUF paths' activations: {args.activations}")
     print(f"layer {in_features} -> {out_features}; ms per layer, GFLOP/s, GB/s of weights read, x vs bf16")
     rng = np.random.default_rng(0)
     min_bytes = args.min_mib << 20
@@ -151,13 +157,13 @@ def main() -> None:
             weights = [random_weight(type_name, out_features, in_features, rng)
                        for _ in range(layer_count(layer_bytes, min_bytes))]
             for m in args.rows:
-                x = torch.randn(m, in_features)
+                x = torch.randn(m, in_features, dtype=activations)
                 options = {
                     "int8": lambda: [kernels.matmul_int8(x, w, type_name, out_features, in_features) for w in weights],
                     "dense": lambda: [kernels.matmul_dense(x, w, type_name, out_features, in_features) for w in weights],
                 }
                 seconds = time_interleaved(options, args.repeats, args.cpu_time)
-                threshold = kernels.dense_min_rows.get(type_name)
+                threshold = kernels.dense_threshold(type_name, activations)
                 picked = "dense" if threshold is not None and m >= threshold else "int8"
                 for path, total in seconds.items():
                     s = total / len(weights)

@@ -177,22 +177,25 @@ def test_matmul_picks_the_path_by_row_count(cases, monkeypatch):
     assert torch.equal(y, kernels.matmul_int8(x, weight, "Q4_K", OUT_FEATURES, IN_FEATURES["Q4_K"]))
 
 
-def test_bfloat16_rows_take_their_own_threshold_where_amx_runs_their_gemm(cases, monkeypatch):
+def test_bfloat16_rows_take_their_own_threshold_where_the_gemm_multiplies_bfloat16(cases, monkeypatch):
     kernels = _kernels(ISAS[0])
-    amx = ISAS[0] == "avx512" and cpu_has_amx_bf16()
-    assert (kernels.bf16_dense_min_rows is not None) == amx
+    own_table = ISAS[0] == "avx512" and (cpu_has_amx_bf16() or cpu_has_native(torch.bfloat16))
+    assert (kernels.bf16_dense_min_rows is not None) == own_table
+    if own_table:
+        expected = (gk._AMX_BF16_DENSE_MIN_ROWS if cpu_has_amx_bf16() else gk._AVX512_BF16_DENSE_MIN_ROWS)
+        assert kernels.bf16_dense_min_rows == expected
     weight, _ = cases["Q4_K"]
     in_features = IN_FEATURES["Q4_K"]
     monkeypatch.setitem(kernels.dense_min_rows, "Q4_K", 100)
-    if amx:
+    if own_table:
         monkeypatch.setitem(kernels.bf16_dense_min_rows, "Q4_K", 6)
     x = torch.randn(6, in_features).to(torch.bfloat16)
-    path = kernels.matmul_dense if amx else kernels.matmul_int8
+    path = kernels.matmul_dense if own_table else kernels.matmul_int8
     y = kernels.matmul(x, weight, "Q4_K", OUT_FEATURES, in_features)
     assert torch.equal(y, path(x, weight, "Q4_K", OUT_FEATURES, in_features))
     product = kernels.prepare(weight, "Q4_K", OUT_FEATURES, in_features)
     assert torch.equal(product(x), y)
-    assert product.int8_max_rows(torch.bfloat16) == (5 if amx else 99)
+    assert product.int8_max_rows(torch.bfloat16) == (5 if own_table else 99)
     assert product.int8_max_rows(torch.float32) == 99
     assert torch.equal(kernels.matmul(x.float(), weight, "Q4_K", OUT_FEATURES, in_features),
                        kernels.matmul_int8(x.float(), weight, "Q4_K", OUT_FEATURES, in_features))

@@ -6,8 +6,9 @@ blocks contiguous, as the file stores them), at its file size in memory. csrc/gg
 - `matmul` at decode sizes quantizes each row of x to int8 (llama.cpp's Q8_1 blocks of 32 for Q4_0..Q8_0, Q8_K
   blocks of 256 for the k-quants) and takes integer dot products on the blocks (AVX2 VPMADDUBSW, VNNI VPDPBUSD
   where the CPU has AVX-512 VNNI or AVX-VNNI, generic C elsewhere); from `dense_min_rows[type]` rows on (a
-  measured table, DENSE_MIN_ROWS), it dequantizes tiles of the weight into float32 (bfloat16 where the CPU
-  multiplies it natively) and runs torch's GEMM on them, which outran the int8 products there;
+  measured table, DENSE_MIN_ROWS; bfloat16 rows have their own where the CPU multiplies bfloat16 natively), it
+  dequantizes tiles of the weight into float32 (bfloat16 where the CPU multiplies it natively) and runs torch's
+  GEMM on them, which outran the int8 products there;
 - `dequantize_rows` gathers rows as float32 or bfloat16: an embedding's lookup, and a tied LM head shares the
   embedding's blocks with it.
 
@@ -83,6 +84,22 @@ DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
 _AMX_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
     "Q4_0": 24, "Q4_1": 24, "Q5_0": 24, "Q5_1": 24, "Q8_0": 40,
     "Q2_K": 48, "Q3_K": 32, "Q4_K": 48, "Q5_K": 32, "Q6_K": 40,
+}
+# The same for CPUs whose vector units multiply bfloat16 (avx512_bf16's VDPBF16PS) but have no AMX: torch's
+# bfloat16 GEMM reaches ~2x its float32 rate there, so dequantized bfloat16 tiles overtake the int8 products
+# (which stay flat at 110-230 GFLOP/s) far sooner than float32 tiles do. Measured on a 2-core AMD EPYC Zen 4
+# (family 25 model 17), 2 threads, wall clock, layers from memory, bfloat16 x (benchmarks/gguf_kernels.py
+# --activations bfloat16), GFLOP/s int8 / dense:
+#   rows  Q4_0     Q4_1     Q5_0     Q5_1     Q8_0     Q2_K     Q3_K     Q4_K     Q5_K     Q6_K
+#     32  134/115  134/122  112/138  114/107  148/132  223/133  153/131  215/131  186/128  200/141
+#     48  136/156  137/160  112/183  111/140  149/188  231/178  155/175  219/170  180/158  199/183
+#     64  137/185  137/188  110/204  113/170  149/208  230/205  155/207  223/201  182/191  203/213
+#     96  136/225  138/277  114/253  113/215  147/259  219/240  155/252  219/242  183/238  204/259
+# (32-weight types on a 640 -> 8192 layer, the k-quants on 2048 -> 2048.) Not measured on an Intel CPU with
+# avx512_bf16 and no AMX (Cooper Lake); it takes this table too.
+_AVX512_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
+    "Q4_0": 40, "Q4_1": 40, "Q5_0": 32, "Q5_1": 40, "Q8_0": 40,
+    "Q2_K": 96, "Q3_K": 48, "Q4_K": 96, "Q5_K": 64, "Q6_K": 64,
 }
 # Weight bytes dequantized per tile of the dense path: one tile is the only dequantized copy that exists.
 DENSE_TILE_BYTES = 4 << 20
@@ -177,6 +194,18 @@ class TorchGGUFOps:
         return y.view(*x.shape[:-1], out_features)
 
 
+def _bf16_dense_table(isa: str) -> dict[str, int | None] | None:
+    """bfloat16 activations' own thresholds where torch's GEMM multiplies bfloat16 natively (on AMX tiles, or on
+    avx512_bf16's vector instructions); None: they take dense_min_rows, as float32 does."""
+    if isa != "avx512":
+        return None
+    if cpu_has_amx_bf16():
+        return dict(_AMX_BF16_DENSE_MIN_ROWS)
+    if cpu_has_native(torch.bfloat16):
+        return dict(_AVX512_BF16_DENSE_MIN_ROWS)
+    return None
+
+
 class GGUFKernels:
     """csrc/gguf_quant.c with its argument types declared. Activations are float32 or bfloat16 (others are
     computed from float32 and returned in their dtype); outputs have x's dtype."""
@@ -201,9 +230,7 @@ class GGUFKernels:
                 raise RuntimeError(f"gguf_quant.c has {type_name} blocks of {geometry}, gguf_quants "
                                    f"{(fmt.block_size, fmt.block_bytes)}")
         self.dense_min_rows = dict(DENSE_MIN_ROWS[self.isa])
-        # bfloat16 activations' own thresholds where their GEMM runs on AMX tiles; None: dense_min_rows
-        amx = self.isa == "avx512" and cpu_has_amx_bf16()
-        self.bf16_dense_min_rows = dict(_AMX_BF16_DENSE_MIN_ROWS) if amx else None
+        self.bf16_dense_min_rows = _bf16_dense_table(self.isa)
         self._scratch = threading.local()
 
     @staticmethod
