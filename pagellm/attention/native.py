@@ -358,11 +358,13 @@ class CpuOps:
         self.library = library  # for the kernels built on these ops (pagellm/ops/decode_stack.py)
         self._add_rms_norm = library.add_rms_norm
         self._add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]
+        self._gemma_rms_norm = library.gemma_rms_norm
+        self._gemma_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]
         self._silu_and_mul = library.silu_and_mul
         self._silu_and_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
         self._rotary = library.rotary_inplace
         self._rotary.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _INT]
-        for function in (self._add_rms_norm, self._silu_and_mul, self._rotary):
+        for function in (self._add_rms_norm, self._gemma_rms_norm, self._silu_and_mul, self._rotary):
             function.restype = None
 
     @classmethod
@@ -377,12 +379,22 @@ class CpuOps:
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
         """RMSNorm of x, or of x + residual after adding x into residual in place (then returns both)."""
+        return self._rms_norm(self._add_rms_norm, x, residual, weight, eps, x.dtype)
+
+    def gemma_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, offset_weight: torch.Tensor,
+                       eps: float):
+        """add_rms_norm with Gemma's numerics: `offset_weight` (1 + weight) is float32 whatever x's dtype, and
+        the normalised row times it is rounded once (cpu_ops.c's gemma_rms_norm)."""
+        return self._rms_norm(self._gemma_rms_norm, x, residual, offset_weight, eps, torch.float32)
+
+    def _rms_norm(self, function, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                  weight_dtype: torch.dtype):
         dtype = x.dtype
         bf16 = 0 if dtype is torch.float32 else self._dtype_flag(x)
         if not x.is_contiguous():
             x = x.contiguous()
-        if weight.dtype is not dtype:
-            _check_dtype("weight", weight, dtype)
+        if weight.dtype is not weight_dtype:
+            _check_dtype("weight", weight, weight_dtype)
         if not weight.is_contiguous():
             weight = weight.contiguous()
         out = torch.empty_like(x)
@@ -392,8 +404,8 @@ class CpuOps:
                 _check_dtype("residual", residual, dtype)
             if not residual.is_contiguous():
                 raise ValueError("the residual stream must be contiguous")
-        self._add_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
-                           out.data_ptr(), rows, hidden, eps, bf16)
+        function(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                 out.data_ptr(), rows, hidden, eps, bf16)
         return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -27,10 +27,13 @@ class _ResidualRMSNorm(nn.Module, ABC):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """The torch-ops norm of x."""
 
+    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        return self.ops.add_rms_norm(x, residual, weight, self.eps)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         weight = self._kernel_weight(x)
         if weight is not None:
-            out = self.ops.add_rms_norm(x, residual, weight, self.eps)
+            out = self._kernel(x, residual, weight)
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
@@ -57,8 +60,11 @@ class RMSNorm(_ResidualRMSNorm):
 
 class GemmaRMSNorm(_ResidualRMSNorm):
     """Gemma's: scales by (1 + weight), computed in float32 and rounded back to the activations' dtype. On the
-    fused CPU kernel (use_cpu_ops) for float32 activations: it multiplies by 1 + weight, summed once in float32
-    as the torch path sums it at every call, with the residual add folded in as RMSNorm's is."""
+    fused CPU kernel (use_cpu_ops, cpu_ops.c's gemma_rms_norm) for float32 and bfloat16 activations: it multiplies
+    by 1 + weight, summed once in float32 as the torch path sums it at every call, rounds once as the torch path
+    does, and folds the residual add in as RMSNorm's kernel does. Its sum of squares runs in another order than
+    torch's, so a bfloat16 output can differ from the torch path's by one unit in its last place where the
+    product lies within a float32 rounding of a bfloat16 tie."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -72,10 +78,12 @@ class GemmaRMSNorm(_ResidualRMSNorm):
         self.offset_weight = None if ops is None else 1.0 + self.weight.detach().float()
 
     def _kernel_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        # Float32 rows only: bfloat16 activations keep HF's rounding on the torch ops.
-        if self.ops is not None and x.dtype == torch.float32 and x.dim() == 2:
+        if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2:
             return self.offset_weight
         return None
+
+    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        return self.ops.gemma_rms_norm(x, residual, weight, self.eps)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

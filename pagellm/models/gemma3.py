@@ -12,9 +12,9 @@ Where Gemma 3 differs from Llama, following transformers' modeling_gemma3:
   rope_local_base_freq for local layers, rope_theta with any rope scaling for global ones;
 - the final logits are soft-capped, tanh(logits / cap) * cap, when final_logit_softcapping is set.
 
-On the CPU with float32 activations its norms run on the fused RMSNorm kernel (given 1 + weight), the residual
-add before the feed-forward norm folded into it, and q/k rotate in place on the rotary kernel (Qwen3's path);
-the GELU runs on torch ops. Its linear layers are Llama's (packed on CPU, sharded under tensor parallelism the
+On the CPU its norms run on the fused Gemma RMSNorm kernel (given 1 + weight in float32, rounding once as
+transformers does, in float32 or bfloat16), the residual add before the feed-forward norm folded into it, and
+q/k rotate in place on the rotary kernel (Qwen3's path); the GELU runs on torch ops. Its linear layers are Llama's (packed on CPU, sharded under tensor parallelism the
 same way).
 """
 
@@ -170,8 +170,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().load_weights(_language_model_weights(weights))
 
     def use_cpu_ops(self, ops: CpuOps) -> None:
-        """Norms on the fused RMSNorm kernel (float32 activations; others keep the torch ops) and rotary in
-        place; the GELU stays on torch ops (the fused kernel computes SiLU)."""
+        """Norms on the fused Gemma RMSNorm kernel (float32 and bfloat16 activations; others keep the torch ops)
+        and rotary in place; the GELU stays on torch ops (the fused kernel computes SiLU)."""
         for module in self.modules():
             if isinstance(module, GemmaRMSNorm):
                 module.use_cpu_ops(ops)

@@ -15,7 +15,8 @@ that the step is one the C loop serves, and otherwise leaves it to the direct pa
 - the caches are float32/bfloat16 in the activations' dtype, or a quantized format the kernels read.
 
 Gemma 3 (GemmaDecodeStack) runs each layer's modules' kernel calls from C too, between its GELU: the gated
-activation stays torch's (its tanh rounds as torch's own vectorised code does), one call between two C calls.
+activation stays torch's (its tanh rounds as torch's own vectorised code does), one call between two C calls;
+in float32 or bfloat16 (its norms on gemma_rms_norm, as its modules run them).
 
 PAGELLM_DECODE_STACK=0 turns it off (for A/B measurements and for benchmarks that time the per-layer calls).
 """
@@ -402,7 +403,7 @@ class GemmaDecodeStack(_Stack):
         attn = layers[0].self_attn
         self.layers = layers  # held: the C structs point into their tensors
         self.activations = activations
-        self.dtype = torch.float32
+        self.dtype = layers[0].input_layernorm.weight.dtype
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.intermediate_size = intermediate_size
         self._tables = tables  # per layer the RotaryEmbedding whose cos/sin the struct points at, and them
@@ -421,19 +422,22 @@ class GemmaDecodeStack(_Stack):
             struct.cos, struct.sin = cos.data_ptr(), sin.data_ptr()
             struct.eps, struct.scale = layer.input_layernorm.eps, layer.self_attn.scale
             struct.sliding_window = layer.self_attn.sliding_window or 0
-        shape = _StackShape(hidden_size, intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim, 0, 0, 0)
+        shape = _StackShape(hidden_size, intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim, 0, 0,
+                            int(self.dtype is torch.bfloat16))
         self._init_step([p for row in linears for parts in row for p in parts], shape)
 
     @classmethod
     def build(cls, layers: list, tables: list, ops: CpuOps) -> GemmaDecodeStack | None:
-        """`layers`: Gemma3DecoderLayers; `tables`: each one's RotaryEmbedding. None unless every layer's norms run
-        on the fused kernel (float32, `ops`), with one eps; its linear layers are GGUF int8 products of one
-        library (no bias, one rank, no LoRA slots), up to three parts each; and the heads fit the decode kernel."""
+        """`layers`: Gemma3DecoderLayers; `tables`: each one's RotaryEmbedding. None unless the model's dtype (its
+        norms' weights') is float32 or bfloat16, every layer's norms run on the fused kernel (`ops`, a float32
+        1 + weight each), with one eps; its linear layers are GGUF int8 products of one library (no bias, one
+        rank, no LoRA slots), up to three parts each; and the heads fit the decode kernel."""
         if not enabled() or not layers or getattr(ops, "library", None) is None:
             return None
         hidden = layers[0].self_attn.o_proj.output_size
         intermediate = layers[0].mlp.down_proj.input_size
-        if not DecodeKernel.supports(layers[0].self_attn.head_dim):
+        dtype = layers[0].input_layernorm.weight.dtype
+        if dtype not in KERNEL_DTYPES or not DecodeKernel.supports(layers[0].self_attn.head_dim):
             return None
         linears = _layer_linears(layers, hidden, intermediate)
         # GGUF products only: the bfloat16 and int8 layers' products have not been checked against Gemma's modules.
@@ -446,7 +450,7 @@ class GemmaDecodeStack(_Stack):
                      layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm)
             if attn.ops is not ops or any(norm.ops is not ops or getattr(norm, "offset_weight", None) is None
                    or norm.offset_weight.dtype is not torch.float32 or not norm.offset_weight.is_contiguous()
-                   or norm.eps != norms[0].eps for norm in norms):
+                   or norm.weight.dtype is not dtype or norm.eps != norms[0].eps for norm in norms):
                 return None
             cos, sin = table.cos, table.sin
             if not (cos.dtype is torch.float32 and sin.dtype is torch.float32 and cos.is_contiguous()
@@ -471,7 +475,7 @@ class GemmaDecodeStack(_Stack):
         it updates in place): what the layers' modules return. Call only where `serves` said so."""
         held = self._fill_step(positions, meta)
         tokens = hidden.shape[0]
-        gate_up = torch.empty(tokens, 2 * self.intermediate_size)
+        gate_up = torch.empty(tokens, 2 * self.intermediate_size, dtype=self.dtype)
         shape, step, failed_part = self._shape_address, self._step_address, self._failed_address
         address = self._structs_address
         size = ctypes.sizeof(_GemmaLayer)

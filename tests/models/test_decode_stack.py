@@ -244,9 +244,9 @@ def _gemma_generate(llm: LLM) -> list[tuple[list[int], list]]:
     return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
 
 
-def _gemma_llm(gemma_gguf, kv_cache_dtype: str = "auto") -> LLM:
+def _gemma_llm(gemma_gguf, kv_cache_dtype: str = "auto", dtype: str = "float32") -> LLM:
     path, tokenizer = gemma_gguf
-    return LLM(str(path), tokenizer=str(tokenizer), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
+    return LLM(str(path), tokenizer=str(tokenizer), dtype=dtype, kv_cache_memory_bytes=8 << 20, max_model_len=128,
                max_num_batched_tokens=16, enable_prefix_caching=False, seed=0, kv_cache_dtype=kv_cache_dtype)
 
 
@@ -255,14 +255,18 @@ def gemma_llm(gemma_gguf):
     return _gemma_llm(gemma_gguf)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_the_gemma_stack_generates_what_the_modules_do(gemma_gguf, gemma_llm, kv_cache_dtype, monkeypatch):
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("float32", "auto"), ("float32", "fp8"),
+                                                       ("bfloat16", "auto")])
+def test_the_gemma_stack_generates_what_the_modules_do(gemma_gguf, gemma_llm, dtype, kv_cache_dtype, monkeypatch):
     from pagellm.ops.decode_stack import GemmaDecodeStack
 
-    llm = gemma_llm if kv_cache_dtype == "auto" else _gemma_llm(gemma_gguf, kv_cache_dtype)
+    if (dtype, kv_cache_dtype) == ("float32", "auto"):
+        llm = gemma_llm
+    else:
+        llm = _gemma_llm(gemma_gguf, kv_cache_dtype, dtype)
     model = llm.llm_engine.core.runner.model.model
     stack = model.decode_stack()
-    assert stack is not None
+    assert stack is not None and stack.dtype is getattr(torch, dtype)
     assert stack._structs[0].qkv.parts == 2 and stack._structs[0].down.parts == 1
     stacked, modules, ran = _with_and_without(llm, monkeypatch, GemmaDecodeStack, _gemma_generate)
     assert stacked == modules  # the modules' kernel calls in their order: equal to the bit

@@ -49,7 +49,7 @@ static ALWAYS_INLINE int64_t piece(int64_t index, int64_t length) {
  * takes the statistics in float32, casts the normalised row back to the model's dtype, and only then
  * multiplies by the weight (in the model's dtype): two roundings in bfloat16, kept here. */
 static ALWAYS_INLINE void add_rms_norm_rows(const void *x, void *residual, const void *weight, void *out, int64_t rows,
-                                            int64_t hidden, float eps, const int bf16) {
+                                            int64_t hidden, float eps, const int bf16, const int gemma) {
     const int64_t size = bf16 ? 2 : 4;
 #pragma omp parallel for if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; ++r) {
@@ -66,16 +66,39 @@ static ALWAYS_INLINE void add_rms_norm_rows(const void *x, void *residual, const
         char *o = (char *)out + r * hidden * size;
         for (int64_t i = 0; i < hidden; i += VEC) {
             const int64_t n = piece(i, hidden);
-            const fvec normed = as_stored(load_n(h, i, n, bf16) * inverse_rms, bf16);
-            store_n(o, i, n, load_n(weight, i, n, bf16) * normed, bf16);
+            const fvec normed = load_n(h, i, n, bf16) * inverse_rms;
+            if (gemma) store_n(o, i, n, load_n(weight, i, n, 0) * normed, bf16);
+            else store_n(o, i, n, load_n(weight, i, n, bf16) * as_stored(normed, bf16), bf16);
         }
     }
 }
 
 void add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t hidden,
                   float eps, int bf16) {
-    if (bf16) add_rms_norm_rows(x, residual, weight, out, rows, hidden, eps, 1);
-    else add_rms_norm_rows(x, residual, weight, out, rows, hidden, eps, 0);
+    if (bf16) add_rms_norm_rows(x, residual, weight, out, rows, hidden, eps, 1, 0);
+    else add_rms_norm_rows(x, residual, weight, out, rows, hidden, eps, 0, 0);
+}
+
+/* The same with transformers' Gemma3RMSNorm's numerics: the float32 normalised row is multiplied by a float32
+ * weight (Gemma's 1 + weight, summed once by the caller) and rounded once, to the activations' dtype. In float32
+ * it is add_rms_norm given that weight. */
+void gemma_rms_norm(const void *x, void *residual, const float *weight, void *out, int64_t rows, int64_t hidden,
+                    float eps, int bf16) {
+    if (bf16) add_rms_norm_rows(x, residual, weight, out, rows, hidden, eps, 1, 1);
+    else add_rms_norm_rows(x, residual, weight, out, rows, hidden, eps, 0, 1);
+}
+
+/* into[i] += x[i] for n elements, rounded as a torch add in the activations' dtype rounds it. */
+static ALWAYS_INLINE void add_into_elements(void *into, const void *x, int64_t n, const int bf16) {
+    for (int64_t i = 0; i < n; i += VEC) {
+        const int64_t m = piece(i, n);
+        store_n(into, i, m, load_n(into, i, m, bf16) + load_n(x, i, m, bf16), bf16);
+    }
+}
+
+void add_into(void *into, const void *x, int64_t n, int bf16) {
+    if (bf16) add_into_elements(into, x, n, 1);
+    else add_into_elements(into, x, n, 0);
 }
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, width + i]; silu(g) = g * sigmoid(g), with the sigmoid

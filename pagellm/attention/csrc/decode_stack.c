@@ -200,7 +200,11 @@ int decode_layer_stack(const StackLayer *layers, int64_t num_layers, const Stack
 
 /* ---- Gemma 3 -------------------------------------------------------------------------------------------- */
 
-/* One Gemma 3 decoder layer: its linear layers, its norms' weights as the fused kernel takes them (1 + weight, in
+void gemma_rms_norm(const void *x, void *residual, const float *weight, void *out, int64_t rows, int64_t hidden,
+                    float eps, int bf16);
+void add_into(void *into, const void *x, int64_t n, int bf16);
+
+/* One Gemma 3 decoder layer: its linear layers, its norms' weights as gemma_rms_norm takes them (1 + weight, in
  * float32), its rotary tables (local or global) and window, and its caches. */
 typedef struct {
     StackLinear qkv, o, gate_up, down;
@@ -211,22 +215,23 @@ typedef struct {
     float eps, scale;
 } GemmaLayer;
 
-/* Row buffers of a Gemma layer in float32. */
+/* Row buffers of a Gemma layer, in the activations' dtype. */
 typedef struct {
-    float *x, *qkv, *qk, *q, *attended, *projected, *normed, *scratch;
+    char *x, *qkv, *qk, *q, *attended, *projected, *normed, *scratch;
 } GemmaBuffers;
 
 static void *allocate_gemma_buffers(const StackShape *s, int64_t tokens, GemmaBuffers *b) {
+    const int64_t element = s->bf16 ? 2 : 4;
     const int64_t attention = s->num_heads * s->head_dim, kv = s->num_kv_heads * s->head_dim;
     const int64_t widest = 2 * s->intermediate_size > attention + 2 * kv ? 2 * s->intermediate_size : attention + 2 * kv;
     const int64_t per_token[8] = {s->hidden_size, attention + 2 * kv, attention + kv, attention, attention,
                                   s->hidden_size, s->hidden_size, widest};
     int64_t bytes = 0;
-    for (int i = 0; i < 8; ++i) bytes += (tokens * per_token[i] * 4 + 63) / 64 * 64;
+    for (int i = 0; i < 8; ++i) bytes += (tokens * per_token[i] * element + 63) / 64 * 64;
     char *base = aligned_alloc(64, bytes), *next = base;
     if (base == NULL) return NULL;
-    float **buffers[8] = {&b->x, &b->qkv, &b->qk, &b->q, &b->attended, &b->projected, &b->normed, &b->scratch};
-    for (int i = 0; i < 8; ++i) *buffers[i] = (float *)carve(&next, tokens * per_token[i], 4);
+    char **buffers[8] = {&b->x, &b->qkv, &b->qk, &b->q, &b->attended, &b->projected, &b->normed, &b->scratch};
+    for (int i = 0; i < 8; ++i) *buffers[i] = carve(&next, tokens * per_token[i], element);
     return base;
 }
 
@@ -235,15 +240,17 @@ static void *allocate_gemma_buffers(const StackShape *s, int64_t tokens, GemmaBu
  *   x = input_norm(hidden); q, k, v = qkv(x); q, k = rotary(q_norm(q), k_norm(k)); K/V into the caches;
  *   hidden += post_attention_norm(o(attention)); gate_up = gate_up(pre_feedforward_norm(hidden)).
  * The gated activation between gate_up and down is the caller's (torch's GELU, whose rounding is its own).
- * Every step is the call models/gemma3.py's modules make on the fused CPU ops, in their order: the result is
- * theirs bit for bit. float32 activations. Returns 0 or decode_layer_stack's failure codes (*failed_part: 0
- * previous, 1 layer). */
-int gemma_decode_layer(const GemmaLayer *previous, const float *activated, const GemmaLayer *layer,
-                       const StackShape *s, const StackStep *step, ProductFunction product, float *hidden,
-                       float *gate_up, int64_t *failed_part) {
+ * Every step is the call models/gemma3.py's modules make on the fused CPU ops, in their order, and every sum
+ * is rounded where their torch add rounds it: the result is theirs bit for bit. Activations in float32 or (the
+ * shape's bf16) bfloat16. Returns 0 or decode_layer_stack's failure codes (*failed_part: 0 previous, 1 layer). */
+int gemma_decode_layer(const GemmaLayer *previous, const void *activated, const GemmaLayer *layer,
+                       const StackShape *s, const StackStep *step, ProductFunction product, void *hidden,
+                       void *gate_up, int64_t *failed_part) {
     const int64_t tokens = step->tokens, hidden_size = s->hidden_size, head_dim = s->head_dim;
     const int64_t attention = s->num_heads * head_dim, kv = s->num_kv_heads * head_dim;
     const int64_t width = attention + 2 * kv, qk_width = attention + kv;
+    const int bf16 = s->bf16;
+    const int64_t element = bf16 ? 2 : 4;
     *failed_part = -1;
     if (tokens <= 0) return 0;
     GemmaBuffers b;
@@ -252,48 +259,50 @@ int gemma_decode_layer(const GemmaLayer *previous, const float *activated, const
     int failed = 0;
     if (previous != NULL) {
         *failed_part = 0;
-        failed = linear(product, &previous->down, activated, tokens, s->intermediate_size, b.projected, b.scratch, 0);
+        failed = linear(product, &previous->down, activated, tokens, s->intermediate_size, b.projected, b.scratch,
+                        bf16);
         if (failed) {
             free(base);
             return DECODE_STACK_PRODUCT + failed;
         }
-        add_rms_norm(b.projected, NULL, previous->post_feedforward_norm, b.normed, tokens, hidden_size, previous->eps,
-                     0);
-        for (int64_t i = 0; i < tokens * hidden_size; ++i) hidden[i] = hidden[i] + b.normed[i];
+        gemma_rms_norm(b.projected, NULL, previous->post_feedforward_norm, b.normed, tokens, hidden_size,
+                       previous->eps, bf16);
+        add_into(hidden, b.normed, tokens * hidden_size, bf16);
     }
     if (layer != NULL) {
         *failed_part = 1;
-        add_rms_norm(hidden, NULL, layer->input_norm, b.x, tokens, hidden_size, layer->eps, 0);
-        if ((failed = linear(product, &layer->qkv, b.x, tokens, hidden_size, b.qkv, b.scratch, 0))) {
+        gemma_rms_norm(hidden, NULL, layer->input_norm, b.x, tokens, hidden_size, layer->eps, bf16);
+        if ((failed = linear(product, &layer->qkv, b.x, tokens, hidden_size, b.qkv, b.scratch, bf16))) {
             failed += DECODE_STACK_PRODUCT;
             goto done;
         }
         /* Per-head norms, each head a row; the normed q and k side by side in qk, as the rotary kernel takes them. */
         for (int64_t t = 0; t < tokens; ++t) {
-            add_rms_norm(b.qkv + t * width, NULL, layer->q_norm, b.qk + t * qk_width, s->num_heads, head_dim,
-                         layer->eps, 0);
-            add_rms_norm(b.qkv + t * width + attention, NULL, layer->k_norm, b.qk + t * qk_width + attention,
-                         s->num_kv_heads, head_dim, layer->eps, 0);
+            gemma_rms_norm(b.qkv + t * width * element, NULL, layer->q_norm, b.qk + t * qk_width * element,
+                           s->num_heads, head_dim, layer->eps, bf16);
+            gemma_rms_norm(b.qkv + (t * width + attention) * element, NULL, layer->k_norm,
+                           b.qk + (t * qk_width + attention) * element, s->num_kv_heads, head_dim, layer->eps, bf16);
         }
         rotary_inplace(b.qk, tokens, qk_width, s->num_heads + s->num_kv_heads, head_dim, layer->cos, layer->sin,
-                       step->positions, 0);
-        write_kv(s, step, (const char *)(b.qk + attention), qk_width, (const char *)(b.qkv + attention + kv), width,
+                       step->positions, bf16);
+        write_kv(s, step, b.qk + attention * element, qk_width, b.qkv + (attention + kv) * element, width,
                  layer->k_cache, layer->v_cache);
-        const char *q = queries(s, tokens, (const char *)b.qk, qk_width, (char *)b.q);
-        if ((failed = paged_decode_attention(q, layer->k_cache, layer->v_cache, s->kv_format, 0, step->block_tables,
-                                             step->table_stride, step->context_lens, b.attended, tokens,
-                                             s->num_heads, s->num_kv_heads, head_dim, s->block_size, layer->scale,
-                                             layer->sliding_window, NULL, 1))) {
+        const char *q = queries(s, tokens, b.qk, qk_width, b.q);
+        if ((failed = paged_decode_attention(q, layer->k_cache, layer->v_cache, s->kv_format, bf16,
+                                             step->block_tables, step->table_stride, step->context_lens, b.attended,
+                                             tokens, s->num_heads, s->num_kv_heads, head_dim, s->block_size,
+                                             layer->scale, layer->sliding_window, NULL, 1))) {
             failed += DECODE_STACK_ATTENTION;
             goto done;
         }
-        if ((failed = linear(product, &layer->o, b.attended, tokens, attention, b.projected, b.scratch, 0))) {
+        if ((failed = linear(product, &layer->o, b.attended, tokens, attention, b.projected, b.scratch, bf16))) {
             failed += DECODE_STACK_PRODUCT;
             goto done;
         }
-        add_rms_norm(b.projected, NULL, layer->post_attention_norm, b.normed, tokens, hidden_size, layer->eps, 0);
-        add_rms_norm(b.normed, hidden, layer->pre_feedforward_norm, b.x, tokens, hidden_size, layer->eps, 0);
-        if ((failed = linear(product, &layer->gate_up, b.x, tokens, hidden_size, gate_up, b.scratch, 0)))
+        gemma_rms_norm(b.projected, NULL, layer->post_attention_norm, b.normed, tokens, hidden_size, layer->eps,
+                       bf16);
+        gemma_rms_norm(b.normed, hidden, layer->pre_feedforward_norm, b.x, tokens, hidden_size, layer->eps, bf16);
+        if ((failed = linear(product, &layer->gate_up, b.x, tokens, hidden_size, gate_up, b.scratch, bf16)))
             failed += DECODE_STACK_PRODUCT;
     }
 done:
