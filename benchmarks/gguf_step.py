@@ -51,9 +51,10 @@ def linear_part(method, layer, *_) -> str:
     return f"LM head ({kinds})" if name == "embed_tokens" else f"{name} ({kinds})"
 
 
-def measure(model: str, num_seqs: int, steps: int, spent: Seconds, threads: int | None = None) -> float:
+def measure(model: str, num_seqs: int, steps: int, spent: Seconds, threads: int | None = None,
+            dtype: str = "float32") -> float:
     """Seconds of `steps` decode steps of `num_seqs` sequences; `spent` gets the parts'."""
-    llm = LLM(model, dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=1024,
+    llm = LLM(model, dtype=dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
               enable_prefix_caching=False)
     engine = llm.llm_engine
     if threads:  # after the engine set its own count
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--model", default=None, help="a GGUF file (default: Gemma 3 270M Q4_K_M)")
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: the engine's)")
+    parser.add_argument("--dtype", default="float32", help="the activations' dtype (LLM's dtype=; auto, bfloat16, ...)")
     args = parser.parse_args()
     spent: Seconds = collections.Counter()
     GGUFLinearMethod.apply = timed(GGUFLinearMethod.apply, spent, linear_part)
@@ -88,8 +90,9 @@ def main() -> None:
     llama_module.paged_attention = timed(llama_module.paged_attention, spent, "paged attention")
     model = args.model or str(gemma3_270m_path())
     for num_seqs in args.seqs:
-        total = measure(model, num_seqs, args.steps, spent, args.threads)
-        print(f"\n## {num_seqs} sequence(s), {cpu_description()}, {torch.get_num_threads()} thread(s), load average "
+        total = measure(model, num_seqs, args.steps, spent, args.threads, args.dtype)
+        print(f"\n## {num_seqs} sequence(s), dtype {args.dtype}, {cpu_description()}, {torch.get_num_threads()} "
+              f"thread(s), load average "
               f"{os.getloadavg()[0]:.1f}: {1000 * total / args.steps:.2f} ms per decode step (mean of {args.steps})\n")
         print("| part | ms per step | share |\n|---|---:|---:|")
         for name, seconds in spent.most_common():

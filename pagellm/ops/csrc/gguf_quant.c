@@ -522,6 +522,13 @@ int gguf_matmul(int type, const uint8_t *w, const void *x, int x_bf16, int64_t r
 /* The 32 quants minus `offset` as four float vectors (exact: small integers). */
 static ALWAYS_INLINE void widen(u8x32 q, const int is_signed, int offset, f32x8 out[4]) {
     i32x8 v[4];
+#if defined(__AVX2__)
+    /* VPMOVSXBD/VPMOVZXBD per 8 bytes: GCC scalarises the shuffle-and-convert below into byte moves. */
+    const __m128i low = _mm256_castsi256_si128((__m256i)q), high = _mm256_extracti128_si256((__m256i)q, 1);
+    const __m128i eights[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    for (int p = 0; p < 4; ++p)
+        v[p] = (i32x8)(is_signed ? _mm256_cvtepi8_epi32(eights[p]) : _mm256_cvtepu8_epi32(eights[p]));
+#else
     if (is_signed) {
         const i8x32 s = (i8x32)q;
         v[0] = __builtin_convertvector(__builtin_shufflevector(s, s, EIGHT(0)), i32x8);
@@ -534,6 +541,7 @@ static ALWAYS_INLINE void widen(u8x32 q, const int is_signed, int offset, f32x8 
         v[2] = __builtin_convertvector(__builtin_shufflevector(q, q, EIGHT(2)), i32x8);
         v[3] = __builtin_convertvector(__builtin_shufflevector(q, q, EIGHT(3)), i32x8);
     }
+#endif
     for (int p = 0; p < 4; ++p) out[p] = to_f32(v[p] - offset);
 }
 
@@ -542,7 +550,7 @@ static ALWAYS_INLINE void store8(void *out, int64_t index, f32x8 v, int bf16) {
         memcpy((float *)out + index, &v, sizeof v);
         return;
     }
-    const u16x8 bits = to_bf16(v);
+    const u16x8 bits = weights_to_bf16(v);
     memcpy((uint16_t *)out + index, &bits, sizeof bits);
 }
 

@@ -178,6 +178,18 @@ static ALWAYS_INLINE u16x8 to_bf16(f32x8 v) {
     return __builtin_shufflevector((u16x16)rounded, (u16x16)rounded, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
+/* to_bf16 for dequantized weights: one VCVTNEPS2BF16 where the CPU has avx512_bf16. That instruction rounds to
+ * nearest even as to_bf16 does but reads float32 subnormals as zero; a dequantized weight is zero or at least
+ * the smallest half-float subnormal (2^-24) in magnitude, so it never meets one. (A NaN keeps its sign here.) */
+static ALWAYS_INLINE u16x8 weights_to_bf16(f32x8 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    const __m128i bits = (__m128i)_mm256_cvtneps_pbh((__m256)v);
+    return (u16x8)bits;
+#else
+    return to_bf16(v);
+#endif
+}
+
 static ALWAYS_INLINE f32x8 from_bf16(u16x8 bits) {
     return (f32x8)__builtin_shufflevector((u16x8){0}, bits, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15);
 }
