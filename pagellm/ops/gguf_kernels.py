@@ -80,26 +80,29 @@ DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
 }
 # Rows from which bfloat16 activations take the dense path where the CPU has AMX's bfloat16 tiles (its GEMM runs
 # on them there, while the int8 products keep the vector units' rate): where the two met on the Intel Xeon with
-# AMX, layers from memory, per block type (README, "On a CPU with AMX", has the measured crossovers).
+# AMX, layers from memory, per block type (README, "On a CPU with AMX", has the measured crossovers). This table and
+# the AVX2 one above were measured before the dequantizers' widening went from scalarised byte moves to
+# VPMOVSXBD/VPMOVZXBD (3-4x faster tiles): their crossovers are likely lower now, not re-measured on those CPUs.
 _AMX_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
     "Q4_0": 24, "Q4_1": 24, "Q5_0": 24, "Q5_1": 24, "Q8_0": 40,
     "Q2_K": 48, "Q3_K": 32, "Q4_K": 48, "Q5_K": 32, "Q6_K": 40,
 }
 # The same for CPUs whose vector units multiply bfloat16 (avx512_bf16's VDPBF16PS) but have no AMX: torch's
-# bfloat16 GEMM reaches ~2x its float32 rate there, so dequantized bfloat16 tiles overtake the int8 products
-# (which stay flat at 110-230 GFLOP/s) far sooner than float32 tiles do. Measured on a 2-core AMD EPYC Zen 4
-# (family 25 model 17), 2 threads, wall clock, layers from memory, bfloat16 x (benchmarks/gguf_kernels.py
-# --activations bfloat16), GFLOP/s int8 / dense:
+# bfloat16 GEMM reaches ~2x its float32 rate there, and bfloat16 tiles dequantize at 12-16 G weights/s on 2
+# threads, so the dense path overtakes the int8 products (flat at 110-230 GFLOP/s) from a dozen or two rows on.
+# Measured on a 2-core AMD EPYC Zen 4 (family 25 model 17), 2 threads, wall clock, layers from memory, bfloat16 x
+# (benchmarks/gguf_kernels.py --activations bfloat16; 32-weight types on 640 -> 8192, k-quants on 2048 -> 2048),
+# GFLOP/s int8 / dense:
 #   rows  Q4_0     Q4_1     Q5_0     Q5_1     Q8_0     Q2_K     Q3_K     Q4_K     Q5_K     Q6_K
-#     32  134/115  134/122  112/138  114/107  148/132  223/133  153/131  215/131  186/128  200/141
-#     48  136/156  137/160  112/183  111/140  149/188  231/178  155/175  219/170  180/158  199/183
-#     64  137/185  137/188  110/204  113/170  149/208  230/205  155/207  223/201  182/191  203/213
-#     96  136/225  138/277  114/253  113/215  147/259  219/240  155/252  219/242  183/238  204/259
-# (32-weight types on a 640 -> 8192 layer, the k-quants on 2048 -> 2048.) Not measured on an Intel CPU with
-# avx512_bf16 and no AMX (Cooper Lake); it takes this table too.
+#      8  107/89   131/95   112/96   113/93   142/108  217/90   142/87   202/87   176/86   187/93
+#     16  134/159  133/153  115/158  114/154  143/168  223/145  132/122  212/147  178/138  194/154
+#     24  137/200  136/194  113/197  114/198  145/213  226/176  151/182  208/187  182/189  198/204
+#     32  134/230  136/218  114/223  114/226  148/249  218/197  154/222  205/215  180/214  201/227
+#     48  133/275  130/258  108/267  114/269  148/288  183/224  149/261  215/255  185/258  198/269
+# Not measured on an Intel CPU with avx512_bf16 and no AMX (Cooper Lake); it takes this table too.
 _AVX512_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
-    "Q4_0": 40, "Q4_1": 40, "Q5_0": 32, "Q5_1": 40, "Q8_0": 40,
-    "Q2_K": 96, "Q3_K": 48, "Q4_K": 96, "Q5_K": 64, "Q6_K": 64,
+    "Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q5_1": 16, "Q8_0": 16,
+    "Q2_K": 48, "Q3_K": 24, "Q4_K": 32, "Q5_K": 24, "Q6_K": 24,
 }
 # Weight bytes dequantized per tile of the dense path: one tile is the only dequantized copy that exists.
 DENSE_TILE_BYTES = 4 << 20
