@@ -33,7 +33,7 @@ from pagellm.ops import gguf_kernels as gk
 
 ISAS = native.runnable_isas()
 TYPES = gk.KERNEL_TYPES
-ROW_COUNTS = (1, 3, 8, 33, 128)
+ROW_COUNTS = (1, 3, 8, 33, 66, 128)  # the AVX-512 VNNI build's tiles take 32-weight types from 64 rows
 OUT_FEATURES = 67  # two output tiles (the second of 3 rows) for every type at these widths
 # Several blocks per row, an odd count of 32-weight blocks (the even/odd accumulators' tail).
 IN_FEATURES = {name: 768 if name.endswith("_K") else 160 for name in TYPES}
@@ -127,17 +127,49 @@ def test_int8_products_match_the_float64_reference(isa, name, cases):
         _check_int8(y, x, w64, block, name, m)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_vnni_build_runs_the_32_weight_types_on_tiles(isa):
+    kernels = _kernels(isa)
+    if kernels.dot_instructions != "avx512_vnni":
+        assert kernels.tile_min_rows == {}
+        return
+    assert set(kernels.tile_min_rows) == set(gk.VNNI_TILED_TYPES)
+    assert set(kernels.tile_min_rows.values()) == {64}  # ROW_COUNTS reach both sides
+    assert all(kernels.dense_min_rows[name] is None for name in gk.VNNI_TILED_TYPES)
+    # bfloat16 rows between a dense threshold and the tiles take the dense path, and the tiles from there on
+    for name in gk.VNNI_TILED_TYPES:
+        dense = kernels.dense_threshold(name, torch.bfloat16)
+        tiles = kernels.tile_threshold(name, torch.bfloat16)
+        assert dense is None or tiles is None or dense < tiles
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_rows_outputs_do_not_depend_on_the_other_rows(isa, name, cases):
+    """Below the tiles (64 rows), each row's outputs from the int8 products are the same bits whatever the
+    batch: a speculative verification step's rows must be those of plain decode steps."""
+    kernels = _kernels(isa)
+    weight, _ = cases[name]
+    in_features = IN_FEATURES[name]
+    x = torch.randn(63, in_features, generator=torch.Generator().manual_seed(5))
+    counts = [1, 2, 5, 6, 7, 9, 40, 63]
+    first_rows = [kernels.matmul_int8(x[:m], weight, name, OUT_FEATURES, in_features)[0] for m in counts]
+    for count, row in zip(counts, first_rows):
+        assert torch.equal(row, first_rows[0]), (name, count)
+
+
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("isa", ISAS)
 def test_bfloat16_activations_and_outputs(isa, name, cases):
     kernels = _kernels(isa)
     weight, w64 = cases[name]
     in_features = IN_FEATURES[name]
-    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    y = kernels.matmul_int8(x, weight, name, OUT_FEATURES, in_features)
-    assert y.dtype == torch.bfloat16
-    as_float = kernels.matmul_int8(x.float(), weight, name, OUT_FEATURES, in_features)
-    assert torch.equal(y, as_float.to(torch.bfloat16))  # the same sums, rounded once
+    for m in (66, 5):  # the AVX-512 VNNI build's tiles (from 64 rows on 32-weight types), then its row kernel
+        x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        y = kernels.matmul_int8(x, weight, name, OUT_FEATURES, in_features)
+        assert y.dtype == torch.bfloat16
+        as_float = kernels.matmul_int8(x.float(), weight, name, OUT_FEATURES, in_features)
+        assert torch.equal(y, as_float.to(torch.bfloat16))  # the same sums, rounded once
     dense = kernels.matmul_dense(x, weight, name, OUT_FEATURES, in_features)
     assert dense.dtype == torch.bfloat16
     expected = x.double().numpy() @ w64.T
@@ -182,7 +214,7 @@ def test_bfloat16_rows_take_their_own_threshold_where_the_gemm_multiplies_bfloat
     own_table = ISAS[0] == "avx512" and (cpu_has_amx_bf16() or cpu_has_native(torch.bfloat16))
     assert (kernels.bf16_dense_min_rows is not None) == own_table
     if own_table:
-        expected = (gk._AMX_BF16_DENSE_MIN_ROWS if cpu_has_amx_bf16() else gk._AVX512_BF16_DENSE_MIN_ROWS)
+        expected = gk._AMX_BF16_DENSE_MIN_ROWS if cpu_has_amx_bf16() else gk._AVX512_BF16_DENSE_MIN_ROWS
         assert kernels.bf16_dense_min_rows == expected
     weight, _ = cases["Q4_K"]
     in_features = IN_FEATURES["Q4_K"]

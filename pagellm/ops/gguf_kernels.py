@@ -73,7 +73,20 @@ _AVX2_DENSE_MIN_ROWS: dict[str, int | None] = {
     "Q4_0": 96, "Q4_1": 96, "Q5_0": 96, "Q5_1": 96, "Q8_0": 128,
     "Q2_K": None, "Q3_K": 128, "Q4_K": 1024, "Q5_K": 256, "Q6_K": 1024,
 }
+# The types the AVX-512 VNNI build multiplies on 512-bit VPDPBUSD tiles from 64 rows on (csrc/gguf_quant.c's
+# vnni_tiles: each weight repacked once per call, one float scale per block for 16 outputs; `tile_min_rows`).
+# There they outran the dense path at every row count measured, in both dtypes, so `matmul` sends such rows to
+# them (except bfloat16 rows on a CPU with AMX, whose bfloat16 GEMM runs on AMX tiles: not measured against
+# them); float32 rows never take the dense path in that build (the row kernel outran it below 64 rows). Zen 4,
+# 2 threads, bfloat16 x, 640 -> 8192 from memory, GFLOP/s tiles / dense tiles:
+#   rows   Q5_0     Q8_0     Q4_1
+#     16  274/158  245/175  170/150
+#     64  480/301  456/317  389/286
+#    512  585/325  519/379  548/390
+VNNI_TILED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
+    # the AVX-512 build with VNNI: its 512-bit tiles outrun the dense path on the 32-weight types (VNNI_TILED_TYPES)
+    "avx512_vnni": {**_AVX2_DENSE_MIN_ROWS, **dict.fromkeys(VNNI_TILED_TYPES)},
     "avx512": _AVX2_DENSE_MIN_ROWS,
     "avx2": _AVX2_DENSE_MIN_ROWS,
     "generic": {name: 8 for name in _AVX2_DENSE_MIN_ROWS},
@@ -223,7 +236,7 @@ class GGUFKernels:
         self._dequantize = library.gguf_dequantize_rows
         self._dequantize.restype = _INT
         self._dequantize.argtypes = [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT]
-        for name in ("gguf_block_weights", "gguf_block_bytes"):
+        for name in ("gguf_block_weights", "gguf_block_bytes", "gguf_tile_min_rows"):
             getattr(library, name).restype = _INT
             getattr(library, name).argtypes = [_INT]
         for type_name in KERNEL_TYPES:  # the C tables must be the loader's
@@ -232,8 +245,13 @@ class GGUFKernels:
             if geometry != (fmt.block_size, fmt.block_bytes):
                 raise RuntimeError(f"gguf_quant.c has {type_name} blocks of {geometry}, gguf_quants "
                                    f"{(fmt.block_size, fmt.block_bytes)}")
-        self.dense_min_rows = dict(DENSE_MIN_ROWS[self.isa])
+        # Per type, the rows from which the int8 products run on 512-bit tiles (absent: never)
+        self.tile_min_rows = {name: rows for name in KERNEL_TYPES
+                              if (rows := library.gguf_tile_min_rows(_format(name)[0]))}
+        self.dense_min_rows = dict(DENSE_MIN_ROWS["avx512_vnni" if self.tile_min_rows else self.isa])
         self.bf16_dense_min_rows = _bf16_dense_table(self.isa)
+        # bfloat16 rows from which the tiles, not the dense path, take a type (where the dense GEMM is not AMX's)
+        self.bf16_tile_min_rows = {} if cpu_has_amx_bf16() else dict(self.tile_min_rows)
         self._scratch = threading.local()
 
     @staticmethod
@@ -247,19 +265,26 @@ class GGUFKernels:
         return _format(type_name)[0]
 
     def dense_threshold(self, type_name: str, dtype: torch.dtype) -> int | None:
-        """Rows of x in `dtype` from which `matmul` takes the dense path (None: never)."""
+        """Rows of x in `dtype` from which `matmul` takes the dense path (None: never), unless the int8 products'
+        tiles take them back (tile_threshold)."""
         if dtype is torch.bfloat16 and self.bf16_dense_min_rows is not None:
             return self.bf16_dense_min_rows.get(type_name)
         return self.dense_min_rows.get(type_name)
+
+    def tile_threshold(self, type_name: str, dtype: torch.dtype) -> int | None:
+        """Rows of x in `dtype` from which `matmul` runs the int8 products on their 512-bit tiles (None: never)."""
+        return (self.bf16_tile_min_rows if dtype is torch.bfloat16 else self.tile_min_rows).get(type_name)
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, type_name: str, out_features: int, in_features: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in_features] @ W^T -> [..., out_features] in x's dtype (written into `out` if given): int8
         products below `dense_threshold(type_name, x.dtype)` rows of x, torch's GEMM on dequantized weight tiles
-        from there."""
+        from there, and the int8 products' 512-bit tiles from `tile_threshold` rows on where the build has them."""
         threshold = self.dense_threshold(type_name, x.dtype)
         if threshold is not None and x.numel() >= threshold * in_features:
-            return self.matmul_dense(x, weight, type_name, out_features, in_features, out)
+            tiles = self.tile_threshold(type_name, x.dtype)
+            if tiles is None or x.numel() < tiles * in_features:
+                return self.matmul_dense(x, weight, type_name, out_features, in_features, out)
         return self.matmul_int8(x, weight, type_name, out_features, in_features, out)
 
     def prepare(self, weight: torch.Tensor, type_name: str, out_features: int, in_features: int) -> PreparedProduct:
