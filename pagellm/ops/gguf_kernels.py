@@ -8,7 +8,8 @@ blocks contiguous, as the file stores them), at its file size in memory. csrc/gg
   where the CPU has AVX-512 VNNI or AVX-VNNI, generic C elsewhere); from `dense_min_rows[type]` rows on (a
   measured table, DENSE_MIN_ROWS; bfloat16 rows have their own where the CPU multiplies bfloat16 natively), it
   dequantizes tiles of the weight into float32 (bfloat16 where the CPU multiplies it natively) and runs torch's
-  GEMM on them, which outran the int8 products there;
+  GEMM on them, which outran the int8 products there; the AVX-512 VNNI build runs the 32-weight types on
+  512-bit VPDPBUSD tiles from 64 rows on (`tile_min_rows`), which outrun both;
 - `dequantize_rows` gathers rows as float32 or bfloat16: an embedding's lookup, and a tied LM head shares the
   embedding's blocks with it.
 

@@ -12,7 +12,8 @@
  * in integer dot products (u8 x s8 into int32); only the per-block scales are float. The weight is unpacked
  * once per pass of up to ROWS_PER_PASS rows of x, and outputs are handed out to threads in tiles whose weights
  * stay in cache while every pass of rows uses them. Each output is summed by one thread in a fixed order, so
- * results do not depend on the thread count.
+ * results do not depend on the thread count. The AVX-512 VNNI build runs the 32-weight formats from 64 rows on
+ * on 512-bit tiles instead (vnni_tiles: the weight repacked per call into strips of 16 outputs).
  * gguf_dequantize_rows: chosen rows of W as float32 or bfloat16 (an embedding's gather, or tiles of W for a
  * dense GEMM), rounding exactly where gguf's numpy dequantizer does (hence -ffp-contract=off for this file).
  *
