@@ -511,7 +511,6 @@ static ALWAYS_INLINE int64_t tile_min_rows(const int type) {
  * VPDPBUSD multiplies them; then the 16 outputs' d and m as floats. */
 #define STRIP_BLOCK_BYTES (8 * 64 + 2 * STRIP * 4)
 
-
 /* Outputs [first, first + count) (count <= STRIP) of W, repacked into one strip (missing outputs are zeros). */
 static ALWAYS_INLINE void repack_strip(const int type, const uint8_t *w, int64_t nb, int64_t first, int64_t count,
                                        uint8_t *strip) {
