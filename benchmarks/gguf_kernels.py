@@ -2,7 +2,8 @@
 
 For each GGUF block type and each row count m, times y = x W^T on one layer shape (default 2048 x 8192, an MLP
 projection of a ~1B model) through both paths of the kernels:
-- `int8`:  activations quantized per row, integer dot products on the blocks (what `matmul` runs for small m);
+- `int8`:  activations quantized per row, integer dot products on the blocks (what `matmul` runs for small m,
+           and, in the AVX-512 VNNI build, on 512-bit tiles from `tile_threshold` rows on);
 - `dense`: tiles of the weight dequantized to float32 (bfloat16 with --activations bfloat16 where the CPU
            multiplies it natively) and torch's GEMM on them (what it runs from `dense_threshold` rows on);
            `*` marks the path `matmul` picks;
@@ -164,7 +165,9 @@ def main() -> None:
                 }
                 seconds = time_interleaved(options, args.repeats, args.cpu_time)
                 threshold = kernels.dense_threshold(type_name, activations)
-                picked = "dense" if threshold is not None and m >= threshold else "int8"
+                tiles = kernels.tile_threshold(type_name, activations)
+                dense = threshold is not None and m >= threshold and (tiles is None or m < tiles)
+                picked = "dense" if dense else "int8"
                 for path, total in seconds.items():
                     s = total / len(weights)
                     mark = "*" if path == picked else " "

@@ -84,7 +84,7 @@ _AVX2_DENSE_MIN_ROWS: dict[str, int | None] = {
 #     16  274/158  245/175  170/150
 #     64  480/301  456/317  389/286
 #    512  585/325  519/379  548/390
-VNNI_TILED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+VNNI_TILED_TYPES = KERNEL_TYPES
 DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
     # the AVX-512 build with VNNI: its 512-bit tiles outrun the dense path on the 32-weight types (VNNI_TILED_TYPES)
     "avx512_vnni": {**_AVX2_DENSE_MIN_ROWS, **dict.fromkeys(VNNI_TILED_TYPES)},

@@ -12,8 +12,8 @@
  * in integer dot products (u8 x s8 into int32); only the per-block scales are float. The weight is unpacked
  * once per pass of up to ROWS_PER_PASS rows of x, and outputs are handed out to threads in tiles whose weights
  * stay in cache while every pass of rows uses them. Each output is summed by one thread in a fixed order, so
- * results do not depend on the thread count. The AVX-512 VNNI build runs the 32-weight formats from 64 rows on
- * on 512-bit tiles instead (vnni_tiles: the weight repacked per call into strips of 16 outputs).
+ * results do not depend on the thread count. The AVX-512 VNNI build runs every format from 64 rows on on 512-bit
+ * tiles instead (vnni_tiles: the weight repacked per call into strips of 16 outputs, activations in blocks of 32).
  * gguf_dequantize_rows: chosen rows of W as float32 or bfloat16 (an embedding's gather, or tiles of W for a
  * dense GEMM), rounding exactly where gguf's numpy dequantizer does (hence -ffp-contract=off for this file).
  *
@@ -275,6 +275,7 @@ typedef struct {
     int8_t qs[QK];
     float d, s;
     int32_t sum;
+    float s16[2]; /* d * the sums of qs[0:16] and qs[16:32] (what the k-quants' per-16 mins multiply, tiles only) */
 } ActivationBlock32;
 
 /* x[k] ~ d * qs[k]; bsums: the sums of qs per 16. Aligned so that its loads never straddle a cache line. */
@@ -329,6 +330,9 @@ static void quantize_row_32(const void *x, int64_t row, int64_t in_features, con
         block->d = quantize_values(x, row * in_features + b * QK, QK, bf16, block->qs);
         block->sum = block_sum(block->qs, QK);
         block->s = block->d * (float)block->sum;
+        const int low = block_sum(block->qs, 16);
+        block->s16[0] = block->d * (float)low;
+        block->s16[1] = block->d * (float)(block->sum - low);
     }
 }
 
@@ -353,8 +357,8 @@ static ALWAYS_INLINE void store_one(void *y, int64_t index, float v, int bf16) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* The AVX-512 VNNI build multiplies the 32-weight formats on 512-bit tiles from tile_min_rows() rows on
- * (vnni_tiles, below). */
+/* The AVX-512 VNNI build multiplies every format on 512-bit tiles from tile_min_rows() rows on (vnni_tiles,
+ * below). */
 #define HAVE_VNNI_TILES 1
 
 /* The quants' offset once taken as unsigned bytes: weight = d (u - offset) + m. Q8_0's signed quants are
@@ -507,32 +511,54 @@ static ALWAYS_INLINE int64_t tile_min_rows(const int type) {
 #define STRIP 16
 #define TILE_STRIPS 2
 #define TILE_ROWS 4
-/* A strip's block: 8 groups of 4 inputs, each 64 bytes holding the 16 outputs' 4 quants side by side, as
- * VPDPBUSD multiplies them; then the 16 outputs' d and m as floats. */
-#define STRIP_BLOCK_BYTES (8 * 64 + 2 * STRIP * 4)
+/* A strip's chunk of 32 inputs: 8 groups of 4 inputs, each 64 bytes holding the 16 outputs' 4 quants side by
+ * side, as VPDPBUSD multiplies them; then per scale group (the 32 inputs, or each 16 of them for the k-quants)
+ * the 16 outputs' scale and added constant as floats: weight = scale * q + constant. */
+#define STRIP_QUANT_BYTES (8 * 64)
+static ALWAYS_INLINE int64_t strip_chunk_bytes(const int type) {
+    return STRIP_QUANT_BYTES + (is_k_quant(type) ? 4 : 2) * STRIP * 4;
+}
 
-/* Outputs [first, first + count) (count <= STRIP) of W, repacked into one strip (missing outputs are zeros). */
+/* The 16 outputs' 4 quants of each group of a chunk, side by side: output c's 32 quants into column c. */
+static ALWAYS_INLINE void place_quants(uint8_t *quants, int64_t c, u8x32 q) {
+    uint32_t words[8];
+    memcpy(words, &q, sizeof q);
+    for (int g = 0; g < 8; ++g) memcpy(quants + g * 64 + c * 4, words + g, 4);
+}
+
+/* Outputs [first, first + count) (count <= STRIP) of W, repacked into one strip (missing outputs are zeros).
+ * Row by row, each read front to back (the strip's 16 rows are one contiguous run of W): read block by block
+ * across the rows instead, Q8_0's strips came from memory at a third of their rate from cache. */
 static ALWAYS_INLINE void repack_strip(const int type, const uint8_t *w, int64_t nb, int64_t first, int64_t count,
                                        uint8_t *strip) {
     const int bytes = block_bytes(type);
-    const int64_t row_bytes = nb * bytes;
-    /* Row by row, each read front to back (the strip's 16 rows are one contiguous run of W): read block by
-     * block across the rows instead, Q8_0's strips came from memory at a third of their rate from cache. */
-    for (int64_t c = 0; c < STRIP; ++c) {
+    const int64_t row_bytes = nb * bytes, chunk_bytes = strip_chunk_bytes(type);
+    const int64_t chunks = nb * (block_weights(type) / QK);
+    if (count < STRIP) memset(strip, 0, chunks * chunk_bytes);
+    for (int64_t c = 0; c < count; ++c) {
         const uint8_t *weight_row = w + (first + c) * row_bytes;
         for (int64_t b = 0; b < nb; ++b) {
-            uint8_t *quants = strip + b * STRIP_BLOCK_BYTES;
-            float *d = (float *)(quants + 8 * 64), *m = d + STRIP;
-            uint32_t words[8] = {0};
-            d[c] = m[c] = 0.0f;
-            if (c < count) {
+            if (!is_k_quant(type)) {
+                uint8_t *chunk = strip + b * chunk_bytes;
+                float *scale = (float *)(chunk + STRIP_QUANT_BYTES), *constant = scale + STRIP;
                 const Block32 u = unpack_32(type, weight_row + b * bytes);
-                const u8x32 q = type == Q8_0 ? u.q ^ 0x80 : u.q;
-                memcpy(words, &q, sizeof q);
-                d[c] = u.d;
-                m[c] = u.m;
+                place_quants(chunk, c, type == Q8_0 ? u.q ^ 0x80 : u.q);
+                scale[c] = u.d;
+                constant[c] = u.m;
+                continue;
             }
-            for (int g = 0; g < 8; ++g) memcpy(quants + g * 64 + c * 4, words + g, 4);
+            /* a super-block: weight k of group g = d scale_g q_k - dmin mins_g, 8 chunks of two groups */
+            Block256 sb;
+            unpack_256(type, weight_row + b * bytes, &sb);
+            for (int j = 0; j < 8; ++j) {
+                uint8_t *chunk = strip + (b * 8 + j) * chunk_bytes;
+                float *scale = (float *)(chunk + STRIP_QUANT_BYTES), *constant = scale + 2 * STRIP;
+                place_quants(chunk, c, sb.q[j]);
+                for (int h = 0; h < 2; ++h) {
+                    scale[h * STRIP + c] = sb.d * (float)sb.scale[j][8 * h];
+                    constant[h * STRIP + c] = -(sb.dmin * (float)sb.mins[2 * j + h]);
+                }
+            }
         }
     }
 }
@@ -555,46 +581,54 @@ static ALWAYS_INLINE void store_strip(void *y, int64_t index, __m512 v, int64_t 
 }
 
 /* Rows [row, row + R) of x against S repacked strips (strip s at strips + s * strip_bytes), outputs from `first`
- * (`count` of them, <= S * STRIP). Per block, each (row, strip) gathers its 32 inputs' products in int32 lanes
- * (8 VPDPBUSD, the row's 4 activation bytes broadcast), then adds d * dx * (sum - offset * the activations' sum)
- * + m * s to its float lanes: one float scale per block for 16 outputs. */
-static ALWAYS_INLINE void tile_pass(const int type, const uint8_t *strips, int64_t strip_bytes, int64_t nb,
+ * (`count` of them, <= S * STRIP). Per scale group (32 inputs; 16 for the k-quants), each (row, strip) gathers
+ * the group's products in int32 lanes (VPDPBUSD, the row's 4 activation bytes broadcast), then adds
+ * scale * dx * (sum - offset * the activations' sum) + constant * dx * the activations' sum to its float lanes:
+ * one float scale per group for 16 outputs. */
+static ALWAYS_INLINE void tile_pass(const int type, const uint8_t *strips, int64_t strip_bytes, int64_t chunks,
                                     const ActivationBlock32 *x, int64_t row, const int R, const int S, int64_t first,
                                     int64_t count, int64_t out_features, void *y, int y_bf16) {
-    const int offset = tile_offset(type), has_m = type == Q4_1 || type == Q5_1;
+    const int k_quant = is_k_quant(type);
+    const int offset = k_quant ? 0 : tile_offset(type);
+    const int has_constant = k_quant || type == Q4_1 || type == Q5_1;
+    const int groups = k_quant ? 2 : 1, per_group = 8 / groups; /* scale groups per chunk, 4-input groups each */
+    const int64_t chunk_bytes = strip_chunk_bytes(type);
     __m512 acc[TILE_ROWS][TILE_STRIPS];
     for (int r = 0; r < R; ++r)
         for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
-    const ActivationBlock32 *rows = x + row * nb;
-    for (int64_t b = 0; b < nb; ++b) {
-        __m512i sums[TILE_ROWS][TILE_STRIPS];
-        for (int r = 0; r < R; ++r)
-            for (int s = 0; s < S; ++s) sums[r][s] = _mm512_setzero_si512();
-        const uint8_t *block = strips + b * STRIP_BLOCK_BYTES;
-        for (int g = 0; g < 8; ++g) {
-            __m512i weights[TILE_STRIPS];
-            for (int s = 0; s < S; ++s) weights[s] = _mm512_loadu_si512(block + s * strip_bytes + g * 64);
-            for (int r = 0; r < R; ++r) {
-                int32_t four;
-                memcpy(&four, rows[r * nb + b].qs + 4 * g, sizeof four);
-                const __m512i activations = _mm512_set1_epi32(four);
-                for (int s = 0; s < S; ++s) sums[r][s] = _mm512_dpbusd_epi32(sums[r][s], weights[s], activations);
+    const ActivationBlock32 *rows = x + row * chunks;
+    for (int64_t b = 0; b < chunks; ++b) {
+        const uint8_t *chunk = strips + b * chunk_bytes;
+        for (int h = 0; h < groups; ++h) {
+            __m512i sums[TILE_ROWS][TILE_STRIPS];
+            for (int r = 0; r < R; ++r)
+                for (int s = 0; s < S; ++s) sums[r][s] = _mm512_setzero_si512();
+            for (int g = h * per_group; g < (h + 1) * per_group; ++g) {
+                __m512i weights[TILE_STRIPS];
+                for (int s = 0; s < S; ++s) weights[s] = _mm512_loadu_si512(chunk + s * strip_bytes + g * 64);
+                for (int r = 0; r < R; ++r) {
+                    int32_t four;
+                    memcpy(&four, rows[r * chunks + b].qs + 4 * g, sizeof four);
+                    const __m512i activations = _mm512_set1_epi32(four);
+                    for (int s = 0; s < S; ++s)
+                        sums[r][s] = _mm512_dpbusd_epi32(sums[r][s], weights[s], activations);
+                }
             }
-        }
-        __m512 d[TILE_STRIPS], m[TILE_STRIPS];
-        for (int s = 0; s < S; ++s) {
-            const float *scales = (const float *)(block + s * strip_bytes + 8 * 64);
-            d[s] = _mm512_loadu_ps(scales);
-            m[s] = has_m ? _mm512_loadu_ps(scales + STRIP) : _mm512_setzero_ps();
-        }
-        for (int r = 0; r < R; ++r) {
-            const ActivationBlock32 *xb = rows + r * nb + b;
-            const __m512i correction = _mm512_set1_epi32(offset * xb->sum);
-            const __m512 dx = _mm512_set1_ps(xb->d), sx = _mm512_set1_ps(xb->s);
+            __m512 scale[TILE_STRIPS], constant[TILE_STRIPS];
             for (int s = 0; s < S; ++s) {
-                const __m512i sum = offset ? _mm512_sub_epi32(sums[r][s], correction) : sums[r][s];
-                acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d[s], dx), acc[r][s]);
-                if (has_m) acc[r][s] = _mm512_fmadd_ps(m[s], sx, acc[r][s]);
+                const float *floats = (const float *)(chunk + s * strip_bytes + STRIP_QUANT_BYTES);
+                scale[s] = _mm512_loadu_ps(floats + h * STRIP);
+                constant[s] = has_constant ? _mm512_loadu_ps(floats + (groups + h) * STRIP) : _mm512_setzero_ps();
+            }
+            for (int r = 0; r < R; ++r) {
+                const ActivationBlock32 *xb = rows + r * chunks + b;
+                const __m512i correction = _mm512_set1_epi32(offset * xb->sum);
+                const __m512 dx = _mm512_set1_ps(xb->d), sx = _mm512_set1_ps(k_quant ? xb->s16[h] : xb->s);
+                for (int s = 0; s < S; ++s) {
+                    const __m512i sum = offset ? _mm512_sub_epi32(sums[r][s], correction) : sums[r][s];
+                    acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale[s], dx), acc[r][s]);
+                    if (has_constant) acc[r][s] = _mm512_fmadd_ps(constant[s], sx, acc[r][s]);
+                }
             }
         }
     }
@@ -607,15 +641,15 @@ static ALWAYS_INLINE void tile_pass(const int type, const uint8_t *strips, int64
         }
 }
 
-typedef void (*TilePassFunction)(const uint8_t *strips, int64_t strip_bytes, int64_t nb, const ActivationBlock32 *x,
-                                 int64_t row, int64_t first, int64_t count, int64_t out_features, void *y,
-                                 int y_bf16);
+typedef void (*TilePassFunction)(const uint8_t *strips, int64_t strip_bytes, int64_t chunks,
+                                 const ActivationBlock32 *x, int64_t row, int64_t first, int64_t count,
+                                 int64_t out_features, void *y, int y_bf16);
 
 #define TILE_PASS_FOR(T, R)                                                                                       \
-    static void tile_##T##_##R(const uint8_t *strips, int64_t strip_bytes, int64_t nb, const ActivationBlock32 *x, \
-                               int64_t row, int64_t first, int64_t count, int64_t out_features, void *y,          \
-                               int y_bf16) {                                                                      \
-        tile_pass(T, strips, strip_bytes, nb, x, row, R, TILE_STRIPS, first, count, out_features, y, y_bf16);     \
+    static void tile_##T##_##R(const uint8_t *strips, int64_t strip_bytes, int64_t chunks,                        \
+                               const ActivationBlock32 *x, int64_t row, int64_t first, int64_t count,             \
+                               int64_t out_features, void *y, int y_bf16) {                                       \
+        tile_pass(T, strips, strip_bytes, chunks, x, row, R, TILE_STRIPS, first, count, out_features, y, y_bf16); \
     }
 #define TILE_PASSES_FOR(T) TILE_PASS_FOR(T, 1) TILE_PASS_FOR(T, 2) TILE_PASS_FOR(T, 3) TILE_PASS_FOR(T, 4)
 TILE_PASSES_FOR(Q4_0)
@@ -623,6 +657,11 @@ TILE_PASSES_FOR(Q4_1)
 TILE_PASSES_FOR(Q5_0)
 TILE_PASSES_FOR(Q5_1)
 TILE_PASSES_FOR(Q8_0)
+TILE_PASSES_FOR(Q2_K)
+TILE_PASSES_FOR(Q3_K)
+TILE_PASSES_FOR(Q4_K)
+TILE_PASSES_FOR(Q5_K)
+TILE_PASSES_FOR(Q6_K)
 
 #define REPACK_FOR(T)                                                                                             \
     static void repack_##T(const uint8_t *w, int64_t nb, int64_t first, int64_t count, uint8_t *strip) {          \
@@ -633,9 +672,14 @@ REPACK_FOR(Q4_1)
 REPACK_FOR(Q5_0)
 REPACK_FOR(Q5_1)
 REPACK_FOR(Q8_0)
+REPACK_FOR(Q2_K)
+REPACK_FOR(Q3_K)
+REPACK_FOR(Q4_K)
+REPACK_FOR(Q5_K)
+REPACK_FOR(Q6_K)
 typedef void (*RepackFunction)(const uint8_t *w, int64_t nb, int64_t first, int64_t count, uint8_t *strip);
 
-/* The tile functions of a 32-weight `type` (0 for others). */
+/* The tile functions of `type` (0 for a type it does not know). */
 static int tile_functions(int type, TilePassFunction passes[TILE_ROWS], RepackFunction *repack) {
 #define CASE(T)                                                                                                   \
     case T:                                                                                                       \
@@ -643,21 +687,23 @@ static int tile_functions(int type, TilePassFunction passes[TILE_ROWS], RepackFu
         *repack = repack_##T;                                                                                     \
         return 1;
     switch (type) {
-        CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0)
+        CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0) CASE(Q2_K) CASE(Q3_K) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K)
     default: return 0;
     }
 #undef CASE
 }
 
-/* y = x W^T on tiles, x already quantized (xq): threads take TILE_STRIPS strips (32 outputs) at a time, repack
- * their weights once into a buffer of their own (STRIP_BLOCK_BYTES per block and strip, in L1/L2), and run every
- * row of x through them TILE_ROWS at a time. Returns 1 if a buffer cannot be allocated. */
+/* y = x W^T on tiles, x already quantized in blocks of 32 (xq, whatever the type's block): threads take
+ * TILE_STRIPS strips (32 outputs) at a time, repack their weights once into a buffer of their own
+ * (strip_chunk_bytes per 32 inputs and strip, in L1/L2), and run every row of x through them TILE_ROWS at a
+ * time. nb: the weight's blocks per row. Returns 1 if a buffer cannot be allocated. */
 static int vnni_tiles(int type, const uint8_t *w, const ActivationBlock32 *xq, int64_t rows, int64_t nb,
                       int64_t out_features, void *y, int y_bf16, int parallel) {
     TilePassFunction passes[TILE_ROWS];
     RepackFunction repack;
     tile_functions(type, passes, &repack);
-    const int64_t strip_bytes = nb * STRIP_BLOCK_BYTES, width = TILE_STRIPS * STRIP;
+    const int64_t chunks = nb * (block_weights(type) / QK);
+    const int64_t strip_bytes = chunks * strip_chunk_bytes(type), width = TILE_STRIPS * STRIP;
     const int64_t tiles = (out_features + width - 1) / width;
     int failed = 0;
 #pragma omp parallel if (parallel) reduction(| : failed)
@@ -675,7 +721,7 @@ static int vnni_tiles(int type, const uint8_t *w, const ActivationBlock32 *xq, i
             }
             for (int64_t row = 0; row < rows; row += TILE_ROWS) {
                 const int64_t n = rows - row < TILE_ROWS ? rows - row : TILE_ROWS;
-                passes[n - 1](strips, strip_bytes, nb, xq, row, first, count, out_features, y, y_bf16);
+                passes[n - 1](strips, strip_bytes, chunks, xq, row, first, count, out_features, y, y_bf16);
             }
         }
         free(strips);
@@ -694,6 +740,21 @@ int gguf_matmul(int type, const uint8_t *w, const void *x, int x_bf16, int64_t r
     if (rows == 0 || out_features == 0) return 0;
     const int k_quant = is_k_quant(type);
     const int64_t nb = in_features / weights, row_bytes = nb * block_bytes(type);
+    const int parallel = rows * in_features * out_features >= PARALLEL_MIN_WORK;
+#if defined(HAVE_VNNI_TILES)
+    if (rows >= tile_min_rows(type)) {
+        /* activations in blocks of 32 for every type: the tiles' scale groups are 32 or 16 inputs */
+        const int64_t chunks = in_features / QK;
+        const size_t bytes = (size_t)(rows * chunks) * sizeof(ActivationBlock32);
+        ActivationBlock32 *x32 = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (x32 == NULL) return 1;
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t r = 0; r < rows; ++r) quantize_row_32(x, r, in_features, x_bf16, x32 + r * chunks);
+        const int failed = vnni_tiles(type, w, x32, rows, nb, out_features, y, y_bf16, parallel);
+        free(x32);
+        return failed;
+    }
+#endif
     const size_t block = k_quant ? sizeof(ActivationBlock256) : sizeof(ActivationBlock32);
     const size_t bytes = (size_t)(rows * nb) * block;
     void *xq = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -704,22 +765,12 @@ int gguf_matmul(int type, const uint8_t *w, const void *x, int x_bf16, int64_t r
                                               : (x_bf16 ? quantize_32_bf16 : quantize_32_f32);
     /* At most 64 outputs or TILE_WEIGHT_BYTES a tile, and at least 4 tiles a thread, so that a narrow layer
      * still spreads over every thread (which thread sums an output never changes its value). */
-    const int parallel = rows * in_features * out_features >= PARALLEL_MIN_WORK;
     const int64_t spread = (out_features + 4 * omp_get_max_threads() - 1) / (4 * omp_get_max_threads());
     int64_t tile = TILE_WEIGHT_BYTES / row_bytes;
     tile = tile > 64 ? 64 : tile;
     tile = parallel && tile > spread ? spread : tile;
     tile = tile < 1 ? 1 : tile;
     const int64_t tiles = (out_features + tile - 1) / tile;
-#if defined(HAVE_VNNI_TILES)
-    if (!k_quant && rows >= tile_min_rows(type)) {
-#pragma omp parallel for schedule(static) if (parallel)
-        for (int64_t r = 0; r < rows; ++r) quantize(x, r, in_features, (char *)xq + r * nb * block);
-        const int failed = vnni_tiles(type, w, xq, rows, nb, out_features, y, y_bf16, parallel);
-        free(xq);
-        return failed;
-    }
-#endif
 #pragma omp parallel if (parallel)
     {
 #pragma omp for schedule(static)
