@@ -33,7 +33,7 @@ from pagellm.ops import gguf_kernels as gk
 
 ISAS = native.runnable_isas()
 TYPES = gk.KERNEL_TYPES
-ROW_COUNTS = (1, 3, 8, 33, 66, 128)  # the AVX-512 VNNI build's tiles take 32-weight types from 64 rows
+ROW_COUNTS = (1, 3, 8, 33, 66, 128)  # the AVX-512 VNNI build's tiles take every type from 64 rows
 OUT_FEATURES = 67  # two output tiles (the second of 3 rows) for every type at these widths
 # Several blocks per row, an odd count of 32-weight blocks (the even/odd accumulators' tail).
 IN_FEATURES = {name: 768 if name.endswith("_K") else 160 for name in TYPES}
@@ -130,7 +130,7 @@ def test_int8_products_match_the_float64_reference(isa, name, cases):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_the_vnni_build_runs_the_32_weight_types_on_tiles(isa):
+def test_the_vnni_build_runs_every_type_on_tiles_from_64_rows(isa):
     kernels = _kernels(isa)
     if kernels.dot_instructions != "avx512_vnni":
         assert kernels.tile_min_rows == {}
@@ -166,7 +166,7 @@ def test_bfloat16_activations_and_outputs(isa, name, cases):
     kernels = _kernels(isa)
     weight, w64 = cases[name]
     in_features = IN_FEATURES[name]
-    for m in (66, 5):  # the AVX-512 VNNI build's tiles (from 64 rows on 32-weight types), then its row kernel
+    for m in (66, 5):  # the AVX-512 VNNI build's tiles (from 64 rows), then its row kernel
         x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
         y = kernels.matmul_int8(x, weight, name, OUT_FEATURES, in_features)
         assert y.dtype == torch.bfloat16

@@ -8,8 +8,8 @@ blocks contiguous, as the file stores them), at its file size in memory. csrc/gg
   where the CPU has AVX-512 VNNI or AVX-VNNI, generic C elsewhere); from `dense_min_rows[type]` rows on (a
   measured table, DENSE_MIN_ROWS; bfloat16 rows have their own where the CPU multiplies bfloat16 natively), it
   dequantizes tiles of the weight into float32 (bfloat16 where the CPU multiplies it natively) and runs torch's
-  GEMM on them, which outran the int8 products there; the AVX-512 VNNI build runs the 32-weight types on
-  512-bit VPDPBUSD tiles from 64 rows on (`tile_min_rows`), which outrun both;
+  GEMM on them, which outran the int8 products there; the AVX-512 VNNI build runs every type on 512-bit
+  VPDPBUSD tiles from 64 rows on (`tile_min_rows`, activations in blocks of 32), which outrun both;
 - `dequantize_rows` gathers rows as float32 or bfloat16: an embedding's lookup, and a tied LM head shares the
   embedding's blocks with it.
 
@@ -75,7 +75,8 @@ _AVX2_DENSE_MIN_ROWS: dict[str, int | None] = {
     "Q2_K": None, "Q3_K": 128, "Q4_K": 1024, "Q5_K": 256, "Q6_K": 1024,
 }
 # The types the AVX-512 VNNI build multiplies on 512-bit VPDPBUSD tiles from 64 rows on (csrc/gguf_quant.c's
-# vnni_tiles: each weight repacked once per call, one float scale per block for 16 outputs; `tile_min_rows`).
+# vnni_tiles: each weight repacked once per call, one float scale per 32 inputs, 16 for the k-quants, for 16
+# outputs; `tile_min_rows`).
 # There they outran the dense path at every row count measured, in both dtypes, so `matmul` sends such rows to
 # them (except bfloat16 rows on a CPU with AMX, whose bfloat16 GEMM runs on AMX tiles: not measured against
 # them); float32 rows never take the dense path in that build (the row kernel outran it below 64 rows). Zen 4,
@@ -84,9 +85,10 @@ _AVX2_DENSE_MIN_ROWS: dict[str, int | None] = {
 #     16  274/158  245/175  170/150
 #     64  480/301  456/317  389/286
 #    512  585/325  519/379  548/390
+# and on 2048 -> 2048 at 64 / 512 rows: Q4_K 314/275, 454/414; Q6_K 289/291, 432/336; Q3_K 302/265, 423/332.
 VNNI_TILED_TYPES = KERNEL_TYPES
 DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
-    # the AVX-512 build with VNNI: its 512-bit tiles outrun the dense path on the 32-weight types (VNNI_TILED_TYPES)
+    # the AVX-512 build with VNNI: the row kernel below 64 rows, its 512-bit tiles from there (VNNI_TILED_TYPES)
     "avx512_vnni": {**_AVX2_DENSE_MIN_ROWS, **dict.fromkeys(VNNI_TILED_TYPES)},
     "avx512": _AVX2_DENSE_MIN_ROWS,
     "avx2": _AVX2_DENSE_MIN_ROWS,

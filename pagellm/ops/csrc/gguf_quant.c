@@ -496,13 +496,13 @@ static void quantize_256_bf16(const void *x, int64_t row, int64_t in_features, v
 /* ---- 512-bit VPDPBUSD tiles for many rows of the 32-weight formats --------------------------------------- */
 
 #if defined(HAVE_VNNI_TILES)
-/* From this many rows of x, the 32-weight formats' products run on tiles (vnni_tiles) instead of the row kernel
- * above, which pays its unpacking, a float scale and a horizontal sum per block, row and output; the tiles
- * repack each weight once per call, and sum each output in another order than the row kernel. On a 2-core AMD
- * EPYC Zen 4 (weights from memory, 640 -> 8192) they overtook it from 6-8 rows (Q8_0 6 rows 132/119 GFLOP/s,
- * 8 rows 147/153; Q5_0 6 rows 103/143). They start at 64 all the same: below that a step's rows are computed
- * as they would be in any smaller step, so a speculative verification step (at most 8 sequences x 1 + 7 tokens
- * by default) computes each row's bits as the plain decode steps without speculation do. */
+/* From this many rows of x, the products run on tiles (vnni_tiles) instead of the row kernels above, which pay
+ * their unpacking, float scales and a horizontal sum per block, row and output; the tiles repack each weight
+ * once per call and sum each output in another order than the row kernels. On a 2-core AMD EPYC Zen 4 (weights
+ * from memory, 640 -> 8192) they overtook the row kernel from 6-8 rows (Q8_0 6 rows 132/119 GFLOP/s, 8 rows
+ * 147/153; Q5_0 6 rows 103/143). They start at 64 all the same: below that a step's rows are computed as they
+ * would be in any smaller step, so a speculative verification step (at most 8 sequences x 1 + 7 tokens by
+ * default) computes each row's bits as the plain decode steps without speculation do. */
 static ALWAYS_INLINE int64_t tile_min_rows(const int type) {
     (void)type;
     return 64;
