@@ -30,6 +30,8 @@
 #include "isa_name.h"
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+/* M(type) for every type: the specialised functions below are made, and dispatched to, by type. */
+#define EACH_TYPE(M) M(Q4_0) M(Q4_1) M(Q5_0) M(Q5_1) M(Q8_0) M(Q2_K) M(Q3_K) M(Q4_K) M(Q5_K) M(Q6_K)
 
 #define QK 32
 #define QK_K 256
@@ -456,16 +458,7 @@ typedef void (*QuantizeFunction)(const void *x, int64_t row, int64_t in_features
         output_pass(T, w, nb, xq, row, R, first, last, out_features, y, y_bf16);                                  \
     }
 #define PASSES_FOR(T) PASS_FOR(T, 1) PASS_FOR(T, 2) PASS_FOR(T, 3) PASS_FOR(T, 4)
-PASSES_FOR(Q4_0)
-PASSES_FOR(Q4_1)
-PASSES_FOR(Q5_0)
-PASSES_FOR(Q5_1)
-PASSES_FOR(Q8_0)
-PASSES_FOR(Q2_K)
-PASSES_FOR(Q3_K)
-PASSES_FOR(Q4_K)
-PASSES_FOR(Q5_K)
-PASSES_FOR(Q6_K)
+EACH_TYPE(PASSES_FOR)
 
 /* The pass functions of `type` for 1 .. ROWS_PER_PASS rows, or 0 for a type it does not know. */
 static int pass_functions(int type, PassFunction passes[ROWS_PER_PASS]) {
@@ -474,7 +467,7 @@ static int pass_functions(int type, PassFunction passes[ROWS_PER_PASS]) {
         passes[0] = pass_##T##_1, passes[1] = pass_##T##_2, passes[2] = pass_##T##_3, passes[3] = pass_##T##_4;  \
         return 1;
     switch (type) {
-        CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0) CASE(Q2_K) CASE(Q3_K) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K)
+        EACH_TYPE(CASE)
     default: return 0;
     }
 #undef CASE
@@ -652,31 +645,13 @@ typedef void (*TilePassFunction)(const uint8_t *strips, int64_t strip_bytes, int
         tile_pass(T, strips, strip_bytes, chunks, x, row, R, TILE_STRIPS, first, count, out_features, y, y_bf16); \
     }
 #define TILE_PASSES_FOR(T) TILE_PASS_FOR(T, 1) TILE_PASS_FOR(T, 2) TILE_PASS_FOR(T, 3) TILE_PASS_FOR(T, 4)
-TILE_PASSES_FOR(Q4_0)
-TILE_PASSES_FOR(Q4_1)
-TILE_PASSES_FOR(Q5_0)
-TILE_PASSES_FOR(Q5_1)
-TILE_PASSES_FOR(Q8_0)
-TILE_PASSES_FOR(Q2_K)
-TILE_PASSES_FOR(Q3_K)
-TILE_PASSES_FOR(Q4_K)
-TILE_PASSES_FOR(Q5_K)
-TILE_PASSES_FOR(Q6_K)
+EACH_TYPE(TILE_PASSES_FOR)
 
 #define REPACK_FOR(T)                                                                                             \
     static void repack_##T(const uint8_t *w, int64_t nb, int64_t first, int64_t count, uint8_t *strip) {          \
         repack_strip(T, w, nb, first, count, strip);                                                              \
     }
-REPACK_FOR(Q4_0)
-REPACK_FOR(Q4_1)
-REPACK_FOR(Q5_0)
-REPACK_FOR(Q5_1)
-REPACK_FOR(Q8_0)
-REPACK_FOR(Q2_K)
-REPACK_FOR(Q3_K)
-REPACK_FOR(Q4_K)
-REPACK_FOR(Q5_K)
-REPACK_FOR(Q6_K)
+EACH_TYPE(REPACK_FOR)
 typedef void (*RepackFunction)(const uint8_t *w, int64_t nb, int64_t first, int64_t count, uint8_t *strip);
 
 /* The tile functions of `type` (0 for a type it does not know). */
@@ -687,7 +662,7 @@ static int tile_functions(int type, TilePassFunction passes[TILE_ROWS], RepackFu
         *repack = repack_##T;                                                                                     \
         return 1;
     switch (type) {
-        CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0) CASE(Q2_K) CASE(Q3_K) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K)
+        EACH_TYPE(CASE)
     default: return 0;
     }
 #undef CASE
@@ -865,22 +840,13 @@ typedef void (*DequantizeFunction)(const uint8_t *w, int64_t in_features, void *
     static void dequantize_##T(const uint8_t *w, int64_t in_features, void *out, int bf16) {                      \
         dequantize_row(T, w, in_features, out, bf16);                                                             \
     }
-DEQUANTIZE_FOR(Q4_0)
-DEQUANTIZE_FOR(Q4_1)
-DEQUANTIZE_FOR(Q5_0)
-DEQUANTIZE_FOR(Q5_1)
-DEQUANTIZE_FOR(Q8_0)
-DEQUANTIZE_FOR(Q2_K)
-DEQUANTIZE_FOR(Q3_K)
-DEQUANTIZE_FOR(Q4_K)
-DEQUANTIZE_FOR(Q5_K)
-DEQUANTIZE_FOR(Q6_K)
+EACH_TYPE(DEQUANTIZE_FOR)
 
 static DequantizeFunction dequantize_function(int type) {
 #define CASE(T) \
     case T: return dequantize_##T;
     switch (type) {
-        CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0) CASE(Q2_K) CASE(Q3_K) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K)
+        EACH_TYPE(CASE)
     default: return NULL;
     }
 #undef CASE
