@@ -326,14 +326,15 @@ class Scheduler:
     def _schedule_running(self, step: _StepBuilder) -> None:
         index = 0
         speculating = self.speculator is not None and self.speculator.active_for_batch(len(self.running))
+        draft_rows = self.speculator.draft_rows(len(self.running)) if speculating else 0
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             if num_new == 0:
                 index += 1  # a beam candidate waiting for the caller to choose its next token
                 continue
-            drafts = self.speculator.drafts_for(request, step.budget - 1, self.config.max_model_len,
-                                                len(self.running)) \
+            drafts = self.speculator.drafts_for(request, min(step.budget - 1, draft_rows),
+                                                self.config.max_model_len, len(self.running)) \
                 if speculating and request.num_computed_tokens == request.num_tokens - 1 else []
             # Drafts take only free blocks: speculation never preempts anyone.
             new_block_ids = self.kv.allocate_slots(request.request_id, request.num_tokens + len(drafts)) \
@@ -341,6 +342,7 @@ class Scheduler:
             if new_block_ids is not None:
                 step.spec_token_ids[request.request_id] = drafts
                 num_new += len(drafts)
+                draft_rows -= len(drafts)
             else:
                 new_block_ids = self._allocate_or_preempt(request, num_new)
             if new_block_ids is None:

@@ -14,6 +14,7 @@ from pagellm.attention.backend import AttentionShape, select_backend
 from pagellm.attention.kv_spec import KVCacheFormat, mla_latent_dim
 from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagellm.layers.quantization.gguf import kernel_switch_rows
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of
 from pagellm.sample.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagellm.spec_decode.verify import SpecStep, extend_logits_index, keep_taken, prepare_spec_step, verify
@@ -72,6 +73,11 @@ class ModelRunner:
         # With speculative_config method draft_model, mtp or eagle: its proposer (pagellm.spec_decode.draft_model,
         # pagellm.spec_decode.heads).
         self.drafter = None
+
+    def kernel_switch_rows(self) -> int | None:
+        """Rows of a step from which one of the model's products runs another kernel (quantization/gguf.py's
+        kernel_switch_rows): speculation keeps its verification steps below it."""
+        return kernel_switch_rows(self.model, self.model.activation_dtype)
 
     @property
     def native_decode(self):

@@ -315,3 +315,46 @@ def test_verified_drafts_attend_as_decodes_so_speculation_changes_no_bit(gguf_pa
         assert ours.outputs[0].logprobs == theirs.outputs[0].logprobs
     assert llm.llm_engine.core.scheduler.get_stats().spec_decoding.num_accepted_tokens > 0
     assert max(ran) > len(PROMPTS)  # steps of several query tokens per sequence ran on the stack
+
+
+def test_verifying_steps_stay_below_the_rows_where_the_products_switch_kernels(gguf_path, monkeypatch):
+    """bfloat16 rows take dequantized tiles from a measured row count (ops/gguf_kernels.py), whose sums differ in
+    the last bits from the int8 row kernel's: a verifying step that crossed it would part from plain decode
+    steps. The speculator keeps each step's rows (one per request plus its drafts) below it."""
+    from pagellm.ops import gguf_kernels as gk
+    from tests.test_spec_decode import _oracle
+
+    # Every table a CPU's bfloat16 rows may take (the engines' kernels copy theirs from these): 3 requests then
+    # leave room for 2 drafts a step.
+    for table in (gk._AVX512_BF16_DENSE_MIN_ROWS, gk._AMX_BF16_DENSE_MIN_ROWS, *gk.DENSE_MIN_ROWS.values()):
+        monkeypatch.setitem(table, "Q4_1", 6)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def engine(**kwargs) -> LLM:
+        # The prompts in one first step in both runs: prefill chunks cut where drafts took the token budget
+        # would cross the switch at other places than without speculation.
+        return LLM(str(gguf_path), dtype="bfloat16", kv_cache_memory_bytes=8 << 20, max_model_len=256,
+                   max_num_batched_tokens=256, enable_prefix_caching=False, seed=0, **kwargs)
+
+    expected = engine().generate(prompts, params, use_tqdm=False)
+    references = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in expected}
+    llm = engine(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64})
+    assert llm.llm_engine.core.scheduler.speculator.kernel_switch_rows == 6
+    _oracle(monkeypatch, references, error=0.3, seed=2)
+    verifying_rows: list[int] = []
+    scheduler = llm.llm_engine.core.scheduler
+    schedule = scheduler.schedule
+
+    def recorded():
+        output = schedule()
+        if any(output.spec_token_ids.values()):
+            verifying_rows.append(output.total_num_scheduled_tokens)
+        return output
+
+    monkeypatch.setattr(scheduler, "schedule", recorded)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for ours, theirs in zip(got, expected):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert ours.outputs[0].logprobs == theirs.outputs[0].logprobs
+    assert verifying_rows and max(verifying_rows) < 6

@@ -231,3 +231,20 @@ def _pack_runs(weights: list[GGUFWeight], padding: int,
         parts.append(_QuantizedPart(view, run[0].type_name, view.shape[0]))
         offset += size
     return buffer, parts
+
+
+def kernel_switch_rows(model: nn.Module, dtype: torch.dtype) -> int | None:
+    """The fewest rows of x in `dtype` at which one of the model's GGUF products leaves its int8 row kernel (for
+    dequantized tiles or the 512-bit tiles), or None where none ever does. Below it, every row of a step is
+    computed to the bit as in any smaller step; at it, a row's last bits change."""
+    limits = []
+    for module in model.modules():
+        for product in getattr(module, "gguf_products", None) or ():
+            most = product.int8_max_rows(dtype)
+            if most is not None:
+                limits.append(most + 1)
+            tiles = product.kernels.tile_threshold(product.type_name, dtype)
+            if tiles is not None:
+                limits.append(tiles)
+    return min(limits, default=None)
+
