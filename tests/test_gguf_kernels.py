@@ -130,7 +130,7 @@ def test_int8_products_match_the_float64_reference(isa, name, cases):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_the_vnni_build_runs_every_type_on_tiles_from_64_rows(isa):
+def test_the_vnni_build_runs_every_type_on_tiles_from_64_rows(isa, cases):
     kernels = _kernels(isa)
     if kernels.dot_instructions != "avx512_vnni":
         assert kernels.tile_min_rows == {}
@@ -143,6 +143,17 @@ def test_the_vnni_build_runs_every_type_on_tiles_from_64_rows(isa):
         dense = kernels.dense_threshold(name, torch.bfloat16)
         tiles = kernels.tile_threshold(name, torch.bfloat16)
         assert dense is None or tiles is None or dense < tiles
+    weight, _ = cases["Q4_0"]
+    in_features = IN_FEATURES["Q4_0"]
+    gen = torch.Generator().manual_seed(9)
+    dense, tiles = kernels.dense_threshold("Q4_0", torch.bfloat16), kernels.tile_threshold("Q4_0", torch.bfloat16)
+    paths = {64: kernels.matmul_int8 if tiles is not None else kernels.matmul_dense}
+    if dense is not None:
+        paths[dense] = kernels.matmul_dense
+    for m, path in paths.items():
+        x = torch.randn(m, in_features, generator=gen).to(torch.bfloat16)
+        assert torch.equal(kernels.matmul(x, weight, "Q4_0", OUT_FEATURES, in_features),
+                           path(x, weight, "Q4_0", OUT_FEATURES, in_features)), m
 
 
 @pytest.mark.parametrize("name", TYPES)
