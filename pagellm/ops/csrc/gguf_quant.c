@@ -92,6 +92,9 @@ static ALWAYS_INLINE u8x32 nibbles_32(const uint8_t *p) {
 static ALWAYS_INLINE u8x32 fifth_bits(const uint8_t *p) {
     uint32_t bits;
     memcpy(&bits, p, sizeof bits);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return (u8x32)_mm256_movm_epi8((__mmask32)bits) & 16; /* VPMOVM2B: byte k all ones where bit k is set */
+#endif
     const u8x32 copies = (u8x32)((u32x8){0} + bits);
     /* byte k takes byte k / 8 of the word, from a copy in its own 16-byte lane (an in-lane shuffle) */
     const u8x32 spread = __builtin_shufflevector(copies, copies, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 18,
