@@ -135,11 +135,11 @@ def test_the_vnni_build_runs_every_type_on_tiles_from_64_rows(isa, cases):
     if kernels.dot_instructions != "avx512_vnni":
         assert kernels.tile_min_rows == {}
         return
-    assert set(kernels.tile_min_rows) == set(gk.VNNI_TILED_TYPES)
+    assert set(kernels.tile_min_rows) == set(gk.KERNEL_TYPES)
     assert set(kernels.tile_min_rows.values()) == {64}  # ROW_COUNTS reach both sides
-    assert all(kernels.dense_min_rows[name] is None for name in gk.VNNI_TILED_TYPES)
+    assert all(kernels.dense_min_rows[name] is None for name in gk.KERNEL_TYPES)
     # bfloat16 rows between a dense threshold and the tiles take the dense path, and the tiles from there on
-    for name in gk.VNNI_TILED_TYPES:
+    for name in gk.KERNEL_TYPES:
         dense = kernels.dense_threshold(name, torch.bfloat16)
         tiles = kernels.tile_threshold(name, torch.bfloat16)
         assert dense is None or tiles is None or dense < tiles

@@ -70,11 +70,9 @@ class EngineCore:
                             args.enable_chunked_prefill),
             KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                            model_sliding_window(self.model_info.hf_config)),
-            speculator=make_speculator(args.speculative_config),
+            speculator=make_speculator(args.speculative_config, self.runner.kernel_switch_rows()),
             lora_slots=LoRASlotTable(args.max_loras) if args.enable_lora else None,
         )
-        if self.scheduler.speculator is not None:
-            self.scheduler.speculator.kernel_switch_rows = self.runner.kernel_switch_rows()
         self.startup = StartupReport(time.perf_counter() - started, num_blocks, args.block_size, worker.kv_bytes,
                                      worker.weights_bytes, worker.activation_peak, max_model_len)
         graphs = self.runner.graphs

@@ -66,17 +66,17 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 #   2048  46/72  44/68  40/71  39/71  47/67  71/69  46/68  68/71  57/71  50/56
 # The int8 products stay flat from ~16 rows on while the GEMM keeps rising, so the dense path takes over where
 # they meet: early for the 32-weight types, which pay a float scale per 32 weights per row (the k-quants pay one
-# per 256), never within 2048 rows for Q2_K. The AVX-512 build (VNNI where present: one instruction where AVX2
-# takes two) is given the same table until measured there (benchmarks/gguf_kernels.py prints both paths). The
+# per 256), never within 2048 rows for Q2_K. The AVX-512 build without VNNI is given the same table (not measured
+# there; with VNNI it has its own, below; benchmarks/gguf_kernels.py prints both paths). The
 # generic build's integer products are plain vector extensions, several times slower than the AVX2 ones; the GEMM
 # wins there from a handful of rows.
 _AVX2_DENSE_MIN_ROWS: dict[str, int | None] = {
     "Q4_0": 96, "Q4_1": 96, "Q5_0": 96, "Q5_1": 96, "Q8_0": 128,
     "Q2_K": None, "Q3_K": 128, "Q4_K": 1024, "Q5_K": 256, "Q6_K": 1024,
 }
-# The types the AVX-512 VNNI build multiplies on 512-bit VPDPBUSD tiles from 64 rows on (csrc/gguf_quant.c's
+# The AVX-512 VNNI build multiplies every type on 512-bit VPDPBUSD tiles from 64 rows on (csrc/gguf_quant.c's
 # vnni_tiles: each weight repacked once per call, one float scale per 32 inputs, 16 for the k-quants, for 16
-# outputs; `tile_min_rows`).
+# outputs; GGUFKernels.tile_min_rows, from the library).
 # There they outran the dense path at every row count measured, in both dtypes, so `matmul` sends such rows to
 # them (except bfloat16 rows on a CPU with AMX, whose bfloat16 GEMM runs on AMX tiles: not measured against
 # them); float32 rows never take the dense path in that build (the row kernel outran it below 64 rows). Zen 4,
@@ -86,10 +86,9 @@ _AVX2_DENSE_MIN_ROWS: dict[str, int | None] = {
 #     64  480/301  456/317  389/286
 #    512  585/325  519/379  548/390
 # and on 2048 -> 2048 at 64 / 512 rows: Q4_K 314/275, 454/414; Q6_K 289/291, 432/336; Q3_K 302/265, 423/332.
-VNNI_TILED_TYPES = KERNEL_TYPES
 DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
-    # the AVX-512 build with VNNI: the row kernel below 64 rows, its 512-bit tiles from there (VNNI_TILED_TYPES)
-    "avx512_vnni": {**_AVX2_DENSE_MIN_ROWS, **dict.fromkeys(VNNI_TILED_TYPES)},
+    # the AVX-512 build with VNNI: the row kernel below 64 rows, its 512-bit tiles from there, for every type
+    "avx512_vnni": dict.fromkeys(KERNEL_TYPES),
     "avx512": _AVX2_DENSE_MIN_ROWS,
     "avx2": _AVX2_DENSE_MIN_ROWS,
     "generic": {name: 8 for name in _AVX2_DENSE_MIN_ROWS},
@@ -390,7 +389,8 @@ class PreparedProduct:
         return None if threshold is None else threshold * self.in_features
 
     def int8_max_rows(self, dtype: torch.dtype) -> int | None:
-        """The most rows of x in `dtype` a call takes on the int8 kernel (None: no limit)."""
+        """The most rows of x in `dtype` a call takes on the int8 kernel before the dense path's threshold (None:
+        no threshold; the 512-bit tiles, where the build has them, take rows from `tile_threshold` on)."""
         limit = self.bf16_int8_max_elements if dtype is torch.bfloat16 else self.int8_max_elements
         return None if limit is None else limit // self.in_features - 1
 

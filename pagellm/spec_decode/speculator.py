@@ -153,12 +153,12 @@ class _RequestState:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, kernel_switch_rows: int | None = None) -> None:
         self.config = config
         # Rows of a step from which the model's products switch kernels (ModelRunner.kernel_switch_rows), and a
         # row's last bits with them; None: never. A verifying step stays below it, so that its rows are
         # computed as the plain decode steps without speculation compute them.
-        self.kernel_switch_rows: int | None = None
+        self.kernel_switch_rows = kernel_switch_rows
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
         self.costs = StepCosts()
         self._states: dict[str, _RequestState] = {}
@@ -244,8 +244,9 @@ class Speculator:
                 self._suffix.forget(request.request_id)
 
 
-def make_speculator(speculative_config: dict | None) -> Speculator | None:
-    """The engine's speculator for EngineArgs.speculative_config (validated there), None when unset."""
+def make_speculator(speculative_config: dict | None, kernel_switch_rows: int | None = None) -> Speculator | None:
+    """The engine's speculator for EngineArgs.speculative_config (validated there), None when unset;
+    `kernel_switch_rows`: the model runner's (Speculator's attribute)."""
     if speculative_config is None:
         return None
-    return Speculator(SpeculativeConfig.from_dict(speculative_config))
+    return Speculator(SpeculativeConfig.from_dict(speculative_config), kernel_switch_rows)

@@ -12,7 +12,7 @@
  * in integer dot products (u8 x s8 into int32); only the per-block scales are float. The weight is unpacked
  * once per pass of up to ROWS_PER_PASS rows of x, and outputs are handed out to threads in tiles whose weights
  * stay in cache while every pass of rows uses them. Each output is summed by one thread in a fixed order, so
- * results do not depend on the thread count. The AVX-512 VNNI build runs every format from 64 rows on on 512-bit
+ * results do not depend on the thread count. The AVX-512 VNNI build runs every format from 64 rows on 512-bit
  * tiles instead (vnni_tiles: the weight repacked per call into strips of 16 outputs, activations in blocks of 32).
  * gguf_dequantize_rows: chosen rows of W as float32 or bfloat16 (an embedding's gather, or tiles of W for a
  * dense GEMM), rounding exactly where gguf's numpy dequantizer does (hence -ffp-contract=off for this file).
@@ -94,7 +94,7 @@ static ALWAYS_INLINE u8x32 fifth_bits(const uint8_t *p) {
     memcpy(&bits, p, sizeof bits);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
     return (u8x32)_mm256_movm_epi8((__mmask32)bits) & 16; /* VPMOVM2B: byte k all ones where bit k is set */
-#endif
+#else
     const u8x32 copies = (u8x32)((u32x8){0} + bits);
     /* byte k takes byte k / 8 of the word, from a copy in its own 16-byte lane (an in-lane shuffle) */
     const u8x32 spread = __builtin_shufflevector(copies, copies, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 18,
@@ -102,6 +102,7 @@ static ALWAYS_INLINE u8x32 fifth_bits(const uint8_t *p) {
     const u8x32 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
                        1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
     return (u8x32)((spread & bit) != 0) & 16;
+#endif
 }
 
 static ALWAYS_INLINE Block32 unpack_32(const int type, const uint8_t *b) {
@@ -274,13 +275,10 @@ static ALWAYS_INLINE void unpack_256(const int type, const uint8_t *b, Block256 
 
 /* ---- activations, quantized per row ------------------------------------------------------------------ */
 
-/* x[k] ~ d * qs[k]; sum = the sum of qs, s = d * sum (what the offsets and mins of the 32-weight formats
- * multiply). */
+/* x[k] ~ d * qs[k]; s = d * the sum of qs (what the offsets and mins of the 32-weight formats multiply). */
 typedef struct {
     int8_t qs[QK];
     float d, s;
-    int32_t sum;
-    float s16[2]; /* d * the sums of qs[0:16] and qs[16:32] (what the k-quants' per-16 mins multiply, tiles only) */
 } ActivationBlock32;
 
 /* x[k] ~ d * qs[k]; bsums: the sums of qs per 16. Aligned so that its loads never straddle a cache line. */
@@ -333,11 +331,7 @@ static void quantize_row_32(const void *x, int64_t row, int64_t in_features, con
     for (int64_t b = 0; b < in_features / QK; ++b) {
         ActivationBlock32 *block = out + b;
         block->d = quantize_values(x, row * in_features + b * QK, QK, bf16, block->qs);
-        block->sum = block_sum(block->qs, QK);
-        block->s = block->d * (float)block->sum;
-        const int low = block_sum(block->qs, 16);
-        block->s16[0] = block->d * (float)low;
-        block->s16[1] = block->d * (float)(block->sum - low);
+        block->s = block->d * (float)block_sum(block->qs, QK);
     }
 }
 
@@ -351,28 +345,6 @@ static void quantize_row_256(const void *x, int64_t row, int64_t in_features, co
 }
 
 /* ---- the products ----------------------------------------------------------------------------------- */
-
-static ALWAYS_INLINE void store_one(void *y, int64_t index, float v, int bf16) {
-    if (!bf16) {
-        ((float *)y)[index] = v;
-        return;
-    }
-    const u16x8 bits = to_bf16(splat_f32(v));
-    ((uint16_t *)y)[index] = bits[0];
-}
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* The AVX-512 VNNI build multiplies every format on 512-bit tiles from tile_min_rows() rows on (vnni_tiles,
- * below). */
-#define HAVE_VNNI_TILES 1
-
-/* The quants' offset once taken as unsigned bytes: weight = d (u - offset) + m. Q8_0's signed quants are
- * taken + 128, so that the weights are VPDPBUSD's unsigned operand and the activations its signed one. */
-static ALWAYS_INLINE int tile_offset(const int type) {
-    return type == Q8_0 ? 128 : type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
-}
-
-#endif
 
 /* out[r] = weight row `w` (nb blocks) . activation row r, for r < R (rows `stride` blocks apart). R is a
  * constant after inlining: the R accumulators live in registers and each block is unpacked once for all.
@@ -431,6 +403,14 @@ static ALWAYS_INLINE void dot_rows_256(const int type, const uint8_t *w, int64_t
     for (int r = 0; r < R; ++r) out[r] = hsum_f32(acc[r]);
 }
 
+static ALWAYS_INLINE void store_one(void *y, int64_t index, float v, int bf16) {
+    if (!bf16) {
+        ((float *)y)[index] = v;
+        return;
+    }
+    const u16x8 bits = to_bf16(splat_f32(v));
+    ((uint16_t *)y)[index] = bits[0];
+}
 
 /* Outputs [first, last) for rows [row, row + R) of x. */
 static ALWAYS_INLINE void output_pass(const int type, const uint8_t *w, int64_t nb, const void *xq, int64_t row,
@@ -489,9 +469,10 @@ static void quantize_256_bf16(const void *x, int64_t row, int64_t in_features, v
     quantize_row_256(x, row, in_features, 1, out);
 }
 
-/* ---- 512-bit VPDPBUSD tiles for many rows of the 32-weight formats --------------------------------------- */
+/* ---- 512-bit VPDPBUSD tiles for many rows, the AVX-512 VNNI build's ---------------------------------------- */
 
-#if defined(HAVE_VNNI_TILES)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HAVE_VNNI_TILES 1
 /* From this many rows of x, the products run on tiles (vnni_tiles) instead of the row kernels above, which pay
  * their unpacking, float scales and a horizontal sum per block, row and output; the tiles repack each weight
  * once per call and sum each output in another order than the row kernels. On a 2-core AMD EPYC Zen 4 (weights
@@ -499,10 +480,34 @@ static void quantize_256_bf16(const void *x, int64_t row, int64_t in_features, v
  * 147/153; Q5_0 6 rows 103/143). They start at 64 all the same: below that a step's rows are computed as they
  * would be in any smaller step, so a speculative verification step (at most 8 sequences x 1 + 7 tokens by
  * default) computes each row's bits as the plain decode steps without speculation do. */
-static ALWAYS_INLINE int64_t tile_min_rows(const int type) {
-    (void)type;
-    return 64;
+#define TILE_MIN_ROWS 64
+/* The quants' offset once taken as unsigned bytes: weight = d (u - offset) + m. Q8_0's signed quants are
+ * taken + 128, so that the weights are VPDPBUSD's unsigned operand and the activations its signed one. */
+static ALWAYS_INLINE int tile_offset(const int type) {
+    return type == Q8_0 ? 128 : type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
 }
+
+/* A block of 32 activations as the tiles take them for every type: ActivationBlock32's quants and scale, the
+ * sum of the quants (the offsets' share, in integers) and d times the sums of each 16 (what the k-quants'
+ * per-16 constants multiply). */
+typedef struct {
+    int8_t qs[QK];
+    float d;
+    int32_t sum;
+    float s16[2];
+} TileActivations;
+
+static void quantize_tile_row(const void *x, int64_t row, int64_t in_features, const int bf16, TileActivations *out) {
+    for (int64_t b = 0; b < in_features / QK; ++b) {
+        TileActivations *block = out + b;
+        block->d = quantize_values(x, row * in_features + b * QK, QK, bf16, block->qs);
+        const int low = block_sum(block->qs, 16), high = block_sum(block->qs + 16, 16);
+        block->sum = low + high;
+        block->s16[0] = block->d * (float)low;
+        block->s16[1] = block->d * (float)high;
+    }
+}
+
 /* Outputs per strip (one zmm of int32 sums), strips and rows per tile. */
 #define STRIP 16
 #define TILE_STRIPS 2
@@ -582,7 +587,7 @@ static ALWAYS_INLINE void store_strip(void *y, int64_t index, __m512 v, int64_t 
  * scale * dx * (sum - offset * the activations' sum) + constant * dx * the activations' sum to its float lanes:
  * one float scale per group for 16 outputs. */
 static ALWAYS_INLINE void tile_pass(const int type, const uint8_t *strips, int64_t strip_bytes, int64_t chunks,
-                                    const ActivationBlock32 *x, int64_t row, const int R, const int S, int64_t first,
+                                    const TileActivations *x, int64_t row, const int R, const int S, int64_t first,
                                     int64_t count, int64_t out_features, void *y, int y_bf16) {
     const int k_quant = is_k_quant(type);
     const int offset = k_quant ? 0 : tile_offset(type);
@@ -592,7 +597,7 @@ static ALWAYS_INLINE void tile_pass(const int type, const uint8_t *strips, int64
     __m512 acc[TILE_ROWS][TILE_STRIPS];
     for (int r = 0; r < R; ++r)
         for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
-    const ActivationBlock32 *rows = x + row * chunks;
+    const TileActivations *rows = x + row * chunks;
     for (int64_t b = 0; b < chunks; ++b) {
         const uint8_t *chunk = strips + b * chunk_bytes;
         for (int h = 0; h < groups; ++h) {
@@ -617,9 +622,10 @@ static ALWAYS_INLINE void tile_pass(const int type, const uint8_t *strips, int64
                 constant[s] = has_constant ? _mm512_loadu_ps(floats + (groups + h) * STRIP) : _mm512_setzero_ps();
             }
             for (int r = 0; r < R; ++r) {
-                const ActivationBlock32 *xb = rows + r * chunks + b;
+                const TileActivations *xb = rows + r * chunks + b;
                 const __m512i correction = _mm512_set1_epi32(offset * xb->sum);
-                const __m512 dx = _mm512_set1_ps(xb->d), sx = _mm512_set1_ps(k_quant ? xb->s16[h] : xb->s);
+                const __m512 dx = _mm512_set1_ps(xb->d);
+                const __m512 sx = _mm512_set1_ps(k_quant ? xb->s16[h] : xb->d * (float)xb->sum);
                 for (int s = 0; s < S; ++s) {
                     const __m512i sum = offset ? _mm512_sub_epi32(sums[r][s], correction) : sums[r][s];
                     acc[r][s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale[s], dx), acc[r][s]);
@@ -638,12 +644,12 @@ static ALWAYS_INLINE void tile_pass(const int type, const uint8_t *strips, int64
 }
 
 typedef void (*TilePassFunction)(const uint8_t *strips, int64_t strip_bytes, int64_t chunks,
-                                 const ActivationBlock32 *x, int64_t row, int64_t first, int64_t count,
+                                 const TileActivations *x, int64_t row, int64_t first, int64_t count,
                                  int64_t out_features, void *y, int y_bf16);
 
 #define TILE_PASS_FOR(T, R)                                                                                       \
     static void tile_##T##_##R(const uint8_t *strips, int64_t strip_bytes, int64_t chunks,                        \
-                               const ActivationBlock32 *x, int64_t row, int64_t first, int64_t count,             \
+                               const TileActivations *x, int64_t row, int64_t first, int64_t count,             \
                                int64_t out_features, void *y, int y_bf16) {                                       \
         tile_pass(T, strips, strip_bytes, chunks, x, row, R, TILE_STRIPS, first, count, out_features, y, y_bf16); \
     }
@@ -675,7 +681,7 @@ static int tile_functions(int type, TilePassFunction passes[TILE_ROWS], RepackFu
  * TILE_STRIPS strips (32 outputs) at a time, repack their weights once into a buffer of their own
  * (strip_chunk_bytes per 32 inputs and strip, in L1/L2), and run every row of x through them TILE_ROWS at a
  * time. nb: the weight's blocks per row. Returns 1 if a buffer cannot be allocated. */
-static int vnni_tiles(int type, const uint8_t *w, const ActivationBlock32 *xq, int64_t rows, int64_t nb,
+static int vnni_tiles(int type, const uint8_t *w, const TileActivations *xq, int64_t rows, int64_t nb,
                       int64_t out_features, void *y, int y_bf16, int parallel) {
     TilePassFunction passes[TILE_ROWS];
     RepackFunction repack;
@@ -720,14 +726,14 @@ int gguf_matmul(int type, const uint8_t *w, const void *x, int x_bf16, int64_t r
     const int64_t nb = in_features / weights, row_bytes = nb * block_bytes(type);
     const int parallel = rows * in_features * out_features >= PARALLEL_MIN_WORK;
 #if defined(HAVE_VNNI_TILES)
-    if (rows >= tile_min_rows(type)) {
+    if (rows >= TILE_MIN_ROWS) {
         /* activations in blocks of 32 for every type: the tiles' scale groups are 32 or 16 inputs */
         const int64_t chunks = in_features / QK;
-        const size_t bytes = (size_t)(rows * chunks) * sizeof(ActivationBlock32);
-        ActivationBlock32 *x32 = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        const size_t bytes = (size_t)(rows * chunks) * sizeof(TileActivations);
+        TileActivations *x32 = aligned_alloc(64, (bytes + 63) / 64 * 64);
         if (x32 == NULL) return 1;
 #pragma omp parallel for schedule(static) if (parallel)
-        for (int64_t r = 0; r < rows; ++r) quantize_row_32(x, r, in_features, x_bf16, x32 + r * chunks);
+        for (int64_t r = 0; r < rows; ++r) quantize_tile_row(x, r, in_features, x_bf16, x32 + r * chunks);
         const int failed = vnni_tiles(type, w, x32, rows, nb, out_features, y, y_bf16, parallel);
         free(x32);
         return failed;
@@ -878,7 +884,7 @@ int gguf_tile_min_rows(int type) {
 #if defined(HAVE_VNNI_TILES)
     TilePassFunction passes[TILE_ROWS];
     RepackFunction repack;
-    return tile_functions(type, passes, &repack) ? (int)tile_min_rows(type) : 0;
+    return tile_functions(type, passes, &repack) ? TILE_MIN_ROWS : 0;
 #else
     (void)type;
     return 0;
