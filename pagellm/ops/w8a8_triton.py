@@ -21,7 +21,7 @@ import triton.language as tl
 
 # The float16 bits of an fp8 e4m3 byte sign-extended to 16 bits and shifted left by 7 (see csrc/w8a8.c): the
 # mask 0xBF80 clears the sign's copy at bit 14; as an int16 it is -16512.
-_FP16_FIELDS = -16512
+_FP16_FIELDS = tl.constexpr(-16512)  # a kernel reads only constexpr globals on a GPU
 
 
 @triton.jit
