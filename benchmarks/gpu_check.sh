@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The device check: GPU tests, decode-attention bandwidth, 8B-shaped throughput vs transformers; one table.
+# The device check: GPU tests (the Triton kernels: attention, 8-bit KV, GGUF, AWQ/GPTQ/W8A8, fused MoE, MLA, LoRA; engines
+# on them), decode-attention bandwidth, 8B-shaped throughput vs transformers; one table.
 #
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_check.sh            # from the repository root, on a CUDA machine
 #
@@ -33,7 +34,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>&
 $PYTHON -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__,
                                                           'transformers', t.__version__)"
 
-section tests "${TESTS_S:-240}" $PYTHON -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+# Several processes where pytest-xdist is installed: most of the time is Triton compiling, on the host's cores.
+workers=$($PYTHON -c "import xdist" 2>/dev/null && echo "-n 4")
+section tests "${TESTS_S:-240}" $PYTHON -m pytest -q -m gpu $workers tests/gpu -p no:cacheprovider \
   --ignore=tests/gpu/test_triton_gguf_gpu.py
 summary=$(grep -E '^[0-9]+ (passed|failed)|passed|failed|error' "$DEST/tests.log" | tail -1)
 printf '{"section": "tests", "name": "pytest -m gpu tests/gpu", "summary": "%s"}\n' "${summary//\"/}" >> "$RESULTS"
@@ -43,7 +46,6 @@ section pagellm "${PAGELLM_S:-150}" $PYTHON benchmarks/gpu_bench.py pagellm --re
 section hf "${HF_S:-90}" $PYTHON benchmarks/gpu_bench.py hf --results "$RESULTS"
 
 if [ "${GGUF_TESTS_S:-240}" != 0 ]; then
-  workers=$($PYTHON -c "import xdist" 2>/dev/null && echo "-n 4")
   section gguf_tests "${GGUF_TESTS_S:-240}" $PYTHON -m pytest -q -m gpu $workers tests/gpu/test_triton_gguf_gpu.py \
     -p no:cacheprovider
   summary=$(grep -E 'passed|failed|error|skipped' "$DEST/gguf_tests.log" | tail -1)

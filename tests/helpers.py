@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import pathlib
 
-import gguf
 import pytest
 import torch
 import transformers
@@ -71,6 +70,8 @@ def check_logprobs_close(ours: tuple[list[int], list[dict]], theirs: tuple[list[
 
 def hf_load_gguf(path: pathlib.Path) -> transformers.PreTrainedModel:
     """transformers' own GGUF loading of `path`, dequantized to float32."""
+    import gguf  # here, not at the top: tests/gpu import this module on a machine without the gguf package
+
     with pytest.MonkeyPatch.context() as mp:
         # from_pretrained refuses GGUF without `accelerate` (not installed here), although the
         # dequantizing path for llama/qwen2 never uses it; lift only that gate.
