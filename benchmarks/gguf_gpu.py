@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.ops.gguf_kernels import KERNEL_TYPES, row_bytes
-from pagellm.ops.triton_gguf import GEOMETRY, TritonGGUFKernels, matmul_tiles
+from pagellm.ops.triton_gguf import GEOMETRY, TileConfig, TritonGGUFKernels, matmul_tiles
 
 
 def random_weight(type_name: str, out_features: int, in_features: int, device: torch.device) -> torch.Tensor:
@@ -43,6 +43,12 @@ def record(path: str, row: dict) -> None:
     print(json.dumps(row), flush=True)
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def describe_tiles(tiles: TileConfig) -> str:
+    kind = "dot" if tiles.use_dot else "broadcast, summed after the loop" if tiles.late_sum else "broadcast"
+    return (f"{tiles.block_m}x{tiles.block_n}, {tiles.block_b} blocks, {tiles.num_warps} warps, "
+            f"{tiles.num_stages} stages, {kind}")
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -84,8 +90,7 @@ def bench(args) -> list[dict]:
                        bytes_per_s=weight.numel() / (ms / 1e3), fraction_of_copy=weight.numel() / (ms / 1e3) / copy,
                        tflops=2 * rows * out_features * in_features / (ms / 1e3) / 1e12, bf16_ms=bf16_ms[rows],
                        speedup=bf16_ms[rows] / ms, rel_error=error,
-                       tiles=f"{tiles.block_m}x{tiles.block_n}, {tiles.block_b} blocks, {tiles.num_warps} warps, "
-                             f"{'dot' if tiles.use_dot else 'broadcast'}")
+                       tiles=describe_tiles(tiles))
             record(args.results, row)
             results.append(row)
         del weight, reference

@@ -82,12 +82,14 @@ def test_every_type_matches_float64(ops, type_name):
 
 
 def test_tile_choice():
-    """Up to 8 rows of x the broadcast products, from 9 the dot tiles (tl.dot needs 16 rows)."""
+    """Up to 4 rows of x the broadcast products, from 5 the dot tiles (tl.dot needs 16 rows)."""
     q4k = tg.GEOMETRY["Q4_K"]
-    block_m = [tg.matmul_tiles(rows, q4k).block_m for rows in (1, 2, 3, 8, 9, 17, 64, 1000)]
-    assert block_m == [1, 2, 4, 8, 16, 32, 64, 64]
-    assert not tg.matmul_tiles(8, q4k).use_dot and tg.matmul_tiles(9, q4k).use_dot
-    assert all(tg.matmul_tiles(1, g).block_b * g.lanes == 128 for g in tg.GEOMETRY.values())
+    block_m = [tg.matmul_tiles(rows, q4k).block_m for rows in (1, 2, 3, 4, 5, 17, 64, 65, 1000)]
+    assert block_m == [1, 2, 4, 4, 16, 32, 64, 128, 128]
+    assert not tg.matmul_tiles(4, q4k).use_dot and tg.matmul_tiles(5, q4k).use_dot
+    for g in tg.GEOMETRY.values():
+        assert tg.matmul_tiles(1, g).block_b * g.lanes == 256 and tg.matmul_tiles(1, g).late_sum
+        assert tg.matmul_tiles(1000, g).block_b * g.lanes == 64
 
 
 def test_out_tensor_leading_dimensions_and_explicit_tiles(ops):
@@ -105,6 +107,19 @@ def test_out_tensor_leading_dimensions_and_explicit_tiles(ops):
     x = _x(2, in_features, torch.float16)
     _assert_product(ops.matmul(x, weight, "Q4_0", OUT_FEATURES, in_features), x, dense, 2.0 ** -10)
 
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q6_K"])
+def test_broadcast_tiles_summed_after_the_loop(ops, type_name):
+    """The broadcast tiles that keep a [rows, outputs, weights per step] float32 sum and reduce it once at the end
+    (a candidate of benchmarks/gguf_gpu_tiles.py), with a tail of output features and of blocks."""
+    weight, in_features, dense = _case(type_name)
+    for rows in (1, 3):
+        x = _x(rows, in_features, torch.float32)
+        tiles = tg.TileConfig(block_m=4 if rows == 3 else rows, block_n=32,
+                              block_b=256 // tg.GEOMETRY[type_name].lanes, use_dot=False, num_warps=2, num_stages=2,
+                              late_sum=True)
+        _assert_product(ops.matmul(x, weight, type_name, OUT_FEATURES, in_features, tiles=tiles), x, dense, 1e-5)
 
 def test_bad_input_is_refused_naming_it(ops, monkeypatch):
     weight, in_features, _ = _case("Q8_0")

@@ -17,7 +17,7 @@ weight exists outside registers and shared memory.
 - `dequantize_rows` (an embedding's gather, the tied LM head's rows): equal to gguf's dequantization (launched
   without fused multiply-adds, so the GPU rounds each product and sum as numpy does), rounded once to the dtype.
 
-The tiles (matmul_tiles) are chosen by registers and spills, not yet by timing on a GPU: benchmarks/gpu_check.sh
+The tiles (matmul_tiles) are the fastest of sweeps on an H200 (benchmarks/gguf_gpu_tiles.py); benchmarks/gpu_check.sh
 runs the CUDA tests and times the products against a dense bf16 layer (benchmarks/gguf_gpu.py). On CPU tensors
 the kernels run under TRITON_INTERPRET=1 (float32 and float16 activations; the interpreter mishandles bfloat16),
 which is how tests/test_triton_gguf.py checks them.
@@ -36,8 +36,9 @@ import triton.language as tl
 from pagellm.ops.gguf_kernels import KERNEL_TYPES, _format, _rows_of, row_bytes
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Rows of x up to which `matmul` takes the broadcast (matrix-vector) products; tl.dot from there.
-MATVEC_MAX_ROWS = 8
+# Rows of x up to which `matmul` takes the broadcast (matrix-vector) products; tl.dot from there (measured: at 8
+# rows the dot tiles took 0.6-0.8x the broadcast tiles' time on an H200, at 4 rows 1.07-1.5x).
+MATVEC_MAX_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def _matmul_kernel(
     x_ptr, w_ptr, h_ptr, s_ptr, y_ptr, M, N, num_blocks, weight_row_bytes, stride_xm, stride_ym,
     TYPE: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, P: tl.constexpr, L: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, LATE_SUM: tl.constexpr,
 ):
     """y[m, n] = sum_k x[m, k] W[n, k] for BLOCK_M rows of x and BLOCK_N output features per program, BLOCK_B
     blocks of each weight row per step; each step takes the blocks' P planes in turn."""
@@ -175,6 +176,8 @@ def _matmul_kernel(
     x_start = x_ptr + (x_rows.to(tl.int64) * stride_xm)[:, None]
     x_ok = (x_rows < M)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if LATE_SUM:  # broadcast products summed across lanes once, after the loop, not at every step
+        partial = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_B * L], dtype=tl.float32)
     # One loop over (step of BLOCK_B blocks, plane) pairs: a single loop body of one plane's code.
     for step in range(0, tl.cdiv(num_blocks, BLOCK_B) * P):
         first = (step // P) * BLOCK_B
@@ -187,8 +190,12 @@ def _matmul_kernel(
         x = tl.load(x_start + (first * QK + p * L + x_cols)[None, :], mask=x_mask, other=0.0)
         if USE_DOT:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+        elif LATE_SUM:
+            partial += x.to(tl.float32)[:, None, :] * w[None, :, :]
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    if LATE_SUM:
+        acc = tl.sum(partial, axis=2)
     y = y_ptr + x_rows.to(tl.int64)[:, None] * stride_ym + out_rows[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(x_rows < M)[:, None] & (out_rows < N)[None, :])
 
@@ -229,19 +236,26 @@ class TileConfig:
     block_b: int
     use_dot: bool
     num_warps: int
+    num_stages: int = 3  # Triton's default on CUDA: loads of the next steps in flight while one computes
+    late_sum: bool = False  # broadcast tiles: sum the products across a step's weights once, after the loop
 
 
 def matmul_tiles(rows: int, geometry: BlockGeometry) -> TileConfig:
-    """Tiles for `rows` rows of x. Decode: 8 output features per program (4 from 3 rows of x), so that a layer's
-    weight is spread over many programs, 128 weights of a plane per step. Above MATVEC_MAX_ROWS: 64-wide dot
-    tiles, BLOCK_M 16 or 32 under 4 warps, 64 under 8. Chosen by the registers ptxas gives them for an H200
-    (sm_90, Triton 3.9: 40-72 a thread for the decode tiles, where 256 weights a step took up to 138 and spilled
-    for Q3_K; no spills in the dot tiles), not yet by timing them on a GPU."""
+    """Tiles for `rows` rows of x, the fastest across Q4_0, Q8_0, Q4_K and Q6_K in two sweeps on an H200
+    (benchmarks/gguf_gpu_tiles.py; Triton 3.6): up to MATVEC_MAX_ROWS rows, broadcast products over 4 output
+    features per program under one warp (many small programs keep more of the weight's bytes in flight), 256
+    weights a step (512 from 3 rows), the products summed after the loop for 1-2 rows; from 5 rows, dot tiles of
+    16 x 32 to 16 rows, 64 x 64 to 64 rows and 128 x 64 above, 4 warps and 2 stages."""
+    lanes = geometry.lanes
     if rows <= MATVEC_MAX_ROWS:
         block_m = triton.next_power_of_2(rows)
-        return TileConfig(block_m, 8 if block_m <= 2 else 4, 128 // geometry.lanes, False, 4)
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    return TileConfig(block_m, 64, 64 // geometry.lanes, True, 8 if block_m == 64 else 4)
+        per_step = 256 if rows <= 2 else 512
+        return TileConfig(block_m, 4, per_step // lanes, False, 1, late_sum=rows <= 2)
+    if rows <= 16:
+        return TileConfig(16, 32, 128 // lanes, True, 4, 2)
+    if rows <= 64:
+        return TileConfig(max(32, triton.next_power_of_2(rows)), 64, 128 // lanes, True, 4, 2)
+    return TileConfig(128, 64, 64 // lanes, True, 4, 2)
 
 
 def _interpreting() -> bool:
@@ -310,7 +324,7 @@ class TritonGGUFKernels:
             TYPE=geometry.type_id, QK=geometry.weights, BLOCK_BYTES=geometry.bytes, P=geometry.planes,
             L=geometry.lanes, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_B=tiles.block_b,
             USE_DOT=tiles.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-            num_warps=tiles.num_warps,
+            LATE_SUM=tiles.late_sum and not tiles.use_dot, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
         return y.view(*x.shape[:-1], out_features)
 

@@ -66,8 +66,8 @@ def test_every_type_matches_float64(type_name):
     assert np.array_equal(rows.cpu().numpy().view(np.int32), expected.view(np.int32)), "float32 rows differ from gguf's"
     rows = ops.dequantize_rows(weight, type_name, ids, in_features, torch.bfloat16)
     assert torch.equal(rows.cpu(), torch.from_numpy(expected).to(torch.bfloat16))
-    # Decode products (1 and 5 rows: 5 pad to 8), then the dot tiles.
-    for dtype, count in ((torch.bfloat16, 1), (torch.float16, 5), (torch.bfloat16, 64)):
+    # Decode products (1 row, 3 rows padded to 4), then the dot tiles (5 rows padded to 16, 64).
+    for dtype, count in ((torch.bfloat16, 1), (torch.float16, 3), (torch.bfloat16, 5), (torch.bfloat16, 64)):
         x = _x(count, in_features, dtype)
         y = ops.matmul(x, weight, type_name, OUT_FEATURES, in_features)
         assert y.dtype == dtype and y.device == x.device
