@@ -3,6 +3,10 @@
 Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
 - `fp32`, `bf16`: its HF export (benchmarks/export_hf.py: the GGUF's weights dequantized), the float reference;
 - `gguf Q4_1`: the GGUF file itself (the blocks kept as they are);
+- `gguf Q8_0 (requant)`, `gguf Q4_K_M (requant)` (with --llama-python): that file requantized by llama.cpp's own
+  quantizer (llama_model_quantize, allow_requantize), so the same weights as bf16's; SmolLM2's 576-wide rows are not
+  a multiple of 256, so llama.cpp's Q4_K_M falls back to Q5_0 (and Q8_0) there and keeps Q4_K/Q6_K for the
+  1536-wide down projections, as published SmolLM2 Q4_K_M files do;
 - `int8 online`, `fp8 online`: the HF export with quantization="int8" (W8A8) / "fp8", quantized as it loads;
 - `awq 4-bit`, `gptq 4-bit act-order`, `gptq 8-bit`: the HF export packed as AutoAWQ / AutoGPTQ pack it
   (round-to-nearest groups of 64, as 576 input features take: tests/quant_checkpoints.py);
@@ -63,6 +67,8 @@ FORMATS = [
     Format("fp32", "hf", "float32"),
     Format("bf16", "hf", "bfloat16"),
     Format("gguf Q4_1", "gguf"),
+    Format("gguf Q8_0 (requant)", "requant-Q8_0"),
+    Format("gguf Q4_K_M (requant)", "requant-Q4_K_M"),
     # The online formats run in the dtype a user gets (float32 on CPUs without bf16 instructions, else bfloat16).
     Format("int8 online", "hf", "auto", "int8"),
     Format("fp8 online", "hf", "auto", "fp8"),
@@ -91,12 +97,40 @@ def gemma_path() -> str:
     return str(gemma3_270m_path())
 
 
-def checkpoint(fmt: Format, workdir: Path) -> str:
+# Run by the llama-cpp-python interpreter: argv = input GGUF, output GGUF, llama.cpp's file type name.
+LLAMA_QUANTIZE = """
+import ctypes, os, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
+params.allow_requantize = True
+params.nthread = len(os.sched_getaffinity(0))
+status = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params))
+sys.exit(status)
+"""
+
+
+def requantized(source: Path, kind: str, out: Path, llama_python: str | None) -> str:
+    """`source` requantized to llama.cpp file type `kind` (Q8_0, Q4_K_M) by llama.cpp itself, written once."""
+    if not out.exists():
+        if llama_python is None:
+            raise SystemExit(f"the {kind} requantization runs llama.cpp's quantizer: pass --llama-python")
+        partial = out.with_suffix(".partial")
+        subprocess.run([llama_python, "-c", LLAMA_QUANTIZE, str(source), str(partial), kind], check=True,
+                       capture_output=True)
+        partial.rename(out)
+    return str(out)
+
+
+def checkpoint(fmt: Format, workdir: Path, llama_python: str | None = None) -> str:
     """The model path for `fmt`, written under workdir on first use."""
     from pagellm.models.gguf_loader import default_model_path
 
     if fmt.source == "gguf":
         return str(default_model_path())
+    if fmt.source.startswith("requant-"):
+        kind = fmt.source.removeprefix("requant-")
+        return requantized(default_model_path(), kind, workdir / f"smollm2-{kind}.gguf", llama_python)
     if fmt.source == "gemma":
         return gemma_path()
     if fmt.source == "synthetic":
@@ -311,7 +345,7 @@ def run_llama(path: str, args: argparse.Namespace) -> dict | None:
 
 
 def measure(fmt: Format, workdir: Path, args: argparse.Namespace) -> dict:
-    path = checkpoint(fmt, workdir)
+    path = checkpoint(fmt, workdir, args.llama_python)
     command = [sys.executable, __file__, "--worker", fmt.name, "--workdir", str(workdir), "--batch", str(args.batch),
                "--batch-tokens", str(args.batch_tokens), "--decode-tokens", str(args.decode_tokens),
                "--repeats", str(args.repeats)]
@@ -322,7 +356,7 @@ def measure(fmt: Format, workdir: Path, args: argparse.Namespace) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"{fmt.name} failed:\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
-    if args.llama_python and fmt.source in ("gguf", "gemma"):
+    if args.llama_python and (fmt.source in ("gguf", "gemma") or fmt.source.startswith("requant-")):
         row["llama_cpp"] = run_llama(path, args)
     return row
 
@@ -405,7 +439,8 @@ def main() -> None:
         return
 
     names = args.formats or [f.name for f in FORMATS
-                             if (f.source != "gemma" or args.gemma) and (f.source != "synthetic" or args.synthetic)]
+                             if (f.source != "gemma" or args.gemma) and (f.source != "synthetic" or args.synthetic)
+                             and (not f.source.startswith("requant-") or args.llama_python)]
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise SystemExit(f"unknown formats {unknown}; choose from {list(by_name)}")
