@@ -298,6 +298,8 @@ def table(args) -> None:
                            f"{1000 * (row['seconds'] - row['runner_seconds']) / steps:.1f} ms between steps")
             lines.append(f"| throughput | {name}, {row['workload']} | {row['output_tokens_per_s']:.0f} output tok/s, "
                          f"{row['total_tokens_per_s']:.0f} total tok/s ({row['seconds']:.1f} s) | {against} |")
+        elif section == "kernel":
+            lines.append(f"| kernel | {name} | {row['result']}, rel. error {row['rel_error']:.1e} | {row['against']} |")
         elif section == "section":
             lines.append(f"| {row['name']} | exit status | {row['status']} | {row.get('note', '')} |")
     hf = next((r for n, r in throughput.items() if n.startswith("transformers")), None)

@@ -6,9 +6,11 @@
 #
 # Each section runs on its own under a timeout, so one failing or hanging section does not stop the others;
 # the table says each section's exit status. With OUT set, the table and the logs are written there too.
-# Section timeouts (seconds) can be lowered for a short lease: TESTS_S, ATTENTION_S, PAGELLM_S, HF_S, GGUF_TESTS_S,
-# GGUF_S (0 skips a gguf section). The GGUF kernels' tests run in their own section (gguf_tests), not in `tests`:
-# they compile ~50 kernels, in 4 processes where pytest-xdist is installed.
+# Section timeouts (seconds) can be lowered for a short lease: TESTS_S, ATTENTION_S, PAGELLM_S, HF_S, KERNELS_S,
+# GGUF_TESTS_S, GGUF_S (0 skips a kernels or gguf section). The GGUF kernels' tests run in their own section
+# (gguf_tests), not in `tests`: they compile ~50 kernels, in 4 processes where pytest-xdist is installed. The
+# kernels sections time the fused-MoE and MLA kernels at Mixtral's, Qwen3-MoE's and DeepSeek-V3's shapes (not yet
+# run on a GPU); benchmarks/gguf_gpu_tiles.py, the GGUF tile sweep, is not part of the check (~2 minutes).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -44,6 +46,10 @@ printf '{"section": "tests", "name": "pytest -m gpu tests/gpu", "summary": "%s"}
 section attention "${ATTENTION_S:-80}" $PYTHON benchmarks/gpu_bench.py attention --results "$RESULTS"
 section pagellm "${PAGELLM_S:-150}" $PYTHON benchmarks/gpu_bench.py pagellm --results "$RESULTS"
 section hf "${HF_S:-90}" $PYTHON benchmarks/gpu_bench.py hf --results "$RESULTS"
+if [ "${KERNELS_S:-120}" != 0 ]; then
+  section kernels_moe "${KERNELS_S:-120}" $PYTHON benchmarks/gpu_kernels.py moe --results "$RESULTS"
+  section kernels_mla "${KERNELS_S:-120}" $PYTHON benchmarks/gpu_kernels.py mla --results "$RESULTS"
+fi
 
 if [ "${GGUF_TESTS_S:-240}" != 0 ]; then
   section gguf_tests "${GGUF_TESTS_S:-240}" $PYTHON -m pytest -q -m gpu $workers tests/gpu/test_triton_gguf_gpu.py \
