@@ -118,8 +118,8 @@ def sweep(args) -> list[dict]:
         weight, x = _inputs(type_name, rows, shape)
         bf16_ms = triton.testing.do_bench(lambda: F.linear(x, dense), warmup=5, rep=25)
         for index, (tiles, error) in enumerate(zip(configs, errors)):
-            row = dict(section="gguf_tiles", type=type_name, rows=rows, tiles=describe_tiles(tiles), config=asdict(tiles),
-                       current=index == 0, bf16_ms=bf16_ms)
+            row = dict(section="gguf_tiles", type=type_name, rows=rows, tiles=describe_tiles(tiles),
+                       config=asdict(tiles), current=index == 0, bf16_ms=bf16_ms)
             if isinstance(error, str):
                 row.update(error=error)
             else:

@@ -17,8 +17,8 @@ weight exists outside registers and shared memory.
 - `dequantize_rows` (an embedding's gather, the tied LM head's rows): equal to gguf's dequantization (launched
   without fused multiply-adds, so the GPU rounds each product and sum as numpy does), rounded once to the dtype.
 
-The tiles (matmul_tiles) are the fastest of sweeps on an H200 (benchmarks/gguf_gpu_tiles.py); benchmarks/gpu_check.sh
-runs the CUDA tests and times the products against a dense bf16 layer (benchmarks/gguf_gpu.py). On CPU tensors
+The tiles (matmul_tiles) are the fastest of sweeps on an H200 (benchmarks/gguf_gpu_tiles.py);
+benchmarks/gpu_check.sh runs the CUDA tests and times the products against a dense bf16 layer (benchmarks/gguf_gpu.py). On CPU tensors
 the kernels run under TRITON_INTERPRET=1 (float32 and float16 activations; the interpreter mishandles bfloat16),
 which is how tests/test_triton_gguf.py checks them.
 """
@@ -243,9 +243,9 @@ class TileConfig:
 def matmul_tiles(rows: int, geometry: BlockGeometry) -> TileConfig:
     """Tiles for `rows` rows of x, the fastest across Q4_0, Q8_0, Q4_K and Q6_K in two sweeps on an H200
     (benchmarks/gguf_gpu_tiles.py; Triton 3.6): up to MATVEC_MAX_ROWS rows, broadcast products over 4 output
-    features per program under one warp (many small programs keep more of the weight's bytes in flight), 256
-    weights a step (512 from 3 rows), the products summed after the loop for 1-2 rows; from 5 rows, dot tiles of
-    16 x 32 to 16 rows, 64 x 64 to 64 rows and 128 x 64 above, 4 warps and 2 stages."""
+    features per program under one warp, 256 weights a step (512 from 3 rows), the products summed after the loop
+    for 1-2 rows; from 5 rows, dot tiles of 16 x 32 to 16 rows, 64 x 64 to 64 rows and 128 x 64 above, 4 warps
+    and 2 stages. Wider programs and more warps were slower for decode in every type swept."""
     lanes = geometry.lanes
     if rows <= MATVEC_MAX_ROWS:
         block_m = triton.next_power_of_2(rows)
