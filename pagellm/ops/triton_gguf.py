@@ -18,9 +18,9 @@ weight exists outside registers and shared memory.
   without fused multiply-adds, so the GPU rounds each product and sum as numpy does), rounded once to the dtype.
 
 The tiles (matmul_tiles) are the fastest of sweeps on an H200 (benchmarks/gguf_gpu_tiles.py);
-benchmarks/gpu_check.sh runs the CUDA tests and times the products against a dense bf16 layer (benchmarks/gguf_gpu.py). On CPU tensors
-the kernels run under TRITON_INTERPRET=1 (float32 and float16 activations; the interpreter mishandles bfloat16),
-which is how tests/test_triton_gguf.py checks them.
+benchmarks/gpu_check.sh runs the CUDA tests and times the products against a dense bf16 layer
+(benchmarks/gguf_gpu.py). On CPU tensors the kernels run under TRITON_INTERPRET=1 (float32 and float16
+activations; the interpreter mishandles bfloat16), which is how tests/test_triton_gguf.py checks them.
 """
 
 from __future__ import annotations
