@@ -166,7 +166,8 @@ def main() -> None:
         print(f"{r['workload']:<9}{r['method']:<14}{r['tokens_per_s']:>8.1f}{r['speedup']:>9.2f}x{r['num_drafts']:>8}"
               f"{rate:>10}{length:>10}{str(r['same_output']):>13}")
     print(json.dumps({"cpu": cpu, "results": results}))
-    _plot(results, args.png, cpu)
+    target = f"ngram/suffix rows: {args.model or 'the default Q4_1 GGUF'}, dtype {args.dtype}"
+    _plot(results, args.png, cpu, target)
 
 
 def _draft_engines(float_target: pathlib.Path, warm_prompts: list[list[int]]) -> list[tuple]:
@@ -190,7 +191,7 @@ def _draft_engines(float_target: pathlib.Path, warm_prompts: list[list[int]]) ->
     return rows
 
 
-def _plot(results: list[dict], path: str, cpu: str) -> None:
+def _plot(results: list[dict], path: str, cpu: str, target: str) -> None:
     try:
         import matplotlib
 
@@ -209,8 +210,8 @@ def _plot(results: list[dict], path: str, cpu: str) -> None:
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(workloads))], workloads)
     axis.set_ylabel("tok/s over no speculation (of the same target)")
-    axis.set_title(f"Speculative decoding, SmolLM2-135M greedy (draft rows: Q4_1 draft, float target)\n{cpu}",
-                   fontsize=8)
+    drafts = ", draft rows: Q4_1 draft, float target" if any(r["method"].startswith("draft") for r in results) else ""
+    axis.set_title(f"Speculative decoding, SmolLM2-135M greedy ({target}{drafts})\n{cpu}", fontsize=8)
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
