@@ -33,11 +33,6 @@ MOE_TOKENS = (1, 16, 256, 4096)
 MLA_SHAPE = (128, 512, 64, 64, 4096, 16)
 
 
-def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def _time_ms(fn) -> float:
     import triton.testing
 
@@ -45,6 +40,7 @@ def _time_ms(fn) -> float:
 
 
 def bench_moe(args) -> None:
+    from pagellm.layers.activation import SiluAndMul
     from pagellm.layers.fused_moe import Routing, grouped_experts
     from pagellm.ops.triton_moe import fused_experts
 
@@ -66,7 +62,7 @@ def bench_moe(args) -> None:
             reference = grouped_experts(
                 x[checked].float(), weights[checked], ids[checked], experts,
                 lambda e, rows, out: out.copy_(F.linear(rows, w13[e].float())),
-                lambda e, rows, out: out.copy_(F.linear(rows, w2[e].float())), 2 * inter, _silu_and_mul)
+                lambda e, rows, out: out.copy_(F.linear(rows, w2[e].float())), 2 * inter, SiluAndMul())
             ours = fused_experts(x[checked], w13, w2, weights[checked], ids[checked]).float()
             record(args.results, dict(
                 section="kernel", name=f"fused MoE, {name} layer, {tokens} tokens ({touched} experts used)", ms=ms,

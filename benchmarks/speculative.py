@@ -89,8 +89,7 @@ def run(llm: LLM, method: str, prompts: list[list[int]], max_tokens: int, config
     """`config`: the method's speculative_config where it is not in METHODS; `drafter`: the draft model's
     proposer of this engine (None detaches it)."""
     scheduler = llm.llm_engine.core.scheduler
-    # As the engine builds it: verification steps stay below the rows where a GGUF product switches kernels.
-    scheduler.speculator = make_speculator(config, llm.llm_engine.core.runner.kernel_switch_rows())
+    scheduler.speculator = make_speculator(config)
     llm.llm_engine.core.runner.drafter = drafter
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     start = time.perf_counter()

@@ -46,9 +46,10 @@ def plain_outputs(plain_runs):
     return plain_runs[0]
 
 
-def _oracle(monkeypatch, references: dict[tuple[int, ...], list[int]], error: float, seed: int = 0) -> None:
-    """Speculators draft the known continuation, each draft token replaced by a wrong one with probability
-    `error`: exercises acceptance of every length and the rollback of rejected tokens."""
+def _oracle(monkeypatch, references: dict[tuple[int, ...], list[int]], error: float, seed: int = 0,
+            vocab_size: int = 1000) -> None:
+    """Speculators draft the known continuation, each draft token replaced by a wrong one (below `vocab_size`)
+    with probability `error`: exercises acceptance of every length and the rollback of rejected tokens."""
     rng = random.Random(seed)
 
     def drafts_for(self, request, budget, max_model_len, num_rows=1):
@@ -56,7 +57,7 @@ def _oracle(monkeypatch, references: dict[tuple[int, ...], list[int]], error: fl
                     request.max_output_tokens - request.num_output_tokens - 1)
         done = request.num_output_tokens
         drafts = list(references[tuple(request.prompt_token_ids)][done : done + max(0, limit)])
-        return [rng.randrange(1000) if rng.random() < error else token for token in drafts]
+        return [rng.randrange(vocab_size) if rng.random() < error else token for token in drafts]
 
     monkeypatch.setattr(Speculator, "drafts_for", drafts_for)
 

@@ -35,6 +35,10 @@ class SchedulerConfig:
     # Without chunking a prompt must fit one step's budget whole; requests resumed after preemption
     # are always allowed to chunk, or one that grew past the budget could never run again.
     enable_chunked_prefill: bool = True
+    # Rows of a step from which the model's products switch kernels, and a row's last bits with them
+    # (ModelRunner.kernel_switch_rows; None: never). A verifying step stays below it, so that its rows are
+    # computed as the plain decode steps without speculation compute them, whichever speculator runs.
+    kernel_switch_rows: int | None = None
 
 
 @dataclass
@@ -326,7 +330,9 @@ class Scheduler:
     def _schedule_running(self, step: _StepBuilder) -> None:
         index = 0
         speculating = self.speculator is not None and self.speculator.active_for_batch(len(self.running))
-        draft_rows = self.speculator.draft_rows(len(self.running)) if speculating else 0
+        switch = self.config.kernel_switch_rows
+        # Draft tokens this step may verify in all.
+        draft_rows = step.budget if switch is None else max(switch - 1 - len(self.running), 0)
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)

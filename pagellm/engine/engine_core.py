@@ -67,10 +67,10 @@ class EngineCore:
         num_blocks = worker.num_blocks
         self.scheduler = Scheduler(
             SchedulerConfig(worker.max_num_batched_tokens, args.max_num_seqs, max_model_len,
-                            args.enable_chunked_prefill),
+                            args.enable_chunked_prefill, self.runner.kernel_switch_rows()),
             KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                            model_sliding_window(self.model_info.hf_config)),
-            speculator=make_speculator(args.speculative_config, self.runner.kernel_switch_rows()),
+            speculator=make_speculator(args.speculative_config),
             lora_slots=LoRASlotTable(args.max_loras) if args.enable_lora else None,
         )
         self.startup = StartupReport(time.perf_counter() - started, num_blocks, args.block_size, worker.kv_bytes,

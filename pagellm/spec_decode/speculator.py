@@ -153,12 +153,8 @@ class _RequestState:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, kernel_switch_rows: int | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        # Rows of a step from which the model's products switch kernels (ModelRunner.kernel_switch_rows), and a
-        # row's last bits with them; None: never. A verifying step stays below it, so that its rows are
-        # computed as the plain decode steps without speculation compute them.
-        self.kernel_switch_rows = kernel_switch_rows
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
         self.costs = StepCosts()
         self._states: dict[str, _RequestState] = {}
@@ -169,12 +165,6 @@ class Speculator:
 
     def active_for_batch(self, num_running: int) -> bool:
         return num_running <= self.config.disable_by_batch_size
-
-    def draft_rows(self, num_running: int) -> int:
-        """Draft tokens a step of `num_running` decoding requests may verify in all (kernel_switch_rows)."""
-        if self.kernel_switch_rows is None:
-            return self.config.num_speculative_tokens * num_running
-        return max(self.kernel_switch_rows - 1 - num_running, 0)
 
     @staticmethod
     def eligible(request: Request) -> bool:
@@ -244,9 +234,8 @@ class Speculator:
                 self._suffix.forget(request.request_id)
 
 
-def make_speculator(speculative_config: dict | None, kernel_switch_rows: int | None = None) -> Speculator | None:
-    """The engine's speculator for EngineArgs.speculative_config (validated there), None when unset;
-    `kernel_switch_rows`: the model runner's (Speculator's attribute)."""
+def make_speculator(speculative_config: dict | None) -> Speculator | None:
+    """The engine's speculator for EngineArgs.speculative_config (validated there), None when unset."""
     if speculative_config is None:
         return None
-    return Speculator(SpeculativeConfig.from_dict(speculative_config), kernel_switch_rows)
+    return Speculator(SpeculativeConfig.from_dict(speculative_config))

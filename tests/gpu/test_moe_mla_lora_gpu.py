@@ -7,8 +7,6 @@ cache (against the same engine on the CPU). The cases are the CPU tests' own, mo
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -27,11 +25,6 @@ ENGINE_ARGS = dict(device="cuda", gpu_memory_utilization=0.5, kv_cache_memory_by
                    max_num_batched_tokens=48, max_num_seqs=8)
 
 
-def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 # ---- kernels ------------------------------------------------------------------------------------------------
 
 
@@ -39,6 +32,7 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("tokens,routing", [(1, "softmax"), (70, "softmax"), (33, "deepseek_v3")])
 def test_fused_moe_kernel_matches_the_grouped_path(dtype, tokens, routing):
     """Expert sizes that are not tile multiples (hidden 200, intermediate 72), 8 experts, top 2."""
+    from pagellm.layers.activation import SiluAndMul
     from pagellm.layers.fused_moe import Routing, grouped_experts
     from pagellm.ops.triton_moe import fused_experts
 
@@ -55,7 +49,7 @@ def test_fused_moe_kernel_matches_the_grouped_path(dtype, tokens, routing):
     expected = grouped_experts(x.double(), weights.double(), ids, num_experts,
                                lambda e, rows, out: out.copy_(F.linear(rows, w13[e].double())),
                                lambda e, rows, out: out.copy_(F.linear(rows, w2[e].double())), 2 * intermediate,
-                               _silu_and_mul)
+                               SiluAndMul())
     ours = fused_experts(x.to(CUDA), w13.to(CUDA), w2.to(CUDA), weights.to(CUDA), ids.to(CUDA))
     assert ours.dtype == dtype and ours.shape == x.shape
     error = ((ours.double().cpu() - expected).norm() / expected.norm()).item()
@@ -255,26 +249,15 @@ def test_lora_engine_equals_transformers_and_peft(gpu_tiny_dir, tmp_path):
 def test_speculative_verification_on_the_device_keeps_greedy_output(gpu_tiny_dir, monkeypatch):
     """Drafts of the known continuation with 15% of tokens wrong: every acceptance length and rollback, through
     the Triton kernels' several queries per sequence."""
-    from pagellm.spec_decode.speculator import Speculator
+    from tests.gpu.conftest import VOCAB_SIZE
+    from tests.test_spec_decode import NGRAM, _oracle
 
     prompts = _prompts()
     plain = LLM(gpu_tiny_dir, dtype="float32", **ENGINE_ARGS)
     expected = _token_ids(plain, prompts)
     del plain
-    rng = random.Random(0)
-    references = {tuple(p): out for p, out in zip(prompts, expected)}
-
-    def drafts_for(self, request, budget, max_model_len, num_rows=1):
-        limit = min(self.config.num_speculative_tokens, budget, max_model_len - request.num_tokens,
-                    request.max_output_tokens - request.num_output_tokens - 1)
-        done = request.num_output_tokens
-        drafts = list(references[tuple(request.prompt_token_ids)][done: done + max(0, limit)])
-        return [rng.randrange(3, 512) if rng.random() < 0.15 else token for token in drafts]
-
-    monkeypatch.setattr(Speculator, "drafts_for", drafts_for)
-    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-              "disable_by_batch_size": 64}
-    llm = LLM(gpu_tiny_dir, dtype="float32", speculative_config=config, **ENGINE_ARGS)
+    _oracle(monkeypatch, {tuple(p): out for p, out in zip(prompts, expected)}, error=0.15, vocab_size=VOCAB_SIZE)
+    llm = LLM(gpu_tiny_dir, dtype="float32", speculative_config=NGRAM, **ENGINE_ARGS)
     assert _token_ids(llm, prompts) == expected
     stats = llm.llm_engine.core.scheduler.get_stats().spec_decoding
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

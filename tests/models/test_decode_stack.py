@@ -340,7 +340,7 @@ def test_verifying_steps_stay_below_the_rows_where_the_products_switch_kernels(g
     expected = engine().generate(prompts, params, use_tqdm=False)
     references = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in expected}
     llm = engine(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64})
-    assert llm.llm_engine.core.scheduler.speculator.kernel_switch_rows == 6
+    assert llm.llm_engine.core.scheduler.config.kernel_switch_rows == 6
     _oracle(monkeypatch, references, error=0.3, seed=2)
     verifying_rows: list[int] = []
     scheduler = llm.llm_engine.core.scheduler
