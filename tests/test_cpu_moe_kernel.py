@@ -1,6 +1,7 @@
 """The native MoE experts kernel (moe_experts.c) against the grouped torch path it replaces, per instruction set
 this CPU runs: float32 and bfloat16, row tails, idle experts, one expert per row (expert parallelism's input)
-and expert ids it must refuse."""
+and expert ids it must refuse; and, where the build has avx512_bf16's dot product, bfloat16 experts in
+linear_bf16's layout, equal to the bit to one linear_bf16 call per expert product (the AMX prefill path)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from pagellm.attention import native
 from pagellm.layers.activation import SiluAndMul
-from pagellm.layers.fused_moe import grouped_experts
+from pagellm.layers.fused_moe import grouped_experts, linear_bf16_experts
 from pagellm.ops.cpu_moe import CpuMoEKernel
 
 ISAS = native.runnable_isas()
@@ -51,20 +52,23 @@ def _torch_grouped(x, weights, ids, w13, w2):
     (40, 6, 3, 68, 38),     # prefill: many rows per expert, tiles of 6 rows with remainders, padded panels
     (300, 4, 2, 64, 48),    # long prefill: whole tiles, whole panels
     (3, 64, 2, 32, 16),     # most experts idle
+    (37, 5, 3, 48, 80),     # bf16 dot layout: an odd count of output panels, 8-row tiles with remainders
 ])
 def test_kernel_matches_the_grouped_torch_path(isa, dtype, tokens, num_experts, top_k, hidden, inter):
     kernel = _kernel(isa)
     w13, w2 = _experts(num_experts, hidden, inter, dtype, seed=hidden)
     x, weights, ids = _routed(tokens, hidden, num_experts, top_k, dtype, seed=tokens)
     assert CpuMoEKernel.supports(w13, w2)
-    out = kernel(x, *kernel.pack(w13, w2), weights, ids)
+    packed = kernel.pack(w13, w2)
+    assert (packed[1].dim() == 5) == kernel.takes_dot_layout(w13, w2)
+    out = kernel(x, *packed, weights, ids)
     expected = _torch_grouped(x, weights, ids, w13, w2)
     assert out.dtype == dtype and out.shape == x.shape
     if dtype == torch.float32:
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     else:
-        # Both round every stored value to bfloat16 at the same points; only the dot products' summation order
-        # differs, which may move a rounding by one bfloat16 step.
+        # Both round every stored value to bfloat16 at the same points (a token's sum once, as index_add_ does);
+        # only the dot products' summation order differs, which may move a rounding by one bfloat16 step.
         torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
@@ -123,3 +127,44 @@ def test_packing_puts_each_panels_features_side_by_side_zero_padded(dtype):
     assert (w13p[:, 1, :, :, 2:] == 0).all() and (w2p[:, 1, :, 4:] == 0).all()
     for e, h, k in [(0, 0, 0), (1, 19, 17), (2, 16, 3)]:
         assert w2p[e, h // 16, k, h % 16] == w2[e, h, k]
+
+
+def _dot_kernel() -> CpuMoEKernel:
+    if "avx512" not in ISAS:
+        pytest.skip("this CPU has no AVX-512")
+    kernel = _kernel("avx512")
+    if not kernel.bf16_dot:
+        pytest.skip("this CPU has no avx512_bf16 dot product")
+    return kernel
+
+
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k", "hidden", "inter"), [
+    (1, 8, 2, 64, 32), (37, 5, 3, 48, 80), (300, 4, 2, 64, 48), (16, 32, 8, 128, 64)])
+def test_bf16_dot_layout_is_linear_bf16_per_expert_to_the_bit(tokens, num_experts, top_k, hidden, inter):
+    kernel = _dot_kernel()
+    linear = native.LinearBF16(native.native_library("avx512"))
+    w13, w2 = _experts(num_experts, hidden, inter, torch.bfloat16, seed=inter)
+    x, weights, ids = _routed(tokens, hidden, num_experts, top_k, torch.bfloat16, seed=tokens)
+    w13d, w2d = kernel.pack(w13, w2)
+    out = kernel(x, w13d, w2d, weights, ids)
+    torch.testing.assert_close(out, linear_bf16_experts(x, w13d, w2d, weights, ids, linear, SiluAndMul()),
+                               rtol=0, atol=0)
+
+
+def test_bf16_dot_packing_is_linear_bf16s_per_expert():
+    kernel = _dot_kernel()
+    w13, w2 = _experts(3, 32, 48, torch.bfloat16, seed=8)
+    w13d, w2d = kernel.pack(w13, w2)
+    assert w13d.shape == (3, 6, 16, 16, 2) and w2d.shape == (3, 2, 24, 16, 2)
+    for e in range(3):
+        assert torch.equal(w13d[e], native.LinearBF16.pack(w13[e]))
+        assert torch.equal(w2d[e], native.LinearBF16.pack(w2[e]))
+
+
+def test_bf16_sizes_off_the_dot_layout_keep_the_panels():
+    """hidden or intermediate sizes that are not multiples of 16 fall back to the widening panels, still native."""
+    kernel = _dot_kernel()
+    for hidden, inter in [(36, 32), (32, 24)]:
+        w13, w2 = _experts(2, hidden, inter, torch.bfloat16, seed=9)
+        assert not kernel.takes_dot_layout(w13, w2)
+        assert kernel.pack(w13, w2)[1].dim() == 4

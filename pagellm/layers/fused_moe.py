@@ -10,10 +10,12 @@ way): softmax top-k with or without renormalisation (Mixtral, Qwen3-MoE, OLMoE),
 On the CPU a step's (token, expert) pairs are sorted by expert once; each expert that received tokens runs its
 gate_up and down products once over all of them, and the weighted rows are summed back into their tokens.
 Experts that received no token cost nothing. Gated-SiLU experts in float32 or bfloat16 do all of it in one native
-call per step (ops/cpu_moe.py), which reads each used expert's weights once whatever its row count; elsewhere
-(no C compiler, other activations, biases, bfloat16 on CPUs with a bf16 dot product, float16) each expert runs
-torch.mm on its slice (float32) or the dense layers' kernel choice of ops/dense_linear.py (half types), with
-one index_add_ summing back. On CUDA the same grouping runs in one Triton kernel per product (ops/triton_moe.py).
+call per step (ops/cpu_moe.py), which reads each used expert's weights once whatever its row count (on CPUs with
+avx512_bf16, bfloat16 experts in linear_bf16's layout; where AMX serves it, a step with many rows per expert
+runs each expert through linear_bf16's tiles on that same layout instead); elsewhere (no C compiler, other
+activations, biases, float16, bfloat16 sizes the dot layout cannot take) each expert runs torch.mm on its slice
+(float32) or the dense layers' kernel choice of ops/dense_linear.py (half types), with one index_add_ summing
+back. On CUDA the same grouping runs in one Triton kernel per product (ops/triton_moe.py).
 
 Tensor parallelism splits each expert's intermediate features as LlamaMLP splits its own: a rank holds rows
 [r * I/n, (r + 1) * I/n) of w1 and w3 and the same columns of w2, and one all-reduce sums the ranks' outputs.
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.attention.native import linear_bf16
+from pagellm.attention.native import LinearBF16, linear_bf16
 from pagellm.distributed.parallel_state import current_group
 from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.linear import ReplicatedLinear
@@ -277,18 +279,22 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         layer.gate_up_kernels = layer.down_kernels = None
-        layer.native_experts = None
+        layer.native_experts = layer.tile_experts = None
         if layer.w13_weight.device.type != "cpu":
             return
-        if _takes_native_experts(layer):
-            # One native call per step for all the experts (ops/cpu_moe.py), on the weights packed into its
-            # panels here: the parameters hold the packed layout from now on (shapes [E, panels, 2, H, 16] and
-            # [E, panels, I, 16]), which only that kernel reads.
-            layer.native_experts = cpu_moe_kernel()
-            if layer.native_experts is not None:
-                w13p, w2p = layer.native_experts.pack(layer.w13_weight.data, layer.w2_weight.data)
-                layer.w13_weight.data, layer.w2_weight.data = w13p, w2p
-                return
+        kernel = cpu_moe_kernel() if _takes_native_experts(layer) else None
+        if kernel is not None and (layer.w13_weight.dtype != torch.bfloat16 or linear_bf16() is None
+                                   or kernel.takes_dot_layout(layer.w13_weight, layer.w2_weight)):
+            # One native call per step for all the experts (ops/cpu_moe.py), on the weights packed for it here:
+            # the parameters hold the packed layout from now on (moe_experts.c's panels, or linear_bf16's per
+            # expert), which only that kernel and linear_bf16 read.
+            dot = kernel.takes_dot_layout(layer.w13_weight, layer.w2_weight)
+            layer.native_experts = kernel
+            w13p, w2p = kernel.pack(layer.w13_weight.data, layer.w2_weight.data)
+            layer.w13_weight.data, layer.w2_weight.data = w13p, w2p
+            tiles = linear_bf16() if dot else None
+            layer.tile_experts = tiles if tiles is not None and tiles.amx else None
+            return
         if layer.w13_weight.dtype == torch.float32:
             # Without the native kernels float32 experts multiply with torch.mm on their slice of the stacked
             # weights: a packed copy per expert (oneDNN, as dense layers keep one) would double their memory.
@@ -307,6 +313,9 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                                  layer.expert_bias("gate_up"), layer.expert_bias("down"),
                                  None if layer.activation == "silu" else layer.act_fn)
+        if layer.tile_experts is not None and takes_tiles(topk_ids, layer.local_num_experts, layer.tile_experts):
+            return linear_bf16_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                       layer.tile_experts, layer.act_fn)
         if layer.native_experts is not None:
             return layer.native_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
         return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, self._product(layer, "gate_up"),
@@ -330,13 +339,28 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
 
 def _takes_native_experts(layer: FusedMoE) -> bool:
-    """Gated-SiLU experts without biases in float32, or in bfloat16 where the CPU has no bf16 dot product (there
-    the dense layers' own bf16 kernel runs each expert on its packed weight instead)."""
+    """Gated-SiLU experts without biases, float32 or bfloat16."""
     if layer.activation != "silu" or any(layer.expert_bias(which) is not None for which in ("gate_up", "down")):
         return False
-    if layer.w13_weight.dtype == torch.bfloat16 and linear_bf16() is not None:
-        return False
     return CpuMoEKernel.supports(layer.w13_weight, layer.w2_weight)
+
+
+def takes_tiles(topk_ids: torch.Tensor, num_experts: int, tiles: LinearBF16) -> bool:
+    """Whether a step's experts go through linear_bf16's AMX tiles one at a time rather than the fused vector
+    kernel: when its (token, expert) pairs give the average expert as many rows as the tiles want."""
+    return topk_ids.numel() >= tiles.amx_min_rows * num_experts
+
+
+def linear_bf16_experts(x: torch.Tensor, w13d: torch.Tensor, w2d: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, linear: LinearBF16,
+                        act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The grouped experts with each product one linear_bf16 call on the expert's slice of the stacked packed
+    weights (CpuMoEKernel.pack's linear_bf16 layout): the AMX tiles take an expert's rows from their threshold
+    on. The same roundings as the fused kernel, which makes the same sums."""
+    return grouped_experts(x, topk_weights, topk_ids, w13d.shape[0],
+                           lambda expert, rows, out: out.copy_(linear(rows, w13d[expert], None)),
+                           lambda expert, rows, out: out.copy_(linear(rows, w2d[expert], None)),
+                           w13d.shape[1] * LinearBF16.PANEL, act_fn)
 
 
 # (expert, rows [n, in], out [n, out]): writes rows @ W_expert^T into out.
@@ -383,6 +407,8 @@ class FusedMoE(nn.Module):
     # What the unquantized method's process_weights_after_loading chose for the CPU: the native experts kernel
     # (weights packed for it), or per-expert dense kernels of half types; neither: torch.mm per expert.
     native_experts: CpuMoEKernel | None = None
+    # Where AMX serves linear_bf16 and the experts are in its layout: the steps `takes_tiles` gives to it.
+    tile_experts: LinearBF16 | None = None
     gate_up_kernels: list[DenseKernel] | None = None
     down_kernels: list[DenseKernel] | None = None
 

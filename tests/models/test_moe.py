@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from pagellm import LLM, SamplingParams
 from pagellm.attention.native import linear_bf16
 from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
+from pagellm.layers import fused_moe
 from pagellm.layers.fused_moe import ExpertPlacement, FusedMoE, Routing
 from pagellm.models.loader import default_dtype
 from pagellm.ops.cpu_moe import cpu_moe_kernel
@@ -265,15 +266,16 @@ def _per_token_reference(x, weights, ids, w1, w3, w2) -> torch.Tensor:
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_fused_moe_matches_a_per_token_reference(tokens, dtype, native, monkeypatch):
+@pytest.mark.parametrize(("tokens", "intermediate"), [(1, 24), (7, 32), (64, 24), (64, 32)])
+def test_fused_moe_matches_a_per_token_reference(tokens, intermediate, dtype, native, monkeypatch):
     if native and cpu_moe_kernel() is None:
         pytest.skip("no C compiler for the native kernels")
-    if native and dtype == torch.bfloat16 and linear_bf16() is not None:
-        pytest.skip("bfloat16 experts take the dense bf16 kernel on CPUs with a bf16 dot product")
+    if native and dtype == torch.bfloat16 and linear_bf16() is not None and intermediate % 16:
+        # The bf16 dot layout wants multiples of 16; those experts take the dense bf16 kernel per product.
+        native = False
     if not native:
         monkeypatch.setattr("pagellm.layers.fused_moe.cpu_moe_kernel", lambda: None)
-    num_experts, hidden, intermediate = 8, 32, 24
+    num_experts, hidden = 8, 32
     w1, w3, w2 = _random_experts(num_experts, hidden, intermediate, seed=1)
     with default_dtype(dtype):
         layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
@@ -291,6 +293,36 @@ def test_fused_moe_matches_a_per_token_reference(tokens, dtype, native, monkeypa
     assert out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_busy_bf16_steps_take_linear_bf16_per_expert_where_amx_would(monkeypatch):
+    """On a CPU with AMX, a step whose experts average `amx_min_rows` rows runs each expert through linear_bf16
+    (its tiles) on the fused kernel's packed weights. Without AMX here, the vector linear_bf16 stands in: the same
+    sums in the same order, so the two paths agree to the bit and only the choice is under test."""
+    linear, kernel = linear_bf16(), cpu_moe_kernel()
+    if linear is None or kernel is None or not kernel.bf16_dot:
+        pytest.skip("no avx512_bf16 dot product on this CPU")
+    num_experts, hidden, intermediate = 8, 32, 32
+    w1, w3, w2 = _random_experts(num_experts, hidden, intermediate, seed=2)
+    with default_dtype(torch.bfloat16):
+        layer = FusedMoE(num_experts, 2, hidden, intermediate, prefix="layer")
+    _load(layer, w1, w3, w2)
+    layer.process_weights_after_loading()
+    assert layer.native_experts is not None and (layer.tile_experts is not None) == linear.amx
+    calls = []
+    original = fused_moe.linear_bf16_experts
+    monkeypatch.setattr(fused_moe, "linear_bf16_experts", lambda *args: calls.append(1) or original(*args))
+    generator = torch.Generator().manual_seed(3)
+    for tokens in (3, 40):  # 6 pairs over 8 experts: the fused kernel; 80: ten rows an expert, the tiles
+        x = torch.randn(tokens, hidden, generator=generator).bfloat16()
+        logits = torch.randn(tokens, num_experts, generator=generator)
+        layer.tile_experts = None
+        fused = layer(x, logits)
+        monkeypatch.setattr(linear, "amx_min_rows", 4)
+        layer.tile_experts = linear
+        calls.clear()
+        assert torch.equal(layer(x, logits), fused)
+        assert len(calls) == (tokens * 2 >= 4 * num_experts)
 
 
 def test_correction_bias_chooses_experts_but_does_not_weigh_them():

@@ -24,10 +24,21 @@
  *   weights  [tokens, top_k] float32, the router's weight of each choice
  *   out      [tokens, hidden]
  *
+ * On CPUs with avx512_bf16 (HAVE_BF16_DOT) bfloat16 experts take VDPBF16PS instead, on linear_bf16's layout of each
+ * expert's two matrices (moe_experts' layout 2; hidden and inter multiples of 16):
+ *   w13d     [experts, 2 * inter / 16, hidden / 2, 16, 2]: [e, p, k, j, i] = w13[e, 16 p + j, 2 k + i], so gate's
+ *            panel b is p = b and up's is p = inter / 16 + b
+ *   w2d      [experts, hidden / 16, inter / 2, 16, 2]: [e, p, k, j, i] = w2[e, 16 p + j, 2 k + i]
+ * Each sum runs in linear_bf16's order (one float32 accumulator per output, input pairs in order), so a product
+ * is the per-expert linear_bf16 call's to the bit, and on CPUs with AMX a prefill step can run its busy experts
+ * through linear_bf16's tiles on the same packed weights (pagellm/layers/fused_moe.py chooses per step). The
+ * earlier path, one linear_bf16 call per used expert and product from Python, paid a Python call and an OpenMP
+ * team per product: ~150 of them in a 16-token decode step of a layer of 128 experts with top-8 routing.
+ *
  * Numerics follow the grouped torch path: float32 accumulation; in bfloat16 every value torch would store (the
- * gate/up product, silu(gate), the activation, the down product, its weighted row, each partial sum of a token's
- * rows) is rounded to bfloat16 at the same point. A token's rows are summed in ascending expert order from zero,
- * as index_add_ over rows sorted by expert sums them.
+ * gate/up product, silu(gate), the activation, the down product, its weighted row) is rounded to bfloat16 at the
+ * same point. A token's rows are summed in float32 in ascending expert order from zero and rounded once, as
+ * torch's index_add_ over bfloat16 rows sorted by expert sums them (it accumulates in float32).
  */
 #include <stdlib.h>
 
@@ -170,23 +181,21 @@ static ALWAYS_INLINE void store_scalar(void *p, int64_t index, float v, const in
     ((uint16_t *)p)[index] = bits[0];
 }
 
-static ALWAYS_INLINE float stored(float v, const int bf16) { return bf16 ? round_bf16(splat(v))[0] : v; }
-
 static ALWAYS_INLINE void sum_token(const Layer *l, int64_t token, const int bf16) {
     const int64_t *rows = l->token_rows + token * l->top_k, stride = panels_of(l->hidden) * PANEL;
     for (int64_t h = 0; h < l->hidden; ++h) {
         float sum = 0.0f;
-        for (int64_t j = 0; j < l->top_k; ++j) sum = stored(sum + l->rows_out[rows[j] * stride + h], bf16);
+        for (int64_t j = 0; j < l->top_k; ++j) sum += l->rows_out[rows[j] * stride + h];
         store_scalar(l->out, token * l->hidden + h, sum, bf16);
     }
 }
 
-/* One item per panel of `width` features or outputs, for every expert with rows. */
-static int64_t make_items(WorkItem *items, const int64_t *start, int64_t experts, int64_t width) {
+/* `per_expert` items (panels of features or outputs) for every expert with rows. */
+static int64_t make_items(WorkItem *items, const int64_t *start, int64_t experts, int64_t per_expert) {
     int64_t count = 0;
     for (int64_t e = 0; e < experts; ++e) {
         if (start[e] == start[e + 1]) continue;
-        for (int64_t panel = 0; panel < panels_of(width); ++panel)
+        for (int64_t panel = 0; panel < per_expert; ++panel)
             items[count++] = (WorkItem){e, start[e], start[e + 1], panel};
     }
     return count;
@@ -205,6 +214,113 @@ static ALWAYS_INLINE void run_layer(const Layer *l, const WorkItem *gate_up, int
         for (int64_t t = 0; t < tokens; ++t) sum_token(l, t, bf16);
     }
 }
+
+
+#ifdef HAVE_BF16_DOT
+const int pagellm_moe_bf16_dot_available = 1;
+
+#define DOT_ROWS 8   /* rows per register tile: 8 x DOT_PANELS accumulators of 32 */
+#define DOT_PANELS 2 /* gate's and up's panel, or two panels of down's outputs */
+
+/* out[r][p] = x[r] . panel p over `pairs` input pairs (16 outputs per panel): per pair, one weight vector per panel
+ * and one broadcast of x's pair per row, as linear_bf16's tile. */
+static ALWAYS_INLINE void dot_tile(const uint16_t *const *x, const uint16_t *const *panel, int64_t pairs,
+                                   __m512 out[DOT_ROWS][DOT_PANELS], const int rows, const int panels) {
+    __m512 acc[DOT_ROWS][DOT_PANELS];
+    for (int r = 0; r < rows; ++r)
+        for (int p = 0; p < panels; ++p) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < pairs; ++k) {
+        __m512bh w[DOT_PANELS];
+        for (int p = 0; p < panels; ++p) w[p] = (__m512bh)_mm512_loadu_si512(panel[p] + k * 32);
+        for (int r = 0; r < rows; ++r) {
+            uint32_t pair;
+            memcpy(&pair, x[r] + 2 * k, sizeof pair);
+            const __m512bh broadcast = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int p = 0; p < panels; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], broadcast, w[p]);
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int p = 0; p < panels; ++p) out[r][p] = acc[r][p];
+}
+
+/* One function per (rows, panels), not inlined, for the reason the float tiles above give. */
+#define DOT_FUNCTION(R, P)                                                                                       \
+    static __attribute__((noinline)) void dot_##R##_##P(const uint16_t *const *x, const uint16_t *const *panel, \
+                                                        int64_t pairs, __m512 out[DOT_ROWS][DOT_PANELS]) {      \
+        dot_tile(x, panel, pairs, out, R, P);                                                                    \
+    }
+#define DOT_FUNCTIONS(R) DOT_FUNCTION(R, 1) DOT_FUNCTION(R, 2)
+DOT_FUNCTIONS(1) DOT_FUNCTIONS(2) DOT_FUNCTIONS(3) DOT_FUNCTIONS(4) DOT_FUNCTIONS(5) DOT_FUNCTIONS(6)
+DOT_FUNCTIONS(7) DOT_FUNCTIONS(8)
+
+static void dot_rows(const uint16_t *const *x, const uint16_t *const *panel, int64_t pairs,
+                     __m512 out[DOT_ROWS][DOT_PANELS], int rows, int panels) {
+#define CASE(R)                                                   \
+    case R:                                                       \
+        if (panels == 2) dot_##R##_2(x, panel, pairs, out);       \
+        else dot_##R##_1(x, panel, pairs, out);                   \
+        break;
+    switch (rows) {
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) default : CASE(8)
+    }
+#undef CASE
+}
+
+/* activated[r, the item's 16 features] for the item's rows, from gate's and up's panels in one tile. */
+static void gate_up_item_dot(const Layer *l, const WorkItem *item) {
+    const int64_t hidden = l->hidden, inter = l->inter, pairs = hidden / 2, inter_panels = inter / PANEL;
+    const uint16_t *expert = (const uint16_t *)l->w13p + item->expert * 2 * inter_panels * pairs * 32;
+    const uint16_t *panel[DOT_PANELS] = {expert + item->panel * pairs * 32,
+                                         expert + (inter_panels + item->panel) * pairs * 32};
+    for (int64_t r = item->begin; r < item->end; r += DOT_ROWS) {
+        const int rows = item->end - r < DOT_ROWS ? (int)(item->end - r) : DOT_ROWS;
+        const uint16_t *x[DOT_ROWS];
+        for (int i = 0; i < rows; ++i) x[i] = (const uint16_t *)l->x + l->row_token[r + i] * hidden;
+        __m512 acc[DOT_ROWS][DOT_PANELS];
+        dot_rows(x, panel, pairs, acc, rows, 2);
+        for (int i = 0; i < rows; ++i)
+            store_any(l->activated, (r + i) * inter + item->panel * PANEL,
+                      silu_times(round_bf16((fvec)acc[i][0]), round_bf16((fvec)acc[i][1]), 1), 1);
+    }
+}
+
+/* rows_out[r, the item's one or two panels of 16 outputs] = (activated[r] . w2 rows) * router weight. */
+static void down_item_dot(const Layer *l, const WorkItem *item) {
+    const int64_t hidden = l->hidden, pairs = l->inter / 2, hidden_panels = hidden / PANEL;
+    const int64_t first = item->panel * DOT_PANELS;
+    const int panels = hidden_panels - first < DOT_PANELS ? (int)(hidden_panels - first) : DOT_PANELS;
+    const uint16_t *expert = (const uint16_t *)l->w2p + item->expert * hidden_panels * pairs * 32;
+    const uint16_t *panel[DOT_PANELS] = {expert + first * pairs * 32, expert + (first + 1) * pairs * 32};
+    for (int64_t r = item->begin; r < item->end; r += DOT_ROWS) {
+        const int rows = item->end - r < DOT_ROWS ? (int)(item->end - r) : DOT_ROWS;
+        const uint16_t *x[DOT_ROWS];
+        for (int i = 0; i < rows; ++i) x[i] = (const uint16_t *)l->activated + (r + i) * l->inter;
+        __m512 acc[DOT_ROWS][DOT_PANELS];
+        dot_rows(x, panel, pairs, acc, rows, panels);
+        for (int i = 0; i < rows; ++i) {
+            const fvec router_weight = splat(round_bf16(splat(l->row_weight[r + i]))[0]);
+            for (int p = 0; p < panels; ++p)
+                vstore(l->rows_out + (r + i) * hidden + (first + p) * PANEL,
+                       round_bf16(round_bf16((fvec)acc[i][p]) * router_weight));
+        }
+    }
+}
+
+static void run_layer_dot(const Layer *l, const WorkItem *gate_up, int64_t gate_up_items, const WorkItem *down,
+                          int64_t down_items, int64_t tokens, int parallel) {
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < gate_up_items; ++i) gate_up_item_dot(l, &gate_up[i]);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < down_items; ++i) down_item_dot(l, &down[i]);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; ++t) sum_token(l, t, 1);
+    }
+}
+#else
+const int pagellm_moe_bf16_dot_available = 0;
+#endif
 
 /* w13 and w2 (the stacked layouts above) into w13p and w2p, PANEL features at a time, zero-padded. Copies
  * elements of `size` bytes as they are. */
@@ -233,14 +349,17 @@ void moe_pack_experts(const void *w13, const void *w2, void *w13p, void *w2p, in
     }
 }
 
-/* activated: [tokens * top_k, panels(inter) * PANEL] of x's dtype, rows_out: [tokens * top_k, panels(hidden) * PANEL]
+/* layout: 0 float32 panels, 1 bfloat16 panels (w13p, w2p), 2 bfloat16 in linear_bf16's layout (w13d, w2d; builds
+ * with HAVE_BF16_DOT only, hidden and inter multiples of 16).
+ * activated: [tokens * top_k, panels(inter) * PANEL] of x's dtype, rows_out: [tokens * top_k, panels(hidden) * PANEL]
  * float32, the caller's scratch (kept between calls: fresh memory of that size each step would be faulted in
  * page by page, ~90 MB per layer for a 2,048-token prefill of Qwen3-30B-A3B's shape).
  * Returns 0, 1 for an expert id out of range, 2 for sizes the kernel does not take, 3 when out of memory. */
 int moe_experts(const void *x, const void *w13p, const void *w2p, const int64_t *ids, const float *weights, void *out,
-                int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t inter, int bf16,
+                int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t inter, int layout,
                 void *activated, float *rows_out) {
-    if (inter < 1 || hidden < 1 || tokens < 0 || top_k < 1 || experts < 1) return 2;
+    if (inter < 1 || hidden < 1 || tokens < 0 || top_k < 1 || experts < 1 || layout < 0 || layout > 2) return 2;
+    if (layout == 2 && (!pagellm_moe_bf16_dot_available || hidden % PANEL != 0 || inter % PANEL != 0)) return 2;
     const int64_t pairs = tokens * top_k;
     for (int64_t i = 0; i < pairs; ++i)
         if (ids[i] < 0 || ids[i] >= experts) return 1;
@@ -276,12 +395,19 @@ int moe_experts(const void *x, const void *w13p, const void *w2p, const int64_t 
             }
     }
     WorkItem *gate_up = items, *down = items + experts * blocks;
-    const int64_t gate_up_items = make_items(gate_up, start, experts, inter);
-    const int64_t down_items = make_items(down, start, experts, hidden);
     const Layer layer = {x, w13p, w2p, row_token, row_weight, token_rows, activated, rows_out, out, hidden, inter,
                          top_k};
     const int parallel = pairs * hidden * inter >= PARALLEL_MIN_MACS;
-    if (bf16) run_layer(&layer, gate_up, gate_up_items, down, down_items, tokens, parallel, 1);
+    const int64_t gate_up_items = make_items(gate_up, start, experts, panels_of(inter));
+#ifdef HAVE_BF16_DOT
+    if (layout == 2) {
+        const int64_t down_items = make_items(down, start, experts, (panels_of(hidden) + DOT_PANELS - 1) / DOT_PANELS);
+        run_layer_dot(&layer, gate_up, gate_up_items, down, down_items, tokens, parallel);
+        goto done;
+    }
+#endif
+    const int64_t down_items = make_items(down, start, experts, panels_of(hidden));
+    if (layout == 1) run_layer(&layer, gate_up, gate_up_items, down, down_items, tokens, parallel, 1);
     else run_layer(&layer, gate_up, gate_up_items, down, down_items, tokens, parallel, 0);
 done:
     free(start);
