@@ -31,9 +31,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention import native
 from pagellm.cpu_features import cpu_description
 from pagellm.ops.dense_linear import can_pack_for_cpu
+from pagellm.ops.linear_bf16 import linear_bf16
 
 # (name, in_features, out_features) of SmolLM2-135M (hidden 576, intermediate 1536, 9 q heads, 3 kv heads
 # of 64, vocabulary 49152), with q/k/v and gate/up fused as pagellm runs them.
@@ -60,7 +60,7 @@ def gemm_options(weight: torch.Tensor, with_mm_t: bool = True) -> dict[str, Call
     if with_mm_t:
         weight_t = weight.t().contiguous()
         options["mm_t"] = lambda x: torch.mm(x, weight_t)
-    kernel = native.linear_bf16() if weight.dtype == torch.bfloat16 else None
+    kernel = linear_bf16() if weight.dtype == torch.bfloat16 else None
     if kernel is not None and kernel.supports(weight.shape[1], weight.shape[0]):
         native_packed = kernel.pack(weight)
         options["native"] = lambda x: kernel(x, native_packed, None)

@@ -25,6 +25,8 @@ from pagellm.attention import native
 from pagellm.cpu_features import cpu_description
 from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagellm.ops import cpu_build
+from pagellm.ops.cpu_ops import cpu_ops
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 576, 1536, 9, 3, 64, 16
 TORCH = "torch"
@@ -83,8 +85,8 @@ def _cases(dtype: torch.dtype, rows: int, seqs: int, context: int, layers: int) 
         layer = next(layer_order)
         kernel(q, k_caches[layer], v_caches[layer], tables, context_lens, 0.125)
 
-    for isa in native.runnable_isas():
-        ops, kernel = native.cpu_ops(isa), native.decode_kernel(isa)
+    for isa in cpu_build.runnable_isas():
+        ops, kernel = cpu_ops(isa), native.decode_kernel(isa)
         names = iter(cases)
         cases[next(names)][isa] = lambda ops=ops: ops.add_rms_norm(x, residual, norm.weight, 1e-5)
         cases[next(names)][isa] = lambda ops=ops: ops.silu_and_mul(gate_up)
@@ -116,7 +118,7 @@ def main() -> None:
                         help="torch's (and so the kernels') OpenMP threads; 1 gives steadier figures on a busy machine")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    isas = native.runnable_isas()
+    isas = cpu_build.runnable_isas()
     print(f"CPU: {cpu_description()}; torch threads {torch.get_num_threads()}; kernels built for {isas}")
     with open("/proc/loadavg", encoding="utf-8") as loadavg:
         print(f"load average before: {loadavg.read().strip()}")

@@ -34,6 +34,7 @@ import torch
 from pagellm.attention import native
 from pagellm.attention.kv_spec import KVCacheFormat, KVCacheSpec
 from pagellm.cpu_features import cpu_description
+from pagellm.ops import cpu_build
 
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK = 30, 3, 9, 64, 16
 FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head")
@@ -119,7 +120,7 @@ def decode_table(dtype: torch.dtype, seqs: int, context: int, layers: int, round
             pair = [torch.randn(seqs * blocks + 1, KV_HEADS, BLOCK, HEAD_DIM, generator=gen) for _ in range(2)]
             caches.append([kv_format.pack(x) if kv_format.quantized else x.to(dtype) for x in pair])
         pool_bytes = sum(x.numel() * x.element_size() for pair in caches for x in pair)
-        for isa in native.runnable_isas():
+        for isa in cpu_build.runnable_isas():
             kernel, order = native.decode_kernel(isa), itertools.cycle(range(layers))
 
             def call(kernel=kernel, caches=caches, order=order, kv_format=kv_format):
@@ -175,7 +176,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"CPU: {cpu_description()}; torch threads {torch.get_num_threads()}; kernels built for "
-          f"{native.runnable_isas()}")
+          f"{cpu_build.runnable_isas()}")
     with open("/proc/loadavg", encoding="utf-8") as loadavg:
         print(f"load average before: {loadavg.read().strip()}")
     tokens_per_gib_table()

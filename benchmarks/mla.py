@@ -89,9 +89,9 @@ def kv_table(dtype: torch.dtype, skip_engine: bool) -> list[str]:
 
 
 def decode_table(seqs: int, context: int, calls: int, dtype: torch.dtype) -> list[str]:
-    from pagellm.attention import native
     from pagellm.attention.mla import mla_decode_kernel, torch_latent_decode
     from pagellm.attention.paged import DecodeMetadata
+    from pagellm.ops import cpu_build
 
     heads, rank = V2_LITE["num_attention_heads"], V2_LITE["kv_lora_rank"]
     width = rank + V2_LITE["qk_rope_head_dim"]
@@ -104,7 +104,7 @@ def decode_table(seqs: int, context: int, calls: int, dtype: torch.dtype) -> lis
     q = torch.randn(seqs, heads, width, generator=generator).to(dtype)
     scale = (V2_LITE["qk_nope_head_dim"] + V2_LITE["qk_rope_head_dim"]) ** -0.5
     variants = {f"C ({isa})": (lambda kernel: lambda: kernel(q, cache, decode, scale, rank))(mla_decode_kernel(isa))
-                for isa in native.runnable_isas() if mla_decode_kernel(isa) is not None}
+                for isa in cpu_build.runnable_isas() if mla_decode_kernel(isa) is not None}
     variants["torch reference"] = lambda: torch_latent_decode(q, cache, decode, scale, rank)
     rows = [f"| latent decode, {seqs} seqs x {context} tokens, {str(dtype).removeprefix('torch.')} "
             "| ms per call (best) | GB/s of latent rows |", "|---|---:|---:|"]

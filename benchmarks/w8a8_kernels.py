@@ -29,8 +29,9 @@ import torch
 
 from pagellm.cpu_features import cpu_description, cpu_flags
 from pagellm.ops import w8a8_kernels as wk
-from pagellm.attention import native
+from pagellm.ops import cpu_build
 from pagellm.ops.dense_linear import NativeBF16Packed, UpcastScratch, choose_dense_kernel
+from pagellm.ops.linear_bf16 import linear_bf16
 
 # (in_features, out_features) of SmolLM2-135M's four products per layer.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
@@ -49,11 +50,11 @@ def build(layers: int, seed: int) -> dict[str, list[Callable[[torch.Tensor], tor
     # paths forced at every row count, beside them.
     int8_vector = wk.w8a8_kernels() if kernels.amx else None
     if int8_vector is not None:
-        int8_vector.amx_min_rows = native.NEVER_ROWS
+        int8_vector.amx_min_rows = cpu_build.NEVER_ROWS
         options["int8-vector"] = []
-    bf16_vector = native.linear_bf16()
+    bf16_vector = linear_bf16()
     if bf16_vector is not None and bf16_vector.amx:
-        bf16_vector.amx_min_rows = native.NEVER_ROWS
+        bf16_vector.amx_min_rows = cpu_build.NEVER_ROWS
         options["bf16-vector"] = []
     for _ in range(layers):
         for in_features, out_features in SHAPES:

@@ -104,10 +104,10 @@ def hf_smollm2():
 def torch_ops_only(monkeypatch):
     """The model without pagellm's C kernels (the families' torch path): PAGELLM_NATIVE_KERNELS=0 and the loaded
     library forgotten for the test's duration."""
-    from pagellm.attention import native
+    from pagellm.ops import cpu_build
 
     monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
-    native.native_library.cache_clear()
+    cpu_build.native_library.cache_clear()
     yield
     monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
-    native.native_library.cache_clear()
+    cpu_build.native_library.cache_clear()

@@ -16,9 +16,10 @@ import torch
 from pagellm.attention import native
 from pagellm.attention.backend import AttentionShape
 from pagellm.attention.paged import TorchAttentionBackend, paged_attention
+from pagellm.ops import cpu_build
 from tests.attention_cases import make_step
 
-ISAS = native.runnable_isas()
+ISAS = cpu_build.runnable_isas()
 CPU = torch.device("cpu")
 # Decodes with ragged contexts, a chunk continuing a sequence, a fresh prompt.
 COMPUTED, SCHEDULED = [0, 37, 70, 40, 0], [1, 1, 1, 29, 35]

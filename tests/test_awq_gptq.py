@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from pagellm import LLM, SamplingParams
-from pagellm.attention import native
 from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
+from pagellm.ops import cpu_build
 from pagellm.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -121,7 +121,7 @@ def _kernels(isa: str) -> wna16.WNA16Kernels:
     return kernels
 
 
-ISAS = native.runnable_isas()
+ISAS = cpu_build.runnable_isas()
 
 
 @pytest.fixture

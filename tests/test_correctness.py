@@ -57,17 +57,17 @@ def test_chunked_prefill_and_block_sizes_match_hf(tiny_llama_dir, references, bl
 
 def test_torch_ops_path_matches_hf(tiny_llama_dir, references, monkeypatch):
     # The model without the C kernels (no compiler, or switched off): the reference path stays exact too.
-    from pagellm.attention import native
+    from pagellm.ops import cpu_build
 
     monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
-    native.native_library.cache_clear()
+    cpu_build.native_library.cache_clear()
     try:
         llm = LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=32, kv_cache_memory_bytes=32 << 20)
         assert llm.llm_engine.core.runner.native_decode is None
         _check(llm, references)
     finally:
         monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
-        native.native_library.cache_clear()
+        cpu_build.native_library.cache_clear()
 
 
 def test_one_at_a_time_equals_batched(tiny_llama_dir, references):
@@ -114,17 +114,17 @@ def test_default_smollm2_matches_hf(smollm2_fp32_references, default_tokenizer, 
     """Without the kernels (PAGELLM_NATIVE_KERNELS=0) the GGUF's blocks are dequantized once at load and
     multiplied in float32: transformers' tokens on the same dequantized weights (the loading, the tied head and
     the graph). The kernels' own products are the next test's."""
-    from pagellm.attention import native
+    from pagellm.ops import cpu_build
 
     monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
-    native.native_library.cache_clear()
+    cpu_build.native_library.cache_clear()
     try:
         llm = LLM(dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=2048)
         params = SamplingParams(temperature=0, max_tokens=32)
         outputs = llm.generate(SMOLLM2_PROMPTS, params, use_tqdm=False)
     finally:
         monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
-        native.native_library.cache_clear()
+        cpu_build.native_library.cache_clear()
     for prompt, output in zip(SMOLLM2_PROMPTS, outputs):
         ids = default_tokenizer.encode(prompt)
         assert output.prompt_token_ids == ids

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.native import NEVER_ROWS
 from pagellm.cpu_features import cpu_has_amx_bf16, cpu_has_native
 from pagellm.layers.linear import LinearBase, ReplicatedLinear
 from pagellm.layers.vocab_embedding import VocabEmbedding
 from pagellm.models.loader import default_dtype
 from pagellm.ops import dense_linear
+from pagellm.ops.cpu_build import NEVER_ROWS
 from pagellm.ops.dense_linear import FLOAT32_PLAIN_MIN_ROWS, NativeBF16Packed, OneDNNPacked, can_pack_for_cpu
 
 
@@ -101,8 +101,8 @@ def test_float32_keeps_the_plain_weight_for_mkl_only_without_avx512(monkeypatch,
 
 
 def test_loaded_bf16_model_runs_on_packed_weights_and_fused_ops(tiny_llama_dir):
-    from pagellm.attention.native import cpu_ops
     from pagellm.models import loader
+    from pagellm.ops.cpu_ops import cpu_ops
 
     source = loader.resolve_model(str(tiny_llama_dir))
     config, _ = loader.load_hf_config(source)
@@ -116,9 +116,9 @@ def test_loaded_bf16_model_runs_on_packed_weights_and_fused_ops(tiny_llama_dir):
 # ---- pagellm's own bfloat16 kernel (linear_bf16.c) -------------------------------------------------------
 
 def _linear_kernel():
-    from pagellm.attention import native
+    from pagellm.ops.linear_bf16 import linear_bf16
 
-    kernel = native.linear_bf16()
+    kernel = linear_bf16()
     if kernel is None:
         pytest.skip("the native kernels have no avx512_bf16 dot product on this CPU")
     return kernel
@@ -171,15 +171,16 @@ def test_linear_bf16_kernel_layout_and_refusals():
 
 
 def test_only_the_avx512_bf16_build_has_the_linear_kernel_and_only_with_amx_its_tiles():
-    from pagellm.attention import native
+    from pagellm.ops import cpu_build
+    from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
 
-    for isa in native.runnable_isas():
-        library = native.native_library(isa)
+    for isa in cpu_build.runnable_isas():
+        library = cpu_build.native_library(isa)
         if library is None:
             pytest.skip("no C compiler")
-        has_dot = isa == "avx512" and "avx512_bf16" in native.cpu_flags()
-        assert native.LinearBF16.available(library) == has_dot
-        assert (native.linear_bf16(isa) is not None) == has_dot
+        has_dot = isa == "avx512" and "avx512_bf16" in cpu_build.cpu_flags()
+        assert LinearBF16.available(library) == has_dot
+        assert (linear_bf16(isa) is not None) == has_dot
         has_tiles = has_dot and cpu_has_amx_bf16()
         assert ctypes.c_int.in_dll(library, "pagellm_linear_bf16_amx_available").value == has_tiles
 
@@ -188,9 +189,9 @@ def test_only_the_avx512_bf16_build_has_the_linear_kernel_and_only_with_amx_its_
 def test_bf16_layers_the_kernel_cannot_take_stay_on_onednn():
     torch.manual_seed(0)
     fits, odd = _layer(64, 48, False, torch.bfloat16, shared=True), _layer(64, 40, False, torch.bfloat16, shared=True)
-    from pagellm.attention import native
+    from pagellm.ops.linear_bf16 import linear_bf16
 
-    assert isinstance(fits.dense_kernel, NativeBF16Packed) == (native.linear_bf16() is not None)
+    assert isinstance(fits.dense_kernel, NativeBF16Packed) == (linear_bf16() is not None)
     assert isinstance(odd.dense_kernel, OneDNNPacked)  # 40 outputs: not whole panels of 16
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     with torch.no_grad():

@@ -8,16 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagellm.attention import native
 from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.fused_moe import grouped_experts, linear_bf16_experts
+from pagellm.ops import cpu_build
 from pagellm.ops.cpu_moe import CpuMoEKernel
+from pagellm.ops.linear_bf16 import LinearBF16
 
-ISAS = native.runnable_isas()
+ISAS = cpu_build.runnable_isas()
 
 
 def _kernel(isa: str) -> CpuMoEKernel:
-    library = native.native_library(isa)
+    library = cpu_build.native_library(isa)
     if library is None:
         pytest.skip("no C compiler for the native kernels")
     return CpuMoEKernel(library)
@@ -101,7 +102,7 @@ def test_an_expert_id_out_of_range_is_refused(bad_id):
     w13, w2 = _experts(4, 32, 16, torch.float32, seed=6)
     ids = torch.tensor([[0, bad_id]])
     with pytest.raises(ValueError, match=r"expert id is outside \[0, experts\)"):
-        kernel = _kernel(native.best_isa())
+        kernel = _kernel(cpu_build.best_isa())
         kernel(torch.randn(1, 32), *kernel.pack(w13, w2), torch.full((1, 2), 0.5), ids)
 
 
@@ -109,7 +110,7 @@ def test_stacks_the_kernel_cannot_take_are_not_claimed_nor_run_unpacked():
     assert not CpuMoEKernel.supports(*(w.half() for w in _experts(4, 32, 16, torch.float32, seed=7)))
     w13, w2 = _experts(4, 32, 16, torch.float32, seed=7)
     assert not CpuMoEKernel.supports(w13, w2[:, :, :8])  # w2's intermediate size is not w13's
-    kernel = _kernel(native.best_isa())
+    kernel = _kernel(cpu_build.best_isa())
     with pytest.raises(ValueError, match="not CpuMoEKernel.pack's"):
         kernel(torch.randn(1, 32), w13.view(4, 2, 2, 8, 32), w2.view(4, 2, 16, 16), torch.ones(1, 1),
                torch.zeros(1, 1, dtype=torch.int64))
@@ -117,7 +118,7 @@ def test_stacks_the_kernel_cannot_take_are_not_claimed_nor_run_unpacked():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packing_puts_each_panels_features_side_by_side_zero_padded(dtype):
-    kernel = _kernel(native.best_isa())
+    kernel = _kernel(cpu_build.best_isa())
     w13, w2 = _experts(3, 20, 18, dtype, seed=7)  # 18 features: a full panel of 16 and a padded one
     w13p, w2p = kernel.pack(w13, w2)
     assert w13p.shape == (3, 2, 2, 20, 16) and w2p.shape == (3, 2, 18, 16)
@@ -142,7 +143,7 @@ def _dot_kernel() -> CpuMoEKernel:
     (1, 8, 2, 64, 32), (37, 5, 3, 48, 80), (300, 4, 2, 64, 48), (16, 32, 8, 128, 64)])
 def test_bf16_dot_layout_is_linear_bf16_per_expert_to_the_bit(tokens, num_experts, top_k, hidden, inter):
     kernel = _dot_kernel()
-    linear = native.LinearBF16(native.native_library("avx512"))
+    linear = LinearBF16(cpu_build.native_library("avx512"))
     w13, w2 = _experts(num_experts, hidden, inter, torch.bfloat16, seed=inter)
     x, weights, ids = _routed(tokens, hidden, num_experts, top_k, torch.bfloat16, seed=tokens)
     w13d, w2d = kernel.pack(w13, w2)
@@ -157,8 +158,8 @@ def test_bf16_dot_packing_is_linear_bf16s_per_expert():
     w13d, w2d = kernel.pack(w13, w2)
     assert w13d.shape == (3, 6, 16, 16, 2) and w2d.shape == (3, 2, 24, 16, 2)
     for e in range(3):
-        assert torch.equal(w13d[e], native.LinearBF16.pack(w13[e]))
-        assert torch.equal(w2d[e], native.LinearBF16.pack(w2[e]))
+        assert torch.equal(w13d[e], LinearBF16.pack(w13[e]))
+        assert torch.equal(w2d[e], LinearBF16.pack(w2[e]))
 
 
 def test_bf16_sizes_off_the_dot_layout_keep_the_panels():

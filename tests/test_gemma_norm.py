@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagellm.attention import native
 from pagellm.layers.layernorm import GemmaRMSNorm
+from pagellm.ops import cpu_build
+from pagellm.ops.cpu_ops import cpu_ops
 
 
-@pytest.mark.parametrize("isa", native.runnable_isas())
+@pytest.mark.parametrize("isa", cpu_build.runnable_isas())
 def test_fused_gemma_norm_matches_the_torch_ops(isa):
-    ops = native.cpu_ops(isa)
+    ops = cpu_ops(isa)
     if ops is None:
         pytest.skip("no C compiler")
     gen = torch.Generator().manual_seed(0)
@@ -36,12 +37,12 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
 
 
-@pytest.mark.parametrize("isa", native.runnable_isas())
+@pytest.mark.parametrize("isa", cpu_build.runnable_isas())
 def test_fused_gemma_norm_rounds_bfloat16_once_as_the_torch_ops_do(isa):
     """bfloat16 rows: the float32 product with the float32 1 + weight, rounded once (not the weight rounded to
     bfloat16 first, as Llama's kernel would): equal to the torch ops but for a rare last-place step where the
     kernel's sum of squares (in another order) moves the product across a rounding tie."""
-    ops = native.cpu_ops(isa)
+    ops = cpu_ops(isa)
     if ops is None:
         pytest.skip("no C compiler")
     gen = torch.Generator().manual_seed(1)

@@ -25,13 +25,13 @@ import numpy as np
 import pytest
 import torch
 
-from pagellm.attention import native
 from pagellm.cache_dir import cache_root
 from pagellm.cpu_features import cpu_has_amx_bf16, cpu_has_native
 from pagellm.models import gguf_quants
+from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels as gk
 
-ISAS = native.runnable_isas()
+ISAS = cpu_build.runnable_isas()
 TYPES = gk.KERNEL_TYPES
 ROW_COUNTS = (1, 3, 8, 33, 66, 128)  # the AVX-512 VNNI build's tiles take every type from 64 rows
 OUT_FEATURES = 67  # two output tiles (the second of 3 rows) for every type at these widths
@@ -404,10 +404,10 @@ def test_every_isa_compiles(tmp_path):
     CPU may not run, must still compile, without warnings. (The AVX-512 build without VNNI is the AVX2 code with
     wider registers available, and the builds this CPU runs are built by the tests above.)"""
     try:
-        compiler = native.find_compiler()
+        compiler = cpu_build.find_compiler()
     except FileNotFoundError:
         pytest.skip("no C compiler")
-    if "avx2" not in native.cpu_flags() and "sse2" not in native.cpu_flags():
+    if "avx2" not in cpu_build.cpu_flags() and "sse2" not in cpu_build.cpu_flags():
         pytest.skip("x86 targets need an x86 compiler")
     builds = {
         "avx2_vnni": gk.build_flags("avx2", frozenset({"avx_vnni"})),

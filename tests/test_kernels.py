@@ -14,6 +14,7 @@ import torch
 
 from pagellm.attention import native
 from pagellm.attention.paged import AttentionMetadata, DecodeMetadata, PrefillChunk, kv_write_index, paged_attention
+from pagellm.ops import cpu_build
 
 
 def _dense_reference(q, keys, values, first_position, scale):
@@ -132,23 +133,23 @@ def test_native_kernel_equals_torch_path_on_long_contexts():
 
 def test_native_kernel_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
-    native.native_library.cache_clear()
+    cpu_build.native_library.cache_clear()
     try:
         assert native.decode_kernel() is None
     finally:
         monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
-        native.native_library.cache_clear()
+        cpu_build.native_library.cache_clear()
 
 
 def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    native.native_library.cache_clear()
+    cpu_build.native_library.cache_clear()
     try:
         assert native.decode_kernel() is None
         assert "using torch ops" in caplog.text
     finally:
-        native.native_library.cache_clear()
+        cpu_build.native_library.cache_clear()
 
 
 # ---- linear layers (the fused ops and each instruction set: tests/test_kernels_isa.py) ----------------

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from pagellm.attention import native
+from pagellm.ops import cpu_build
+from pagellm.ops.cpu_ops import CpuOps, cpu_ops
 
-ISAS = native.runnable_isas()
+ISAS = cpu_build.runnable_isas()
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -26,7 +28,7 @@ def isa(request):
 
 
 def _ops(isa):
-    ops = native.cpu_ops(isa)
+    ops = cpu_ops(isa)
     if ops is None:
         pytest.skip("no C compiler")
     assert ops.isa == isa
@@ -133,8 +135,8 @@ def test_kv_writer_equals_index_copy(isa, dtype, tokens):
 
 def test_fused_ops_refuse_other_dtypes():
     ops = _ops(ISAS[0])
-    assert native.CpuOps.supports(576, 1536, torch.bfloat16) and native.CpuOps.supports(576, 1536)
-    assert not native.CpuOps.supports(576, 1536, torch.float16)
+    assert CpuOps.supports(576, 1536, torch.bfloat16) and CpuOps.supports(576, 1536)
+    assert not CpuOps.supports(576, 1536, torch.float16)
     with pytest.raises(TypeError, match="float16"):
         ops.silu_and_mul(torch.zeros(2, 16, dtype=torch.float16))
     with pytest.raises(TypeError, match="weight must be torch.bfloat16"):
@@ -286,51 +288,51 @@ def test_decode_kernel_refuses_head_sizes_it_cannot_sum():
 
 
 def test_isa_follows_cpu_flags_and_override(monkeypatch):
-    assert native.runnable_isas(frozenset()) == ["generic"]
-    assert native.runnable_isas(frozenset({"avx2", "fma"})) == ["avx2", "generic"]
+    assert cpu_build.runnable_isas(frozenset()) == ["generic"]
+    assert cpu_build.runnable_isas(frozenset({"avx2", "fma"})) == ["avx2", "generic"]
     avx512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"})
-    assert native.runnable_isas(avx512) == ["avx512", "avx2", "generic"]
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cpu_build.runnable_isas(avx512) == ["avx512", "avx2", "generic"]
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     monkeypatch.delenv("PAGELLM_CPU_ISA", raising=False)
-    assert native.best_isa() == "avx2"
+    assert cpu_build.best_isa() == "avx2"
     monkeypatch.setenv("PAGELLM_CPU_ISA", "generic")
-    assert native.best_isa() == "generic"
+    assert cpu_build.best_isa() == "generic"
     monkeypatch.setenv("PAGELLM_CPU_ISA", "avx512")
     with pytest.raises(ValueError, match="lacks"):
-        native.best_isa()
+        cpu_build.best_isa()
     monkeypatch.setenv("PAGELLM_CPU_ISA", "sse9")
     with pytest.raises(ValueError, match="sse9"):
-        native.best_isa()
+        cpu_build.best_isa()
 
 
 def test_override_selects_the_library(monkeypatch):
     monkeypatch.setenv("PAGELLM_CPU_ISA", ISAS[-1])
-    native.native_library.cache_clear()
+    cpu_build.native_library.cache_clear()
     try:
         assert native.decode_kernel().isa == ISAS[-1]
     finally:
         monkeypatch.delenv("PAGELLM_CPU_ISA")
-        native.native_library.cache_clear()
+        cpu_build.native_library.cache_clear()
     assert native.decode_kernel().isa == ISAS[0]
 
 
 def test_every_isa_compiles(tmp_path):
     """Compile-only (to object files): the builds this CPU cannot run must still compile on it."""
     try:
-        compiler = native.find_compiler()
+        compiler = cpu_build.find_compiler()
     except FileNotFoundError:
         pytest.skip("no C compiler")
-    if not any(flag in native.cpu_flags() for flag in ("avx2", "sse2")):
+    if not any(flag in cpu_build.cpu_flags() for flag in ("avx2", "sse2")):
         pytest.skip("x86 targets need an x86 compiler")  # the generic build is what other CPUs load
-    builds = {"generic": native.compiler_flags("generic"), "avx2": native.compiler_flags("avx2"),
-              "avx512": native.compiler_flags("avx512", native_bf16=False, amx=False),
-              "avx512_bf16": native.compiler_flags("avx512", native_bf16=True, amx=False),
-              "avx512_amx": native.compiler_flags("avx512", native_bf16=True, amx=True)}
+    builds = {"generic": cpu_build.compiler_flags("generic"), "avx2": cpu_build.compiler_flags("avx2"),
+              "avx512": cpu_build.compiler_flags("avx512", native_bf16=False, amx=False),
+              "avx512_bf16": cpu_build.compiler_flags("avx512", native_bf16=True, amx=False),
+              "avx512_amx": cpu_build.compiler_flags("avx512", native_bf16=True, amx=True)}
     jobs = []
     for name, flags in builds.items():
         # -O0: the same target checks (always_inline intrinsics need their instruction set) in less time.
         flags = ["-O0" if flag == "-O3" else flag for flag in flags]
-        for source in native._SOURCES:
+        for source in cpu_build.SOURCES:
             command = [compiler, *flags, "-Werror", "-c", str(source), "-o", str(tmp_path / f"{name}-{source.stem}.o")]
             jobs.append((name, subprocess.Popen(command, stderr=subprocess.PIPE, text=True)))
     for name, job in jobs:
@@ -356,8 +358,8 @@ def test_bf16_model_on_fused_ops_gives_the_unfused_greedy_tokens(tiny_llama_dir)
     model = runner.model
     model.use_cpu_ops(None)  # whatever the loader chose, first the torch ops
     unfused = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    ops = native.cpu_ops()
-    assert native.CpuOps.supports(model.config.hidden_size, model.config.intermediate_size, torch.bfloat16)
+    ops = cpu_ops()
+    assert CpuOps.supports(model.config.hidden_size, model.config.intermediate_size, torch.bfloat16)
     model.use_cpu_ops(ops)
     fused = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert fused == unfused

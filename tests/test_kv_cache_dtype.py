@@ -30,8 +30,9 @@ from pagellm.attention.backend import AttentionShape, StepAttentionInputs  # noq
 from pagellm.attention.kv_spec import KVCacheFormat, KVCacheSpec  # noqa: E402
 from pagellm.attention.paged import TorchAttentionBackend, kv_write_index, paged_attention, write_kv  # noqa: E402
 from pagellm.config import KV_CACHE_DTYPES  # noqa: E402
+from pagellm.ops import cpu_build
 
-ISAS = native.runnable_isas()
+ISAS = cpu_build.runnable_isas()
 # vLLM's names; the aliases resolve to the same stored format.
 NAMES = ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8", "fp8_per_token_head"]
 FORMATS = ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head"]

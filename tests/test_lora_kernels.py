@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from pagellm.attention.native import runnable_isas
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request
 from pagellm.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig
@@ -17,6 +16,7 @@ from pagellm.lora.cpu_kernels import lora_kernel
 from pagellm.lora.punica import add_lora_torch, build_mapping
 from pagellm.lora.request import LoRARequest
 from pagellm.lora.slot_table import LoRASlotTable
+from pagellm.ops.cpu_build import runnable_isas
 from pagellm.sampling_params import SamplingParams
 
 CASES = [

@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
 
 from pagellm.attention.kv_spec import KVCacheFormat  # noqa: E402
 from pagellm.attention.mla import mla_decode_kernel, torch_latent_decode, write_latent  # noqa: E402
-from pagellm.attention.native import runnable_isas  # noqa: E402
 from pagellm.attention.paged import DecodeMetadata, kv_write_index  # noqa: E402
+from pagellm.ops.cpu_build import runnable_isas  # noqa: E402
 
 NOPE, V = 24, 20
 

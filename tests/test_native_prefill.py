@@ -16,8 +16,9 @@ import torch
 from pagellm.attention import native
 from pagellm.attention.kv_spec import KVCacheFormat
 from pagellm.cpu_features import cpu_has_amx_bf16
+from pagellm.ops import cpu_build
 
-ISAS = native.runnable_isas()
+ISAS = cpu_build.runnable_isas()
 
 
 def _kernel_paths() -> list[tuple[str, bool]]:

@@ -20,12 +20,12 @@ import subprocess
 import pytest
 import torch
 
-from pagellm.attention import native
 from pagellm.cpu_features import cpu_has_native
+from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels as gk
 from pagellm.ops import w8a8_kernels as wk
 
-ISAS = native.runnable_isas()
+ISAS = cpu_build.runnable_isas()
 ROWS = (1, 3, 5, 8, 33, 70)
 # (K, N): K and N tails; K a multiple of 64 (what AMX's tiles take, in one or three tile steps) with an odd
 # number of 16-column strips.
@@ -63,7 +63,7 @@ def _on_path(kernels: wk.W8A8Kernels, path: str) -> wk.W8A8Kernels:
     the OS have them; K not a multiple of 64 stays on the vector path)."""
     if path == "amx" and not kernels.amx:
         pytest.skip("no AMX int8 tiles in this build, or the OS does not grant them")
-    kernels.amx_min_rows = 1 if path == "amx" else native.NEVER_ROWS
+    kernels.amx_min_rows = 1 if path == "amx" else cpu_build.NEVER_ROWS
     return kernels
 
 
@@ -238,10 +238,10 @@ def test_every_isa_compiles(tmp_path):
     """Compile-only: the VNNI builds (AVX-512 VNNI, AVX-VNNI), which this CPU may not run, and the others,
     without warnings."""
     try:
-        compiler = native.find_compiler()
+        compiler = cpu_build.find_compiler()
     except FileNotFoundError:
         pytest.skip("no C compiler")
-    if "avx2" not in native.cpu_flags() and "sse2" not in native.cpu_flags():
+    if "avx2" not in cpu_build.cpu_flags() and "sse2" not in cpu_build.cpu_flags():
         pytest.skip("x86 targets need an x86 compiler")
     builds = {
         "avx2_vnni": gk.build_flags("avx2", frozenset({"avx_vnni"})),

@@ -182,7 +182,7 @@ class MLADecodeKernel:
         return dtype in cls.DTYPES and (cache_format.quantized or cache_format.value_dtype in cls.DTYPES)
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        from pagellm.attention.native import library_isa
+        from pagellm.ops.cpu_build import library_isa
 
         self.isa = library_isa(library)
         self._function = library.mla_decode_attention
@@ -224,20 +224,21 @@ _CSRC = pathlib.Path(__file__).with_name("csrc")
 
 def mla_library(isa: str | None = None) -> ctypes.CDLL | None:
     """The MLA kernels built for `isa` (default: this CPU's best), or None where the native kernels are off
-    (PAGELLM_NATIVE_KERNELS=0) or cannot be built: native.native_library's rules, asked on every call."""
-    from pagellm.attention import native
+    (PAGELLM_NATIVE_KERNELS=0) or cannot be built: cpu_build.native_library's rules, asked on every call."""
+    from pagellm.ops import cpu_build
 
-    if native.native_library(isa) is None:
+    if cpu_build.native_library(isa) is None:
         return None
-    return _mla_library(isa or native.best_isa())
+    return _mla_library(isa or cpu_build.best_isa())
 
 
 @functools.cache
 def _mla_library(isa: str) -> ctypes.CDLL:
-    from pagellm.attention import native
+    from pagellm.ops import cpu_build
 
-    headers = [_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h", "kv_format.h")]
-    path = native.build_library(f"pagellm_mla_{isa}", [_CSRC / "mla_decode.c"], headers, native.compiler_flags(isa))
+    headers = [*cpu_build.VEC_HEADERS, cpu_build.KV_FORMAT_HEADER]
+    path = cpu_build.build_library(f"pagellm_mla_{isa}", [_CSRC / "mla_decode.c"], headers,
+                                   cpu_build.compiler_flags(isa))
     return ctypes.CDLL(str(path))
 
 

@@ -3,7 +3,7 @@ chunks one by one. It is the reference the other backends (backend.py) are teste
 
 A step's tokens arrive flattened, decodes first (one query token each), then prefill chunks.
 
-Decodes run on the native kernel where there is one (CPU, float32: `native.py`), which reads each
+Decodes run on the native kernel where there is one (CPU, float32 or bfloat16: `native.py`), which reads each
 sequence's blocks through its block table; otherwise they gather their blocks into a padded batch and
 attend with a key-padding mask (the torch path, which also serves as the reference in tests).
 

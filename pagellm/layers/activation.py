@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.attention.native import CpuOps
+from pagellm.ops.cpu_ops import CpuOps
 
 
 class SiluAndMul(nn.Module):

@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.attention.native import LinearBF16, linear_bf16
 from pagellm.distributed.parallel_state import current_group
 from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.linear import ReplicatedLinear
@@ -48,6 +47,7 @@ from pagellm.layers.quantization.unquantized import Unquantized
 from pagellm.layers.weights import copy_checked, set_weight_attrs
 from pagellm.ops.cpu_moe import CpuMoEKernel, cpu_moe_kernel
 from pagellm.ops.dense_linear import DenseKernel, UpcastScratch, choose_dense_kernel
+from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
 # What the experts apply between gate_up and down: SiLU(gate) * up, or gpt-oss's clamped SwiGLU (vLLM's name).

@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from pagellm.attention.native import CpuOps
+from pagellm.ops.cpu_ops import CpuOps
 
 
 class _ResidualRMSNorm(nn.Module, ABC):

@@ -14,7 +14,7 @@ import subprocess
 import numpy as np
 import torch
 
-from pagellm.attention import native
+from pagellm.ops import cpu_build
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class LoRAKernel:
 @functools.cache
 def _library(isa: str) -> ctypes.CDLL | None:
     try:
-        path = native.build_library(f"pagellm_lora_{isa}", [_SOURCE], [], native.compiler_flags(isa))
+        path = cpu_build.build_library(f"pagellm_lora_{isa}", [_SOURCE], [], cpu_build.compiler_flags(isa))
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
         detail = (getattr(error, "stderr", None) or str(error)).strip()
@@ -60,9 +60,9 @@ def _library(isa: str) -> ctypes.CDLL | None:
 
 
 def lora_kernel(isa: str | None = None) -> LoRAKernel | None:
-    """The kernel built for `isa` (default: native.best_isa()), or None where there is no compiler or
+    """The kernel built for `isa` (default: cpu_build.best_isa()), or None where there is no compiler or
     PAGELLM_NATIVE_KERNELS=0."""
     if os.environ.get("PAGELLM_NATIVE_KERNELS", "1") == "0":
         return None
-    library = _library(isa or native.best_isa())
+    library = _library(isa or cpu_build.best_isa())
     return LoRAKernel(library) if library is not None else None

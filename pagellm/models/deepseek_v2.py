@@ -23,7 +23,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagellm.attention.native import CpuOps
 from pagellm.layers.activation import SiluAndMul, gated_activation
 from pagellm.layers.fused_moe import ExpertCheckpointMixin, FusedMoE, Routing
 from pagellm.layers.layernorm import RMSNorm
@@ -32,6 +31,7 @@ from pagellm.layers.mla import MLAAttention
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RopeInputs, RotaryEmbedding
 from pagellm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from pagellm.ops.cpu_ops import CpuOps
 
 
 class DeepseekMLP(nn.Module):

@@ -25,13 +25,13 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from pagellm.attention.native import CpuOps
 from pagellm.layers.layernorm import GemmaRMSNorm
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RopeInputs, RotaryEmbedding
 from pagellm.layers.vocab_embedding import VocabEmbedding
 from pagellm.models.llama import LlamaForCausalLM, LlamaMLP, _hook_registries, _hooked, head_dim_of
 from pagellm.models.qwen3 import Qwen3Attention
+from pagellm.ops.cpu_ops import CpuOps
 from pagellm.ops.decode_stack import GemmaDecodeStack
 
 # Where a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its language model: transformers 5's

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata, paged_attention
 from pagellm.distributed.parallel_state import current_group
 from pagellm.layers.activation import SiluAndMul, gated_activation
@@ -25,6 +24,7 @@ from pagellm.layers.rotary import RopeInputs, RotaryEmbedding, apply_rotary
 from pagellm.layers.vocab_embedding import ParallelLMHead, VocabEmbedding, head_output, lm_head_mode
 from pagellm.layers.weights import default_weight_loader, weights_bytes
 from pagellm.models.sliding_window import layer_sliding_window
+from pagellm.ops.cpu_ops import CpuOps
 from pagellm.ops.decode_stack import DecodeStack
 
 # Checkpoint tensor names -> (fused parameter, shard), as the fused layers name their shards.

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from pagellm.attention.native import CpuOps, cpu_ops
 from pagellm.config import DEFAULT_MODEL, GENERATION_CONFIG_SAMPLING_KEYS
 from pagellm.layers.rotary import RotaryEmbedding
 from pagellm.layers.weights import process_weights_after_loading
 from pagellm.models import registry
 from pagellm.models.llama import LlamaForCausalLM
+from pagellm.ops.cpu_ops import CpuOps, cpu_ops
 from pagellm.worker.huge_pages import advise_huge_pages
 
 logger = logging.getLogger(__name__)

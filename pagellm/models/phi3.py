@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RopeInputs, RotaryEmbedding, apply_rotary
 from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, head_dim_of
+from pagellm.ops.cpu_ops import CpuOps
 
 
 def _rope_parameters(config) -> dict:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.attention.native import CpuOps
 from pagellm.attention.paged import AttentionMetadata
 from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.rotary import RopeInputs, apply_rotary
 from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from pagellm.ops.cpu_ops import CpuOps
 
 
 class Qwen3Attention(LlamaAttention):

@@ -14,7 +14,8 @@ import threading
 
 import torch
 
-from pagellm.attention.native import LinearBF16, native_library
+from pagellm.ops.cpu_build import native_library
+from pagellm.ops.linear_bf16 import LinearBF16
 from pagellm.worker.huge_pages import advise_huge_pages
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int

@@ -1,5 +1,5 @@
 """A GGUF, bfloat16 or int8 W8A8 Llama's decode step as one C call for all its decoder layers, a Gemma 3's as one per layer
-(attention/csrc/decode_stack.c).
+(ops/csrc/decode_stack.c).
 
 models/llama.py's direct path already runs each layer as its bare kernel calls, but each of those ~10 calls per
 layer still pays for its Python: argument checks, a fresh output tensor, the ctypes call. For a small model a
@@ -31,13 +31,16 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from pagellm.attention.native import KERNEL_DTYPES, CpuOps, DecodeKernel, KVWriter, LinearBF16, _cache_geometry
+from pagellm.attention.native import DecodeKernel, KVWriter, _cache_geometry
 from pagellm.attention.paged import AttentionMetadata, TorchAttentionBackend
-from pagellm.layers.rotary import RopeInputs
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import Int8LinearMethod, OnlineInt8LinearMethod
+from pagellm.layers.rotary import RopeInputs
+from pagellm.ops.cpu_build import KERNEL_DTYPES
+from pagellm.ops.cpu_ops import CpuOps
 from pagellm.ops.dense_linear import NativeBF16Packed
 from pagellm.ops.gguf_kernels import PreparedProduct
+from pagellm.ops.linear_bf16 import LinearBF16
 from pagellm.ops.w8a8_kernels import NativeInt8Linear
 from pagellm.ops.w8a8_kernels import _static as w8a8_static
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.native import LinearBF16, linear_bf16
 from pagellm.cpu_features import cpu_flags, cpu_has_native
+from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
 
 # Row count from which MKL on the plain weight is at least as fast as oneDNN (they tie at 512), in float32 on
 # CPUs without AVX-512.

@@ -13,7 +13,7 @@ blocks contiguous, as the file stores them), at its file size in memory. csrc/gg
 - `dequantize_rows` gathers rows as float32 or bfloat16: an embedding's lookup, and a tied LM head shares the
   embedding's blocks with it.
 
-The library is built per instruction set from one source by pagellm.attention.native's machinery (flags per ISA,
+The library is built per instruction set from one source by pagellm.ops.cpu_build's machinery (flags per ISA,
 cache, PAGELLM_CPU_ISA to force one, PAGELLM_NATIVE_KERNELS=0 to switch kernels off). `gguf_ops()` returns the
 kernels, or `TorchGGUFOps` (dequantize with pagellm.models.gguf_quants, then F.linear) where they cannot be
 built, so that a model always runs; the same class is the reference the kernels are tested against.
@@ -34,9 +34,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention import native
 from pagellm.cpu_features import cpu_flags, cpu_has_amx_bf16, cpu_has_native
 from pagellm.models.gguf_quants import QUANT_FORMATS, QuantFormat, dequantize
+from pagellm.ops import cpu_build
 
 if TYPE_CHECKING:
     from pagellm.ops.triton_gguf import TritonGGUFKernels
@@ -229,7 +229,7 @@ class GGUFKernels:
     computed from float32 and returned in their dtype); outputs have x's dtype."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.isa = native.library_isa(library)
+        self.isa = cpu_build.library_isa(library)
         library.gguf_dot_instructions.restype = ctypes.c_char_p
         self.dot_instructions = library.gguf_dot_instructions().decode()
         self._matmul = library.gguf_matmul
@@ -419,7 +419,7 @@ def _matmul_failure(code: int, rows: int, type_name: str, in_features: int) -> E
 
 
 def build_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
-    """The compiler flags of the kernels for `isa` on a CPU with `flags` (default: this one's): native.py's, plus
+    """The compiler flags of the kernels for `isa` on a CPU with `flags` (default: this one's): cpu_build.py's, plus
     the VNNI dot product and AMX's int8 tiles where the CPU has them, and no contracted multiply-adds (the
     dequantizers round as gguf's)."""
     flags = cpu_flags() if flags is None else flags
@@ -430,13 +430,13 @@ def build_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
             extra += ["-mamx-tile", "-mamx-int8"]
     elif isa == "avx2" and "avx_vnni" in flags:
         extra.append("-mavxvnni")
-    return native.compiler_flags(isa) + extra
+    return cpu_build.compiler_flags(isa) + extra
 
 
 @functools.cache
 def _library(isa: str) -> ctypes.CDLL | None:
     try:
-        path = native.build_library(f"pagellm_gguf_{isa}", _SOURCES, _HEADERS, build_flags(isa))
+        path = cpu_build.build_library(f"pagellm_gguf_{isa}", _SOURCES, _HEADERS, build_flags(isa))
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
         detail = (getattr(error, "stderr", None) or str(error)).strip()
@@ -446,11 +446,11 @@ def _library(isa: str) -> ctypes.CDLL | None:
 
 
 def gguf_kernels(isa: str | None = None) -> GGUFKernels | None:
-    """The kernels built for `isa` (default: native.best_isa(), which honours PAGELLM_CPU_ISA), or None where
+    """The kernels built for `isa` (default: cpu_build.best_isa(), which honours PAGELLM_CPU_ISA), or None where
     there is no compiler or PAGELLM_NATIVE_KERNELS=0."""
     if os.environ.get("PAGELLM_NATIVE_KERNELS", "1") == "0":
         return None
-    library = _library(isa or native.best_isa())
+    library = _library(isa or cpu_build.best_isa())
     return GGUFKernels(library) if library is not None else None
 
 

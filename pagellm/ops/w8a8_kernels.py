@@ -37,15 +37,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention import native
 from pagellm.cpu_features import cpu_has_native
+from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels
 
 logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "w8a8.c"]
-_HEADERS = [_CSRC / "gguf_simd.h", _CSRC / "isa_name.h", native.AMX_HEADER]
+_HEADERS = [_CSRC / "gguf_simd.h", _CSRC / "isa_name.h", cpu_build.AMX_HEADER]
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 # Output columns per packed fp8 panel and int8 strip, and int8 inputs per dot group (csrc/w8a8.c's layouts).
@@ -239,7 +239,7 @@ class W8A8Kernels:
     float32 and returned in their dtype); outputs in x's dtype."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.isa = native.library_isa(library)
+        self.isa = cpu_build.library_isa(library)
         self.library = library  # for the decode stack's product pointer (pagellm/ops/decode_stack.py)
         library.w8a8_dot_instructions.restype = ctypes.c_char_p
         self.dot_instructions = library.w8a8_dot_instructions().decode()
@@ -248,7 +248,7 @@ class W8A8Kernels:
         self._int8.argtypes = [_PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _F32, _PTR, _PTR,
                                _I64]
         self.amx = bool(ctypes.c_int.in_dll(library, "pagellm_w8a8_amx_available").value and library.w8a8_amx_ready())
-        self.amx_min_rows = INT8_AMX_MIN_ROWS if self.amx else native.NEVER_ROWS
+        self.amx_min_rows = INT8_AMX_MIN_ROWS if self.amx else cpu_build.NEVER_ROWS
         self._quantize = library.w8a8_quantize_rows
         self._quantize.restype = _INT
         self._quantize.argtypes = [_PTR, _INT, _I64, _I64, _F32, _PTR, _PTR]
@@ -371,7 +371,7 @@ def _static(scale: float | None) -> float:
 @functools.cache
 def _library(isa: str) -> ctypes.CDLL | None:
     try:
-        path = native.build_library(f"pagellm_w8a8_{isa}", _SOURCES, _HEADERS, gguf_kernels.build_flags(isa))
+        path = cpu_build.build_library(f"pagellm_w8a8_{isa}", _SOURCES, _HEADERS, gguf_kernels.build_flags(isa))
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
         detail = (getattr(error, "stderr", None) or str(error)).strip()
@@ -381,11 +381,11 @@ def _library(isa: str) -> ctypes.CDLL | None:
 
 
 def w8a8_kernels(isa: str | None = None) -> W8A8Kernels | None:
-    """The kernels built for `isa` (default: native.best_isa(), which honours PAGELLM_CPU_ISA), or None where
+    """The kernels built for `isa` (default: cpu_build.best_isa(), which honours PAGELLM_CPU_ISA), or None where
     there is no compiler or PAGELLM_NATIVE_KERNELS=0."""
     if os.environ.get("PAGELLM_NATIVE_KERNELS", "1") == "0":
         return None
-    library = _library(isa or native.best_isa())
+    library = _library(isa or cpu_build.best_isa())
     return W8A8Kernels(library) if library is not None else None
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention import native
+from pagellm.ops import cpu_build
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class WNA16Kernels:
     """csrc/wna16.c with its argument types declared."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.isa = native.library_isa(library)
+        self.isa = cpu_build.library_isa(library)
         library.wna16_block_columns.restype = _INT
         if library.wna16_block_columns() != BLOCK_COLUMNS:
             raise RuntimeError(f"wna16.c has blocks of {library.wna16_block_columns()} columns, wna16.py "
@@ -344,7 +344,7 @@ def _operands(x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None, bias
 @functools.cache
 def _library(isa: str) -> ctypes.CDLL | None:
     try:
-        path = native.build_library(f"pagellm_wna16_{isa}", _SOURCES, _HEADERS, native.compiler_flags(isa))
+        path = cpu_build.build_library(f"pagellm_wna16_{isa}", _SOURCES, _HEADERS, cpu_build.compiler_flags(isa))
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError, FileNotFoundError) as error:
         detail = (getattr(error, "stderr", None) or str(error)).strip()
@@ -354,11 +354,11 @@ def _library(isa: str) -> ctypes.CDLL | None:
 
 
 def wna16_kernels(isa: str | None = None) -> WNA16Kernels | None:
-    """The kernels built for `isa` (default: native.best_isa(), which honours PAGELLM_CPU_ISA), or None where
+    """The kernels built for `isa` (default: cpu_build.best_isa(), which honours PAGELLM_CPU_ISA), or None where
     there is no compiler or PAGELLM_NATIVE_KERNELS=0."""
     if os.environ.get("PAGELLM_NATIVE_KERNELS", "1") == "0":
         return None
-    library = _library(isa or native.best_isa())
+    library = _library(isa or cpu_build.best_isa())
     return WNA16Kernels(library) if library is not None else None
 
 

@@ -18,9 +18,9 @@ def test_gemm_options_agree_with_f_linear(dtype):
     x = torch.randn(5, 24, dtype=dtype)
     expected = F.linear(x.float(), weight.float())
     options = gemm_options(weight)
-    from pagellm.attention import native
+    from pagellm.ops.linear_bf16 import linear_bf16
 
-    assert ("native" in options) == (dtype == torch.bfloat16 and native.linear_bf16() is not None)
+    assert ("native" in options) == (dtype == torch.bfloat16 and linear_bf16() is not None)
     assert ("packed" in options) == can_pack_for_cpu(weight.device, dtype)
     for name, fn in options.items():
         torch.testing.assert_close(fn(x).float(), expected, rtol=2e-2, atol=5e-2, msg=name)

@@ -11,8 +11,9 @@ import torch
 
 from benchmarks.synthetic_gguf import LlamaShape, write_synthetic_gguf
 from pagellm import LLM, SamplingParams
-from pagellm.attention.native import LinearBF16, native_library
+from pagellm.ops.cpu_build import native_library
 from pagellm.ops.decode_stack import DecodeStack, DenseBF16Part
+from pagellm.ops.linear_bf16 import LinearBF16
 
 # Q4_1 blocks, head_dim 64 (the native decode kernel's multiple of 32), grouped KV heads, three layers.
 SHAPE = LlamaShape(hidden_size=128, intermediate_size=256, num_layers=3, num_heads=2, num_kv_heads=1)

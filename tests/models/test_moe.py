@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from pagellm import LLM, SamplingParams
-from pagellm.attention.native import linear_bf16
 from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
 from pagellm.layers import fused_moe
 from pagellm.layers.fused_moe import ExpertPlacement, FusedMoE, Routing
 from pagellm.models.loader import default_dtype
 from pagellm.ops.cpu_moe import cpu_moe_kernel
+from pagellm.ops.linear_bf16 import linear_bf16
 from tests.conftest import TINY_CONFIG
 from tests.helpers import PROMPTS
 from tests.models.tiny_checkpoints import check_greedy, checkpoint_dirs, greedy_references

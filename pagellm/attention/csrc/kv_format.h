@@ -11,7 +11,7 @@
 #ifndef PAGELLM_KV_FORMAT_H
 #define PAGELLM_KV_FORMAT_H
 
-#include "vec.h"
+#include "../../ops/csrc/vec.h"
 
 /* KVCacheFormat.code */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_E4M3 = 3, KV_E5M2 = 4, KV_INT8 = 5 };

@@ -341,7 +341,7 @@ static void attend_one(const float *restrict q, const uint16_t *restrict q16, co
 }
 
 #ifdef HAVE_AMX_BF16
-#include "amx_tiles.h"
+#include "../../ops/csrc/amx_tiles.h"
 
 /* ---- bfloat16 queries over a bfloat16 cache on AMX tiles ----
  *

@@ -204,7 +204,7 @@ typedef struct {
 #define AMX_ROW_BLOCK 16
 
 #ifdef HAVE_AMX_BF16
-#include "amx_tiles.h"
+#include "../../ops/csrc/amx_tiles.h"
 
 /* ---- bfloat16 on AMX tiles ----
  * The packed tiles are already in the tiles' B layout: a key tile's rows are pairs of dims, 32 keys of 4 bytes

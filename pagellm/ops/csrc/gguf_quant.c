@@ -17,7 +17,7 @@
  * gguf_dequantize_rows: chosen rows of W as float32 or bfloat16 (an embedding's gather, or tiles of W for a
  * dense GEMM), rounding exactly where gguf's numpy dequantizer does (hence -ffp-contract=off for this file).
  *
- * Built with OpenMP against the libgomp torch already loaded (see pagellm/attention/native.py), so it runs
+ * Built with OpenMP against the libgomp torch already loaded (see pagellm/ops/cpu_build.py), so it runs
  * on torch's thread pool with torch's thread count.
  */
 #include <math.h>
@@ -42,7 +42,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
 /* How far ahead of the block being unpacked its weight row is prefetched. */
 #define PREFETCH_AHEAD 1024
 /* Below this many multiply-adds a call runs on the calling thread: a parallel region is ~1 us on a quiet
- * machine, but waits for a busy core where other processes hold them (see attention/csrc/cpu_ops.c). */
+ * machine, but waits for a busy core where other processes hold them (see cpu_ops.c). */
 #define PARALLEL_MIN_WORK (1 << 18)
 
 static int block_weights(int type) {

@@ -6,7 +6,7 @@
  * Every build keeps 32-byte vectors, the AVX-512 one too: at decode sizes the products are bound by memory, and
  * this way the AVX-512 build runs the AVX2 build's code except for the one VNNI instruction (and, from 64 rows,
  * gguf_quant.c's 512-bit tiles, written with AVX-512 intrinsics). Its own header, not
- * attention/csrc/vec.h: those helpers are float vectors of the build's width, these are fixed-width integer ones. */
+ * vec.h: those helpers are float vectors of the build's width, these are fixed-width integer ones. */
 #ifndef PAGELLM_GGUF_SIMD_H
 #define PAGELLM_GGUF_SIMD_H
 

@@ -1,4 +1,4 @@
-/* The instruction set a kernel library was built for, as its pagellm_isa() reports it (native.py's build flags
+/* The instruction set a kernel library was built for, as its pagellm_isa() reports it (cpu_build.py's build flags
  * define PAGELLM_ISA_*). */
 #ifndef PAGELLM_ISA_NAME_H
 #define PAGELLM_ISA_NAME_H

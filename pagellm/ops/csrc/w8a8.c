@@ -30,7 +30,7 @@
  *   fp8 scales [blocks of K][Np] float32, multiplied by 256 (the widening yields w / 256, exactly).
  *
  * Built per instruction set with the flags of pagellm/ops/gguf_kernels.py (-ffp-contract=off: the float
- * epilogues round where the torch reference does), OpenMP on torch's thread pool (see attention/native.py).
+ * epilogues round where the torch reference does), OpenMP on torch's thread pool (see ops/cpu_build.py).
  */
 #include <math.h>
 #include <omp.h>
@@ -43,7 +43,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define HAVE_AMX_INT8 1
-#include "../../attention/csrc/amx_tiles.h"
+#include "amx_tiles.h"
 #else
 #define HAVE_AMX_INT8 0
 #endif
@@ -518,7 +518,7 @@ int w8a8_int8_linear(const void *x, int x_bf16, int64_t rows, int64_t K, int64_t
     return 0;
 }
 
-/* One int8 layer as the decode stack calls its products (attention/csrc/decode_stack.c: gguf_matmul's signature),
+/* One int8 layer as the decode stack calls its products (decode_stack.c: gguf_matmul's signature),
  * its weights at `w`. */
 typedef struct {
     const int8_t *packed;

@@ -24,7 +24,7 @@
  * wna16_dequantize_t: columns of W as float32, transposed (input features as rows, in input order): a tile for a
  * dense GEMM x @ tile, or the whole weight as a reference.
  *
- * Written once with GCC/Clang vector extensions; pagellm/attention/native.py builds it per instruction set
+ * Written once with GCC/Clang vector extensions; pagellm/ops/cpu_build.py builds it per instruction set
  * (AVX-512, AVX2 with FMA, generic), with OpenMP against the libgomp torch already loaded.
  */
 #include <omp.h>

@@ -5,7 +5,7 @@
  * calls costs microseconds of argument checks, tensor allocation and ctypes; a small model's decode step makes
  * ~300 of them, a large share of its time. The linear products are the GGUF kernels' gguf_matmul, reached
  * through a pointer (they live in their own library). */
-#include "kv_format.h"
+#include "../../attention/csrc/kv_format.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -1,6 +1,6 @@
 /* Float vectors of the width chosen at build time, and the helpers every kernel file uses.
  *
- * native.py compiles the kernels once per instruction set with -DPAGELLM_ISA_AVX512 or -DPAGELLM_ISA_AVX2
+ * cpu_build.py compiles the kernels once per instruction set with -DPAGELLM_ISA_AVX512 or -DPAGELLM_ISA_AVX2
  * (or neither: the generic build). Each width header defines VEC floats per vector (fvec), the matching
  * int32 (ivec) and uint16 (hvec) vectors and a horizontal sum; everything else is written once here with
  * GCC/Clang vector extensions, which every target compiles (the arithmetic needs no intrinsics). */
