@@ -26,11 +26,9 @@ _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes
 _KERNEL_FORMAT_NAMES = ("float32", "bfloat16")
 
 
-
 def kernels_read(kv_format: KVCacheFormat) -> bool:
     """Whether the native attention kernels read caches of this format."""
     return kv_format.quantized or kv_format.name in _KERNEL_FORMAT_NAMES
-
 
 
 def _cache_geometry(cache: torch.Tensor, head_dim: int, kv_format: KVCacheFormat | None) -> tuple[int, int, int]:
@@ -48,7 +46,6 @@ def _cache_geometry(cache: torch.Tensor, head_dim: int, kv_format: KVCacheFormat
     return kv_format.code, cache.shape[1], run // (head_dim + 2)
 
 
-
 def _checked_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
     """Attention sinks as the kernels read them: contiguous float32 [num_heads] (None: no sinks)."""
     if sinks is None:
@@ -57,7 +54,6 @@ def _checked_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor |
         raise ValueError(f"sinks is {sinks.device} {tuple(sinks.shape)}; the kernels take one float32 logit per "
                          f"query head, [{num_heads}] on the CPU")
     return sinks.to(torch.float32).contiguous()
-
 
 
 class DecodeKernel:
@@ -133,7 +129,6 @@ class DecodeKernel:
         return out.to(query_dtype)
 
 
-
 @dataclass(frozen=True)
 class PrefillChunks:
     """A step's prefill chunks as the prefill kernel reads them, checked once per step (every layer reuses
@@ -159,7 +154,6 @@ class PrefillChunks:
         if (lens < 1).any() or (seq_lens < lens).any() or (starts < 0).any():
             raise ValueError("every chunk needs query_start >= 0 and 1 <= query_len <= seq_len")
         return cls(tables, starts, lens, seq_lens, int((starts + lens).max()), int(seq_lens.max()))
-
 
 
 class PrefillKernel:
@@ -240,7 +234,6 @@ class PrefillKernel:
         return out
 
 
-
 class KVWriter:
     """write_kv_rows: the step's keys and values into their cache rows (the torch path's index_copy_); for a
     quantized format, write_kv_rows_quantized (kv_spec.py's KVCacheFormat.quantize, byte for byte)."""
@@ -288,24 +281,19 @@ class KVWriter:
                        v_cache.data_ptr(), rows.data_ptr(), tokens, num_kv_heads, head_dim, k.element_size())
 
 
-
 def _on_library(kind, isa: str | None):
     """`kind` (a kernel wrapper class) bound to the library for `isa`, or None where there is none."""
     library = native_library(isa)
     return kind(library) if library is not None else None
 
 
-
 def decode_kernel(isa: str | None = None) -> DecodeKernel | None:
     return _on_library(DecodeKernel, isa)
-
 
 
 def kv_writer(isa: str | None = None) -> KVWriter | None:
     return _on_library(KVWriter, isa)
 
 
-
 def prefill_kernel(isa: str | None = None) -> PrefillKernel | None:
     return _on_library(PrefillKernel, isa)
-

@@ -194,4 +194,3 @@ def _cpu_identity() -> bytes:
 def _first_line(error: Exception) -> str:
     detail = getattr(error, "stderr", None) or str(error)
     return detail.strip().splitlines()[0] if detail.strip() else type(error).__name__
-

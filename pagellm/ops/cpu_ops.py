@@ -18,7 +18,6 @@ def check_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
                         f"weight share one dtype; rotary tables are float32, positions int64)")
 
 
-
 class CpuOps:
     """The fused elementwise kernels on contiguous CPU tensors of float32 or bfloat16 (see cpu_ops.c); every
     tensor of one call has the same dtype, and bfloat16 results are rounded where torch's would be."""
@@ -111,7 +110,6 @@ class CpuOps:
             check_dtype("positions", positions, torch.int64)
         self._rotary(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, head_dim, cos.data_ptr(),
                      sin.data_ptr(), positions.data_ptr(), bf16)
-
 
 
 def cpu_ops(isa: str | None = None) -> CpuOps | None:

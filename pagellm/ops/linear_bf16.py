@@ -67,9 +67,7 @@ class LinearBF16:
         return y if rows is x else y.view(*x.shape[:-1], out_features)
 
 
-
 def linear_bf16(isa: str | None = None) -> LinearBF16 | None:
     """The bfloat16 linear kernel, or None where the library for `isa` has none (no avx512_bf16, no compiler)."""
     library = native_library(isa)
     return LinearBF16(library) if library is not None and LinearBF16.available(library) else None
-
