@@ -7,6 +7,8 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
   quantizer (llama_model_quantize, allow_requantize), so the same weights as bf16's; SmolLM2's 576-wide rows are not
   a multiple of 256, so llama.cpp's Q4_K_M falls back to Q5_0 (and Q8_0) there and keeps Q4_K/Q6_K for the
   1536-wide down projections, as published SmolLM2 Q4_K_M files do;
+- `gguf Q8_0 (requant), fp32` and `gguf Q8_0 (requant), fp32 + bf16 KV`: the Q8_0 file with float32 activations,
+  its KV cache in float32 or in bfloat16 (kv_cache_dtype="bfloat16");
 - `int8 online`, `fp8 online`: the HF export with quantization="int8" (W8A8) / "fp8", quantized as it loads;
 - `awq 4-bit`, `gptq 4-bit act-order`, `gptq 8-bit`: the HF export packed as AutoAWQ / AutoGPTQ pack it
   (round-to-nearest groups of 64, as 576 input features take: tests/quant_checkpoints.py);
@@ -61,6 +63,7 @@ class Format:
     source: str  # "gguf", "gemma", "hf" or a checkpoint writer's key
     dtype: str = "auto"
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
 
 FORMATS = [
@@ -68,6 +71,10 @@ FORMATS = [
     Format("bf16", "hf", "bfloat16"),
     Format("gguf Q4_1", "gguf"),
     Format("gguf Q8_0 (requant)", "requant-Q8_0"),
+    # The same file with float32 activations (the int8 kernels quantize them per 32 from float32, as llama.cpp's do),
+    # its KV cache in float32 or kept in bfloat16 (kv_cache_dtype="bfloat16": the bfloat16 model's tokens per GiB).
+    Format("gguf Q8_0 (requant), fp32", "requant-Q8_0", "float32"),
+    Format("gguf Q8_0 (requant), fp32 + bf16 KV", "requant-Q8_0", "float32", kv_cache_dtype="bfloat16"),
     Format("gguf Q4_K_M (requant)", "requant-Q4_K_M"),
     # The online formats run in the dtype a user gets (float32 on CPUs without bf16 instructions, else bfloat16).
     Format("int8 online", "hf", "auto", "int8"),
@@ -181,7 +188,8 @@ def run_pagellm(fmt: Format, path: str, args: argparse.Namespace) -> dict:
 
     rss_before = _status_kib("VmRSS")
     started = time.perf_counter()
-    llm = LLM(path, dtype=fmt.dtype, quantization=fmt.quantization, kv_cache_memory_bytes=KV_CACHE_BYTES,
+    llm = LLM(path, dtype=fmt.dtype, quantization=fmt.quantization, kv_cache_dtype=fmt.kv_cache_dtype,
+              kv_cache_memory_bytes=KV_CACHE_BYTES,
               max_model_len=MAX_MODEL_LEN, max_num_seqs=max(args.batch, 8), enable_prefix_caching=False, seed=0)
     load_s = time.perf_counter() - started
     rss_loaded, peak = _status_kib("VmRSS"), _status_kib("VmHWM")

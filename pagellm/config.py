@@ -32,9 +32,11 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_DISTRIBUTED_TIMEOUT_SECONDS = 300.0
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
-# vLLM's names of the KV cache formats pagellm stores (pagellm/attention/kv_spec.py): the model's dtype, fp8
-# (e4m3 or e5m2) and int8, the 8-bit ones with a scale per token and KV head.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "int8_per_token_head")
+# vLLM's names of the KV cache formats pagellm stores (pagellm/attention/kv_spec.py): the model's dtype, a half
+# dtype of its own (a float32 model's K/V kept in bfloat16 or float16), fp8 (e4m3 or e5m2) and int8, the 8-bit ones
+# with a scale per token and KV head.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head",
+                   "int8_per_token_head")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's StructuredOutputsConfig fields and defaults. pagellm's grammars run on xgrammar ("auto" picks it);
 # disable_any_whitespace is read by the grammar code; the others select what pagellm has not and stay as they are.
@@ -333,9 +335,10 @@ class EngineArgs:
                                             help="exact KV pool size, e.g. 512MiB or 4G (overrides "
                                                  "--gpu-memory-utilization)")
     kv_cache_dtype: str = arg("auto", group=CACHE, choices=KV_CACHE_DTYPES,
-                              help="KV cache format: auto (the model's dtype), fp8 / fp8_e4m3 / fp8_e5m2 / "
-                                   "fp8_per_token_head or int8_per_token_head (1 byte per value and a bfloat16 "
-                                   "scale per token and KV head: ~2x the tokens)")
+                              help="KV cache format: auto (the model's dtype), bfloat16 or float16 (K/V rounded "
+                                   "to that dtype whatever the model's: half a float32 model's cache), fp8 / "
+                                   "fp8_e4m3 / fp8_e5m2 / fp8_per_token_head or int8_per_token_head (1 byte per "
+                                   "value and a bfloat16 scale per token and KV head: ~2x the tokens)")
     num_gpu_blocks_override: int | None = arg(None, group=CACHE, kind="int",
                                               help="exact number of KV blocks (testing)")
     enable_prefix_caching: bool | None = arg(None, group=CACHE, kind="bool",

@@ -1,4 +1,4 @@
-"""kv_cache_dtype: the 8-bit KV cache formats (attention/kv_spec.py), from the bytes up to the engine.
+"""kv_cache_dtype: the KV cache formats (attention/kv_spec.py), from the bytes up to the engine.
 
 - The writers: the C writer (every instruction set this CPU runs), the Triton writer (under TRITON_INTERPRET=1) and
   kv_spec.py's torch reference quantize byte for byte alike, on rows chosen to reach every rounding case (ties,
@@ -10,6 +10,9 @@
   dequantized cache, and the C and Triton step paths equal the torch path on the same quantized pool.
 - The pool's density; the engine end to end (prefix caching, preemption, n > 1) against transformers with keys and
   values rounded as the cache stores them; what it logs; the refusal of formats it does not have.
+- "bfloat16" / "float16" under a float32 model (a cache of another float dtype than the model's): the torch path
+  attends the rounded K/V, the C and Triton step paths equal it, and the engine equals transformers with K/V
+  rounded to bfloat16.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pagellm.attention.backend import AttentionShape, StepAttentionInputs  # noq
 from pagellm.attention.kv_spec import KVCacheFormat, KVCacheSpec  # noqa: E402
 from pagellm.attention.paged import TorchAttentionBackend, kv_write_index, paged_attention, write_kv  # noqa: E402
 from pagellm.config import KV_CACHE_DTYPES  # noqa: E402
-from pagellm.ops import cpu_build
+from pagellm.ops import cpu_build  # noqa: E402
 
 ISAS = cpu_build.runnable_isas()
 # vLLM's names; the aliases resolve to the same stored format.
@@ -118,7 +121,7 @@ def hard_rows(kv_format: KVCacheFormat, head_dim: int, seed: int) -> torch.Tenso
 
 
 def test_names_resolve_to_vllms_formats():
-    assert set(KV_CACHE_DTYPES) == {"auto", *STORED_AS}
+    assert set(KV_CACHE_DTYPES) == {"auto", "bfloat16", "float16", *STORED_AS}
     for name, stored in STORED_AS.items():
         assert _format(name).name == stored and _format(name).quantized
     assert _format("fp8") == _format("fp8_per_token_head") == _format("fp8_e4m3")
@@ -449,6 +452,76 @@ def test_triton_step_path_equals_the_torch_path(name, dtype):
     assert error < (2e-5 if dtype == torch.float32 else 2e-3), f"relative error {error:.2e}"
 
 
+# ---- a float cache of another dtype than the model's ------------------------------------------------------
+
+
+def test_half_names_resolve_to_unquantized_formats_of_their_dtype():
+    """vLLM's "bfloat16" and "float16": the cache in that dtype whatever the model's (the same as "auto" for a model
+    of that dtype), half a float32 model's bytes per token."""
+    for name, dtype, code in (("bfloat16", torch.bfloat16, 1), ("float16", torch.float16, 2)):
+        kv_format = KVCacheFormat.resolve(name, torch.float32)
+        assert kv_format == KVCacheFormat(name, dtype, code) and not kv_format.quantized
+        assert kv_format.storage_dtype == dtype and KVCacheFormat.resolve(name, dtype) == KVCacheFormat.resolve(
+            "auto", dtype)
+        spec = KVCacheSpec(30, 3, 64, 16, torch.float32, name)
+        assert spec.tokens_per_gib == 2 * KVCacheSpec(30, 3, 64, 16, torch.float32).tokens_per_gib
+        assert spec.pool_shape(5) == (30, 2, 5, 3, 16, 64)
+    assert native.kernels_read(KVCacheFormat.resolve("bfloat16", torch.float32))
+    assert not native.kernels_read(KVCacheFormat.resolve("float16", torch.float32))
+
+
+def _half_step_case(dtype: torch.dtype, shape: AttentionShape, seed: int, long_context: int = 150):
+    from tests.attention_cases import make_step
+
+    step, q, k, v, k_cache, v_cache = make_step(shape, [0, 37, long_context, 0, 45, 16], [1, 1, 1, 23, 30, 9],
+                                                num_blocks=48, seed=seed)
+    return step, q, k, v, k_cache.to(dtype), v_cache.to(dtype)
+
+
+def test_torch_path_on_a_bfloat16_cache_attends_the_rounded_keys_and_values():
+    """float32 queries over a bfloat16 cache: the torch path writes the step's K/V rounded, and attends what the
+    cache gives back (a chunk that starts its sequence too): the same outputs as a float32 cache holding the rounded
+    values with the step's K/V rounded beforehand."""
+    shape = AttentionShape(6, 2, 64, 16, KVCacheFormat.resolve("bfloat16", torch.float32))
+    step, q, k, v, k_cache, v_cache = _half_step_case(torch.bfloat16, shape, seed=13)
+    out, k_written, v_written = _run_step(TorchAttentionBackend(shape, torch.device("cpu"), None), step, q, k, v,
+                                          k_cache, v_cache)
+    float_shape = AttentionShape(6, 2, 64, 16)
+    rounded = [x.to(torch.bfloat16).float() for x in (k, v)]
+    expected, k_float, _ = _run_step(TorchAttentionBackend(float_shape, torch.device("cpu"), None), step, q,
+                                     *rounded, k_cache.float(), v_cache.float())
+    assert k_written.dtype == torch.bfloat16 and torch.equal(k_written.float(), k_float)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_c_step_path_equals_the_torch_path_on_a_bfloat16_cache():
+    """The C writer rounds float32 K/V into a bfloat16 cache as torch's .to does (pools equal byte for byte), and
+    the C decode and prefill kernels attend the widened values in float32 (prefill on float32 tiles, not the
+    bfloat16 model's arithmetic), as the torch path does."""
+    shape = AttentionShape(6, 2, 64, 16, KVCacheFormat.resolve("bfloat16", torch.float32))
+    case = _half_step_case(torch.bfloat16, shape, seed=11)
+    reference = _run_step(TorchAttentionBackend(shape, torch.device("cpu"), None), *case)
+    for isa in ISAS:
+        backend = TorchAttentionBackend(shape, torch.device("cpu"), _c(native.decode_kernel, isa),
+                                        _c(native.kv_writer, isa), _c(native.prefill_kernel, isa))
+        out, k_cache, v_cache = _run_step(backend, *case)
+        assert torch.equal(k_cache, reference[1]) and torch.equal(v_cache, reference[2])
+        torch.testing.assert_close(out, reference[0], rtol=1e-4, atol=2e-5)
+
+
+@needs_triton
+def test_triton_step_path_equals_the_torch_path_on_a_float16_cache():
+    """The Triton writer and kernels with float32 queries over a float16 cache (the interpreter has no bfloat16):
+    the pool written alike, the outputs within the float32 backends' tolerance."""
+    shape = AttentionShape(4, 2, 32, 16, KVCacheFormat.resolve("float16", torch.float32))
+    case = _half_step_case(torch.float16, shape, seed=12, long_context=100)
+    reference = _run_step(TorchAttentionBackend(shape, torch.device("cpu"), None), *case)
+    out, k_written, v_written = _run_step(_triton_backend(shape), *case)
+    assert torch.equal(k_written, reference[1]) and torch.equal(v_written, reference[2])
+    error = (out - reference[0]).norm() / reference[0].norm()
+    assert error < 2e-5, f"relative error {error:.2e}"
+
+
 # ---- the pool ---------------------------------------------------------------------------------------------
 
 
@@ -514,14 +587,37 @@ def test_fp8_engine_with_prefix_caching_preemption_and_forks_attends_the_quantiz
     remaining differences are float32 rounding of K/V computed in other batch shapes (a code may round the other
     way): measured at 8e-5 nats; 1e-3 leaves room for other instruction sets while a block misread, lost or shared
     wrongly moves logprobs by tenths."""
+    kv_format = _format("fp8")
+    _check_engine_against_rounded_reference(tiny_llama_dir, hf_tiny, "fp8", kv_format, torch.uint8)
+
+
+def test_float32_engine_on_a_bfloat16_cache_attends_the_rounded_keys_and_values(tiny_llama_dir, hf_tiny):
+    """kv_cache_dtype="bfloat16" under a float32 model (vLLM's name; half the cache's bytes), in the fp8 test's
+    batch (preemption, prefix caching, n=2), on the native writer, decode and prefill kernels: greedy tokens and
+    logprobs equal transformers' with keys and values rounded to bfloat16 as they enter its cache."""
+    _check_engine_against_rounded_reference(tiny_llama_dir, hf_tiny, "bfloat16", _RoundedTo(torch.bfloat16),
+                                            torch.bfloat16)
+
+
+class _RoundedTo:
+    """A float cache of another dtype than the model's, as hf_greedy_through_quantized_cache applies it."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype).to(x.dtype)
+
+
+def _check_engine_against_rounded_reference(tiny_llama_dir, hf_tiny, cache_dtype: str, rounding,
+                                            pool_dtype: torch.dtype) -> None:
     from pagellm import LLM, SamplingParams
     from tests.helpers import check_logprobs_close
 
-    kv_format = _format("fp8")
-    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_dtype="fp8", num_gpu_blocks_override=10, max_model_len=96,
-              enable_prefix_caching=True)
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_dtype=cache_dtype, num_gpu_blocks_override=10,
+              max_model_len=96, enable_prefix_caching=True)
     runner = llm.llm_engine.core.runner
-    assert runner.kv_pool.dtype == torch.uint8 and runner.native_decode is not None
+    assert runner.kv_pool.dtype == pool_dtype and runner.native_decode is not None
     llm.generate([PROMPT_PREFIX], SamplingParams(max_tokens=1), use_tqdm=False)  # caches the prefix's blocks
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5, n=2)
     outputs = llm.generate(ENGINE_PROMPTS, params, use_tqdm=False)
@@ -532,7 +628,7 @@ def test_fp8_engine_with_prefix_caching_preemption_and_forks_attends_the_quantiz
     agreeing = drift = 0
     for output in outputs:
         expected_tokens, expected_tops = hf_greedy_through_quantized_cache(hf_tiny, output.prompt_token_ids,
-                                                                           kv_format, 5)
+                                                                           rounding, 5)
         assert len(output.outputs) == 2
         for sample in output.outputs:
             tops = [{token: lp.logprob for token, lp in position.items()} for position in sample.logprobs]
@@ -587,5 +683,5 @@ def test_unknown_kv_cache_dtypes_are_refused_naming_the_value_and_the_choices(ti
         assert f"kv_cache_dtype={bad!r}" in message and all(name in message for name in KV_CACHE_DTYPES)
     with pytest.raises(ArgumentValueError, match="kv_cache_dtype='fp4'"):
         LLM(tiny_llama_dir, kv_cache_dtype="fp4")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp4' is not supported; use one of auto, fp8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp4' is not supported; use one of auto, bfloat16, "):
         KVCacheSpec(2, 1, 32, 16, torch.float32, "fp4").format

@@ -1,7 +1,9 @@
 """The KV cache's format: the one object that sizes the pool, lays it out, and tells the K/V writers and every
 attention kernel (torch, C, Triton) how to read it.
 
-`kv_cache_dtype` names it as vLLM does. "auto" keeps K/V in the model's dtype. The 8-bit formats store one byte
+`kv_cache_dtype` names it as vLLM does. "auto" keeps K/V in the model's dtype; "bfloat16" and "float16" keep them
+in that dtype whatever the model's (a float32 model's K/V rounded to bfloat16 as they are written: half the bytes,
+and the attention arithmetic stays the model's, on values widened from the cache). The 8-bit formats store one byte
 per value and, beside each row of head_dim values (one token's keys or values of one KV head), that row's scale
 in bfloat16:
 
@@ -45,6 +47,8 @@ _QUANTIZED = {
     "fp8_e5m2": (torch.float8_e5m2, 57344.0, 4),
     "int8": (torch.int8, 127.0, 5),
 }
+# Unquantized formats named for their dtype (vLLM's names), whatever the model's.
+_NAMED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # vLLM's names for them; "fp8" is e4m3, as on NVIDIA GPUs.
 _ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "fp8_per_token_head": "fp8_e4m3",
             "int8_per_token_head": "int8"}
@@ -54,8 +58,9 @@ SCALE_BYTES = 2
 
 @dataclass(frozen=True)
 class KVCacheFormat:
-    """How one value of the cache is stored: `name` is the model's dtype ("bfloat16", ...) for an unquantized
-    cache, or "fp8_e4m3", "fp8_e5m2", "int8" for a cache of codes with a bfloat16 scale per row."""
+    """How one value of the cache is stored: `name` is its dtype ("bfloat16", ...) for an unquantized cache (the
+    model's, or the one kv_cache_dtype names), or "fp8_e4m3", "fp8_e5m2", "int8" for a cache of codes with a
+    bfloat16 scale per row."""
 
     name: str
     value_dtype: torch.dtype  # of the values, or of the codes
@@ -65,8 +70,9 @@ class KVCacheFormat:
     @classmethod
     def resolve(cls, cache_dtype: str, model_dtype: torch.dtype) -> KVCacheFormat:
         """The format `kv_cache_dtype=cache_dtype` gives a model computing in `model_dtype`."""
-        if cache_dtype == "auto":
-            return cls(str(model_dtype).removeprefix("torch."), model_dtype, _UNQUANTIZED_CODES.get(model_dtype, -1))
+        if cache_dtype == "auto" or cache_dtype in _NAMED_DTYPES:
+            dtype = _NAMED_DTYPES.get(cache_dtype, model_dtype)
+            return cls(str(dtype).removeprefix("torch."), dtype, _UNQUANTIZED_CODES.get(dtype, -1))
         if cache_dtype not in _ALIASES:
             raise ValueError(f"kv_cache_dtype={cache_dtype!r} is not supported; use one of "
                              f"{', '.join(KV_CACHE_DTYPES)}.")

@@ -105,7 +105,9 @@ def chunk_context(chunk: PrefillChunk, own: torch.Tensor, cache: torch.Tensor,
     that starts its sequence attends to its own rows `own` (as the cache gives them back), one with context
     before it reads the whole context from the cache."""
     if chunk.block_table is None:
-        return (kv_format.round_trip(own) if kv_format is not None and kv_format.quantized else own), None
+        if kv_format is not None and kv_format.quantized:
+            return kv_format.round_trip(own), None
+        return own.to(cache.dtype), None  # rounded where the cache has a dtype of its own
     latents = read_latents(cache, chunk.block_table, chunk.context_len, own.shape[-1], kv_format)
     return latents, chunk_mask(chunk, own.device)
 

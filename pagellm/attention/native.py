@@ -197,9 +197,11 @@ class PrefillKernel:
         sliding_window > 0: the query at position p attends keys in (p - sliding_window, p] only.
         sinks: None, or [num_heads] float32 logits each head's softmax denominator also holds."""
         quantized = kv_format is not None and kv_format.quantized
-        if q.dtype not in self.DTYPES or v_cache.dtype != k_cache.dtype or not quantized and k_cache.dtype != q.dtype:
-            raise TypeError(f"the native prefill kernel takes float32 or bfloat16 queries and caches of one dtype "
-                            f"(or a quantized cache), not q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+        if (q.dtype not in self.DTYPES or v_cache.dtype != k_cache.dtype
+                or not quantized and k_cache.dtype != q.dtype and k_cache.dtype != torch.bfloat16):
+            raise TypeError(f"the native prefill kernel takes float32 or bfloat16 queries and caches of their dtype "
+                            f"(or bfloat16, or quantized), not q {q.dtype}, k_cache {k_cache.dtype}, v_cache "
+                            f"{v_cache.dtype}")
         tokens, num_heads, head_dim = q.shape
         if k_cache.dim() == 4 and k_cache.shape[3] != head_dim:
             raise ValueError(f"q has heads of {head_dim}, the cache of {k_cache.shape[3]}: head sizes must match")
@@ -245,6 +247,9 @@ class KVWriter:
         self._quantized = library.write_kv_rows_quantized
         self._quantized.restype = None
         self._quantized.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
+        self._to_bf16 = library.write_kv_rows_to_bf16
+        self._to_bf16.restype = None
+        self._to_bf16.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
 
     @staticmethod
     def writes(kv_format: KVCacheFormat, dtype: torch.dtype) -> bool:
@@ -260,8 +265,14 @@ class KVWriter:
         quantized = kv_format is not None and kv_format.quantized
         if quantized and v.dtype != k.dtype:
             raise ValueError(f"k is {k.dtype} and v {v.dtype}; quantizing takes them in one dtype")
+        # A cache of its own dtype (kv_cache_dtype="bfloat16" under a float32 model): rounded as torch rounds,
+        # by the C writer where it converts the pair of dtypes, else by torch before the copy.
+        narrowing = not quantized and k_cache.dtype == torch.bfloat16 and k.dtype == v.dtype == torch.float32
+        if not quantized and k_cache.dtype != k.dtype and not narrowing:
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         for name, x in (("k", k), ("v", v)):
-            if (x.dtype not in KERNEL_DTYPES if quantized else x.dtype != k_cache.dtype) or x.shape != k.shape:
+            if (x.dtype not in KERNEL_DTYPES if quantized or narrowing else x.dtype != k_cache.dtype) \
+                    or x.shape != k.shape:
                 wanted = "float32 or bfloat16" if quantized else k_cache.dtype
                 raise ValueError(f"{name} is {x.dtype} {tuple(x.shape)}; the cache takes {wanted} {tuple(k.shape)}")
         k, v = (x if x.stride(2) == 1 and x.stride(1) == head_dim else x.contiguous() for x in (k, v))
@@ -276,6 +287,10 @@ class KVWriter:
             self._quantized(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
                             v_cache.data_ptr(), rows.data_ptr(), tokens, num_kv_heads, head_dim, block_size,
                             int(k.dtype == torch.bfloat16), format_code)
+            return
+        if narrowing:
+            self._to_bf16(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
+                          v_cache.data_ptr(), rows.data_ptr(), tokens, num_kv_heads, head_dim)
             return
         self._function(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
                        v_cache.data_ptr(), rows.data_ptr(), tokens, num_kv_heads, head_dim, k.element_size())

@@ -17,7 +17,9 @@ aligned to the lower right, because its first query sits `num_computed` tokens i
 
 A quantized cache (kv_spec.py: fp8 or int8 codes with a scale per row) is written by quantizing each row; the
 torch path attends the dequantized cache in float32 (a chunk that starts its sequence attends its own K/V as the
-cache gives them back), which is the reference the kernels that read the codes directly are tested against.
+cache gives them back), which is the reference the kernels that read the codes directly are tested against. A
+cache of another float dtype than the model's (kv_cache_dtype="bfloat16" under float32) is written rounded to it
+and read back widened, and a chunk that starts its sequence attends its K/V rounded the same way.
 
 A layer with a sliding window of W tokens (`models/sliding_window.py`) lets the query at position p see
 keys in (p - W, p] only. Its decodes and chunks read only the blocks that window touches: block-table
@@ -115,8 +117,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             codes.view(blocks * heads, block_size, head_dim)[runs, offsets] = new_codes
             scales.view(blocks * heads, block_size)[runs, offsets] = new_scales
         return
-    k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
-    v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim))
+    k_cache.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
+    v_cache.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, kv_format: KVCacheFormat | None = None,
@@ -309,6 +311,8 @@ def torch_paged_attention(q, k, v, k_cache, v_cache, meta, scale: float,
         parts.append(kernel(q[num_decodes:], k_cache, v_cache, chunks, scale, sliding_window or 0, kv_format, sinks))
     if meta.prefill_chunks and kv_format is not None:
         k, v = kv_format.round_trip(k), kv_format.round_trip(v)
+    elif meta.prefill_chunks and k_cache.dtype != k.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # as the cache gives them back; SDPA widens them
     for chunk in meta.prefill_chunks:
         start, end = num_decodes + chunk.start, num_decodes + chunk.end
         parts.append(_chunk_attention(q[start:end], k[start:end], v[start:end], k_cache, v_cache, chunk, scale,

@@ -126,9 +126,10 @@ def write_kv_kernel(
 
 @triton.jit
 def _load_kv(cache_ptr, scale_ptr, rows, scale_rows, dims, kv_mask, in_seq, dtype, QUANT: tl.constexpr):
-    """A tile of keys or values [TILE_N, DIM_PAD] in `dtype`: loaded, or dequantized from codes and scales."""
+    """A tile of keys or values [TILE_N, DIM_PAD] in `dtype`: loaded (and converted, where the cache has a dtype
+    of its own), or dequantized from codes and scales."""
     if QUANT == 0:
-        return tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        return tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(dtype)
     codes = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0)
     scales = tl.load(scale_ptr + scale_rows, mask=in_seq, other=0)
     return _dequantize(codes, scales, QUANT).to(dtype)

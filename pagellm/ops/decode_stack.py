@@ -222,7 +222,8 @@ class _Stack:
                 return False
             if (v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or kv_heads != self.num_kv_heads
                     or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-                    or (not quantized and k_cache.dtype is not self.dtype)):
+                    or (not quantized and k_cache.dtype is not self.dtype
+                        and not (k_cache.dtype is torch.bfloat16 and self.dtype is torch.float32))):
                 return False
             codes.add((code, block_size))
             struct.k_cache, struct.v_cache = k_cache.data_ptr(), v_cache.data_ptr()

@@ -83,9 +83,9 @@ def test_the_stack_generates_what_the_direct_path_does(gguf_path, float_llm, dty
     assert {1, 3} <= set(ran)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8_per_token_head"])
-def test_the_stack_writes_and_reads_a_quantized_cache_as_the_direct_path_does(gguf_path, kv_cache_dtype,
-                                                                               monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8_per_token_head", "bfloat16"])
+def test_the_stack_writes_and_reads_a_narrow_cache_as_the_direct_path_does(gguf_path, kv_cache_dtype, monkeypatch):
+    """A quantized cache, or a bfloat16 one under the float32 model (C's float32 -> bfloat16 writer)."""
     llm = _llm(gguf_path, kv_cache_dtype=kv_cache_dtype)
     _stack(llm)
     stacked, direct, ran = _with_and_without(llm, monkeypatch)

@@ -149,19 +149,21 @@ def test_parallel_samples_and_beam_search_on_shared_latent_blocks(mla_dirs, hf_r
     assert llm.llm_engine.get_stats().kv_cache.num_used_blocks == 0
 
 
-def test_fp8_latent_cache(mla_dirs, attention_backend):
+@pytest.mark.parametrize("cache_dtype,row_bytes", [("fp8", 82), ("bfloat16", 160)])
+def test_narrow_latent_cache(cache_dtype, row_bytes, mla_dirs, attention_backend):
     """kv_cache_dtype="fp8": each latent row is 80 e4m3 codes and a bfloat16 scale, which the C kernel reads as
-    stored; the pool holds 4 * 80 / 82 times the tokens of the float32 latent. Greedy output equals the torch
-    reference path's over the same cache format."""
+    stored; the pool holds 4 * 80 / 82 times the tokens of the float32 latent. "bfloat16" under the float32
+    model: the row rounded to bfloat16 (twice the tokens), read widened. Greedy output equals the torch reference
+    path's over the same cache format."""
     prompts = MLA_PROMPTS[:3]
-    llm = LLM(mla_dirs("v2-lite"), **ENGINE_ARGS, kv_cache_dtype="fp8")
+    llm = LLM(mla_dirs("v2-lite"), **ENGINE_ARGS, kv_cache_dtype=cache_dtype)
     assert llm.llm_engine.core.runner.attn_backend.name == "mla-cpu-native"
     spec = llm.llm_engine.core.executor.driver.kv_spec
-    assert spec.tokens_per_gib == pytest.approx(GiB / (2 * 82))
+    assert spec.tokens_per_gib == pytest.approx(GiB / (2 * row_bytes))
     native = [output.outputs[0].token_ids for output in llm.generate(prompts, GREEDY, use_tqdm=False)]
     del llm
     attention_backend("torch")
-    reference = LLM(mla_dirs("v2-lite"), **ENGINE_ARGS, kv_cache_dtype="fp8")
+    reference = LLM(mla_dirs("v2-lite"), **ENGINE_ARGS, kv_cache_dtype=cache_dtype)
     assert reference.llm_engine.core.runner.attn_backend.name == "mla-torch"
     expected = [output.outputs[0].token_ids for output in reference.generate(prompts, GREEDY, use_tqdm=False)]
     assert native == expected

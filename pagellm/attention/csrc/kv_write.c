@@ -59,3 +59,24 @@ void write_kv_rows_quantized(const void *k, const void *v, int64_t k_row_stride,
         }
     }
 }
+
+/* write_kv_rows from float32 K/V into a bfloat16 cache (kv_cache_dtype="bfloat16" under a float32 model): each value
+ * rounded to nearest even, as torch's .to(torch.bfloat16) rounds it. */
+void write_kv_rows_to_bf16(const float *k, const float *v, int64_t k_row_stride, int64_t v_row_stride,
+                           uint16_t *k_cache, uint16_t *v_cache, const int64_t *rows, int64_t tokens,
+                           int64_t num_kv_heads, int64_t head_dim) {
+#pragma omp parallel for if (tokens * num_kv_heads * head_dim >= 8 * PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const int64_t row = rows[t * num_kv_heads + h];
+            const float *sources[2] = {k + t * k_row_stride + h * head_dim, v + t * v_row_stride + h * head_dim};
+            uint16_t *caches[2] = {k_cache + row * head_dim, v_cache + row * head_dim};
+            for (int kv = 0; kv < 2; ++kv) {
+                int64_t d = 0;
+                for (; d + VEC <= head_dim; d += VEC) store_any(caches[kv], d, vload(sources[kv] + d), 1);
+                if (d < head_dim)
+                    store_part(caches[kv], d, head_dim - d, load_part(sources[kv], d, head_dim - d, 0), 1);
+            }
+        }
+    }
+}

@@ -559,7 +559,8 @@ static void pack_all(const Prefill *p, int64_t total_tiles, int format, int dot)
     }
 }
 
-/* kv_format: kv_format.h's KV_* (not KV_F16); an unquantized cache has q's dtype; sinks NULL or [num_heads].
+/* kv_format: kv_format.h's KV_* (not KV_F16); an unquantized cache has q's dtype, or is bfloat16 under float32
+ * queries; sinks NULL or [num_heads].
  * use_amx: a bfloat16 cache takes the tiles where the build has them and the process may use them
  * (linear_bf16_amx_ready). Returns 1 if a buffer could not be allocated, 2 if head_dim is not a multiple of 32. */
 int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
@@ -569,7 +570,10 @@ int paged_prefill_attention(const void *q, int64_t q_token_stride, const void *k
                             int64_t block_size, float scale, int64_t sliding_window, const float *sinks,
                             int use_amx) {
     if (head_dim % 32 != 0) return 2;
-    const int q_bf16 = q_is_bf16 != 0, bf16 = kv_format == KV_BF16;
+    /* bf16: the bfloat16 model's arithmetic, for bfloat16 queries on a bfloat16 cache. float32 queries on a
+     * bfloat16 cache (kv_cache_dtype="bfloat16" under a float32 model) take the float32 path on float32 tiles
+     * widened from the cache, as a quantized cache's are. */
+    const int q_bf16 = q_is_bf16 != 0, bf16 = kv_format == KV_BF16 && q_bf16;
 #ifdef HAVE_BF16_DOT
     const int dot = bf16;
 #else

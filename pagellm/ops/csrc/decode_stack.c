@@ -82,6 +82,9 @@ void write_kv_rows(const void *k, const void *v, int64_t k_row_stride, int64_t v
 void write_kv_rows_quantized(const void *k, const void *v, int64_t k_row_stride, int64_t v_row_stride, void *k_cache,
                              void *v_cache, const int64_t *rows, int64_t tokens, int64_t num_kv_heads,
                              int64_t head_dim, int64_t block_size, int bf16, int format);
+void write_kv_rows_to_bf16(const float *k, const float *v, int64_t k_row_stride, int64_t v_row_stride,
+                           uint16_t *k_cache, uint16_t *v_cache, const int64_t *rows, int64_t tokens,
+                           int64_t num_kv_heads, int64_t head_dim);
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int kv_format, int q_is_bf16,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                            void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -131,6 +134,9 @@ static void write_kv(const StackShape *s, const StackStep *step, const char *k, 
     if (kv_quantized(s->kv_format))
         write_kv_rows_quantized(k, v, k_stride, v_stride, k_cache, v_cache, step->kv_rows, step->tokens,
                                 s->num_kv_heads, s->head_dim, s->block_size, s->bf16, s->kv_format);
+    else if (s->kv_format == KV_BF16 && !s->bf16)  /* float32 activations over a bfloat16 cache */
+        write_kv_rows_to_bf16((const float *)k, (const float *)v, k_stride, v_stride, k_cache, v_cache,
+                              step->kv_rows, step->tokens, s->num_kv_heads, s->head_dim);
     else
         write_kv_rows(k, v, k_stride, v_stride, k_cache, v_cache, step->kv_rows, step->tokens, s->num_kv_heads,
                       s->head_dim, s->bf16 ? 2 : 4);
