@@ -133,7 +133,7 @@ def test_prefill_kernel_checks_its_inputs(kernel):
     q, k_cache, v_cache, chunks = inputs
     tables, starts, lens, seq_lens = chunks.block_tables, chunks.query_starts, chunks.query_lens, chunks.seq_lens
     assert native.PrefillKernel.supports(64) and not native.PrefillKernel.supports(48)
-    with pytest.raises(TypeError, match="one dtype"):
+    with pytest.raises(TypeError, match="caches of their dtype"):
         kernel(q.bfloat16(), *inputs[1:], 0.1)
     with pytest.raises(ValueError, match="sliding_window=-2"):
         kernel(*inputs, 0.1, sliding_window=-2)
