@@ -263,15 +263,17 @@ def test_speculative_verification_on_the_device_keeps_greedy_output(gpu_tiny_dir
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-def test_fp8_kv_engine_on_the_device_equals_the_cpu_engine(gpu_tiny_dir):
-    """The same fp8 pool contents on both devices (the writers are byte-exact), so the same greedy tokens up to
-    a near-tie: where they first differ, each side's token must be in the other's top 5."""
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "bfloat16"])
+def test_narrow_kv_engine_on_the_device_equals_the_cpu_engine(gpu_tiny_dir, kv_cache_dtype):
+    """The same fp8 (or, under the float32 model, bfloat16) pool contents on both devices (the writers are
+    byte-exact), so the same greedy tokens up to a near-tie: where they first differ, each side's token must be in
+    the other's top 5."""
     prompts = _prompts()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     runs = []
     for device_args in (ENGINE_ARGS, dict(device="cpu", kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=48,
                                           max_num_seqs=8)):
-        llm = LLM(gpu_tiny_dir, dtype="float32", kv_cache_dtype="fp8", **device_args)
+        llm = LLM(gpu_tiny_dir, dtype="float32", kv_cache_dtype=kv_cache_dtype, **device_args)
         runs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
         del llm
     exact = 0
