@@ -38,6 +38,11 @@ from pagellm.ops import cpu_build
 
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, BLOCK = 30, 3, 9, 64, 16
 FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head")
+
+
+def formats_for(dtype: torch.dtype) -> tuple[str, ...]:
+    """The formats to compare under a model of `dtype`: a float32 model's cache kept in bfloat16 besides."""
+    return FORMATS[:1] + ("bfloat16",) + FORMATS[1:] if dtype == torch.float32 else FORMATS
 # A fixed English text (prose from pagellm's README as of this benchmark): 837 tokens in the default tokenizer.
 TEXT = """\
 An LLM inference engine in Python built on PagedAttention, with vLLM's API: the KV cache lives in one
@@ -113,12 +118,12 @@ def decode_table(dtype: torch.dtype, seqs: int, context: int, layers: int, round
     context_lens = np.full(seqs, context, dtype=np.int64)
     q = torch.randn(seqs, HEADS, HEAD_DIM, generator=gen).to(dtype)
     variants = {}
-    for name in FORMATS:
+    for name in formats_for(dtype):
         kv_format = KVCacheFormat.resolve(name, dtype)
         caches = []
         for _ in range(layers):  # one layer's values at a time: the float copy of a whole pool would be large
             pair = [torch.randn(seqs * blocks + 1, KV_HEADS, BLOCK, HEAD_DIM, generator=gen) for _ in range(2)]
-            caches.append([kv_format.pack(x) if kv_format.quantized else x.to(dtype) for x in pair])
+            caches.append([kv_format.pack(x) if kv_format.quantized else x.to(kv_format.value_dtype) for x in pair])
         pool_bytes = sum(x.numel() * x.element_size() for pair in caches for x in pair)
         for isa in cpu_build.runnable_isas():
             kernel, order = native.decode_kernel(isa), itertools.cycle(range(layers))
@@ -149,8 +154,8 @@ def perplexity_table(dtype: torch.dtype) -> None:
     print("| kv_cache_dtype | tokens | perplexity | vs auto |")
     print("|---|---|---|---|")
     base = None
-    for name in FORMATS:
-        llm = LLM(dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=name, kv_cache_memory_bytes=64 << 20,
+    for name in formats_for(dtype):
+        llm = LLM(dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=name, kv_cache_memory_bytes=128 << 20,
                   max_model_len=2048, enable_prefix_caching=False)
         output = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
         ids = output.prompt_token_ids
