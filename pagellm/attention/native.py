@@ -268,11 +268,11 @@ class KVWriter:
         # A cache of its own dtype (kv_cache_dtype="bfloat16" under a float32 model): rounded as torch rounds,
         # by the C writer where it converts the pair of dtypes, else by torch before the copy.
         narrowing = not quantized and k_cache.dtype == torch.bfloat16 and k.dtype == v.dtype == torch.float32
-        if not quantized and k_cache.dtype != k.dtype and not narrowing:
+        if not (quantized or narrowing) and k_cache.dtype != k.dtype:
             k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         for name, x in (("k", k), ("v", v)):
-            if (x.dtype not in KERNEL_DTYPES if quantized or narrowing else x.dtype != k_cache.dtype) \
-                    or x.shape != k.shape:
+            fits = x.dtype in KERNEL_DTYPES if quantized else narrowing or x.dtype == k_cache.dtype
+            if not fits or x.shape != k.shape:
                 wanted = "float32 or bfloat16" if quantized else k_cache.dtype
                 raise ValueError(f"{name} is {x.dtype} {tuple(x.shape)}; the cache takes {wanted} {tuple(k.shape)}")
         k, v = (x if x.stride(2) == 1 and x.stride(1) == head_dim else x.contiguous() for x in (k, v))

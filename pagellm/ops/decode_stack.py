@@ -49,6 +49,12 @@ ENV = "PAGELLM_DECODE_STACK"
 _MEMORY, _PRODUCT, _ATTENTION = 1, 10, 20
 
 
+def _writes_unquantized(cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether decode_stack.c's write_kv puts activations of `dtype` into an unquantized cache of `cache_dtype`:
+    a copy in their own dtype, or float32 rounded into a bfloat16 cache (kv_cache_dtype="bfloat16")."""
+    return cache_dtype is dtype or (cache_dtype is torch.bfloat16 and dtype is torch.float32)
+
+
 class _StackShape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in
                 ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size")] + [
@@ -222,8 +228,7 @@ class _Stack:
                 return False
             if (v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or kv_heads != self.num_kv_heads
                     or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-                    or (not quantized and k_cache.dtype is not self.dtype
-                        and not (k_cache.dtype is torch.bfloat16 and self.dtype is torch.float32))):
+                    or not (quantized or _writes_unquantized(k_cache.dtype, self.dtype))):
                 return False
             codes.add((code, block_size))
             struct.k_cache, struct.v_cache = k_cache.data_ptr(), v_cache.data_ptr()

@@ -71,12 +71,11 @@ void write_kv_rows_to_bf16(const float *k, const float *v, int64_t k_row_stride,
             const int64_t row = rows[t * num_kv_heads + h];
             const float *sources[2] = {k + t * k_row_stride + h * head_dim, v + t * v_row_stride + h * head_dim};
             uint16_t *caches[2] = {k_cache + row * head_dim, v_cache + row * head_dim};
-            for (int kv = 0; kv < 2; ++kv) {
-                int64_t d = 0;
-                for (; d + VEC <= head_dim; d += VEC) store_any(caches[kv], d, vload(sources[kv] + d), 1);
-                if (d < head_dim)
-                    store_part(caches[kv], d, head_dim - d, load_part(sources[kv], d, head_dim - d, 0), 1);
-            }
+            for (int kv = 0; kv < 2; ++kv)
+                for (int64_t d = 0; d < head_dim; d += VEC) {
+                    const int64_t n = piece(d, head_dim);
+                    store_n(caches[kv], d, n, load_n(sources[kv], d, n, 0), 1);
+                }
         }
     }
 }

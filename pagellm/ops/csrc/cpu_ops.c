@@ -18,16 +18,6 @@
 /* The value a torch op of the model's dtype would store: rounded in bfloat16, as is in float32. */
 static ALWAYS_INLINE fvec as_stored(fvec v, const int bf16) { return bf16 ? round_bf16(v) : v; }
 
-/* n (<= VEC) elements from `index`: a whole vector, or a row's zero-padded tail. */
-static ALWAYS_INLINE fvec load_n(const void *p, int64_t index, int64_t n, const int bf16) {
-    return n == VEC ? load_any(p, index, bf16) : load_part(p, index, n, bf16);
-}
-
-static ALWAYS_INLINE void store_n(void *p, int64_t index, int64_t n, fvec v, const int bf16) {
-    if (n == VEC) store_any(p, index, v, bf16);
-    else store_part(p, index, n, v, bf16);
-}
-
 /* Stores v (rounded in bfloat16) and returns what was stored, widened: one rounding for both uses. */
 static ALWAYS_INLINE fvec store_n_stored(void *p, int64_t index, int64_t n, fvec v, const int bf16) {
     if (!bf16) {
@@ -38,11 +28,6 @@ static ALWAYS_INLINE fvec store_n_stored(void *p, int64_t index, int64_t n, fvec
     if (n == VEC) memcpy((uint16_t *)p + index, &bits, sizeof bits);
     else memcpy((uint16_t *)p + index, &bits, n * sizeof(uint16_t));
     return from_bf16_bits(bits);
-}
-
-/* Elements of a row of `length` from `index` on that one vector holds. */
-static ALWAYS_INLINE int64_t piece(int64_t index, int64_t length) {
-    return length - index < VEC ? length - index : VEC;
 }
 
 /* residual (if not NULL) += x, then out = weight * norm(h) with h the sum (or x). transformers' LlamaRMSNorm

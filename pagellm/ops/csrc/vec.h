@@ -102,6 +102,21 @@ static ALWAYS_INLINE void store_part(void *p, int64_t index, int64_t n, fvec v, 
     memcpy((char *)p + index * size, padded, n * size);
 }
 
+/* n (<= VEC) elements from `index`: a whole vector, or a row's zero-padded tail. */
+static ALWAYS_INLINE fvec load_n(const void *p, int64_t index, int64_t n, const int bf16) {
+    return n == VEC ? load_any(p, index, bf16) : load_part(p, index, n, bf16);
+}
+
+static ALWAYS_INLINE void store_n(void *p, int64_t index, int64_t n, fvec v, const int bf16) {
+    if (n == VEC) store_any(p, index, v, bf16);
+    else store_part(p, index, n, v, bf16);
+}
+
+/* Elements of a row of `length` from `index` on that one vector holds. */
+static ALWAYS_INLINE int64_t piece(int64_t index, int64_t length) {
+    return length - index < VEC ? length - index : VEC;
+}
+
 /* exp(x) for x <= 0 (scores minus their maximum), Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2,
  * a degree-6 polynomial for e^r, 2^n through the exponent bits. About 1 ulp, like libm's expf, at a
  * fraction of the cost of calling it per element. */
