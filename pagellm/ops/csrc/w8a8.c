@@ -87,9 +87,66 @@ static ALWAYS_INLINE float round_clamped(float v) {
     return (v + 12582912.0f) - 12582912.0f;
 }
 
+/* The scale of a row whose largest magnitude is amax (finite), and its inverse; static_scale > 0: that scale. */
+static ALWAYS_INLINE float row_scale(float amax, float static_scale, float *inverse) {
+    if (static_scale > 0.0f) {
+        *inverse = 1.0f / static_scale;
+        return static_scale;
+    }
+    *inverse = amax != 0.0f ? 127.0f / amax : 0.0f;
+    return amax / 127.0f;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_QUANTIZE16 1
+/* n <= 16 values of x from `index` (zero past n), widened to float32. */
+static ALWAYS_INLINE __m512 load_x16(const void *x, int64_t index, int n, const int bf16) {
+    const __mmask16 mask = (__mmask16)((1u << n) - 1u); /* n in [0, 16] */
+    if (!bf16) return _mm512_maskz_loadu_ps(mask, (const float *)x + index);
+    const __m256i halves = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)x + index);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+/* quantize_row's arithmetic 16 values at a time: the largest magnitude as the largest of the absolute values'
+ * bit patterns (non-negative floats order as their bits; an infinity or NaN is above every finite one), the
+ * same multiply, clamp (max first: a NaN product becomes -127, as max_f32 makes it) and round to nearest even. */
+static float quantize_row16(const void *x, int64_t row, int64_t K, int64_t Kp, const int bf16, float static_scale,
+                            int8_t *q) {
+    const int64_t base = row * K;
+    __m512i amax_bits = _mm512_setzero_si512();
+    for (int64_t i = 0; i < K; i += 16) {
+        const __m512i bits = _mm512_castps_si512(load_x16(x, base + i, K - i < 16 ? (int)(K - i) : 16, bf16));
+        amax_bits = _mm512_max_epu32(amax_bits, _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
+    }
+    const uint32_t top = (uint32_t)_mm512_reduce_max_epu32(amax_bits);
+    if (top >= 0x7F800000u) {
+        memset(q, 0, (size_t)Kp);
+        return NAN;
+    }
+    float amax, inverse;
+    memcpy(&amax, &top, sizeof amax);
+    const float scale = row_scale(amax, static_scale, &inverse);
+    const __m512 factor = _mm512_set1_ps(inverse), low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
+    for (int64_t i = 0; i < Kp; i += 16) {
+        const int n = Kp - i < 16 ? (int)(Kp - i) : 16, loaded = K - i < n ? (int)(K - i) : n;
+        __m512 v = _mm512_mul_ps(load_x16(x, base + i, loaded, bf16), factor);
+        v = _mm512_min_ps(_mm512_max_ps(v, low), high);
+        const __m128i bytes =
+            _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm_mask_storeu_epi8(q + i, (__mmask16)((1u << n) - 1u), bytes);
+    }
+    return scale;
+}
+#else
+#define HAVE_QUANTIZE16 0
+#endif
+
 /* Row `row` of x (K values) into q[0 .. Kp) (zero past K); returns its scale. static_scale > 0: that scale. */
 static float quantize_row(const void *x, int64_t row, int64_t K, int64_t Kp, const int bf16, float static_scale,
                           int8_t *q) {
+#if HAVE_QUANTIZE16
+    return quantize_row16(x, row, K, Kp, bf16, static_scale, q);
+#else
     const int64_t base = row * K, full = K / 8 * 8;
     f32x8 amax8 = splat_f32(0.0f);
     for (int64_t i = 0; i < full; i += 8) {
@@ -112,14 +169,8 @@ static float quantize_row(const void *x, int64_t row, int64_t K, int64_t Kp, con
         memset(q, 0, (size_t)Kp);
         return NAN;
     }
-    float scale, inverse;
-    if (static_scale > 0.0f) {
-        scale = static_scale;
-        inverse = 1.0f / static_scale;
-    } else {
-        scale = amax / 127.0f;
-        inverse = amax != 0.0f ? 127.0f / amax : 0.0f;
-    }
+    float inverse;
+    const float scale = row_scale(amax, static_scale, &inverse);
     const f32x8 low = splat_f32(-127.0f), high = splat_f32(127.0f), magic = splat_f32(12582912.0f);
     for (int64_t i = 0; i < full; i += 8) {
         f32x8 v = load_x8(x, base + i, bf16) * inverse;
@@ -133,6 +184,7 @@ static float quantize_row(const void *x, int64_t row, int64_t K, int64_t Kp, con
     for (int64_t i = full; i < K; ++i) q[i] = (int8_t)round_clamped(load_one(x, base + i, bf16) * inverse);
     for (int64_t i = K; i < Kp; ++i) q[i] = 0;
     return scale;
+#endif
 }
 
 /* VPDPBUSD multiplies unsigned bytes by signed ones: the vector paths of a VNNI build read x + 128 (x XOR 0x80),
@@ -274,6 +326,35 @@ typedef uint16_t u16x32 __attribute__((vector_size(64)));
 /* y[row .. row + n_rows)[col .. col + 16) from one strip's int32 sums (acc, row stride 32, the column-sum
  * correction already taken): int8_output's arithmetic, lane for lane, 16 columns at a time (its 8-column panels
  * made the AMX epilogue as long as a block's tile products); columns from N on are not written. */
+#if HAVE_QUANTIZE16
+/* In 512-bit registers with masked stores: the generic vectors' version spilled each row to the stack for its
+ * variable-length copy. Rounding to bfloat16 as gguf_simd.h's to_bf16 does (to nearest even, NaN to 0x7FC0). */
+static ALWAYS_INLINE void int8_strip_output(const Int8Problem *pr, int64_t row, int64_t n_rows, int64_t col,
+                                            const int32_t *acc) {
+    const int64_t n = pr->N - col < STRIP ? pr->N - col : STRIP;
+    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+    const __m512 wscale = _mm512_loadu_ps(pr->wscale + col);
+    __m512 bias = _mm512_setzero_ps();
+    if (pr->bias != NULL) bias = load_x16(pr->bias, col, (int)n, pr->y_bf16);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512(acc + r * 32));
+        const __m512 out = _mm512_add_ps(_mm512_mul_ps(sums, _mm512_mul_ps(_mm512_set1_ps(pr->xs[row + r]), wscale)),
+                                         bias);
+        const int64_t index = (row + r) * pr->N + col;
+        if (!pr->y_bf16) {
+            _mm512_mask_storeu_ps((float *)pr->y + index, mask, out);
+            continue;
+        }
+        const __m512i bits = _mm512_castps_si512(out);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
+        rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(out, out, _CMP_UNORD_Q),
+                                        _mm512_set1_epi32(0x7FC00000));
+        _mm256_mask_storeu_epi16((uint16_t *)pr->y + index, mask,
+                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    }
+}
+#else
 static ALWAYS_INLINE void int8_strip_output(const Int8Problem *pr, int64_t row, int64_t n_rows, int64_t col,
                                             const int32_t *acc) {
     const int64_t n = pr->N - col < STRIP ? pr->N - col : STRIP;
@@ -297,9 +378,12 @@ static ALWAYS_INLINE void int8_strip_output(const Int8Problem *pr, int64_t row, 
         const u32x16 rounded = ((bits + 0x7FFFu + ((bits >> 16) & 1u)) & ~nan) | (0x7FC00000u & nan);
         const u16x16_packed halves = __builtin_shufflevector((u16x32)rounded, (u16x32)rounded, 1, 3, 5, 7, 9, 11, 13,
                                                              15, 17, 19, 21, 23, 25, 27, 29, 31);
-        memcpy((uint16_t *)pr->y + index, &halves, (size_t)n * sizeof(uint16_t));
+        /* The whole-strip store as a constant size: a variable one is a call to memcpy. */
+        if (n == STRIP) memcpy((uint16_t *)pr->y + index, &halves, sizeof halves);
+        else memcpy((uint16_t *)pr->y + index, &halves, (size_t)n * sizeof(uint16_t));
     }
 }
+#endif
 
 typedef void (*Int8TileFunction)(const Int8Problem *pr, int64_t row, int64_t panel);
 
