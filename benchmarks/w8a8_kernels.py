@@ -11,8 +11,8 @@ reads them from memory), through
                 float32; bfloat16 on its own kernel, oneDNN, or widened per call where the CPU has no bf16);
 - `int8-vector`, `bf16-vector`: where the CPU has AMX, the int8 and bf16 kernels kept on their vector paths
                 (VNNI, VDPBF16PS) at every row count, beside the AMX tiles the others take from 8 rows on.
-Prints GFLOP/s (CPU time, best of --repeats, --threads threads) and the speed-up over bfloat16, with the CPU's
-flags. Memory: pagellm's weights_bytes of SmolLM2 loaded from an HF export (benchmarks/export_hf.py) as
+Prints GFLOP/s (CPU time, best of --repeats passes with the options taking turns, --threads threads) and the
+speed-up over bfloat16, with the CPU's flags. Memory: pagellm's weights_bytes of SmolLM2 loaded from an HF export (benchmarks/export_hf.py) as
 bfloat16, float32, and with quantization="int8" and "fp8" (online, from the same float checkpoint).
 
     PYTHONPATH=$PWD python benchmarks/w8a8_kernels.py --rows 1 8 64 512 --threads 1
@@ -78,15 +78,22 @@ def build(layers: int, seed: int) -> dict[str, list[Callable[[torch.Tensor], tor
     return options
 
 
-def time_option(products, rows: int, dtype: torch.dtype, repeats: int) -> float:
-    """Best CPU seconds of one pass through every product at `rows` rows."""
-    inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {576, 1536}}
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.process_time()
-        for product, (in_features, _) in zip(products, SHAPES * (len(products) // len(SHAPES))):
-            product(inputs[in_features])
-        best = min(best, time.process_time() - start)
+def time_options(options: dict, rows: int, activation_dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """Each option's best CPU seconds of one pass through every product at `rows` rows, the options taking turns
+    pass by pass: on a shared machine whose speed changes by the minute, an option timed after another would
+    compare the minutes as much as the kernels."""
+    inputs = {dtype: {k: torch.randn(rows, k, dtype=dtype) for k in {576, 1536}}
+              for dtype in {torch.float32, torch.bfloat16, activation_dtype}}
+    best = {name: float("inf") for name in options}
+    for repeat in range(repeats + 1):  # the first pass warms up (buffers, packed layouts, page faults)
+        for name, products in options.items():
+            dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "bf16-vector": torch.bfloat16}.get(
+                name, activation_dtype)
+            start = time.process_time()
+            for product, (in_features, _) in zip(products, SHAPES * (len(products) // len(SHAPES))):
+                product(inputs[dtype][in_features])
+            if repeat:
+                best[name] = min(best[name], time.process_time() - start)
     return best
 
 
@@ -94,16 +101,12 @@ def kernel_table(rows_list: list[int], layers: int, repeats: int, activation_dty
     options = build(layers, 0)
     flops_per_row = 2 * layers * sum(k * n for k, n in SHAPES)
     print(f"{layers} layers of SmolLM2-135M's products, {torch.get_num_threads()} thread(s), activations "
-          f"{activation_dtype} for int8/fp8; GFLOP/s (CPU time, best of {repeats}), speed-up over bf16")
+          f"{activation_dtype} for int8/fp8; GFLOP/s (CPU time, best of {repeats} interleaved passes), speed-up "
+          f"over bf16")
     header = f"{'rows':>5}" + "".join(f"{name:>16}" for name in options)
     print(header)
     for rows in rows_list:
-        seconds = {}
-        for name, products in options.items():
-            dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "bf16-vector": torch.bfloat16}.get(name,
-                                                                                                activation_dtype)
-            time_option(products, rows, dtype, 1)  # warm: buffers, packed layouts, page faults
-            seconds[name] = time_option(products, rows, dtype, repeats)
+        seconds = time_options(options, rows, activation_dtype, repeats)
         cells = []
         for name in options:
             gflops = flops_per_row * rows / seconds[name] / 1e9
