@@ -12,8 +12,9 @@ reads them from memory), through
 - `int8-vector`, `bf16-vector`: where the CPU has AMX, the int8 and bf16 kernels kept on their vector paths
                 (VNNI, VDPBF16PS) at every row count, beside the AMX tiles the others take from 8 rows on.
 Prints GFLOP/s (CPU time, best of --repeats passes with the options taking turns, --threads threads) and the
-speed-up over bfloat16, with the CPU's flags. Memory: pagellm's weights_bytes of SmolLM2 loaded from an HF export (benchmarks/export_hf.py) as
-bfloat16, float32, and with quantization="int8" and "fp8" (online, from the same float checkpoint).
+speed-up over bfloat16, with the CPU's flags. Memory: pagellm's weights_bytes of SmolLM2 loaded from an HF export
+(benchmarks/export_hf.py) as bfloat16, float32, and with quantization="int8" and "fp8" (online, from the same
+float checkpoint).
 
     PYTHONPATH=$PWD python benchmarks/w8a8_kernels.py --rows 1 8 64 512 --threads 1
     PYTHONPATH=$PWD python benchmarks/w8a8_kernels.py --memory /tmp/smollm2-hf
