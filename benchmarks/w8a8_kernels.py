@@ -144,7 +144,8 @@ def main() -> None:
     present = [flag for flag in FLAGS if flag in cpu_flags()]
     kernels = wk.w8a8_kernels()
     print(f"CPU: {cpu_description()}; flags: {' '.join(present)}; 8-bit kernels: {kernels.isa} build, int8 products "
-          f"on {kernels.dot_instructions}, fp8 dense path from {kernels.fp8_dense_min_rows} rows")
+          f"on {kernels.dot_instructions}, fp8 dense path from {kernels.fp8_dense_min_rows} rows "
+          f"({kernels.fp8_bf16_dense_min_rows} for bfloat16 rows)")
     kernel_table(args.rows, args.layers, args.repeats, torch.bfloat16 if args.bf16_activations else torch.float32)
     if args.memory:
         memory_table(args.memory)

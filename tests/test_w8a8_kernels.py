@@ -20,7 +20,7 @@ import subprocess
 import pytest
 import torch
 
-from pagellm.cpu_features import cpu_has_native
+from pagellm.cpu_features import cpu_has_amx_bf16, cpu_has_native
 from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels as gk
 from pagellm.ops import w8a8_kernels as wk
@@ -194,6 +194,23 @@ def test_float16_activations_go_through_float32():
     y = kernels.int8_linear(x.half(), wk.pack_int8(q, scale), None)
     assert y.dtype == torch.float16
     assert torch.equal(y, kernels.int8_linear(x.half().float(), wk.pack_int8(q, scale), None).half())
+
+
+def test_fp8_rows_take_the_dense_path_from_their_dtypes_threshold(monkeypatch):
+    kernels = _kernels(ISAS[0])
+    expected = (wk.FP8_AMX_BF16_DENSE_MIN_ROWS if kernels.isa == "avx512" and cpu_has_amx_bf16()
+                else kernels.fp8_dense_min_rows)
+    assert kernels.fp8_bf16_dense_min_rows == expected
+    w, scales = _fp8_case(16, 32, 32, 2)
+    packed = wk.pack_fp8(w, scales, 32)
+    taken = []
+    monkeypatch.setattr(kernels, "fp8_linear_dense", lambda x, weight, bias: taken.append("dense"))
+    monkeypatch.setattr(kernels, "fp8_linear_fused", lambda x, weight, bias: taken.append("fused"))
+    monkeypatch.setattr(kernels, "fp8_dense_min_rows", 100)
+    monkeypatch.setattr(kernels, "fp8_bf16_dense_min_rows", 4)
+    for rows, dtype in ((5, torch.bfloat16), (3, torch.bfloat16), (5, torch.float32)):
+        kernels.fp8_linear(_x(rows, 32, 3, dtype), packed, None)
+    assert taken == ["dense", "fused", "fused"]
 
 
 def test_torch_fallback_and_kernel_choice(monkeypatch):

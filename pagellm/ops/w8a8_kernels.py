@@ -14,9 +14,9 @@ FP8 (compressed-tensors float-quantized, quant_method "fp8", quantization="fp8")
 scale per output channel and block of K (per-tensor scales are expanded per channel, exactly; block-wise scales
 of [bn, bk] per column and K block). No CPU has fp8 arithmetic: the C kernel widens each group of 8 weights to
 float32 (exactly) and multiplies with float32 FMAs, activations kept as they are (weight-only, as vLLM runs FP8
-checkpoints on GPUs without fp8 products). From `fp8_dense_min_rows` rows of x on, tiles of the weight are
-dequantized instead and torch's GEMM runs on them (faster once the widening is shared by enough rows). On CUDA,
-Triton dequantizes weight tiles inside its GEMM.
+checkpoints on GPUs without fp8 products). From `fp8_dense_min_rows` rows of x on (`fp8_bf16_dense_min_rows` for
+bfloat16 rows), tiles of the weight are dequantized instead and torch's GEMM runs on them (faster once the
+widening is shared by enough rows). On CUDA, Triton dequantizes weight tiles inside its GEMM.
 
 Where the C library cannot be built (no compiler, PAGELLM_NATIVE_KERNELS=0), TorchInt8Linear / TorchFp8Linear
 run the same arithmetic in torch (the int8 sums in float64, exact), which is also what the kernels are tested
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagellm.cpu_features import cpu_has_native
+from pagellm.cpu_features import cpu_has_amx_bf16, cpu_has_native
 from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels
 
@@ -61,6 +61,10 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # pays it once per call instead of once per 4 rows. Where the two met in benchmarks/w8a8_kernels.py (README,
 # "8-bit weights"); the AVX-512 build runs the AVX2 code and takes its value until measured there.
 FP8_DENSE_MIN_ROWS = {"avx512": 96, "avx2": 96, "generic": 8}
+# bfloat16 rows where the CPU has AMX's bfloat16 tiles, whose GEMM makes the dense path's product nearly free
+# beside its dequantization: the two met at 12-16 rows on an Emerald Rapids Xeon (README, "An Emerald Rapids
+# Xeon"); 64-row decode steps on the fused kernel ran at a quarter of the dense path's rate there.
+FP8_AMX_BF16_DENSE_MIN_ROWS = 16
 # Rows of x from which the int8 product runs on AMX tiles where the CPU has amx_int8 (the same int32 sums as the
 # vector paths); where the two met on SmolLM2's shapes (README, "On a CPU with AMX").
 INT8_AMX_MIN_ROWS = 8
@@ -259,6 +263,8 @@ class W8A8Kernels:
         self._dequantize.restype = _INT
         self._dequantize.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _INT]
         self.fp8_dense_min_rows = FP8_DENSE_MIN_ROWS[self.isa]
+        self.fp8_bf16_dense_min_rows = (FP8_AMX_BF16_DENSE_MIN_ROWS if self.isa == "avx512" and cpu_has_amx_bf16()
+                                        else self.fp8_dense_min_rows)
         self._scratch = threading.local()
 
     def _buffer(self, name: str, elements: int, dtype: torch.dtype) -> torch.Tensor:
@@ -302,9 +308,10 @@ class W8A8Kernels:
         return y if rows is x else y.view(*x.shape[:-1], out_features)
 
     def fp8_linear(self, x: torch.Tensor, weight: PackedFp8, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype: the fused kernel below `fp8_dense_min_rows` rows,
-        torch's GEMM on dequantized tiles from there."""
-        if x.numel() >= self.fp8_dense_min_rows * weight.in_features:
+        """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype: the fused kernel below `fp8_dense_min_rows` rows
+        (`fp8_bf16_dense_min_rows` for bfloat16 x), torch's GEMM on dequantized tiles from there."""
+        min_rows = self.fp8_bf16_dense_min_rows if x.dtype == torch.bfloat16 else self.fp8_dense_min_rows
+        if x.numel() >= min_rows * weight.in_features:
             return self.fp8_linear_dense(x, weight, bias)
         return self.fp8_linear_fused(x, weight, bias)
 
