@@ -24,6 +24,7 @@ from pagellm.cpu_features import cpu_has_amx_bf16, cpu_has_native
 from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels as gk
 from pagellm.ops import w8a8_kernels as wk
+from pagellm.ops.linear_bf16 import LinearBF16
 
 ISAS = cpu_build.runnable_isas()
 ROWS = (1, 3, 5, 8, 33, 70)
@@ -156,6 +157,28 @@ def test_fp8_paths_match_float64(isa, dtype):
                     y = path(x, packed, bias)
                     assert y.dtype == dtype and y.shape == (m, n)
                     assert ((y.double() - reference).abs() <= bound + 1e-30).all(), (path.__name__, k, n, m)
+
+
+def test_fp8_dense_bf16_rows_run_linear_bf16_on_its_packed_layout(monkeypatch):
+    kernels = _kernels(ISAS[0])
+    if kernels._linear_bf16 is None:
+        pytest.skip("linear_bf16 needs avx512_bf16's dot product, which this CPU or build lacks")
+    k, n = 96, 72  # four whole 16-column blocks and a last 8 columns, which torch's GEMM takes
+    w, scales = _fp8_case(n, k, 32, 11)
+    packed = wk.pack_fp8(w, scales, 32)
+    expected = LinearBF16.pack(kernels.fp8_dequantize(packed, torch.bfloat16)[:64])
+    blocks = torch.empty(4, k // 2, 16, 2, dtype=torch.bfloat16)
+    assert kernels._dequantize_packed(packed.packed.data_ptr(), k, packed.padded_out_features,
+                                      packed.scales.data_ptr(), 32, 0, 4, blocks.data_ptr()) == 0
+    assert torch.equal(blocks, expected)
+    x = _x(40, k, 12, torch.bfloat16)
+    whole = kernels.fp8_linear_dense(x, packed, None)
+    dense = kernels.fp8_dequantize(packed, torch.bfloat16)
+    assert torch.equal(whole[:, :64], kernels._linear_bf16(x, expected, None))
+    # The last 8 columns on torch's GEMM, whose blocking may order the sums otherwise: bfloat16 rounding apart.
+    torch.testing.assert_close(whole[:, 64:], x @ dense[64:].T, rtol=2**-7, atol=2**-7)
+    monkeypatch.setattr(wk, "DENSE_TILE_BYTES", k * 2 * 16)  # one block per tile
+    assert torch.equal(kernels.fp8_linear_dense(x, packed, None), whole)
 
 
 @pytest.mark.parametrize("isa", ISAS)

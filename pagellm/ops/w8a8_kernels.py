@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from pagellm.cpu_features import cpu_has_amx_bf16, cpu_has_native
 from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels
+from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +263,11 @@ class W8A8Kernels:
         self._dequantize = library.w8a8_fp8_dequantize
         self._dequantize.restype = _INT
         self._dequantize.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _INT]
+        self._dequantize_packed = library.w8a8_fp8_dequantize_bf16_packed
+        self._dequantize_packed.restype = _INT
+        self._dequantize_packed.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR]
+        # bfloat16 dense products on linear_bf16 where this build's library has it (avx512_bf16; AMX's tiles too).
+        self._linear_bf16 = linear_bf16(self.isa)
         self.fp8_dense_min_rows = FP8_DENSE_MIN_ROWS[self.isa]
         self.fp8_bf16_dense_min_rows = (FP8_AMX_BF16_DENSE_MIN_ROWS if self.isa == "avx512" and cpu_has_amx_bf16()
                                         else self.fp8_dense_min_rows)
@@ -331,18 +337,58 @@ class W8A8Kernels:
         return y if rows is x else y.view(*x.shape[:-1], weight.out_features)
 
     def fp8_linear_dense(self, x: torch.Tensor, weight: PackedFp8, bias: torch.Tensor | None) -> torch.Tensor:
-        """`fp8_linear` as torch's GEMM on tiles of W^T dequantized in turn (DENSE_TILE_BYTES each), in bfloat16
-        where x is bfloat16 and the CPU multiplies it natively, else float32."""
+        """`fp8_linear` as a GEMM on tiles of W^T dequantized in turn (DENSE_TILE_BYTES each), in bfloat16 where x
+        is bfloat16 and the CPU multiplies it natively (on linear_bf16 where the CPU has avx512_bf16), else float32
+        on torch's."""
         rows = _rows_of(x, weight.in_features)
         gemm_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 and cpu_has_native(torch.bfloat16) else torch.float32
         operand = rows.to(gemm_dtype)
         in_features, out_features = weight.in_features, weight.out_features
-        y = torch.empty(rows.shape[0], out_features, dtype=gemm_dtype)
+        if gemm_dtype == torch.bfloat16 and self._linear_bf16 is not None and in_features % 2 == 0:
+            y = self._fp8_dense_on_linear_bf16(operand, weight)
+        else:
+            y = self._fp8_dense_on_torch(operand, weight)
+        if bias is not None:
+            y += _check_bias(bias, gemm_dtype, out_features)
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return y.view(*x.shape[:-1], out_features)
+
+    def _fp8_dense_on_linear_bf16(self, rows: torch.Tensor, weight: PackedFp8) -> torch.Tensor:
+        """bfloat16 rows @ W^T on linear_bf16, the weight dequantized DENSE_TILE_BYTES at a time into its packed
+        layout: torch's GEMM would repack each fresh tile for its own kernel on every call."""
+        in_features, out_features = weight.in_features, weight.out_features
+        blocks = weight.padded_out_features // LinearBF16.PANEL  # whole 16-column blocks; a last 8 go to torch
+        per_tile = max(1, min(blocks, DENSE_TILE_BYTES // (in_features * 2 * LinearBF16.PANEL)))
+        tile = self._buffer("tile-bf16-packed", per_tile * in_features * LinearBF16.PANEL, torch.bfloat16)
+        y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
+        for first in range(0, blocks, per_tile):
+            count = min(per_tile, blocks - first)
+            packed = tile[: count * in_features * LinearBF16.PANEL].view(count, in_features // 2, LinearBF16.PANEL, 2)
+            if self._dequantize_packed(weight.packed.data_ptr(), in_features, weight.padded_out_features,
+                                       weight.scales.data_ptr(), weight.block_k, first, count, packed.data_ptr()):
+                raise ValueError(f"w8a8_fp8_dequantize_bf16_packed refused in_features={in_features}")
+            start, stop = first * LinearBF16.PANEL, min(out_features, (first + count) * LinearBF16.PANEL)
+            product = self._linear_bf16(rows, packed, None)
+            if start == 0 and stop == out_features and product.shape[1] == out_features:
+                y = product
+            else:
+                y[:, start:stop] = product[:, : stop - start]
+        if blocks * LinearBF16.PANEL < out_features:
+            y[:, blocks * LinearBF16.PANEL:] = self._fp8_dense_on_torch(rows, weight, blocks * 2)
+        return y
+
+    def _fp8_dense_on_torch(self, operand: torch.Tensor, weight: PackedFp8, first_panel: int = 0) -> torch.Tensor:
+        """operand @ W^T over output columns from 8 * first_panel on, torch's GEMM on tiles of W^T dequantized in
+        turn into operand's dtype."""
+        gemm_dtype = operand.dtype
+        in_features, out_features = weight.in_features, weight.out_features
+        all_panels = weight.padded_out_features // PANEL
+        y = torch.empty(operand.shape[0], out_features - first_panel * PANEL, dtype=gemm_dtype)
         element = torch.finfo(gemm_dtype).bits // 8
-        panels = max(1, min(weight.padded_out_features // PANEL, DENSE_TILE_BYTES // (in_features * element * PANEL)))
+        panels = max(1, min(all_panels - first_panel, DENSE_TILE_BYTES // (in_features * element * PANEL)))
         tile = self._buffer(f"tile-{gemm_dtype}", in_features * panels * PANEL, gemm_dtype)
-        for first in range(0, weight.padded_out_features // PANEL, panels):
-            count = min(panels, weight.padded_out_features // PANEL - first)
+        for first in range(first_panel, all_panels, panels):
+            count = min(panels, all_panels - first)
             width = count * PANEL
             dense = tile[: in_features * width].view(in_features, width)
             if self._dequantize(weight.packed.data_ptr(), in_features, weight.padded_out_features,
@@ -350,11 +396,8 @@ class W8A8Kernels:
                                 int(gemm_dtype == torch.bfloat16)):
                 raise ValueError(f"w8a8_fp8_dequantize refused in_features={in_features}")
             start, stop = first * PANEL, min(out_features, (first + count) * PANEL)
-            y[:, start:stop] = torch.mm(operand, dense[:, : stop - start])
-        if bias is not None:
-            y += _check_bias(bias, gemm_dtype, out_features)
-        y = y if y.dtype == x.dtype else y.to(x.dtype)
-        return y.view(*x.shape[:-1], out_features)
+            y[:, start - first_panel * PANEL:stop - first_panel * PANEL] = torch.mm(operand, dense[:, : stop - start])
+        return y
 
     def fp8_dequantize(self, weight: PackedFp8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight times its scales, [N, K] in float32 or bfloat16 (for tests and inspection)."""

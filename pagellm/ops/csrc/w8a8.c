@@ -829,6 +829,43 @@ int w8a8_fp8_dequantize(const uint8_t *packed, int64_t K, int64_t Np, const floa
     return 0;
 }
 
+/* out [n_blocks][K / 2][16][2] bfloat16 = output columns [16 first_block, 16 (first_block + n_blocks)) of the
+ * weight in linear_bf16's packed layout (its csrc/linear_bf16.c: for each input pair, the 16 columns' two weights
+ * side by side), each weight times its scale rounded once as w8a8_fp8_dequantize rounds it, so that linear_bf16
+ * (AMX's tiles where the CPU has them) runs the dense path's product. Returns 2 for sizes it cannot take (K odd,
+ * columns past Np). */
+int w8a8_fp8_dequantize_bf16_packed(const uint8_t *packed, int64_t K, int64_t Np, const float *scales,
+                                    int64_t block_k, int64_t first_block, int64_t n_blocks, uint16_t *out) {
+    if (K <= 0 || K % 2 != 0 || Np <= 0 || block_k <= 0 || first_block < 0 || n_blocks < 0 ||
+        (first_block + n_blocks) * STRIP > Np)
+        return 2;
+    const int64_t pairs = K / 2;
+#pragma omp parallel for schedule(static) if (K * n_blocks * STRIP >= PARALLEL_MIN_WORK / 4)
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        const int64_t column = (first_block + b) * STRIP;
+        const uint8_t *low = packed + (column / PANEL) * K * PANEL, *high = low + K * PANEL;
+        uint16_t *block_out = out + b * pairs * 32;
+        for (int64_t pair = 0; pair < pairs; ++pair) {
+            u16x8 halves[2][2]; /* [input of the pair][column half] */
+            for (int i = 0; i < 2; ++i) {
+                const int64_t k = 2 * pair + i;
+                const float *scale_row = scales + (k / block_k) * Np + column;
+                f32x8 scale_low, scale_high;
+                memcpy(&scale_low, scale_row, sizeof scale_low);
+                memcpy(&scale_high, scale_row + PANEL, sizeof scale_high);
+                halves[i][0] = to_bf16(fp8x8_over_256(low + k * PANEL) * scale_low);
+                halves[i][1] = to_bf16(fp8x8_over_256(high + k * PANEL) * scale_high);
+            }
+            for (int h = 0; h < 2; ++h) {
+                const u16x16 interleaved = __builtin_shufflevector(
+                    halves[0][h], halves[1][h], 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+                memcpy(block_out + pair * 32 + h * 16, &interleaved, sizeof interleaved);
+            }
+        }
+    }
+    return 0;
+}
+
 const char *pagellm_isa(void) { return ISA_NAME; }
 /* The instructions the int8 products run on: avx512_vnni, avx_vnni, avx2 (VPMADDUBSW) or generic. */
 const char *w8a8_dot_instructions(void) { return DOT_INSTRUCTIONS; }
