@@ -327,6 +327,15 @@ typedef uint16_t u16x32 __attribute__((vector_size(64)));
  * correction already taken): int8_output's arithmetic, lane for lane, 16 columns at a time (its 8-column panels
  * made the AMX epilogue as long as a block's tile products); columns from N on are not written. */
 #if HAVE_QUANTIZE16
+/* v rounded to bfloat16 as gguf_simd.h's to_bf16 rounds (to nearest even, NaN to 0x7FC0), each lane's bfloat16
+ * in its high 16 bits (the low 16 are not zero). */
+static ALWAYS_INLINE __m512i bf16_bits_high(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
+    return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+}
+
 /* In 512-bit registers with masked stores: the generic vectors' version spilled each row to the stack for its
  * variable-length copy. Rounding to bfloat16 as gguf_simd.h's to_bf16 does (to nearest even, NaN to 0x7FC0). */
 static ALWAYS_INLINE void int8_strip_output(const Int8Problem *pr, int64_t row, int64_t n_rows, int64_t col,
@@ -345,13 +354,8 @@ static ALWAYS_INLINE void int8_strip_output(const Int8Problem *pr, int64_t row, 
             _mm512_mask_storeu_ps((float *)pr->y + index, mask, out);
             continue;
         }
-        const __m512i bits = _mm512_castps_si512(out);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
-        rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(out, out, _CMP_UNORD_Q),
-                                        _mm512_set1_epi32(0x7FC00000));
         _mm256_mask_storeu_epi16((uint16_t *)pr->y + index, mask,
-                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits_high(out), 16)));
     }
 }
 #else
@@ -845,6 +849,25 @@ int w8a8_fp8_dequantize_bf16_packed(const uint8_t *packed, int64_t K, int64_t Np
         const int64_t column = (first_block + b) * STRIP;
         const uint8_t *low = packed + (column / PANEL) * K * PANEL, *high = low + K * PANEL;
         uint16_t *block_out = out + b * pairs * 32;
+#if HAVE_QUANTIZE16
+        for (int64_t pair = 0; pair < pairs; ++pair) {
+            __m512i rounded[2];
+            for (int i = 0; i < 2; ++i) {
+                const int64_t k = 2 * pair + i;
+                const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(low + k * PANEL)),
+                                                         _mm_loadl_epi64((const __m128i *)(high + k * PANEL)));
+                /* fp8x8_over_256's float16 fields, 16 at a time. */
+                const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                                                      _mm256_set1_epi16((short)0xBF80));
+                const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(half),
+                                               _mm512_loadu_ps(scales + (k / block_k) * Np + column));
+                rounded[i] = bf16_bits_high(v);
+            }
+            /* Lane j: the pair's first weight in its low half, the second in its high half: the packed layout. */
+            const __m512i second = _mm512_and_si512(rounded[1], _mm512_set1_epi32((int)0xFFFF0000));
+            _mm512_storeu_si512(block_out + pair * 32, _mm512_or_si512(_mm512_srli_epi32(rounded[0], 16), second));
+        }
+#else
         for (int64_t pair = 0; pair < pairs; ++pair) {
             u16x8 halves[2][2]; /* [input of the pair][column half] */
             for (int i = 0; i < 2; ++i) {
@@ -862,6 +885,7 @@ int w8a8_fp8_dequantize_bf16_packed(const uint8_t *packed, int64_t K, int64_t Np
                 memcpy(block_out + pair * 32 + h * 16, &interleaved, sizeof interleaved);
             }
         }
+#endif
     }
     return 0;
 }
