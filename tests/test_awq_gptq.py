@@ -27,6 +27,7 @@ from pagellm.layers.quantization.awq import AWQConfig, AWQLinearMethod, pack_awq
 from pagellm.layers.quantization.gptq import GPTQConfig, GPTQLinearMethod
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.ops import wna16
+from pagellm.ops.linear_bf16 import LinearBF16
 from tests.helpers import PROMPTS, hf_greedy
 from tests.quant_checkpoints import (
     QuantSpec,
@@ -181,6 +182,33 @@ def test_dense_path_bias_bf16_and_column_slices(isa, bits, one_thread):
         kernels.matmul_packed(x, layout, out=wide[:, 30:70], bias=bias)
         _assert_close(wide[:, 30:70], x, w, bias)
         assert torch.isnan(wide[:, :30]).all() and torch.isnan(wide[:, 70:]).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("variant", ["plain", "act_order", "uneven"])
+def test_bfloat16_rows_run_linear_bf16_on_the_weight_rounded_once(bits, variant, monkeypatch):
+    kernels = _kernels(ISAS[0])
+    if kernels._linear_bf16 is None:
+        pytest.skip("linear_bf16 needs avx512_bf16's dot product, which this CPU or build lacks")
+    weight = random_group_quant_weight(bits, 96, 80, variant, seed=bits)  # 80 outputs: a last block of 16 columns
+    layout = wna16.cpu_layout(weight)
+    expected = LinearBF16.pack(kernels.dequantize(layout).to(torch.bfloat16))
+    packed = torch.empty(5, 48, 16, 2, dtype=torch.bfloat16)
+    assert kernels._dequantize_packed(*layout.kernel_args, 96, 0, 80, packed.data_ptr()) == 0
+    assert torch.equal(packed, expected)
+    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    bias = torch.randn(80, generator=torch.Generator().manual_seed(3))
+    y = kernels.matmul_bf16_tiles(x, layout, bias=bias)
+    assert torch.equal(y, kernels._linear_bf16(x, expected, None).float() + bias)
+    monkeypatch.setattr(wna16, "DENSE_TILE_BYTES", 96 * 2 * 32)  # one block of 32 columns per tile
+    assert torch.equal(kernels.matmul_bf16_tiles(x, layout, bias=bias), y)
+    taken = []
+    monkeypatch.setattr(kernels, "matmul_bf16_tiles", lambda x, layout, out=None, bias=None: taken.append(len(x)))
+    monkeypatch.setattr(kernels, "bf16_tile_min_rows", {bits: 20})
+    kernels.matmul(x, layout)
+    kernels.matmul(x[:19], layout)
+    kernels.matmul(x.float(), layout)
+    assert taken == [20]
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagellm.cpu_features import cpu_has_amx_bf16
 from pagellm.ops import cpu_build
+from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,10 @@ DENSE_TILE_BYTES = 4 << 20
 # a few hundred rows, then falls off as each block re-reads all rows of x; the dense path pays for writing its
 # float32 tiles. The AVX-512 build runs the AVX2 build's code (32-byte vectors) and takes its table until measured
 # there. The generic build's packed path is the vector extensions lowered to SSE2, several times slower.
+# bfloat16 rows from which linear_bf16 multiplies them by the weight dequantized into its packed layout, per bits,
+# where the CPU has AMX's bfloat16 tiles (measured on an Emerald Rapids Xeon, README "An Emerald Rapids Xeon");
+# CPUs with avx512_bf16 only take dense_min_rows until measured there.
+BF16_TILE_MIN_ROWS = {4: 16, 8: 16}
 DENSE_MIN_ROWS: dict[str, dict[int, int]] = {
     "avx512": {4: 512, 8: 384},
     "avx2": {4: 512, 8: 384},
@@ -251,6 +257,13 @@ class WNA16Kernels:
         self._dequantize_t.restype = _INT
         self._dequantize_t.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _PTR, _I64]
         self.dense_min_rows = dict(DENSE_MIN_ROWS[self.isa])
+        self._dequantize_packed = library.wna16_dequantize_bf16_packed
+        self._dequantize_packed.restype = _INT
+        self._dequantize_packed.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _I64, _PTR]
+        # bfloat16 rows on linear_bf16 (avx512_bf16; AMX's tiles too), from bf16_tile_min_rows rows on.
+        self._linear_bf16 = linear_bf16(self.isa)
+        self.bf16_tile_min_rows = (dict(BF16_TILE_MIN_ROWS) if self._linear_bf16 is not None and cpu_has_amx_bf16()
+                                   else dict(self.dense_min_rows))
         self._scratch = threading.local()
 
     def matmul(self, x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None = None,
@@ -258,9 +271,37 @@ class WNA16Kernels:
         """x [rows, in_features] (float32 or bfloat16) @ W^T (+ bias) into `out` (float32 [rows, out_features],
         possibly a column slice of a wider tensor) or a new tensor: the packed path below dense_min_rows rows,
         the dense one from there."""
+        if (x.dtype is torch.bfloat16 and self._linear_bf16 is not None and x.shape[0] >= self.bf16_tile_min_rows[
+                layout.bits] and layout.in_features % 2 == 0 and layout.out_features % LinearBF16.PANEL == 0):
+            return self.matmul_bf16_tiles(x, layout, out, bias)
         if x.shape[0] >= self.dense_min_rows[layout.bits]:
             return self.matmul_dense(x, layout, out, bias)
         return self.matmul_packed(x, layout, out, bias)
+
+    def matmul_bf16_tiles(self, x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None = None,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`matmul` for bfloat16 x on linear_bf16, the weight dequantized (about DENSE_TILE_BYTES at a time) into
+        its packed layout, each weight rounded to bfloat16 once; the bfloat16 products are widened into the
+        float32 output. in_features even, out_features a multiple of 16."""
+        x, y, bias = _operands(x, layout, out, bias)
+        in_features, panel = layout.in_features, LinearBF16.PANEL
+        if x.dtype is not torch.bfloat16 or in_features % 2 or layout.out_features % panel:
+            raise ValueError(f"linear_bf16 takes bfloat16 rows, an even in_features and out_features a multiple "
+                             f"of {panel}, not {x.dtype}, {in_features}, {layout.out_features}")
+        rows = x if x.is_contiguous() else x.contiguous()
+        tile_columns = max(1, DENSE_TILE_BYTES // (2 * in_features) // BLOCK_COLUMNS) * BLOCK_COLUMNS
+        tile = self._tile(min(tile_columns, layout.out_features) * in_features // 2)  # float32 words: bf16 pairs
+        for first in range(0, layout.out_features, tile_columns):
+            n = min(tile_columns, layout.out_features - first)
+            packed = tile[: n * in_features // 2].view(torch.bfloat16).view(n // panel, in_features // 2, panel, 2)
+            failed = self._dequantize_packed(*layout.kernel_args, in_features, first, n, packed.data_ptr())
+            if failed:
+                raise (MemoryError("wna16_dequantize_bf16_packed ran out of memory") if failed == 5 else
+                       ValueError(f"wna16_dequantize_bf16_packed refused {layout.bits}-bit weights (code {failed})"))
+            y[:, first : first + n] = self._linear_bf16(rows, packed, None)
+        if bias is not None:
+            y += bias
+        return y
 
     def matmul_packed(self, x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -302,6 +302,64 @@ int wna16_dequantize_t(const int32_t *packed, const float *gparams, const int32_
     return 0;
 }
 
+/* rows [in_features][NB] float32 (a block's dequantized columns, `width` of them, a multiple of 16) -> out
+ * [width / 16][in_features / 2][16][2] bfloat16 rounded to nearest even (NaN to 0x7FC0): linear_bf16's packed
+ * layout, where each input pair of 16 columns is 16 words holding the first input's bfloat16 in their low half
+ * and the second's in their high half. */
+static void pack_block_bf16(const float *rows, int64_t in_features, int64_t width, uint16_t *out) {
+    const int64_t pairs = in_features / 2;
+    uint32_t *words = (uint32_t *)out;
+    for (int64_t panel = 0; panel < width / 16; ++panel) {
+        for (int64_t pair = 0; pair < pairs; ++pair) {
+            for (int half = 0; half < 2; ++half) {
+                u32x8 rounded[2];
+                for (int i = 0; i < 2; ++i) {
+                    const f32x8 v = load_f32x8(rows + (2 * pair + i) * NB + panel * 16 + half * 8);
+                    const u32x8 bits = (u32x8)v, nan = (u32x8)(v != v);
+                    rounded[i] = ((bits + 0x7FFFu + ((bits >> 16) & 1u)) & ~nan) | (0x7FC00000u & nan);
+                }
+                const u32x8 packed = (rounded[0] >> 16) | (rounded[1] & 0xFFFF0000u);
+                memcpy(words + (panel * pairs + pair) * 16 + half * 8, &packed, sizeof packed);
+            }
+        }
+    }
+}
+
+/* out [n_count / 16][in_features / 2][16][2] bfloat16 = columns n_first .. n_first + n_count of W (n_first a
+ * multiple of NB, n_count of 16), each weight s q + o computed as wna16_dequantize_t computes it and rounded once
+ * to bfloat16, in linear_bf16's packed layout (csrc/linear_bf16.c), so that its kernel (AMX's tiles where the CPU
+ * has them) multiplies bfloat16 rows by the weight. Returns 2 and 3 as wna16_dequantize_t does, 4 for an odd
+ * in_features or an n_count that is not a multiple of 16, 5 if memory ran out. */
+int wna16_dequantize_bf16_packed(const int32_t *packed, const float *gparams, const int32_t *group_rows,
+                                 const int32_t *src, int bits, int64_t n_groups, int64_t k_rows, int64_t in_features,
+                                 int64_t n_first, int64_t n_count, uint16_t *out) {
+    if (bits != 4 && bits != 8) return 2;
+    if (n_first % NB) return 3;
+    if (in_features <= 0 || in_features % 2 != 0 || n_count < 0 || n_count % 16 != 0) return 4;
+    const int64_t first_block = n_first / NB, n_blocks = (n_count + NB - 1) / NB;
+    int failed = 0;
+#pragma omp parallel if (n_count * k_rows * (32 / bits) >= PARALLEL_MIN_WORK / 4)
+    {
+        float *rows = malloc(sizeof(float) * (size_t)(in_features * NB));
+        if (rows == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_blocks; ++i) {
+            if (rows == NULL) continue;
+            const int64_t b = first_block + i, width = n_count - i * NB < NB ? n_count - i * NB : NB;
+            const int32_t *block = packed + b * k_rows * NB;
+            const float *gp = gparams + b * n_groups * 2 * NB;
+            if (bits == 4) dequantize_block(block, gp, group_rows, n_groups, src, width, rows, NB, 4);
+            else dequantize_block(block, gp, group_rows, n_groups, src, width, rows, NB, 8);
+            pack_block_bf16(rows, in_features, width, out + i * NB * in_features);
+        }
+        free(rows);
+    }
+    return failed ? 5 : 0;
+}
+
 /* Columns per block of the layout (the wrapper checks it against its own). */
 int wna16_block_columns(void) { return NB; }
 
