@@ -15,8 +15,9 @@ scale per output channel and block of K (per-tensor scales are expanded per chan
 of [bn, bk] per column and K block). No CPU has fp8 arithmetic: the C kernel widens each group of 8 weights to
 float32 (exactly) and multiplies with float32 FMAs, activations kept as they are (weight-only, as vLLM runs FP8
 checkpoints on GPUs without fp8 products). From `fp8_dense_min_rows` rows of x on (`fp8_bf16_dense_min_rows` for
-bfloat16 rows), tiles of the weight are dequantized instead and torch's GEMM runs on them (faster once the
-widening is shared by enough rows). On CUDA, Triton dequantizes weight tiles inside its GEMM.
+bfloat16 rows), tiles of the weight are dequantized instead and a GEMM runs on them (faster once the widening is
+shared by enough rows): linear_bf16's for bfloat16 rows where the CPU has avx512_bf16 (the tiles dequantized into
+its packed layout), torch's otherwise. On CUDA, Triton dequantizes weight tiles inside its GEMM.
 
 Where the C library cannot be built (no compiler, PAGELLM_NATIVE_KERNELS=0), TorchInt8Linear / TorchFp8Linear
 run the same arithmetic in torch (the int8 sums in float64, exact), which is also what the kernels are tested
@@ -315,7 +316,7 @@ class W8A8Kernels:
 
     def fp8_linear(self, x: torch.Tensor, weight: PackedFp8, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype: the fused kernel below `fp8_dense_min_rows` rows
-        (`fp8_bf16_dense_min_rows` for bfloat16 x), torch's GEMM on dequantized tiles from there."""
+        (`fp8_bf16_dense_min_rows` for bfloat16 x), a GEMM on dequantized tiles from there."""
         min_rows = self.fp8_bf16_dense_min_rows if x.dtype == torch.bfloat16 else self.fp8_dense_min_rows
         if x.numel() >= min_rows * weight.in_features:
             return self.fp8_linear_dense(x, weight, bias)
@@ -355,27 +356,24 @@ class W8A8Kernels:
 
     def _fp8_dense_on_linear_bf16(self, rows: torch.Tensor, weight: PackedFp8) -> torch.Tensor:
         """bfloat16 rows @ W^T on linear_bf16, the weight dequantized DENSE_TILE_BYTES at a time into its packed
-        layout: torch's GEMM would repack each fresh tile for its own kernel on every call."""
-        in_features, out_features = weight.in_features, weight.out_features
-        blocks = weight.padded_out_features // LinearBF16.PANEL  # whole 16-column blocks; a last 8 go to torch
-        per_tile = max(1, min(blocks, DENSE_TILE_BYTES // (in_features * 2 * LinearBF16.PANEL)))
-        tile = self._buffer("tile-bf16-packed", per_tile * in_features * LinearBF16.PANEL, torch.bfloat16)
-        y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
+        layout: torch's GEMM would repack each fresh tile for its own kernel on every call. Whole 16-column
+        blocks only; a last 8 columns go to torch's GEMM."""
+        in_features, out_features, panel = weight.in_features, weight.out_features, LinearBF16.PANEL
+        blocks = weight.padded_out_features // panel
+        per_tile = max(1, min(blocks, DENSE_TILE_BYTES // (in_features * 2 * panel)))
+        tile = self._buffer("tile-bf16-packed", per_tile * in_features * panel, torch.bfloat16)
+        products = []
         for first in range(0, blocks, per_tile):
             count = min(per_tile, blocks - first)
-            packed = tile[: count * in_features * LinearBF16.PANEL].view(count, in_features // 2, LinearBF16.PANEL, 2)
+            packed = tile[: count * in_features * panel].view(count, in_features // 2, panel, 2)
             if self._dequantize_packed(weight.packed.data_ptr(), in_features, weight.padded_out_features,
                                        weight.scales.data_ptr(), weight.block_k, first, count, packed.data_ptr()):
                 raise ValueError(f"w8a8_fp8_dequantize_bf16_packed refused in_features={in_features}")
-            start, stop = first * LinearBF16.PANEL, min(out_features, (first + count) * LinearBF16.PANEL)
-            product = self._linear_bf16(rows, packed, None)
-            if start == 0 and stop == out_features and product.shape[1] == out_features:
-                y = product
-            else:
-                y[:, start:stop] = product[:, : stop - start]
-        if blocks * LinearBF16.PANEL < out_features:
-            y[:, blocks * LinearBF16.PANEL:] = self._fp8_dense_on_torch(rows, weight, blocks * 2)
-        return y
+            products.append(self._linear_bf16(rows, packed, None))
+        if blocks * panel < out_features:
+            products.append(self._fp8_dense_on_torch(rows, weight, blocks * 2))
+        y = products[0] if len(products) == 1 else torch.cat(products, dim=1)
+        return y if y.shape[1] == out_features else y[:, :out_features].contiguous()
 
     def _fp8_dense_on_torch(self, operand: torch.Tensor, weight: PackedFp8, first_panel: int = 0) -> torch.Tensor:
         """operand @ W^T over output columns from 8 * first_panel on, torch's GEMM on tiles of W^T dequantized in

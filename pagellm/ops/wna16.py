@@ -12,6 +12,8 @@ Where the product runs (`choose_kernel`):
   dropped: one copy of the weight). Up to `dense_min_rows` rows of x (decode, small batches) it reads the
   packed weights directly, each once per call; from there on (prefill) it dequantizes tiles of
   DENSE_TILE_BYTES into float32 and runs torch's GEMM on them (benchmarks/wna16_kernels.py measures both).
+  bfloat16 rows on CPUs with avx512_bf16 go instead, from `bf16_tile_min_rows` rows, to linear_bf16 (AMX's tiles
+  where the CPU has them) on tiles of the weight dequantized into its packed layout.
 - CUDA: the Triton kernel in pagellm/ops/triton_quant.py on the representation itself.
 - Elsewhere, or where the C kernels cannot be built (no compiler, PAGELLM_NATIVE_KERNELS=0): `TorchGroupQuant`,
   which dequantizes the weight per call and runs F.linear: slow, but a model always runs, and it is the
@@ -55,15 +57,15 @@ DENSE_TILE_BYTES = 4 << 20
 # a few hundred rows, then falls off as each block re-reads all rows of x; the dense path pays for writing its
 # float32 tiles. The AVX-512 build runs the AVX2 build's code (32-byte vectors) and takes its table until measured
 # there. The generic build's packed path is the vector extensions lowered to SSE2, several times slower.
-# bfloat16 rows from which linear_bf16 multiplies them by the weight dequantized into its packed layout, per bits,
-# where the CPU has AMX's bfloat16 tiles (measured on an Emerald Rapids Xeon, README "An Emerald Rapids Xeon");
-# CPUs with avx512_bf16 only take dense_min_rows until measured there.
-BF16_TILE_MIN_ROWS = {4: 16, 8: 16}
 DENSE_MIN_ROWS: dict[str, dict[int, int]] = {
     "avx512": {4: 512, 8: 384},
     "avx2": {4: 512, 8: 384},
     "generic": {4: 16, 8: 16},
 }
+# bfloat16 rows from which linear_bf16 multiplies them by the weight dequantized into its packed layout, per bits,
+# where the CPU has AMX's bfloat16 tiles (measured on an Emerald Rapids Xeon, README "An Emerald Rapids Xeon");
+# CPUs with avx512_bf16 only take dense_min_rows until measured there.
+BF16_TILE_MIN_ROWS = {4: 16, 8: 16}
 
 
 def pack_factor(bits: int) -> int:
@@ -269,8 +271,8 @@ class WNA16Kernels:
     def matmul(self, x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in_features] (float32 or bfloat16) @ W^T (+ bias) into `out` (float32 [rows, out_features],
-        possibly a column slice of a wider tensor) or a new tensor: the packed path below dense_min_rows rows,
-        the dense one from there."""
+        possibly a column slice of a wider tensor) or a new tensor: bfloat16 x from bf16_tile_min_rows rows on
+        linear_bf16 where it can; else the packed path below dense_min_rows rows, the dense one from there."""
         if (x.dtype is torch.bfloat16 and self._linear_bf16 is not None and x.shape[0] >= self.bf16_tile_min_rows[
                 layout.bits] and layout.in_features % 2 == 0 and layout.out_features % LinearBF16.PANEL == 0):
             return self.matmul_bf16_tiles(x, layout, out, bias)
