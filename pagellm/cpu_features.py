@@ -52,10 +52,33 @@ def cpu_model_name() -> str:
     return "unknown CPU"
 
 
+@functools.cache
+def cpu_family_model() -> str:
+    """/proc/cpuinfo's 'cpu family F model M' (x86: the same model name can be CPUs of different generations, whose
+    figures differ), or '' where it has none."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip():  # the first processor's block is enough
+                    break
+    except OSError:
+        pass
+    if "cpu family" not in fields or "model" not in fields:
+        return ""
+    return f"cpu family {fields['cpu family']} model {fields['model']}"
+
+
 def cpu_description() -> str:
-    """Model name and the speed-relevant flags present, e.g. 'AMD EPYC ... (avx2 avx512f avx512_bf16)'."""
-    present = [flag for flag in SPEED_FLAGS if flag in cpu_flags()]
-    return f"{cpu_model_name()} ({' '.join(present) or 'none of ' + ', '.join(SPEED_FLAGS)})"
+    """Model name, family and model, and the speed-relevant flags present, e.g. 'AMD EPYC ... (cpu family 25
+    model 17; avx2 avx512f avx512_bf16)'."""
+    present = " ".join(flag for flag in SPEED_FLAGS if flag in cpu_flags()) or "none of " + ", ".join(SPEED_FLAGS)
+    family = cpu_family_model()
+    return f"{cpu_model_name()} ({family + '; ' if family else ''}{present})"
 
 
 @functools.cache

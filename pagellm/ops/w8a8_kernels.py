@@ -63,9 +63,9 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # pays it once per call instead of once per 4 rows. Where the two met in benchmarks/w8a8_kernels.py (README,
 # "8-bit weights"); the AVX-512 build runs the AVX2 code and takes its value until measured there.
 FP8_DENSE_MIN_ROWS = {"avx512": 96, "avx2": 96, "generic": 8}
-# bfloat16 rows where the CPU has AMX's bfloat16 tiles, whose GEMM makes the dense path's product nearly free
-# beside its dequantization: the two met at 12-16 rows on an Emerald Rapids Xeon (README, "An Emerald Rapids
-# Xeon"); 64-row decode steps on the fused kernel ran at a quarter of the dense path's rate there.
+# bfloat16 rows where the CPU has AMX's bfloat16 tiles, which multiply the dense path's dequantized tiles: the two
+# paths met at 12-16 rows on an Emerald Rapids Xeon (README, "An Emerald Rapids Xeon"), where 64-row decode steps
+# on the fused kernel ran at a quarter of the dense path's rate.
 FP8_AMX_BF16_DENSE_MIN_ROWS = 16
 # Rows of x from which the int8 product runs on AMX tiles where the CPU has amx_int8 (the same int32 sums as the
 # vector paths); where the two met on SmolLM2's shapes (README, "On a CPU with AMX").
@@ -356,8 +356,8 @@ class W8A8Kernels:
 
     def _fp8_dense_on_linear_bf16(self, rows: torch.Tensor, weight: PackedFp8) -> torch.Tensor:
         """bfloat16 rows @ W^T on linear_bf16, the weight dequantized DENSE_TILE_BYTES at a time into its packed
-        layout: torch's GEMM would repack each fresh tile for its own kernel on every call. Whole 16-column
-        blocks only; a last 8 columns go to torch's GEMM."""
+        layout (faster than torch's GEMM on plain dequantized tiles up to 1,024 rows, README "An Emerald Rapids
+        Xeon"). Whole 16-column blocks only; a last 8 columns go to torch's GEMM."""
         in_features, out_features, panel = weight.in_features, weight.out_features, LinearBF16.PANEL
         blocks = weight.padded_out_features // panel
         per_tile = max(1, min(blocks, DENSE_TILE_BYTES // (in_features * 2 * panel)))

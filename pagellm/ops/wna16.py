@@ -290,7 +290,6 @@ class WNA16Kernels:
         if x.dtype is not torch.bfloat16 or in_features % 2 or layout.out_features % panel:
             raise ValueError(f"linear_bf16 takes bfloat16 rows, an even in_features and out_features a multiple "
                              f"of {panel}, not {x.dtype}, {in_features}, {layout.out_features}")
-        rows = x if x.is_contiguous() else x.contiguous()
         tile_columns = max(1, DENSE_TILE_BYTES // (2 * in_features) // BLOCK_COLUMNS) * BLOCK_COLUMNS
         tile = self._tile(min(tile_columns, layout.out_features) * in_features // 2)  # float32 words: bf16 pairs
         for first in range(0, layout.out_features, tile_columns):
@@ -300,7 +299,7 @@ class WNA16Kernels:
             if failed:
                 raise (MemoryError("wna16_dequantize_bf16_packed ran out of memory") if failed == 5 else
                        ValueError(f"wna16_dequantize_bf16_packed refused {layout.bits}-bit weights (code {failed})"))
-            y[:, first : first + n] = self._linear_bf16(rows, packed, None)
+            y[:, first : first + n] = self._linear_bf16(x, packed, None)
         if bias is not None:
             y += bias
         return y

@@ -97,8 +97,9 @@ static ALWAYS_INLINE float row_scale(float amax, float static_scale, float *inve
     return amax / 127.0f;
 }
 
+/* AVX-512 builds (cpu_build.py's "avx512" always has BW and VL): 16 floats a register, masked loads and stores. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define HAVE_QUANTIZE16 1
+#define HAVE_AVX512BW 1
 /* n <= 16 values of x from `index` (zero past n), widened to float32. */
 static ALWAYS_INLINE __m512 load_x16(const void *x, int64_t index, int n, const int bf16) {
     const __mmask16 mask = (__mmask16)((1u << n) - 1u); /* n in [0, 16] */
@@ -138,13 +139,13 @@ static float quantize_row16(const void *x, int64_t row, int64_t K, int64_t Kp, c
     return scale;
 }
 #else
-#define HAVE_QUANTIZE16 0
+#define HAVE_AVX512BW 0
 #endif
 
 /* Row `row` of x (K values) into q[0 .. Kp) (zero past K); returns its scale. static_scale > 0: that scale. */
 static float quantize_row(const void *x, int64_t row, int64_t K, int64_t Kp, const int bf16, float static_scale,
                           int8_t *q) {
-#if HAVE_QUANTIZE16
+#if HAVE_AVX512BW
     return quantize_row16(x, row, K, Kp, bf16, static_scale, q);
 #else
     const int64_t base = row * K, full = K / 8 * 8;
@@ -317,16 +318,7 @@ static ALWAYS_INLINE void int8_tile(const Int8Problem *pr, int64_t row, int64_t 
     }
 }
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16_packed __attribute__((vector_size(32)));
-typedef uint16_t u16x32 __attribute__((vector_size(64)));
-
-/* y[row .. row + n_rows)[col .. col + 16) from one strip's int32 sums (acc, row stride 32, the column-sum
- * correction already taken): int8_output's arithmetic, lane for lane, 16 columns at a time (its 8-column panels
- * made the AMX epilogue as long as a block's tile products); columns from N on are not written. */
-#if HAVE_QUANTIZE16
+#if HAVE_AVX512BW
 /* v rounded to bfloat16 as gguf_simd.h's to_bf16 rounds (to nearest even, NaN to 0x7FC0), each lane's bfloat16
  * in its high 16 bits (the low 16 are not zero). */
 static ALWAYS_INLINE __m512i bf16_bits_high(__m512 v) {
@@ -336,8 +328,10 @@ static ALWAYS_INLINE __m512i bf16_bits_high(__m512 v) {
     return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
 }
 
-/* In 512-bit registers with masked stores: the generic vectors' version spilled each row to the stack for its
- * variable-length copy. Rounding to bfloat16 as gguf_simd.h's to_bf16 does (to nearest even, NaN to 0x7FC0). */
+/* y[row .. row + n_rows)[col .. col + 16) from one strip's int32 sums (acc, row stride 32, the column-sum
+ * correction already taken): int8_output's arithmetic, lane for lane, 16 columns at a time with masked stores
+ * (8-column panels made the AMX epilogue as long as a block's tile products); columns from N on are not written.
+ * Its callers, the VNNI 512-bit tiles and the AMX tiles, exist in AVX-512 builds only. */
 static ALWAYS_INLINE void int8_strip_output(const Int8Problem *pr, int64_t row, int64_t n_rows, int64_t col,
                                             const int32_t *acc) {
     const int64_t n = pr->N - col < STRIP ? pr->N - col : STRIP;
@@ -356,35 +350,6 @@ static ALWAYS_INLINE void int8_strip_output(const Int8Problem *pr, int64_t row, 
         }
         _mm256_mask_storeu_epi16((uint16_t *)pr->y + index, mask,
                                  _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits_high(out), 16)));
-    }
-}
-#else
-static ALWAYS_INLINE void int8_strip_output(const Int8Problem *pr, int64_t row, int64_t n_rows, int64_t col,
-                                            const int32_t *acc) {
-    const int64_t n = pr->N - col < STRIP ? pr->N - col : STRIP;
-    f32x16 wscale, bias = {0};
-    memcpy(&wscale, pr->wscale + col, sizeof wscale);
-    if (pr->bias != NULL)
-        for (int64_t c = 0; c < n; ++c) bias[c] = load_one(pr->bias, col + c, pr->y_bf16);
-    for (int64_t r = 0; r < n_rows; ++r) {
-        i32x16 sums;
-        memcpy(&sums, acc + r * 32, sizeof sums);
-        const f32x16 out = __builtin_convertvector(sums, f32x16) * ((pr->xs[row + r] - (f32x16){0}) * wscale) + bias;
-        const int64_t index = (row + r) * pr->N + col;
-        if (!pr->y_bf16) {
-            if (n == STRIP) memcpy((float *)pr->y + index, &out, sizeof out);
-            else memcpy((float *)pr->y + index, &out, (size_t)n * sizeof(float));
-            continue;
-        }
-        /* gguf_simd.h's to_bf16 rounding over 16 lanes at once: two 8-lane calls measured slower on a 64-stream
-         * int8 decode. */
-        const u32x16 bits = (u32x16)out, nan = (u32x16)(out != out);
-        const u32x16 rounded = ((bits + 0x7FFFu + ((bits >> 16) & 1u)) & ~nan) | (0x7FC00000u & nan);
-        const u16x16_packed halves = __builtin_shufflevector((u16x32)rounded, (u16x32)rounded, 1, 3, 5, 7, 9, 11, 13,
-                                                             15, 17, 19, 21, 23, 25, 27, 29, 31);
-        /* The whole-strip store as a constant size: a variable one is a call to memcpy. */
-        if (n == STRIP) memcpy((uint16_t *)pr->y + index, &halves, sizeof halves);
-        else memcpy((uint16_t *)pr->y + index, &halves, (size_t)n * sizeof(uint16_t));
     }
 }
 #endif
@@ -836,10 +801,12 @@ int w8a8_fp8_dequantize(const uint8_t *packed, int64_t K, int64_t Np, const floa
 /* out [n_blocks][K / 2][16][2] bfloat16 = output columns [16 first_block, 16 (first_block + n_blocks)) of the
  * weight in linear_bf16's packed layout (its csrc/linear_bf16.c: for each input pair, the 16 columns' two weights
  * side by side), each weight times its scale rounded once as w8a8_fp8_dequantize rounds it, so that linear_bf16
- * (AMX's tiles where the CPU has them) runs the dense path's product. Returns 2 for sizes it cannot take (K odd,
- * columns past Np). */
+ * (AMX's tiles where the CPU has them) runs the dense path's product. AVX-512 builds only (linear_bf16 needs
+ * avx512_bf16, so no other build calls it). Returns 2 for sizes it cannot take (K odd, columns past Np) and in
+ * other builds. */
 int w8a8_fp8_dequantize_bf16_packed(const uint8_t *packed, int64_t K, int64_t Np, const float *scales,
                                     int64_t block_k, int64_t first_block, int64_t n_blocks, uint16_t *out) {
+#if HAVE_AVX512BW
     if (K <= 0 || K % 2 != 0 || Np <= 0 || block_k <= 0 || first_block < 0 || n_blocks < 0 ||
         (first_block + n_blocks) * STRIP > Np)
         return 2;
@@ -849,7 +816,6 @@ int w8a8_fp8_dequantize_bf16_packed(const uint8_t *packed, int64_t K, int64_t Np
         const int64_t column = (first_block + b) * STRIP;
         const uint8_t *low = packed + (column / PANEL) * K * PANEL, *high = low + K * PANEL;
         uint16_t *block_out = out + b * pairs * 32;
-#if HAVE_QUANTIZE16
         for (int64_t pair = 0; pair < pairs; ++pair) {
             __m512i rounded[2];
             for (int i = 0; i < 2; ++i) {
@@ -867,27 +833,12 @@ int w8a8_fp8_dequantize_bf16_packed(const uint8_t *packed, int64_t K, int64_t Np
             const __m512i second = _mm512_and_si512(rounded[1], _mm512_set1_epi32((int)0xFFFF0000));
             _mm512_storeu_si512(block_out + pair * 32, _mm512_or_si512(_mm512_srli_epi32(rounded[0], 16), second));
         }
-#else
-        for (int64_t pair = 0; pair < pairs; ++pair) {
-            u16x8 halves[2][2]; /* [input of the pair][column half] */
-            for (int i = 0; i < 2; ++i) {
-                const int64_t k = 2 * pair + i;
-                const float *scale_row = scales + (k / block_k) * Np + column;
-                f32x8 scale_low, scale_high;
-                memcpy(&scale_low, scale_row, sizeof scale_low);
-                memcpy(&scale_high, scale_row + PANEL, sizeof scale_high);
-                halves[i][0] = to_bf16(fp8x8_over_256(low + k * PANEL) * scale_low);
-                halves[i][1] = to_bf16(fp8x8_over_256(high + k * PANEL) * scale_high);
-            }
-            for (int h = 0; h < 2; ++h) {
-                const u16x16 interleaved = __builtin_shufflevector(
-                    halves[0][h], halves[1][h], 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-                memcpy(block_out + pair * 32 + h * 16, &interleaved, sizeof interleaved);
-            }
-        }
-#endif
     }
     return 0;
+#else
+    (void)packed, (void)K, (void)Np, (void)scales, (void)block_k, (void)first_block, (void)n_blocks, (void)out;
+    return 2;
+#endif
 }
 
 const char *pagellm_isa(void) { return ISA_NAME; }
