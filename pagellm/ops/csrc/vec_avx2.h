@@ -34,6 +34,12 @@ static inline hvec high_bytes(const void *p) {
     return (hvec)_mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p));
 }
 
+/* VEC signed bytes from p, each sign-extended to its 16-bit lane: one PMOVSXBW. */
+#define HAVE_SIGNED_HALVES 1
+static inline hvec signed_halves(const void *p) {
+    return (hvec)_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+}
+
 /* Lane i = the sum of v[i]'s lanes: eight horizontal sums in 7 adds and 14 shuffles by halving all eight
  * vectors together. The lanes come out in the order 2 * (i % 4) + i / 4, so the inputs are taken in the
  * inverse order, 4 * (i % 2) + i / 2. */

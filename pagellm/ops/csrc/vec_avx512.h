@@ -36,6 +36,12 @@ static inline hvec high_bytes(const void *p) {
     return (hvec)_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8);
 }
 
+/* VEC signed bytes from p, each sign-extended to its 16-bit lane: one VPMOVSXBW. */
+#define HAVE_SIGNED_HALVES 1
+static inline hvec signed_halves(const void *p) {
+    return (hvec)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
 /* Lane i = the sum of v[i]'s lanes: sixteen horizontal sums in 15 adds and 30 shuffles instead of 16 x 8
  * instructions, by halving all sixteen vectors together. The lanes come out in the order 4 * (i % 4) + i / 4,
  * so the inputs are taken in that order (the transposition is its own inverse). */
