@@ -47,10 +47,10 @@ static ALWAYS_INLINE fvec widen_codes(const uint8_t *p, const int format) {
     /* An e5m2 code is the top byte of a half float; an e4m3 code becomes one shifted up 7 bits past a zero fifth
      * exponent bit, its sign (sign-extended into the byte above) at the top: a sign-extending load, a shift and
      * a mask (the builds with half-float conversion have signed_halves), one instruction fewer than moving the
-     * code into the high byte and shifting it back (README, "An Emerald Rapids Xeon"). The conversion is exact, subnormals included; measured on a 2-core AMD EPYC (avx2),
-     * L1-resident, convert + multiply-add, in that earlier form: 0.31 ns per value, as fast as widening bfloat16
-     * (0.32), against 0.65 for a 256-float lookup table, 0.76 for that table through VPGATHERDD and 0.81 for
-     * the integer construction below. */
+     * code into the high byte and shifting it back (README, "An Emerald Rapids Xeon"). The conversion is exact,
+     * subnormals included; measured on a 2-core AMD EPYC (avx2), L1-resident, convert + multiply-add, in that
+     * earlier form: 0.31 ns per value, as fast as widening bfloat16 (0.32), against 0.65 for a 256-float lookup
+     * table, 0.76 for that table through VPGATHERDD and 0.81 for the integer construction below. */
     if (format == KV_E4M3) return from_half_bits((signed_halves(p) << 7) & (uint16_t)0xBF80);
 #endif
 #ifdef HAVE_INT8_WIDEN

@@ -35,7 +35,6 @@ static inline hvec high_bytes(const void *p) {
 }
 
 /* VEC signed bytes from p, each sign-extended to its 16-bit lane: one PMOVSXBW. */
-#define HAVE_SIGNED_HALVES 1
 static inline hvec signed_halves(const void *p) {
     return (hvec)_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
 }

@@ -37,7 +37,6 @@ static inline hvec high_bytes(const void *p) {
 }
 
 /* VEC signed bytes from p, each sign-extended to its 16-bit lane: one VPMOVSXBW. */
-#define HAVE_SIGNED_HALVES 1
 static inline hvec signed_halves(const void *p) {
     return (hvec)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
 }
