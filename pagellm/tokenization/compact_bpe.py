@@ -1,0 +1,484 @@
+"""A SentencePiece-style byte-fallback BPE tokenizer (Gemma's) held in flat arrays instead of `tokenizers`' maps.
+
+HuggingFace's Rust tokenizer keeps a vocabulary in hash maps of owned strings both ways and its merges in a
+third map, which for Gemma 3's 262k tokens weighs as much as a good part of the quantized model (README, "Memory",
+has the figures). Here the vocabulary is one byte string with offsets and an open-addressing index, the merges a
+table sorted by left token (C binary search, csrc/bpe.c). The class is a transformers tokenizer (PythonBackend), so encode, decode, the chat
+template, added and special tokens behave as the fast tokenizer's; the tests hold it equal to that one, token for
+token, on the real Gemma 3 vocabulary.
+
+Only tokenizer.json files of exactly this pipeline are taken (`compact_spec`), else the caller keeps the fast
+tokenizer: normalizer Replace(" ", "\u2581"); no pre-tokenizer, or a Split on " " (which, after that
+replacement, never splits); a BPE model with fuse_unk and no dropout, prefixes or suffixes; decoder Replace
+("\u2581", " "), ByteFallback, Fuse; a post-processor that prepends BOS or nothing.
+"""
+
+from __future__ import annotations
+
+import array
+import copy
+import ctypes
+import json
+import os
+import pathlib
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from transformers import AddedToken
+from transformers.tokenization_python import PythonBackend, Trie
+
+_CSRC = pathlib.Path(__file__).with_name("csrc")
+_SPACE_MARK = "\u2581"
+_TABLES_FILE = "compact_bpe.npz"
+_META_FILE = "compact_bpe.json"
+# Written into the metadata; tables of another format are rebuilt.
+_FORMAT = 1
+# The pipeline pieces compact_spec accepts, as tokenizer.json writes them.
+_NORMALIZER = {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE_MARK}
+_NO_OP_SPLIT = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}
+_DECODER = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": _SPACE_MARK}, "content": " "},
+                                             {"type": "ByteFallback"}, {"type": "Fuse"}]}
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("token_bytes", ctypes.c_void_p), ("token_offsets", ctypes.c_void_p), ("n_tokens", ctypes.c_int32),
+                ("slots", ctypes.c_void_p), ("n_slots", ctypes.c_int64), ("merge_offsets", ctypes.c_void_p),
+                ("merge_right", ctypes.c_void_p), ("merge_rank", ctypes.c_void_p), ("merge_result", ctypes.c_void_p),
+                ("byte_tokens", ctypes.c_void_p), ("unk_id", ctypes.c_int32)]
+
+
+def _library() -> ctypes.CDLL:
+    from pagellm.ops.cpu_build import build_library
+
+    library = ctypes.CDLL(str(build_library("pagellm_bpe", [_CSRC / "bpe.c"], [], ["-O2", "-fPIC"])))
+    library.bpe_build_index.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                                        ctypes.c_int64]
+    library.bpe_build_index.restype = None
+    library.bpe_encode.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p]
+    library.bpe_encode.restype = ctypes.c_int64
+    library.bpe_lookup.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
+    library.bpe_lookup.restype = ctypes.c_int32
+    library.bpe_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_void_p]
+    library.bpe_decode.restype = ctypes.c_int64
+    return library
+
+
+@dataclass
+class BpeTables:
+    """The vocabulary and merges as arrays; read-only once built, so copies of a tokenizer share them."""
+
+    token_bytes: np.ndarray  # uint8: every token's UTF-8, back to back
+    token_offsets: np.ndarray  # int64 [V + 1]
+    merge_offsets: np.ndarray  # int64 [V + 1]: merges by left token
+    merge_right: np.ndarray  # int32 [M], ascending within each left token's row
+    merge_rank: np.ndarray  # int32 [M]
+    merge_result: np.ndarray  # int32 [M]
+    byte_tokens: np.ndarray  # int32 [256]: the <0xXX> token of each byte, or -1
+    byte_values: np.ndarray  # int16 [V]: the byte a <0xXX> token stands for, or -1
+    unk_id: int
+
+    ARRAYS = ("token_bytes", "token_offsets", "merge_offsets", "merge_right", "merge_rank", "merge_result",
+              "byte_tokens", "byte_values")
+
+    def __post_init__(self) -> None:
+        self.library = _library()
+        n_tokens = len(self.token_offsets) - 1
+        self.slots = np.full(1 << max(4, (2 * n_tokens).bit_length()), -1, dtype=np.int32)
+        self.library.bpe_build_index(self.token_bytes.ctypes.data, self.token_offsets.ctypes.data, n_tokens,
+                                     self.slots.ctypes.data, len(self.slots))
+        self.model = _Model(self.token_bytes.ctypes.data, self.token_offsets.ctypes.data, n_tokens,
+                            self.slots.ctypes.data, len(self.slots), self.merge_offsets.ctypes.data,
+                            self.merge_right.ctypes.data, self.merge_rank.ctypes.data, self.merge_result.ctypes.data,
+                            self.byte_tokens.ctypes.data, self.unk_id)
+        self.max_token_bytes = max(3, int(np.diff(self.token_offsets).max(initial=0)))
+        # Addresses looked up once: numpy's .ctypes and ctypes.byref cost more than a short decode.
+        self.model_address = ctypes.addressof(self.model)
+        self.byte_values_address = self.byte_values.ctypes.data
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The ctypes handles are rebuilt on unpickling, from the arrays.
+        return {name: getattr(self, name) for name in (*self.ARRAYS, "unk_id")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.token_offsets) - 1
+
+    def token(self, token_id: int) -> str:
+        return self.token_bytes[self.token_offsets[token_id]:self.token_offsets[token_id + 1]].tobytes().decode()
+
+    def lookup(self, token: str) -> int:
+        """The id of `token`, or -1."""
+        data = token.encode()
+        return self.library.bpe_lookup(self.model_address, data, len(data))
+
+    def encode(self, normalized: str) -> list[int]:
+        data = normalized.encode()
+        out = np.empty(len(data), dtype=np.int32)
+        count = self.library.bpe_encode(self.model_address, data, len(data), out.ctypes.data)
+        if count < 0:
+            raise MemoryError(f"out of memory encoding a {len(data)}-byte text")
+        return out[:count].tolist()
+
+    def decode(self, ids: list[int], skip_address: int | None) -> str:
+        """The text of ids below vocab_size, leaving out those marked in the bool array per id at `skip_address`
+        (its .ctypes.data, kept by the caller: reading it costs a fifth of a short decode); see csrc/bpe.c."""
+        n = len(ids)
+        id_array = array.array("i", ids)
+        out = ctypes.create_string_buffer(n * self.max_token_bytes)
+        length = self.library.bpe_decode(self.model_address, self.byte_values_address,
+                                         skip_address, id_array.buffer_info()[0], n, out)
+        if length < 0:
+            raise MemoryError(f"out of memory decoding {n} tokens")
+        return out.raw[:length].decode("utf-8")
+
+    def nbytes(self) -> int:
+        return sum(getattr(self, name).nbytes for name in self.ARRAYS) + self.slots.nbytes
+
+    @classmethod
+    def from_model(cls, model: dict[str, Any]) -> BpeTables:
+        """From tokenizer.json's "model" (a BPE): the vocabulary must number its tokens 0..V-1."""
+        vocab: dict[str, int] = model["vocab"]
+        strings: list[str | None] = [None] * len(vocab)
+        for token, token_id in vocab.items():
+            if not 0 <= token_id < len(strings) or strings[token_id] is not None:
+                raise ValueError(f"the vocabulary's ids are not 0..{len(vocab) - 1} (token {token!r}: {token_id})")
+            strings[token_id] = token
+        encoded = [token.encode() for token in strings]
+        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum([len(token) for token in encoded], out=offsets[1:])
+        left, right, result = _merge_ids(model["merges"], vocab)
+        # Sorted by (left, right, rank); of a pair listed twice the later rank wins, as in tokenizers' merge map.
+        order = np.lexsort((np.arange(len(left)), right, left))
+        left, right, rank, result = left[order], right[order], order.astype(np.int32), result[order]
+        last = np.ones(len(left), dtype=bool)
+        last[:-1] = (left[1:] != left[:-1]) | (right[1:] != right[:-1])
+        left, right, rank, result = left[last], right[last], rank[last], result[last]
+        byte_tokens = np.array([vocab.get(f"<0x{b:02X}>", -1) for b in range(256)], dtype=np.int32)
+        byte_values = np.full(len(encoded), -1, dtype=np.int16)
+        for token_id, token in enumerate(encoded):
+            byte = _fallback_byte(token)
+            if byte is not None:
+                byte_values[token_id] = byte
+        unk = model.get("unk_token")
+        return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(), offsets,
+                   np.searchsorted(left, np.arange(len(encoded) + 1)).astype(np.int64), right, rank, result,
+                   byte_tokens, byte_values, vocab.get(unk, -1) if unk is not None else -1)
+
+
+def _merge_ids(merges: list, vocab: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    left, right, result = (np.empty(len(merges), dtype=np.int32) for _ in range(3))
+    for i, merge in enumerate(merges):
+        a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if a not in vocab or b not in vocab or a + b not in vocab:
+            raise ValueError(f"merge {i} ({a!r}, {b!r}) names a token the vocabulary lacks")
+        left[i], right[i], result[i] = vocab[a], vocab[b], vocab[a + b]
+    return left, right, result
+
+
+def _fallback_byte(token: bytes) -> int | None:
+    """The byte a <0xXX> token stands for, as tokenizers' ByteFallback decoder reads it."""
+    if len(token) != 6 or not token.startswith(b"<0x") or not token.endswith(b">"):
+        return None
+    try:
+        return int(token[3:5], 16)
+    except ValueError:
+        return None
+
+
+def compact_spec(tokenizer: dict[str, Any]) -> dict[str, Any] | None:
+    """What the compact tokenizer needs from a tokenizer.json beside its model, or None where its pipeline is
+    not the one this module implements."""
+    model = tokenizer.get("model") or {}
+    if (model.get("type") != "BPE" or model.get("dropout") not in (None, 0.0) or not model.get("fuse_unk")
+            or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix")
+            or model.get("ignore_merges")):
+        return None
+    if tokenizer.get("normalizer") != _NORMALIZER or tokenizer.get("pre_tokenizer") not in (None, _NO_OP_SPLIT):
+        return None
+    if tokenizer.get("decoder") != _DECODER or not model.get("byte_fallback"):
+        return None
+    bos = _bos_of(tokenizer.get("post_processor"))
+    if bos is False:
+        return None
+    added = tokenizer.get("added_tokens", [])
+    if any(token.get(flag) for token in added for flag in ("normalized", "lstrip", "rstrip", "single_word")):
+        return None  # matched after normalization, or eating the whitespace around them: not built
+    return {"bos_token": bos, "added_tokens": added}
+
+
+def _bos_of(post_processor: dict[str, Any] | None) -> str | None | bool:
+    """The special token a TemplateProcessing prepends to a single sequence (None: nothing); False for any other
+    post-processor."""
+    if post_processor is None:
+        return None
+    if post_processor.get("type") != "TemplateProcessing":
+        return False
+    single = post_processor.get("single", [])
+    if single == [{"Sequence": {"id": "A", "type_id": 0}}]:
+        return None
+    if len(single) == 2 and "SpecialToken" in single[0] and single[1] == {"Sequence": {"id": "A", "type_id": 0}}:
+        bos = single[0]["SpecialToken"]["id"]
+        pair = post_processor.get("pair", [])
+        expected_pair = [single[0], single[1], {"SpecialToken": {"id": bos, "type_id": 1}},
+                         {"Sequence": {"id": "B", "type_id": 1}}]
+        return bos if pair == expected_pair else False
+    return False
+
+
+def load_or_convert(directory: pathlib.Path) -> CompactBPETokenizer | None:
+    """The compact tokenizer of a directory holding a fast tokenizer's files, converting them on first use; None
+    where its pipeline is not the one this module implements (remembered, so the JSON is read once)."""
+    meta = _read_meta(directory)
+    if meta is None:
+        try:
+            convert(directory)
+        except OSError:
+            return None  # no tokenizer.json, or a read-only cache: the caller keeps the fast tokenizer
+        meta = _read_meta(directory)
+    if meta is None or not meta["supported"]:
+        return None
+    return _load(directory, meta)
+
+
+def convert(directory: pathlib.Path) -> bool:
+    """Write the compact tables beside a directory's tokenizer.json, or a note that its pipeline is not
+    supported (the return value). Reading the JSON takes a few hundred MiB for a large vocabulary: done once, as
+    the fast tokenizer is saved. The note goes last, so a reader that finds it finds the tables."""
+    tokenizer = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+    spec = compact_spec(tokenizer)
+    tables = None
+    if spec is not None:
+        try:
+            tables = BpeTables.from_model(tokenizer["model"])
+        except ValueError:
+            spec = None
+    del tokenizer
+    if tables is not None:
+        with tempfile.NamedTemporaryFile(dir=directory, suffix=".npz", delete=False) as handle:
+            np.savez(handle, **{name: getattr(tables, name) for name in BpeTables.ARRAYS},
+                     unk_id=np.int64(tables.unk_id))
+        os.replace(handle.name, directory / _TABLES_FILE)
+    meta = {"format": _FORMAT, "supported": spec is not None, **(spec or {})}
+    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".json", delete=False, encoding="utf-8") as handle:
+        json.dump(meta, handle)
+    os.replace(handle.name, directory / _META_FILE)
+    return spec is not None
+
+
+def _read_meta(directory: pathlib.Path) -> dict[str, Any] | None:
+    try:
+        meta = json.loads((directory / _META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if meta.get("format") == _FORMAT else None
+
+
+def _load(directory: pathlib.Path, spec: dict[str, Any]) -> CompactBPETokenizer:
+    with np.load(directory / _TABLES_FILE) as arrays:
+        tables = BpeTables(*(arrays[name] for name in BpeTables.ARRAYS), int(arrays["unk_id"]))
+    config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    template = directory / "chat_template.jinja"
+    chat_template = template.read_text(encoding="utf-8") if template.is_file() else config.get("chat_template")
+    return CompactBPETokenizer(tables, spec, config, chat_template, source_directory=directory)
+
+
+class CompactBPETokenizer(PythonBackend):
+    """transformers' tokenizer interface over BpeTables (see the module's docstring)."""
+
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, tables: BpeTables, spec: dict[str, Any], config: dict[str, Any],
+                 chat_template: str | None = None, source_directory: pathlib.Path | None = None) -> None:
+        self._tables = tables
+        self.source_directory = source_directory
+        self._added_tokens_decoder = {
+            token["id"]: AddedToken(token["content"], single_word=token["single_word"], lstrip=token["lstrip"],
+                                    rstrip=token["rstrip"], normalized=False, special=token["special"])
+            for token in spec["added_tokens"]}
+        self._non_special_trie: Trie | None = None
+        special = {name: config[name] for name in ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
+                   if config.get(name) is not None}
+        super().__init__(**special, chat_template=chat_template,
+                         model_max_length=config.get("model_max_length", int(1e30)),
+                         clean_up_tokenization_spaces=config.get("clean_up_tokenization_spaces", False),
+                         special_tokens_pattern="bos" if spec["bos_token"] is not None else "none")
+        self._mark_special_ids()
+
+    def _mark_special_ids(self) -> None:
+        self._special_ids = np.zeros(len(self), dtype=bool)
+        for token_id, token in self._added_tokens_decoder.items():
+            self._special_ids[token_id] = token.special
+        self._special_ids_address = self._special_ids.ctypes.data
+
+    # ---- the vocabulary ---------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tables.vocab_size
+
+    def tables_nbytes(self) -> int:
+        """Bytes of the vocabulary and merge tables (shared by copies of this tokenizer)."""
+        return self._tables.nbytes()
+
+    def _update_total_vocab_size(self) -> None:
+        beyond = [token_id for token_id in self._added_tokens_decoder if token_id >= self.vocab_size]
+        self.total_vocab_size = max([self.vocab_size - 1, *beyond]) + 1
+
+    def get_vocab(self) -> dict[str, int]:
+        vocab = {self._tables.token(i): i for i in range(self.vocab_size)}
+        vocab.update(self._added_tokens_encoder)
+        return vocab
+
+    def _add_tokens(self, new_tokens, special_tokens: bool = False) -> int:
+        if not new_tokens:
+            # The base class would build get_vocab's 262k-entry dict just to add nothing.
+            self._update_trie()
+            self._update_total_vocab_size()
+            return 0
+        added = super()._add_tokens(new_tokens, special_tokens)
+        self._non_special_trie = None
+        self._mark_special_ids()
+        return added
+
+    def _convert_token_to_id(self, token: str) -> int:
+        token_id = self._tables.lookup(token)
+        return token_id if token_id >= 0 else self._tables.unk_id
+
+    def _convert_id_to_token(self, index: int) -> str:
+        return self._tables.token(index)
+
+    # ---- encoding ---------------------------------------------------------------------------------------
+
+    def _text_ids(self, text: str, split_special_tokens: bool) -> list[int]:
+        """The ids of `text` (no BOS): added tokens where they occur, byte-fallback BPE between them. With
+        split_special_tokens, special tokens are encoded as text and only the others are matched, as the fast
+        tokenizer does."""
+        ids: list[int] = []
+        trie = self._trie_without_special() if split_special_tokens else self.tokens_trie
+        for piece in trie.split(text):
+            token_id = self._added_tokens_encoder.get(piece)
+            if token_id is not None and not (split_special_tokens and self._added_tokens_decoder[token_id].special):
+                ids.append(token_id)
+            elif piece:
+                ids.extend(self._tables.encode(piece.replace(" ", _SPACE_MARK)))
+        return ids
+
+    def _trie_without_special(self) -> Trie:
+        if self._non_special_trie is None:
+            self._non_special_trie = Trie()
+            for token in self._added_tokens_decoder.values():
+                if not token.special:
+                    self._non_special_trie.add(token.content)
+        return self._non_special_trie
+
+    def tokenize(self, text: str, **kwargs) -> list[str]:
+        split_special_tokens = kwargs.pop("split_special_tokens", self.split_special_tokens)
+        return self.convert_ids_to_tokens(self._text_ids(text, split_special_tokens))
+
+    def _encode_plus(self, text, text_pair=None, **kwargs):
+        # A text becomes ids here, in C, rather than through tokenize()'s token strings; the base class then adds
+        # the special tokens, truncates and pads them as it would any list of ids. Batches come back here one
+        # text at a time, lists of strings are tokens (or words), and an empty text stays a string because the
+        # base class reads an empty list as an empty batch.
+        if not kwargs.get("is_split_into_words") and not kwargs.get("sanitize_control_tokens"):
+            split = kwargs.pop("split_special_tokens", self.split_special_tokens)
+            if isinstance(text, str) and text:
+                text = self._text_ids(text, split)
+            if isinstance(text_pair, str) and text_pair:
+                text_pair = self._text_ids(text_pair, split)
+            kwargs["split_special_tokens"] = split
+        return super()._encode_plus(text, text_pair, **kwargs)
+
+    # ---- decoding ---------------------------------------------------------------------------------------
+
+    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None,
+                **kwargs) -> str:
+        ids = [token_ids] if isinstance(token_ids, int) else [int(i) for i in token_ids]
+        text = self.decode_ids(ids, skip_special_tokens)
+        clean = clean_up_tokenization_spaces if clean_up_tokenization_spaces is not None \
+            else self.clean_up_tokenization_spaces
+        return self.clean_up_tokenization(text) if clean else text
+
+    def decode_ids(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """decode() without its argument handling or clean-up of spaces: the engine's detokenizer calls this
+        twice per token per sequence."""
+        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):
+            return self._tables.decode(ids, self._special_ids_address if skip_special_tokens else None)
+        if skip_special_tokens:  # tokens added beyond the vocabulary: decoded here
+            ids = [i for i in ids if not (i < len(self._special_ids) and self._special_ids[i])]
+        return self._decode_pieces(ids)
+
+    def _decode_pieces(self, ids: list[int]) -> str:
+        """tokenizers' decoder chain: each token's \u2581 becomes a space, runs of <0xXX> tokens become their
+        bytes' text (one U+FFFD per byte where they are not UTF-8), and the pieces are joined."""
+        tables, pieces, pending = self._tables, [], bytearray()
+        for token_id in ids:
+            added = self._added_tokens_decoder.get(token_id)
+            if added is None:
+                byte, token = int(tables.byte_values[token_id]), None
+            else:
+                byte, token = _fallback_byte(added.content.encode()), added.content
+            if byte is not None and byte >= 0:
+                pending.append(byte)
+                continue
+            if pending:
+                pieces.append(_bytes_text(pending))
+                pending.clear()
+            pieces.append((token or tables.token(token_id)).replace(_SPACE_MARK, " "))
+        if pending:
+            pieces.append(_bytes_text(pending))
+        return "".join(pieces)
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return self._decode_pieces([self._convert_token_to_id_with_added_voc(token) for token in tokens])
+
+    # ---- copies -----------------------------------------------------------------------------------------
+
+    def __deepcopy__(self, memo: dict) -> CompactBPETokenizer:
+        """A copy whose settings (truncation, added tokens) are its own and whose tables are shared: they are
+        never written, and the C encoder keeps no state between calls."""
+        memo[id(self._tables)] = self._tables
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            clone.__dict__[name] = copy.deepcopy(value, memo)
+        clone._special_ids_address = clone._special_ids.ctypes.data
+        return clone
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._special_ids_address = self._special_ids.ctypes.data
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Saves the fast tokenizer this one was converted from, with this one's chat template and added tokens:
+        the same tokens, in files any transformers tokenizer loader reads."""
+        from transformers import AutoTokenizer
+
+        if self.source_directory is None:
+            raise NotImplementedError("this compact tokenizer was built without the fast tokenizer's files; save "
+                                      "the tokenizer.json it was built from instead")
+        fast = AutoTokenizer.from_pretrained(str(self.source_directory))
+        extra = [token for token_id, token in sorted(self._added_tokens_decoder.items())
+                 if token_id not in fast.added_tokens_decoder]
+        if extra:
+            fast.add_tokens(extra)
+        fast.chat_template = self.chat_template
+        return fast.save_pretrained(save_directory, *args, **kwargs)
+
+    def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
+        raise NotImplementedError("the compact tokenizer writes no vocabulary files of its own; save_pretrained "
+                                  "saves the fast tokenizer it was converted from")
+
+
+def _bytes_text(data: bytearray) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "\ufffd" * len(data)

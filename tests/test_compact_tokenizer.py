@@ -1,0 +1,211 @@
+"""The compact byte-fallback BPE tokenizer (pagellm/tokenization/compact_bpe.py) against the fast tokenizer it is
+converted from: a small trained vocabulary with Gemma's pipeline here, the real Gemma 3 vocabulary in
+tests/test_gguf_gemma3.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import pickle
+
+import pytest
+import xgrammar as xgr
+from hypothesis import given
+from hypothesis import strategies as st
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from pagellm.structured_output.grammar import _tokenizer_info
+from pagellm.tokenization import compact_bpe
+from pagellm.tokenization.compact_bpe import CompactBPETokenizer
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "paged attention serves the model from blocks",
+          "hello world, hello there", "ünïcödé and naïve café text", "def f(x):\n    return x * 2"]
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+ADDED_SPECIAL = ["<start_of_turn>", "<end_of_turn>"]
+ADDED_PLAIN = ["\n\n", "<b>"]  # Gemma's newline runs and HTML tags are added tokens that are not special
+
+
+def _gemma_like_tokenizer() -> Tokenizer:
+    """A BPE trained on CORPUS, renumbered as Gemma's: specials, the 256 <0xXX> byte tokens, then the rest."""
+    trainer_model = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer_model.normalizer = normalizers.Replace(" ", "\u2581")
+    trainer_model.train_from_iterator(CORPUS * 10, trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    trained = json.loads(trainer_model.to_str())["model"]
+    names = SPECIALS + [f"<0x{b:02X}>" for b in range(256)]
+    names += [token for token, _ in sorted(trained["vocab"].items(), key=lambda item: item[1]) if token not in names]
+    merges = [tuple(merge.split(" ", 1)) if isinstance(merge, str) else tuple(merge) for merge in trained["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab={name: i for i, name in enumerate(names)}, merges=merges,
+                                     unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos>:1 $B:1",
+                                                             special_tokens=[("<bos>", 2)])
+    tokenizer.add_special_tokens([AddedToken(token, normalized=False) for token in SPECIALS + ADDED_SPECIAL])
+    tokenizer.add_tokens([AddedToken(token, normalized=False) for token in ADDED_PLAIN])
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("compact")
+    fast = PreTrainedTokenizerFast(tokenizer_object=_gemma_like_tokenizer(), bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", pad_token="<pad>")
+    fast.chat_template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}"
+                          "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fast(directory) -> PreTrainedTokenizerFast:
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+@pytest.fixture(scope="module")
+def compact(directory) -> CompactBPETokenizer:
+    tokenizer = compact_bpe.load_or_convert(directory)
+    assert isinstance(tokenizer, CompactBPETokenizer)
+    return tokenizer
+
+
+TEXTS = ["", " ", "hello world", "  the  lazy dog ", "<start_of_turn>user\nhello<end_of_turn>\n", "a\n\n\nb<b>x</b>",
+         "emoji 😀 and 漢字 fall back to bytes", "<bos><eos><unk><pad>", "\x00\ttab\r\n", "<0x41> is text", *CORPUS]
+TEXT_ALPHABET = st.sampled_from(list("thequickbrownfoxaé漢😀 \n\t<>/") + ADDED_SPECIAL + ADDED_PLAIN + SPECIALS)
+
+
+@pytest.mark.parametrize("split_special_tokens", [False, True])
+def test_encode_equals_the_fast_tokenizer(fast, compact, split_special_tokens):
+    for text in TEXTS:
+        assert compact.encode(text, split_special_tokens=split_special_tokens) == \
+            fast.encode(text, split_special_tokens=split_special_tokens), text
+        assert compact.tokenize(text) == fast.tokenize(text), text
+
+
+@given(pieces=st.lists(TEXT_ALPHABET, max_size=40))
+def test_random_text_encodes_and_decodes_as_the_fast_tokenizer(fast, compact, pieces):
+    text = "".join(pieces)
+    ids = fast.encode(text)
+    assert compact.encode(text) == ids
+    assert compact.encode(text, add_special_tokens=False, split_special_tokens=True) == \
+        fast.encode(text, add_special_tokens=False, split_special_tokens=True)
+    for skip in (False, True):
+        assert compact.decode(ids, skip_special_tokens=skip) == fast.decode(ids, skip_special_tokens=skip)
+
+
+@given(ids=st.lists(st.integers(0, 200 + len(ADDED_SPECIAL) + len(ADDED_PLAIN)), max_size=30))
+def test_any_ids_decode_as_the_fast_tokenizer(fast, compact, ids):
+    """Arbitrary ids: lone and invalid <0xXX> byte runs become U+FFFD per byte, as tokenizers' ByteFallback."""
+    ids = [i for i in ids if i < len(fast)]
+    for skip in (False, True):
+        assert compact.decode(ids, skip_special_tokens=skip) == fast.decode(ids, skip_special_tokens=skip)
+    assert compact.convert_ids_to_tokens(ids) == fast.convert_ids_to_tokens(ids)
+
+
+def test_vocabulary_special_tokens_batches_and_chat_template(fast, compact):
+    assert len(compact) == len(fast) and compact.vocab_size == fast.vocab_size
+    assert compact.get_vocab() == fast.get_vocab()
+    assert (compact.bos_token_id, compact.eos_token_id, compact.pad_token_id, compact.unk_token_id) == \
+        (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id, fast.unk_token_id)
+    assert sorted(compact.all_special_ids) == sorted(fast.all_special_ids)
+    assert compact.convert_tokens_to_ids(["\u2581the", "<bos>", "not-a-token", "<0x41>"]) == \
+        fast.convert_tokens_to_ids(["\u2581the", "<bos>", "not-a-token", "<0x41>"])
+    batch = ["hello world", "the", ""]
+    assert compact(batch, padding=True)["input_ids"] == fast(batch, padding=True)["input_ids"]
+    assert compact("hello", "world")["input_ids"] == fast("hello", "world")["input_ids"]
+    assert compact("the lazy dog", truncation=True, max_length=3)["input_ids"] == \
+        fast("the lazy dog", truncation=True, max_length=3)["input_ids"]
+    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}]
+    assert compact.apply_chat_template(messages, add_generation_prompt=True, tokenize=True) == \
+        fast.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+
+
+def test_added_tokens_and_copies(directory, fast, compact):
+    """A copy shares the tables but not its added tokens; save_pretrained writes the fast tokenizer's files."""
+    clone = copy.deepcopy(compact)
+    assert clone._tables is compact._tables
+    assert clone.add_tokens(["quickbrown"]) == 1 and len(clone) == len(compact) + 1
+    fast_clone = copy.deepcopy(fast)
+    fast_clone.add_tokens(["quickbrown"])
+    assert len(compact) in clone.encode("a quickbrown fox")
+    assert clone.encode("a quickbrown fox") == fast_clone.encode("a quickbrown fox")
+    assert "quickbrown" not in compact.get_vocab() and len(compact) not in compact.encode("a quickbrown fox")
+    assert clone.decode(clone.encode("a quickbrown fox")) == "<bos>a quickbrown fox"
+
+
+def test_a_pickled_tokenizer_decodes_and_encodes_alone(compact):
+    clone = pickle.loads(pickle.dumps(compact))
+    assert clone._tables is not compact._tables
+    for text in TEXTS:
+        assert clone.encode(text) == compact.encode(text)
+        assert clone.decode(compact.encode(text), skip_special_tokens=True) == \
+            compact.decode(compact.encode(text), skip_special_tokens=True)
+
+
+def test_save_pretrained_writes_a_fast_tokenizer_with_the_same_tokens(compact, fast, tmp_path):
+    clone = copy.deepcopy(compact)
+    clone.add_tokens(["quickbrown"])
+    clone.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert isinstance(reloaded, PreTrainedTokenizerFast)
+    for text in [*TEXTS, "a quickbrown fox"]:
+        assert reloaded.encode(text) == clone.encode(text)
+    assert reloaded.chat_template == compact.chat_template == fast.chat_template
+
+
+def test_xgrammar_sees_the_vocabulary_as_from_the_fast_tokenizer(fast, compact):
+    vocab_size = len(fast) + 6  # a model's logits can be wider than its vocabulary
+    expected = xgr.TokenizerInfo.from_huggingface(fast, vocab_size=vocab_size, stop_token_ids=[1])
+    info = _tokenizer_info(compact, vocab_size, [1])
+    assert (info.vocab_type, info.add_prefix_space) == (expected.vocab_type, expected.add_prefix_space)
+    assert info.decoded_vocab == expected.decoded_vocab
+    assert info.special_token_ids == expected.special_token_ids
+
+
+def test_other_pipelines_are_left_to_the_fast_tokenizer_and_read_once(tmp_path):
+    byte_level = Tokenizer(models.BPE())
+    from tokenizers import pre_tokenizers
+
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel()
+    byte_level.decoder = decoders.ByteLevel()
+    byte_level.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=byte_level, eos_token="<eos>").save_pretrained(tmp_path)
+    assert compact_bpe.load_or_convert(tmp_path) is None
+    (tmp_path / "tokenizer.json").unlink()  # the verdict is remembered: the JSON is not read again
+    assert compact_bpe.load_or_convert(tmp_path) is None
+
+
+def test_each_spec_difference_is_refused(directory):
+    document = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+    assert compact_bpe.compact_spec(document) is not None
+    changes = [
+        lambda d: d["model"].update(dropout=0.1),
+        lambda d: d["model"].update(byte_fallback=False),
+        lambda d: d.update(normalizer={"type": "NFKC"}),
+        lambda d: d.update(pre_tokenizer={"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always",
+                                          "split": False}),
+        lambda d: d["decoder"]["decoders"].append({"type": "Strip", "content": " ", "start": 1, "stop": 0}),
+        lambda d: d["post_processor"]["single"].append({"SpecialToken": {"id": "<eos>", "type_id": 0}}),
+        lambda d: d["added_tokens"][-1].update(lstrip=True),
+        lambda d: d["added_tokens"][-1].update(normalized=True),
+    ]
+    for change in changes:
+        changed = json.loads(json.dumps(document))
+        change(changed)
+        assert compact_bpe.compact_spec(changed) is None, change
+
+
+def test_stale_or_damaged_tables_fall_back_or_rebuild(directory, tmp_path):
+    from pagellm.models.gguf_loader import _compact_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((directory / name).read_bytes())
+    assert isinstance(_compact_tokenizer(tmp_path), CompactBPETokenizer)
+    meta = json.loads((tmp_path / "compact_bpe.json").read_text())
+    (tmp_path / "compact_bpe.json").write_text(json.dumps({**meta, "format": -1}))
+    assert isinstance(_compact_tokenizer(tmp_path), CompactBPETokenizer)  # another format: converted again
+    assert json.loads((tmp_path / "compact_bpe.json").read_text())["format"] == meta["format"]
+    (tmp_path / "compact_bpe.npz").write_bytes(b"not an npz")
+    assert _compact_tokenizer(tmp_path) is None  # the caller loads the fast tokenizer
