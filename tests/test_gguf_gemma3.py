@@ -9,6 +9,8 @@ transformers' GGUF loader in tests/test_gguf_loader.py (tiny files of every arch
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import pathlib
 
@@ -104,34 +106,67 @@ def test_config_is_google_gemma_3_270m(loaded):
 def test_tokenizer(llm):
     """The Gemma tokenizer from the file (ids as transformers' AutoTokenizer gives them without a type hint)."""
     tokenizer = llm.get_tokenizer()
-    assert type(tokenizer).__name__ == "GemmaTokenizer" and len(tokenizer) == 262144
+    assert len(tokenizer) == 262144
     assert tokenizer.encode("<start_of_turn>user\nHello<end_of_turn>\n") == [2, 105, 2364, 107, 9259, 106, 107]
     assert set(llm.llm_engine.core.model_info.eos_token_ids) == {1, 106}  # <eos>, <end_of_turn>
     text = "Paged attention, 한국어 and emoji 🙂"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
 
-def test_the_engines_tokenizer_drops_its_construction_tables_and_works_as_built(llm, model_path, tmp_path):
-    """The Python vocabulary and merges GemmaTokenizer keeps after building its Rust tokenizer (~130 MiB for this
-    vocabulary) are released at load; encoding, decoding, the vocabulary and a save/reload
-    give what the tokenizer as built gives."""
+@pytest.fixture(scope="module")
+def fast_tokenizer(llm):
+    """The fast tokenizer transformers rebuilds from the file, as saved in pagellm's cache."""
     from transformers import AutoTokenizer
 
-    from pagellm.models.gguf_loader import load_gguf_tokenizer
+    return AutoTokenizer.from_pretrained(str(llm.get_tokenizer().source_directory))
+
+
+def test_the_engines_tokenizer_is_the_compact_one_and_equals_the_fast_one(llm, fast_tokenizer, tmp_path):
+    """Gemma's 262k-token vocabulary and 515k merges in flat tables (pagellm/tokenization/compact_bpe.py), token
+    for token what the fast tokenizer gives: text in many scripts, every kind of added token, a whole README."""
+    from transformers import AutoTokenizer
+
+    from pagellm.tokenization.compact_bpe import CompactBPETokenizer
 
     engines = llm.get_tokenizer()
-    as_built = load_gguf_tokenizer(model_path)
-    assert engines._merges is None and engines._vocab is None
-    assert len(as_built._merges) > 500_000  # what was released
-    texts = [*PROMPTS, "Paged attention, 한국어 and emoji 🙂 <unused17> <start_of_image>"]
+    assert isinstance(engines, CompactBPETokenizer) and type(fast_tokenizer).__name__ == "GemmaTokenizer"
+    assert engines.tables_nbytes() < 20 << 20
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    texts = [*PROMPTS, "Paged attention, 한국어 and emoji 🙂 <unused17> <start_of_image>", "a\n\n\n\nb<table><tr>",
+             "  two  spaces\t\r\n", "\x00\x7f\u200b", readme]
     for text in texts:
-        assert engines(text)["input_ids"] == as_built(text)["input_ids"]
-        assert engines.decode(engines.encode(text)) == as_built.decode(as_built.encode(text))
-    assert engines.get_vocab() == as_built.get_vocab()
-    assert engines.chat_template == as_built.chat_template
+        for split in (False, True):
+            assert engines.encode(text, split_special_tokens=split) == \
+                fast_tokenizer.encode(text, split_special_tokens=split), text[:80]
+        ids = fast_tokenizer.encode(text)
+        for skip in (False, True):
+            assert engines.decode(ids, skip_special_tokens=skip) == fast_tokenizer.decode(ids, skip_special_tokens=skip)
+    random_ids = np.random.default_rng(0).integers(0, len(engines), size=(200, 12)).tolist()
+    for ids in random_ids:
+        assert engines.decode(ids) == fast_tokenizer.decode(ids)
+    assert engines.convert_ids_to_tokens(random_ids[0]) == fast_tokenizer.convert_ids_to_tokens(random_ids[0])
+    assert engines.get_vocab() == fast_tokenizer.get_vocab()
+    assert engines.all_special_ids == fast_tokenizer.all_special_ids
+    assert engines.chat_template == fast_tokenizer.chat_template
     engines.save_pretrained(tmp_path)
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
-    assert [reloaded(text)["input_ids"] for text in texts] == [as_built(text)["input_ids"] for text in texts]
+    assert [reloaded(text)["input_ids"] for text in texts] == [fast_tokenizer(text)["input_ids"] for text in texts]
+
+
+def test_the_fast_tokenizer_drops_its_construction_tables_and_works_as_built(fast_tokenizer):
+    """Where the compact tokenizer cannot be used, the fast one is: the Python vocabulary and merges
+    GemmaTokenizer keeps after building its Rust tokenizer (~130 MiB for this vocabulary) are released at
+    load, and encoding, decoding and the vocabulary stay what the tokenizer as built gives."""
+    from pagellm.models.loader import release_construction_tables
+
+    released = copy.deepcopy(fast_tokenizer)
+    release_construction_tables(released)
+    assert released._merges is None and released._vocab is None
+    assert len(fast_tokenizer._merges) > 500_000  # what was released
+    for text in [*PROMPTS, "Paged attention, 한국어 and emoji 🙂 <unused17> <start_of_image>"]:
+        assert released(text)["input_ids"] == fast_tokenizer(text)["input_ids"]
+        assert released.decode(released.encode(text)) == fast_tokenizer.decode(fast_tokenizer.encode(text))
+    assert released.get_vocab() == fast_tokenizer.get_vocab()
 
 
 def test_every_tensor_type_in_the_file_equals_gguf(model_path, loaded):
@@ -165,3 +200,17 @@ def test_greedy_matches_transformers(llm, hf_model):
         assert output.outputs[0].token_ids == expected, (prompt, tokenizer.decode(expected))
     # Real weights say real things (which random ones would not).
     assert "100 degrees" in outputs[0].outputs[0].text and "return" in outputs[1].outputs[0].text
+
+
+def test_structured_output_over_the_compact_tokenizer(llm):
+    """xgrammar masks Gemma's vocabulary as the compact tokenizer describes it."""
+    from pagellm.sampling_params import StructuredOutputsParams
+
+    prompt = "<start_of_turn>user\nWhat is the largest city of Japan?<end_of_turn>\n<start_of_turn>model\n"
+    kinds = {"choice": StructuredOutputsParams(choice=["Osaka", "Tokyo", "Kyoto"]),
+             "regex": StructuredOutputsParams(regex=r'\{"city": "[A-Z][a-z]{1,15}"\}')}
+    outputs = {kind: llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, structured_outputs=params),
+                                  use_tqdm=False)[0].outputs[0] for kind, params in kinds.items()}
+    assert all(output.finish_reason == "stop" for output in outputs.values()), outputs
+    assert outputs["choice"].text == "Tokyo"
+    assert json.loads(outputs["regex"].text)["city"] == "Tokyo"

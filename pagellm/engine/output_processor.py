@@ -28,10 +28,15 @@ logger = logging.getLogger(__name__)
 def decode_function(tokenizer, params: SamplingParams) -> Callable[[list[int]], str]:
     """`tokenizer.decode` with the request's options; for a HF fast tokenizer whose decode only forwards to its
     Rust tokenizer (no clean-up of spaces, no override), that Rust decode itself: the same text for a third of
-    the cost, which counts at two decodes per token per sequence per step."""
+    the cost, which counts at two decodes per token per sequence per step. The compact tokenizer's decode_ids
+    likewise."""
     backend = _plain_rust_decoder(tokenizer)
     if backend is not None:
         return functools.partial(backend.decode, skip_special_tokens=params.skip_special_tokens)
+    from pagellm.tokenization.compact_bpe import CompactBPETokenizer
+
+    if isinstance(tokenizer, CompactBPETokenizer) and not tokenizer.clean_up_tokenization_spaces:
+        return functools.partial(tokenizer.decode_ids, skip_special_tokens=params.skip_special_tokens)
     return functools.partial(tokenizer.decode, skip_special_tokens=params.skip_special_tokens,
                              spaces_between_special_tokens=params.spaces_between_special_tokens)
 

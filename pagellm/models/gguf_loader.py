@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import pathlib
 import re
@@ -27,6 +28,8 @@ import transformers
 
 from pagellm.cache_dir import cache_root
 from pagellm.models.gguf_quants import dequantize, quant_format, tensor_nbytes
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -204,10 +207,15 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedToken
 
     Rebuilding takes seconds (transformers re-reads the whole vocabulary), so the result is saved
     once under the cache directory, keyed by the file's path, size and mtime, and loaded from there.
+    Where the saved tokenizer is a byte-fallback BPE of the pipeline pagellm.tokenization.compact_bpe
+    implements (Gemma's), that one is returned instead: the same tokens in a fraction of the memory.
     """
     path = pathlib.Path(path).resolve()
     cached = _tokenizer_cache_dir(path)
     if (cached / "tokenizer_config.json").is_file():
+        compact = _compact_tokenizer(cached)
+        if compact is not None:
+            return compact
         try:
             return transformers.AutoTokenizer.from_pretrained(str(cached))
         except (OSError, ValueError):
@@ -220,6 +228,21 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedToken
     if template is not None:
         tokenizer.chat_template = template
     _save_atomically(tokenizer, cached)
+    compact = _compact_tokenizer(cached) if (cached / "tokenizer.json").is_file() else None
+    return compact if compact is not None else tokenizer
+
+
+def _compact_tokenizer(cached: pathlib.Path):
+    from pagellm.tokenization import compact_bpe
+
+    try:
+        tokenizer = compact_bpe.load_or_convert(cached)
+    except (OSError, ValueError, KeyError) as error:
+        logger.warning("compact tokenizer tables in %s unreadable (%s); using the fast tokenizer", cached, error)
+        return None
+    if tokenizer is not None:
+        logger.info("tokenizer: compact byte-fallback BPE (%.1f MiB of tables) from %s",
+                    tokenizer.tables_nbytes() / 2**20, cached)
     return tokenizer
 
 

@@ -252,8 +252,7 @@ class GrammarCompiler:
 
         with self._compiler_lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                          stop_token_ids=self._stop_token_ids)
+                info = _tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
                 # xgrammar's own cache would keep every compiled grammar a second time, with no bound.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
@@ -272,6 +271,24 @@ class GrammarCompiler:
     def _give_up(self, entry: _Entry) -> None:
         with self._lock:
             entry.claims -= 1
+
+
+def _tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int] | None):
+    import xgrammar as xgr
+
+    from pagellm.tokenization.compact_bpe import CompactBPETokenizer
+
+    if isinstance(tokenizer, CompactBPETokenizer):
+        # xgrammar reads the vocabulary's kind from a fast tokenizer's Rust pipeline, which this one has not;
+        # it is the pipeline from_huggingface detects for Gemma's fast tokenizer: <0xXX> bytes, no added space.
+        vocab = tokenizer.get_vocab()
+        encoded = [""] * vocab_size
+        for token, token_id in vocab.items():
+            if token_id < vocab_size:
+                encoded[token_id] = token
+        return xgr.TokenizerInfo(encoded, xgr.VocabType.BYTE_FALLBACK, vocab_size=vocab_size,
+                                 stop_token_ids=stop_token_ids, add_prefix_space=False)
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
 
 
 @dataclass(eq=False)
