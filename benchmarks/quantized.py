@@ -19,10 +19,12 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
   weigh less; its perplexity and text are noise.
 
 Each format runs in a fresh process: what LLM() adds to its RSS (VmRSS after `import torch` to after LLM(), and
-the peak, VmHWM), the engine's weight bytes, the perplexity of a fixed text (exp of the mean negative
-log-likelihood of its tokens after the first, prompt_logprobs), single-stream decode tok/s (one request, greedy,
-EOS ignored, its decode steps after the prefill's; the best of --repeats runs) and batched output tok/s (--batch requests at once), and batched prefill tok/s (those
-requests' prompt tokens per second, evaluated together for one output token each; best of --repeats). With --llama-python (a venv with
+the process's peak: VmHWM, or the peak before the engine reset VmHWM to measure its activations), the engine's
+weight bytes, the perplexity of a fixed text (exp of the mean negative log-likelihood of its tokens after the
+first, prompt_logprobs), single-stream decode tok/s (one request, greedy, EOS ignored, its decode steps after the
+prefill's; the best of --repeats runs) and batched output tok/s (--batch requests at once), and batched prefill
+tok/s (those requests' prompt tokens per second, evaluated together for one output token each; best of
+--repeats). With --llama-python (a venv with
 llama-cpp-python, built for this CPU: `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python`), llama.cpp
 runs the GGUFs on the same cores: its perplexity of the same tokens, its single-stream decode tok/s (best of as many runs), and its
 batched output tok/s over the same number of sequences through its own batching (every sequence in one
@@ -185,6 +187,7 @@ def run_pagellm(fmt: Format, path: str, args: argparse.Namespace) -> dict:
     import torch  # noqa: F401 - the baseline RSS includes torch, as any engine process has it
 
     from pagellm import LLM, SamplingParams
+    from pagellm.worker.kv_cache import process_peak_rss
 
     rss_before = _status_kib("VmRSS")
     started = time.perf_counter()
@@ -192,7 +195,8 @@ def run_pagellm(fmt: Format, path: str, args: argparse.Namespace) -> dict:
               kv_cache_memory_bytes=KV_CACHE_BYTES,
               max_model_len=MAX_MODEL_LEN, max_num_seqs=max(args.batch, 8), enable_prefix_caching=False, seed=0)
     load_s = time.perf_counter() - started
-    rss_loaded, peak = _status_kib("VmRSS"), _status_kib("VmHWM")
+    # The engine resets VmHWM to measure its activation peak: the process's peak is kept beside it.
+    rss_loaded, peak = _status_kib("VmRSS"), process_peak_rss() // 1024
     startup = llm.llm_engine.core.startup
     scored = llm.generate([PERPLEXITY_TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     ids = scored.prompt_token_ids

@@ -588,7 +588,7 @@ def _hf_tensors(header: _Header, arch: _GGUFArch, config: transformers.PreTraine
     if stem == "attn_v_b":
         return  # read with its attn_k_b
     if stem == "attn_k_b":
-        yield f"model.layers.{match[1]}.self_attn.kv_b_proj.weight", _joined_kv_b(header, info, match[1])
+        yield f"model.layers.{match[1]}.self_attn.kv_b_proj.weight", _joined_kv_b(header, info, match[1], file)
         return
     fmt = quant_format(info.type_id, info.name)
     keep_blocks = file is not None and fmt.block_size > 1 and stem not in _FLOAT_ONLY_STEMS
@@ -601,7 +601,7 @@ def _hf_tensors(header: _Header, arch: _GGUFArch, config: transformers.PreTraine
             stacked = torch.from_numpy(_read_tensor_bytes(file, info, len(header.blob))).view(experts, rows, -1)
             slices = (GGUFWeight(stacked[e], fmt.name, rows, cols) for e in range(experts))
         else:
-            slices = iter(torch.from_numpy(_load_tensor(header.blob, info, None)))
+            slices = iter(torch.from_numpy(_load_tensor(header.blob, info, None, file)))
         for expert, tensor in enumerate(slices):
             yield f"model.layers.{match[1]}.mlp.experts.{expert}.{_EXPERT_STACKS[stem]}.weight", tensor
         return
@@ -614,20 +614,20 @@ def _hf_tensors(header: _Header, arch: _GGUFArch, config: transformers.PreTraine
             blocks = torch.from_numpy(_unpermute_rows(blocks.numpy(), permute))
         yield name, GGUFWeight(blocks, fmt.name, rows, cols)
         return
-    weights = _load_tensor(header.blob, info, permute)
+    weights = _load_tensor(header.blob, info, permute, file)
     if arch.norm_offset and info.name.endswith("norm.weight"):
         weights -= np.float32(arch.norm_offset)
     yield name, torch.from_numpy(weights)
 
 
-def _joined_kv_b(header: _Header, k_b: _TensorInfo, layer: str) -> torch.Tensor:
+def _joined_kv_b(header: _Header, k_b: _TensorInfo, layer: str, file=None) -> torch.Tensor:
     """kv_b_proj's weight [heads * (nope + v), rank] from llama.cpp's split of it: attn_k_b [heads, rank, nope]
     (each head's W_UK transposed) and attn_v_b [heads, v, rank]."""
     v_b = header.tensors.get(f"blk.{layer}.attn_v_b.weight")
     if v_b is None:
         raise ValueError(f"GGUF file has {k_b.name!r} but not blk.{layer}.attn_v_b.weight; llama.cpp writes the two "
                          "halves of kv_b_proj together. The file is incomplete: convert it again")
-    keys, values = _load_tensor(header.blob, k_b, None), _load_tensor(header.blob, v_b, None)
+    keys, values = _load_tensor(header.blob, k_b, None, file), _load_tensor(header.blob, v_b, None, file)
     if keys.ndim != 3 or values.ndim != 3 or keys.shape[:2] != (values.shape[0], values.shape[2]):
         raise ValueError(f"GGUF tensors {k_b.name!r} {keys.shape} and {v_b.name!r} {values.shape} are not the "
                          "[heads, rank, nope] and [heads, v, rank] halves of one kv_b_proj")
@@ -673,10 +673,15 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return np.ascontiguousarray(permuted.swapaxes(1, 2).reshape(count, *rows.shape[1:]))
 
 
-def _load_tensor(blob: np.ndarray, info: _TensorInfo, permute_heads: int | None) -> np.ndarray:
-    """Dequantize one tensor to a writable, contiguous float32 array in HF layout."""
-    nbytes = _check_extent(info, len(blob))
-    raw = blob[info.offset : info.offset + nbytes]
+def _load_tensor(blob: np.ndarray, info: _TensorInfo, permute_heads: int | None, file=None) -> np.ndarray:
+    """Dequantize one tensor to a writable, contiguous float32 array in HF layout; read from `file` where given,
+    not through the mapping, whose pages the kernel may map 2 MiB at a time (a 2 KiB norm then adds 2 MiB to the
+    process's RSS until the mapping goes)."""
+    if file is not None:
+        raw = _read_tensor_bytes(file, info, len(blob))
+    else:
+        nbytes = _check_extent(info, len(blob))
+        raw = blob[info.offset : info.offset + nbytes]
     weights = dequantize(raw, info.type_id, info.shape, info.name)
     return weights if permute_heads is None else _unpermute_rows(weights, permute_heads)
 

@@ -26,8 +26,10 @@ from pagellm.structured_output.matcher import apply_token_bitmask
 _SEED_STRIDE = 1_000_003
 
 # Logits elements (rows x vocab) the sampler filters at once; its workspace takes 29 bytes an element
-# (_Workspace), ~58 MiB on the CPU. On CUDA a larger chunk keeps the kernel launches of a large batch few.
-CPU_CHUNK_ELEMENTS = 1 << 21
+# (_Workspace), 14.5 MiB on the CPU, where the per-element work (noise, sorting) outweighs the per-chunk overhead
+# even at two rows of a 262k vocabulary (README, "Memory"). On CUDA a larger chunk keeps the kernel launches of a
+# large batch few.
+CPU_CHUNK_ELEMENTS = 1 << 19
 CUDA_CHUNK_ELEMENTS = 1 << 23
 
 
@@ -202,10 +204,14 @@ class Sampler:
     def __init__(self, generator: torch.Generator, max_chunk_elements: int | None = None) -> None:
         self.generator = generator
         self.max_chunk_elements = max_chunk_elements or chunk_elements(generator.device)
+        # torch sorts a chunk's rows in parallel, a row to a thread: a chunk of fewer rows than threads leaves
+        # cores idle (one row of a 262k vocabulary at a time made top-p sampling 1.7x slower on 2 cores).
+        self._row_per_thread = not max_chunk_elements and generator.device.type != "cuda"
         self._workspace: _Workspace | None = None
 
     def rows_per_chunk(self, vocab_size: int) -> int:
-        return max(1, self.max_chunk_elements // vocab_size)
+        floor = torch.get_num_threads() if self._row_per_thread else 1
+        return max(floor, self.max_chunk_elements // vocab_size)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [S, V] float32 (modified in place)."""

@@ -152,6 +152,15 @@ def _status_bytes(key: str) -> int:
     return 0
 
 
+_peak_before_resets = 0
+
+
+def process_peak_rss() -> int:
+    """The process's peak RSS in bytes since it started: VmHWM, which measure_peak resets, or the peak before the
+    last reset where that was higher."""
+    return max(_status_bytes("VmHWM"), _peak_before_resets)
+
+
 @contextmanager
 def measure_peak(device: torch.device):
     """Yields a dict whose 'peak' is filled with the extra memory the block's work held at its peak."""
@@ -164,7 +173,10 @@ def measure_peak(device: torch.device):
         torch.cuda.synchronize(device)
         result["peak"] = max(0, torch.cuda.max_memory_allocated(device) - before)
         return
-    # The kernel keeps a process's peak RSS (VmHWM); writing 5 to clear_refs resets it to the current RSS.
+    # The kernel keeps a process's peak RSS (VmHWM); writing 5 to clear_refs resets it to the current RSS. The
+    # peak until then is kept for process_peak_rss.
+    global _peak_before_resets
+    _peak_before_resets = max(_peak_before_resets, _status_bytes("VmHWM"))
     try:
         with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
             f.write("5")

@@ -100,7 +100,13 @@ class GGUFLinearMethod(LinearMethod):
             if layer.splits_input:
                 width = row_bytes(tensor.type_name, cols)
                 data = data.narrow(1, layer.group.rank * width, width)
-            part = GGUFWeight(data.contiguous().clone(), tensor.type_name, piece.size, cols)
+            whole = data.data_ptr() == tensor.data.data_ptr() and data.shape == tensor.data.shape
+            # A part of the file's tensor is copied so as not to keep the rest alive, into numpy's memory as the
+            # loader reads into (huge pages: _pack_runs); the whole one is taken as read, since a second copy of
+            # Gemma 3's 170 MiB embedding would be the load's peak.
+            if not (whole and data.is_contiguous()):
+                data = torch.from_numpy(np.array(data.numpy(), order="C"))
+            part = GGUFWeight(data, tensor.type_name, piece.size, cols)
         else:
             part = tensor.narrow(0, piece.source_start, piece.size).narrow(1, start_col, cols).to(layer.params_dtype)
         layer.gguf_parts[shard] = _Part(part)
@@ -215,6 +221,12 @@ def _pack_runs(weights: list[GGUFWeight], padding: int,
             runs.append([weight])
     sizes = [sum(w.data.numel() for w in run) for run in runs]
     sizes[-1] += padding * runs[-1][0].data.shape[1]
+    only = weights[0].data
+    if len(weights) == 1 and not padding and device.type == "cpu" and only.is_contiguous() \
+            and only.untyped_storage().nbytes() == only.numel():
+        # One tensor, as the loader read it into a numpy array of its own (huge pages, see below): kept as it is,
+        # not copied while the copy and the original are both alive.
+        return only.view(-1), [_QuantizedPart(only, weights[0].type_name, weights[0].rows)]
     # numpy's allocator asks for transparent huge pages for large arrays (torch's does not): a decode step streams
     # each weight once, and on 4 KiB pages the hardware prefetcher stops at every page boundary (Gemma 3's
     # 178 MB Q8_0 head: 9.3 ms a token on 4 KiB pages, 5.9 ms on huge pages, on a 2-core Intel Xeon).
