@@ -62,19 +62,28 @@ def _reference_draw(logits: torch.Tensor, batch: SamplingBatch, generator: torch
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * batch.min_p[:, None], float("-inf"))
     if batch.top_k is not None or batch.top_p is not None:
-        ordered, order = logits.sort(dim=-1, descending=True)
+        ordered, order = logits.sort(dim=-1, descending=True, stable=True)
         if batch.top_k is not None:
             ordered = ordered.masked_fill(torch.arange(logits.shape[-1])[None] >= batch.top_k[:, None], float("-inf"))
         if batch.top_p is not None:
             probs = ordered.softmax(dim=-1)
-            ordered = ordered.masked_fill(probs.cumsum(dim=-1) - probs >= batch.top_p[:, None], float("-inf"))
+            dropped = (probs.cumsum(dim=-1) - probs >= batch.top_p[:, None]) & (batch.top_p[:, None] < 1)
+            ordered = ordered.masked_fill(dropped, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
-    noise = torch.empty_like(logits).exponential_(generator=generator)
+    uniform = torch.rand(logits.shape[0], dtype=torch.float64, generator=generator)
     for row, seed, index in batch.seeded_rows:
         row_generator = torch.Generator()
         row_generator.manual_seed((seed * 1_000_003 + index) % (2**63))
-        noise[row].exponential_(generator=row_generator)
-    return torch.where(is_greedy, greedy, (logits.softmax(dim=-1) / noise).argmax(dim=-1))
+        uniform[row] = torch.rand(1, dtype=torch.float64, generator=row_generator)
+    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)
+    sampled = torch.tensor([_first_above(row_cdf, u * row_cdf[-1]) for row_cdf, u in zip(cdf, uniform)])
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def _first_above(cdf: torch.Tensor, target: torch.Tensor) -> int:
+    """The first token whose cumulative probability exceeds target, or the last of positive probability."""
+    above = torch.nonzero(cdf > target)
+    return int(above[0]) if len(above) else int(torch.nonzero(cdf >= cdf[-1])[0])
 
 
 def random_case(seed: int) -> tuple[torch.Tensor, SamplingBatch]:
@@ -173,3 +182,82 @@ def test_the_workspace_is_one_chunk_whatever_the_batch():
                           num_logprobs=3)
     assert sampler(logits, batch).token_ids.shape == (rows,)
     assert sampler._workspace.rows == 8
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_filtering_among_the_largest_logits_equals_sorting_whole_rows(seed, monkeypatch):
+    """The CPU's top-k/top-p first look at each row's largest logits: the same logits out as the whole-row sort,
+    ties included (bfloat16-rounded logits), where they are sure; the sort where not."""
+    from pagellm.sample import sampler as sampler_module
+
+    r = random.Random(seed)
+    rows, vocab = 16, r.choice([2000, 20000])
+    scale = r.choice([1.0, 4.0, 12.0])  # flat to peaked: cuts inside the first candidates, the second, or neither
+    logits = (torch.randn(rows, vocab, generator=generator(seed)) * scale).bfloat16().float()
+    top_k = torch.tensor([r.choice([1, 5, 50, 300, vocab]) for _ in range(rows)]) if r.random() < 0.7 else None
+    top_p = torch.tensor([r.choice([1.0, 0.95, 0.5, 0.1]) for _ in range(rows)]) if r.random() < 0.7 else None
+    if top_k is None and top_p is None:
+        top_p = torch.full((rows,), 0.9)
+    whole_rows = logits.clone()
+    sampler_module._apply_top_k_top_p(whole_rows, top_k, top_p, _Workspace_for(rows, vocab), sort_whole_rows=True)
+    sorts = []
+    original = sampler_module._filter_sorted_rows
+    monkeypatch.setattr(sampler_module, "_filter_sorted_rows", lambda *args: sorts.append(1) or original(*args))
+    candidates = logits.clone()
+    sampler_module._apply_top_k_top_p(candidates, top_k, top_p, _Workspace_for(rows, vocab))
+    assert torch.equal(candidates, whole_rows)
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "scale", "sorted_rows"), [
+    (50, None, 12.0, False), (None, 0.9, 12.0, False), (50, 0.5, 1.0, False), (1000, 0.9, 12.0, False),
+    (5000, None, 12.0, True), (None, 0.99, 0.5, True)])
+def test_rows_are_sorted_whole_only_where_the_candidates_may_not_hold_the_kept_tokens(top_k, top_p, scale,
+                                                                                      sorted_rows, monkeypatch):
+    from pagellm.sample import sampler as sampler_module
+
+    rows, vocab = 4, 20000
+    logits = torch.randn(rows, vocab, generator=generator(1)) * scale
+    sorts = []
+    original = sampler_module._filter_sorted_rows
+    monkeypatch.setattr(sampler_module, "_filter_sorted_rows", lambda *args: sorts.append(1) or original(*args))
+    sampler_module._apply_top_k_top_p(logits, None if top_k is None else torch.full((rows,), top_k),
+                                      None if top_p is None else torch.full((rows,), top_p),
+                                      _Workspace_for(rows, vocab))
+    assert bool(sorts) == sorted_rows
+
+
+def _Workspace_for(rows: int, vocab: int):
+    from pagellm.sample.sampler import _Workspace
+
+    return _Workspace.allocate(rows, vocab, torch.device("cpu"))
+
+
+def test_top_p_of_one_and_top_k_of_the_vocabulary_keep_every_token():
+    vocab = 5000
+    logits = torch.randn(2, vocab, generator=generator(3)) * 8
+    for top_k, top_p in ((torch.tensor([vocab, vocab]), None), (None, torch.ones(2)),
+                         (torch.tensor([vocab, vocab]), torch.ones(2))):
+        filtered = logits.clone()
+        from pagellm.sample.sampler import _apply_top_k_top_p
+
+        _apply_top_k_top_p(filtered, top_k, top_p, _Workspace_for(2, vocab))
+        assert torch.equal(filtered, logits)
+
+
+def test_draws_follow_the_distribution():
+    """Chi-square over 40,000 draws of one row's distribution (a third of it masked to -inf, never drawn), the
+    unseeded stream and seeded rows alike."""
+    vocab, rows = 12, 40_000
+    logits = torch.randn(vocab, generator=generator(5)) * 1.5
+    logits[::3] = float("-inf")
+    probs = logits.softmax(dim=-1).double()
+    batch = SamplingBatch(torch.ones(rows), None, None, None, False,
+                          [(row, 17, row) for row in range(0, rows, 2)], [])
+    tokens = Sampler(generator(0))(logits.expand(rows, vocab).clone(), batch).token_ids
+    for half in (tokens[0::2], tokens[1::2]):  # seeded rows, then the generator's
+        counts = torch.bincount(half, minlength=vocab).double()
+        assert counts[::3].sum() == 0
+        cells = probs * len(half)
+        live = cells > 0
+        chi2 = float(((counts[live] - cells[live]) ** 2 / cells[live]).sum())
+        assert chi2 < 27.88, (chi2, counts.tolist(), cells.tolist())  # 7 degrees of freedom, p = 0.001

@@ -5,11 +5,11 @@ masks, banned tokens (bad words, stop tokens before min_tokens) and logit bias; 
 frequency and repetition penalties; then temperature, min-p, top-k and top-p; then the draw.
 
 The batch is worked through in chunks of rows whose rows x vocab is bounded (Sampler.rows_per_chunk),
-in buffers of one chunk's size allocated once (_Workspace): the sorted copies, probabilities, noise
+in buffers of one chunk's size allocated once (_Workspace): the sorted copies, probabilities, sums
 and masks of the filters take the same memory whatever the batch and the vocabulary. Every row's
-result depends on its own logits and settings alone, and the batch's noise is drawn chunk after
-chunk from the one generator (on the CPU the same stream as one draw for the whole batch), so
-chunking changes no token.
+result depends on its own logits and settings alone, and the batch's random numbers (one a row) are
+drawn chunk after chunk from the one generator (on the CPU the same stream as one draw for the whole
+batch), so chunking changes no token.
 """
 
 from __future__ import annotations
@@ -21,12 +21,16 @@ import torch
 
 from pagellm.structured_output.matcher import apply_token_bitmask
 
+# How many of each row's largest logits the CPU's top-k/top-p filters try, in turn, before they sort whole rows
+# (_apply_top_k_top_p).
+_CANDIDATE_COUNTS = (256, 4096)
+
 # Mixes a request's seed with the index of the token it samples, so a seeded request's k-th token
 # depends on (seed, k, logits) alone: not on what else is in the batch, nor on preemption.
 _SEED_STRIDE = 1_000_003
 
 # Logits elements (rows x vocab) the sampler filters at once; its workspace takes 29 bytes an element
-# (_Workspace), 14.5 MiB on the CPU, where the per-element work (noise, sorting) outweighs the per-chunk overhead
+# (_Workspace), 14.5 MiB on the CPU, where the per-element work (sorting, sums) outweighs the per-chunk overhead
 # even at two rows of a 262k vocabulary (README, "Memory"). On CUDA a larger chunk keeps the kernel launches of a
 # large batch few.
 CPU_CHUNK_ELEMENTS = 1 << 19
@@ -115,6 +119,8 @@ class SamplingBatch:
     token_bitmask: torch.Tensor | None = None
     # Rows whose grammar allows no token (batch index -> why): finished by the runner, not sampled.
     structured_stops: dict[int, str] = field(default_factory=dict)
+    # Top-k/top-p sort whole rows, not only each row's largest logits: the start-up profile's worst case.
+    sort_whole_rows: bool = False
 
     @property
     def filters_in_place(self) -> bool:
@@ -127,7 +133,7 @@ class SamplingBatch:
 
     def rows_slice(self, start: int, end: int) -> SamplingBatch:
         """Rows [start, end) with their indices from 0. all_greedy stays the whole batch's: a batch that is
-        not all greedy draws noise for every row, greedy or not, and so must each of its chunks."""
+        not all greedy draws a random number for every row, greedy or not, and so must each of its chunks."""
         if start == 0 and end >= self.num_rows:
             return self
 
@@ -178,6 +184,11 @@ class _Workspace:
     mask: torch.Tensor  # bool
     ranks: torch.Tensor  # [1, vocab] 0, 1, 2, ...
 
+    @property
+    def cumulative(self) -> torch.Tensor:
+        """float64 sums for the draw, in `order`'s bytes: the draw comes after the filters are done with it."""
+        return self.order.view(torch.float64)
+
     @classmethod
     def allocate(cls, rows: int, vocab_size: int, device: torch.device) -> _Workspace:
         def empty(dtype: torch.dtype) -> torch.Tensor:
@@ -225,7 +236,7 @@ class Sampler:
 
     def sample_into(self, logits: torch.Tensor, batch: SamplingBatch, first_row: int, output: SamplerOutput) -> None:
         """Sample rows [first_row, first_row + len(logits)) of `batch` from `logits` (modified in place) into the
-        same rows of `output`. Rows must be given in order, each once: the noise stream is drawn row after row."""
+        same rows of `output`. Rows must be given in order, each once: the random stream is drawn row after row."""
         num_rows, vocab_size = logits.shape
         end_row = first_row + num_rows
         if batch.filters_in_place:
@@ -266,9 +277,9 @@ class Sampler:
         temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
         logits.div_(temperature.unsqueeze(1))
         _apply_min_p(logits, batch.min_p, ws)
-        _apply_top_k_top_p(logits, batch.top_k, batch.top_p, ws)
+        _apply_top_k_top_p(logits, batch.top_k, batch.top_p, ws, batch.sort_whole_rows)
         probs = torch.softmax(logits, dim=-1, out=ws.probs)
-        sampled = _sample_exponential(probs, self.generator, batch.seeded_rows, ws.scratch)
+        sampled = _sample_inverse_cdf(probs, self.generator, batch.seeded_rows, ws.cumulative)
         torch.where(is_greedy, greedy_tokens, sampled, out=tokens)
 
 
@@ -343,19 +354,82 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None, ws: _Workspac
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                       ws: _Workspace) -> None:
+                       ws: _Workspace, sort_whole_rows: bool = False) -> None:
+    """Keep each row's `top_k` largest logits, then the fewest of those whose probabilities (over what top-k
+    kept) reach `top_p`; ties rank the lower token id first. A row with neither (top_k of the whole vocabulary,
+    top_p of 1) is left as it is."""
     if top_k is None and top_p is None:
         return
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, out=(ws.sorted, ws.order))
+    filtered = _filtered_rows(top_k, top_p, logits.shape[-1])
+    # On the CPU the filters first look among each row's largest logits only: they keep few tokens, and sorting
+    # a whole 262k-token row is most of a sampled step there. (On CUDA each try would wait on the device, where
+    # the sort is cheap.)
+    if not sort_whole_rows and logits.device.type == "cpu":
+        for count in _CANDIDATE_COUNTS:
+            if 4 * count <= logits.shape[-1] and _filter_among_largest(logits, top_k, top_p, filtered, count, ws):
+                return
+    _filter_sorted_rows(logits, top_k, top_p, ws)
+
+
+def _filtered_rows(top_k: torch.Tensor | None, top_p: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    filtered = torch.zeros_like(top_k if top_k is not None else top_p, dtype=torch.bool)
+    if top_k is not None:
+        filtered |= top_k < vocab_size
+    if top_p is not None:
+        filtered |= top_p < 1
+    return filtered
+
+
+def _filter_sorted_rows(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                        ws: _Workspace) -> None:
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True, out=(ws.sorted, ws.order))
     if top_k is not None:
         sorted_logits.masked_fill_(torch.ge(ws.ranks, top_k.unsqueeze(1), out=ws.mask), float("-inf"))
     if top_p is not None:
         probs = torch.softmax(sorted_logits, dim=-1, out=ws.probs)
         # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
         above = torch.cumsum(probs, dim=-1, out=ws.scratch).sub_(probs)
-        sorted_logits.masked_fill_(torch.ge(above, top_p.unsqueeze(1), out=ws.mask), float("-inf"))
+        dropped = torch.ge(above, top_p.unsqueeze(1), out=ws.mask).logical_and_(top_p.unsqueeze(1) < 1)
+        sorted_logits.masked_fill_(dropped, float("-inf"))
     # Every position is written back: the sorted order is a permutation of the row.
     logits.scatter_(-1, order, sorted_logits)
+
+
+def _filter_among_largest(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                          filtered: torch.Tensor, count: int, ws: _Workspace) -> bool:
+    """_filter_sorted_rows over each row's `count` largest logits, where every filtered row's kept tokens are sure
+    to be among them and ranked as a whole-row sort ranks them; False, with nothing changed, where not."""
+    vocab_size = logits.shape[-1]
+    if top_k is not None and bool(((top_k > count) & (top_k < vocab_size)).any()):
+        return False  # top-p would be over top-k tokens that are not all candidates
+    values, ids = torch.topk(logits, count, dim=-1)
+    # Ranked as the stable whole-row sort ranks them: by value, then by token id.
+    ids, by_id = torch.sort(ids, dim=-1)
+    values, by_value = torch.sort(values.gather(-1, by_id), dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, by_value)
+    keep = torch.ones_like(values, dtype=torch.bool)
+    if top_k is not None:
+        keep &= ws.ranks[:, :count] < top_k.unsqueeze(1)
+    if top_p is not None:
+        kept_values = values.masked_fill(~keep, float("-inf"))
+        # Probabilities over what top-k kept, all candidates here, or else over the whole row.
+        normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+        if top_k is not None:
+            normalizer = torch.where((top_k < vocab_size).unsqueeze(1),
+                                     torch.logsumexp(kept_values, dim=-1, keepdim=True), normalizer)
+        probs = torch.exp(kept_values - normalizer)
+        above = torch.cumsum(probs, dim=-1).sub_(probs)
+        keep &= ~((above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1))
+    # The kept tokens are a prefix of the candidates. It is the whole row's where it ends before the last
+    # candidate and above its value: every token that ties with a kept one is then a candidate too.
+    kept = keep.sum(dim=-1)
+    last_kept = values.gather(-1, (kept - 1).clamp_(min=0).unsqueeze(1)).squeeze(1)
+    sure = (kept < count) & (last_kept > values[:, -1])
+    if not bool((sure | ~filtered).all()):
+        return False
+    result = ws.sorted.fill_(float("-inf")).scatter_(-1, ids, values.masked_fill_(~keep, float("-inf")))
+    torch.where(filtered.unsqueeze(1), result, logits, out=logits)
+    return True
 
 
 def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -364,13 +438,23 @@ def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.max(x, dim=-1).indices
 
 
-def _sample_exponential(
-    probs: torch.Tensor, generator: torch.Generator, seeded_rows: list[tuple[int, int, int]], noise: torch.Tensor
+def _sample_inverse_cdf(
+    probs: torch.Tensor, generator: torch.Generator, seeded_rows: list[tuple[int, int, int]], cdf: torch.Tensor
 ) -> torch.Tensor:
-    # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with no sync or cumsum search.
-    noise.exponential_(generator=generator)
+    """Each row's token is the first whose cumulative probability passes a uniform draw times the row's total: one
+    random number a row. (The exponential race, argmax(p / E) over an Exp(1) draw per logit, drew one per
+    logit: 35 ns each on the CPU, most of a sampled step for a 262k vocabulary.) The sums are float64, so a
+    token's share of [0, total) is its probability to ~1e-11 whatever the vocabulary's size; a token of zero
+    probability adds no width and is never chosen."""
+    cdf.copy_(probs).cumsum_(dim=-1)
+    uniform = torch.rand(probs.shape[0], 1, dtype=torch.float64, generator=generator, device=probs.device)
     for row, seed, index in seeded_rows:
         row_generator = torch.Generator(device=probs.device)
         row_generator.manual_seed((seed * _SEED_STRIDE + index) % (2**63))
-        noise[row].exponential_(generator=row_generator)
-    return _argmax_rows(probs.div_(noise))
+        uniform[row] = torch.rand(1, dtype=torch.float64, generator=row_generator, device=probs.device)
+    total = cdf[:, -1:].contiguous()
+    chosen = torch.searchsorted(cdf, uniform.mul_(total), right=True)
+    # uniform * total can round up to total: the last token of positive probability is the first to reach it.
+    last = torch.searchsorted(cdf, total, right=False)
+    # (A row with no finite logit has NaN sums and no meaningful token; it stays an index into the vocabulary.)
+    return torch.minimum(chosen, last).clamp_(max=probs.shape[1] - 1).squeeze(1)

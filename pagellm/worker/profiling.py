@@ -85,17 +85,18 @@ def _probe_sampling(runner: ModelRunner, hidden: torch.Tensor) -> None:
         top_p=column(0.9),
         min_p=column(0.05),
         all_greedy=False,
-        seeded_rows=[],  # a seeded row redraws its noise in place: no memory of its own
+        seeded_rows=[],  # a seeded row redraws its random number in place: no memory of its own
         banned_tokens=[],
         penalties=Penalties(column(0.5), column(0.5), column(1.2), history),
         allowed_tokens=[(row, [0, 1]) for row in range(num_rows)],
         num_logprobs=PROFILED_LOGPROBS,
+        sort_whole_rows=True,
     )
     output = runner.sampler.new_output(batch, device) if runner.samples else None
     # The sampler works through a logits chunk a sampler chunk of rows at a time, each chunk of one shape in the
     # same workspace and freeing its temporaries before the next: its first chunk's peak is the whole chunk's, at
     # a fraction of the start-up time (all 256 rows: ~1 s of a tiny model's start on a CPU). Every logits chunk
-    # is still computed, so that two of them coexist as they do in a step. The probe's noise is drawn from the
+    # is still computed, so that two of them coexist as they do in a step. The probe's draws come from the
     # engine's generator, whose state is restored: serving's random stream starts at the seed.
     generator_state = runner.sampler.generator.get_state()
     for first, logits in model_logits_in_chunks(runner.model, hidden, runner.logits_rows_per_chunk):
