@@ -148,7 +148,10 @@ def test_plain_text_and_malformed_calls_are_content(client):
     # Cut short inside a call: the text so far, and "length".
     response = _chat(client, CALL_REGEX, max_tokens=8)
     assert response.choices[0].finish_reason == "length" and response.choices[0].message.tool_calls is None
-    assert response.choices[0].message.content.startswith("<tool_call>")
+    calls = [f'<tool_call>{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}</tool_call>'
+             for city in ("Paris", "Oslo")]
+    content = response.choices[0].message.content
+    assert content and any(call.startswith(content) for call in calls), content  # 8 tokens of one of them
 
 
 def test_multi_turn_with_tool_calls_and_results(client, tools_model_dir):
