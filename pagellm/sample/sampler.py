@@ -30,9 +30,8 @@ _CANDIDATE_COUNTS = (256, 4096)
 _SEED_STRIDE = 1_000_003
 
 # Logits elements (rows x vocab) the sampler filters at once; its workspace takes 29 bytes an element
-# (_Workspace), 14.5 MiB on the CPU, where the per-element work (sorting, sums) outweighs the per-chunk overhead
-# even at two rows of a 262k vocabulary (README, "Memory"). On CUDA a larger chunk keeps the kernel launches of a
-# large batch few.
+# (_Workspace), 14.5 MiB on the CPU, traded for some speed per chunk (README, "Memory", has both). On CUDA a
+# larger chunk keeps the kernel launches of a large batch few.
 CPU_CHUNK_ELEMENTS = 1 << 19
 CUDA_CHUNK_ELEMENTS = 1 << 23
 
