@@ -465,8 +465,8 @@ class CompactBPETokenizer(PythonBackend):
             raise NotImplementedError("this compact tokenizer was built without the fast tokenizer's files; save "
                                       "the tokenizer.json it was built from instead")
         fast = AutoTokenizer.from_pretrained(str(self.source_directory))
-        extra = [token for token_id, token in sorted(self._added_tokens_decoder.items())
-                 if token_id not in fast.added_tokens_decoder]
+        present = fast.added_tokens_decoder  # built afresh on each access: read once
+        extra = [token for token_id, token in sorted(self._added_tokens_decoder.items()) if token_id not in present]
         if extra:
             fast.add_tokens(extra)
         fast.chat_template = self.chat_template
