@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import ctypes
 import gc
 import logging
 import time
@@ -20,7 +19,7 @@ from pagellm.lora.slot_table import LoRASlotTable
 from pagellm.executor.model_worker import resolve_dtype, resolve_max_model_len  # noqa: F401
 from pagellm.models.sliding_window import model_sliding_window
 from pagellm.spec_decode.speculator import make_speculator
-from pagellm.worker.kv_cache import GiB
+from pagellm.worker.kv_cache import GiB, return_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -147,12 +146,3 @@ def freeze_startup_heap() -> None:
     return_free_heap()
 
 
-def return_free_heap() -> None:
-    """Hand back to the system the C heap that start-up freed (loading's conversions, the tokenizer's build, the
-    profiling steps): glibc keeps freed memory below its mmap threshold in the process, where it counts in the RSS
-    of a server that will not reuse most of it. Measured on Gemma 3 270M's GGUF, ~50-90 MiB."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc: nothing to trim this way
-    libc.malloc_trim(0)

@@ -32,6 +32,7 @@ from pagellm.worker.kv_cache import (
     device_memory_at_start,
     layer_views,
     measure_peak,
+    return_free_heap,
 )
 from pagellm.worker.kv_prefault import KVPoolPrefaulter
 from pagellm.worker.memory_fit import (
@@ -161,6 +162,8 @@ class ModelWorker:
         self.num_blocks = smallest
         self.kv_bytes = smallest * pool_spec.bytes_per_block
         _check_fits(self.num_blocks, args.block_size, max_model_len, model_sliding_window(hf_config), budget)
+        if device.type == "cpu":
+            return_free_heap()
         pool = allocate_kv_cache(spec, self.num_blocks, device)
         self.runner.set_kv_pool(pool)
         if draft_spec is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import resource
@@ -150,6 +151,18 @@ def _status_bytes(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def return_free_heap() -> None:
+    """Hand back to the system the C heap that start-up freed (loading's conversions, the tokenizer's build, the
+    profiling steps): glibc keeps freed memory below its mmap threshold in the process, where it counts in the RSS
+    of a server that will not reuse most of it. Measured on Gemma 3 270M's GGUF, ~50-90 MiB. Done before the KV
+    pool is allocated too, so that the pool never sits beside the profile's freed buffers (the process's peak)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to trim this way
+    libc.malloc_trim(0)
 
 
 _peak_before_resets = 0
