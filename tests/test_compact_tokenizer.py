@@ -132,6 +132,13 @@ def test_added_tokens_and_copies(directory, fast, compact):
     assert clone.encode("a quickbrown fox") == fast_clone.encode("a quickbrown fox")
     assert "quickbrown" not in compact.get_vocab() and len(compact) not in compact.encode("a quickbrown fox")
     assert clone.decode(clone.encode("a quickbrown fox")) == "<bos>a quickbrown fox"
+    for tokenizer in (clone, fast_clone):
+        tokenizer.add_tokens([AddedToken("<call>", special=True, normalized=False)])
+    text = "<call>a quickbrown\n\nfox 😀<call>"
+    assert clone.encode(text) == fast_clone.encode(text)
+    for skip in (False, True):
+        assert clone.decode(clone.encode(text), skip_special_tokens=skip) == \
+            fast_clone.decode(fast_clone.encode(text), skip_special_tokens=skip)
 
 
 def test_a_pickled_tokenizer_decodes_and_encodes_alone(compact):
@@ -152,6 +159,12 @@ def test_save_pretrained_writes_a_fast_tokenizer_with_the_same_tokens(compact, f
     for text in [*TEXTS, "a quickbrown fox"]:
         assert reloaded.encode(text) == clone.encode(text)
     assert reloaded.chat_template == compact.chat_template == fast.chat_template
+
+
+def test_save_vocabulary_writes_the_tokenizer_json_it_was_converted_from(directory, compact, tmp_path):
+    (path,) = compact.save_vocabulary(str(tmp_path), "gemma")
+    assert path == str(tmp_path / "gemma-tokenizer.json")
+    assert (tmp_path / "gemma-tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
 
 
 def test_xgrammar_sees_the_vocabulary_as_from_the_fast_tokenizer(fast, compact):

@@ -185,7 +185,7 @@ def test_the_workspace_is_one_chunk_whatever_the_batch():
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_filtering_among_the_largest_logits_equals_sorting_whole_rows(seed, monkeypatch):
+def test_filtering_among_the_largest_logits_equals_sorting_whole_rows(seed):
     """The CPU's top-k/top-p first look at each row's largest logits: the same logits out as the whole-row sort,
     ties included (bfloat16-rounded logits), where they are sure; the sort where not."""
     from pagellm.sample import sampler as sampler_module
@@ -199,12 +199,9 @@ def test_filtering_among_the_largest_logits_equals_sorting_whole_rows(seed, monk
     if top_k is None and top_p is None:
         top_p = torch.full((rows,), 0.9)
     whole_rows = logits.clone()
-    sampler_module._apply_top_k_top_p(whole_rows, top_k, top_p, _Workspace_for(rows, vocab), sort_whole_rows=True)
-    sorts = []
-    original = sampler_module._filter_sorted_rows
-    monkeypatch.setattr(sampler_module, "_filter_sorted_rows", lambda *args: sorts.append(1) or original(*args))
+    sampler_module._apply_top_k_top_p(whole_rows, top_k, top_p, workspace_for(rows, vocab), sort_whole_rows=True)
     candidates = logits.clone()
-    sampler_module._apply_top_k_top_p(candidates, top_k, top_p, _Workspace_for(rows, vocab))
+    sampler_module._apply_top_k_top_p(candidates, top_k, top_p, workspace_for(rows, vocab))
     assert torch.equal(candidates, whole_rows)
 
 
@@ -222,11 +219,11 @@ def test_rows_are_sorted_whole_only_where_the_candidates_may_not_hold_the_kept_t
     monkeypatch.setattr(sampler_module, "_filter_sorted_rows", lambda *args: sorts.append(1) or original(*args))
     sampler_module._apply_top_k_top_p(logits, None if top_k is None else torch.full((rows,), top_k),
                                       None if top_p is None else torch.full((rows,), top_p),
-                                      _Workspace_for(rows, vocab))
+                                      workspace_for(rows, vocab))
     assert bool(sorts) == sorted_rows
 
 
-def _Workspace_for(rows: int, vocab: int):
+def workspace_for(rows: int, vocab: int):
     from pagellm.sample.sampler import _Workspace
 
     return _Workspace.allocate(rows, vocab, torch.device("cpu"))
@@ -240,7 +237,7 @@ def test_top_p_of_one_and_top_k_of_the_vocabulary_keep_every_token():
         filtered = logits.clone()
         from pagellm.sample.sampler import _apply_top_k_top_p
 
-        _apply_top_k_top_p(filtered, top_k, top_p, _Workspace_for(2, vocab))
+        _apply_top_k_top_p(filtered, top_k, top_p, workspace_for(2, vocab))
         assert torch.equal(filtered, logits)
 
 

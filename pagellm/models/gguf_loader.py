@@ -675,8 +675,8 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
 
 def _load_tensor(blob: np.ndarray, info: _TensorInfo, permute_heads: int | None, file=None) -> np.ndarray:
     """Dequantize one tensor to a writable, contiguous float32 array in HF layout; read from `file` where given,
-    not through the mapping, whose pages the kernel may map 2 MiB at a time (a 2 KiB norm then adds 2 MiB to the
-    process's RSS until the mapping goes)."""
+    not through the mapping, whose pages the kernel may map a huge page at a time (a norm of a few KiB then adds
+    2 MiB to the process's RSS until the mapping goes)."""
     if file is not None:
         raw = _read_tensor_bytes(file, info, len(blob))
     else:

@@ -215,7 +215,7 @@ class Sampler:
         self.generator = generator
         self.max_chunk_elements = max_chunk_elements or chunk_elements(generator.device)
         # torch sorts a chunk's rows in parallel, a row to a thread: a chunk of fewer rows than threads leaves
-        # cores idle (one row of a 262k vocabulary at a time made top-p sampling 1.7x slower on 2 cores).
+        # cores idle (README, "Memory", has the figures).
         self._row_per_thread = not max_chunk_elements and generator.device.type != "cuda"
         self._workspace: _Workspace | None = None
 
@@ -272,8 +272,8 @@ class Sampler:
             tokens.copy_(_argmax_rows(logits))
             return
         is_greedy = batch.temperature == 0
-        # A whole-row argmax is a fifth of a chunk's draw on the CPU, where asking whether any row needs it costs
-        # nothing (on CUDA the question would wait on the device).
+        # A whole-row argmax is a large part of a chunk's draw on the CPU, where asking whether any row needs it
+        # costs nothing (on CUDA the question would wait on the device).
         greedy_tokens = _argmax_rows(logits) if logits.device.type != "cpu" or bool(is_greedy.any()) else None
         temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
         logits.div_(temperature.unsqueeze(1))
@@ -364,11 +364,11 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     top_p of 1) is left as it is."""
     if top_k is None and top_p is None:
         return
-    filtered = _filtered_rows(top_k, top_p, logits.shape[-1])
     # On the CPU the filters first look among each row's largest logits only: they keep few tokens, and sorting
     # a whole 262k-token row is most of a sampled step there. (On CUDA each try would wait on the device, where
     # the sort is cheap.)
     if not sort_whole_rows and logits.device.type == "cpu":
+        filtered = _filtered_rows(top_k, top_p, logits.shape[-1])
         for count in _CANDIDATE_COUNTS:
             if 4 * count <= logits.shape[-1] and _filter_among_largest(logits, top_k, top_p, filtered, count, ws):
                 return

@@ -21,6 +21,7 @@ import ctypes
 import json
 import os
 import pathlib
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +77,7 @@ class BpeTables:
     merge_right: np.ndarray  # int32 [M], ascending within each left token's row
     merge_rank: np.ndarray  # int32 [M]
     merge_result: np.ndarray  # int32 [M]
-    byte_tokens: np.ndarray  # int32 [256]: the <0xXX> token of each byte, or -1
+    byte_tokens: np.ndarray  # int32 [256]: the <0xXX> token of each byte
     byte_values: np.ndarray  # int16 [V]: the byte a <0xXX> token stands for, or -1
     unk_id: int
 
@@ -94,7 +95,7 @@ class BpeTables:
                             self.merge_right.ctypes.data, self.merge_rank.ctypes.data, self.merge_result.ctypes.data,
                             self.byte_tokens.ctypes.data, self.unk_id)
         self.max_token_bytes = max(3, int(np.diff(self.token_offsets).max(initial=0)))
-        # Addresses looked up once: numpy's .ctypes and ctypes.byref cost more than a short decode.
+        # Addresses looked up once: numpy's .ctypes and ctypes.byref are slow next to a short decode.
         self.model_address = ctypes.addressof(self.model)
         self.byte_values_address = self.byte_values.ctypes.data
 
@@ -128,7 +129,8 @@ class BpeTables:
 
     def decode(self, ids: list[int], skip_address: int | None) -> str:
         """The text of ids below vocab_size, leaving out those marked in the bool array per id at `skip_address`
-        (its .ctypes.data, kept by the caller: reading it costs a fifth of a short decode); see csrc/bpe.c."""
+        (its .ctypes.data, kept by the caller: numpy's lookup of it is slow next to a short decode); see
+        csrc/bpe.c."""
         n = len(ids)
         id_array = array.array("i", ids)
         out = ctypes.create_string_buffer(n * self.max_token_bytes)
@@ -161,6 +163,8 @@ class BpeTables:
         last[:-1] = (left[1:] != left[:-1]) | (right[1:] != right[:-1])
         left, right, rank, result = left[last], right[last], rank[last], result[last]
         byte_tokens = np.array([vocab.get(f"<0x{b:02X}>", -1) for b in range(256)], dtype=np.int32)
+        if (byte_tokens < 0).any():
+            raise ValueError("the vocabulary lacks some of the 256 <0xXX> byte tokens byte fallback needs")
         byte_values = np.full(len(encoded), -1, dtype=np.int16)
         for token_id, token in enumerate(encoded):
             byte = _fallback_byte(token)
@@ -294,8 +298,8 @@ class CompactBPETokenizer(PythonBackend):
 
     model_input_names = ["input_ids", "attention_mask"]
 
-    def __init__(self, tables: BpeTables, spec: dict[str, Any], config: dict[str, Any],
-                 chat_template: str | None = None, source_directory: pathlib.Path | None = None) -> None:
+    def __init__(self, tables: BpeTables, spec: dict[str, Any], config: dict[str, Any], chat_template: str | None,
+                 source_directory: pathlib.Path) -> None:
         self._tables = tables
         self.source_directory = source_directory
         self._added_tokens_decoder = {
@@ -409,35 +413,29 @@ class CompactBPETokenizer(PythonBackend):
     def decode_ids(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """decode() without its argument handling or clean-up of spaces: the engine's detokenizer calls this
         twice per token per sequence."""
+        skip = self._special_ids_address if skip_special_tokens else None
         if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):
-            return self._tables.decode(ids, self._special_ids_address if skip_special_tokens else None)
-        if skip_special_tokens:  # tokens added beyond the vocabulary: decoded here
-            ids = [i for i in ids if not (i < len(self._special_ids) and self._special_ids[i])]
-        return self._decode_pieces(ids)
-
-    def _decode_pieces(self, ids: list[int]) -> str:
-        """tokenizers' decoder chain: each token's \u2581 becomes a space, runs of <0xXX> tokens become their
-        bytes' text (one U+FFFD per byte where they are not UTF-8), and the pieces are joined."""
-        tables, pieces, pending = self._tables, [], bytearray()
+            return self._tables.decode(ids, skip)
+        # Tokens added beyond the vocabulary are not in the tables: each is its text (none is a <0xXX> byte token,
+        # which the vocabulary has all of), and the tables decode the runs between them.
+        pieces, run = [], []
         for token_id in ids:
-            added = self._added_tokens_decoder.get(token_id)
-            if added is None:
-                byte, token = int(tables.byte_values[token_id]), None
-            else:
-                byte, token = _fallback_byte(added.content.encode()), added.content
-            if byte is not None and byte >= 0:
-                pending.append(byte)
+            if 0 <= token_id < self.vocab_size:
+                run.append(token_id)
                 continue
-            if pending:
-                pieces.append(_bytes_text(pending))
-                pending.clear()
-            pieces.append((token or tables.token(token_id)).replace(_SPACE_MARK, " "))
-        if pending:
-            pieces.append(_bytes_text(pending))
+            token = self._added_tokens_decoder.get(token_id)
+            if token is None:
+                raise ValueError(f"token id {token_id} is not one of this tokenizer's {len(self)} tokens")
+            if skip_special_tokens and token.special:
+                continue
+            pieces.append(self._tables.decode(run, skip))
+            pieces.append(token.content.replace(_SPACE_MARK, " "))
+            run = []
+        pieces.append(self._tables.decode(run, skip))
         return "".join(pieces)
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        return self._decode_pieces([self._convert_token_to_id_with_added_voc(token) for token in tokens])
+        return self.decode_ids([self._convert_token_to_id_with_added_voc(token) for token in tokens])
 
     # ---- copies -----------------------------------------------------------------------------------------
 
@@ -461,9 +459,6 @@ class CompactBPETokenizer(PythonBackend):
         the same tokens, in files any transformers tokenizer loader reads."""
         from transformers import AutoTokenizer
 
-        if self.source_directory is None:
-            raise NotImplementedError("this compact tokenizer was built without the fast tokenizer's files; save "
-                                      "the tokenizer.json it was built from instead")
         fast = AutoTokenizer.from_pretrained(str(self.source_directory))
         present = fast.added_tokens_decoder  # built afresh on each access: read once
         extra = [token for token_id, token in sorted(self._added_tokens_decoder.items()) if token_id not in present]
@@ -473,12 +468,7 @@ class CompactBPETokenizer(PythonBackend):
         return fast.save_pretrained(save_directory, *args, **kwargs)
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
-        raise NotImplementedError("the compact tokenizer writes no vocabulary files of its own; save_pretrained "
-                                  "saves the fast tokenizer it was converted from")
-
-
-def _bytes_text(data: bytearray) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "\ufffd" * len(data)
+        """The vocabulary and merges as the fast tokenizer's tokenizer.json they were converted from."""
+        target = pathlib.Path(save_directory) / f"{filename_prefix + '-' if filename_prefix else ''}tokenizer.json"
+        shutil.copyfile(self.source_directory / "tokenizer.json", target)
+        return (str(target),)

@@ -103,7 +103,7 @@ class GGUFLinearMethod(LinearMethod):
             whole = data.data_ptr() == tensor.data.data_ptr() and data.shape == tensor.data.shape
             # A part of the file's tensor is copied so as not to keep the rest alive, into numpy's memory as the
             # loader reads into (huge pages: _pack_runs); the whole one is taken as read, since a second copy of
-            # Gemma 3's 170 MiB embedding would be the load's peak.
+            # a large embedding was the load's peak (README, "Memory").
             if not (whole and data.is_contiguous()):
                 data = torch.from_numpy(np.array(data.numpy(), order="C"))
             part = GGUFWeight(data, tensor.type_name, piece.size, cols)
