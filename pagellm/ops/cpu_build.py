@@ -5,7 +5,8 @@ straight from the paged cache; prefill_attention.c, the causal attention of a st
 kv_write.c, the K/V writers; kv_format.h, the cache's element formats) and the layer kernels they run beside
 (ops/csrc: cpu_ops.c, the fused RMSNorm with the residual add, SiLU-and-multiply and in-place rotary embedding;
 linear_bf16.c, bfloat16 linear layers; moe_experts.c, the fused mixture-of-experts layer; decode_stack.c, a
-whole decoder layer's decode step in one call), since decode_stack.c calls the others directly. vec.h holds the
+whole decoder layer's decode step in one call; largest.c, each row's largest logits for the sampler), since
+decode_stack.c calls the others directly. vec.h holds the
 vector helpers all of them use, over the width header of the instruction set built for (vec_avx512.h,
 vec_avx2.h, vec_generic.h); amx_tiles.h the AMX tile helpers. The other kernel libraries (GGUF, W8A8, AWQ/GPTQ,
 LoRA, MLA) are built by the same machinery (`build_library`, `compiler_flags`).
@@ -49,7 +50,8 @@ logger = logging.getLogger(__name__)
 _OPS_CSRC = pathlib.Path(__file__).with_name("csrc")
 _ATTENTION_CSRC = pathlib.Path(__file__).parent.parent / "attention" / "csrc"
 SOURCES = [*(_ATTENTION_CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "kv_write.c")),
-           *(_OPS_CSRC / name for name in ("cpu_ops.c", "linear_bf16.c", "moe_experts.c", "decode_stack.c"))]
+           *(_OPS_CSRC / name for name in ("cpu_ops.c", "linear_bf16.c", "moe_experts.c", "decode_stack.c",
+                                           "largest.c"))]
 # The vector helpers, which every library built on them (the MLA kernel's too) includes.
 VEC_HEADERS = [_OPS_CSRC / name for name in ("vec.h", "vec_avx512.h", "vec_avx2.h", "vec_generic.h")]
 # The cache's element formats, read by the attention kernels, the K/V writers and the decode stack.

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from pagellm.ops.largest import largest_per_row
 from pagellm.structured_output.matcher import apply_token_bitmask
 
 # How many of each row's largest logits the CPU's top-k/top-p filters try, in turn, before they sort whole rows
@@ -406,11 +407,7 @@ def _filter_among_largest(logits: torch.Tensor, top_k: torch.Tensor | None, top_
     vocab_size = logits.shape[-1]
     if top_k is not None and bool(((top_k > count) & (top_k < vocab_size)).any()):
         return False  # top-p would be over top-k tokens that are not all candidates
-    values, ids = torch.topk(logits, count, dim=-1)
-    # Ranked as the stable whole-row sort ranks them: by value, then by token id.
-    ids, by_id = torch.sort(ids, dim=-1)
-    values, by_value = torch.sort(values.gather(-1, by_id), dim=-1, descending=True, stable=True)
-    ids = ids.gather(-1, by_value)
+    values, ids = largest_per_row(logits, count)
     keep = torch.ones_like(values, dtype=torch.bool)
     if top_k is not None:
         keep &= ws.ranks[:, :count] < top_k.unsqueeze(1)
