@@ -28,8 +28,7 @@ def _rows(kind: str, rows: int, vocab: int, generator: torch.Generator) -> torch
         x = torch.where(torch.rand(rows, vocab, generator=generator) < 0.5, -0.0, 0.0)
         x[:, vocab // 3] = 1.0
     elif kind == "infinities":
-        x[:, 5] = float("inf")
-        x[:, 9] = float("inf")
+        x[:, [vocab // 2, vocab - 1]] = float("inf")
     return x
 
 
@@ -38,9 +37,7 @@ def _whole_row_sort(x: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Te
     return values[:, :count], ids[:, :count]
 
 
-# Rows of at least 16 logits (the widest vector, the smallest block) per asked-for logit: the kernel takes them on
-# every instruction set.
-SIZES = [(vocab, count) for vocab in (262144, 49152, 1003, 96) for count in (1, 7, 256, 4096) if 16 * count <= vocab]
+SIZES = [(vocab, count) for vocab in (262144, 49152, 1003, 96, 7) for count in (1, 7, 256, 4096) if count <= vocab]
 
 
 @pytest.mark.parametrize("vocab,count", SIZES)
@@ -58,27 +55,38 @@ def test_the_kernel_ranks_as_a_stable_sort_of_the_whole_row(kernel, vocab, count
     assert torch.equal(torch.signbit(values), torch.signbit(expected_values))  # the row's own values, -0 kept
 
 
-def test_refused_rows_are_ranked_by_torch(kernel):
+def test_rows_with_a_nan_are_refused_and_ranked_by_torch(kernel):
     isa, function = kernel
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 4096, generator=generator)
+    x = torch.randn(2, 4096, generator=torch.Generator().manual_seed(0))
     x[1, 17] = float("nan")
-    masked = torch.full((2, 4096), float("-inf"))
-    masked[:, :3] = 1.0  # three finite logits: fewer than the blocks asked for
-    for rows, count, reason in ((x, 8, 1), (masked, 8, 2), (x, 4096, 4), (x, 0, 4)):
-        out = torch.empty(2, max(count, 1)), torch.empty(2, max(count, 1), dtype=torch.int64)
-        assert function(rows.data_ptr(), 2, 4096, count, out[1].data_ptr(), out[0].data_ptr()) == reason
-    for rows, count in ((x, 8), (masked, 8), (x, 4096)):
-        values, ids = largest_per_row(rows, count, isa)
-        expected_values, expected_ids = largest_by_sorting(rows, count)
-        assert torch.equal(ids, expected_ids)
-        assert torch.allclose(values, expected_values, rtol=0, atol=0, equal_nan=True)
+    for count, reason in ((8, 1), (0, 4), (4097, 4)):
+        values, ids = torch.empty(2, max(count, 1)), torch.empty(2, max(count, 1), dtype=torch.int64)
+        assert function(x.data_ptr(), 2, 4096, count, ids.data_ptr(), values.data_ptr()) == reason
+    values, ids = largest_per_row(x, 8, isa)
+    expected_values, expected_ids = largest_by_sorting(x, 8)
+    assert torch.equal(ids, expected_ids)
+    assert torch.allclose(values, expected_values, rtol=0, atol=0, equal_nan=True)
 
 
-def test_other_inputs_take_torch():
-    x = torch.randn(4, 300, dtype=torch.float64)
-    values, ids = largest_per_row(x, 5)
-    assert values.dtype == torch.float64
-    assert torch.equal(ids, largest_by_sorting(x, 5)[1])
-    strided = torch.randn(300, 4).t()
-    assert torch.equal(largest_per_row(strided, 5)[1], largest_by_sorting(strided, 5)[1])
+def test_fewer_finite_logits_than_asked_for_come_first_then_the_minus_infinities_by_id(kernel):
+    isa, _ = kernel
+    x = torch.full((2, 20000), float("-inf"))
+    x[0, [5, 19999, 700]] = torch.tensor([1.0, 3.0, 1.0])
+    x[1, 12345] = -2.0
+    values, ids = largest_per_row(x, 6, isa)
+    assert ids.tolist() == [[19999, 5, 700, 0, 1, 2], [12345, 0, 1, 2, 3, 4]]
+    assert values[0, :3].tolist() == [3.0, 1.0, 1.0] and values[1, 0] == -2.0
+    assert torch.isneginf(values[0, 3:]).all() and torch.isneginf(values[1, 1:]).all()
+
+
+def test_narrower_floats_rank_as_float32_and_keep_their_dtype():
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)).bfloat16()  # ties are common in bfloat16
+    values, ids = largest_per_row(x, 40)
+    expected_values, expected_ids = _whole_row_sort(x.float(), 40)
+    assert values.dtype == torch.bfloat16
+    assert torch.equal(ids, expected_ids) and torch.equal(values.float(), expected_values)
+
+
+def test_strided_rows_are_ranked_too():
+    strided = torch.randn(300, 4, generator=torch.Generator().manual_seed(2)).t()
+    assert torch.equal(largest_per_row(strided, 5)[1], _whole_row_sort(strided, 5)[1])

@@ -34,8 +34,9 @@ def reference_sample(logits: torch.Tensor, batch: SamplingBatch, generator: torc
         return (tokens,)
     chosen = raw.gather(1, tokens[:, None]).squeeze(1)
     ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
-    top_lp, top_ids = raw.topk(batch.num_logprobs, dim=-1)
-    return tokens, chosen, ranks, top_ids, top_lp
+    # The most likely tokens as a stable sort ranks them: ties by lower token id.
+    top_lp, top_ids = torch.sort(raw, dim=-1, descending=True, stable=True)
+    return tokens, chosen, ranks, top_ids[:, : batch.num_logprobs], top_lp[:, : batch.num_logprobs]
 
 
 def _reference_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Each row's largest logits, ranked as a stable descending sort of the whole row ranks them (by value, then the
-lower token id first): the candidates of the sampler's top-k/top-p filters. On the CPU library's kernel
-(csrc/largest.c) where it takes the row, else torch.topk and two sorts, the reference the kernel is tested against."""
+lower token id first): the candidates of the sampler's top-k/top-p filters and the top log-probabilities. On the
+CPU library's kernel (csrc/largest.c), else torch.topk and two sorts."""
 
 from __future__ import annotations
 
@@ -26,18 +26,24 @@ def _kernel(isa: str | None):
 
 
 def largest_per_row(logits: torch.Tensor, count: int, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids), each [rows, count]: every row's `count` largest logits of `logits` [rows, vocab]."""
-    kernel = _kernel(isa) if logits.device.type == "cpu" and logits.dtype is torch.float32 else None
-    if kernel is not None and logits.is_contiguous():
+    """(values, ids), each [rows, count]: the first `count` entries of a stable descending sort of each row of
+    `logits` [rows, vocab] (ties by lower id). Rows holding a NaN, and tensors off the CPU, are ranked by
+    largest_by_sorting instead."""
+    kernel = _kernel(isa) if logits.device.type == "cpu" and logits.dtype.is_floating_point else None
+    if kernel is not None:
+        # float32 holds every narrower float exactly: the same order and the same ties.
+        rows_f32 = logits.to(torch.float32).contiguous()
         rows, vocab = logits.shape
         values = torch.empty(rows, count, dtype=torch.float32)
         ids = torch.empty(rows, count, dtype=torch.int64)
-        if kernel(logits.data_ptr(), rows, vocab, count, ids.data_ptr(), values.data_ptr()) == 0:
-            return values, ids
+        if kernel(rows_f32.data_ptr(), rows, vocab, count, ids.data_ptr(), values.data_ptr()) == 0:
+            return (values if logits.dtype is torch.float32 else logits.gather(-1, ids)), ids
     return largest_by_sorting(logits, count)
 
 
 def largest_by_sorting(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk's `count` largest, ranked by value then id: largest_per_row's result except where logits tie at
+    the last place, which torch.topk keeps in no set order."""
     values, ids = torch.topk(logits, count, dim=-1)
     ids, by_id = torch.sort(ids, dim=-1)
     values, by_value = torch.sort(values.gather(-1, by_id), dim=-1, descending=True, stable=True)

@@ -347,7 +347,9 @@ def _gather_logprobs(logprobs: torch.Tensor, k: int, ws: _Workspace, out: Sample
     above = ws.probs.copy_(torch.gt(logprobs, chosen, out=ws.mask))
     out.ranks.copy_(above.sum(dim=-1)).add_(1)
     if k > 0:
-        torch.topk(logprobs, k, dim=-1, out=(out.top_logprobs, out.top_token_ids))
+        values, ids = largest_per_row(logprobs, k)
+        out.top_logprobs.copy_(values)
+        out.top_token_ids.copy_(ids)
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None, ws: _Workspace) -> None:

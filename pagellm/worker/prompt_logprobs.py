@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pagellm.core.scheduler import ModelRunnerOutput, TokenLogprobs
+from pagellm.ops.largest import largest_per_row
 from pagellm.sample.sampler import SamplerOutput
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.step_inputs import StepInputs
@@ -56,7 +57,7 @@ class PromptScorer:
         chosen = logprobs.gather(1, next_tokens.unsqueeze(1)).squeeze(1)
         ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
         k = span.num_logprobs
-        top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], next_tokens[:, None][:, :0])
+        top_lp, top_ids = largest_per_row(logprobs, k) if k else (logprobs[:, :0], next_tokens[:, None][:, :0])
         scored = SamplerOutput(next_tokens, chosen, ranks, top_ids, top_lp)
         self.output.prompt_logprobs[span.request_id].extend(token_logprobs(scored, i, k) for i in range(len(absolute)))
 

@@ -6,9 +6,9 @@
  * is at most the row's count-th largest logit (the `count` blocks whose maxima reach T hold `count` logits of at
  * least T), so every logit of the result is >= T: only the blocks whose maximum reaches T are scanned, what they
  * hold >= T is collected in token order, and a stable radix sort on the values' order-preserving bits ranks it.
- * A row is refused (nonzero return; the caller then sorts with torch) where it holds a NaN (torch ranks NaN above
- * every number), where T is -inf (fewer finite logits than blocks asked for: constrained rows), or where the
- * row has too few blocks for `count`.
+ * Where fewer than `count` blocks hold a logit above -inf (constrained rows, or rows too short for `count`
+ * blocks), T is -inf: every logit above it is collected, and the -inf ones follow by token id. A row holding a
+ * NaN is refused (nonzero return; the caller then ranks with torch, which puts NaN above every number).
  */
 #include "vec.h"
 
@@ -126,30 +126,33 @@ static int largest_row(const float *row, int64_t vocab, int64_t count, int64_t b
         free(maxima);
         return 1;
     }
-    memcpy(selecting, maxima, blocks * sizeof(float));
-    const float threshold = kth_largest(selecting, blocks, count);
-    if (threshold == -INFINITY) {
-        free(maxima);
-        return 2;
+    /* -inf where fewer blocks than `count` hold a logit above -inf: then every such logit belongs to the result,
+     * and the -inf ones after them by token id. */
+    float threshold = -INFINITY;
+    if (blocks >= count) {
+        memcpy(selecting, maxima, blocks * sizeof(float));
+        threshold = kth_largest(selecting, blocks, count);
     }
+    const int everything_above_minus_inf = threshold == -INFINITY;
     int64_t reaching = 0;
-    for (int64_t b = 0; b < blocks; ++b) reaching += maxima[b] >= threshold;
+    for (int64_t b = 0; b < blocks; ++b)
+        reaching += everything_above_minus_inf ? maxima[b] > -INFINITY : maxima[b] >= threshold;
     const int64_t room = reaching * block;
-    /* Keys and ids, then the radix sort's spare copies of both. */
-    uint32_t *keys = malloc(2 * room * (sizeof(uint32_t) + sizeof(int32_t)));
+    /* Keys and ids, then the radix sort's spare copies of both (one element at least: malloc(0) may give NULL). */
+    uint32_t *keys = malloc(2 * (room + 1) * (sizeof(uint32_t) + sizeof(int32_t)));
     if (keys == NULL) {
         free(maxima);
         return 3;
     }
-    int32_t *ids = (int32_t *)(keys + room);
-    uint32_t *spare_keys = (uint32_t *)(ids + room);
-    int32_t *spare_ids = (int32_t *)(spare_keys + room);
+    int32_t *ids = (int32_t *)(keys + room + 1);
+    uint32_t *spare_keys = (uint32_t *)(ids + room + 1);
+    int32_t *spare_ids = (int32_t *)(spare_keys + room + 1);
     int64_t n = 0;
     for (int64_t b = 0; b < blocks; ++b) {
-        if (maxima[b] < threshold) continue;
+        if (everything_above_minus_inf ? !(maxima[b] > -INFINITY) : maxima[b] < threshold) continue;
         const int64_t end = b * block + block < vocab ? b * block + block : vocab;
         for (int64_t i = b * block; i < end; ++i) {
-            if (row[i] >= threshold) {
+            if (everything_above_minus_inf ? row[i] > -INFINITY : row[i] >= threshold) {
                 keys[n] = ~order_bits(row[i]); /* ascending keys: descending values */
                 ids[n++] = (int32_t)i;
             }
@@ -157,9 +160,16 @@ static int largest_row(const float *row, int64_t vocab, int64_t count, int64_t b
     }
     const int in_spare = radix_sort(keys, ids, spare_keys, spare_ids, n);
     const int32_t *sorted_ids = in_spare ? spare_ids : ids;
-    for (int64_t i = 0; i < count; ++i) {
-        ids_out[i] = sorted_ids[i];
-        values_out[i] = row[sorted_ids[i]];
+    int64_t filled = 0;
+    for (; filled < count && filled < n; ++filled) {
+        ids_out[filled] = sorted_ids[filled];
+        values_out[filled] = row[sorted_ids[filled]];
+    }
+    for (int64_t i = 0; filled < count && i < vocab; ++i) {
+        if (row[i] == -INFINITY) {
+            ids_out[filled] = i;
+            values_out[filled++] = row[i];
+        }
     }
     free(keys);
     free(maxima);
@@ -167,14 +177,13 @@ static int largest_row(const float *row, int64_t vocab, int64_t count, int64_t b
 }
 
 /* logits [rows, vocab] float32, contiguous; ids [rows, count] int64 and values [rows, count] float32 receive each
- * row's `count` largest. Returns 0, or the first refusing row's reason (1 NaN, 2 too few finite logits, 3 out
- * of memory, 4 count out of range), the outputs then unspecified. */
+ * row's `count` largest. Returns 0, or the first refusing row's reason (1 NaN, 3 out of memory, 4 count out of
+ * range), the outputs then unspecified. */
 int64_t largest_per_row(const float *logits, int64_t rows, int64_t vocab, int64_t count, int64_t *ids,
                         float *values) {
     if (count < 1 || count > vocab || vocab > INT32_MAX) return 4;
     int64_t block = LARGEST_MAX_BLOCK;
     while (block > VEC && vocab / block < LARGEST_BLOCKS_PER_COUNT * count) block /= 2;
-    if (vocab / block < count) return 4;
     int64_t refused = 0;
 #pragma omp parallel for if (rows > 1) reduction(max : refused)
     for (int64_t r = 0; r < rows; ++r) {
