@@ -41,3 +41,14 @@ def test_blocked_attention_is_causal_sdpa(tokens):
     k2, v2 = k.clone(), v.clone()
     k2[1:], v2[1:] = 0, 0
     torch.testing.assert_close(blocked(q, k2, v2, 0.25, block=16)[0], blocked(q, k, v, 0.25, block=16)[0])
+
+
+def test_sampler_benchmark_times_both_selections_and_restores_the_kernel(capsys):
+    from benchmarks import sampler as sampler_benchmark
+    from pagellm.ops.largest import largest_per_row
+    from pagellm.sample import sampler
+
+    sampler_benchmark.main(["--vocab", "4096", "--rows", "4", "--repeats", "1"])
+    table = capsys.readouterr().out
+    assert table.count("x |") == 4 + len(sampler_benchmark.SETTINGS)  # a speed-up on every row
+    assert sampler.largest_per_row is largest_per_row

@@ -1,6 +1,6 @@
 /* Each row's `count` largest logits, in the order a stable descending sort of the whole row gives them (by value,
- * then the lower token id first): the candidates among which the sampler's top-k and top-p filters look
- * (pagellm/sample/sampler.py), which torch.topk and two sorts found at several nanoseconds a logit.
+ * then the lower token id first): the candidates of the sampler's top-k and top-p filters and its most likely
+ * tokens for log-probabilities (pagellm/sample/sampler.py), which torch.topk found at several nanoseconds a logit.
  *
  * One vectorised pass takes the maximum of each block of `block` logits. The count-th largest of those maxima, T,
  * is at most the row's count-th largest logit (the `count` blocks whose maxima reach T hold `count` logits of at
