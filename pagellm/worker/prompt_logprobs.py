@@ -55,7 +55,10 @@ class PromptScorer:
     def _score(self, span: _ScoredSpan, absolute: np.ndarray, logprobs: torch.Tensor) -> None:
         next_tokens = torch.from_numpy(self.batch.token_ids[span.table_row, absolute + 1]).to(logprobs.device)
         chosen = logprobs.gather(1, next_tokens.unsqueeze(1)).squeeze(1)
-        ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
+        # Counted in float32 (exact below 2**24 tokens): summing a bool mask casts it to an int64 [rows, vocab]
+        # tensor first, most of the scoring's time.
+        above = torch.gt(logprobs, chosen.unsqueeze(1), out=torch.empty(logprobs.shape, device=logprobs.device))
+        ranks = above.sum(dim=-1).long() + 1
         k = span.num_logprobs
         top_lp, top_ids = largest_per_row(logprobs, k) if k else (logprobs[:, :0], next_tokens[:, None][:, :0])
         scored = SamplerOutput(next_tokens, chosen, ranks, top_ids, top_lp)
