@@ -1,6 +1,7 @@
-"""The compact byte-fallback BPE tokenizer (pagellm/tokenization/compact_bpe.py) against the fast tokenizer it is
-converted from: a small trained vocabulary with Gemma's pipeline here, the real Gemma 3 vocabulary in
-tests/test_gguf_gemma3.py."""
+"""The compact BPE tokenizer (pagellm/tokenization/compact_bpe.py) against the fast tokenizer it is converted from:
+small trained vocabularies of each pipeline it implements here (Gemma's byte fallback; GPT-2's byte level, with and
+without ignore_merges), the real Gemma 3 and SmolLM2 vocabularies in tests/test_gguf_gemma3.py and
+tests/test_gguf_loader.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import xgrammar as xgr
 from hypothesis import given
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from pagellm.structured_output.grammar import _tokenizer_info
@@ -47,14 +48,37 @@ def _gemma_like_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-@pytest.fixture(scope="module")
-def directory(tmp_path_factory) -> pathlib.Path:
-    path = tmp_path_factory.mktemp("compact")
-    fast = PreTrainedTokenizerFast(tokenizer_object=_gemma_like_tokenizer(), bos_token="<bos>", eos_token="<eos>",
+def _byte_level_tokenizer() -> Tokenizer:
+    """A BPE trained on CORPUS with GPT-2's byte-level pipeline (SmolLM2's), every byte's character in it, the
+    same special and added tokens, BOS prepended."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(CORPUS * 10, trainers.BpeTrainer(
+        vocab_size=400, show_progress=False, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos>:1 $B:1",
+                                                             special_tokens=[("<bos>", 2)])
+    tokenizer.add_special_tokens([AddedToken(token, normalized=False) for token in SPECIALS + ADDED_SPECIAL])
+    tokenizer.add_tokens([AddedToken(token, normalized=False) for token in ADDED_PLAIN])
+    return tokenizer
+
+
+PIPELINES = ["byte_fallback", "byte_level", "byte_level_ignore_merges"]
+
+
+@pytest.fixture(scope="module", params=PIPELINES)
+def directory(request, tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp(request.param)
+    tokenizer = _gemma_like_tokenizer() if request.param == "byte_fallback" else _byte_level_tokenizer()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
                                    unk_token="<unk>", pad_token="<pad>")
     fast.chat_template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}"
                           "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
     fast.save_pretrained(path)
+    if request.param == "byte_level_ignore_merges":
+        document = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+        document["model"]["ignore_merges"] = True
+        (path / "tokenizer.json").write_text(json.dumps(document), encoding="utf-8")
     return path
 
 
@@ -71,8 +95,10 @@ def compact(directory) -> CompactBPETokenizer:
 
 
 TEXTS = ["", " ", "hello world", "  the  lazy dog ", "<start_of_turn>user\nhello<end_of_turn>\n", "a\n\n\nb<b>x</b>",
-         "emoji 😀 and 漢字 fall back to bytes", "<bos><eos><unk><pad>", "\x00\ttab\r\n", "<0x41> is text", *CORPUS]
-TEXT_ALPHABET = st.sampled_from(list("thequickbrownfoxaé漢😀 \n\t<>/") + ADDED_SPECIAL + ADDED_PLAIN + SPECIALS)
+         "emoji 😀 and 漢字 fall back to bytes", "<bos><eos><unk><pad>", "\x00\ttab\r\n", "<0x41> is text",
+         "it's 2024, they'll've 12345 x\u00a0y\u3000z \u2028 end  ", *CORPUS]
+TEXT_ALPHABET = st.sampled_from(list("thequickbrownfoxaé漢😀 \n\t<>/'1\u00a0") + ["'s", "'ll", "  "] + ADDED_SPECIAL
+                                + ADDED_PLAIN + SPECIALS)
 
 
 @pytest.mark.parametrize("split_special_tokens", [False, True])
@@ -94,9 +120,10 @@ def test_random_text_encodes_and_decodes_as_the_fast_tokenizer(fast, compact, pi
         assert compact.decode(ids, skip_special_tokens=skip) == fast.decode(ids, skip_special_tokens=skip)
 
 
-@given(ids=st.lists(st.integers(0, 200 + len(ADDED_SPECIAL) + len(ADDED_PLAIN)), max_size=30))
+@given(ids=st.lists(st.integers(0, 400 + len(ADDED_SPECIAL) + len(ADDED_PLAIN)), max_size=30))
 def test_any_ids_decode_as_the_fast_tokenizer(fast, compact, ids):
-    """Arbitrary ids: lone and invalid <0xXX> byte runs become U+FFFD per byte, as tokenizers' ByteFallback."""
+    """Arbitrary ids: invalid UTF-8 (lone <0xXX> byte tokens, or byte-level characters cut from their sequence)
+    becomes U+FFFD as the fast tokenizer's decoders make it."""
     ids = [i for i in ids if i < len(fast)]
     for skip in (False, True):
         assert compact.decode(ids, skip_special_tokens=skip) == fast.decode(ids, skip_special_tokens=skip)
@@ -109,8 +136,8 @@ def test_vocabulary_special_tokens_batches_and_chat_template(fast, compact):
     assert (compact.bos_token_id, compact.eos_token_id, compact.pad_token_id, compact.unk_token_id) == \
         (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id, fast.unk_token_id)
     assert sorted(compact.all_special_ids) == sorted(fast.all_special_ids)
-    assert compact.convert_tokens_to_ids(["\u2581the", "<bos>", "not-a-token", "<0x41>"]) == \
-        fast.convert_tokens_to_ids(["\u2581the", "<bos>", "not-a-token", "<0x41>"])
+    tokens = ["\u2581the", "\u0120the", "<bos>", "not-a-token", "<0x41>", "A"]
+    assert compact.convert_tokens_to_ids(tokens) == fast.convert_tokens_to_ids(tokens)
     batch = ["hello world", "the", ""]
     assert compact(batch, padding=True)["input_ids"] == fast(batch, padding=True)["input_ids"]
     assert compact("hello", "world")["input_ids"] == fast("hello", "world")["input_ids"]
@@ -177,14 +204,12 @@ def test_xgrammar_sees_the_vocabulary_as_from_the_fast_tokenizer(fast, compact):
 
 
 def test_other_pipelines_are_left_to_the_fast_tokenizer_and_read_once(tmp_path):
-    byte_level = Tokenizer(models.BPE())
-    from tokenizers import pre_tokenizers
-
-    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel()
-    byte_level.decoder = decoders.ByteLevel()
-    byte_level.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, show_progress=False,
-                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=byte_level, eos_token="<eos>").save_pretrained(tmp_path)
+    prefixed = Tokenizer(models.BPE())
+    prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # a space before the text: not built
+    prefixed.decoder = decoders.ByteLevel()
+    prefixed.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=prefixed, eos_token="<eos>").save_pretrained(tmp_path)
     assert compact_bpe.load_or_convert(tmp_path) is None
     (tmp_path / "tokenizer.json").unlink()  # the verdict is remembered: the JSON is not read again
     assert compact_bpe.load_or_convert(tmp_path) is None
@@ -192,18 +217,32 @@ def test_other_pipelines_are_left_to_the_fast_tokenizer_and_read_once(tmp_path):
 
 def test_each_spec_difference_is_refused(directory):
     document = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
-    assert compact_bpe.compact_spec(document) is not None
+    spec = compact_bpe.compact_spec(document)
+    assert spec is not None
     changes = [
         lambda d: d["model"].update(dropout=0.1),
-        lambda d: d["model"].update(byte_fallback=False),
+        lambda d: d["model"].update(continuing_subword_prefix="##"),
         lambda d: d.update(normalizer={"type": "NFKC"}),
-        lambda d: d.update(pre_tokenizer={"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always",
-                                          "split": False}),
-        lambda d: d["decoder"]["decoders"].append({"type": "Strip", "content": " ", "start": 1, "stop": 0}),
         lambda d: d["post_processor"]["single"].append({"SpecialToken": {"id": "<eos>", "type_id": 0}}),
         lambda d: d["added_tokens"][-1].update(lstrip=True),
         lambda d: d["added_tokens"][-1].update(normalized=True),
     ]
+    if spec["pipeline"] == "byte_fallback":
+        changes += [
+            lambda d: d["model"].update(byte_fallback=False),
+            lambda d: d["model"].update(ignore_merges=True),
+            lambda d: d.update(pre_tokenizer={"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always",
+                                              "split": False}),
+            lambda d: d["decoder"]["decoders"].append({"type": "Strip", "content": " ", "start": 1, "stop": 0}),
+        ]
+    else:
+        changes += [
+            lambda d: d["model"].update(byte_fallback=True),
+            lambda d: d["model"].update(unk_token="<unk>", fuse_unk=False),
+            lambda d: d["pre_tokenizer"].update(add_prefix_space=True),
+            lambda d: d["pre_tokenizer"].update(use_regex=False),
+            lambda d: d.update(decoder={"type": "Fuse"}),
+        ]
     for change in changes:
         changed = json.loads(json.dumps(document))
         change(changed)

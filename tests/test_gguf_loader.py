@@ -282,3 +282,40 @@ def test_cached_tokenizer_equals_a_fresh_conversion(model_path, tmp_path, monkey
     assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         fresh.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert (cached.bos_token_id, cached.eos_token_id, len(cached)) == (fresh.bos_token_id, fresh.eos_token_id, len(fresh))
+
+
+def test_the_default_models_tokenizer_is_the_compact_byte_level_one_and_equals_the_fast_one(tokenizer, tmp_path):
+    """SmolLM2's 49k-token byte-level vocabulary in flat tables (pagellm/tokenization/compact_bpe.py), token for
+    token what the fast tokenizer gives: text in many scripts and whitespaces, added tokens, a whole README."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from pagellm.tokenization.compact_bpe import CompactBPETokenizer
+
+    assert isinstance(tokenizer, CompactBPETokenizer) and tokenizer.pipeline == "byte_level"
+    assert tokenizer.tables_nbytes() < 5 << 20
+    fast = AutoTokenizer.from_pretrained(str(tokenizer.source_directory))
+    assert not isinstance(fast, CompactBPETokenizer)
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    rng = random.Random(0)
+    alphabet = ("ab XY 12 \n\t  ,.!?'\"-_éü한국어🙂\u00a0\u0085\x1c\x00\u2028\u3000's'll 'T 0123"
+                + "".join(chr(rng.randrange(0x20, 0x3000)) for _ in range(100)))
+    texts = ["<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", "  two  spaces\t\r\n", readme,
+             *("".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40))) for _ in range(300))]
+    for text in texts:
+        for split in (False, True):
+            assert tokenizer.encode(text, split_special_tokens=split) == \
+                fast.encode(text, split_special_tokens=split), text[:80]
+        ids = fast.encode(text)
+        for skip in (False, True):
+            assert tokenizer.decode(ids, skip_special_tokens=skip) == fast.decode(ids, skip_special_tokens=skip)
+    for _ in range(200):  # cut anywhere: partial UTF-8 sequences decode to U+FFFD as the fast tokenizer's do
+        ids = [rng.randrange(len(fast)) for _ in range(rng.randrange(1, 12))]
+        assert tokenizer.decode(ids) == fast.decode(ids)
+        assert tokenizer.convert_ids_to_tokens(ids) == fast.convert_ids_to_tokens(ids)
+    assert tokenizer.get_vocab() == fast.get_vocab()
+    assert tokenizer.all_special_ids == fast.all_special_ids
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert [reloaded(text)["input_ids"] for text in texts[:3]] == [fast(text)["input_ids"] for text in texts[:3]]

@@ -20,11 +20,30 @@ def _random_ids(tokenizer, count: int, seed: int) -> list[int]:
     return [rng.choice(special) if rng.random() < 0.05 else rng.randrange(len(tokenizer)) for _ in range(count)]
 
 
+@pytest.fixture(scope="module")
+def fast_tokenizer(default_tokenizer):
+    """The default model's tokenizer as transformers' fast tokenizer (the engine serves its compact one)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_tokenizer.source_directory))
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    return tokenizer
+
+
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_rust_decode_equals_the_tokenizers_decode(default_tokenizer, skip_special_tokens):
+def test_rust_decode_equals_the_tokenizers_decode(fast_tokenizer, skip_special_tokens):
     params = SamplingParams(skip_special_tokens=skip_special_tokens)
-    decode = decode_function(default_tokenizer, params)
-    assert isinstance(decode.func.__self__, type(default_tokenizer._tokenizer))  # the fast path was taken
+    decode = decode_function(fast_tokenizer, params)
+    assert isinstance(decode.func.__self__, type(fast_tokenizer._tokenizer))  # the fast path was taken
+    for seed in range(20):
+        ids = _random_ids(fast_tokenizer, 12, seed)
+        assert decode(ids) == fast_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_compact_tokenizers_decode_ids_equals_its_decode(default_tokenizer, skip_special_tokens):
+    decode = decode_function(default_tokenizer, SamplingParams(skip_special_tokens=skip_special_tokens))
+    assert decode.func == default_tokenizer.decode_ids  # the fast path was taken
     for seed in range(20):
         ids = _random_ids(default_tokenizer, 12, seed)
         assert decode(ids) == default_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -42,13 +61,15 @@ def test_incremental_text_is_the_same_through_either_decode(default_tokenizer):
             assert fast_detok.add([token], final) == slow_detok.add([token], final)
 
 
-def test_tokenizers_that_clean_up_spaces_keep_their_own_decode(default_tokenizer):
-    saved = default_tokenizer.clean_up_tokenization_spaces
-    try:
-        default_tokenizer.clean_up_tokenization_spaces = True
-        assert _plain_rust_decoder(default_tokenizer) is None
-    finally:
-        default_tokenizer.clean_up_tokenization_spaces = saved
+def test_tokenizers_that_clean_up_spaces_keep_their_own_decode(fast_tokenizer, default_tokenizer):
+    for tokenizer in (fast_tokenizer, default_tokenizer):
+        saved = tokenizer.clean_up_tokenization_spaces
+        try:
+            tokenizer.clean_up_tokenization_spaces = True
+            assert _plain_rust_decoder(tokenizer) is None
+            assert decode_function(tokenizer, SamplingParams()).func == tokenizer.decode
+        finally:
+            tokenizer.clean_up_tokenization_spaces = saved
     assert _plain_rust_decoder(object()) is None
 
 

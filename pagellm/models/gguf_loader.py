@@ -241,7 +241,7 @@ def _compact_tokenizer(cached: pathlib.Path):
         logger.warning("compact tokenizer tables in %s unreadable (%s); using the fast tokenizer", cached, error)
         return None
     if tokenizer is not None:
-        logger.info("tokenizer: compact byte-fallback BPE (%.1f MiB of tables) from %s",
+        logger.info("tokenizer: compact BPE, %s (%.1f MiB of tables) from %s", tokenizer.pipeline.replace("_", " "),
                     tokenizer.tables_nbytes() / 2**20, cached)
     return tokenizer
 

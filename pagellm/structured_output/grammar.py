@@ -280,14 +280,16 @@ def _tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int] | None
 
     if isinstance(tokenizer, CompactBPETokenizer):
         # xgrammar reads the vocabulary's kind from a fast tokenizer's Rust pipeline, which this one has not;
-        # it is the pipeline from_huggingface detects for Gemma's fast tokenizer: <0xXX> bytes, no added space.
+        # these are the kinds from_huggingface detects for the fast tokenizers of the two pipelines it implements
+        # (<0xXX> bytes, or GPT-2's byte characters; no added space).
         vocab = tokenizer.get_vocab()
         encoded = [""] * vocab_size
         for token, token_id in vocab.items():
             if token_id < vocab_size:
                 encoded[token_id] = token
-        return xgr.TokenizerInfo(encoded, xgr.VocabType.BYTE_FALLBACK, vocab_size=vocab_size,
-                                 stop_token_ids=stop_token_ids, add_prefix_space=False)
+        kind = xgr.VocabType.BYTE_LEVEL if tokenizer.pipeline == "byte_level" else xgr.VocabType.BYTE_FALLBACK
+        return xgr.TokenizerInfo(encoded, kind, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                                 add_prefix_space=False)
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
 
 

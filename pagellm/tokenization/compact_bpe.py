@@ -1,4 +1,5 @@
-"""A SentencePiece-style byte-fallback BPE tokenizer (Gemma's) held in flat arrays instead of `tokenizers`' maps.
+"""BPE tokenizers of the two common pipelines (SentencePiece-style byte fallback, Gemma's; GPT-2-style byte
+level, SmolLM2's) held in flat arrays instead of `tokenizers`' maps.
 
 HuggingFace's Rust tokenizer keeps a vocabulary in hash maps of owned strings both ways and its merges in a
 third map, which for Gemma 3's 262k tokens weighs as much as a good part of the quantized model (README, "Memory",
@@ -7,10 +8,13 @@ table sorted by left token (C binary search, csrc/bpe.c). The class is a transfo
 template, added and special tokens behave as the fast tokenizer's; the tests hold it equal to that one, token for
 token, on the real Gemma 3 vocabulary.
 
-Only tokenizer.json files of exactly this pipeline are taken (`compact_spec`), else the caller keeps the fast
-tokenizer: normalizer Replace(" ", "\u2581"); no pre-tokenizer, or a Split on " " (which, after that
-replacement, never splits); a BPE model with fuse_unk and no dropout, prefixes or suffixes; decoder Replace
-("\u2581", " "), ByteFallback, Fuse; a post-processor that prepends BOS or nothing.
+Only tokenizer.json files of exactly these pipelines are taken (`compact_spec`), else the caller keeps the fast
+tokenizer. Byte fallback: normalizer Replace(" ", "\u2581"); no pre-tokenizer, or a Split on " " (which, after
+that replacement, never splits); a BPE model with fuse_unk and byte_fallback; decoder Replace("\u2581", " "),
+ByteFallback, Fuse. Byte level: no normalizer; pre-tokenizer ByteLevel with its regex and no prefix space (each
+word's UTF-8 bytes as GPT-2's printable characters, every one a token); a BPE model without byte fallback, with or
+without ignore_merges; decoder ByteLevel. Both: a BPE model with no dropout, prefixes or suffixes, and a
+post-processor that prepends BOS or nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import regex
 from transformers import AddedToken
 from transformers.tokenization_python import PythonBackend, Trie
 
@@ -34,13 +39,36 @@ _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SPACE_MARK = "\u2581"
 _TABLES_FILE = "compact_bpe.npz"
 _META_FILE = "compact_bpe.json"
-# Written into the metadata; tables of another format are rebuilt.
-_FORMAT = 1
+# Written into the metadata; tables of another format are rebuilt (and pipelines judged unsupported judged again).
+_FORMAT = 2
+_BYTE_FALLBACK, _BYTE_LEVEL = "byte_fallback", "byte_level"
 # The pipeline pieces compact_spec accepts, as tokenizer.json writes them.
 _NORMALIZER = {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE_MARK}
 _NO_OP_SPLIT = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}
 _DECODER = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": _SPACE_MARK}, "content": " "},
                                              {"type": "ByteFallback"}, {"type": "Fuse"}]}
+# tokenizers' ByteLevel pre-tokenizer regex (pre_tokenizers/byte_level.rs).
+_BYTE_LEVEL_WORDS = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's character for each byte: printable Latin-1 bytes stand for themselves, the others for 256 + i."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    chars, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+_BYTE_CHARS = _byte_level_chars()
+# str.translate from a text's UTF-8 bytes read as Latin-1 (one character a byte) to their byte-level characters.
+_TO_BYTE_CHARS = {byte: char for byte, char in enumerate(_BYTE_CHARS)}
+_FROM_BYTE_CHARS = {char: byte for byte, char in enumerate(_BYTE_CHARS)}
 
 
 class _Model(ctypes.Structure):
@@ -59,6 +87,9 @@ def _library() -> ctypes.CDLL:
     library.bpe_build_index.restype = None
     library.bpe_encode.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p]
     library.bpe_encode.restype = ctypes.c_int64
+    library.bpe_encode_pieces.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64,
+                                          ctypes.c_int32, ctypes.c_void_p]
+    library.bpe_encode_pieces.restype = ctypes.c_int64
     library.bpe_lookup.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
     library.bpe_lookup.restype = ctypes.c_int32
     library.bpe_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -77,12 +108,15 @@ class BpeTables:
     merge_right: np.ndarray  # int32 [M], ascending within each left token's row
     merge_rank: np.ndarray  # int32 [M]
     merge_result: np.ndarray  # int32 [M]
-    byte_tokens: np.ndarray  # int32 [256]: the <0xXX> token of each byte
+    byte_tokens: np.ndarray  # int32 [256]: the <0xXX> token of each byte (byte level: all -1)
     byte_values: np.ndarray  # int16 [V]: the byte a <0xXX> token stands for, or -1
+    # Byte level: each token's bytes as its decoder gives them, back to back (empty for byte fallback).
+    raw_bytes: np.ndarray  # uint8
+    raw_offsets: np.ndarray  # int64 [V + 1], or [1]
     unk_id: int
 
     ARRAYS = ("token_bytes", "token_offsets", "merge_offsets", "merge_right", "merge_rank", "merge_result",
-              "byte_tokens", "byte_values")
+              "byte_tokens", "byte_values", "raw_bytes", "raw_offsets")
 
     def __post_init__(self) -> None:
         self.library = _library()
@@ -98,6 +132,9 @@ class BpeTables:
         # Addresses looked up once: numpy's .ctypes and ctypes.byref are slow next to a short decode.
         self.model_address = ctypes.addressof(self.model)
         self.byte_values_address = self.byte_values.ctypes.data
+        # Byte level decoding slices Python bytes: fast next to numpy's per-element indexing.
+        self._raw = self.raw_bytes.tobytes()
+        self._raw_offsets = array.array("q", self.raw_offsets.tobytes())
 
     def __getstate__(self) -> dict[str, Any]:
         # The ctypes handles are rebuilt on unpickling, from the arrays.
@@ -127,6 +164,28 @@ class BpeTables:
             raise MemoryError(f"out of memory encoding a {len(data)}-byte text")
         return out[:count].tolist()
 
+    def encode_words(self, words: list[str], ignore_merges: bool) -> list[int]:
+        """The ids of byte-level words (each already its bytes' characters), each word encoded on its own."""
+        encoded = [word.encode() for word in words]
+        data = b"".join(encoded)
+        ends = np.cumsum([len(word) for word in encoded], dtype=np.int64)
+        out = np.empty(len(data), dtype=np.int32)
+        count = self.library.bpe_encode_pieces(self.model_address, data, ends.ctypes.data, len(encoded),
+                                               int(ignore_merges), out.ctypes.data)
+        if count < 0:
+            raise MemoryError(f"out of memory encoding a {len(data)}-byte text")
+        return out[:count].tolist()
+
+    def raw_token(self, token_id: int) -> bytes:
+        """A byte-level token's bytes as the decoder gives them."""
+        return self._raw[self._raw_offsets[token_id]:self._raw_offsets[token_id + 1]]
+
+    def decode_byte_level(self, ids: list[int], skip: bytes | None) -> str:
+        """The text of byte-level ids below vocab_size, leaving out those whose flag in `skip` is set."""
+        raw, offsets = self._raw, self._raw_offsets
+        kept = ids if skip is None else [token_id for token_id in ids if not skip[token_id]]
+        return b"".join([raw[offsets[i]:offsets[i + 1]] for i in kept]).decode("utf-8", "replace")
+
     def decode(self, ids: list[int], skip_address: int | None) -> str:
         """The text of ids below vocab_size, leaving out those marked in the bool array per id at `skip_address`
         (its .ctypes.data, kept by the caller: numpy's lookup of it is slow next to a short decode); see
@@ -141,10 +200,11 @@ class BpeTables:
         return out.raw[:length].decode("utf-8")
 
     def nbytes(self) -> int:
-        return sum(getattr(self, name).nbytes for name in self.ARRAYS) + self.slots.nbytes
+        return (sum(getattr(self, name).nbytes for name in self.ARRAYS) + self.slots.nbytes + len(self._raw)
+                + self._raw_offsets.itemsize * len(self._raw_offsets))
 
     @classmethod
-    def from_model(cls, model: dict[str, Any]) -> BpeTables:
+    def from_model(cls, model: dict[str, Any], pipeline: str = _BYTE_FALLBACK) -> BpeTables:
         """From tokenizer.json's "model" (a BPE): the vocabulary must number its tokens 0..V-1."""
         vocab: dict[str, int] = model["vocab"]
         strings: list[str | None] = [None] * len(vocab)
@@ -162,18 +222,29 @@ class BpeTables:
         last = np.ones(len(left), dtype=bool)
         last[:-1] = (left[1:] != left[:-1]) | (right[1:] != right[:-1])
         left, right, rank, result = left[last], right[last], rank[last], result[last]
-        byte_tokens = np.array([vocab.get(f"<0x{b:02X}>", -1) for b in range(256)], dtype=np.int32)
-        if (byte_tokens < 0).any():
-            raise ValueError("the vocabulary lacks some of the 256 <0xXX> byte tokens byte fallback needs")
         byte_values = np.full(len(encoded), -1, dtype=np.int16)
-        for token_id, token in enumerate(encoded):
-            byte = _fallback_byte(token)
-            if byte is not None:
-                byte_values[token_id] = byte
+        raw_offsets = np.zeros(1, dtype=np.int64)
+        raw_bytes = np.zeros(0, dtype=np.uint8)
+        if pipeline == _BYTE_LEVEL:
+            # No byte fallback: a character the vocabulary lacks (bytes valid UTF-8 never holds, in some) is the
+            # unknown token, or dropped where there is none, as tokenizers' BPE does.
+            byte_tokens = np.full(256, -1, dtype=np.int32)
+            raw = [_byte_level_bytes(token) for token in strings]
+            raw_offsets = np.zeros(len(raw) + 1, dtype=np.int64)
+            np.cumsum([len(token) for token in raw], out=raw_offsets[1:])
+            raw_bytes = np.frombuffer(b"".join(raw), dtype=np.uint8).copy()
+        else:
+            byte_tokens = np.array([vocab.get(f"<0x{b:02X}>", -1) for b in range(256)], dtype=np.int32)
+            if (byte_tokens < 0).any():
+                raise ValueError("the vocabulary lacks some of the 256 <0xXX> byte tokens byte fallback needs")
+            for token_id, token in enumerate(encoded):
+                byte = _fallback_byte(token)
+                if byte is not None:
+                    byte_values[token_id] = byte
         unk = model.get("unk_token")
         return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(), offsets,
                    np.searchsorted(left, np.arange(len(encoded) + 1)).astype(np.int64), right, rank, result,
-                   byte_tokens, byte_values, vocab.get(unk, -1) if unk is not None else -1)
+                   byte_tokens, byte_values, raw_bytes, raw_offsets, vocab.get(unk, -1) if unk is not None else -1)
 
 
 def _merge_ids(merges: list, vocab: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -184,6 +255,15 @@ def _merge_ids(merges: list, vocab: dict[str, int]) -> tuple[np.ndarray, np.ndar
             raise ValueError(f"merge {i} ({a!r}, {b!r}) names a token the vocabulary lacks")
         left[i], right[i], result[i] = vocab[a], vocab[b], vocab[a + b]
     return left, right, result
+
+
+def _byte_level_bytes(token: str) -> bytes:
+    """A token's bytes as tokenizers' ByteLevel decoder gives them: each character's byte, or, where some
+    character is not one of the 256, the token's own UTF-8."""
+    try:
+        return bytes(_FROM_BYTE_CHARS[char] for char in token)
+    except KeyError:
+        return token.encode()
 
 
 def _fallback_byte(token: bytes) -> int | None:
@@ -198,15 +278,13 @@ def _fallback_byte(token: bytes) -> int | None:
 
 def compact_spec(tokenizer: dict[str, Any]) -> dict[str, Any] | None:
     """What the compact tokenizer needs from a tokenizer.json beside its model, or None where its pipeline is
-    not the one this module implements."""
+    not one of those this module implements."""
     model = tokenizer.get("model") or {}
-    if (model.get("type") != "BPE" or model.get("dropout") not in (None, 0.0) or not model.get("fuse_unk")
-            or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix")
-            or model.get("ignore_merges")):
+    if (model.get("type") != "BPE" or model.get("dropout") not in (None, 0.0)
+            or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix")):
         return None
-    if tokenizer.get("normalizer") != _NORMALIZER or tokenizer.get("pre_tokenizer") not in (None, _NO_OP_SPLIT):
-        return None
-    if tokenizer.get("decoder") != _DECODER or not model.get("byte_fallback"):
+    pipeline = _pipeline_of(tokenizer, model)
+    if pipeline is None:
         return None
     bos = _bos_of(tokenizer.get("post_processor"))
     if bos is False:
@@ -214,7 +292,22 @@ def compact_spec(tokenizer: dict[str, Any]) -> dict[str, Any] | None:
     added = tokenizer.get("added_tokens", [])
     if any(token.get(flag) for token in added for flag in ("normalized", "lstrip", "rstrip", "single_word")):
         return None  # matched after normalization, or eating the whitespace around them: not built
-    return {"bos_token": bos, "added_tokens": added}
+    return {"pipeline": pipeline, "ignore_merges": bool(model.get("ignore_merges")), "bos_token": bos,
+            "added_tokens": added}
+
+
+def _pipeline_of(tokenizer: dict[str, Any], model: dict[str, Any]) -> str | None:
+    normalizer, pre_tokenizer, decoder = (tokenizer.get(key) for key in ("normalizer", "pre_tokenizer", "decoder"))
+    if (normalizer == _NORMALIZER and pre_tokenizer in (None, _NO_OP_SPLIT) and decoder == _DECODER
+            and model.get("byte_fallback") and model.get("fuse_unk") and not model.get("ignore_merges")):
+        return _BYTE_FALLBACK
+    # trim_offsets moves offsets only, never ids; the decoder's flags do nothing when decoding.
+    if (normalizer is None and isinstance(pre_tokenizer, dict) and pre_tokenizer.get("type") == "ByteLevel"
+            and not pre_tokenizer.get("add_prefix_space") and pre_tokenizer.get("use_regex", True)
+            and isinstance(decoder, dict) and decoder.get("type") == "ByteLevel" and not model.get("byte_fallback")
+            and (model.get("unk_token") is None or model.get("fuse_unk"))):  # the C encoder fuses unknowns
+        return _BYTE_LEVEL
+    return None
 
 
 def _bos_of(post_processor: dict[str, Any] | None) -> str | None | bool:
@@ -260,7 +353,7 @@ def convert(directory: pathlib.Path) -> bool:
     tables = None
     if spec is not None:
         try:
-            tables = BpeTables.from_model(tokenizer["model"])
+            tables = BpeTables.from_model(tokenizer["model"], spec["pipeline"])
         except ValueError:
             spec = None
     del tokenizer
@@ -301,6 +394,8 @@ class CompactBPETokenizer(PythonBackend):
     def __init__(self, tables: BpeTables, spec: dict[str, Any], config: dict[str, Any], chat_template: str | None,
                  source_directory: pathlib.Path) -> None:
         self._tables = tables
+        self.pipeline = spec["pipeline"]
+        self._ignore_merges = spec["ignore_merges"]
         self.source_directory = source_directory
         self._added_tokens_decoder = {
             token["id"]: AddedToken(token["content"], single_word=token["single_word"], lstrip=token["lstrip"],
@@ -320,6 +415,7 @@ class CompactBPETokenizer(PythonBackend):
         for token_id, token in self._added_tokens_decoder.items():
             self._special_ids[token_id] = token.special
         self._special_ids_address = self._special_ids.ctypes.data
+        self._special_flags = self._special_ids.tobytes()
 
     # ---- the vocabulary ---------------------------------------------------------------------------------
 
@@ -351,9 +447,9 @@ class CompactBPETokenizer(PythonBackend):
         self._mark_special_ids()
         return added
 
-    def _convert_token_to_id(self, token: str) -> int:
+    def _convert_token_to_id(self, token: str) -> int | None:
         token_id = self._tables.lookup(token)
-        return token_id if token_id >= 0 else self._tables.unk_id
+        return token_id if token_id >= 0 else self.unk_token_id  # the configured one, as the fast tokenizer's
 
     def _convert_id_to_token(self, index: int) -> str:
         return self._tables.token(index)
@@ -371,8 +467,15 @@ class CompactBPETokenizer(PythonBackend):
             if token_id is not None and not (split_special_tokens and self._added_tokens_decoder[token_id].special):
                 ids.append(token_id)
             elif piece:
-                ids.extend(self._tables.encode(piece.replace(" ", _SPACE_MARK)))
+                ids.extend(self._encode_between_added_tokens(piece))
         return ids
+
+    def _encode_between_added_tokens(self, text: str) -> list[int]:
+        if self.pipeline == _BYTE_LEVEL:
+            words = [word.encode().decode("latin-1").translate(_TO_BYTE_CHARS)
+                     for word in _BYTE_LEVEL_WORDS.findall(text)]
+            return self._tables.encode_words(words, self._ignore_merges)
+        return self._tables.encode(text.replace(" ", _SPACE_MARK))
 
     def _trie_without_special(self) -> Trie:
         if self._non_special_trie is None:
@@ -413,6 +516,8 @@ class CompactBPETokenizer(PythonBackend):
     def decode_ids(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """decode() without its argument handling or clean-up of spaces: the engine's detokenizer calls this
         twice per token per sequence."""
+        if self.pipeline == _BYTE_LEVEL:
+            return self._decode_byte_level(ids, skip_special_tokens)
         skip = self._special_ids_address if skip_special_tokens else None
         if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):
             return self._tables.decode(ids, skip)
@@ -433,6 +538,23 @@ class CompactBPETokenizer(PythonBackend):
             run = []
         pieces.append(self._tables.decode(run, skip))
         return "".join(pieces)
+
+    def _decode_byte_level(self, ids: list[int], skip_special_tokens: bool) -> str:
+        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):
+            return self._tables.decode_byte_level(ids, self._special_flags if skip_special_tokens else None)
+        # Tokens added beyond the vocabulary go through the byte-level decoder as their text, as tokenizers does.
+        pieces = []
+        for token_id in ids:
+            if 0 <= token_id < self.vocab_size:
+                if not (skip_special_tokens and self._special_flags[token_id]):
+                    pieces.append(self._tables.raw_token(token_id))
+                continue
+            token = self._added_tokens_decoder.get(token_id)
+            if token is None:
+                raise ValueError(f"token id {token_id} is not one of this tokenizer's {len(self)} tokens")
+            if not (skip_special_tokens and token.special):
+                pieces.append(_byte_level_bytes(token.content))
+        return b"".join(pieces).decode("utf-8", "replace")
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
         return self.decode_ids([self._convert_token_to_id_with_added_voc(token) for token in tokens])

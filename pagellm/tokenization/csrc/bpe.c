@@ -194,6 +194,27 @@ int64_t bpe_encode(const BpeModel *m, const uint8_t *text, int64_t len, int32_t 
     return count;
 }
 
+/* Encodes the consecutive pieces of `text` (pre-tokenized words, piece p ending at ends[p]) each on its own, as
+   tokenizers encodes each pre-token; with ignore_merges, a piece the vocabulary holds whole is that token. Returns
+   the ids' count (at most the text's length), or -1 when out of memory. */
+int64_t bpe_encode_pieces(const BpeModel *m, const uint8_t *text, const int64_t *ends, int64_t n_pieces,
+                          int32_t ignore_merges, int32_t *out) {
+    int64_t count = 0, start = 0;
+    for (int64_t p = 0; p < n_pieces; p++) {
+        const int64_t len = ends[p] - start;
+        const int32_t whole = ignore_merges ? bpe_lookup(m, text + start, len) : -1;
+        if (whole >= 0) {
+            out[count++] = whole;
+        } else {
+            const int64_t got = bpe_encode(m, text + start, len, out + count);
+            if (got < 0) return -1;
+            count += got;
+        }
+        start = ends[p];
+    }
+    return count;
+}
+
 /* Length of the valid UTF-8 sequence at s[0..len), or 0 where it is not one (Rust's str::from_utf8 rules: no
    overlong forms, no surrogates, nothing above U+10FFFF). */
 static int64_t utf8_valid_prefix(const uint8_t *s, int64_t len) {
