@@ -82,3 +82,15 @@ def hf_load_gguf(path: pathlib.Path) -> transformers.PreTrainedModel:
         return transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         ).eval()
+
+
+def assert_encodes_and_decodes_alike(tokenizer, fast, texts: list[str]) -> None:
+    """`tokenizer` (pagellm's compact one) gives `fast`'s ids for each text, with and without
+    split_special_tokens, and its text for those ids, with and without special tokens."""
+    for text in texts:
+        for split in (False, True):
+            assert tokenizer.encode(text, split_special_tokens=split) == \
+                fast.encode(text, split_special_tokens=split), text[:80]
+        ids = fast.encode(text)
+        for skip in (False, True):
+            assert tokenizer.decode(ids, skip_special_tokens=skip) == fast.decode(ids, skip_special_tokens=skip)

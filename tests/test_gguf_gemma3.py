@@ -25,7 +25,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.cache_dir import cache_root
 from pagellm.models.gguf_loader import _ARCHS, _hf_name, _read_header, load_gguf
 from pagellm.models.gguf_quants import tensor_nbytes
-from tests.helpers import hf_greedy
+from tests.helpers import assert_encodes_and_decodes_alike, hf_greedy
 
 MAX_TOKENS = 16
 PROMPTS = [
@@ -134,13 +134,7 @@ def test_the_engines_tokenizer_is_the_compact_one_and_equals_the_fast_one(llm, f
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
     texts = [*PROMPTS, "Paged attention, 한국어 and emoji 🙂 <unused17> <start_of_image>", "a\n\n\n\nb<table><tr>",
              "  two  spaces\t\r\n", "\x00\x7f\u200b", readme]
-    for text in texts:
-        for split in (False, True):
-            assert engines.encode(text, split_special_tokens=split) == \
-                fast_tokenizer.encode(text, split_special_tokens=split), text[:80]
-        ids = fast_tokenizer.encode(text)
-        for skip in (False, True):
-            assert engines.decode(ids, skip_special_tokens=skip) == fast_tokenizer.decode(ids, skip_special_tokens=skip)
+    assert_encodes_and_decodes_alike(engines, fast_tokenizer, texts)
     random_ids = np.random.default_rng(0).integers(0, len(engines), size=(200, 12)).tolist()
     for ids in random_ids:
         assert engines.decode(ids) == fast_tokenizer.decode(ids)

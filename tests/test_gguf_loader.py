@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from pagellm.models.gguf_loader import default_model_path, load_gguf
-from tests.helpers import hf_load_gguf
+from tests.helpers import assert_encodes_and_decodes_alike, hf_load_gguf
 
 CONFIG_FIELDS = (
     "model_type",
@@ -303,13 +303,7 @@ def test_the_default_models_tokenizer_is_the_compact_byte_level_one_and_equals_t
                 + "".join(chr(rng.randrange(0x20, 0x3000)) for _ in range(100)))
     texts = ["<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", "  two  spaces\t\r\n", readme,
              *("".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40))) for _ in range(300))]
-    for text in texts:
-        for split in (False, True):
-            assert tokenizer.encode(text, split_special_tokens=split) == \
-                fast.encode(text, split_special_tokens=split), text[:80]
-        ids = fast.encode(text)
-        for skip in (False, True):
-            assert tokenizer.decode(ids, skip_special_tokens=skip) == fast.decode(ids, skip_special_tokens=skip)
+    assert_encodes_and_decodes_alike(tokenizer, fast, texts)
     for _ in range(200):  # cut anywhere: partial UTF-8 sequences decode to U+FFFD as the fast tokenizer's do
         ids = [rng.randrange(len(fast)) for _ in range(rng.randrange(1, 12))]
         assert tokenizer.decode(ids) == fast.decode(ids)
