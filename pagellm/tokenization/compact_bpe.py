@@ -132,9 +132,12 @@ class BpeTables:
         # Addresses looked up once: numpy's .ctypes and ctypes.byref are slow next to a short decode.
         self.model_address = ctypes.addressof(self.model)
         self.byte_values_address = self.byte_values.ctypes.data
-        # Byte level decoding slices Python bytes: fast next to numpy's per-element indexing.
+        # Byte level decoding slices Python bytes: fast next to numpy's per-element indexing. The arrays become
+        # views of them, one copy of each.
         self._raw = self.raw_bytes.tobytes()
+        self.raw_bytes = np.frombuffer(self._raw, dtype=np.uint8)
         self._raw_offsets = array.array("q", self.raw_offsets.tobytes())
+        self.raw_offsets = np.frombuffer(self._raw_offsets, dtype=np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
         # The ctypes handles are rebuilt on unpickling, from the arrays.
@@ -200,8 +203,7 @@ class BpeTables:
         return out.raw[:length].decode("utf-8")
 
     def nbytes(self) -> int:
-        return (sum(getattr(self, name).nbytes for name in self.ARRAYS) + self.slots.nbytes + len(self._raw)
-                + self._raw_offsets.itemsize * len(self._raw_offsets))
+        return sum(getattr(self, name).nbytes for name in self.ARRAYS) + self.slots.nbytes
 
     @classmethod
     def from_model(cls, model: dict[str, Any], pipeline: str = _BYTE_FALLBACK) -> BpeTables:
@@ -449,7 +451,10 @@ class CompactBPETokenizer(PythonBackend):
 
     def _convert_token_to_id(self, token: str) -> int | None:
         token_id = self._tables.lookup(token)
-        return token_id if token_id >= 0 else self.unk_token_id  # the configured one, as the fast tokenizer's
+        if token_id >= 0:
+            return token_id
+        # The configured unknown token's id, as the fast tokenizer gives; None where that token is not one either.
+        return None if token == self.unk_token else self.unk_token_id
 
     def _convert_id_to_token(self, index: int) -> str:
         return self._tables.token(index)
