@@ -14,7 +14,8 @@ import pytest
 import xgrammar as xgr
 from hypothesis import given
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
+                        trainers)
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from pagellm.structured_output.grammar import _tokenizer_info
@@ -48,11 +49,19 @@ def _gemma_like_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _byte_level_tokenizer() -> Tokenizer:
-    """A BPE trained on CORPUS with GPT-2's byte-level pipeline (SmolLM2's), every byte's character in it, the
-    same special and added tokens, BOS prepended."""
+# Llama 3's pre-tokenizer regex, as transformers sets it on a llama-bpe GGUF's tokenizer.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _byte_level_tokenizer(split: str | None = None) -> Tokenizer:
+    """A BPE trained on CORPUS with GPT-2's byte-level pipeline (SmolLM2's), or with a regex Split before a
+    ByteLevel that does not split again (Llama 3's), every byte's character in it, the same special and added
+    tokens, BOS prepended."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else \
+        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.train_from_iterator(CORPUS * 10, trainers.BpeTrainer(
         vocab_size=400, show_progress=False, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
@@ -63,13 +72,14 @@ def _byte_level_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-PIPELINES = ["byte_fallback", "byte_level", "byte_level_ignore_merges"]
+PIPELINES = ["byte_fallback", "byte_level", "byte_level_ignore_merges", "llama3_split"]
 
 
 @pytest.fixture(scope="module", params=PIPELINES)
 def directory(request, tmp_path_factory) -> pathlib.Path:
     path = tmp_path_factory.mktemp(request.param)
-    tokenizer = _gemma_like_tokenizer() if request.param == "byte_fallback" else _byte_level_tokenizer()
+    tokenizer = _gemma_like_tokenizer() if request.param == "byte_fallback" else \
+        _byte_level_tokenizer(LLAMA3_SPLIT if request.param == "llama3_split" else None)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
                                    unk_token="<unk>", pad_token="<pad>")
     fast.chat_template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}"
@@ -96,8 +106,8 @@ def compact(directory) -> CompactBPETokenizer:
 
 TEXTS = ["", " ", "hello world", "  the  lazy dog ", "<start_of_turn>user\nhello<end_of_turn>\n", "a\n\n\nb<b>x</b>",
          "emoji 😀 and 漢字 fall back to bytes", "<bos><eos><unk><pad>", "\x00\ttab\r\n", "<0x41> is text",
-         "it's 2024, they'll've 12345 x\u00a0y\u3000z \u2028 end  ", *CORPUS]
-TEXT_ALPHABET = st.sampled_from(list("thequickbrownfoxaé漢😀 \n\t<>/'1\u00a0") + ["'s", "'ll", "  "] + ADDED_SPECIAL
+         "it's 2024, they'll've 12345 x\u00a0y\u3000z \u2028 end  ", "IT'S A\r\n\r\n  B!!\n\nC's 1234567", *CORPUS]
+TEXT_ALPHABET = st.sampled_from(list("thequickbrownfoxaé漢😀 \n\t\r<>/'1\u00a0!") + ["'s", "'LL", "  ", "1234"] + ADDED_SPECIAL
                                 + ADDED_PLAIN + SPECIALS)
 
 
@@ -239,10 +249,17 @@ def test_each_spec_difference_is_refused(directory):
         changes += [
             lambda d: d["model"].update(byte_fallback=True),
             lambda d: d["model"].update(unk_token="<unk>", fuse_unk=False),
-            lambda d: d["pre_tokenizer"].update(add_prefix_space=True),
-            lambda d: d["pre_tokenizer"].update(use_regex=False),
             lambda d: d.update(decoder={"type": "Fuse"}),
         ]
+        if document["pre_tokenizer"]["type"] == "ByteLevel":
+            changes += [lambda d: d["pre_tokenizer"].update(add_prefix_space=True),
+                        lambda d: d["pre_tokenizer"].update(use_regex=False)]
+        else:
+            changes += [lambda d: d["pre_tokenizer"]["pretokenizers"][0].update(behavior="MergedWithPrevious"),
+                        lambda d: d["pre_tokenizer"]["pretokenizers"][0].update(invert=True),
+                        lambda d: d["pre_tokenizer"]["pretokenizers"][0].update(pattern={"Regex": "(unclosed"}),
+                        lambda d: d["pre_tokenizer"]["pretokenizers"][1].update(use_regex=True),
+                        lambda d: d["pre_tokenizer"]["pretokenizers"].reverse()]
     for change in changes:
         changed = json.loads(json.dumps(document))
         change(changed)

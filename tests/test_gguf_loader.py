@@ -313,3 +313,43 @@ def test_the_default_models_tokenizer_is_the_compact_byte_level_one_and_equals_t
     tokenizer.save_pretrained(tmp_path)
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
     assert [reloaded(text)["input_ids"] for text in texts[:3]] == [fast(text)["input_ids"] for text in texts[:3]]
+
+
+def test_a_llama_bpe_gguf_tokenizer_is_compact_behind_llama_3s_split(tmp_path, monkeypatch, tokenizer):
+    """transformers builds a llama-bpe GGUF's tokenizer as GPT-2's byte-level BPE behind Llama 3's split regex
+    (integrations/gguf); the compact tokenizer takes that pipeline and gives its tokens (SmolLM2's vocabulary and
+    merges, written as a llama-bpe file)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from pagellm.models.gguf_loader import load_gguf_tokenizer
+    from pagellm.tokenization.compact_bpe import CompactBPETokenizer
+
+    document = json.loads((tokenizer.source_directory / "tokenizer.json").read_text(encoding="utf-8"))
+    tokens = [token for token, _ in sorted(document["model"]["vocab"].items(), key=lambda item: item[1])]
+    specials = {token["id"] for token in document["added_tokens"] if token["special"]}
+    path = tmp_path / "llama-bpe.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in document["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    compact = load_gguf_tokenizer(path)
+    assert isinstance(compact, CompactBPETokenizer) and compact.pipeline == "byte_level"
+    fast = AutoTokenizer.from_pretrained(str(compact.source_directory))
+    assert fast.backend_tokenizer.pre_tokenizer.__class__.__name__ == "Sequence"  # the Split, then ByteLevel
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    texts = ["IT'S 12345 dogs'LL\r\n\r\n  x!!\n\nY", "<|im_start|>user\nhi<|im_end|>", "  a\u00a0b\u3000c 한국어🙂", readme]
+    assert_encodes_and_decodes_alike(compact, fast, texts)
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    assert compact._words.pattern == GGUF_PRE_TOKENIZER_SPLITS["llama-bpe"]  # Llama 3's words, not GPT-2's

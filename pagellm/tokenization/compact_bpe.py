@@ -12,8 +12,8 @@ Only tokenizer.json files of exactly these pipelines are taken (`compact_spec`),
 tokenizer. Byte fallback: normalizer Replace(" ", "\u2581"); no pre-tokenizer, or a Split on " " (which, after
 that replacement, never splits); a BPE model with fuse_unk and byte_fallback; decoder Replace("\u2581", " "),
 ByteFallback, Fuse. Byte level: no normalizer; pre-tokenizer ByteLevel with its regex and no prefix space (each
-word's UTF-8 bytes as GPT-2's printable characters, every one a token); a BPE model without byte fallback, with or
-without ignore_merges; decoder ByteLevel. Both: a BPE model with no dropout, prefixes or suffixes, and a
+word's UTF-8 bytes as GPT-2's printable characters), or an isolating regex Split before a ByteLevel that does not
+split (Llama 3's, Qwen's); a BPE model without byte fallback, with or without ignore_merges; decoder ByteLevel. Both: a BPE model with no dropout, prefixes or suffixes, and a
 post-processor that prepends BOS or nothing.
 """
 
@@ -40,7 +40,7 @@ _SPACE_MARK = "\u2581"
 _TABLES_FILE = "compact_bpe.npz"
 _META_FILE = "compact_bpe.json"
 # Written into the metadata; tables of another format are rebuilt (and pipelines judged unsupported judged again).
-_FORMAT = 2
+_FORMAT = 3
 _BYTE_FALLBACK, _BYTE_LEVEL = "byte_fallback", "byte_level"
 # The pipeline pieces compact_spec accepts, as tokenizer.json writes them.
 _NORMALIZER = {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE_MARK}
@@ -48,7 +48,7 @@ _NO_OP_SPLIT = {"type": "Split", "pattern": {"String": " "}, "behavior": "Merged
 _DECODER = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": _SPACE_MARK}, "content": " "},
                                              {"type": "ByteFallback"}, {"type": "Fuse"}]}
 # tokenizers' ByteLevel pre-tokenizer regex (pre_tokenizers/byte_level.rs).
-_BYTE_LEVEL_WORDS = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+_GPT2_WORDS = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 def _byte_level_chars() -> list[str]:
@@ -294,8 +294,14 @@ def compact_spec(tokenizer: dict[str, Any]) -> dict[str, Any] | None:
     added = tokenizer.get("added_tokens", [])
     if any(token.get(flag) for token in added for flag in ("normalized", "lstrip", "rstrip", "single_word")):
         return None  # matched after normalization, or eating the whitespace around them: not built
-    return {"pipeline": pipeline, "ignore_merges": bool(model.get("ignore_merges")), "bos_token": bos,
-            "added_tokens": added}
+    words = _byte_level_split(tokenizer.get("pre_tokenizer")) if pipeline == _BYTE_LEVEL else None
+    if words is not None:
+        try:
+            regex.compile(words)
+        except regex.error:
+            return None  # a pattern the regex module does not read as tokenizers' Oniguruma does
+    return {"pipeline": pipeline, "ignore_merges": bool(model.get("ignore_merges")), "words": words,
+            "bos_token": bos, "added_tokens": added}
 
 
 def _pipeline_of(tokenizer: dict[str, Any], model: dict[str, Any]) -> str | None:
@@ -304,12 +310,31 @@ def _pipeline_of(tokenizer: dict[str, Any], model: dict[str, Any]) -> str | None
             and model.get("byte_fallback") and model.get("fuse_unk") and not model.get("ignore_merges")):
         return _BYTE_FALLBACK
     # trim_offsets moves offsets only, never ids; the decoder's flags do nothing when decoding.
-    if (normalizer is None and isinstance(pre_tokenizer, dict) and pre_tokenizer.get("type") == "ByteLevel"
-            and not pre_tokenizer.get("add_prefix_space") and pre_tokenizer.get("use_regex", True)
+    if (normalizer is None and _byte_level_split(pre_tokenizer) is not None
             and isinstance(decoder, dict) and decoder.get("type") == "ByteLevel" and not model.get("byte_fallback")
             and (model.get("unk_token") is None or model.get("fuse_unk"))):  # the C encoder fuses unknowns
         return _BYTE_LEVEL
     return None
+
+
+def _byte_level_split(pre_tokenizer: Any) -> str | None:
+    """The regex that cuts a byte-level pipeline's text into words: ByteLevel's own (GPT-2's), or that of a Split
+    (isolated matches) before a ByteLevel that does not split again, as Llama 3's and Qwen's pipelines (and
+    transformers' conversion of their GGUF files) have it; None for anything else."""
+    def byte_level(step: Any, use_regex: bool) -> bool:
+        return (isinstance(step, dict) and step.get("type") == "ByteLevel" and not step.get("add_prefix_space")
+                and step.get("use_regex", True) == use_regex)
+
+    if byte_level(pre_tokenizer, True):
+        return _GPT2_WORDS
+    steps = pre_tokenizer.get("pretokenizers") if isinstance(pre_tokenizer, dict) else None
+    if pre_tokenizer.get("type") != "Sequence" or not isinstance(steps, list) or len(steps) != 2:
+        return None
+    split, last = steps
+    if (not byte_level(last, False) or split.get("type") != "Split" or split.get("behavior") != "Isolated"
+            or split.get("invert") or not isinstance(split.get("pattern"), dict) or "Regex" not in split["pattern"]):
+        return None
+    return split["pattern"]["Regex"]
 
 
 def _bos_of(post_processor: dict[str, Any] | None) -> str | None | bool:
@@ -398,6 +423,7 @@ class CompactBPETokenizer(PythonBackend):
         self._tables = tables
         self.pipeline = spec["pipeline"]
         self._ignore_merges = spec["ignore_merges"]
+        self._words = regex.compile(spec["words"]) if spec.get("words") else None
         self.source_directory = source_directory
         self._added_tokens_decoder = {
             token["id"]: AddedToken(token["content"], single_word=token["single_word"], lstrip=token["lstrip"],
@@ -477,10 +503,22 @@ class CompactBPETokenizer(PythonBackend):
 
     def _encode_between_added_tokens(self, text: str) -> list[int]:
         if self.pipeline == _BYTE_LEVEL:
-            words = [word.encode().decode("latin-1").translate(_TO_BYTE_CHARS)
-                     for word in _BYTE_LEVEL_WORDS.findall(text)]
+            words = [word.encode().decode("latin-1").translate(_TO_BYTE_CHARS) for word in self._split_words(text)]
             return self._tables.encode_words(words, self._ignore_merges)
         return self._tables.encode(text.replace(" ", _SPACE_MARK))
+
+    def _split_words(self, text: str) -> list[str]:
+        """The text cut as an isolating Split cuts it: each match a word, and each stretch between matches."""
+        words, end = [], 0
+        for match in self._words.finditer(text):
+            if match.start() > end:
+                words.append(text[end:match.start()])
+            if match.end() > match.start():
+                words.append(match.group())
+            end = match.end()
+        if end < len(text):
+            words.append(text[end:])
+        return words
 
     def _trie_without_special(self) -> Trie:
         if self._non_special_trie is None:
