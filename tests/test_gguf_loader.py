@@ -353,3 +353,29 @@ def test_a_llama_bpe_gguf_tokenizer_is_compact_behind_llama_3s_split(tmp_path, m
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
     assert compact._words.pattern == GGUF_PRE_TOKENIZER_SPLITS["llama-bpe"]  # Llama 3's words, not GPT-2's
+
+
+def test_the_tokenizer_cache_keeps_the_most_recently_used_entries(model_path, tmp_path, monkeypatch):
+    import os
+
+    from pagellm.models import gguf_loader
+
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    root = tmp_path / "gguf-tokenizers"
+    old = []
+    for i in range(20):  # entries of other files, the first the least recently used
+        entry = root / f"{i:024x}"
+        entry.mkdir(parents=True)
+        os.utime(entry, (1_000_000 + i, 1_000_000 + i))
+        old.append(entry)
+    (root / "tmpabc123").mkdir()  # another process's entry being written
+    gguf_loader.load_gguf_tokenizer(model_path)  # converted: a new entry, the oldest beyond 16 removed
+    entries = sorted(p.name for p in root.iterdir() if gguf_loader._CACHE_KEY.fullmatch(p.name))
+    assert len(entries) == gguf_loader._CACHED_TOKENIZERS
+    assert gguf_loader._tokenizer_cache_dir(model_path.resolve()).name in entries
+    assert [p.name for p in old[-15:]] == [name for name in entries if name in {p.name for p in old}]
+    assert (root / "tmpabc123").is_dir()
+    entry = gguf_loader._tokenizer_cache_dir(model_path.resolve())
+    os.utime(entry, (1, 1))
+    gguf_loader.load_gguf_tokenizer(model_path)  # loaded from its entry, which is marked used
+    assert entry.stat().st_mtime > 1_000_100

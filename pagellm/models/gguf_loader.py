@@ -206,13 +206,15 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedToken
     """HF tokenizer rebuilt from the GGUF vocabulary, with the file's chat template set.
 
     Rebuilding takes seconds (transformers re-reads the whole vocabulary), so the result is saved
-    once under the cache directory, keyed by the file's path, size and mtime, and loaded from there.
-    Where the saved tokenizer is a byte-fallback BPE of the pipeline pagellm.tokenization.compact_bpe
-    implements (Gemma's), that one is returned instead: the same tokens in a fraction of the memory.
+    once under the cache directory, keyed by the file's path, size and mtime, and loaded from there; the
+    least recently used of those entries beyond _CACHED_TOKENIZERS are removed as a new one is saved.
+    Where the saved tokenizer is a BPE of a pipeline pagellm.tokenization.compact_bpe implements (Gemma's
+    byte fallback, GPT-2's byte level), that one is returned instead: the same tokens in a fraction of the memory.
     """
     path = pathlib.Path(path).resolve()
     cached = _tokenizer_cache_dir(path)
     if (cached / "tokenizer_config.json").is_file():
+        _mark_used(cached)
         compact = _compact_tokenizer(cached)
         if compact is not None:
             return compact
@@ -228,8 +230,35 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedToken
     if template is not None:
         tokenizer.chat_template = template
     _save_atomically(tokenizer, cached)
+    _remove_least_recently_used(cached.parent, keep=cached)
     compact = _compact_tokenizer(cached) if (cached / "tokenizer.json").is_file() else None
     return compact if compact is not None else tokenizer
+
+
+def _mark_used(entry: pathlib.Path) -> None:
+    try:
+        os.utime(entry)
+    except OSError:
+        pass  # a read-only cache: its entries just age by when they were written
+
+
+def _remove_least_recently_used(root: pathlib.Path, keep: pathlib.Path) -> None:
+    """Remove cache entries beyond the _CACHED_TOKENIZERS most recently used (each is a whole tokenizer, 6-50 MiB;
+    a new file path, a copy or a touched file makes a new one). Only entries are judged, never another process's
+    entry being written (a temporary directory); one removed while an engine reads it is rebuilt by that engine."""
+    def last_used(entry: pathlib.Path) -> float:
+        try:
+            return entry.stat().st_mtime
+        except OSError:
+            return float("inf")  # gone already
+
+    try:
+        entries = [entry for entry in root.iterdir() if entry != keep and _CACHE_KEY.fullmatch(entry.name)]
+    except OSError:
+        return
+    entries.sort(key=last_used, reverse=True)
+    for stale in entries[_CACHED_TOKENIZERS - 1:]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _compact_tokenizer(cached: pathlib.Path):
@@ -244,6 +273,11 @@ def _compact_tokenizer(cached: pathlib.Path):
         logger.info("tokenizer: compact BPE, %s (%.1f MiB of tables) from %s", tokenizer.pipeline.replace("_", " "),
                     tokenizer.tables_nbytes() / 2**20, cached)
     return tokenizer
+
+
+# Converted GGUF tokenizers kept in the cache (see _remove_least_recently_used), and their directories' names.
+_CACHED_TOKENIZERS = 16
+_CACHE_KEY = re.compile(r"[0-9a-f]{24}")
 
 
 def _tokenizer_cache_dir(path: pathlib.Path) -> pathlib.Path:
