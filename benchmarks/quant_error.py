@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     from benchmarks.export_hf import export
+    from pagellm.cpu_features import cpu_description
     from pagellm.models.gguf_loader import default_model_path
 
     torch.manual_seed(0)
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = tokenizer(PERPLEXITY_TEXT, return_tensors="pt").input_ids
     originals = [layer.weight.data.clone() for layer in _linear_layers(model)]
     reference = perplexity(model, ids)
-    print(f"float32 reference: perplexity {reference:.3f} over {ids.shape[1]} tokens "
+    print(f"CPU: {cpu_description()}; float32 reference: perplexity {reference:.3f} over {ids.shape[1]} tokens "
           f"({len(originals)} linear layers quantized per scheme)\n")
     print(f"| scheme | perplexity | vs float32 | {args.dithers} dithered runs: mean | min | max | std |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from pagellm.cpu_features import cpu_flags
+from pagellm.cpu_features import cpu_description
 from pagellm.ops.largest import largest_by_sorting, largest_per_row
 from pagellm.sample import sampler as sampler_module
 
@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     generator = torch.Generator().manual_seed(0)
-    flags = " ".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
-    print(f"CPU flags: {flags}; {torch.get_num_threads()} threads; vocabulary {args.vocab:,}\n")
+    print(f"CPU: {cpu_description()}; {torch.get_num_threads()} threads; vocabulary {args.vocab:,}\n")
 
     print("| selection: rows x count | kernel ms | torch.topk + sorts ms | speed-up |")
     print("|---|---:|---:|---:|")

@@ -231,13 +231,13 @@ def workspace_for(rows: int, vocab: int):
 
 
 def test_top_p_of_one_and_top_k_of_the_vocabulary_keep_every_token():
+    from pagellm.sample.sampler import _apply_top_k_top_p
+
     vocab = 5000
     logits = torch.randn(2, vocab, generator=generator(3)) * 8
     for top_k, top_p in ((torch.tensor([vocab, vocab]), None), (None, torch.ones(2)),
                          (torch.tensor([vocab, vocab]), torch.ones(2))):
         filtered = logits.clone()
-        from pagellm.sample.sampler import _apply_top_k_top_p
-
         _apply_top_k_top_p(filtered, top_k, top_p, workspace_for(2, vocab))
         assert torch.equal(filtered, logits)
 

@@ -342,14 +342,18 @@ def _apply_penalties(logits: torch.Tensor, penalties: Penalties, ws: _Workspace)
 def _gather_logprobs(logprobs: torch.Tensor, k: int, ws: _Workspace, out: SamplerOutput) -> None:
     """The sampled tokens' log-probabilities and ranks, and the k most likely tokens, into `out`."""
     chosen = torch.gather(logprobs, 1, out.token_ids.unsqueeze(1), out=out.logprobs.unsqueeze(1))
-    # Counted in float32 (exact below 2**24 tokens): summing the bool mask would first cast it to a fresh int64
-    # [rows, vocab] tensor.
-    above = ws.probs.copy_(torch.gt(logprobs, chosen, out=ws.mask))
-    out.ranks.copy_(above.sum(dim=-1)).add_(1)
+    out.ranks.copy_(ranks_of(logprobs, chosen, ws.probs))
     if k > 0:
         values, ids = largest_per_row(logprobs, k)
         out.top_logprobs.copy_(values)
         out.top_token_ids.copy_(ids)
+
+
+def ranks_of(logprobs: torch.Tensor, chosen: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Each row's rank of `chosen` [rows, 1] among `logprobs` [rows, vocab] (1 for the largest), int64. The larger
+    values are counted as float32 ones in `scratch` (float32, logprobs' shape; exact below 2**24 tokens): summing a
+    bool mask would first cast it to an int64 [rows, vocab] tensor, most of a scoring step's time."""
+    return torch.gt(logprobs, chosen, out=scratch).sum(dim=-1).long().add_(1)
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None, ws: _Workspace) -> None:
@@ -415,11 +419,13 @@ def _filter_among_largest(logits: torch.Tensor, top_k: torch.Tensor | None, top_
         keep &= ws.ranks[:, :count] < top_k.unsqueeze(1)
     if top_p is not None:
         kept_values = values.masked_fill(~keep, float("-inf"))
-        # Probabilities over what top-k kept, all candidates here, or else over the whole row.
-        normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
-        if top_k is not None:
-            normalizer = torch.where((top_k < vocab_size).unsqueeze(1),
-                                     torch.logsumexp(kept_values, dim=-1, keepdim=True), normalizer)
+        # Probabilities over what top-k kept, all candidates here, or else over the whole row (a pass over the
+        # whole row only where some row has no top-k).
+        limited = None if top_k is None else (top_k < vocab_size).unsqueeze(1)
+        normalizer = None if limited is None else torch.logsumexp(kept_values, dim=-1, keepdim=True)
+        if limited is None or not bool(limited.all()):
+            whole = torch.logsumexp(logits, dim=-1, keepdim=True)
+            normalizer = whole if limited is None else torch.where(limited, normalizer, whole)
         probs = torch.exp(kept_values - normalizer)
         above = torch.cumsum(probs, dim=-1).sub_(probs)
         keep &= ~((above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1))

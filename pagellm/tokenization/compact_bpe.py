@@ -85,8 +85,6 @@ def _library() -> ctypes.CDLL:
     library.bpe_build_index.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
                                         ctypes.c_int64]
     library.bpe_build_index.restype = None
-    library.bpe_encode.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p]
-    library.bpe_encode.restype = ctypes.c_int64
     library.bpe_encode_pieces.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64,
                                           ctypes.c_int32, ctypes.c_void_p]
     library.bpe_encode_pieces.restype = ctypes.c_int64
@@ -159,17 +157,10 @@ class BpeTables:
         data = token.encode()
         return self.library.bpe_lookup(self.model_address, data, len(data))
 
-    def encode(self, normalized: str) -> list[int]:
-        data = normalized.encode()
-        out = np.empty(len(data), dtype=np.int32)
-        count = self.library.bpe_encode(self.model_address, data, len(data), out.ctypes.data)
-        if count < 0:
-            raise MemoryError(f"out of memory encoding a {len(data)}-byte text")
-        return out[:count].tolist()
-
-    def encode_words(self, words: list[str], ignore_merges: bool) -> list[int]:
-        """The ids of byte-level words (each already its bytes' characters), each word encoded on its own."""
-        encoded = [word.encode() for word in words]
+    def encode(self, pieces: list[str], ignore_merges: bool = False) -> list[int]:
+        """The ids of normalized, pre-tokenized text, each piece merged on its own (a byte-level word is already
+        its bytes' characters; byte fallback's normalized text is one piece)."""
+        encoded = [piece.encode() for piece in pieces]
         data = b"".join(encoded)
         ends = np.cumsum([len(word) for word in encoded], dtype=np.int64)
         out = np.empty(len(data), dtype=np.int32)
@@ -186,8 +177,8 @@ class BpeTables:
     def decode_byte_level(self, ids: list[int], skip: bytes | None) -> str:
         """The text of byte-level ids below vocab_size, leaving out those whose flag in `skip` is set."""
         raw, offsets = self._raw, self._raw_offsets
-        kept = ids if skip is None else [token_id for token_id in ids if not skip[token_id]]
-        return b"".join([raw[offsets[i]:offsets[i + 1]] for i in kept]).decode("utf-8", "replace")
+        return b"".join([raw[offsets[i]:offsets[i + 1]] for i in ids if skip is None or not skip[i]]).decode(
+            "utf-8", "replace")
 
     def decode(self, ids: list[int], skip_address: int | None) -> str:
         """The text of ids below vocab_size, leaving out those marked in the bool array per id at `skip_address`
@@ -488,7 +479,7 @@ class CompactBPETokenizer(PythonBackend):
     # ---- encoding ---------------------------------------------------------------------------------------
 
     def _text_ids(self, text: str, split_special_tokens: bool) -> list[int]:
-        """The ids of `text` (no BOS): added tokens where they occur, byte-fallback BPE between them. With
+        """The ids of `text` (no BOS): added tokens where they occur, the pipeline's BPE between them. With
         split_special_tokens, special tokens are encoded as text and only the others are matched, as the fast
         tokenizer does."""
         ids: list[int] = []
@@ -504,8 +495,8 @@ class CompactBPETokenizer(PythonBackend):
     def _encode_between_added_tokens(self, text: str) -> list[int]:
         if self.pipeline == _BYTE_LEVEL:
             words = [word.encode().decode("latin-1").translate(_TO_BYTE_CHARS) for word in self._split_words(text)]
-            return self._tables.encode_words(words, self._ignore_merges)
-        return self._tables.encode(text.replace(" ", _SPACE_MARK))
+            return self._tables.encode(words, self._ignore_merges)
+        return self._tables.encode([text.replace(" ", _SPACE_MARK)])
 
     def _split_words(self, text: str) -> list[str]:
         """The text cut as an isolating Split cuts it: each match a word, and each stretch between matches."""

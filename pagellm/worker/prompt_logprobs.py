@@ -9,7 +9,7 @@ import torch
 
 from pagellm.core.scheduler import ModelRunnerOutput, TokenLogprobs
 from pagellm.ops.largest import largest_per_row
-from pagellm.sample.sampler import SamplerOutput
+from pagellm.sample.sampler import SamplerOutput, ranks_of
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.step_inputs import StepInputs
 
@@ -55,10 +55,7 @@ class PromptScorer:
     def _score(self, span: _ScoredSpan, absolute: np.ndarray, logprobs: torch.Tensor) -> None:
         next_tokens = torch.from_numpy(self.batch.token_ids[span.table_row, absolute + 1]).to(logprobs.device)
         chosen = logprobs.gather(1, next_tokens.unsqueeze(1)).squeeze(1)
-        # Counted in float32 (exact below 2**24 tokens): summing a bool mask casts it to an int64 [rows, vocab]
-        # tensor first, most of the scoring's time.
-        above = torch.gt(logprobs, chosen.unsqueeze(1), out=torch.empty(logprobs.shape, device=logprobs.device))
-        ranks = above.sum(dim=-1).long() + 1
+        ranks = ranks_of(logprobs, chosen.unsqueeze(1), torch.empty(logprobs.shape, device=logprobs.device))
         k = span.num_logprobs
         top_lp, top_ids = largest_per_row(logprobs, k) if k else (logprobs[:, :0], next_tokens[:, None][:, :0])
         scored = SamplerOutput(next_tokens, chosen, ranks, top_ids, top_lp)

@@ -130,9 +130,9 @@ static void push_pair(const BpeModel *m, const Symbol *symbols, int32_t pos, Can
     if (merge >= 0) heap_push(heap, size, (Candidate){m->merge_rank[merge], pos, m->merge_result[merge]});
 }
 
-/* Encodes `len` bytes of normalized UTF-8 into at most `len` ids in `out`; returns their count, or -1 when out of
-   memory. */
-int64_t bpe_encode(const BpeModel *m, const uint8_t *text, int64_t len, int32_t *out) {
+/* Encodes `len` bytes of normalized UTF-8 (one pre-token) into at most `len` ids in `out`; returns their count, or
+   -1 when out of memory. */
+static int64_t encode_piece(const BpeModel *m, const uint8_t *text, int64_t len, int32_t *out) {
     if (len == 0) return 0;
     Symbol *symbols = malloc(sizeof(Symbol) * (size_t)len);
     /* Each merge pushes at most two candidates and there are fewer merges than symbols. */
@@ -206,7 +206,7 @@ int64_t bpe_encode_pieces(const BpeModel *m, const uint8_t *text, const int64_t 
         if (whole >= 0) {
             out[count++] = whole;
         } else {
-            const int64_t got = bpe_encode(m, text + start, len, out + count);
+            const int64_t got = encode_piece(m, text + start, len, out + count);
             if (got < 0) return -1;
             count += got;
         }
