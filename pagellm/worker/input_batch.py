@@ -6,6 +6,7 @@ built by bulk indexing rather than per-token Python.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,10 +64,10 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks: int) -> None:
         self.max_model_len = max_model_len
         self.max_blocks = max_blocks
-        self.token_ids = np.zeros((0, max_model_len), dtype=np.int64)
+        self.token_ids = lazily_zeroed(0, max_model_len)
         self.num_tokens = np.zeros(0, dtype=np.int64)
         self.num_computed = np.zeros(0, dtype=np.int64)
-        self.block_table = np.zeros((0, max_blocks), dtype=np.int64)
+        self.block_table = lazily_zeroed(0, max_blocks)
         self.num_blocks = np.zeros(0, dtype=np.int64)
         self.row_of: dict[str, int] = {}
         self.rows: dict[int, RowState] = {}
@@ -88,8 +89,8 @@ class InputBatch:
 
     def grow(self, extra: int) -> None:
         old = len(self.num_tokens)
-        self.token_ids = np.concatenate([self.token_ids, np.zeros((extra, self.max_model_len), np.int64)])
-        self.block_table = np.concatenate([self.block_table, np.zeros((extra, self.max_blocks), np.int64)])
+        self.token_ids = _grown(self.token_ids, extra, int(self.num_tokens.max(initial=0)))
+        self.block_table = _grown(self.block_table, extra, int(self.num_blocks.max(initial=0)))
         for name in ("num_tokens", "num_computed", "num_blocks", "num_prompt_tokens", "num_samples_at_first"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, np.int64)]))
         self.plain_greedy = np.concatenate([self.plain_greedy, np.zeros(extra, bool)])
@@ -151,3 +152,25 @@ class InputBatch:
             append_rows, append_tokens = (np.array(x, dtype=np.int64) for x in zip(*appending))
             self.token_ids[append_rows, self.num_tokens[append_rows]] = append_tokens
             self.num_tokens[append_rows] += 1
+
+
+def lazily_zeroed(rows: int, width: int) -> np.ndarray:
+    """An int64 [rows, width] array of zeros whose memory is taken a 4 KiB page at a time, as it is first written.
+    A table sized for max_num_seqs sequences of max_model_len tokens (256 x 32,768 int64: 64 MiB) is mostly never
+    written; np.zeros of that size would come on huge pages (numpy advises them), so that one token in a row
+    would make its whole 2 MiB resident."""
+    nbytes = rows * width * 8
+    if nbytes == 0:
+        return np.zeros((rows, width), dtype=np.int64)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(region, dtype=np.int64).reshape(rows, width)
+
+
+def _grown(table: np.ndarray, extra: int, used_columns: int) -> np.ndarray:
+    """`table` with `extra` more rows; only the columns any row uses are copied, so unwritten pages stay so."""
+    rows, width = table.shape
+    grown = lazily_zeroed(rows + extra, width)
+    grown[:rows, :used_columns] = table[:, :used_columns]
+    return grown

@@ -52,18 +52,21 @@ def _profile_step(runner: ModelRunner, lengths: np.ndarray, blocks: np.ndarray, 
         batch.grow(num_seqs - batch.num_rows)
     rows = np.arange(num_seqs)
     saved_caches, runner.kv_caches = runner.kv_caches, kv_caches
-    saved = (batch.token_ids[rows].copy(), batch.num_tokens[rows].copy(), batch.num_computed[rows].copy(),
-             batch.block_table[rows].copy())
+    # Only the columns the step writes are saved and restored: whole rows of max_model_len would make the
+    # token table resident (InputBatch takes its pages as they are written).
+    tokens, table = (rows, slice(0, int(lengths.max()) + 1)), (rows, slice(0, blocks.shape[1]))
+    saved = (batch.token_ids[tokens].copy(), batch.num_tokens[rows].copy(), batch.num_computed[rows].copy(),
+             batch.block_table[table].copy())
     try:
-        batch.token_ids[rows] = 0
+        batch.token_ids[tokens] = 0
         batch.num_tokens[rows] = lengths + 1  # no row samples through the runner: the sampler is probed below
         batch.num_computed[rows] = 0
-        batch.block_table[rows, : blocks.shape[1]] = blocks
+        batch.block_table[table] = blocks
         hidden = runner.run_model(prepare_inputs(batch, rows, lengths, runner.block_size, runner.device))
         if sample:
             _probe_sampling(runner, hidden)
     finally:
-        (batch.token_ids[rows], batch.num_tokens[rows], batch.num_computed[rows], batch.block_table[rows]) = saved
+        (batch.token_ids[tokens], batch.num_tokens[rows], batch.num_computed[rows], batch.block_table[table]) = saved
         runner.kv_caches = saved_caches
 
 
