@@ -52,6 +52,7 @@ def _cases(dtype: torch.dtype, rows: int, seqs: int, context: int, layers: int) 
     rotary = RotaryEmbedding(_RopeConfig(), HEAD_DIM, 4096)
     rotary.reset_cache(torch.device("cpu"))
     positions = torch.arange(rows) * 7 % 4096
+    rotary.cover(positions)  # the kernel reads the tables by position
     blocks = -(-context // BLOCK)
     # One cache pair per layer, each call taking the next layer's, as a model step does: a single pair of a
     # few MB would be read from the CPU's caches, where a step reads hundreds of MB from DRAM.

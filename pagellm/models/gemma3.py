@@ -146,6 +146,8 @@ class Gemma3Model(nn.Module):
         embedded = self.embed_tokens(input_ids)
         # transformers rounds the scale to the weights' dtype before multiplying.
         hidden = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
+        for table in self.rotary.values():
+            table.cover(positions)
         stack = self.decode_stack()
         if stack is not None and stack.serves(hidden, positions, kv_caches, meta):
             return self.norm(stack(hidden, positions, kv_caches, meta))

@@ -474,9 +474,15 @@ class GemmaDecodeStack(_Stack):
     def serves(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                meta: AttentionMetadata) -> bool:
         """Whether this step is one the C calls run exactly as the modules would (else the caller runs those)."""
-        if any(table.cos is not cos or table.sin is not sin for table, cos, sin in self._tables):
-            return False  # a table replaced since the structs were made
+        self._point_at_tables()
         return self._serves_step(hidden, positions, kv_caches, meta)
+
+    def _point_at_tables(self) -> None:
+        """Each layer's struct at its rotary tables as they are now: a CPU model's tables grow (RotaryEmbedding)."""
+        for index, (table, cos, sin) in enumerate(self._tables):
+            if table.cos is not cos or table.sin is not sin:
+                self._structs[index].cos, self._structs[index].sin = table.cos.data_ptr(), table.sin.data_ptr()
+                self._tables[index] = (table, table.cos, table.sin)
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                  meta: AttentionMetadata) -> torch.Tensor:
