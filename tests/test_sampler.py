@@ -227,7 +227,28 @@ def test_rows_are_sorted_whole_only_where_the_candidates_may_not_hold_the_kept_t
 def workspace_for(rows: int, vocab: int):
     from pagellm.sample.sampler import _Workspace
 
-    return _Workspace.allocate(rows, vocab, torch.device("cpu"))
+    return _Workspace(rows, vocab, torch.device("cpu")).first(rows)
+
+
+def test_the_workspace_holds_only_the_buffers_a_batch_uses():
+    """A greedy batch allocates no chunk buffer, a top-p one the probabilities and the draw's sums (and no
+    log-probability, penalty or whole-row sort buffers); release_workspace frees them, and they come back."""
+    vocab, rows = 4096, 4
+    sampler = Sampler(generator(0))
+    logits = torch.randn(rows, vocab, generator=generator(1)) * 8  # top-p keeps few: no whole-row sort
+    sampler(logits.clone(), SamplingBatch(torch.zeros(rows), None, None, None, True, [], []))
+    assert sampler.workspace_bytes() == 0
+    top_p = SamplingBatch(torch.ones(rows), None, torch.full((rows,), 0.9), None, False, [], [])
+    sampler(logits.clone(), top_p)
+    chunk_rows = min(rows, sampler.rows_per_chunk(vocab))
+    assert sampler.workspace_bytes() == chunk_rows * vocab * (4 + 8)
+    sampler.release_workspace()
+    assert sampler.workspace_bytes() == 0
+    first = sampler(logits.clone(), top_p).token_ids
+    assert sampler.workspace_bytes() == chunk_rows * vocab * (4 + 8)
+    kept = Sampler(generator(0))  # the same draws with the buffers never released
+    kept(logits.clone(), top_p)
+    assert torch.equal(kept(logits.clone(), top_p).token_ids, first)
 
 
 def test_top_p_of_one_and_top_k_of_the_vocabulary_keep_every_token():

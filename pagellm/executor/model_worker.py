@@ -143,6 +143,8 @@ class ModelWorker:
             peaks = self._profile(self.runner.drafter.runner, draft_spec, profile_tokens, self.num_profiled_decodes,
                                   max_model_len, device)
             self.prefill_peak, self.decode_peak = max(self.prefill_peak, peaks[0]), max(self.decode_peak, peaks[1])
+            self.runner.drafter.runner.release_profiled_buffers()
+        self.runner.release_profiled_buffers()
         # Every block holds its tokens' K/V of the target's layers and, with a draft model, of the draft's.
         pool_spec = PairedKVSpec(spec, draft_spec) if draft_spec is not None else spec
         self.activation_peak = max(self.prefill_peak, self.decode_peak)

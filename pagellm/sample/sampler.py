@@ -5,8 +5,8 @@ masks, banned tokens (bad words, stop tokens before min_tokens) and logit bias; 
 frequency and repetition penalties; then temperature, min-p, top-k and top-p; then the draw.
 
 The batch is worked through in chunks of rows whose rows x vocab is bounded (Sampler.rows_per_chunk),
-in buffers of one chunk's size allocated once (_Workspace): the sorted copies, probabilities, sums
-and masks of the filters take the same memory whatever the batch and the vocabulary. Every row's
+in buffers of one chunk's size, each allocated at its first use (_Workspace): the sorted copies,
+probabilities, sums and masks of the filters take the same memory whatever the batch and the vocabulary. Every row's
 result depends on its own logits and settings alone, and the batch's random numbers (one a row) are
 drawn chunk after chunk from the one generator (on the CPU the same stream as one draw for the whole
 batch), so chunking changes no token.
@@ -30,8 +30,8 @@ _CANDIDATE_COUNTS = (256, 4096)
 # depends on (seed, k, logits) alone: not on what else is in the batch, nor on preemption.
 _SEED_STRIDE = 1_000_003
 
-# Logits elements (rows x vocab) the sampler filters at once; its workspace takes 29 bytes an element
-# (_Workspace), 14.5 MiB on the CPU, traded for some speed per chunk (README, "Memory", has both). On CUDA a
+# Logits elements (rows x vocab) the sampler filters at once; its workspace takes up to 29 bytes an element
+# (_Workspace, only the buffers a step's settings use), 14.5 MiB on the CPU, traded for some speed per chunk (README, "Memory", has both). On CUDA a
 # larger chunk keeps the kernel launches of a large batch few.
 CPU_CHUNK_ELEMENTS = 1 << 19
 CUDA_CHUNK_ELEMENTS = 1 << 23
@@ -169,46 +169,74 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [S, k]
 
 
-@dataclass
 class _Workspace:
-    """[rows, vocab] buffers for one chunk, allocated once and reused by every chunk of every step. Allocated
-    per chunk, they would come from the C heap (they are below glibc's mmap threshold), whose holes between
+    """[rows, vocab] buffers for one chunk, each allocated at its first use and then reused by every chunk of every
+    step: a greedy batch needs none of them, a top-p one two, penalties and log-probabilities more. Allocated per
+    chunk, they would come from the C heap (they are below glibc's mmap threshold), whose holes between
     longer-lived allocations the process keeps: measured, RSS grew ~25 MiB a chunk that way."""
 
-    logprobs: torch.Tensor
-    probs: torch.Tensor
-    scratch: torch.Tensor
-    counts: torch.Tensor
-    sorted: torch.Tensor
-    order: torch.Tensor  # int64
-    mask: torch.Tensor  # bool
-    ranks: torch.Tensor  # [1, vocab] 0, 1, 2, ...
+    DTYPES = {"logprobs": torch.float32, "probs": torch.float32, "scratch": torch.float32, "counts": torch.float32,
+              "sorted": torch.float32, "order": torch.int64, "mask": torch.bool}
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
+        self.rows, self.vocab_size, self.device = rows, vocab_size, device
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._ranks: torch.Tensor | None = None
+
+    def buffer(self, name: str) -> torch.Tensor:
+        buffer = self._buffers.get(name)
+        if buffer is None:
+            buffer = torch.empty(self.rows, self.vocab_size, dtype=self.DTYPES[name], device=self.device)
+            self._buffers[name] = buffer
+        return buffer
+
+    @property
+    def ranks(self) -> torch.Tensor:
+        """[1, vocab] 0, 1, 2, ..."""
+        if self._ranks is None:
+            self._ranks = torch.arange(self.vocab_size, device=self.device)[None]
+        return self._ranks
+
+    def first(self, rows: int) -> _WorkspaceRows:
+        return _WorkspaceRows(self, rows)
+
+    def nbytes(self) -> int:
+        held = list(self._buffers.values()) + ([self._ranks] if self._ranks is not None else [])
+        return sum(t.numel() * t.element_size() for t in held)
+
+
+class _Rows:
+    """A workspace buffer's first rows (a contiguous view), allocating the buffer at its first use."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, view: _WorkspaceRows, owner: type) -> torch.Tensor:
+        return view.workspace.buffer(self.name)[: view.rows]
+
+
+class _WorkspaceRows:
+    """The buffers of a chunk of `rows` rows: views of the workspace's first rows."""
+
+    logprobs = _Rows()
+    probs = _Rows()
+    scratch = _Rows()
+    counts = _Rows()
+    sorted = _Rows()
+    order = _Rows()  # int64
+    mask = _Rows()  # bool
+
+    def __init__(self, workspace: _Workspace, rows: int) -> None:
+        self.workspace, self.rows = workspace, rows
+
+    @property
+    def ranks(self) -> torch.Tensor:
+        return self.workspace.ranks
 
     @property
     def cumulative(self) -> torch.Tensor:
         """float64 sums for the draw, in `order`'s bytes: the draw comes after the filters are done with it."""
         return self.order.view(torch.float64)
-
-    @classmethod
-    def allocate(cls, rows: int, vocab_size: int, device: torch.device) -> _Workspace:
-        def empty(dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(rows, vocab_size, dtype=dtype, device=device)
-
-        floats = [empty(torch.float32) for _ in range(5)]
-        return cls(*floats, empty(torch.int64), empty(torch.bool), torch.arange(vocab_size, device=device)[None])
-
-    @property
-    def rows(self) -> int:
-        return self.mask.shape[0]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.mask.shape[1]
-
-    def first(self, rows: int) -> _Workspace:
-        """The buffers' first `rows` rows (contiguous views)."""
-        buffers = (self.logprobs, self.probs, self.scratch, self.counts, self.sorted, self.order, self.mask)
-        return _Workspace(*(buffer[:rows] for buffer in buffers), self.ranks)
 
 
 class Sampler:
@@ -256,10 +284,19 @@ class Sampler:
         current = self._workspace
         if current is None or current.rows < rows or current.vocab_size != vocab_size:
             self._workspace = None  # the old buffers go before the new ones are allocated
-            self._workspace = _Workspace.allocate(rows, vocab_size, device)
+            self._workspace = _Workspace(rows, vocab_size, device)
         return self._workspace
 
-    def _sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, ws: _Workspace, out: SamplerOutput) -> None:
+    def release_workspace(self) -> None:
+        """Free the chunk buffers; the next steps allocate those they use again (after start-up's profile, which
+        used them all)."""
+        self._workspace = None
+
+    def workspace_bytes(self) -> int:
+        return 0 if self._workspace is None else self._workspace.nbytes()
+
+    def _sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, ws: _WorkspaceRows,
+                     out: SamplerOutput) -> None:
         raw_logprobs = torch.log_softmax(logits, dim=-1, out=ws.logprobs) if batch.num_logprobs is not None else None
         _apply_constraints(logits, batch, ws)
         if batch.penalties is not None:
@@ -268,7 +305,7 @@ class Sampler:
         if raw_logprobs is not None:
             _gather_logprobs(raw_logprobs, batch.num_logprobs, ws, out)
 
-    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, ws: _Workspace, tokens: torch.Tensor) -> None:
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, ws: _WorkspaceRows, tokens: torch.Tensor) -> None:
         if batch.all_greedy:
             tokens.copy_(_argmax_rows(logits))
             return
@@ -306,7 +343,7 @@ def _output_rows(output: SamplerOutput, start: int, end: int) -> SamplerOutput:
                          rows(output.top_token_ids), rows(output.top_logprobs))
 
 
-def _apply_constraints(logits: torch.Tensor, batch: SamplingBatch, ws: _Workspace | None) -> None:
+def _apply_constraints(logits: torch.Tensor, batch: SamplingBatch, ws: _WorkspaceRows | None) -> None:
     if batch.token_bitmask is not None:
         apply_token_bitmask(logits, batch.token_bitmask)
     if batch.allowed_tokens:
@@ -324,7 +361,7 @@ def _apply_constraints(logits: torch.Tensor, batch: SamplingBatch, ws: _Workspac
         logits.index_put_((bias.rows, bias.token_ids), bias.biases, accumulate=True)
 
 
-def _apply_penalties(logits: torch.Tensor, penalties: Penalties, ws: _Workspace) -> None:
+def _apply_penalties(logits: torch.Tensor, penalties: Penalties, ws: _WorkspaceRows) -> None:
     penalties.history.count_into(ws.counts, ws.scratch)
     # Repetition (CTRL / transformers): shrink the logits of every token seen in prompt or output.
     repetition = penalties.repetition.unsqueeze(1)
@@ -339,7 +376,7 @@ def _apply_penalties(logits: torch.Tensor, penalties: Penalties, ws: _Workspace)
     logits.sub_(present.mul_(penalties.presence.unsqueeze(1)))
 
 
-def _gather_logprobs(logprobs: torch.Tensor, k: int, ws: _Workspace, out: SamplerOutput) -> None:
+def _gather_logprobs(logprobs: torch.Tensor, k: int, ws: _WorkspaceRows, out: SamplerOutput) -> None:
     """The sampled tokens' log-probabilities and ranks, and the k most likely tokens, into `out`."""
     chosen = torch.gather(logprobs, 1, out.token_ids.unsqueeze(1), out=out.logprobs.unsqueeze(1))
     out.ranks.copy_(ranks_of(logprobs, chosen, ws.probs))
@@ -356,7 +393,7 @@ def ranks_of(logprobs: torch.Tensor, chosen: torch.Tensor, scratch: torch.Tensor
     return torch.gt(logprobs, chosen, out=scratch).sum(dim=-1).long().add_(1)
 
 
-def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None, ws: _Workspace) -> None:
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None, ws: _WorkspaceRows) -> None:
     if min_p is None:
         return
     probs = torch.softmax(logits, dim=-1, out=ws.probs)
@@ -365,7 +402,7 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None, ws: _Workspac
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                       ws: _Workspace, sort_whole_rows: bool = False) -> None:
+                       ws: _WorkspaceRows, sort_whole_rows: bool = False) -> None:
     """Keep each row's `top_k` largest logits, then the fewest of those whose probabilities (over what top-k
     kept) reach `top_p`; ties rank the lower token id first. A row with neither (top_k of the whole vocabulary,
     top_p of 1) is left as it is."""
@@ -392,7 +429,7 @@ def _filtered_rows(top_k: torch.Tensor | None, top_p: torch.Tensor | None, vocab
 
 
 def _filter_sorted_rows(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                        ws: _Workspace) -> None:
+                        ws: _WorkspaceRows) -> None:
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True, out=(ws.sorted, ws.order))
     if top_k is not None:
         sorted_logits.masked_fill_(torch.ge(ws.ranks, top_k.unsqueeze(1), out=ws.mask), float("-inf"))
@@ -407,7 +444,7 @@ def _filter_sorted_rows(logits: torch.Tensor, top_k: torch.Tensor | None, top_p:
 
 
 def _filter_among_largest(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                          filtered: torch.Tensor, count: int, ws: _Workspace) -> bool:
+                          filtered: torch.Tensor, count: int, ws: _WorkspaceRows) -> bool:
     """_filter_sorted_rows over each row's `count` largest logits, where every filtered row's kept tokens are sure
     to be among them and ranked as a whole-row sort ranks them; False, with nothing changed, where not."""
     vocab_size = logits.shape[-1]

@@ -196,6 +196,8 @@ def measure_peak(device: torch.device):
         resettable = True
     except OSError:
         resettable = False
+    # Heap that earlier work freed would serve the block's allocations without any growth of the RSS.
+    return_free_heap()
     before = _status_bytes("VmRSS")
     max_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     yield result

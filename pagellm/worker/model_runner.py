@@ -15,6 +15,7 @@ from pagellm.attention.kv_spec import KVCacheFormat, mla_latent_dim
 from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import ModelRunnerOutput, SchedulerOutput
 from pagellm.layers.quantization.gguf import kernel_switch_rows
+from pagellm.layers.rotary import RotaryEmbedding
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of
 from pagellm.sample.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagellm.spec_decode.verify import SpecStep, extend_logits_index, keep_taken, prepare_spec_step, verify
@@ -88,6 +89,14 @@ class ModelRunner:
         """pool: [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]."""
         self.kv_pool = pool
         self.kv_caches = layer_views(pool)
+
+    def release_profiled_buffers(self) -> None:
+        """Free what start-up's profiling steps grew and serving may never need: the sampler's chunk buffers and
+        rotary tables past their first positions. Each grows back as a step needs it; the profile has counted it."""
+        self.sampler.release_workspace()
+        for module in self.model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.trim()
 
     def can_capture_cuda_graphs(self) -> bool:
         return self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs
