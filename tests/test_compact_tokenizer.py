@@ -276,5 +276,5 @@ def test_stale_or_damaged_tables_fall_back_or_rebuild(directory, tmp_path):
     (tmp_path / "compact_bpe.json").write_text(json.dumps({**meta, "format": -1}))
     assert isinstance(_compact_tokenizer(tmp_path), CompactBPETokenizer)  # another format: converted again
     assert json.loads((tmp_path / "compact_bpe.json").read_text())["format"] == meta["format"]
-    (tmp_path / "compact_bpe.npz").write_bytes(b"not an npz")
+    (tmp_path / "compact_bpe.tables").write_bytes(b"too short")
     assert _compact_tokenizer(tmp_path) is None  # the caller loads the fast tokenizer

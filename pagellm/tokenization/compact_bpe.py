@@ -37,10 +37,12 @@ from transformers.tokenization_python import PythonBackend, Trie
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SPACE_MARK = "\u2581"
-_TABLES_FILE = "compact_bpe.npz"
+_TABLES_FILE = "compact_bpe.tables"
 _META_FILE = "compact_bpe.json"
 # Written into the metadata; tables of another format are rebuilt (and pipelines judged unsupported judged again).
-_FORMAT = 3
+_FORMAT = 4
+# Where each array starts in the tables file: a multiple of this.
+_ARRAY_ALIGNMENT = 64
 _BYTE_FALLBACK, _BYTE_LEVEL = "byte_fallback", "byte_level"
 # The pipeline pieces compact_spec accepts, as tokenizer.json writes them.
 _NORMALIZER = {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE_MARK}
@@ -98,11 +100,13 @@ def _library() -> ctypes.CDLL:
 
 @dataclass
 class BpeTables:
-    """The vocabulary and merges as arrays; read-only once built, so copies of a tokenizer share them."""
+    """The vocabulary and merges as arrays; read-only once built, so copies of a tokenizer share them. Loaded from
+    a converted directory they are views of the mapped tables file: a page is read as a lookup first needs it
+    (decoding reads only the generated tokens' bytes, encoding the merges of the text's tokens)."""
 
     token_bytes: np.ndarray  # uint8: every token's UTF-8, back to back
-    token_offsets: np.ndarray  # int64 [V + 1]
-    merge_offsets: np.ndarray  # int64 [V + 1]: merges by left token
+    token_offsets: np.ndarray  # int32 [V + 1]
+    merge_offsets: np.ndarray  # int32 [V + 1]: merges by left token
     merge_right: np.ndarray  # int32 [M], ascending within each left token's row
     merge_rank: np.ndarray  # int32 [M]
     merge_result: np.ndarray  # int32 [M]
@@ -112,6 +116,9 @@ class BpeTables:
     raw_bytes: np.ndarray  # uint8
     raw_offsets: np.ndarray  # int64 [V + 1], or [1]
     unk_id: int
+    # The tokens' open-addressing index (csrc/bpe.c), built from the vocabulary where not given.
+    slots: np.ndarray | None = None  # int32, a power of two at least twice V
+    max_token_bytes: int = 0  # the longest token's bytes (at least 3); computed where 0
 
     ARRAYS = ("token_bytes", "token_offsets", "merge_offsets", "merge_right", "merge_rank", "merge_result",
               "byte_tokens", "byte_values", "raw_bytes", "raw_offsets")
@@ -119,14 +126,16 @@ class BpeTables:
     def __post_init__(self) -> None:
         self.library = _library()
         n_tokens = len(self.token_offsets) - 1
-        self.slots = np.full(1 << max(4, (2 * n_tokens).bit_length()), -1, dtype=np.int32)
-        self.library.bpe_build_index(self.token_bytes.ctypes.data, self.token_offsets.ctypes.data, n_tokens,
-                                     self.slots.ctypes.data, len(self.slots))
+        if self.slots is None:
+            self.slots = np.full(1 << max(4, (2 * n_tokens - 1).bit_length()), -1, dtype=np.int32)
+            self.library.bpe_build_index(self.token_bytes.ctypes.data, self.token_offsets.ctypes.data, n_tokens,
+                                         self.slots.ctypes.data, len(self.slots))
         self.model = _Model(self.token_bytes.ctypes.data, self.token_offsets.ctypes.data, n_tokens,
                             self.slots.ctypes.data, len(self.slots), self.merge_offsets.ctypes.data,
                             self.merge_right.ctypes.data, self.merge_rank.ctypes.data, self.merge_result.ctypes.data,
                             self.byte_tokens.ctypes.data, self.unk_id)
-        self.max_token_bytes = max(3, int(np.diff(self.token_offsets).max(initial=0)))
+        if not self.max_token_bytes:
+            self.max_token_bytes = max(3, int(np.diff(self.token_offsets).max(initial=0)))
         # Addresses looked up once: numpy's .ctypes and ctypes.byref are slow next to a short decode.
         self.model_address = ctypes.addressof(self.model)
         self.byte_values_address = self.byte_values.ctypes.data
@@ -139,7 +148,7 @@ class BpeTables:
 
     def __getstate__(self) -> dict[str, Any]:
         # The ctypes handles are rebuilt on unpickling, from the arrays.
-        return {name: getattr(self, name) for name in (*self.ARRAYS, "unk_id")}
+        return {name: getattr(self, name) for name in (*self.ARRAYS, "slots", "unk_id", "max_token_bytes")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -196,6 +205,33 @@ class BpeTables:
     def nbytes(self) -> int:
         return sum(getattr(self, name).nbytes for name in self.ARRAYS) + self.slots.nbytes
 
+    def save(self, path: pathlib.Path) -> dict[str, Any]:
+        """Write the arrays back to back (each aligned) to `path`; returns what `load` needs beside the file."""
+        index, offset = {}, 0
+        with open(path, "wb") as handle:
+            for name in (*self.ARRAYS, "slots"):
+                values = np.ascontiguousarray(getattr(self, name))
+                padding = -offset % _ARRAY_ALIGNMENT
+                handle.write(bytes(padding))
+                offset += padding
+                index[name] = {"dtype": values.dtype.str, "shape": list(values.shape), "offset": offset}
+                handle.write(values.tobytes())
+                offset += values.nbytes
+        return {"arrays": index, "unk_id": self.unk_id, "max_token_bytes": self.max_token_bytes}
+
+    @classmethod
+    def load(cls, path: pathlib.Path, saved: dict[str, Any]) -> BpeTables:
+        """The tables `save` wrote, as read-only views of the mapped file."""
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        arrays = {}
+        for name, spec in saved["arrays"].items():
+            dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
+            end = spec["offset"] + dtype.itemsize * int(np.prod(shape))
+            if end > len(mapped):
+                raise ValueError(f"{path} ends at byte {len(mapped)}, before its array {name!r} (to byte {end})")
+            arrays[name] = mapped[spec["offset"]:end].view(dtype).reshape(shape)
+        return cls(**arrays, unk_id=saved["unk_id"], max_token_bytes=saved["max_token_bytes"])
+
     @classmethod
     def from_model(cls, model: dict[str, Any], pipeline: str = _BYTE_FALLBACK) -> BpeTables:
         """From tokenizer.json's "model" (a BPE): the vocabulary must number its tokens 0..V-1."""
@@ -208,6 +244,8 @@ class BpeTables:
         encoded = [token.encode() for token in strings]
         offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum([len(token) for token in encoded], out=offsets[1:])
+        if offsets[-1] >= 2**31 or len(model["merges"]) >= 2**31:
+            raise ValueError("a vocabulary of 2 GiB or more, or 2**31 merges: beyond the tables' int32 offsets")
         left, right, result = _merge_ids(model["merges"], vocab)
         # Sorted by (left, right, rank); of a pair listed twice the later rank wins, as in tokenizers' merge map.
         order = np.lexsort((np.arange(len(left)), right, left))
@@ -235,8 +273,8 @@ class BpeTables:
                 if byte is not None:
                     byte_values[token_id] = byte
         unk = model.get("unk_token")
-        return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(), offsets,
-                   np.searchsorted(left, np.arange(len(encoded) + 1)).astype(np.int64), right, rank, result,
+        return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(), offsets.astype(np.int32),
+                   np.searchsorted(left, np.arange(len(encoded) + 1)).astype(np.int32), right, rank, result,
                    byte_tokens, byte_values, raw_bytes, raw_offsets, vocab.get(unk, -1) if unk is not None else -1)
 
 
@@ -375,12 +413,14 @@ def convert(directory: pathlib.Path) -> bool:
         except ValueError:
             spec = None
     del tokenizer
+    saved = {}
     if tables is not None:
-        with tempfile.NamedTemporaryFile(dir=directory, suffix=".npz", delete=False) as handle:
-            np.savez(handle, **{name: getattr(tables, name) for name in BpeTables.ARRAYS},
-                     unk_id=np.int64(tables.unk_id))
-        os.replace(handle.name, directory / _TABLES_FILE)
-    meta = {"format": _FORMAT, "supported": spec is not None, **(spec or {})}
+        descriptor, partial = tempfile.mkstemp(dir=directory, suffix=".tables")
+        os.close(descriptor)
+        saved = {"tables": tables.save(pathlib.Path(partial))}
+        os.replace(partial, directory / _TABLES_FILE)
+    (directory / "compact_bpe.npz").unlink(missing_ok=True)  # format 3's tables, which nothing reads now
+    meta = {"format": _FORMAT, "supported": spec is not None, **(spec or {}), **saved}
     with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".json", delete=False, encoding="utf-8") as handle:
         json.dump(meta, handle)
     os.replace(handle.name, directory / _META_FILE)
@@ -396,8 +436,7 @@ def _read_meta(directory: pathlib.Path) -> dict[str, Any] | None:
 
 
 def _load(directory: pathlib.Path, spec: dict[str, Any]) -> CompactBPETokenizer:
-    with np.load(directory / _TABLES_FILE) as arrays:
-        tables = BpeTables(*(arrays[name] for name in BpeTables.ARRAYS), int(arrays["unk_id"]))
+    tables = BpeTables.load(directory / _TABLES_FILE, spec["tables"])
     config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     template = directory / "chat_template.jinja"
     chat_template = template.read_text(encoding="utf-8") if template.is_file() else config.get("chat_template")

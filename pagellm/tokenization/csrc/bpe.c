@@ -11,13 +11,13 @@ into one, as fuse_unk does). The arrays are only read, so any number of threads 
 
 typedef struct {
     const uint8_t *token_bytes;   /* every token's UTF-8, back to back */
-    const int64_t *token_offsets; /* [n_tokens + 1] */
+    const int32_t *token_offsets; /* [n_tokens + 1] */
     int32_t n_tokens;
     const int32_t *slots; /* open-addressing index of the tokens' bytes: a token id or -1 */
     int64_t n_slots;      /* a power of two */
     /* Merges by left token (CSR): row `left` is [merge_offsets[left], merge_offsets[left + 1]), its right tokens
        ascending, each with the merge's rank and the token it makes. */
-    const int64_t *merge_offsets;
+    const int32_t *merge_offsets;
     const int32_t *merge_right;
     const int32_t *merge_rank;
     const int32_t *merge_result;
@@ -36,7 +36,7 @@ static uint64_t hash_bytes(const uint8_t *s, int64_t len) {
 
 /* Fills `slots` (n_slots, a power of two above n_tokens, preset to -1). The first id of a repeated string keeps
    the slot, as a dict built from the vocabulary in id order would not: the caller passes unique strings. */
-void bpe_build_index(const uint8_t *token_bytes, const int64_t *token_offsets, int32_t n_tokens, int32_t *slots,
+void bpe_build_index(const uint8_t *token_bytes, const int32_t *token_offsets, int32_t n_tokens, int32_t *slots,
                      int64_t n_slots) {
     for (int32_t id = 0; id < n_tokens; id++) {
         const uint8_t *s = token_bytes + token_offsets[id];
