@@ -128,7 +128,13 @@ class EngineCore:
         started = time.perf_counter()
         runner_output = self.executor.execute(scheduler_output)
         self.scheduler.record_step_time(scheduler_output, time.perf_counter() - started)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if (self.model_info.device.type == "cpu" and not scheduler_output.is_empty
+                and not self.scheduler.has_unfinished_requests()):
+            # Idle now: the steps' freed activations and logits go back to the system rather than sit in the C
+            # heap until the next burst (each step takes them again, up to the activation peak start-up counted).
+            return_free_heap()
+        return outputs
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
