@@ -18,8 +18,10 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
   (benchmarks/synthetic_gguf.py), for memory at a size where the fixed costs (tokenizer, sampler workspace, code)
   weigh less; its perplexity and text are noise.
 
-Each format runs in a fresh process: what LLM() adds to its RSS (VmRSS after `import torch` to after LLM(), and
-the process's peak: VmHWM, or the peak before the engine reset VmHWM to measure its activations), the engine's
+Each format runs in a fresh process that has imported torch and nothing else when it reads its baseline (the
+checkpoint's path comes from the parent): what LLM() adds to its RSS (VmRSS from then to after LLM(), again after
+the format's runs below, and the process's peak: VmHWM, or the peak before the engine reset VmHWM to measure its
+activations), the engine's
 weight bytes, the perplexity of a fixed text (exp of the mean negative log-likelihood of its tokens after the
 first, prompt_logprobs), single-stream decode tok/s (one request, greedy, EOS ignored, its decode steps after the
 prefill's; the best of --repeats runs) and batched output tok/s (--batch requests at once), and batched prefill
@@ -209,7 +211,7 @@ def run_pagellm(fmt: Format, path: str, args: argparse.Namespace) -> dict:
            "perplexity": perplexity, "single_tok_s": None, "batched_tok_s": None,
            "prefill_tok_s": None}
     if args.skip_speed:
-        return row
+        return {**row, "rss_served_mib": (_status_kib("VmRSS") - rss_before) / 1024}
     greedy = SamplingParams(temperature=0, max_tokens=args.decode_tokens + 1, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in prompts_of(ids, args.batch)]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -220,7 +222,8 @@ def run_pagellm(fmt: Format, path: str, args: argparse.Namespace) -> dict:
     llm.generate(prompts, batched_params, use_tqdm=False)
     batched = args.batch * args.batch_tokens / (time.perf_counter() - started)
     prefill = max(prefill_rate(llm, prompts) for _ in range(args.repeats))
-    return {**row, "single_tok_s": single, "batched_tok_s": batched, "prefill_tok_s": prefill}
+    return {**row, "single_tok_s": single, "batched_tok_s": batched, "prefill_tok_s": prefill,
+            "rss_served_mib": (_status_kib("VmRSS") - rss_before) / 1024}
 
 
 def prefill_rate(llm, prompts: list[dict]) -> float:
@@ -358,7 +361,7 @@ def run_llama(path: str, args: argparse.Namespace) -> dict | None:
 
 def measure(fmt: Format, workdir: Path, args: argparse.Namespace) -> dict:
     path = checkpoint(fmt, workdir, args.llama_python)
-    command = [sys.executable, __file__, "--worker", fmt.name, "--workdir", str(workdir), "--batch", str(args.batch),
+    command = [sys.executable, __file__, "--worker", fmt.name, "--path", path, "--batch", str(args.batch),
                "--batch-tokens", str(args.batch_tokens), "--decode-tokens", str(args.decode_tokens),
                "--repeats", str(args.repeats)]
     if args.skip_speed:
@@ -376,11 +379,14 @@ def measure(fmt: Format, workdir: Path, args: argparse.Namespace) -> dict:
 def print_tables(rows: list[dict], reference: float | None) -> None:
     print("\n## Memory (MiB; what LLM() adds to the process, KV pool of "
           f"{KV_CACHE_BYTES >> 20} MiB included)\n")
-    print("| format | weight format | file | weights | RSS added | peak added | RSS added - KV |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| format | weight format | file | weights | RSS added | peak added | RSS added - KV | "
+          "(- KV) / file | after the runs - KV |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        beside = r["rss_added_mib"] - r["kv_mib"]
         print(f"| {r['format']} | {r['weight_format']} | {r['file_mib']:.0f} | {r['weights_mib']:.0f} | "
-              f"{r['rss_added_mib']:.0f} | {r['peak_added_mib']:.0f} | {r['rss_added_mib'] - r['kv_mib']:.0f} |")
+              f"{r['rss_added_mib']:.0f} | {r['peak_added_mib']:.0f} | {beside:.0f} | {beside / r['file_mib']:.2f}x | "
+              f"{r['rss_served_mib'] - r['kv_mib']:.0f} |")
     print(f"\n## Perplexity of a fixed text ({rows[0]['tokens']} tokens) and speed\n")
     print("| format | perplexity | vs fp32 | decode tok/s (1 stream) | batched output tok/s | batched prefill tok/s | "
           "llama.cpp perplexity | llama.cpp decode tok/s | llama.cpp batched output tok/s |")
@@ -442,12 +448,13 @@ def main() -> None:
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--path", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     by_name = {f.name: f for f in FORMATS}
 
     if args.worker:
         fmt = by_name[args.worker]
-        print(json.dumps(run_pagellm(fmt, checkpoint(fmt, Path(args.workdir)), args)))
+        print(json.dumps(run_pagellm(fmt, args.path, args)))
         return
 
     names = args.formats or [f.name for f in FORMATS
