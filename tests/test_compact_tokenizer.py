@@ -250,6 +250,8 @@ def test_each_spec_difference_is_refused(directory):
             lambda d: d["model"].update(byte_fallback=True),
             lambda d: d["model"].update(unk_token="<unk>", fuse_unk=False),
             lambda d: d.update(decoder={"type": "Fuse"}),
+            lambda d: d.update(pre_tokenizer=None),
+            lambda d: d.update(pre_tokenizer={"type": "Sequence", "pretokenizers": ["Split", "ByteLevel"]}),
         ]
         if document["pre_tokenizer"]["type"] == "ByteLevel":
             changes += [lambda d: d["pre_tokenizer"].update(add_prefix_space=True),

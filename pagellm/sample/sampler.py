@@ -6,8 +6,8 @@ frequency and repetition penalties; then temperature, min-p, top-k and top-p; th
 
 The batch is worked through in chunks of rows whose rows x vocab is bounded (Sampler.rows_per_chunk),
 in buffers of one chunk's size, each allocated at its first use (_Workspace): the sorted copies,
-probabilities, sums and masks of the filters take the same memory whatever the batch and the vocabulary. Every row's
-result depends on its own logits and settings alone, and the batch's random numbers (one a row) are
+probabilities, sums and masks of the filters take the same memory whatever the batch and the vocabulary.
+Every row's result depends on its own logits and settings alone, and the batch's random numbers (one a row) are
 drawn chunk after chunk from the one generator (on the CPU the same stream as one draw for the whole
 batch), so chunking changes no token.
 """
@@ -31,8 +31,8 @@ _CANDIDATE_COUNTS = (256, 4096)
 _SEED_STRIDE = 1_000_003
 
 # Logits elements (rows x vocab) the sampler filters at once; its workspace takes up to 29 bytes an element
-# (_Workspace, only the buffers a step's settings use), 14.5 MiB on the CPU, traded for some speed per chunk (README, "Memory", has both). On CUDA a
-# larger chunk keeps the kernel launches of a large batch few.
+# (_Workspace: only the buffers a step's settings use), 14.5 MiB on the CPU, traded for some speed per chunk
+# (README, "Memory", has both). On CUDA a larger chunk keeps the kernel launches of a large batch few.
 CPU_CHUNK_ELEMENTS = 1 << 19
 CUDA_CHUNK_ELEMENTS = 1 << 23
 
@@ -283,8 +283,7 @@ class Sampler:
     def _workspace_for(self, rows: int, vocab_size: int, device: torch.device) -> _Workspace:
         current = self._workspace
         if current is None or current.rows < rows or current.vocab_size != vocab_size:
-            self._workspace = None  # the old buffers go before the new ones are allocated
-            self._workspace = _Workspace(rows, vocab_size, device)
+            self._workspace = _Workspace(rows, vocab_size, device)  # allocates nothing until a buffer is used
         return self._workspace
 
     def release_workspace(self) -> None:

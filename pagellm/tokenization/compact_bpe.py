@@ -357,10 +357,11 @@ def _byte_level_split(pre_tokenizer: Any) -> str | None:
     if byte_level(pre_tokenizer, True):
         return _GPT2_WORDS
     steps = pre_tokenizer.get("pretokenizers") if isinstance(pre_tokenizer, dict) else None
-    if pre_tokenizer.get("type") != "Sequence" or not isinstance(steps, list) or len(steps) != 2:
+    if not isinstance(steps, list) or pre_tokenizer.get("type") != "Sequence" or len(steps) != 2:
         return None
     split, last = steps
-    if (not byte_level(last, False) or split.get("type") != "Split" or split.get("behavior") != "Isolated"
+    if (not byte_level(last, False) or not isinstance(split, dict) or split.get("type") != "Split"
+            or split.get("behavior") != "Isolated"
             or split.get("invert") or not isinstance(split.get("pattern"), dict) or "Regex" not in split["pattern"]):
         return None
     return split["pattern"]["Regex"]

@@ -34,7 +34,7 @@ static uint64_t hash_bytes(const uint8_t *s, int64_t len) {
     return h;
 }
 
-/* Fills `slots` (n_slots, a power of two above n_tokens, preset to -1). The first id of a repeated string keeps
+/* Fills `slots` (n_slots, a power of two at least twice n_tokens, preset to -1). The first id of a repeated string keeps
    the slot, as a dict built from the vocabulary in id order would not: the caller passes unique strings. */
 void bpe_build_index(const uint8_t *token_bytes, const int32_t *token_offsets, int32_t n_tokens, int32_t *slots,
                      int64_t n_slots) {
