@@ -23,7 +23,7 @@ def export(gguf_path: Path, out: Path, with_tokenizer: bool = True) -> None:
     config, tensors = load_gguf(gguf_path)
     config.dtype = torch.float32
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(config.to_transformers(), dtype=torch.float32)
     model.load_state_dict(tensors, strict=False, assign=True)
     model.tie_weights()
     missing = [name for name, p in model.named_parameters() if p.is_meta]

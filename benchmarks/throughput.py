@@ -252,7 +252,7 @@ def load_hf_model(model: str | None, dtype_name: str):
         from pagellm.models.gguf_loader import load_gguf
 
         config, state_dict = load_gguf(source.path)
-        hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        hf_model = transformers.AutoModelForCausalLM.from_config(config.to_transformers(), dtype=torch.float32)
         missing, unexpected = hf_model.load_state_dict(state_dict, strict=False)
         # A tied lm_head is absent from the file; it shares the embedding tensor just loaded.
         allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()

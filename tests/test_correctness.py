@@ -92,7 +92,7 @@ def test_default_model_matches_transformers(hf_smollm2):
 
     model_path = default_model_path()
     config, state_dict = load_gguf(model_path)
-    assert isinstance(config, transformers.LlamaConfig)
+    assert isinstance(config.to_transformers(), transformers.LlamaConfig)
     assert config.tie_word_embeddings and "lm_head.weight" not in state_dict
     assert state_dict["model.layers.0.self_attn.k_proj.weight"].shape == (
         config.num_key_value_heads * head_dim(config),

@@ -77,7 +77,7 @@ def hf_model(loaded):
     """transformers' Gemma3ForCausalLM on pagellm's dequantised tensors (shared, not copied)."""
     config, state_dict = loaded
     with no_init_weights():
-        model = transformers.Gemma3ForCausalLM(config)
+        model = transformers.Gemma3ForCausalLM(config.to_transformers())
     result = model.load_state_dict(state_dict, strict=False, assign=True)
     assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
     model.tie_weights()
@@ -87,7 +87,9 @@ def hf_model(loaded):
 def test_config_is_google_gemma_3_270m(loaded):
     """The fields of google/gemma-3-270m's config.json, rebuilt from GGUF metadata plus llama.cpp's rules."""
     config, _ = loaded
-    assert isinstance(config, transformers.Gemma3TextConfig)
+    assert config.model_type == "gemma3_text"
+    assert isinstance(config.to_transformers(), transformers.Gemma3TextConfig)
+    assert config.to_transformers().to_dict() == config.to_dict()
     assert config.architectures == ["Gemma3ForCausalLM"]
     expected = dict(
         vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,

@@ -27,6 +27,7 @@ import torch
 import transformers
 
 from pagellm.cache_dir import cache_root
+from pagellm.models.gguf_config import GGUFModelConfig, gguf_model_config
 from pagellm.models.gguf_quants import dequantize, quant_format, tensor_nbytes
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ class GGUFTensors:
                 yield from _hf_tensors(self.header, self.arch, self.config, info, file)
 
 
-def open_gguf(path: str | os.PathLike) -> tuple[transformers.PreTrainedConfig, GGUFTensors]:
+def open_gguf(path: str | os.PathLike) -> tuple[GGUFModelConfig, GGUFTensors]:
     """A GGUF file's HF config, and its tensors to be read as they are loaded, quantized ones kept in blocks."""
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     header = _read_header(blob)
@@ -189,7 +190,7 @@ def open_gguf(path: str | os.PathLike) -> tuple[transformers.PreTrainedConfig, G
     return config, GGUFTensors(path, header, arch, config)
 
 
-def load_gguf(path: str | os.PathLike) -> tuple[transformers.PreTrainedConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: str | os.PathLike) -> tuple[GGUFModelConfig, dict[str, torch.Tensor]]:
     """Read a GGUF file into a HF config and a float32 state dict with HF parameter names and values."""
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     header = _read_header(blob)
@@ -394,7 +395,7 @@ def _gguf_arch(meta: dict[str, Any]) -> _GGUFArch:
     return _ARCHS[name]
 
 
-def _build_config(header: _Header) -> transformers.PreTrainedConfig:
+def _build_config(header: _Header) -> GGUFModelConfig:
     meta, tensors = header.metadata, header.tensors
     arch_name = meta["general.architecture"]
     arch = _gguf_arch(meta)
@@ -443,16 +444,16 @@ def _build_config(header: _Header) -> transformers.PreTrainedConfig:
     if key("expert_count", 0) or arch_name in ("qwen3moe", "olmoe"):
         return _softmax_moe_config(arch_name, fields, key, tensors, has_qkv_bias)
     if arch_name == "qwen2":
-        return transformers.Qwen2Config(**fields)
+        return gguf_model_config("Qwen2Config", **fields)
     if arch_name == "qwen3":
-        return transformers.Qwen3Config(attention_bias=has_qkv_bias, **fields)
+        return gguf_model_config("Qwen3Config", attention_bias=has_qkv_bias, **fields)
     if arch_name == "gemma3":
         return _gemma3_config(fields, key)
-    return transformers.LlamaConfig(attention_bias=has_qkv_bias, **fields)
+    return gguf_model_config("LlamaConfig", attention_bias=has_qkv_bias, **fields)
 
 
 def _softmax_moe_config(arch_name: str, fields: dict[str, Any], key: Callable[..., Any], tensors: dict[str, Any],
-                        has_qkv_bias: bool) -> transformers.PreTrainedConfig:
+                        has_qkv_bias: bool) -> GGUFModelConfig:
     """Mixtral (llama with experts), Qwen3-MoE and OLMoE: softmax top-k routing, renormalised as llama.cpp runs
     each (Mixtral and Qwen3-MoE always, OLMoE never) unless the file's expert_weights_norm says otherwise."""
     gating = key("expert_gating_func", 1)
@@ -470,10 +471,10 @@ def _softmax_moe_config(arch_name: str, fields: dict[str, Any], key: Callable[..
     experts = dict(num_experts_per_tok=used)
     if arch_name == "llama":
         fields["architectures"] = ["MixtralForCausalLM"]
-        return transformers.MixtralConfig(**fields, **experts, num_local_experts=count,
+        return gguf_model_config("MixtralConfig", **fields, **experts, num_local_experts=count,
                                           sliding_window=None, attention_bias=has_qkv_bias)
     if arch_name == "olmoe":
-        return transformers.OlmoeConfig(**fields, **experts, num_experts=count,
+        return gguf_model_config("OlmoeConfig", **fields, **experts, num_experts=count,
                                         norm_topk_prob=bool(key("expert_weights_norm", False)),
                                         clip_qkv=key("attention.clamp_kqv"))
     if arch_name != "qwen3moe":
@@ -482,17 +483,18 @@ def _softmax_moe_config(arch_name: str, fields: dict[str, Any], key: Callable[..
     moe_size = key("expert_feed_forward_length")
     # llama.cpp gives every qwen3moe layer experts; a layer that has a dense MLP instead is one of mlp_only_layers.
     dense = [i for i in range(fields["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
-    return transformers.Qwen3MoeConfig(**{**fields, "intermediate_size": fields["intermediate_size"] or moe_size},
-                                       **experts, num_experts=count, moe_intermediate_size=moe_size,
-                                       norm_topk_prob=bool(key("expert_weights_norm", True)), decoder_sparse_step=1,
-                                       mlp_only_layers=dense, attention_bias=has_qkv_bias)
+    return gguf_model_config("Qwen3MoeConfig",
+                             **{**fields, "intermediate_size": fields["intermediate_size"] or moe_size},
+                             **experts, num_experts=count, moe_intermediate_size=moe_size,
+                             norm_topk_prob=bool(key("expert_weights_norm", True)), decoder_sparse_step=1,
+                             mlp_only_layers=dense, attention_bias=has_qkv_bias)
 
 
 # llama.cpp's expert_gating_func values (gguf.ExpertGatingFuncType).
 _SOFTMAX_GATING, _SIGMOID_GATING = 1, 2
 
 
-def _deepseek2_config(fields: dict[str, Any], key: Callable[..., Any]) -> transformers.PreTrainedConfig:
+def _deepseek2_config(fields: dict[str, Any], key: Callable[..., Any]) -> GGUFModelConfig:
     """DeepSeek-V2 (softmax routing) or V3 (sigmoid routing with exp_probs_b), as llama.cpp's converter writes
     them: the latent attention's sizes, the dense leading layers, the routed and shared experts."""
     rope_dim, kv_rank = key("rope.dimension_count"), key("attention.kv_lora_rank")
@@ -531,11 +533,11 @@ def _deepseek2_config(fields: dict[str, Any], key: Callable[..., Any]) -> transf
     )
     if gating == _SIGMOID_GATING:
         fields["architectures"] = ["DeepseekV3ForCausalLM"]
-        return transformers.DeepseekV3Config(**fields, **deepseek, rope_interleave=True)
+        return gguf_model_config("DeepseekV3Config", **fields, **deepseek, rope_interleave=True)
     if renormalize:
         raise ValueError("deepseek2.expert_weights_norm=true with softmax routing: DeepSeek-V2 does not renormalise "
                          "its experts' weights, and pagellm runs softmax-routed deepseek2 files as DeepSeek-V2")
-    return transformers.DeepseekV2Config(**fields, **deepseek,
+    return gguf_model_config("DeepseekV2Config", **fields, **deepseek,
                                          topk_method="group_limited_greedy" if groups > 1 else "greedy")
 
 
@@ -546,7 +548,7 @@ def _end_of_turn_ids(header: _Header, arch: _GGUFArch) -> list[int]:
     return sorted(_string_array_index(header.blob, vocabulary, set(arch.end_of_turn_tokens)).values())
 
 
-def _gemma3_config(fields: dict[str, Any], key: Callable[..., Any]) -> transformers.Gemma3TextConfig:
+def _gemma3_config(fields: dict[str, Any], key: Callable[..., Any]) -> GGUFModelConfig:
     """Gemma 3's extras, as llama.cpp (src/llama-model.cpp, LLM_ARCH_GEMMA3) fills in what the file omits."""
     n_layers, head_dim = fields["num_hidden_layers"], fields["head_dim"]
     # llama.cpp scales queries by 1/sqrt(head_dim), except for the 27B (62 layers): 1/sqrt(hidden / heads).
@@ -556,7 +558,7 @@ def _gemma3_config(fields: dict[str, Any], key: Callable[..., Any]) -> transform
         "full_attention": fields.pop("rope_parameters"),
         "sliding_attention": {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", 10000.0))},
     }
-    return transformers.Gemma3TextConfig(
+    return gguf_model_config("Gemma3TextConfig", 
         **fields,
         rope_parameters=rope_parameters,
         hidden_activation="gelu_pytorch_tanh",
@@ -611,7 +613,7 @@ def _hf_name(arch: _GGUFArch, gguf_name: str) -> str:
     return f"model.layers.{match[1]}.{arch.block_names[match[2]]}.{match[3]}"
 
 
-def _hf_tensors(header: _Header, arch: _GGUFArch, config: transformers.PreTrainedConfig, info: _TensorInfo,
+def _hf_tensors(header: _Header, arch: _GGUFArch, config: GGUFModelConfig, info: _TensorInfo,
                 file) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) pairs of one GGUF tensor: with `file` (the open GGUF) quantized weights as their blocks
     (layers/quantization/gguf.py's GGUFWeight), without it every tensor as float32."""
@@ -669,7 +671,7 @@ def _joined_kv_b(header: _Header, k_b: _TensorInfo, layer: str, file=None) -> to
     return torch.from_numpy(np.ascontiguousarray(joined.reshape(-1, joined.shape[-1])))
 
 
-def _permute_heads(arch: _GGUFArch, config: transformers.PreTrainedConfig, gguf_name: str) -> int | None:
+def _permute_heads(arch: _GGUFArch, config: GGUFModelConfig, gguf_name: str) -> int | None:
     """Head count whose rotary row order llama.cpp permuted in this tensor, else None."""
     if not arch.permuted_qk:
         return None
@@ -720,7 +722,7 @@ def _load_tensor(blob: np.ndarray, info: _TensorInfo, permute_heads: int | None,
     return weights if permute_heads is None else _unpermute_rows(weights, permute_heads)
 
 
-def _check_complete(header: _Header, config: transformers.PreTrainedConfig) -> None:
+def _check_complete(header: _Header, config: GGUFModelConfig) -> None:
     """Every tensor the model needs is in the file (named as llama.cpp names it), before any is read."""
     arch_name, names = header.metadata["general.architecture"], set(header.tensors)
     expected = {"token_embd.weight", "output_norm.weight"}
@@ -736,7 +738,7 @@ def _check_complete(header: _Header, config: transformers.PreTrainedConfig) -> N
 _DENSE_MLP_STEMS = ("ffn_gate", "ffn_up", "ffn_down")
 
 
-def _layer_stems(arch_name: str, config: transformers.PreTrainedConfig, layer: int, names: set[str]) -> set[str]:
+def _layer_stems(arch_name: str, config: GGUFModelConfig, layer: int, names: set[str]) -> set[str]:
     """The stems of layer `layer`'s weights: its attention, its norms, and a dense MLP or a router and experts."""
     if arch_name == "deepseek2":
         stems = {"attn_norm", "ffn_norm", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_output"}
@@ -758,7 +760,7 @@ def _layer_stems(arch_name: str, config: transformers.PreTrainedConfig, layer: i
     return stems | set(_EXPERT_STACKS)
 
 
-def _expert_layer(arch_name: str, config: transformers.PreTrainedConfig, layer: int) -> bool:
+def _expert_layer(arch_name: str, config: GGUFModelConfig, layer: int) -> bool:
     if arch_name == "qwen3moe":
         return layer not in config.mlp_only_layers
     return arch_name == "olmoe" or (arch_name == "llama" and getattr(config, "num_local_experts", 0) > 0)
