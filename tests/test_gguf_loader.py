@@ -268,10 +268,10 @@ def test_unsupported_tensor_type_is_refused_with_its_name(tmp_path):
 
 
 def test_cached_tokenizer_equals_a_fresh_conversion(model_path, tmp_path, monkeypatch):
-    from pagellm.models.gguf_loader import load_gguf_tokenizer
+    from pagellm.models.gguf_loader import build_gguf_tokenizer, load_gguf_tokenizer
 
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
-    fresh = load_gguf_tokenizer(model_path)
+    fresh = build_gguf_tokenizer(model_path)
     assert list(tmp_path.glob("gguf-tokenizers/*/tokenizer_config.json")), "the conversion was cached"
     cached = load_gguf_tokenizer(model_path)
     texts = ["Hello world", "  leading spaces\nand 한국어, emoji 🙂", "<|im_start|>user\nhi<|im_end|>"]
@@ -353,6 +353,35 @@ def test_a_llama_bpe_gguf_tokenizer_is_compact_behind_llama_3s_split(tmp_path, m
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
     assert compact._words.pattern == GGUF_PRE_TOKENIZER_SPLITS["llama-bpe"]  # Llama 3's words, not GPT-2's
+
+
+def test_a_first_conversion_runs_in_a_child_process(model_path, tmp_path):
+    """transformers' GGUF tokenizer path imports its model classes (and sympy through them); the serving process
+    loads the child's cached result and imports none of it."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom pagellm.models.gguf_loader import load_gguf_tokenizer\n"
+              f"tokenizer = load_gguf_tokenizer({str(model_path)!r})\n"
+              "print(type(tokenizer).__name__, tokenizer.encode('Hello world'))\n"
+              "print('heavy:', [m for m in ('sympy', 'transformers.integrations.ggml') if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PAGELLM_CACHE_DIR=str(tmp_path)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "CompactBPETokenizer [19556, 905]" in out.stdout and "heavy: []" in out.stdout, out.stdout
+    assert list(tmp_path.glob("gguf-tokenizers/*/compact_bpe.tables")), "the child cached the compact tables"
+
+
+def test_a_tokenizer_whose_child_fails_is_rebuilt_in_process(model_path, tmp_path, monkeypatch, caplog):
+    from pagellm.models import gguf_loader
+    from pagellm.tokenization.compact_bpe import CompactBPETokenizer
+
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gguf_loader.sys, "executable", str(tmp_path / "no-such-python"))
+    tokenizer = gguf_loader.load_gguf_tokenizer(model_path)
+    assert isinstance(tokenizer, CompactBPETokenizer)
+    assert "in a child process failed" in caplog.text
 
 
 def test_the_tokenizer_cache_keeps_the_most_recently_used_entries(model_path, tmp_path, monkeypatch):

@@ -18,6 +18,8 @@ import pathlib
 import re
 import shutil
 import struct
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple
@@ -211,18 +213,24 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedToken
     least recently used of those entries beyond _CACHED_TOKENIZERS are removed as a new one is saved.
     Where the saved tokenizer is a BPE of a pipeline pagellm.tokenization.compact_bpe implements (Gemma's
     byte fallback, GPT-2's byte level), that one is returned instead: the same tokens in a fraction of the memory.
+    A file's first rebuild runs in a child process: transformers' GGUF tokenizer path imports its model classes
+    and leaves the heap it used, tens of MiB a serving process would keep for its life.
     """
     path = pathlib.Path(path).resolve()
     cached = _tokenizer_cache_dir(path)
+    if not (cached / "tokenizer_config.json").is_file():
+        _build_in_child(path)
     if (cached / "tokenizer_config.json").is_file():
-        _mark_used(cached)
-        compact = _compact_tokenizer(cached)
-        if compact is not None:
-            return compact
-        try:
-            return transformers.AutoTokenizer.from_pretrained(str(cached))
-        except (OSError, ValueError):
-            shutil.rmtree(cached, ignore_errors=True)  # a damaged cache entry is rebuilt below
+        loaded = _load_cached(cached)
+        if loaded is not None:
+            return loaded
+    return build_gguf_tokenizer(path)  # no usable cache (read-only, or the child failed): rebuilt here
+
+
+def build_gguf_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedTokenizerBase:
+    """The GGUF's tokenizer rebuilt in this process from its vocabulary, then saved to the cache."""
+    path = pathlib.Path(path).resolve()
+    cached = _tokenizer_cache_dir(path)
     metadata = _read_header(np.memmap(path, dtype=np.uint8, mode="r")).metadata
     tokenizer_type = _gguf_arch(metadata).tokenizer_type
     typed = {"tokenizer_type": tokenizer_type} if tokenizer_type else {}
@@ -234,6 +242,38 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedToken
     _remove_least_recently_used(cached.parent, keep=cached)
     compact = _compact_tokenizer(cached) if (cached / "tokenizer.json").is_file() else None
     return compact if compact is not None else tokenizer
+
+
+def _load_cached(cached: pathlib.Path) -> transformers.PreTrainedTokenizerBase | None:
+    _mark_used(cached)
+    compact = _compact_tokenizer(cached)
+    if compact is not None:
+        return compact
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(cached))
+    except (OSError, ValueError):
+        shutil.rmtree(cached, ignore_errors=True)  # a damaged cache entry is rebuilt
+        return None
+
+
+# Seconds a child may take to rebuild a tokenizer (large vocabularies take the longest) before it is given up.
+_CHILD_BUILD_TIMEOUT_S = 600
+
+
+def _build_in_child(path: pathlib.Path) -> None:
+    """Rebuild and cache `path`'s tokenizer in a child process; on failure the caller rebuilds it in-process."""
+    package_root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    script = "import sys\nfrom pagellm.models.gguf_loader import build_gguf_tokenizer\nbuild_gguf_tokenizer(sys.argv[1])"
+    try:
+        done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True,
+                              timeout=_CHILD_BUILD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        logger.warning("rebuilding %s's tokenizer in a child process failed (%s); rebuilding it here", path, error)
+        return
+    if done.returncode != 0:
+        logger.warning("rebuilding %s's tokenizer in a child process failed (exit %d: %s); rebuilding it here",
+                       path, done.returncode, (done.stderr.strip().splitlines() or ["no output"])[-1])
 
 
 def _mark_used(entry: pathlib.Path) -> None:
