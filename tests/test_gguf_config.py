@@ -1,5 +1,6 @@
 """GGUF configs built without transformers' model config classes hold what those classes would hold."""
 
+import copy
 import subprocess
 import sys
 
@@ -63,13 +64,11 @@ def test_every_family_has_cases():
 
 @pytest.mark.parametrize("name, fields", [(name, fields) for name, cases in CASES.items() for fields in cases])
 def test_fields_equal_transformers_class(name, fields):
-    import copy
-
     ours = gguf_model_config(name, **copy.deepcopy(fields))
     theirs = getattr(transformers, name)(**copy.deepcopy(fields))
     assert ours.model_type == theirs.model_type
     assert _comparable(ours) == _comparable(theirs)
-    for alias, target in type(theirs).attribute_map.items():
+    for alias in type(theirs).attribute_map:
         assert getattr(ours, alias) == getattr(theirs, alias), alias
     rebuilt = ours.to_transformers()
     assert type(rebuilt) is type(theirs) and _comparable(rebuilt) == _comparable(theirs)

@@ -21,11 +21,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from pagellm.child_process import child_environment
 from pagellm.config import EngineArgs
 from pagellm.distributed.cpu_binding import numa_nodes, split_cores
 from pagellm.distributed.parallel_state import TensorParallelGroup, build_group
@@ -125,9 +125,7 @@ def spawn_workers(addr: str, port: int, ranks: range, first_local: int, shares: 
                   ) -> list[subprocess.Popen]:
     """Start one process per rank in `ranks` on this host (a fresh interpreter: `python -m` this module,
     so that nothing of the caller's __main__ runs again in it)."""
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env = child_environment()
     processes = []
     for local, rank in enumerate(ranks, start=first_local):
         command = [sys.executable, "-m", "pagellm.distributed.worker_process", "--master-addr", addr,

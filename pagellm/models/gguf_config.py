@@ -1,8 +1,8 @@
 """Model configs for GGUF files, without transformers' model config classes.
 
 Importing any of transformers' model config modules imports its activations, its kernel hub and its accelerate
-integration, and through them torch.distributed.tensor and sympy: about a thousand modules, resident for the
-process's life, that an engine serving a GGUF never calls. A GGUF's config here is a `PretrainedConfig` of the
+integration, and through them torch.distributed.tensor and sympy: modules resident for the process's life that an
+engine serving a GGUF never calls. A GGUF's config here is a `PretrainedConfig` of the
 same `model_type` holding the fields transformers' class would hold: that class's defaults (tables below), the
 file's values, and the fields its `__post_init__` derives. `tests/test_gguf_config.py` checks every field against
 transformers' own class for each architecture the loader reads; `to_transformers()` builds that class where a
@@ -19,79 +19,62 @@ from transformers.configuration_utils import PretrainedConfig
 
 
 class GGUFModelConfig(PretrainedConfig):
-    """A GGUF model's config: the fields of transformers' `transformers_class` under the same model_type."""
+    """A GGUF model's config: the fields of transformers' class of the same name less the GGUF prefix, under the
+    same model_type."""
 
-    transformers_class = ""
+    @classmethod
+    def transformers_class(cls) -> str:
+        return cls.__name__.removeprefix("GGUF")
 
     def to_transformers(self) -> PretrainedConfig:
-        """The same config as transformers' own class (imports its model config module)."""
+        """The same config as transformers' own class (imports its model config module), which derives its
+        derived fields again from the same inputs, so to the same values."""
         import transformers
 
-        return getattr(transformers, self.transformers_class)(**_constructor_fields(self))
+        fields = {key: value for key, value in self.to_dict().items()
+                  if key not in ("model_type", "transformers_version")}
+        return getattr(transformers, self.transformers_class())(**fields)
 
 
 class GGUFLlamaConfig(GGUFModelConfig):
     model_type = "llama"
-    transformers_class = "LlamaConfig"
 
 
 class GGUFQwen2Config(GGUFModelConfig):
     model_type = "qwen2"
-    transformers_class = "Qwen2Config"
 
 
 class GGUFQwen3Config(GGUFModelConfig):
     model_type = "qwen3"
-    transformers_class = "Qwen3Config"
 
 
 class GGUFGemma3TextConfig(GGUFModelConfig):
     model_type = "gemma3_text"
-    transformers_class = "Gemma3TextConfig"
 
 
 class GGUFMixtralConfig(GGUFModelConfig):
     model_type = "mixtral"
-    transformers_class = "MixtralConfig"
     attribute_map = {"num_experts": "num_local_experts"}
 
 
 class GGUFOlmoeConfig(GGUFModelConfig):
     model_type = "olmoe"
-    transformers_class = "OlmoeConfig"
     attribute_map = {"num_local_experts": "num_experts"}
 
 
 class GGUFQwen3MoeConfig(GGUFModelConfig):
     model_type = "qwen3_moe"
-    transformers_class = "Qwen3MoeConfig"
     attribute_map = {"num_experts": "num_local_experts"}
 
 
 class GGUFDeepseekV2Config(GGUFModelConfig):
     model_type = "deepseek_v2"
-    transformers_class = "DeepseekV2Config"
     attribute_map = {"num_experts": "n_routed_experts"}
 
 
 class GGUFDeepseekV3Config(GGUFModelConfig):
     model_type = "deepseek_v3"
-    transformers_class = "DeepseekV3Config"
     attribute_map = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
-
-
-def _constructor_fields(config: GGUFModelConfig) -> dict[str, Any]:
-    """The keyword arguments that rebuild `config` in transformers' class: its fields less the derived ones, which
-    that class derives again (from the same inputs, so to the same values)."""
-    fields = {key: value for key, value in config.to_dict().items()
-              if key not in ("model_type", "transformers_version")}
-    for derived in _FAMILIES[config.transformers_class].derived:
-        fields.pop(derived, None)
-    if config.transformers_class == "Gemma3TextConfig":
-        pattern = fields.pop("_sliding_window_pattern")
-        if pattern != 6:  # the class's default, which it sets from no argument
-            fields["sliding_window_pattern"] = pattern
-    return fields
 
 
 def _heads_default(values: dict[str, Any]) -> None:
@@ -116,8 +99,6 @@ def _qwen_derived(values: dict[str, Any]) -> None:
 
 
 def _gemma3_derived(values: dict[str, Any]) -> None:
-    if values["use_bidirectional_attention"]:
-        raise ValueError("a GGUF Gemma 3 has causal attention; use_bidirectional_attention is not read from GGUF")
     values["_sliding_window_pattern"] = values.get("sliding_window_pattern", 6)
     if values.get("layer_types") is None:
         values["layer_types"] = [
@@ -143,7 +124,6 @@ class _Family:
     config_class: type[GGUFModelConfig]
     defaults: dict[str, Any]
     derive: Callable[[dict[str, Any]], None]
-    derived: tuple[str, ...] = ()
 
 
 _DECODER = dict(hidden_act="silu", initializer_range=0.02, use_cache=True, tie_word_embeddings=False,
@@ -157,17 +137,17 @@ _QWEN = dict(_DECODER, vocab_size=151936, hidden_size=4096, intermediate_size=22
              pad_token_id=None, bos_token_id=None, eos_token_id=None)
 _DEEPSEEK = dict({key: value for key, value in _LLAMA.items() if key != "mlp_bias"}, n_shared_experts=2,
                  n_routed_experts=64, output_router_logits=False, routed_scaling_factor=1.0, kv_lora_rank=512,
-                 q_lora_rank=1536, qk_rope_head_dim=64,
-                 v_head_dim=128, qk_nope_head_dim=128, n_group=None, topk_group=None, num_experts_per_tok=None,
+                 q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=None,
+                 topk_group=None, num_experts_per_tok=None,
                  first_k_dense_replace=0, norm_topk_prob=False, moe_intermediate_size=1407, vocab_size=102400)
 
 # Keyed by transformers' class name; the defaults are that class's (transformers 5), the derivations its
 # __post_init__'s.
-_FAMILIES: dict[str, _Family] = {
-    "LlamaConfig": _Family(GGUFLlamaConfig, _LLAMA, _llama_derived),
-    "Qwen2Config": _Family(GGUFQwen2Config, _QWEN, _qwen_derived),
-    "Qwen3Config": _Family(GGUFQwen3Config, dict(_QWEN, head_dim=128, attention_bias=False), _qwen_derived),
-    "Gemma3TextConfig": _Family(GGUFGemma3TextConfig, {
+_FAMILIES: dict[str, _Family] = {family.config_class.transformers_class(): family for family in (
+    _Family(GGUFLlamaConfig, _LLAMA, _llama_derived),
+    _Family(GGUFQwen2Config, _QWEN, _qwen_derived),
+    _Family(GGUFQwen3Config, dict(_QWEN, head_dim=128, attention_bias=False), _qwen_derived),
+    _Family(GGUFGemma3TextConfig, {
         **{key: value for key, value in _DECODER.items() if key != "hidden_act"},
         "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
@@ -175,35 +155,33 @@ _FAMILIES: dict[str, _Family] = {
         "tie_word_embeddings": True, "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
         "layer_types": None, "final_logit_softcapping": None, "attn_logit_softcapping": None,
         "use_bidirectional_attention": False}, _gemma3_derived),
-    "MixtralConfig": _Family(GGUFMixtralConfig, dict(
+    _Family(GGUFMixtralConfig, dict(
         _DECODER, vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, head_dim=None, max_position_embeddings=131072,
         rms_norm_eps=1e-5, pad_token_id=None, bos_token_id=1, eos_token_id=2, sliding_window=None,
         num_experts_per_tok=2, num_local_experts=8, output_router_logits=False, router_aux_loss_coef=0.001,
         router_jitter_noise=0.0), _heads_default),
-    "OlmoeConfig": _Family(GGUFOlmoeConfig, dict(
+    _Family(GGUFOlmoeConfig, dict(
         _DECODER, vocab_size=50304, hidden_size=2048, intermediate_size=2048, num_hidden_layers=16,
         num_attention_heads=16, num_key_value_heads=None, max_position_embeddings=4096, rms_norm_eps=1e-5,
         pad_token_id=1, bos_token_id=None, eos_token_id=50279, attention_bias=False, clip_qkv=None,
         num_experts_per_tok=8, num_experts=64, output_router_logits=False, router_aux_loss_coef=0.01,
         norm_topk_prob=False), _heads_default),
-    "Qwen3MoeConfig": _Family(GGUFQwen3MoeConfig, dict(
+    _Family(GGUFQwen3MoeConfig, dict(
         _DECODER, vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
         num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768, attention_bias=False,
         use_sliding_window=False, sliding_window=None, decoder_sparse_step=1, moe_intermediate_size=768,
         num_experts_per_tok=8, num_local_experts=128, norm_topk_prob=False, output_router_logits=False,
         router_aux_loss_coef=0.001, mlp_only_layers=None, pad_token_id=None, bos_token_id=None,
         eos_token_id=None), _qwen3_moe_derived),
-    "DeepseekV2Config": _Family(GGUFDeepseekV2Config, dict(_DEEPSEEK, topk_method="greedy", mlp_bias=False),
-                                _deepseek_derived, ("qk_head_dim", "head_dim")),
-    "DeepseekV3Config": _Family(GGUFDeepseekV3Config, dict(
+    _Family(GGUFDeepseekV2Config, dict(_DEEPSEEK, topk_method="greedy", mlp_bias=False), _deepseek_derived),
+    _Family(GGUFDeepseekV3Config, dict(
         _DEEPSEEK, vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
         num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
         n_routed_experts=256, routed_scaling_factor=2.5, n_group=8, topk_group=4, num_experts_per_tok=8,
         first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=4096, bos_token_id=0,
-        eos_token_id=1, rope_interleave=True, num_nextn_predict_layers=1), _deepseek_derived,
-        ("qk_head_dim", "head_dim")),
-}
+        eos_token_id=1, rope_interleave=True, num_nextn_predict_layers=1), _deepseek_derived),
+)}
 
 
 def gguf_model_config(transformers_class: str, **fields: Any) -> GGUFModelConfig:

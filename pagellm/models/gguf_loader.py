@@ -29,6 +29,7 @@ import torch
 import transformers
 
 from pagellm.cache_dir import cache_root
+from pagellm.child_process import child_environment
 from pagellm.models.gguf_config import GGUFModelConfig, gguf_model_config
 from pagellm.models.gguf_quants import dequantize, quant_format, tensor_nbytes
 
@@ -262,12 +263,11 @@ _CHILD_BUILD_TIMEOUT_S = 600
 
 def _build_in_child(path: pathlib.Path) -> None:
     """Rebuild and cache `path`'s tokenizer in a child process; on failure the caller rebuilds it in-process."""
-    package_root = str(pathlib.Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-    script = "import sys\nfrom pagellm.models.gguf_loader import build_gguf_tokenizer\nbuild_gguf_tokenizer(sys.argv[1])"
+    script = ("import sys\nfrom pagellm.models.gguf_loader import build_gguf_tokenizer\n"
+              "build_gguf_tokenizer(sys.argv[1])")
     try:
-        done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True,
-                              timeout=_CHILD_BUILD_TIMEOUT_S)
+        done = subprocess.run([sys.executable, "-c", script, str(path)], env=child_environment(), capture_output=True,
+                              text=True, timeout=_CHILD_BUILD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as error:
         logger.warning("rebuilding %s's tokenizer in a child process failed (%s); rebuilding it here", path, error)
         return
@@ -512,11 +512,11 @@ def _softmax_moe_config(arch_name: str, fields: dict[str, Any], key: Callable[..
     if arch_name == "llama":
         fields["architectures"] = ["MixtralForCausalLM"]
         return gguf_model_config("MixtralConfig", **fields, **experts, num_local_experts=count,
-                                          sliding_window=None, attention_bias=has_qkv_bias)
+                                 sliding_window=None, attention_bias=has_qkv_bias)
     if arch_name == "olmoe":
         return gguf_model_config("OlmoeConfig", **fields, **experts, num_experts=count,
-                                        norm_topk_prob=bool(key("expert_weights_norm", False)),
-                                        clip_qkv=key("attention.clamp_kqv"))
+                                 norm_topk_prob=bool(key("expert_weights_norm", False)),
+                                 clip_qkv=key("attention.clamp_kqv"))
     if arch_name != "qwen3moe":
         raise ValueError(f"GGUF architecture {arch_name!r} with experts is not supported; pagellm reads the "
                          "mixtures of experts llama (Mixtral), qwen3moe, olmoe and deepseek2")
@@ -578,7 +578,7 @@ def _deepseek2_config(fields: dict[str, Any], key: Callable[..., Any]) -> GGUFMo
         raise ValueError("deepseek2.expert_weights_norm=true with softmax routing: DeepSeek-V2 does not renormalise "
                          "its experts' weights, and pagellm runs softmax-routed deepseek2 files as DeepSeek-V2")
     return gguf_model_config("DeepseekV2Config", **fields, **deepseek,
-                                         topk_method="group_limited_greedy" if groups > 1 else "greedy")
+                             topk_method="group_limited_greedy" if groups > 1 else "greedy")
 
 
 def _end_of_turn_ids(header: _Header, arch: _GGUFArch) -> list[int]:
@@ -598,7 +598,8 @@ def _gemma3_config(fields: dict[str, Any], key: Callable[..., Any]) -> GGUFModel
         "full_attention": fields.pop("rope_parameters"),
         "sliding_attention": {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", 10000.0))},
     }
-    return gguf_model_config("Gemma3TextConfig", 
+    return gguf_model_config(
+        "Gemma3TextConfig",
         **fields,
         rope_parameters=rope_parameters,
         hidden_activation="gelu_pytorch_tanh",
