@@ -94,3 +94,18 @@ def assert_encodes_and_decodes_alike(tokenizer, fast, texts: list[str]) -> None:
         ids = fast.encode(text)
         for skip in (False, True):
             assert tokenizer.decode(ids, skip_special_tokens=skip) == fast.decode(ids, skip_special_tokens=skip)
+
+
+def comparable_config(config) -> dict:
+    """A config's fields (transformers' or a GGUF config's) without the version that wrote it."""
+    values = config.to_dict()
+    values.pop("transformers_version", None)
+    return values
+
+
+def assert_same_fields(ours, theirs) -> None:
+    """A GGUF config (`ours`) holds every field of transformers' config `theirs` beyond PretrainedConfig's common
+    ones (return_dict, dtype, ...), and each of its fields at the same value."""
+    mine, other = comparable_config(ours), comparable_config(theirs)
+    assert mine == {key: other[key] for key in mine}
+    assert set(other) - set(comparable_config(transformers.PretrainedConfig())) <= set(mine)

@@ -112,7 +112,10 @@ def _rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tupl
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_type={rope_type!r} is not supported; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    # These call transformers' config methods, which a GGUF's config (models/gguf_config.py) has not: they get
+    # transformers' class of it.
+    hf_config = config.to_transformers() if hasattr(config, "to_transformers") else config
     # Some of these create tensors without a device, which the model's meta-device construction would catch.
     with torch.device("cpu"):
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", **kwargs)
     return inv_freq.float(), float(scaling)

@@ -1,12 +1,12 @@
-"""Model configs for GGUF files, without transformers' model config classes.
+"""Model configs for GGUF files, without transformers.
 
-Importing any of transformers' model config modules imports its activations, its kernel hub and its accelerate
-integration, and through them torch.distributed.tensor and sympy: modules resident for the process's life that an
-engine serving a GGUF never calls. A GGUF's config here is a `PretrainedConfig` of the
-same `model_type` holding the fields transformers' class would hold: that class's defaults (tables below), the
-file's values, and the fields its `__post_init__` derives. `tests/test_gguf_config.py` checks every field against
-transformers' own class for each architecture the loader reads; `to_transformers()` builds that class where a
-caller needs it (the HF export, the oracles).
+Importing transformers (any of it) costs an engine ~20 MiB of resident modules, more than a fifth of a small GGUF
+(README, "Memory"), and its model config modules pull in its activations, its kernel hub, accelerate,
+torch.distributed.tensor and sympy besides. A GGUF's config here is a plain object of the same `model_type` holding
+the fields transformers' class would hold beyond `PretrainedConfig`'s common ones: that class's defaults (tables
+below), the file's values, and the fields its `__post_init__` derives. `tests/test_gguf_config.py` checks every
+field against transformers' own class for each architecture the loader reads; `to_transformers()` builds that class
+where a caller needs it (the HF export, the oracles).
 """
 
 from __future__ import annotations
@@ -15,24 +15,50 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from transformers.configuration_utils import PretrainedConfig
 
-
-class GGUFModelConfig(PretrainedConfig):
+class GGUFModelConfig:
     """A GGUF model's config: the fields of transformers' class of the same name less the GGUF prefix, under the
-    same model_type."""
+    same model_type; `attribute_map`'s aliases read and write the field they stand for, as transformers' do."""
+
+    model_type = ""
+    attribute_map: dict[str, str] = {}
+
+    def __init__(self, **fields: Any) -> None:
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        super().__setattr__(type(self).attribute_map.get(key, key), value)
+
+    def __getattr__(self, key: str) -> Any:
+        # Reached only for names not set: an alias reads its field.
+        target = type(self).attribute_map.get(key)
+        if target is None:
+            raise AttributeError(f"{type(self).__name__} has no field {key!r}")
+        return getattr(self, target)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__} {self.to_dict()}"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def get_text_config(self, *args: Any, **kwargs: Any) -> GGUFModelConfig:
+        return self  # a text-only model: its own text config, as transformers' gives
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**copy.deepcopy(vars(self)), "model_type": self.model_type}
 
     @classmethod
     def transformers_class(cls) -> str:
         return cls.__name__.removeprefix("GGUF")
 
-    def to_transformers(self) -> PretrainedConfig:
+    def to_transformers(self):
         """The same config as transformers' own class (imports its model config module), which derives its
         derived fields again from the same inputs, so to the same values."""
         import transformers
 
-        fields = {key: value for key, value in self.to_dict().items()
-                  if key not in ("model_type", "transformers_version")}
+        fields = {key: value for key, value in self.to_dict().items() if key != "model_type"}
         return getattr(transformers, self.transformers_class())(**fields)
 
 
@@ -192,10 +218,4 @@ def gguf_model_config(transformers_class: str, **fields: Any) -> GGUFModelConfig
     # Alias names (Qwen3-MoE's num_experts) land on the field they stand for, as transformers' setattr maps them.
     values.update({cls.attribute_map.get(key, key): value for key, value in fields.items()})
     family.derive(values)
-    config = cls(**values)
-    # PretrainedConfig drops keyword arguments that share a name with a generation parameter (use_cache) unless the
-    # class declares them as fields, as transformers' model classes do.
-    for key, value in values.items():
-        if not hasattr(config, key):
-            setattr(config, key, value)
-    return config
+    return cls(**values)
