@@ -97,10 +97,14 @@ def fast(directory) -> PreTrainedTokenizerFast:
     return AutoTokenizer.from_pretrained(str(directory))
 
 
-@pytest.fixture(scope="module")
-def compact(directory) -> CompactBPETokenizer:
+@pytest.fixture(scope="module", params=["tables", "transformers"])
+def compact(request, directory) -> CompactBPETokenizer:
+    """The compact tokenizer answering from its tables, and one that has become a transformers tokenizer (as a
+    call beyond encoding and decoding makes it). Tests that make the first one become one work on a copy."""
     tokenizer = compact_bpe.load_or_convert(directory)
     assert isinstance(tokenizer, CompactBPETokenizer)
+    if request.param == "transformers":
+        tokenizer._transformers()
     return tokenizer
 
 
@@ -143,11 +147,15 @@ def test_any_ids_decode_as_the_fast_tokenizer(fast, compact, ids):
 def test_vocabulary_special_tokens_batches_and_chat_template(fast, compact):
     assert len(compact) == len(fast) and compact.vocab_size == fast.vocab_size
     assert compact.get_vocab() == fast.get_vocab()
-    assert (compact.bos_token_id, compact.eos_token_id, compact.pad_token_id, compact.unk_token_id) == \
-        (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id, fast.unk_token_id)
-    assert sorted(compact.all_special_ids) == sorted(fast.all_special_ids)
+    for name in ("bos", "eos", "pad", "unk", "sep", "cls", "mask"):
+        assert getattr(compact, f"{name}_token") == getattr(fast, f"{name}_token"), name
+        assert getattr(compact, f"{name}_token_id") == getattr(fast, f"{name}_token_id"), name
     tokens = ["\u2581the", "\u0120the", "<bos>", "not-a-token", "<0x41>", "A"]
     assert compact.convert_tokens_to_ids(tokens) == fast.convert_tokens_to_ids(tokens)
+    assert compact.convert_tokens_to_ids("<eos>") == fast.convert_tokens_to_ids("<eos>")
+    assert compact.batch_decode([[5, 6], [7]]) == fast.batch_decode([[5, 6], [7]])
+    compact = copy.deepcopy(compact)  # what follows makes it a transformers tokenizer
+    assert sorted(compact.all_special_ids) == sorted(fast.all_special_ids)
     batch = ["hello world", "the", ""]
     assert compact(batch, padding=True)["input_ids"] == fast(batch, padding=True)["input_ids"]
     assert compact("hello", "world")["input_ids"] == fast("hello", "world")["input_ids"]
@@ -161,7 +169,7 @@ def test_vocabulary_special_tokens_batches_and_chat_template(fast, compact):
 def test_added_tokens_and_copies(directory, fast, compact):
     """A copy shares the tables but not its added tokens; save_pretrained writes the fast tokenizer's files."""
     clone = copy.deepcopy(compact)
-    assert clone._tables is compact._tables
+    assert clone._codec.tables is compact._codec.tables
     assert clone.add_tokens(["quickbrown"]) == 1 and len(clone) == len(compact) + 1
     fast_clone = copy.deepcopy(fast)
     fast_clone.add_tokens(["quickbrown"])
@@ -180,7 +188,7 @@ def test_added_tokens_and_copies(directory, fast, compact):
 
 def test_a_pickled_tokenizer_decodes_and_encodes_alone(compact):
     clone = pickle.loads(pickle.dumps(compact))
-    assert clone._tables is not compact._tables
+    assert clone._codec.tables is not compact._codec.tables and (clone._full is None) == (compact._full is None)
     for text in TEXTS:
         assert clone.encode(text) == compact.encode(text)
         assert clone.decode(compact.encode(text), skip_special_tokens=True) == \
@@ -199,9 +207,31 @@ def test_save_pretrained_writes_a_fast_tokenizer_with_the_same_tokens(compact, f
 
 
 def test_save_vocabulary_writes_the_tokenizer_json_it_was_converted_from(directory, compact, tmp_path):
-    (path,) = compact.save_vocabulary(str(tmp_path), "gemma")
+    (path,) = copy.deepcopy(compact).save_vocabulary(str(tmp_path), "gemma")
     assert path == str(tmp_path / "gemma-tokenizer.json")
     assert (tmp_path / "gemma-tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
+
+
+def test_encoding_and_decoding_need_no_transformers_tokenizer(directory):
+    """What an engine asks of its tokenizer is answered from the tables; the rest makes it a transformers one,
+    whose settings it then reads and writes."""
+    tokenizer = compact_bpe.load_or_convert(directory)
+    ids = tokenizer.encode("<start_of_turn>hello world\n\n<b>x")
+    tokenizer.decode(ids, skip_special_tokens=True)
+    tokenizer.decode_ids(ids)
+    tokenizer.tokenize("hello")
+    tokenizer.convert_ids_to_tokens(ids)
+    tokenizer.convert_tokens_to_ids(["hello", "<eos>"])
+    tokenizer.get_vocab()
+    tokenizer.chat_template = "{{ messages[0].content }}"
+    clone = pickle.loads(pickle.dumps(copy.deepcopy(tokenizer)))
+    assert (len(tokenizer), tokenizer.eos_token_id, tokenizer.clean_up_tokenization_spaces) == \
+        (len(clone), clone.eos_token_id, clone.clean_up_tokenization_spaces)
+    assert tokenizer._full is None and clone._full is None
+    tokenizer.pad_token = "<eos>"
+    assert tokenizer._full is not None and tokenizer.pad_token_id == tokenizer.eos_token_id
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi"
+    assert clone._full is None and clone.pad_token == "<pad>"
 
 
 def test_xgrammar_sees_the_vocabulary_as_from_the_fast_tokenizer(fast, compact):
@@ -280,3 +310,15 @@ def test_stale_or_damaged_tables_fall_back_or_rebuild(directory, tmp_path):
     assert json.loads((tmp_path / "compact_bpe.json").read_text())["format"] == meta["format"]
     (tmp_path / "compact_bpe.tables").write_bytes(b"too short")
     assert _compact_tokenizer(tmp_path) is None  # the caller loads the fast tokenizer
+
+
+def test_added_tokens_split_leftmost_longest_whatever_their_characters():
+    """tokenizers' added-token matcher: the leftmost match, the longest token there; the characters that mean
+    something in a regex character class are plain text."""
+    index = compact_bpe.AddedTokenIndex(10, [(20, "]x", True), (21, "-", False), (22, "^", False), (23, "\\", True),
+                                             (24, "ab", False), (25, "abc", False), (26, "\n\n", False)])
+    text = "q]x-^\\abcab\n\n\nz"
+    assert index.split(text, split_special_tokens=False) == ["q", 20, 21, 22, 23, 25, 24, 26, "\nz"]
+    assert index.split(text, split_special_tokens=True) == ["q]x", 21, 22, "\\", 25, 24, 26, "\nz"]
+    assert index.split("", False) == [] and compact_bpe.AddedTokenIndex(10, []).split("ab", False) == ["ab"]
+    assert compact_bpe.AddedTokenIndex(10, [(3, "<s>", True)]).split("a<s>b", split_special_tokens=True) == ["a<s>b"]

@@ -352,12 +352,12 @@ def test_a_llama_bpe_gguf_tokenizer_is_compact_behind_llama_3s_split(tmp_path, m
     assert_encodes_and_decodes_alike(compact, fast, texts)
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
-    assert compact._words.pattern == GGUF_PRE_TOKENIZER_SPLITS["llama-bpe"]  # Llama 3's words, not GPT-2's
+    assert compact._codec.words.pattern == GGUF_PRE_TOKENIZER_SPLITS["llama-bpe"]  # Llama 3's words, not GPT-2's
 
 
 def test_a_first_conversion_runs_in_a_child_process(model_path, tmp_path):
     """transformers' GGUF tokenizer path imports its model classes (and sympy through them); the serving process
-    loads the child's cached result and imports none of it."""
+    loads the child's cached result and imports no transformers at all."""
     import os
     import subprocess
     import sys
@@ -365,7 +365,7 @@ def test_a_first_conversion_runs_in_a_child_process(model_path, tmp_path):
     script = ("import sys\nfrom pagellm.models.gguf_loader import load_gguf_tokenizer\n"
               f"tokenizer = load_gguf_tokenizer({str(model_path)!r})\n"
               "print(type(tokenizer).__name__, tokenizer.encode('Hello world'))\n"
-              "print('heavy:', [m for m in ('sympy', 'transformers.integrations.ggml') if m in sys.modules])\n")
+              "print('heavy:', [m for m in ('sympy', 'transformers') if m in sys.modules])\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PAGELLM_CACHE_DIR=str(tmp_path)))
     assert out.returncode == 0, out.stderr[-2000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,10 +43,11 @@ def decode_function(tokenizer, params: SamplingParams) -> Callable[[list[int]], 
 
 
 def _plain_rust_decoder(tokenizer):
-    try:
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:
+    # A process that never imported transformers holds none of its tokenizers (and should not import it to see).
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
         return None
+    PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast  # noqa: N806 - the class's own name
     kind = type(tokenizer)
     if (
         not isinstance(tokenizer, PreTrainedTokenizerFast)

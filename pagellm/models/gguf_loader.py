@@ -11,6 +11,7 @@ DeepSeek's kv_b_proj, which newer converters split into attn_k_b (transposed, [h
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -22,16 +23,18 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
-import transformers
 
 from pagellm.cache_dir import cache_root
 from pagellm.child_process import child_environment
 from pagellm.models.gguf_config import GGUFModelConfig, gguf_model_config
 from pagellm.models.gguf_quants import dequantize, quant_format, tensor_nbytes
+
+if TYPE_CHECKING:
+    import transformers
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +238,9 @@ def build_gguf_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedToke
     metadata = _read_header(np.memmap(path, dtype=np.uint8, mode="r")).metadata
     tokenizer_type = _gguf_arch(metadata).tokenizer_type
     typed = {"tokenizer_type": tokenizer_type} if tokenizer_type else {}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **typed)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **typed)
     template = metadata.get("tokenizer.chat_template")
     if template is not None:
         tokenizer.chat_template = template
@@ -250,8 +255,10 @@ def _load_cached(cached: pathlib.Path) -> transformers.PreTrainedTokenizerBase |
     compact = _compact_tokenizer(cached)
     if compact is not None:
         return compact
+    from transformers import AutoTokenizer
+
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(cached))
+        return AutoTokenizer.from_pretrained(str(cached))
     except (OSError, ValueError):
         shutil.rmtree(cached, ignore_errors=True)  # a damaged cache entry is rebuilt
         return None
@@ -323,7 +330,9 @@ _CACHE_KEY = re.compile(r"[0-9a-f]{24}")
 
 def _tokenizer_cache_dir(path: pathlib.Path) -> pathlib.Path:
     stat = path.stat()
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()
+    # transformers' version without importing it: an engine that finds the compact tables never does.
+    version = importlib.metadata.version("transformers")
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{version}".encode()).hexdigest()
     return cache_root() / "gguf-tokenizers" / key[:24]
 
 

@@ -261,17 +261,15 @@ def _iter_hf_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None, revision: str | None = None,
                    download_dir: str | None = None, trust_remote_code: bool = False):
     """The model's tokenizer, or the one `tokenizer` names (a directory, or a hub id in the local cache)."""
-    from transformers import AutoTokenizer
-
-    if tokenizer is not None:
-        path = resolve_tokenizer(tokenizer, revision, download_dir)
-        loaded = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    elif source.is_gguf:
+    if tokenizer is None and source.is_gguf:
         from pagellm.models.gguf_loader import load_gguf_tokenizer
 
-        loaded = load_gguf_tokenizer(source.path)
+        loaded = load_gguf_tokenizer(source.path)  # imports transformers only where it must rebuild the tokenizer
     else:
-        loaded = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+        from transformers import AutoTokenizer
+
+        path = source.path if tokenizer is None else resolve_tokenizer(tokenizer, revision, download_dir)
+        loaded = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     release_construction_tables(loaded)
     return loaded
 
@@ -324,6 +322,8 @@ def generation_defaults(source: ModelSource, hf_config, generation_config: str =
 
 def _generation_config_values(source: ModelSource, hf_config, generation_config: str) -> dict:
     """The values a generation config sets (transformers' to_diff_dict, as vLLM reads it)."""
+    if generation_config == "auto" and source.is_gguf:
+        return {}  # a GGUF's metadata holds no sampling settings, and its config is no transformers config
     from transformers import GenerationConfig, PretrainedConfig
 
     if generation_config != "auto":
@@ -332,7 +332,7 @@ def _generation_config_values(source: ModelSource, hf_config, generation_config:
             raise ValueError(f"generation_config={generation_config!r} is not a directory holding a "
                              "generation_config.json; pass one, 'auto' (the model's) or 'vllm' (none).")
         return GenerationConfig.from_pretrained(directory).to_diff_dict()
-    if not source.is_gguf and (source.path / "generation_config.json").is_file():
+    if (source.path / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(source.path).to_diff_dict()
     if isinstance(hf_config, PretrainedConfig):
         return GenerationConfig.from_model_config(hf_config).to_diff_dict()

@@ -4,9 +4,10 @@ level, SmolLM2's) held in flat arrays instead of `tokenizers`' maps.
 HuggingFace's Rust tokenizer keeps a vocabulary in hash maps of owned strings both ways and its merges in a
 third map, which for Gemma 3's 262k tokens weighs as much as a good part of the quantized model (README, "Memory",
 has the figures). Here the vocabulary is one byte string with offsets and an open-addressing index, the merges a
-table sorted by left token (C binary search, csrc/bpe.c). The class is a transformers tokenizer (PythonBackend), so encode, decode, the chat
-template, added and special tokens behave as the fast tokenizer's; the tests hold it equal to that one, token for
-token, on the real Gemma 3 vocabulary.
+table sorted by left token (C binary search, csrc/bpe.c). `CompactBPETokenizer` encodes and decodes with them
+without importing transformers, and becomes a transformers tokenizer (compact_bpe_hf.py, a PythonBackend over the
+same tables) for the rest of that interface; the tests hold both equal to the fast tokenizer, token for token, on
+the real Gemma 3 vocabulary.
 
 Only tokenizer.json files of exactly these pipelines are taken (`compact_spec`), else the caller keeps the fast
 tokenizer. Byte fallback: normalizer Replace(" ", "\u2581"); no pre-tokenizer, or a Split on " " (which, after
@@ -22,18 +23,21 @@ from __future__ import annotations
 import array
 import copy
 import ctypes
+import functools
 import json
+import logging
 import os
 import pathlib
-import shutil
 import tempfile
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import regex
-from transformers import AddedToken
-from transformers.tokenization_python import PythonBackend, Trie
+
+logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SPACE_MARK = "\u2581"
@@ -444,104 +448,116 @@ def _load(directory: pathlib.Path, spec: dict[str, Any]) -> CompactBPETokenizer:
     return CompactBPETokenizer(tables, spec, config, chat_template, source_directory=directory)
 
 
-class CompactBPETokenizer(PythonBackend):
-    """transformers' tokenizer interface over BpeTables (see the module's docstring)."""
+class AddedTokenIndex:
+    """A tokenizer's added tokens: their text, which of them are special, and where a text splits at them: at the
+    leftmost match, the longest token there, as tokenizers' matcher splits. Never changed once built (a tokenizer
+    that adds tokens builds another), so copies of a tokenizer share it."""
 
-    model_input_names = ["input_ids", "attention_mask"]
+    def __init__(self, vocab_size: int, tokens: Iterable[tuple[int, str, bool]]) -> None:
+        self.content: dict[int, str] = {}
+        self.special: dict[int, bool] = {}
+        self.ids: dict[str, int] = {}
+        for token_id, content, special in tokens:
+            self.content[token_id], self.special[token_id] = content, special
+            self.ids[content] = token_id
+        # The total number of ids: the vocabulary's, and any added beyond it.
+        self.size = max([vocab_size - 1, *self.content]) + 1
+        # Per vocabulary id, whether it is special: an array for the C decoder, the same flags as bytes for
+        # byte-level decoding.
+        self.special_mask = np.zeros(vocab_size, dtype=bool)
+        self.special_mask[[i for i, special in self.special.items() if special and i < vocab_size]] = True
+        self._prepare()
 
-    def __init__(self, tables: BpeTables, spec: dict[str, Any], config: dict[str, Any], chat_template: str | None,
-                 source_directory: pathlib.Path) -> None:
-        self._tables = tables
-        self.pipeline = spec["pipeline"]
-        self._ignore_merges = spec["ignore_merges"]
-        self._words = regex.compile(spec["words"]) if spec.get("words") else None
-        self.source_directory = source_directory
-        self._added_tokens_decoder = {
-            token["id"]: AddedToken(token["content"], single_word=token["single_word"], lstrip=token["lstrip"],
-                                    rstrip=token["rstrip"], normalized=False, special=token["special"])
-            for token in spec["added_tokens"]}
-        self._non_special_trie: Trie | None = None
-        special = {name: config[name] for name in ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
-                   if config.get(name) is not None}
-        super().__init__(**special, chat_template=chat_template,
-                         model_max_length=config.get("model_max_length", int(1e30)),
-                         clean_up_tokenization_spaces=config.get("clean_up_tokenization_spaces", False),
-                         special_tokens_pattern="bos" if spec["bos_token"] is not None else "none")
-        self._mark_special_ids()
+    def _prepare(self) -> None:
+        # Addresses looked up once: numpy's .ctypes is slow next to a short decode.
+        self.special_mask_address = self.special_mask.ctypes.data
+        self.special_flags = self.special_mask.tobytes()
+        self._matchers: dict[bool, tuple[dict, Any] | None] = {}
 
-    def _mark_special_ids(self) -> None:
-        self._special_ids = np.zeros(len(self), dtype=bool)
-        for token_id, token in self._added_tokens_decoder.items():
-            self._special_ids[token_id] = token.special
-        self._special_ids_address = self._special_ids.ctypes.data
-        self._special_flags = self._special_ids.tobytes()
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: self.__dict__[key] for key in ("content", "special", "ids", "size", "special_mask")}
 
-    # ---- the vocabulary ---------------------------------------------------------------------------------
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._prepare()
 
-    @property
-    def vocab_size(self) -> int:
-        return self._tables.vocab_size
+    def split(self, text: str, split_special_tokens: bool) -> list[str | int]:
+        """`text` cut at its added tokens: each match as its id, the text between as strings (no empty ones).
+        With split_special_tokens, special tokens are text and only the others are matched."""
+        matcher = self._matcher(split_special_tokens)
+        if matcher is None:
+            return [text] if text else []
+        trie, starts = matcher
+        pieces: list[str | int] = []
+        end = position = 0
+        while (found := starts.search(text, position)) is not None:
+            start = found.start()
+            node, longest = trie, None
+            for index in range(start, len(text)):
+                node = node.get(text[index])
+                if node is None:
+                    break
+                if None in node:
+                    longest = index + 1
+            if longest is None:
+                position = start + 1
+                continue
+            if start > end:
+                pieces.append(text[end:start])
+            pieces.append(self.ids[text[start:longest]])
+            end = position = longest
+        if end < len(text):
+            pieces.append(text[end:])
+        return pieces
 
-    def tables_nbytes(self) -> int:
-        """Bytes of the vocabulary and merge tables (shared by copies of this tokenizer)."""
-        return self._tables.nbytes()
+    def _matcher(self, plain_only: bool) -> tuple[dict, Any] | None:
+        """A character trie of the tokens matched (None marks where one ends), and a regex finding where one may
+        start; None where there are none."""
+        if plain_only not in self._matchers:
+            contents = [content for token_id, content in self.content.items()
+                        if content and not (plain_only and self.special[token_id])]
+            trie: dict = {}
+            for content in contents:
+                node = trie
+                for char in content:
+                    node = node.setdefault(char, {})
+                node[None] = True
+            # Each first character by its code point: no character can close or negate the set.
+            self._matchers[plain_only] = (trie, regex.compile(
+                "[" + "".join(f"\\U{ord(char):08x}" for char in sorted(trie)) + "]")) if trie else None
+        return self._matchers[plain_only]
 
-    def _update_total_vocab_size(self) -> None:
-        beyond = [token_id for token_id in self._added_tokens_decoder if token_id >= self.vocab_size]
-        self.total_vocab_size = max([self.vocab_size - 1, *beyond]) + 1
 
-    def get_vocab(self) -> dict[str, int]:
-        vocab = {self._tables.token(i): i for i in range(self.vocab_size)}
-        vocab.update(self._added_tokens_encoder)
-        return vocab
+class BpeCodec:
+    """Text to ids and back through a BpeTables, around a tokenizer's added tokens (an AddedTokenIndex)."""
 
-    def _add_tokens(self, new_tokens, special_tokens: bool = False) -> int:
-        if not new_tokens:
-            # The base class would build get_vocab's 262k-entry dict just to add nothing.
-            self._update_trie()
-            self._update_total_vocab_size()
-            return 0
-        added = super()._add_tokens(new_tokens, special_tokens)
-        self._non_special_trie = None
-        self._mark_special_ids()
-        return added
+    def __init__(self, tables: BpeTables, spec: dict[str, Any]) -> None:
+        self.tables = tables
+        self.pipeline: str = spec["pipeline"]
+        self.ignore_merges: bool = spec["ignore_merges"]
+        self.words = regex.compile(spec["words"]) if spec.get("words") else None
 
-    def _convert_token_to_id(self, token: str) -> int | None:
-        token_id = self._tables.lookup(token)
-        if token_id >= 0:
-            return token_id
-        # The configured unknown token's id, as the fast tokenizer gives; None where that token is not one either.
-        return None if token == self.unk_token else self.unk_token_id
-
-    def _convert_id_to_token(self, index: int) -> str:
-        return self._tables.token(index)
-
-    # ---- encoding ---------------------------------------------------------------------------------------
-
-    def _text_ids(self, text: str, split_special_tokens: bool) -> list[int]:
+    def text_ids(self, text: str, added: AddedTokenIndex, split_special_tokens: bool) -> list[int]:
         """The ids of `text` (no BOS): added tokens where they occur, the pipeline's BPE between them. With
-        split_special_tokens, special tokens are encoded as text and only the others are matched, as the fast
-        tokenizer does."""
+        split_special_tokens, special tokens are encoded as text, as the fast tokenizer does."""
         ids: list[int] = []
-        trie = self._trie_without_special() if split_special_tokens else self.tokens_trie
-        for piece in trie.split(text):
-            token_id = self._added_tokens_encoder.get(piece)
-            if token_id is not None and not (split_special_tokens and self._added_tokens_decoder[token_id].special):
-                ids.append(token_id)
-            elif piece:
+        for piece in added.split(text, split_special_tokens):
+            if isinstance(piece, int):
+                ids.append(piece)
+            else:
                 ids.extend(self._encode_between_added_tokens(piece))
         return ids
 
     def _encode_between_added_tokens(self, text: str) -> list[int]:
         if self.pipeline == _BYTE_LEVEL:
             words = [word.encode().decode("latin-1").translate(_TO_BYTE_CHARS) for word in self._split_words(text)]
-            return self._tables.encode(words, self._ignore_merges)
-        return self._tables.encode([text.replace(" ", _SPACE_MARK)])
+            return self.tables.encode(words, self.ignore_merges)
+        return self.tables.encode([text.replace(" ", _SPACE_MARK)])
 
     def _split_words(self, text: str) -> list[str]:
         """The text cut as an isolating Split cuts it: each match a word, and each stretch between matches."""
         words, end = [], 0
-        for match in self._words.finditer(text):
+        for match in self.words.finditer(text):
             if match.start() > end:
                 words.append(text[end:match.start()])
             if match.end() > match.start():
@@ -551,120 +567,278 @@ class CompactBPETokenizer(PythonBackend):
             words.append(text[end:])
         return words
 
-    def _trie_without_special(self) -> Trie:
-        if self._non_special_trie is None:
-            self._non_special_trie = Trie()
-            for token in self._added_tokens_decoder.values():
-                if not token.special:
-                    self._non_special_trie.add(token.content)
-        return self._non_special_trie
-
-    def tokenize(self, text: str, **kwargs) -> list[str]:
-        split_special_tokens = kwargs.pop("split_special_tokens", self.split_special_tokens)
-        return self.convert_ids_to_tokens(self._text_ids(text, split_special_tokens))
-
-    def _encode_plus(self, text, text_pair=None, **kwargs):
-        # A text becomes ids here, in C, rather than through tokenize()'s token strings; the base class then adds
-        # the special tokens, truncates and pads them as it would any list of ids. Batches come back here one
-        # text at a time, lists of strings are tokens (or words), and an empty text stays a string because the
-        # base class reads an empty list as an empty batch.
-        if not kwargs.get("is_split_into_words") and not kwargs.get("sanitize_control_tokens"):
-            split = kwargs.pop("split_special_tokens", self.split_special_tokens)
-            if isinstance(text, str) and text:
-                text = self._text_ids(text, split)
-            if isinstance(text_pair, str) and text_pair:
-                text_pair = self._text_ids(text_pair, split)
-            kwargs["split_special_tokens"] = split
-        return super()._encode_plus(text, text_pair, **kwargs)
-
-    # ---- decoding ---------------------------------------------------------------------------------------
-
-    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None,
-                **kwargs) -> str:
-        ids = [token_ids] if isinstance(token_ids, int) else [int(i) for i in token_ids]
-        text = self.decode_ids(ids, skip_special_tokens)
-        clean = clean_up_tokenization_spaces if clean_up_tokenization_spaces is not None \
-            else self.clean_up_tokenization_spaces
-        return self.clean_up_tokenization(text) if clean else text
-
-    def decode_ids(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """decode() without its argument handling or clean-up of spaces: the engine's detokenizer calls this
-        twice per token per sequence."""
+    def decode(self, ids: list[int], added: AddedTokenIndex, skip_special_tokens: bool = False) -> str:
+        """The text of `ids`, special tokens left out with skip_special_tokens (no clean-up of spaces)."""
         if self.pipeline == _BYTE_LEVEL:
-            return self._decode_byte_level(ids, skip_special_tokens)
-        skip = self._special_ids_address if skip_special_tokens else None
-        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):
-            return self._tables.decode(ids, skip)
+            return self._decode_byte_level(ids, added, skip_special_tokens)
+        tables = self.tables
+        skip = added.special_mask_address if skip_special_tokens else None
+        if not ids or (min(ids) >= 0 and max(ids) < tables.vocab_size):
+            return tables.decode(ids, skip)
         # Tokens added beyond the vocabulary are not in the tables: each is its text (none is a <0xXX> byte token,
         # which the vocabulary has all of), and the tables decode the runs between them.
         pieces, run = [], []
         for token_id in ids:
-            if 0 <= token_id < self.vocab_size:
+            if 0 <= token_id < tables.vocab_size:
                 run.append(token_id)
                 continue
-            token = self._added_tokens_decoder.get(token_id)
-            if token is None:
-                raise ValueError(f"token id {token_id} is not one of this tokenizer's {len(self)} tokens")
-            if skip_special_tokens and token.special:
+            content = _added_content(added, token_id)
+            if skip_special_tokens and added.special[token_id]:
                 continue
-            pieces.append(self._tables.decode(run, skip))
-            pieces.append(token.content.replace(_SPACE_MARK, " "))
+            pieces.append(tables.decode(run, skip))
+            pieces.append(content.replace(_SPACE_MARK, " "))
             run = []
-        pieces.append(self._tables.decode(run, skip))
+        pieces.append(tables.decode(run, skip))
         return "".join(pieces)
 
-    def _decode_byte_level(self, ids: list[int], skip_special_tokens: bool) -> str:
-        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):
-            return self._tables.decode_byte_level(ids, self._special_flags if skip_special_tokens else None)
+    def _decode_byte_level(self, ids: list[int], added: AddedTokenIndex, skip_special_tokens: bool) -> str:
+        tables, flags = self.tables, added.special_flags
+        if not ids or (min(ids) >= 0 and max(ids) < tables.vocab_size):
+            return tables.decode_byte_level(ids, flags if skip_special_tokens else None)
         # Tokens added beyond the vocabulary go through the byte-level decoder as their text, as tokenizers does.
         pieces = []
         for token_id in ids:
-            if 0 <= token_id < self.vocab_size:
-                if not (skip_special_tokens and self._special_flags[token_id]):
-                    pieces.append(self._tables.raw_token(token_id))
+            if 0 <= token_id < tables.vocab_size:
+                if not (skip_special_tokens and flags[token_id]):
+                    pieces.append(tables.raw_token(token_id))
                 continue
-            token = self._added_tokens_decoder.get(token_id)
-            if token is None:
-                raise ValueError(f"token id {token_id} is not one of this tokenizer's {len(self)} tokens")
-            if not (skip_special_tokens and token.special):
-                pieces.append(_byte_level_bytes(token.content))
+            content = _added_content(added, token_id)
+            if not (skip_special_tokens and added.special[token_id]):
+                pieces.append(_byte_level_bytes(content))
         return b"".join(pieces).decode("utf-8", "replace")
 
-    def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        return self.decode_ids([self._convert_token_to_id_with_added_voc(token) for token in tokens])
+    def token(self, token_id: int, added: AddedTokenIndex) -> str:
+        content = added.content.get(token_id)
+        return content if content is not None else self.tables.token(token_id)
+
+    def token_id(self, token: str, added: AddedTokenIndex) -> int:
+        """The id of `token` (an added token's, else the vocabulary's), or -1."""
+        token_id = added.ids.get(token)
+        return token_id if token_id is not None else self.tables.lookup(token)
+
+    def vocab(self, added: AddedTokenIndex) -> dict[str, int]:
+        vocab = {self.tables.token(i): i for i in range(self.tables.vocab_size)}
+        vocab.update(added.ids)
+        return vocab
+
+
+def _added_content(added: AddedTokenIndex, token_id: int) -> str:
+    content = added.content.get(token_id)
+    if content is None:
+        raise ValueError(f"token id {token_id} is not one of this tokenizer's {added.size} tokens")
+    return content
+
+
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _forwarded(method: Callable) -> Callable:
+    """A method answered from the tables until the tokenizer has become a transformers tokenizer, by it after."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        full = self._full
+        return getattr(full, name)(*args, **kwargs) if full is not None else method(self, *args, **kwargs)
+
+    return call
+
+
+def _forwarded_property(name: str, native: Callable[[Any], Any]) -> property:
+    """A property read from this tokenizer until it has become a transformers tokenizer, from it after; setting it
+    makes it one (transformers' setters keep the derived state: ids, special tokens, added tokens)."""
+    def get(self):
+        full = self._full
+        return getattr(full, name) if full is not None else native(self)
+
+    def set_(self, value):
+        setattr(self._transformers(), name, value)
+
+    return property(get, set_, doc=f"transformers' {name}")
+
+
+class CompactBPETokenizer:
+    """The tokenizer of a model whose tokenizer.json is one of the pipelines above, over BpeTables: encoding,
+    decoding, the vocabulary and the special tokens, without transformers, whose import alone keeps ~20 MiB in the
+    process (README, "Memory"). Anything else transformers' tokenizers offer (`__call__` with padding and tensors,
+    apply_chat_template, adding tokens, save_pretrained, ...) is answered by the transformers tokenizer over the
+    same tables (compact_bpe_hf.py) that this one becomes at its first such use; from then on every call goes to
+    it, so the two never hold different added tokens or settings. Both encode and decode as the fast tokenizer
+    does, token for token (tests/test_compact_tokenizer.py)."""
+
+    def __init__(self, tables: BpeTables, spec: dict[str, Any], config: dict[str, Any], chat_template: str | None,
+                 source_directory: pathlib.Path) -> None:
+        self._codec = BpeCodec(tables, spec)
+        self._spec, self._config = spec, config
+        self._added = AddedTokenIndex(tables.vocab_size, [(token["id"], token["content"], token["special"])
+                                                          for token in spec["added_tokens"]])
+        self._special = {name: _token_text(config[name]) for name in _SPECIAL_TOKEN_NAMES
+                         if config.get(name) is not None}
+        self._chat_template = chat_template
+        self._full = None
+        self._lock = threading.Lock()
+        self.pipeline = self._codec.pipeline
+        self.source_directory = source_directory
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or name in ("pipeline", "source_directory") or \
+                isinstance(getattr(type(self), name, None), property):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._transformers(), name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached for what this class does not define: transformers' tokenizer answers it.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._transformers(), name)
+
+    def __call__(self, *args, **kwargs):
+        return self._transformers()(*args, **kwargs)
+
+    def _transformers(self):
+        """The transformers tokenizer this one becomes (built once, from the same tables and settings)."""
+        with self._lock:
+            if self._full is None:
+                from pagellm.tokenization.compact_bpe_hf import TransformersCompactBPETokenizer
+
+                logger.info("tokenizer: a call beyond encode/decode needs transformers' tokenizer interface; "
+                            "importing transformers")
+                self._full = TransformersCompactBPETokenizer(self._codec, self._spec, self._config,
+                                                             self._chat_template, self.source_directory)
+            return self._full
 
     # ---- copies -----------------------------------------------------------------------------------------
 
     def __deepcopy__(self, memo: dict) -> CompactBPETokenizer:
-        """A copy whose settings (truncation, added tokens) are its own and whose tables are shared: they are
-        never written, and the C encoder keeps no state between calls."""
-        memo[id(self._tables)] = self._tables
-        clone = type(self).__new__(type(self))
+        """A copy sharing the tables and added tokens, which are never written; a transformers tokenizer this one
+        has become is copied (its settings are its own, its tables shared)."""
+        clone = object.__new__(type(self))
         memo[id(self)] = clone
-        for name, value in self.__dict__.items():
-            clone.__dict__[name] = copy.deepcopy(value, memo)
-        clone._special_ids_address = clone._special_ids.ctypes.data
+        clone.__dict__.update(self.__dict__)
+        clone.__dict__["_lock"] = threading.Lock()
+        clone.__dict__["_full"] = copy.deepcopy(self._full, memo)
         return clone
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if key != "_lock"}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._special_ids_address = self._special_ids.ctypes.data
+        self.__dict__.update(state, _lock=threading.Lock())
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """Saves the fast tokenizer this one was converted from, with this one's chat template and added tokens:
-        the same tokens, in files any transformers tokenizer loader reads."""
-        from transformers import AutoTokenizer
+    # ---- the vocabulary ---------------------------------------------------------------------------------
 
-        fast = AutoTokenizer.from_pretrained(str(self.source_directory))
-        present = fast.added_tokens_decoder  # built afresh on each access: read once
-        extra = [token for token_id, token in sorted(self._added_tokens_decoder.items()) if token_id not in present]
-        if extra:
-            fast.add_tokens(extra)
-        fast.chat_template = self.chat_template
-        return fast.save_pretrained(save_directory, *args, **kwargs)
+    vocab_size = _forwarded_property("vocab_size", lambda self: self._codec.tables.vocab_size)
+    chat_template = property(lambda self: self._full.chat_template if self._full is not None else self._chat_template)
 
-    def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
-        """The vocabulary and merges as the fast tokenizer's tokenizer.json they were converted from."""
-        target = pathlib.Path(save_directory) / f"{filename_prefix + '-' if filename_prefix else ''}tokenizer.json"
-        shutil.copyfile(self.source_directory / "tokenizer.json", target)
-        return (str(target),)
+    @chat_template.setter
+    def chat_template(self, value: str | None) -> None:
+        if self._full is not None:
+            self._full.chat_template = value
+        self._chat_template = value
+
+    clean_up_tokenization_spaces = _forwarded_property(
+        "clean_up_tokenization_spaces", lambda self: self._config.get("clean_up_tokenization_spaces", False))
+    split_special_tokens = _forwarded_property(
+        "split_special_tokens", lambda self: self._config.get("split_special_tokens", False))
+    model_max_length = _forwarded_property("model_max_length",
+                                           lambda self: self._config.get("model_max_length", int(1e30)))
+    name_or_path = _forwarded_property("name_or_path", lambda self: str(self.source_directory))
+
+    def tables_nbytes(self) -> int:
+        """Bytes of the vocabulary and merge tables (shared by copies of this tokenizer)."""
+        return self._codec.tables.nbytes()
+
+    @_forwarded
+    def __len__(self) -> int:
+        return self._added.size
+
+    @_forwarded
+    def get_vocab(self) -> dict[str, int]:
+        return self._codec.vocab(self._added)
+
+    @_forwarded
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            return self._token_id(tokens)
+        return [self._token_id(token) for token in tokens]
+
+    def _token_id(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        token_id = self._codec.token_id(token, self._added)
+        if token_id >= 0:
+            return token_id
+        # The configured unknown token's id, as transformers gives; None where that token is not one either.
+        unk = self._special.get("unk_token")
+        return None if unk is None or token == unk else self._token_id(unk)
+
+    @_forwarded
+    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> str | list[str]:
+        if skip_special_tokens:
+            return self._transformers().convert_ids_to_tokens(ids, skip_special_tokens=True)
+        if isinstance(ids, int):
+            return self._codec.token(ids, self._added)
+        return [self._codec.token(int(token_id), self._added) for token_id in ids]
+
+    # ---- encoding ---------------------------------------------------------------------------------------
+
+    @_forwarded
+    def encode(self, text, text_pair=None, add_special_tokens: bool = True, **kwargs) -> list[int]:
+        if not isinstance(text, str) or text_pair is not None or set(kwargs) - {"split_special_tokens"}:
+            return self._transformers().encode(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)
+        ids = self._codec.text_ids(text, self._added, kwargs.get("split_special_tokens", self.split_special_tokens))
+        bos = self.bos_token_id if add_special_tokens and self._spec["bos_token"] is not None else None
+        return ids if bos is None else [bos, *ids]
+
+    @_forwarded
+    def tokenize(self, text: str, **kwargs) -> list[str]:
+        if set(kwargs) - {"split_special_tokens"}:
+            return self._transformers().tokenize(text, **kwargs)
+        split = kwargs.get("split_special_tokens", self.split_special_tokens)
+        return self.convert_ids_to_tokens(self._codec.text_ids(text, self._added, split))
+
+    # ---- decoding ---------------------------------------------------------------------------------------
+
+    @_forwarded
+    def decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None,
+               **kwargs) -> str:
+        if hasattr(token_ids, "tolist"):
+            token_ids = token_ids.tolist()  # a tensor or an array, as transformers takes
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        elif token_ids and isinstance(token_ids[0], (list, tuple)):
+            return self._transformers().decode(token_ids, skip_special_tokens=skip_special_tokens,
+                                               clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+        text = self._codec.decode([int(i) for i in token_ids], self._added, skip_special_tokens)
+        clean = clean_up_tokenization_spaces if clean_up_tokenization_spaces is not None \
+            else self.clean_up_tokenization_spaces
+        return self._transformers().clean_up_tokenization(text) if clean else text
+
+    @_forwarded
+    def batch_decode(self, sequences, **kwargs) -> list[str]:
+        return [self.decode(ids, **kwargs) for ids in sequences]
+
+    @_forwarded
+    def decode_ids(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """decode() without its argument handling or clean-up of spaces: the engine's detokenizer calls this
+        twice per token per sequence."""
+        return self._codec.decode(ids, self._added, skip_special_tokens)
+
+
+def _token_text(value: Any) -> str:
+    """A special token as tokenizer_config.json gives it: its text, or a serialized AddedToken holding it."""
+    return value["content"] if isinstance(value, dict) else str(value)
+
+
+def _special_token_property(name: str) -> property:
+    return _forwarded_property(name, lambda self: self._special.get(name))
+
+
+def _special_id_property(name: str) -> property:
+    return _forwarded_property(f"{name}_id", lambda self: self._token_id(self._special.get(name)))
+
+
+for _name in _SPECIAL_TOKEN_NAMES:
+    setattr(CompactBPETokenizer, _name, _special_token_property(_name))
+    setattr(CompactBPETokenizer, f"{_name}_id", _special_id_property(_name))
