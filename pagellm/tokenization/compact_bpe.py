@@ -696,6 +696,10 @@ class CompactBPETokenizer:
     def __call__(self, *args, **kwargs):
         return self._transformers()(*args, **kwargs)
 
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(name_or_path={str(self.source_directory)!r}, pipeline={self.pipeline!r}, "
+                f"vocab_size={self.vocab_size}, tokens={len(self)}, transformers={self._full is not None})")
+
     def _transformers(self):
         """The transformers tokenizer this one becomes (built once, from the same tables and settings)."""
         with self._lock:

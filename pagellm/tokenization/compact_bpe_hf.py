@@ -12,7 +12,7 @@ from typing import Any
 from transformers import AddedToken
 from transformers.tokenization_python import PythonBackend
 
-from pagellm.tokenization.compact_bpe import AddedTokenIndex, BpeCodec, _token_text
+from pagellm.tokenization.compact_bpe import _SPECIAL_TOKEN_NAMES, AddedTokenIndex, BpeCodec, _token_text
 
 
 class TransformersCompactBPETokenizer(PythonBackend):
@@ -31,9 +31,7 @@ class TransformersCompactBPETokenizer(PythonBackend):
                                     rstrip=token["rstrip"], normalized=False, special=token["special"])
             for token in spec["added_tokens"]}
         self._index_added_tokens()
-        special = {name: _token_text(config[name])
-                   for name in ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
-                   if config.get(name) is not None}
+        special = {name: _token_text(config[name]) for name in _SPECIAL_TOKEN_NAMES if config.get(name) is not None}
         super().__init__(**special, chat_template=chat_template,
                          model_max_length=config.get("model_max_length", int(1e30)),
                          clean_up_tokenization_spaces=config.get("clean_up_tokenization_spaces", False),
