@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 
 import torch
 
 from pagellm.ops.cpu_build import native_library
 from pagellm.ops.linear_bf16 import LinearBF16
+from pagellm.ops.scratch import thread_scratch
 from pagellm.worker.huge_pages import advise_huge_pages
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -47,8 +47,6 @@ class CpuMoEKernel:
         self._function = library.moe_experts
         self._function.restype = _INT
         self._function.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _PTR, _PTR]
-        # Per calling thread: the kernel's row buffers, kept and grown (fresh ones would be faulted in every step).
-        self._scratch = threading.local()
         self._pack = library.moe_pack_experts
         self._pack.restype = None
         self._pack.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
@@ -134,12 +132,10 @@ class CpuMoEKernel:
             raise ValueError(f"packed experts {tuple(w13p.shape)} and {tuple(w2p.shape)} are not CpuMoEKernel.pack's")
         return layout, experts, hidden, inter
 
-    def _buffer(self, name: str, elements: int, dtype: torch.dtype) -> torch.Tensor:
-        buffers = self._scratch.__dict__.setdefault("buffers", {})
-        buffer = buffers.get((name, dtype))
-        if buffer is None or buffer.numel() < elements:
-            buffer = buffers[(name, dtype)] = torch.empty(elements, dtype=dtype)
-        return buffer
+    @staticmethod
+    def _buffer(name: str, elements: int, dtype: torch.dtype) -> torch.Tensor:
+        # The kernel's row buffers (pagellm/ops/scratch.py).
+        return thread_scratch("moe", name, elements, dtype)
 
 
 def _dot_pack(stacked: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,6 @@ import logging
 import os
 import pathlib
 import subprocess
-import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 from pagellm.cpu_features import cpu_flags, cpu_has_amx_bf16, cpu_has_native
 from pagellm.models.gguf_quants import QUANT_FORMATS, QuantFormat, dequantize
 from pagellm.ops import cpu_build
+from pagellm.ops.scratch import thread_scratch
 
 if TYPE_CHECKING:
     from pagellm.ops.triton_gguf import TritonGGUFKernels
@@ -254,7 +254,6 @@ class GGUFKernels:
         self.bf16_dense_min_rows = _bf16_dense_table(self.isa)
         # bfloat16 rows from which the tiles, not the dense path, take a type (where the dense GEMM is not AMX's)
         self.bf16_tile_min_rows = {} if cpu_has_amx_bf16() else dict(self.tile_min_rows)
-        self._scratch = threading.local()
 
     @staticmethod
     def supports(type_name: str) -> bool:
@@ -341,13 +340,9 @@ class GGUFKernels:
                 y[:, first : first + n] = torch.mm(operand, dense.t())
         return y.view(*x.shape[:-1], out_features)
 
-    def _tile(self, elements: int, dtype: torch.dtype) -> torch.Tensor:
-        """A per-thread scratch tensor kept between calls: a fresh one would fault in its pages every call."""
-        tiles = self._scratch.__dict__.setdefault("tiles", {})
-        tile = tiles.get(dtype)
-        if tile is None or tile.numel() < elements:
-            tile = tiles[dtype] = torch.empty(elements, dtype=dtype)
-        return tile
+    @staticmethod
+    def _tile(elements: int, dtype: torch.dtype) -> torch.Tensor:
+        return thread_scratch("gguf", "tile", elements, dtype)
 
     def dequantize_rows(self, weight: torch.Tensor, type_name: str, row_ids: torch.Tensor | np.ndarray,
                         in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -32,7 +32,6 @@ import logging
 import os
 import pathlib
 import subprocess
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +41,7 @@ from pagellm.cpu_features import cpu_has_amx_bf16, cpu_has_native
 from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels
 from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
+from pagellm.ops.scratch import thread_scratch
 
 logger = logging.getLogger(__name__)
 
@@ -272,15 +272,10 @@ class W8A8Kernels:
         self.fp8_dense_min_rows = FP8_DENSE_MIN_ROWS[self.isa]
         self.fp8_bf16_dense_min_rows = (FP8_AMX_BF16_DENSE_MIN_ROWS if self.isa == "avx512" and cpu_has_amx_bf16()
                                         else self.fp8_dense_min_rows)
-        self._scratch = threading.local()
 
-    def _buffer(self, name: str, elements: int, dtype: torch.dtype) -> torch.Tensor:
-        """A per-thread scratch tensor kept between calls: a fresh one would fault in its pages every call."""
-        buffers = self._scratch.__dict__.setdefault("buffers", {})
-        buffer = buffers.get(name)
-        if buffer is None or buffer.numel() < elements:
-            buffer = buffers[name] = torch.empty(max(elements, 1), dtype=dtype)
-        return buffer
+    @staticmethod
+    def _buffer(name: str, elements: int, dtype: torch.dtype) -> torch.Tensor:
+        return thread_scratch("w8a8", name, elements, dtype)
 
     def quantize_rows(self, x: torch.Tensor, static_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [rows, K], scale float32 [rows]) as the int8 product quantizes x (equal to quantize_rows_int8)."""

@@ -28,7 +28,6 @@ import logging
 import os
 import pathlib
 import subprocess
-import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from pagellm.cpu_features import cpu_has_amx_bf16
 from pagellm.ops import cpu_build
 from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
+from pagellm.ops.scratch import thread_scratch
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +266,6 @@ class WNA16Kernels:
         self._linear_bf16 = linear_bf16(self.isa)
         self.bf16_tile_min_rows = (dict(BF16_TILE_MIN_ROWS) if self._linear_bf16 is not None and cpu_has_amx_bf16()
                                    else dict(self.dense_min_rows))
-        self._scratch = threading.local()
 
     def matmul(self, x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -352,12 +351,9 @@ class WNA16Kernels:
         """The whole W [out_features, in_features] in float32."""
         return self.dequantize_t_into(layout, 0, torch.empty(layout.in_features, layout.out_features)).t().contiguous()
 
-    def _tile(self, elements: int) -> torch.Tensor:
-        """A per-thread scratch tensor kept between calls: a fresh one would fault in its pages every call."""
-        tile = getattr(self._scratch, "tile", None)
-        if tile is None or tile.numel() < elements:
-            tile = self._scratch.tile = torch.empty(elements, dtype=torch.float32)
-        return tile
+    @staticmethod
+    def _tile(elements: int) -> torch.Tensor:
+        return thread_scratch("wna16", "tile", elements, torch.float32)
 
 
 def _operands(x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None, bias: torch.Tensor | None):

@@ -1,0 +1,34 @@
+"""The CPU kernels' scratch tensors: one per thread and kind, shared by every layer (one per layer kept a copy per
+layer: 186 MiB of int8 activation buffers for SmolLM2 after one 2,048-row prefill)."""
+
+import threading
+
+import pytest
+import torch
+
+from pagellm.ops.scratch import thread_scratch
+
+
+def test_a_kind_is_one_tensor_per_thread_grown_never_shrunk():
+    first = thread_scratch("test", "buffer", 100, torch.int8)
+    assert first.numel() >= 100 and first.dtype == torch.int8
+    assert thread_scratch("test", "buffer", 50, torch.int8) is first
+    grown = thread_scratch("test", "buffer", 1000, torch.int8)
+    assert grown.numel() >= 1000 and thread_scratch("test", "buffer", 10, torch.int8) is grown
+    assert thread_scratch("test", "buffer", 10, torch.float32) is not grown
+    assert thread_scratch("test", "other", 10, torch.int8) is not grown
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(thread_scratch("test", "buffer", 10, torch.int8)))
+    thread.start()
+    thread.join()
+    assert elsewhere[0] is not grown
+
+
+def test_kernel_wrappers_of_different_layers_share_their_buffers():
+    from pagellm.ops.w8a8_kernels import w8a8_kernels
+
+    first, second = w8a8_kernels(), w8a8_kernels()
+    if first is None:
+        pytest.skip("no C compiler or native kernels switched off")
+    assert first is not second
+    assert first._buffer("xq", 4096, torch.int8) is second._buffer("xq", 4096, torch.int8)
