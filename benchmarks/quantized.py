@@ -409,7 +409,7 @@ def print_tables(rows: list[dict], reference: float | None) -> None:
         print("\n(a) llama.cpp without its extra buffer types (use_extra_bufts=False): with them it died of a signal")
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, machine: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -423,7 +423,7 @@ def plot(rows: list[dict], path: Path) -> None:
            label="RSS added by LLM(), less the KV pool")
     ax.set_xticks(list(xs), names, rotation=30, ha="right")
     ax.set_ylabel("MiB")
-    ax.set_title("Memory per weight format (SmolLM2-135M; Gemma 3 270M last)")
+    ax.set_title(f"Memory per weight format (SmolLM2-135M; Gemma 3 270M last)\n{machine}", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -478,7 +478,7 @@ def main() -> None:
           f"{len(os.sched_getaffinity(0))} CPUs; load average {os.getloadavg()[0]:.1f} at the end")
     print_tables(rows, reference)
     if not args.no_plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, cpu_description())
 
 
 if __name__ == "__main__":
