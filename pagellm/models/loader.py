@@ -323,7 +323,7 @@ def generation_defaults(source: ModelSource, hf_config, generation_config: str =
 def _generation_config_values(source: ModelSource, hf_config, generation_config: str) -> dict:
     """The values a generation config sets (transformers' to_diff_dict, as vLLM reads it)."""
     if generation_config == "auto" and source.is_gguf:
-        return {}  # a GGUF's metadata holds no sampling settings, and its config is no transformers config
+        return {}  # its config holds no sampling fields (the loader reads no general.sampling.* key)
     from transformers import GenerationConfig, PretrainedConfig
 
     if generation_config != "auto":
