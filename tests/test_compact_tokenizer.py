@@ -104,7 +104,7 @@ def compact(request, directory) -> CompactBPETokenizer:
     tokenizer = compact_bpe.load_or_convert(directory)
     assert isinstance(tokenizer, CompactBPETokenizer)
     if request.param == "transformers":
-        tokenizer._transformers()
+        tokenizer.transformers_tokenizer()
     return tokenizer
 
 

@@ -408,3 +408,26 @@ def test_the_tokenizer_cache_keeps_the_most_recently_used_entries(model_path, tm
     os.utime(entry, (1, 1))
     gguf_loader.load_gguf_tokenizer(model_path)  # loaded from its entry, which is marked used
     assert entry.stat().st_mtime > 1_000_100
+
+
+def test_a_server_takes_transformers_tokenizer_at_start_up_and_the_engine_does_not():
+    """Chat templates render through transformers' tokenizer: a server takes it before its first chat request
+    (transformers' import costs ~1 s), while an offline engine on a GGUF never imports transformers."""
+    from pagellm.engine.arg_utils import AsyncEngineArgs
+    from pagellm.engine.async_llm_engine import AsyncLLMEngine
+    from pagellm.entrypoints.openai.api_server import build_app
+    from pagellm.entrypoints.openai.serving import ServerConfig
+
+    path = str(default_model_path())
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=path, max_model_len=256, max_num_seqs=2,
+                                                             kv_cache_memory_bytes=8 << 20))
+    try:
+        assert engine.engine.tokenizer._full is None
+        build_app(engine, ServerConfig(["smollm2"], path))
+        assert engine.tokenizer._full is not None  # the server's copy
+        assert engine.engine.tokenizer._full is None  # the engine's own
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                                    add_generation_prompt=True)
+        assert text.endswith("<|im_start|>assistant\n") and "Hi" in text
+    finally:
+        engine.shutdown()

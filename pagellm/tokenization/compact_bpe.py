@@ -652,7 +652,7 @@ def _forwarded_property(name: str, native: Callable[[Any], Any]) -> property:
         return getattr(full, name) if full is not None else native(self)
 
     def set_(self, value):
-        setattr(self._transformers(), name, value)
+        setattr(self.transformers_tokenizer(), name, value)
 
     return property(get, set_, doc=f"transformers' {name}")
 
@@ -685,29 +685,31 @@ class CompactBPETokenizer:
                 isinstance(getattr(type(self), name, None), property):
             object.__setattr__(self, name, value)
         else:
-            setattr(self._transformers(), name, value)
+            setattr(self.transformers_tokenizer(), name, value)
 
     def __getattr__(self, name: str) -> Any:
         # Reached for what this class does not define: transformers' tokenizer answers it.
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._transformers(), name)
+        return getattr(self.transformers_tokenizer(), name)
 
     def __call__(self, *args, **kwargs):
-        return self._transformers()(*args, **kwargs)
+        return self.transformers_tokenizer()(*args, **kwargs)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name_or_path={str(self.source_directory)!r}, pipeline={self.pipeline!r}, "
                 f"vocab_size={self.vocab_size}, tokens={len(self)}, transformers={self._full is not None})")
 
-    def _transformers(self):
-        """The transformers tokenizer this one becomes (built once, from the same tables and settings)."""
+    def transformers_tokenizer(self):
+        """The transformers tokenizer this one becomes (built once, from the same tables and settings), to which
+        every call goes from then on. A server takes it at start-up, so that its first chat request does not wait
+        for transformers' import (~1 s)."""
         with self._lock:
             if self._full is None:
                 from pagellm.tokenization.compact_bpe_hf import TransformersCompactBPETokenizer
 
-                logger.info("tokenizer: a call beyond encode/decode needs transformers' tokenizer interface; "
-                            "importing transformers")
+                logger.info("tokenizer: taking transformers' tokenizer interface over the compact tables (chat "
+                            "templates, padding, added tokens); importing transformers")
                 self._full = TransformersCompactBPETokenizer(self._codec, self._spec, self._config,
                                                              self._chat_template, self.source_directory)
             return self._full
@@ -780,7 +782,7 @@ class CompactBPETokenizer:
     @_forwarded
     def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> str | list[str]:
         if skip_special_tokens:
-            return self._transformers().convert_ids_to_tokens(ids, skip_special_tokens=True)
+            return self.transformers_tokenizer().convert_ids_to_tokens(ids, skip_special_tokens=True)
         if isinstance(ids, int):
             return self._codec.token(ids, self._added)
         return [self._codec.token(int(token_id), self._added) for token_id in ids]
@@ -790,7 +792,8 @@ class CompactBPETokenizer:
     @_forwarded
     def encode(self, text, text_pair=None, add_special_tokens: bool = True, **kwargs) -> list[int]:
         if not isinstance(text, str) or text_pair is not None or set(kwargs) - {"split_special_tokens"}:
-            return self._transformers().encode(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)
+            full = self.transformers_tokenizer()
+            return full.encode(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)
         ids = self._codec.text_ids(text, self._added, kwargs.get("split_special_tokens", self.split_special_tokens))
         bos = self.bos_token_id if add_special_tokens and self._spec["bos_token"] is not None else None
         return ids if bos is None else [bos, *ids]
@@ -798,7 +801,7 @@ class CompactBPETokenizer:
     @_forwarded
     def tokenize(self, text: str, **kwargs) -> list[str]:
         if set(kwargs) - {"split_special_tokens"}:
-            return self._transformers().tokenize(text, **kwargs)
+            return self.transformers_tokenizer().tokenize(text, **kwargs)
         split = kwargs.get("split_special_tokens", self.split_special_tokens)
         return self.convert_ids_to_tokens(self._codec.text_ids(text, self._added, split))
 
@@ -812,12 +815,12 @@ class CompactBPETokenizer:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         elif token_ids and isinstance(token_ids[0], (list, tuple)):
-            return self._transformers().decode(token_ids, skip_special_tokens=skip_special_tokens,
+            return self.transformers_tokenizer().decode(token_ids, skip_special_tokens=skip_special_tokens,
                                                clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
         text = self._codec.decode([int(i) for i in token_ids], self._added, skip_special_tokens)
         clean = clean_up_tokenization_spaces if clean_up_tokenization_spaces is not None \
             else self.clean_up_tokenization_spaces
-        return self._transformers().clean_up_tokenization(text) if clean else text
+        return self.transformers_tokenizer().clean_up_tokenization(text) if clean else text
 
     @_forwarded
     def batch_decode(self, sequences, **kwargs) -> list[str]:
