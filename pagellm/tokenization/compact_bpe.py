@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 import regex
 
+from pagellm.tokenization.chat_render import render_chat
+
 logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
@@ -630,6 +632,9 @@ def _added_content(added: AddedTokenIndex, token_id: int) -> str:
 
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# apply_chat_template's arguments that change what it returns or marks in the rendered text: transformers' to take.
+_RENDERED_BY_TRANSFORMERS = frozenset({"sanitize_control_tokens", "return_assistant_tokens_mask", "return_dict",
+                                       "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"})
 
 
 def _forwarded(method: Callable) -> Callable:
@@ -702,8 +707,7 @@ class CompactBPETokenizer:
 
     def transformers_tokenizer(self):
         """The transformers tokenizer this one becomes (built once, from the same tables and settings), to which
-        every call goes from then on. A server takes it at start-up, so that its first chat request does not wait
-        for transformers' import (~1 s)."""
+        every call goes from then on."""
         with self._lock:
             if self._full is None:
                 from pagellm.tokenization.compact_bpe_hf import TransformersCompactBPETokenizer
@@ -804,6 +808,30 @@ class CompactBPETokenizer:
             return self.transformers_tokenizer().tokenize(text, **kwargs)
         split = kwargs.get("split_special_tokens", self.split_special_tokens)
         return self.convert_ids_to_tokens(self._codec.text_ids(text, self._added, split))
+
+    # ---- chat templates ---------------------------------------------------------------------------------
+
+    @_forwarded
+    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template=None,
+                            add_generation_prompt: bool = False, continue_final_message: bool | str = False,
+                            tokenize: bool = True, **kwargs):
+        """transformers' apply_chat_template; the text of one conversation of plain data is rendered here
+        (chat_render.py), the rest (tokenize=True, batches, message objects, ...) by the transformers tokenizer."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if not tokenize and isinstance(template, str) and not set(kwargs) & _RENDERED_BY_TRANSFORMERS:
+            text = render_chat(template, conversation, self._special_tokens_map(), tools=tools, documents=documents,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, **kwargs)
+            if text is not None:
+                return text
+        return self.transformers_tokenizer().apply_chat_template(
+            conversation, tools=tools, documents=documents, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=tokenize, **kwargs)
+
+    def _special_tokens_map(self) -> dict[str, str]:
+        """transformers' special_tokens_map: the named special tokens that are set, which templates read."""
+        return {name: self._special[name] for name in _SPECIAL_TOKEN_NAMES if name in self._special}
 
     # ---- decoding ---------------------------------------------------------------------------------------
 

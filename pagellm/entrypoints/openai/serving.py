@@ -38,7 +38,6 @@ from pagellm.lora.serving import LoRARegistry, parse_lora_modules
 from pagellm.models.loader import ServerSamplingDefaults
 from pagellm.outputs import PositionLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, check_text
-from pagellm.tokenization.compact_bpe import CompactBPETokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -195,9 +194,6 @@ class OpenAIServing:
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
-        if isinstance(self.tokenizer, CompactBPETokenizer):
-            # Chat templates render through transformers' tokenizer: imported now, not on the first chat request.
-            self.tokenizer.transformers_tokenizer()
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.engine.vocab_size
         # --max-logprobs, vLLM's ModelConfig.max_logprobs (-1: no cap).
