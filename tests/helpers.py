@@ -109,3 +109,14 @@ def assert_same_fields(ours, theirs) -> None:
     mine, other = comparable_config(ours), comparable_config(theirs)
     assert mine == {key: other[key] for key in mine}
     assert set(other) - set(comparable_config(transformers.PretrainedConfig())) <= set(mine)
+
+
+def run_python(script: str, env: dict | None = None, timeout: float = 300) -> str:
+    """The stdout of `script` run by this interpreter in a fresh process (what it imports is its own); its stderr's
+    tail where it fails."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout

@@ -1,15 +1,13 @@
 """GGUF configs built without transformers' model config classes hold what those classes would hold."""
 
 import copy
-import subprocess
-import sys
 
 import pytest
 import transformers
 
 from pagellm.models.gguf_config import _FAMILIES, gguf_model_config
 from pagellm.models.gguf_loader import default_model_path, open_gguf
-from tests.helpers import assert_same_fields, comparable_config
+from tests.helpers import assert_same_fields, comparable_config, run_python
 
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
@@ -96,6 +94,5 @@ def test_an_engine_on_a_gguf_imports_no_transformers():
         "heavy = [m for m in ('sympy', 'accelerate', 'transformers') if m in sys.modules]\n"
         "print('heavy:', heavy)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "heavy: []" in out.stdout, out.stdout
+    out = run_python(script)
+    assert "heavy: []" in out, out

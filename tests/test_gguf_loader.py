@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-import subprocess
-import sys
 
 import gguf
 import numpy as np
@@ -14,7 +12,7 @@ import torch
 import transformers
 
 from pagellm.models.gguf_loader import default_model_path, load_gguf
-from tests.helpers import assert_encodes_and_decodes_alike, hf_load_gguf
+from tests.helpers import assert_encodes_and_decodes_alike, hf_load_gguf, run_python
 
 CONFIG_FIELDS = (
     "model_type",
@@ -366,10 +364,8 @@ def test_a_first_conversion_runs_in_a_child_process(model_path, tmp_path):
               f"tokenizer = load_gguf_tokenizer({str(model_path)!r})\n"
               "print(type(tokenizer).__name__, tokenizer.encode('Hello world'))\n"
               "print('heavy:', [m for m in ('sympy', 'transformers') if m in sys.modules])\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PAGELLM_CACHE_DIR=str(tmp_path)))
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "CompactBPETokenizer [19556, 905]" in out.stdout and "heavy: []" in out.stdout, out.stdout
+    out = run_python(script, env=dict(os.environ, PAGELLM_CACHE_DIR=str(tmp_path)))
+    assert "CompactBPETokenizer [19556, 905]" in out and "heavy: []" in out, out
     assert list(tmp_path.glob("gguf-tokenizers/*/compact_bpe.tables")), "the child cached the compact tables"
 
 
@@ -428,6 +424,5 @@ def test_a_server_renders_chat_templates_without_transformers():
         "print(repr(text), 'transformers' in sys.modules)\n"
         "engine.shutdown()\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n' False" in out.stdout, out.stdout
+    out = run_python(script)
+    assert "<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n' False" in out, out
