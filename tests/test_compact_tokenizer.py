@@ -322,3 +322,4 @@ def test_added_tokens_split_leftmost_longest_whatever_their_characters():
     assert index.split(text, split_special_tokens=True) == ["q]x", 21, 22, "\\", 25, 24, 26, "\nz"]
     assert index.split("", False) == [] and compact_bpe.AddedTokenIndex(10, []).split("ab", False) == ["ab"]
     assert compact_bpe.AddedTokenIndex(10, [(3, "<s>", True)]).split("a<s>b", split_special_tokens=True) == ["a<s>b"]
+    assert compact_bpe.AddedTokenIndex(10, [(3, "", False), (4, "<s>", True)]).split("a<s>", False) == ["a", 4]

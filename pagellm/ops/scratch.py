@@ -1,7 +1,7 @@
 """Per-thread scratch tensors of the CPU kernels' Python wrappers, kept between calls (a fresh tensor would fault
 its pages in on every call) and shared by every layer the thread runs: layers run one after another, so one buffer
 of each kind serves them all, where one per layer kept a copy per layer (the int8 W8A8 activations' buffers for a
-2,048-row prefill chunk: 186 MiB for SmolLM2's 120 layers)."""
+2,048-row prefill chunk, one set per linear layer: 186 MiB for SmolLM2)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def render_chat(template: str, conversation: list, special_tokens: dict[str, str
     except _NotPlain:
         return None
     if tools is not None and not all(isinstance(tool, dict) for tool in tools):
-        return None  # functions, which transformers turns into JSON schemas
+        return None  # functions, which transformers turns into JSON schemas, or what it refuses
     if documents is not None and not all(isinstance(document, dict) for document in documents):
         raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
     messages = _alias_reasoning(messages)

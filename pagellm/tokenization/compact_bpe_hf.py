@@ -24,7 +24,6 @@ class TransformersCompactBPETokenizer(PythonBackend):
     def __init__(self, codec: BpeCodec, spec: dict[str, Any], config: dict[str, Any], chat_template: str | None,
                  source_directory: pathlib.Path) -> None:
         self._codec = codec
-        self.pipeline = codec.pipeline
         self.source_directory = source_directory
         self._added_tokens_decoder = {
             token["id"]: AddedToken(token["content"], single_word=token["single_word"], lstrip=token["lstrip"],
@@ -47,16 +46,11 @@ class TransformersCompactBPETokenizer(PythonBackend):
     def vocab_size(self) -> int:
         return self._codec.tables.vocab_size
 
-    def tables_nbytes(self) -> int:
-        return self._codec.tables.nbytes()
-
     def _update_total_vocab_size(self) -> None:
         self.total_vocab_size = self._added.size
 
     def get_vocab(self) -> dict[str, int]:
-        vocab = self._codec.vocab(self._added)
-        vocab.update(self._added_tokens_encoder)
-        return vocab
+        return self._codec.vocab(self._added)  # its added tokens are _added_tokens_decoder's
 
     def _add_tokens(self, new_tokens, special_tokens: bool = False) -> int:
         if not new_tokens:
