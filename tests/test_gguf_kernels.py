@@ -173,6 +173,24 @@ def test_a_rows_outputs_do_not_depend_on_the_other_rows(isa, name, cases):
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("isa", ISAS)
+def test_one_row_reads_four_weight_rows_at_a_time_to_the_same_bits(isa, name):
+    """A one-row product reads four parts of its outputs side by side (the last parts shorter, or one row at a
+    time where a type's unpacking bounds it): every output equals the two-row kernel's, which reads one weight
+    row at a time, and the float64 reference, for output counts that leave every kind of tail."""
+    kernels = _kernels(isa)
+    in_features = IN_FEATURES[name]
+    for out_features in (1, 3, 6, 130, 259):
+        weight = random_weight(name, out_features, in_features, seed=out_features)
+        w64 = dequantized(weight, name, in_features).astype(np.float64)
+        x = torch.randn(2, in_features, generator=torch.Generator().manual_seed(out_features))
+        one = kernels.matmul_int8(x[:1], weight, name, out_features, in_features)
+        two = kernels.matmul_int8(x, weight, name, out_features, in_features)
+        assert torch.equal(one[0], two[0]), (name, out_features)
+        _check_int8(one, x[:1], w64, 256 if name.endswith("_K") else 32, name, 1)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("isa", ISAS)
 def test_bfloat16_activations_and_outputs(isa, name, cases):
     kernels = _kernels(isa)
     weight, w64 = cases[name]

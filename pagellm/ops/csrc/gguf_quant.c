@@ -41,6 +41,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
 #define TILE_WEIGHT_BYTES (64 * 1024)
 /* How far ahead of the block being unpacked its weight row is prefetched. */
 #define PREFETCH_AHEAD 1024
+/* Weight rows a one-row product reads side by side (dot_outputs_*), so that this many streams from memory are
+ * in flight at once: one stream at a time left a core's memory idle while it computed. */
+#define STREAMS 4
 /* Below this many multiply-adds a call runs on the calling thread: a parallel region is ~1 us on a quiet
  * machine, but waits for a busy core where other processes hold them (see cpu_ops.c). */
 #define PARALLEL_MIN_WORK (1 << 18)
@@ -88,13 +91,17 @@ static ALWAYS_INLINE u8x32 nibbles_32(const uint8_t *p) {
                                    20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
-/* Q5_0/Q5_1's fifth bits: bit k of the little-endian uint32 at p, as 16 in byte k (0 where clear). */
-static ALWAYS_INLINE u8x32 fifth_bits(const uint8_t *p) {
+/* Q5_0/Q5_1's fifth bits: bit k of the little-endian uint32 at p, as 16 in byte k (0 where clear). VPMOVM2B
+ * where the build has it, unless `shuffled`: in dot_outputs_32, which unpacks four rows' blocks at a time, the
+ * mask moves made Q5_0 a quarter slower than shuffles (Intel Xeon with AMX, 2 cores). */
+static ALWAYS_INLINE u8x32 fifth_bits(const uint8_t *p, const int shuffled) {
     uint32_t bits;
     memcpy(&bits, p, sizeof bits);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-    return (u8x32)_mm256_movm_epi8((__mmask32)bits) & 16; /* VPMOVM2B: byte k all ones where bit k is set */
+    if (!shuffled) return (u8x32)_mm256_movm_epi8((__mmask32)bits) & 16; /* VPMOVM2B: byte k all ones where bit k is set */
 #else
+    (void)shuffled;
+#endif
     const u8x32 copies = (u8x32)((u32x8){0} + bits);
     /* byte k takes byte k / 8 of the word, from a copy in its own 16-byte lane (an in-lane shuffle) */
     const u8x32 spread = __builtin_shufflevector(copies, copies, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 18,
@@ -102,10 +109,9 @@ static ALWAYS_INLINE u8x32 fifth_bits(const uint8_t *p) {
     const u8x32 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
                        1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
     return (u8x32)((spread & bit) != 0) & 16;
-#endif
 }
 
-static ALWAYS_INLINE Block32 unpack_32(const int type, const uint8_t *b) {
+static ALWAYS_INLINE Block32 unpack_32(const int type, const uint8_t *b, const int shuffled_bits) {
     Block32 u = {.d = half_to_float(b), .m = 0.0f, .offset = 0};
     switch (type) {
     case Q4_0: /* f16 d, 16 bytes of nibbles; w = d (q - 8) */
@@ -117,12 +123,12 @@ static ALWAYS_INLINE Block32 unpack_32(const int type, const uint8_t *b) {
         u.q = nibbles_32(b + 4);
         break;
     case Q5_0: /* f16 d, uint32 fifth bits, 16 bytes of nibbles; w = d (q - 16) */
-        u.q = nibbles_32(b + 6) | fifth_bits(b + 2);
+        u.q = nibbles_32(b + 6) | fifth_bits(b + 2, shuffled_bits);
         u.offset = 16;
         break;
     case Q5_1: /* f16 d, f16 m, uint32 fifth bits, 16 bytes of nibbles; w = d q + m */
         u.m = half_to_float(b + 2);
-        u.q = nibbles_32(b + 8) | fifth_bits(b + 4);
+        u.q = nibbles_32(b + 8) | fifth_bits(b + 4, shuffled_bits);
         break;
     default: /* Q8_0: f16 d, 32 int8; w = d q */
         u.q = load_u8x32(b + 2);
@@ -346,6 +352,29 @@ static void quantize_row_256(const void *x, int64_t row, int64_t in_features, co
 
 /* ---- the products ----------------------------------------------------------------------------------- */
 
+/* One 32-weight block's share of an output: the integer dot product into *acc (scaled), the offset's or the
+ * minimum's share into *side. Every row kernel adds its blocks through this (and add_block_256), so an output's
+ * bits do not depend on which kernel computed it.
+ * sum_k (d (q_k - offset) + m) x_k = d dx sum_k q_k qx_k + (m - offset d) s_x: the 4- and 5-bit formats multiply
+ * their unsigned quants as they are (one instruction, where signed ones take the sign trick's two more) and add
+ * the offset's and the minimum's share on the side; Q8_0's quants are signed already. */
+static ALWAYS_INLINE void add_block_32(const int type, const Block32 *u, const ActivationBlock32 *xb, f32x8 *acc,
+                                       float *side) {
+    const i8x32 xq = load_i8x32(xb->qs);
+    const i32x8 dot = type == Q8_0 ? dot_s8s8((i8x32)u->q, xq) : dot_u8s8(u->q, xq);
+    *acc = fmadd(to_f32(dot), splat_f32(u->d * xb->d), *acc);
+    if (type != Q8_0) *side += (type == Q4_1 || type == Q5_1 ? u->m : -(float)u->offset * u->d) * xb->s;
+}
+
+/* A super-block's share: dx (d sum_g scale_g sum_k q_k qx_k - dmin sum_g mins_g bsum_g). */
+static ALWAYS_INLINE f32x8 add_block_256(const Block256 *s, const ActivationBlock256 *xb, f32x8 acc) {
+    i32x8 sum = dot_scaled(s->q[0], load_i8x32(xb->qs), s->scale[0]);
+    for (int j = 1; j < 8; ++j) sum += dot_scaled(s->q[j], load_i8x32(xb->qs + 32 * j), s->scale[j]);
+    const i32x8 mins = madd_i16(load_i16x16(xb->bsums), s->mins);
+    acc = fmadd(to_f32(sum), splat_f32(xb->d * s->d), acc);
+    return fmadd(to_f32(mins), splat_f32(-(xb->d * s->dmin)), acc);
+}
+
 /* out[r] = weight row `w` (nb blocks) . activation row r, for r < R (rows `stride` blocks apart). R is a
  * constant after inlining: the R accumulators live in registers and each block is unpacked once for all.
  * Even and odd blocks go to separate accumulators, so that consecutive blocks' multiply-adds do not wait for
@@ -363,19 +392,8 @@ static ALWAYS_INLINE void dot_rows_32(const int type, const uint8_t *w, int64_t 
     for (int64_t b = 0; b < nb; b += 2) {
         __builtin_prefetch(w + b * bytes + PREFETCH_AHEAD, 0, 3);
         for (int i = 0; i < 2 && b + i < nb; ++i) {
-            const Block32 u = unpack_32(type, w + (b + i) * bytes);
-            /* sum_k (d (q_k - offset) + m) x_k = d dx sum_k q_k qx_k + (m - offset d) s_x: the 4- and 5-bit
-             * formats multiply their unsigned quants as they are (one instruction, where signed ones take the
-             * sign trick's two more) and add the offset's and the minimum's share on the side; Q8_0's quants are
-             * signed already */
-            const float m = type == Q4_1 || type == Q5_1 ? u.m : -(float)u.offset * u.d;
-            for (int r = 0; r < R; ++r) {
-                const ActivationBlock32 *xb = x + r * stride + b + i;
-                const i8x32 xq = load_i8x32(xb->qs);
-                const i32x8 dot = type == Q8_0 ? dot_s8s8((i8x32)u.q, xq) : dot_u8s8(u.q, xq);
-                acc[r][i] = fmadd(to_f32(dot), splat_f32(u.d * xb->d), acc[r][i]);
-                if (type != Q8_0) side[r][i] += m * xb->s;
-            }
+            const Block32 u = unpack_32(type, w + (b + i) * bytes, 0);
+            for (int r = 0; r < R; ++r) add_block_32(type, &u, x + r * stride + b + i, &acc[r][i], &side[r][i]);
         }
     }
     for (int r = 0; r < R; ++r) out[r] = hsum_f32(acc[r][0] + acc[r][1]) + (side[r][0] + side[r][1]);
@@ -390,17 +408,48 @@ static ALWAYS_INLINE void dot_rows_256(const int type, const uint8_t *w, int64_t
         for (int line = 0; line < bytes; line += 64) __builtin_prefetch(w + b * bytes + PREFETCH_AHEAD + line, 0, 3);
         Block256 s;
         unpack_256(type, w + b * bytes, &s);
-        for (int r = 0; r < R; ++r) {
-            const ActivationBlock256 *xb = x + r * stride + b;
-            /* dx (d sum_g scale_g sum_k q_k qx_k - dmin sum_g mins_g bsum_g) */
-            i32x8 sum = dot_scaled(s.q[0], load_i8x32(xb->qs), s.scale[0]);
-            for (int j = 1; j < 8; ++j) sum += dot_scaled(s.q[j], load_i8x32(xb->qs + 32 * j), s.scale[j]);
-            const i32x8 mins = madd_i16(load_i16x16(xb->bsums), s.mins);
-            acc[r] = fmadd(to_f32(sum), splat_f32(xb->d * s.d), acc[r]);
-            acc[r] = fmadd(to_f32(mins), splat_f32(-(xb->d * s.dmin)), acc[r]);
-        }
+        for (int r = 0; r < R; ++r) acc[r] = add_block_256(&s, x + r * stride + b, acc[r]);
     }
     for (int r = 0; r < R; ++r) out[r] = hsum_f32(acc[r]);
+}
+
+/* One row of x against C weight rows w[c] (C <= STREAMS), block by block in lockstep: each output's arithmetic
+ * is dot_rows_32's or dot_rows_256's at R = 1, to the bit; reading C rows at once keeps C streams in flight. */
+static ALWAYS_INLINE void dot_outputs_32(const int type, const uint8_t *const *w, int64_t nb,
+                                         const ActivationBlock32 *x, const int C, float *out) {
+    f32x8 acc[STREAMS][2];
+    float side[STREAMS][2];
+    for (int c = 0; c < C; ++c)
+        for (int i = 0; i < 2; ++i) {
+            acc[c][i] = splat_f32(0.0f);
+            side[c][i] = 0.0f;
+        }
+    const int bytes = block_bytes(type);
+    for (int64_t b = 0; b < nb; b += 2) {
+        for (int c = 0; c < C; ++c) __builtin_prefetch(w[c] + b * bytes + PREFETCH_AHEAD, 0, 3);
+        for (int i = 0; i < 2 && b + i < nb; ++i)
+            for (int c = 0; c < C; ++c) {
+                const Block32 u = unpack_32(type, w[c] + (b + i) * bytes, 1);
+                add_block_32(type, &u, x + b + i, &acc[c][i], &side[c][i]);
+            }
+    }
+    for (int c = 0; c < C; ++c) out[c] = hsum_f32(acc[c][0] + acc[c][1]) + (side[c][0] + side[c][1]);
+}
+
+static ALWAYS_INLINE void dot_outputs_256(const int type, const uint8_t *const *w, int64_t nb,
+                                          const ActivationBlock256 *x, const int C, float *out) {
+    f32x8 acc[STREAMS];
+    for (int c = 0; c < C; ++c) acc[c] = splat_f32(0.0f);
+    const int bytes = block_bytes(type);
+    for (int64_t b = 0; b < nb; ++b)
+        for (int c = 0; c < C; ++c) {
+            for (int line = 0; line < bytes; line += 64)
+                __builtin_prefetch(w[c] + b * bytes + PREFETCH_AHEAD + line, 0, 3);
+            Block256 s;
+            unpack_256(type, w[c] + b * bytes, &s);
+            acc[c] = add_block_256(&s, x + b, acc[c]);
+        }
+    for (int c = 0; c < C; ++c) out[c] = hsum_f32(acc[c]);
 }
 
 static ALWAYS_INLINE void store_one(void *y, int64_t index, float v, int bf16) {
@@ -412,10 +461,52 @@ static ALWAYS_INLINE void store_one(void *y, int64_t index, float v, int bf16) {
     ((uint16_t *)y)[index] = bits[0];
 }
 
+/* Q2_K and Q3_K read one row at a time: their unpacking, not memory, bounds them, and four rows side by side
+ * measured 10-17% slower (an Intel Xeon with AMX, 2 cores, AVX-512 and AVX2 builds alike). */
+static ALWAYS_INLINE int streams_of(const int type) { return type == Q2_K || type == Q3_K ? 1 : STREAMS; }
+
+/* Outputs [first, last) of one row of x: streams_of(type) parts of the range, an output of each at a time. */
+static ALWAYS_INLINE void one_row_pass(const int type, const uint8_t *w, int64_t nb, const void *xq, int64_t row,
+                                       int64_t first, int64_t last, int64_t out_features, void *y, int y_bf16) {
+    const int streams = streams_of(type);
+    const int64_t part = (last - first + streams - 1) / streams, row_bytes = nb * block_bytes(type);
+    for (int64_t k = 0; k < part; ++k) {
+        const uint8_t *rows[STREAMS];
+        int64_t outputs[STREAMS];
+        int count = 0;
+        for (int c = 0; c < streams; ++c) {
+            const int64_t o = first + c * part + k;
+            if (o < last) {
+                outputs[count] = o;
+                rows[count++] = w + o * row_bytes;
+            }
+        }
+        float out[STREAMS];
+        if (count == STREAMS && streams == STREAMS) {
+            if (is_k_quant(type))
+                dot_outputs_256(type, rows, nb, (const ActivationBlock256 *)xq + row * nb, STREAMS, out);
+            else
+                dot_outputs_32(type, rows, nb, (const ActivationBlock32 *)xq + row * nb, STREAMS, out);
+        } else { /* the last parts' tails */
+            for (int c = 0; c < count; ++c) {
+                if (is_k_quant(type))
+                    dot_outputs_256(type, rows + c, nb, (const ActivationBlock256 *)xq + row * nb, 1, out + c);
+                else
+                    dot_outputs_32(type, rows + c, nb, (const ActivationBlock32 *)xq + row * nb, 1, out + c);
+            }
+        }
+        for (int c = 0; c < count; ++c) store_one(y, row * out_features + outputs[c], out[c], y_bf16);
+    }
+}
+
 /* Outputs [first, last) for rows [row, row + R) of x. */
 static ALWAYS_INLINE void output_pass(const int type, const uint8_t *w, int64_t nb, const void *xq, int64_t row,
                                       const int R, int64_t first, int64_t last, int64_t out_features, void *y,
                                       int y_bf16) {
+    if (R == 1) {
+        one_row_pass(type, w, nb, xq, row, first, last, out_features, y, y_bf16);
+        return;
+    }
     for (int64_t o = first; o < last; ++o) {
         const uint8_t *weight_row = w + o * nb * block_bytes(type);
         float out[ROWS_PER_PASS];
@@ -542,7 +633,7 @@ static ALWAYS_INLINE void repack_strip(const int type, const uint8_t *w, int64_t
             if (!is_k_quant(type)) {
                 uint8_t *chunk = strip + b * chunk_bytes;
                 float *scale = (float *)(chunk + STRIP_QUANT_BYTES), *constant = scale + STRIP;
-                const Block32 u = unpack_32(type, weight_row + b * bytes);
+                const Block32 u = unpack_32(type, weight_row + b * bytes, 0);
                 place_quants(chunk, c, type == Q8_0 ? u.q ^ 0x80 : u.q);
                 scale[c] = u.d;
                 constant[c] = u.m;
@@ -820,7 +911,7 @@ static ALWAYS_INLINE void dequantize_row(const int type, const uint8_t *w, int64
     for (int64_t b = 0; b < nb; ++b) {
         f32x8 v[4];
         if (!is_k_quant(type)) {
-            const Block32 u = unpack_32(type, w + b * bytes);
+            const Block32 u = unpack_32(type, w + b * bytes, 0);
             widen(u.q, type == Q8_0, u.offset, v);
             for (int p = 0; p < 4; ++p) {
                 f32x8 weights = v[p] * u.d;
