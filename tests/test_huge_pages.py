@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from pagellm.worker.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages
+from pagellm.worker.huge_pages import (
+    HUGE_PAGE_BYTES,
+    NUMPY_HUGE_PAGE_MIN_BYTES,
+    WeightArena,
+    advise_huge_pages,
+    weight_arena,
+    weight_zeros,
+)
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -40,3 +48,43 @@ def test_a_large_weight_is_advised_and_a_small_one_is_not():
 
 def test_small_and_empty_tensors_are_left_alone():
     assert advise_huge_pages([torch.empty(16), torch.empty(0)]) == 0
+
+
+def test_the_weight_arena_hands_out_zeroed_aligned_pieces_of_shared_chunks():
+    arena = WeightArena(chunk_bytes=1 << 20)
+    pieces = [arena.zeros(size) for size in (100, 64, 4000, 1)]
+    assert all(piece.dtype == np.uint8 and not piece.any() for piece in pieces)
+    assert [piece.nbytes for piece in pieces] == [100, 64, 4000, 1]
+    assert all(piece.ctypes.data % 64 == 0 for piece in pieces)
+    base = pieces[0].base
+    assert all(piece.base is base for piece in pieces)  # one chunk
+    for piece in pieces:
+        piece[:] = 7
+    assert all((piece == 7).all() for piece in pieces)  # no two pieces overlap
+    bigger = arena.zeros((1 << 20) - 64)  # does not fit the rest of the chunk: a new one
+    assert bigger.base is not base and not bigger.any()
+    own = arena.zeros(NUMPY_HUGE_PAGE_MIN_BYTES)  # numpy's own huge pages: no chunk
+    assert own.base is None and own.nbytes == NUMPY_HUGE_PAGE_MIN_BYTES
+
+
+def test_weight_zeros_uses_the_arena_of_its_block_only():
+    outside = weight_zeros(128)
+    assert outside.base is None
+    with weight_arena():
+        first, second = weight_zeros(128), weight_zeros(128)
+    assert first.base is second.base is not None
+    assert weight_zeros(128).base is None
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+def test_a_gguf_models_small_layers_lie_on_huge_page_chunks():
+    """Each linear layer of the default model (SmolLM2 GGUF) is well under numpy's huge-page size; they are packed
+    into arena chunks, which numpy advises for huge pages."""
+    from pagellm import LLM
+
+    llm = LLM(kv_cache_memory_bytes=4 << 20, max_model_len=64, max_num_seqs=2)
+    model = llm.llm_engine.core.runner.model
+    weights = [module.weight for module in model.modules() if getattr(module, "quantized_parts", None)]
+    small = [w for w in weights if w.untyped_storage().nbytes() < NUMPY_HUGE_PAGE_MIN_BYTES]
+    assert len(small) >= 60  # o_proj and down_proj of 30 layers at least
+    assert all("hg" in _vma_flags(w.data_ptr()) for w in small)

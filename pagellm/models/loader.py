@@ -21,7 +21,7 @@ from pagellm.layers.weights import process_weights_after_loading
 from pagellm.models import registry
 from pagellm.models.llama import LlamaForCausalLM
 from pagellm.ops.cpu_ops import CpuOps, cpu_ops
-from pagellm.worker.huge_pages import advise_huge_pages
+from pagellm.worker.huge_pages import advise_huge_pages, weight_arena
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,8 @@ def load_model(
     else:
         weights = gguf_state_dict.items() if gguf_state_dict is not None else _iter_hf_weights(source.path)
         model.load_weights(weights)
-    process_weights_after_loading(model)
+    with weight_arena():  # the layers' repacked weights share huge-page chunks (worker/huge_pages.py)
+        process_weights_after_loading(model)
     ops = cpu_ops() if device.type == "cpu" else None
     if ops is not None and CpuOps.supports(config.hidden_size, config.intermediate_size, dtype):
         model.use_cpu_ops(ops)

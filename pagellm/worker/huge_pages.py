@@ -6,12 +6,18 @@ written, so the first write faults in 2 MiB pages; memory already written is lef
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import numpy as np
 import torch
 
 from pagellm.worker.kv_prefault import libc_madvise
 
 MADV_HUGEPAGE = 14
 HUGE_PAGE_BYTES = 2 << 20
+PAGE_BYTES = 4096
 
 
 def advise_huge_pages(tensors: list[torch.Tensor]) -> int:
@@ -34,3 +40,57 @@ def advise_huge_pages(tensors: list[torch.Tensor]) -> int:
         if end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0:
             advised += end - start
     return advised
+
+
+# numpy asks for huge pages (madvise) on allocations from this size on; smaller ones come from the C heap.
+NUMPY_HUGE_PAGE_MIN_BYTES = 4 << 20
+
+
+class WeightArena:
+    """Zeroed byte buffers carved from large chunks advised for transparent huge pages before they are written:
+    a model's many weight tensors below numpy's threshold (a small model's layers are 0.2-3 MiB each) would
+    otherwise come from the C heap on 4 KiB pages. Pieces are never freed one by one: a chunk lives while any
+    piece of it does, so an arena serves one model's load."""
+
+    def __init__(self, chunk_bytes: int = 32 << 20) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._chunk: np.ndarray | None = None
+        self._used = 0
+
+    def zeros(self, nbytes: int) -> np.ndarray:
+        """A zeroed uint8 array of nbytes, 64-byte aligned (one of numpy's huge-page size gets its own memory)."""
+        if nbytes >= NUMPY_HUGE_PAGE_MIN_BYTES:
+            return np.zeros(nbytes, dtype=np.uint8)
+        if self._chunk is None or self._used + nbytes > self._chunk.nbytes:
+            self._new_chunk()
+        piece = self._chunk[self._used : self._used + nbytes]
+        self._used += -(-nbytes // 64) * 64
+        return piece
+
+    def _new_chunk(self) -> None:
+        # calloc's fresh mapping is not written yet: advised from its first whole page, it faults in huge pages
+        chunk = np.zeros(self.chunk_bytes + PAGE_BYTES, dtype=np.uint8)
+        start = -chunk.ctypes.data % PAGE_BYTES
+        self._chunk, self._used = chunk[start : start + self.chunk_bytes], 0
+        madvise = libc_madvise()
+        if madvise is not None:
+            madvise(self._chunk.ctypes.data, self.chunk_bytes, MADV_HUGEPAGE)
+
+
+_ARENA: contextvars.ContextVar[WeightArena | None] = contextvars.ContextVar("weight_arena", default=None)
+
+
+@contextlib.contextmanager
+def weight_arena() -> Iterator[WeightArena]:
+    """Weight buffers made by `weight_zeros` inside this block share one arena."""
+    token = _ARENA.set(WeightArena())
+    try:
+        yield _ARENA.get()
+    finally:
+        _ARENA.reset(token)
+
+
+def weight_zeros(nbytes: int) -> np.ndarray:
+    """A zeroed uint8 buffer for weights: from the current arena (huge pages) inside `weight_arena()`, else numpy's."""
+    arena = _ARENA.get()
+    return arena.zeros(nbytes) if arena is not None else np.zeros(nbytes, dtype=np.uint8)

@@ -20,6 +20,7 @@ from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
 from pagellm.layers.weights import set_weight_attrs
 from pagellm.ops.dense_linear import DenseKernel, UpcastScratch, choose_dense_kernel
 from pagellm.ops.gguf_kernels import gguf_ops, row_bytes
+from pagellm.worker.huge_pages import NUMPY_HUGE_PAGE_MIN_BYTES, weight_zeros
 
 if TYPE_CHECKING:
     from pagellm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
@@ -223,14 +224,14 @@ def _pack_runs(weights: list[GGUFWeight], padding: int,
     sizes[-1] += padding * runs[-1][0].data.shape[1]
     only = weights[0].data
     if len(weights) == 1 and not padding and device.type == "cpu" and only.is_contiguous() \
-            and only.untyped_storage().nbytes() == only.numel():
+            and only.untyped_storage().nbytes() == only.numel() >= NUMPY_HUGE_PAGE_MIN_BYTES:
         # One tensor, as the loader read it into a numpy array of its own (huge pages, see below): kept as it is,
         # not copied while the copy and the original are both alive.
         return only.view(-1), [_QuantizedPart(only, weights[0].type_name, weights[0].rows)]
     # numpy's allocator asks for transparent huge pages for large arrays (torch's does not): a decode step streams
     # each weight once, and on 4 KiB pages the hardware prefetcher stops at every page boundary (Gemma 3's
     # 178 MB Q8_0 head: 9.3 ms a token on 4 KiB pages, 5.9 ms on huge pages, on a 2-core Intel Xeon).
-    buffer = torch.from_numpy(np.zeros(sum(sizes), dtype=np.uint8))
+    buffer = torch.from_numpy(weight_zeros(sum(sizes)))
     offset = 0
     for run, size in zip(runs, sizes):
         view = buffer[offset : offset + size].view(-1, run[0].data.shape[1])
