@@ -225,12 +225,13 @@ def _pack_runs(weights: list[GGUFWeight], padding: int,
     only = weights[0].data
     if len(weights) == 1 and not padding and device.type == "cpu" and only.is_contiguous() \
             and only.untyped_storage().nbytes() == only.numel() >= NUMPY_HUGE_PAGE_MIN_BYTES:
-        # One tensor, as the loader read it into a numpy array of its own (huge pages, see below): kept as it is,
-        # not copied while the copy and the original are both alive.
+        # One large tensor, as the loader read it into a numpy array of its own (on huge pages at this size): kept
+        # as it is, not copied while the copy and the original are both alive.
         return only.view(-1), [_QuantizedPart(only, weights[0].type_name, weights[0].rows)]
-    # numpy's allocator asks for transparent huge pages for large arrays (torch's does not): a decode step streams
-    # each weight once, and on 4 KiB pages the hardware prefetcher stops at every page boundary (Gemma 3's
-    # 178 MB Q8_0 head: 9.3 ms a token on 4 KiB pages, 5.9 ms on huge pages, on a 2-core Intel Xeon).
+    # Huge pages, from numpy for large buffers and from the load's arena for the rest (torch's allocator gives
+    # neither): a decode step streams each weight once, and on 4 KiB pages the hardware prefetcher stops at every
+    # page boundary (Gemma 3's 178 MB Q8_0 head: 9.3 ms a token on 4 KiB pages, 5.9 ms on huge pages, on a
+    # 2-core Intel Xeon). A smaller single tensor is copied too, one layer at a time.
     buffer = torch.from_numpy(weight_zeros(sum(sizes)))
     offset = 0
     for run, size in zip(runs, sizes):
