@@ -845,7 +845,13 @@ int gguf_matmul(int type, const uint8_t *w, const void *x, int x_bf16, int64_t r
     tile = tile > 64 ? 64 : tile;
     tile = parallel && tile > spread ? spread : tile;
     tile = tile < 1 ? 1 : tile;
-    const int64_t tiles = (out_features + tile - 1) / tile;
+    int64_t tiles = (out_features + tile - 1) / tile;
+    if (parallel) { /* as many tiles for every thread, of sizes within one output of each other */
+        const int64_t threads = omp_get_max_threads();
+        tiles = (tiles + threads - 1) / threads * threads;
+        tile = (out_features + tiles - 1) / tiles;
+        tiles = (out_features + tile - 1) / tile;
+    }
 #pragma omp parallel if (parallel)
     {
 #pragma omp for schedule(static)
