@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import mmap
 from collections.abc import Iterator
 
 import numpy as np
@@ -17,7 +18,6 @@ from pagellm.worker.kv_prefault import libc_madvise
 
 MADV_HUGEPAGE = 14
 HUGE_PAGE_BYTES = 2 << 20
-PAGE_BYTES = 4096
 
 
 def advise_huge_pages(tensors: list[torch.Tensor]) -> int:
@@ -68,13 +68,13 @@ class WeightArena:
         return piece
 
     def _new_chunk(self) -> None:
-        # calloc's fresh mapping is not written yet: advised from its first whole page, it faults in huge pages
-        chunk = np.zeros(self.chunk_bytes + PAGE_BYTES, dtype=np.uint8)
-        start = -chunk.ctypes.data % PAGE_BYTES
-        self._chunk, self._used = chunk[start : start + self.chunk_bytes], 0
-        madvise = libc_madvise()
-        if madvise is not None:
-            madvise(self._chunk.ctypes.data, self.chunk_bytes, MADV_HUGEPAGE)
+        # A private anonymous mapping of its own: zero pages until written, and advised before any is. (numpy's
+        # zeros of this size may come from the C heap, whose calloc clears, and so keeps resident, the whole chunk.)
+        mapping = mmap.mmap(-1, self.chunk_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):  # THP disabled, or a kernel without it: 4 KiB pages
+                mapping.madvise(mmap.MADV_HUGEPAGE)
+        self._chunk, self._used = np.frombuffer(mapping, dtype=np.uint8), 0
 
 
 _ARENA: contextvars.ContextVar[WeightArena | None] = contextvars.ContextVar("weight_arena", default=None)
