@@ -231,8 +231,10 @@ def _pack_runs(weights: list[GGUFWeight], padding: int,
     # Huge pages, from numpy for large buffers and from the load's arena for the rest (torch's allocator gives
     # neither): a decode step streams each weight once, and on 4 KiB pages the hardware prefetcher stops at every
     # page boundary (Gemma 3's 178 MB Q8_0 head: 9.3 ms a token on 4 KiB pages, 5.9 ms on huge pages, on a
-    # 2-core Intel Xeon). A smaller single tensor is copied too, one layer at a time.
-    buffer = torch.from_numpy(weight_zeros(sum(sizes)))
+    # 2-core Intel Xeon). A smaller single tensor is copied too, one layer at a time. For another device the host
+    # buffer is only a staging copy: numpy's, freed after the copy (an arena's chunk would live to the load's end).
+    host = weight_zeros(sum(sizes)) if device.type == "cpu" else np.zeros(sum(sizes), dtype=np.uint8)
+    buffer = torch.from_numpy(host)
     offset = 0
     for run, size in zip(runs, sizes):
         view = buffer[offset : offset + size].view(-1, run[0].data.shape[1])
