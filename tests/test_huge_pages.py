@@ -65,6 +65,8 @@ def test_the_weight_arena_hands_out_zeroed_aligned_pieces_of_shared_chunks():
     assert bigger.base is not base and not bigger.any()
     own = arena.zeros(NUMPY_HUGE_PAGE_MIN_BYTES)  # numpy's own huge pages: no chunk
     assert own.base is None and own.nbytes == NUMPY_HUGE_PAGE_MIN_BYTES
+    beyond = arena.zeros((1 << 20) + 1)  # more than a chunk holds
+    assert beyond.base is None and beyond.nbytes == (1 << 20) + 1
 
 
 def test_weight_zeros_uses_the_arena_of_its_block_only():

@@ -58,8 +58,9 @@ class WeightArena:
         self._used = 0
 
     def zeros(self, nbytes: int) -> np.ndarray:
-        """A zeroed uint8 array of nbytes, 64-byte aligned (one of numpy's huge-page size gets its own memory)."""
-        if nbytes >= NUMPY_HUGE_PAGE_MIN_BYTES:
+        """A zeroed uint8 array of nbytes, 64-byte aligned (one of numpy's huge-page size, or larger than a chunk,
+        gets its own memory)."""
+        if nbytes >= NUMPY_HUGE_PAGE_MIN_BYTES or nbytes > self.chunk_bytes:
             return np.zeros(nbytes, dtype=np.uint8)
         if self._chunk is None or self._used + nbytes > self._chunk.nbytes:
             self._new_chunk()
