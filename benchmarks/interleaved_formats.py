@@ -52,9 +52,10 @@ def main() -> None:
     formats = [next(f for f in FORMATS if f.name == name) for name in args.formats]
     engines = {}
     for fmt in formats:
-        engines[fmt.name] = LLM(model=checkpoint(fmt, workdir, args.llama_python), dtype=fmt.dtype, quantization=fmt.quantization,
-                                kv_cache_dtype=fmt.kv_cache_dtype, kv_cache_memory_bytes=KV_CACHE_BYTES,
-                                max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
+        engines[fmt.name] = LLM(model=checkpoint(fmt, workdir, args.llama_python), dtype=fmt.dtype,
+                                quantization=fmt.quantization, kv_cache_dtype=fmt.kv_cache_dtype,
+                                kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
+                                enable_prefix_caching=False)
     ids = next(iter(engines.values())).get_tokenizer()(PERPLEXITY_TEXT)["input_ids"]
     prompts = [{"prompt_token_ids": p} for p in prompts_of(ids, args.batch)]
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)

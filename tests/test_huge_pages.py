@@ -81,7 +81,7 @@ def test_weight_zeros_uses_the_arena_of_its_block_only():
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
 def test_a_gguf_models_small_layers_lie_on_huge_page_chunks():
     """Each linear layer of the default model (SmolLM2 GGUF) is well under numpy's huge-page size; they are packed
-    into arena chunks, which numpy advises for huge pages."""
+    into the load's arena, whose chunks are advised for huge pages before they are written."""
     from pagellm import LLM
 
     llm = LLM(kv_cache_memory_bytes=4 << 20, max_model_len=64, max_num_seqs=2)

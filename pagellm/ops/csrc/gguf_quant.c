@@ -86,8 +86,8 @@ typedef struct {
 /* 16 bytes of nibbles -> 32 bytes: the low nibbles are weights 0-15, the high nibbles 16-31. */
 static ALWAYS_INLINE u8x32 nibbles_32(const uint8_t *p) {
 #if defined(__AVX2__)
-    /* the 16 bytes broadcast to both halves (a load), the high half shifted: no cross-lane shuffle, whose one port
-     * the row kernels' other shuffles already queue on (one-row Q4_0 +14%, Q5_0 +10% on an Intel Xeon) */
+    /* the 16 bytes broadcast to both halves (a load), the high half shifted: no cross-lane insert (one-row Q4_0
+     * +14%, Q5_0 +10% on an Intel Xeon with AMX; presumably the insert's shuffle port was the row kernels' queue) */
     const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
     const __m256i halves = _mm256_blend_epi32(both, _mm256_srli_epi16(both, 4), 0xF0);
     return (u8x32)_mm256_and_si256(halves, _mm256_set1_epi8(0xF));
@@ -104,9 +104,8 @@ static ALWAYS_INLINE u8x32 fifth_bits(const uint8_t *p) {
     uint32_t bits;
     memcpy(&bits, p, sizeof bits);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-    /* a zero-masked move of 16s: one instruction beside the mask's (VPMOVM2B and an AND took one more, and in
-     * dot_outputs_32's four-row loop ran a quarter slower than the shuffles below; this one 9% faster than them,
-     * Intel Xeon with AMX) */
+    /* one zero-masked move of 16s beside the mask's: in dot_outputs_32's four-row loop VPMOVM2B and an AND ran a
+     * quarter slower than the shuffles below, this 9% faster than them (Intel Xeon with AMX) */
     return (u8x32)_mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(16));
 #else
     const u8x32 copies = (u8x32)((u32x8){0} + bits);
@@ -473,6 +472,15 @@ static ALWAYS_INLINE void store_one(void *y, int64_t index, float v, int bf16) {
  * measured 10-17% slower (an Intel Xeon with AMX, 2 cores, AVX-512 and AVX2 builds alike). */
 static ALWAYS_INLINE int streams_of(const int type) { return type == Q2_K || type == Q3_K ? 1 : STREAMS; }
 
+/* out[c] = weight row rows[c] . row `row` of the quantized activations xq, for c < C. */
+static ALWAYS_INLINE void dot_outputs(const int type, const uint8_t *const *rows, int64_t nb, const void *xq,
+                                      int64_t row, const int C, float *out) {
+    if (is_k_quant(type))
+        dot_outputs_256(type, rows, nb, (const ActivationBlock256 *)xq + row * nb, C, out);
+    else
+        dot_outputs_32(type, rows, nb, (const ActivationBlock32 *)xq + row * nb, C, out);
+}
+
 /* Outputs [first, last) of one row of x: streams_of(type) parts of the range, an output of each at a time. */
 static ALWAYS_INLINE void one_row_pass(const int type, const uint8_t *w, int64_t nb, const void *xq, int64_t row,
                                        int64_t first, int64_t last, int64_t out_features, void *y, int y_bf16) {
@@ -490,19 +498,10 @@ static ALWAYS_INLINE void one_row_pass(const int type, const uint8_t *w, int64_t
             }
         }
         float out[STREAMS];
-        if (count == STREAMS && streams == STREAMS) {
-            if (is_k_quant(type))
-                dot_outputs_256(type, rows, nb, (const ActivationBlock256 *)xq + row * nb, STREAMS, out);
-            else
-                dot_outputs_32(type, rows, nb, (const ActivationBlock32 *)xq + row * nb, STREAMS, out);
-        } else { /* the last parts' tails */
-            for (int c = 0; c < count; ++c) {
-                if (is_k_quant(type))
-                    dot_outputs_256(type, rows + c, nb, (const ActivationBlock256 *)xq + row * nb, 1, out + c);
-                else
-                    dot_outputs_32(type, rows + c, nb, (const ActivationBlock32 *)xq + row * nb, 1, out + c);
-            }
-        }
+        if (count == STREAMS)
+            dot_outputs(type, rows, nb, xq, row, STREAMS, out);
+        else /* the last parts' tails, or a type read one row at a time */
+            for (int c = 0; c < count; ++c) dot_outputs(type, rows + c, nb, xq, row, 1, out + c);
         for (int c = 0; c < count; ++c) store_one(y, row * out_features + outputs[c], out[c], y_bf16);
     }
 }
