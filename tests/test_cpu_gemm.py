@@ -156,6 +156,41 @@ def test_linear_bf16_kernel_equals_the_exact_product_rounded(path, rows, in_feat
     assert (out == exact.to(torch.bfloat16)).float().mean().item() >= 0.99
 
 
+@pytest.mark.parametrize("path", ["vector", "amx"])
+@pytest.mark.parametrize("rows, out_features", [(300, 1040), (530, 80)])
+def test_linear_bf16_kernel_over_several_chunks_of_rows(path, rows, out_features):
+    """More than one chunk of 256 rows: the tiles then hand each thread blocks of rows times groups of column
+    blocks (of unequal counts where the panels do not divide evenly, an odd last panel, a partial last chunk and
+    a tail of rows), each output still summed once and rounded once."""
+    kernel = _on_path(_linear_kernel(), path)
+    gen = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    out = kernel(x, kernel.pack(weight), b)
+    exact = x.double() @ weight.double().T + b.double()
+    torch.testing.assert_close(out.float(), exact.float(), rtol=2**-7, atol=1e-6 * 576)
+    assert (out == exact.to(torch.bfloat16)).float().mean().item() >= 0.99
+
+
+@pytest.mark.parametrize("path", ["vector", "amx"])
+def test_linear_bf16_into_writes_its_columns_of_a_wider_output(path):
+    """`into` writes y's rows at their stride (a block of columns of a wider output, as the GGUF dense path's
+    tiles do) and leaves the other columns as they were."""
+    kernel = _on_path(_linear_kernel(), path)
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
+    wide = torch.full((37, 100), 7.0, dtype=torch.bfloat16)
+    kernel.into(x, kernel.pack(weight), wide[:, 20:68])
+    assert torch.equal(wide[:, 20:68], kernel(x, kernel.pack(weight), None))
+    assert (wide[:, :20] == 7).all() and (wide[:, 68:] == 7).all()
+    with pytest.raises(ValueError, match="unit column stride"):
+        kernel.into(x, kernel.pack(weight), torch.empty(100, 37, dtype=torch.bfloat16).t()[:, 20:68])
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        kernel.into(x.float(), kernel.pack(weight), wide[:, 20:68])
+
+
 def test_linear_bf16_kernel_layout_and_refusals():
     kernel = _linear_kernel()
     weight = torch.arange(32 * 4, dtype=torch.float32).view(32, 4).to(torch.bfloat16)

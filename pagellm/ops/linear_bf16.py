@@ -10,6 +10,8 @@ import torch
 from pagellm.ops.cpu_build import NEVER_ROWS, amx_bf16_ready, library_isa, native_library
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# bfloat16 inputs per row of an AMX tile: the tiles take in_features that are a multiple of it (csrc/linear_bf16.c).
+AMX_K = 32
 
 
 class LinearBF16:
@@ -38,6 +40,9 @@ class LinearBF16:
         self._function = library.linear_bf16
         self._function.restype = _INT
         self._function.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+        self._strided = library.linear_bf16_strided
+        self._strided.restype = _INT
+        self._strided.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
         self.amx = amx_bf16_ready(library)
         self.amx_min_rows = self.AMX_MIN_ROWS if self.amx else NEVER_ROWS
 
@@ -65,6 +70,23 @@ class LinearBF16:
                           y.data_ptr(), rows.shape[0], in_features, out_features, self.amx_min_rows):
             raise ValueError(f"linear_bf16 refused in_features={in_features}, out_features={out_features}")
         return y if rows is x else y.view(*x.shape[:-1], out_features)
+
+    def into(self, rows: torch.Tensor, packed: torch.Tensor, y: torch.Tensor) -> None:
+        """y = rows @ W^T, no bias, where y is [rows, out] bfloat16 whose rows may lie further apart than `out` (a
+        block of columns of a wider output, which the product then writes in place); rows is contiguous
+        [rows, in] bfloat16."""
+        panels, pairs, _, _ = packed.shape
+        in_features, out_features = 2 * pairs, panels * self.PANEL
+        if rows.dtype != torch.bfloat16 or rows.dim() != 2 or rows.shape[1] != in_features or not rows.is_contiguous():
+            raise ValueError(f"rows are {rows.dtype} {tuple(rows.shape)}; this product takes contiguous bfloat16 "
+                             f"[n, {in_features}]")
+        if y.dtype != torch.bfloat16 or y.shape != (rows.shape[0], out_features) or y.stride(1) != 1:
+            raise ValueError(f"y is {y.dtype} {tuple(y.shape)} with strides {y.stride()}; this product writes "
+                             f"bfloat16 [{rows.shape[0]}, {out_features}] with unit column stride")
+        if self._strided(rows.data_ptr(), packed.data_ptr(), None, y.data_ptr(), y.stride(0), rows.shape[0],
+                         in_features, out_features, self.amx_min_rows):
+            raise ValueError(f"linear_bf16 refused in_features={in_features}, out_features={out_features}, "
+                             f"row stride {y.stride(0)}")
 
 
 def linear_bf16(isa: str | None = None) -> LinearBF16 | None:
