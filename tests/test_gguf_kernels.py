@@ -30,6 +30,7 @@ from pagellm.cpu_features import cpu_has_amx_bf16, cpu_has_native
 from pagellm.models import gguf_quants
 from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels as gk
+from pagellm.ops.linear_bf16 import LinearBF16
 
 ISAS = cpu_build.runnable_isas()
 TYPES = gk.KERNEL_TYPES
@@ -308,6 +309,71 @@ def test_dequantize_rows_equals_gguf(isa, cases):
         assert torch.equal(rows_bf16, expected.to(torch.bfloat16)), name
     with pytest.raises(IndexError, match="row id 67"):
         kernels.dequantize_rows(weight, name, torch.tensor([1, 67]), IN_FEATURES[name])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_dequantize_packed_is_linear_bf16s_layout_of_the_bfloat16_rows(isa, cases):
+    """The AMX dense path's tiles: the rows dequantize_rows gives in bfloat16, laid out as LinearBF16.pack lays
+    them out (the AVX-512 builds transpose 16 x 16 pairs in registers, the others pair by pair)."""
+    kernels = _kernels(isa)
+    for name in TYPES:
+        weight, _ = cases[name]
+        in_features = IN_FEATURES[name]
+        packed = kernels.dequantize_packed(weight, name, 3, 48, in_features)
+        dense = kernels.dequantize_rows(weight, name, torch.arange(3, 51), in_features, torch.bfloat16)
+        assert torch.equal(packed, LinearBF16.pack(dense)), name
+    with pytest.raises(ValueError, match="whole panels of 16 rows"):
+        kernels.dequantize_packed(weight, name, 0, 24, in_features)
+    with pytest.raises(ValueError, match="whole panels of 16 rows"):
+        kernels.dequantize_packed(weight, name, 60, 16, in_features)
+
+
+def _amx_kernels() -> gk.GGUFKernels:
+    kernels = _kernels(ISAS[0])
+    if kernels.amx_product is None:
+        pytest.skip("no AMX bfloat16 tiles here (or the library has no linear_bf16)")
+    return kernels
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_bfloat16_dense_path_runs_on_amx_tiles_without_torchs_gemm(name, monkeypatch):
+    """Where the CPU has AMX, bfloat16 rows' dense path multiplies packed tiles of W with linear_bf16 (no oneDNN,
+    whose primitives for each new row count stayed in the process): tiles of 32 outputs and a last one of 16, into
+    their columns of y, equal to the float64 product of the bfloat16 operands within one rounding."""
+    kernels = _amx_kernels()
+    in_features, out_features = IN_FEATURES[name], 80
+    weight = random_weight(name, out_features, in_features, seed=3)
+    w_bf16 = kernels.dequantize_rows(weight, name, torch.arange(out_features), in_features, torch.bfloat16)
+    monkeypatch.setattr(gk, "DENSE_TILE_BYTES", 32 * 2 * in_features)
+
+    def no_gemm(*args, **kwargs):
+        raise AssertionError("torch's GEMM ran")
+
+    monkeypatch.setattr(torch, "mm", no_gemm)
+    gen = torch.Generator().manual_seed(5)
+    for rows in (9, 40, 70):
+        x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+        y = kernels.matmul_dense(x, weight, name, out_features, in_features)
+        exact = x.double() @ w_bf16.double().T
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        torch.testing.assert_close(y.float(), exact.float(), rtol=2**-7, atol=1e-6 * in_features)
+        assert (y == exact.to(torch.bfloat16)).float().mean().item() >= 0.99, (name, rows)
+    out = torch.empty(2, 35, out_features, dtype=torch.bfloat16)
+    x = torch.randn(2, 35, in_features, generator=gen).to(torch.bfloat16)
+    assert kernels.matmul_dense(x, weight, name, out_features, in_features, out=out).data_ptr() == out.data_ptr()
+    exact = x.reshape(70, in_features).double() @ w_bf16.double().T
+    torch.testing.assert_close(out.reshape(70, out_features).float(), exact.float(), rtol=2**-7,
+                               atol=1e-6 * in_features)
+
+
+def test_layers_the_amx_tiles_cannot_take_keep_torchs_gemm(cases):
+    """out_features not a multiple of 16 (or in_features of 32) leaves the dense path on torch's GEMM."""
+    kernels = _amx_kernels()
+    weight, w64 = cases["Q4_0"]
+    x = torch.randn(40, IN_FEATURES["Q4_0"]).to(torch.bfloat16)
+    y = kernels.matmul_dense(x, weight, "Q4_0", OUT_FEATURES, IN_FEATURES["Q4_0"])
+    expected = torch.mm(x, torch.from_numpy(w64).to(torch.bfloat16).t())
+    torch.testing.assert_close(y.float(), expected.float(), rtol=2**-7, atol=1e-3)
 
 
 def test_non_finite_activations_reach_their_row_only(cases):

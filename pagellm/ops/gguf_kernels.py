@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from pagellm.cpu_features import cpu_flags, cpu_has_amx_bf16, cpu_has_native
 from pagellm.models.gguf_quants import QUANT_FORMATS, QuantFormat, dequantize
 from pagellm.ops import cpu_build
+from pagellm.ops.linear_bf16 import AMX_K, LinearBF16, linear_bf16
 from pagellm.ops.scratch import thread_scratch
 
 if TYPE_CHECKING:
@@ -238,6 +239,9 @@ class GGUFKernels:
         self._dequantize = library.gguf_dequantize_rows
         self._dequantize.restype = _INT
         self._dequantize.argtypes = [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT]
+        self._dequantize_packed = library.gguf_dequantize_packed
+        self._dequantize_packed.restype = _INT
+        self._dequantize_packed.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR]
         for name in ("gguf_block_weights", "gguf_block_bytes", "gguf_tile_min_rows"):
             getattr(library, name).restype = _INT
             getattr(library, name).argtypes = [_INT]
@@ -254,6 +258,7 @@ class GGUFKernels:
         self.bf16_dense_min_rows = _bf16_dense_table(self.isa)
         # bfloat16 rows from which the tiles, not the dense path, take a type (where the dense GEMM is not AMX's)
         self.bf16_tile_min_rows = {} if cpu_has_amx_bf16() else dict(self.tile_min_rows)
+        self.amx_product = _amx_product(self.isa)
 
     @staticmethod
     def supports(type_name: str) -> bool:
@@ -316,11 +321,16 @@ class GGUFKernels:
 
     def matmul_dense(self, x: torch.Tensor, weight: torch.Tensor, type_name: str, out_features: int,
                      in_features: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`matmul` as torch's GEMM on tiles of the weight dequantized in turn (DENSE_TILE_BYTES each), in
-        bfloat16 where x is bfloat16 and the CPU multiplies it natively, else float32."""
+        """`matmul` as a GEMM on tiles of the weight dequantized in turn (DENSE_TILE_BYTES each): linear_bf16 on
+        AMX's tiles for bfloat16 x where the CPU has them, else torch's GEMM, in bfloat16 where x is bfloat16 and
+        the CPU multiplies it natively, else float32."""
         type_id = self._type_id(type_name)
         _check_weight(weight, type_name, out_features, in_features)
         rows = _rows_of(x, in_features)
+        if x.dtype == torch.bfloat16 and self.amx_product is not None and in_features % AMX_K == 0 \
+                and out_features % LinearBF16.PANEL == 0:
+            return self._matmul_amx(rows, weight, type_id, out_features, in_features, out).view(*x.shape[:-1],
+                                                                                               out_features)
         gemm_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 and cpu_has_native(torch.bfloat16) else torch.float32
         operand = rows.to(gemm_dtype)
         y = _output(x, rows.shape[0], out_features, x.dtype, out)
@@ -339,6 +349,42 @@ class GGUFKernels:
             else:
                 y[:, first : first + n] = torch.mm(operand, dense.t())
         return y.view(*x.shape[:-1], out_features)
+
+    def _matmul_amx(self, rows: torch.Tensor, weight: torch.Tensor, type_id: int, out_features: int,
+                    in_features: int, out: torch.Tensor | None) -> torch.Tensor:
+        """matmul_dense on AMX's tiles (linear_bf16), each tile of W dequantized straight into that kernel's
+        packed layout and multiplied into its columns of y: no oneDNN, whose per-shape primitives and JIT code
+        grew the process by ~3 MiB for each new row count a prefill brought."""
+        y = _output(rows, rows.shape[0], out_features, torch.bfloat16, out)
+        # Whole pairs of 16-output panels (the kernel's 32-output blocks) in each tile but the last.
+        tile_rows = min(out_features, max(2 * LinearBF16.PANEL, DENSE_TILE_BYTES // (2 * in_features) // 32 * 32))
+        tile = self._tile(tile_rows * in_features, torch.bfloat16)
+        for first in range(0, out_features, tile_rows):
+            n = min(tile_rows, out_features - first)
+            packed = self._packed_rows(type_id, weight, first, n, in_features, tile[: n * in_features])
+            self.amx_product.into(rows, packed, y[:, first : first + n])
+        return y
+
+    def dequantize_packed(self, weight: torch.Tensor, type_name: str, first_row: int, n_rows: int,
+                          in_features: int) -> torch.Tensor:
+        """Rows first_row .. first_row + n_rows - 1 of W in bfloat16 (dequantize_rows' values), in linear_bf16's
+        packed layout [n_rows / 16, in_features / 2, 16, 2]; n_rows a multiple of 16."""
+        _check_weight(weight, type_name, weight.shape[0], in_features)
+        if n_rows % LinearBF16.PANEL or first_row < 0 or first_row + n_rows > weight.shape[0]:
+            raise ValueError(f"rows {first_row} + {n_rows} of a {weight.shape[0]}-row weight: packing takes whole "
+                             f"panels of {LinearBF16.PANEL} rows within the weight")
+        out = torch.empty(n_rows * in_features, dtype=torch.bfloat16)
+        return self._packed_rows(self._type_id(type_name), weight, first_row, n_rows, in_features, out)
+
+    def _packed_rows(self, type_id: int, weight: torch.Tensor, first_row: int, n_rows: int, in_features: int,
+                     out: torch.Tensor) -> torch.Tensor:
+        failed = self._dequantize_packed(type_id, weight.data_ptr(), in_features, first_row, n_rows, out.data_ptr())
+        if failed == 1:
+            raise MemoryError("gguf_dequantize_packed could not allocate its 16-row buffers")
+        if failed:
+            raise ValueError(f"gguf_dequantize_packed refused type {type_id} with in_features={in_features} and "
+                             f"{n_rows} rows")
+        return out.view(n_rows // LinearBF16.PANEL, in_features // 2, LinearBF16.PANEL, 2)
 
     @staticmethod
     def _tile(elements: int, dtype: torch.dtype) -> torch.Tensor:
@@ -426,6 +472,13 @@ def build_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
     elif isa == "avx2" and "avx_vnni" in flags:
         extra.append("-mavxvnni")
     return cpu_build.compiler_flags(isa) + extra
+
+
+def _amx_product(isa: str) -> LinearBF16 | None:
+    """linear_bf16 where its library for `isa` runs on AMX's bfloat16 tiles here (the dense path's product then),
+    else None (torch's GEMM takes the dense tiles)."""
+    product = linear_bf16(isa)
+    return product if product is not None and product.amx else None
 
 
 @functools.cache

@@ -15,7 +15,8 @@
  * results do not depend on the thread count. The AVX-512 VNNI build runs every format from 64 rows on 512-bit
  * tiles instead (vnni_tiles: the weight repacked per call into strips of 16 outputs, activations in blocks of 32).
  * gguf_dequantize_rows: chosen rows of W as float32 or bfloat16 (an embedding's gather, or tiles of W for a
- * dense GEMM), rounding exactly where gguf's numpy dequantizer does (hence -ffp-contract=off for this file).
+ * dense GEMM), rounding exactly where gguf's numpy dequantizer does (hence -ffp-contract=off for this file);
+ * gguf_dequantize_packed: a tile of W in bfloat16 in linear_bf16's packed layout, for its AMX tiles.
  *
  * Built with OpenMP against the libgomp torch already loaded (see pagellm/ops/cpu_build.py), so it runs
  * on torch's thread pool with torch's thread count.
@@ -980,6 +981,81 @@ int gguf_dequantize_rows(int type, const uint8_t *w, int64_t in_features, const 
         dequantize(w + row * row_bytes, in_features, (char *)out + i * in_features * element, out_bf16);
     }
     return 0;
+}
+
+#if defined(__AVX512F__)
+/* a[i] = row i of a 16 x 16 matrix of 32-bit elements -> a[c] = its column c. */
+static ALWAYS_INLINE void transpose_16x16(__m512i a[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+    }
+    /* u[g + m], 128-bit lane L: column 4L + m of rows g..g+3 */
+    for (int g = 0; g < 16; g += 4) {
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int m = 0; m < 4; ++m) {
+        const __m512i low_a = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
+        const __m512i low_b = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+        const __m512i high_a = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+        const __m512i high_b = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+        a[m] = _mm512_shuffle_i32x4(low_a, low_b, 0x88);
+        a[4 + m] = _mm512_shuffle_i32x4(low_a, low_b, 0xDD);
+        a[8 + m] = _mm512_shuffle_i32x4(high_a, high_b, 0x88);
+        a[12 + m] = _mm512_shuffle_i32x4(high_a, high_b, 0xDD);
+    }
+}
+#endif
+
+/* 16 bfloat16 rows of 2 * pairs weights, `pairs` 32-bit pairs apart -> out [pairs][16][2]: each input pair's 16
+ * rows side by side, one 64-byte line per pair. */
+static void interleave_16_rows(const uint16_t *rows, int64_t pairs, uint16_t *out) {
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    for (; k + 16 <= pairs; k += 16) {
+        __m512i a[16];
+        for (int i = 0; i < 16; ++i) a[i] = _mm512_loadu_si512(rows + 2 * (i * pairs + k));
+        transpose_16x16(a);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + 32 * (k + i), a[i]);
+    }
+#endif
+    for (; k < pairs; ++k)
+        for (int i = 0; i < 16; ++i) memcpy(out + 32 * k + 2 * i, rows + 2 * (i * pairs + k), 4);
+}
+
+/* out = rows first_row .. first_row + n_rows - 1 of W in bfloat16 (rounded as gguf_dequantize_rows rounds them),
+ * laid out as linear_bf16's packed weight ([n_rows / 16][in_features / 2][16][2], csrc/linear_bf16.c), so that its
+ * tiles multiply a dense tile of W with no row-major copy of it: each group of 16 rows is dequantized into a
+ * per-thread buffer (L1/L2-sized) and interleaved from there. Returns 2 as gguf_dequantize_rows does and for an
+ * n_rows that is not a multiple of 16, 1 if memory ran out. */
+int gguf_dequantize_packed(int type, const uint8_t *w, int64_t in_features, int64_t first_row, int64_t n_rows,
+                           uint16_t *out) {
+    const int weights = block_weights(type);
+    if (weights == 0 || in_features <= 0 || in_features % weights != 0 || n_rows < 0 || n_rows % 16 != 0) return 2;
+    const DequantizeFunction dequantize = dequantize_function(type);
+    const int64_t row_bytes = in_features / weights * block_bytes(type), groups = n_rows / 16;
+    int failed = 0;
+#pragma omp parallel if (n_rows * in_features >= PARALLEL_MIN_WORK / 4)
+    {
+        uint16_t *rows = malloc((size_t)(16 * in_features) * sizeof *rows);
+        if (rows == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            if (rows == NULL) continue;
+            for (int i = 0; i < 16; ++i)
+                dequantize(w + (first_row + 16 * g + i) * row_bytes, in_features, rows + i * in_features, 1);
+            interleave_16_rows(rows, in_features / 2, out + 16 * g * in_features);
+        }
+        free(rows);
+    }
+    return failed;
 }
 
 /* Rows of x from which gguf_matmul multiplies `type` on the 512-bit tiles; 0 where it never does (a build
