@@ -6,6 +6,8 @@ projection of a ~1B model) through both paths of the kernels:
            and, in the AVX-512 VNNI build, on 512-bit tiles from `tile_threshold` rows on);
 - `dense`: tiles of the weight dequantized to float32 (bfloat16 with --activations bfloat16 where the CPU
            multiplies it natively) and torch's GEMM on them (what it runs from `dense_threshold` rows on);
+           with bfloat16 activations on a CPU with AMX, bfloat16 tiles in linear_bf16's packed layout multiplied
+           on AMX's tiles by pagellm's kernel instead, beside `torch`, the same tiles on torch's GEMM (oneDNN);
            `*` marks the path `matmul` picks;
 and, on the same shape, pagellm's dense linear layer (pagellm.models.llama.Linear, set up as the loader sets it up)
 in float32 and bfloat16: oneDNN on a packed weight, MKL from 512 rows in float32 on AVX2, the avx512_bf16 kernel
@@ -125,6 +127,10 @@ def main() -> None:
         raise SystemExit("the GGUF kernels cannot be built here (no C compiler, or PAGELLM_NATIVE_KERNELS=0)")
     in_features, out_features = args.in_features, args.out_features
     activations = getattr(torch, args.activations)
+    torch_gemm = None  # the dense path as it ran before AMX's tiles took it, to compare them
+    if activations is torch.bfloat16 and kernels.amx_product is not None:
+        torch_gemm = gk.GGUFKernels(gk._library(kernels.isa))
+        torch_gemm.amx_product = None
     flags = " ".join(flag for flag in FLAGS if flag in cpu_flags()) or "none of " + " ".join(FLAGS)
     print(f"CPU: {cpu_description()}; flags: {flags}")
     print(f"kernels: {kernels.isa} build, integer dot products on {kernels.dot_instructions}; torch "
@@ -163,6 +169,9 @@ def main() -> None:
                     "int8": lambda: [kernels.matmul_int8(x, w, type_name, out_features, in_features) for w in weights],
                     "dense": lambda: [kernels.matmul_dense(x, w, type_name, out_features, in_features) for w in weights],
                 }
+                if torch_gemm is not None:
+                    options["torch"] = lambda: [torch_gemm.matmul_dense(x, w, type_name, out_features, in_features)
+                                                for w in weights]
                 seconds = time_interleaved(options, args.repeats, args.cpu_time)
                 threshold = kernels.dense_threshold(type_name, activations)
                 tiles = kernels.tile_threshold(type_name, activations)
