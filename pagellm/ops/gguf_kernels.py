@@ -94,14 +94,25 @@ DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
     "avx2": _AVX2_DENSE_MIN_ROWS,
     "generic": {name: 8 for name in _AVX2_DENSE_MIN_ROWS},
 }
-# Rows from which bfloat16 activations take the dense path where the CPU has AMX's bfloat16 tiles (its GEMM runs
-# on them there, while the int8 products keep the vector units' rate): where the two met on the Intel Xeon with
-# AMX, layers from memory, per block type (README, "On a CPU with AMX", has the measured crossovers). This table and
-# the AVX2 one above were measured before the dequantizers' widening went from scalarised byte moves to
-# VPMOVSXBD/VPMOVZXBD (3-4x faster tiles): their crossovers are likely lower now, not re-measured on those CPUs.
+# Rows from which bfloat16 activations take the dense path where the CPU has AMX's bfloat16 tiles (linear_bf16's
+# tiles on W dequantized into their layout, while the int8 products keep the vector units' rate): the first row
+# count at which it beat them on both layers measured, 1,536 -> 576 and 2,048 -> 2,048 from memory, on a 2-core
+# Intel Xeon with AMX (cpu family 6 model 167), 2 threads, wall clock, bfloat16 x (benchmarks/gguf_kernels.py
+# --types all --activations bfloat16 --rows 8 12 16 20 24 32 40 48 --min-mib 64), ms int8 / dense:
+#   rows   Q4_0        Q8_0        Q2_K        Q4_K        Q6_K          (1,536 -> 576; 2,048 -> 2,048 below)
+#     12  .194/.176   .186/.228   .125/.190   .134/.200   .156/.197
+#     16  .253/.176   .239/.229   .162/.189   .175/.197   .198/.195
+#     20  .310/.181   .289/.225   .199/.190   .213/.199   .240/.200
+#     24  .368/.180   .339/.223   .237/.192   .255/.201   .283/.199
+#     12  .837/.856   .798/1.135  .508/.850   .565/.919   .646/.868
+#     16  1.10/.882   1.03/1.17   .671/.860   .725/.881   .828/.891
+#     20  1.37/.901   1.27/1.18   .839/.860   .902/.914   1.03/.923
+#     24  1.63/.900   1.50/1.20   1.01/.875   1.08/.924   1.22/.921
+# (Q4_1, Q5_0 and Q5_1 as Q4_0; Q3_K from 16, Q5_K from 20.) With torch's GEMM on row-major tiles, before
+# 2026-12-07, the thresholds were 24-48.
 _AMX_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
-    "Q4_0": 24, "Q4_1": 24, "Q5_0": 24, "Q5_1": 24, "Q8_0": 40,
-    "Q2_K": 48, "Q3_K": 32, "Q4_K": 48, "Q5_K": 32, "Q6_K": 40,
+    "Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q5_1": 16, "Q8_0": 20,
+    "Q2_K": 24, "Q3_K": 16, "Q4_K": 24, "Q5_K": 20, "Q6_K": 20,
 }
 # The same for CPUs whose vector units multiply bfloat16 (avx512_bf16's VDPBF16PS) but have no AMX: torch's
 # bfloat16 GEMM reaches ~2x its float32 rate there, and bfloat16 tiles dequantize at 12-16 G weights/s on 2
