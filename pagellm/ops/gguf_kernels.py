@@ -364,8 +364,8 @@ class GGUFKernels:
     def _matmul_amx(self, rows: torch.Tensor, weight: torch.Tensor, type_id: int, out_features: int,
                     in_features: int, out: torch.Tensor | None) -> torch.Tensor:
         """matmul_dense on AMX's tiles (linear_bf16), each tile of W dequantized straight into that kernel's
-        packed layout and multiplied into its columns of y: no oneDNN, whose per-shape primitives and JIT code
-        grew the process by ~3 MiB for each new row count a prefill brought."""
+        packed layout and multiplied into its columns of y: no oneDNN, which keeps a primitive and its JIT code
+        for every row count it has seen (README, "Memory that grows with use")."""
         y = _output(rows, rows.shape[0], out_features, torch.bfloat16, out)
         # Whole pairs of 16-output panels (the kernel's 32-output blocks) in each tile but the last.
         tile_rows = min(out_features, max(2 * LinearBF16.PANEL, DENSE_TILE_BYTES // (2 * in_features) // 32 * 32))
