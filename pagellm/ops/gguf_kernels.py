@@ -108,11 +108,15 @@ DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
 #     16  1.10/.882   1.03/1.17   .671/.860   .725/.881   .828/.891
 #     20  1.37/.901   1.27/1.18   .839/.860   .902/.914   1.03/.923
 #     24  1.63/.900   1.50/1.20   1.01/.875   1.08/.924   1.22/.921
-# (Q4_1, Q5_0 and Q5_1 as Q4_0; Q3_K from 16, Q5_K from 20.) With torch's GEMM on row-major tiles, before
-# 2026-12-07, the thresholds were 24-48.
+# (Q4_1, Q5_0 and Q5_1 as Q4_0; Q3_K from 16, Q5_K from 20.) But no fewer than 20 rows: a decode step whose products
+# all take the int8 path runs whole in C (ops/decode_stack.py), which at 16 streams outran the per-layer path and
+# its faster products (engine, 16 streams decoding 48 tokens, tok/s with the int8 path / with 16 as the threshold:
+# Q4_1 325-328 / 318-328, the Q4_K_M file's mostly-Q5_0 layers 328-330 / 301-304), while from 18-20 rows the dense
+# path led (Q4_1 at 20: 334-336 / 386-392; Q8_0 at 20: 353-357 / 367-370). With torch's GEMM on row-major tiles,
+# before 2026-12-07, the thresholds were 24-48.
 _AMX_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
-    "Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q5_1": 16, "Q8_0": 20,
-    "Q2_K": 24, "Q3_K": 16, "Q4_K": 24, "Q5_K": 20, "Q6_K": 20,
+    "Q4_0": 20, "Q4_1": 20, "Q5_0": 20, "Q5_1": 20, "Q8_0": 20,
+    "Q2_K": 24, "Q3_K": 20, "Q4_K": 24, "Q5_K": 20, "Q6_K": 20,
 }
 # The same for CPUs whose vector units multiply bfloat16 (avx512_bf16's VDPBF16PS) but have no AMX: torch's
 # bfloat16 GEMM reaches ~2x its float32 rate there, and bfloat16 tiles dequantize at 12-16 G weights/s on 2
