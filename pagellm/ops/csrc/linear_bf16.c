@@ -111,9 +111,49 @@ static void edge_tile(const uint16_t *x, int64_t in_features, const uint16_t *pa
 
 int linear_bf16_amx_ready(void) { return amx_ready(); }
 
-/* c[32][32] float32 = 32 rows of x (row stride in_features) times one or two panels. */
-static void amx_block(const uint16_t *x, int64_t in_features, const uint16_t *panel, int panels, float *c) {
+/* A block's sums waiting to be rounded and stored into y, a few rows at a time. */
+typedef struct {
+    const float *c;
+    const uint16_t *bias;
+    uint16_t *y;
+    int64_t y_stride, n_rows, next;
+    int panels;
+} Pending;
+
+/* y rows [from, to) of a pending block = c + bias, rounded to bfloat16; a row's two panels are one 64-byte store
+ * (VCVTNE2PS2BF16 rounds as VCVTNEPS2BF16 does), so each line of y is written whole at once. */
+static inline void store_rows(const Pending *p, int64_t from, int64_t to) {
+    fvec bias_0 = splat(0.0f), bias_1 = splat(0.0f);
+    if (p->bias != NULL) {
+        bias_0 = load_any(p->bias, 0, 1);
+        if (p->panels == 2) bias_1 = load_any(p->bias, 16, 1);
+    }
+    for (int64_t r = from; r < to; ++r) {
+        const float *c = p->c + r * 32;
+        if (p->panels == 2) {
+            const __m512bh both = _mm512_cvtne2ps_pbh((__m512)(vload(c + 16) + bias_1), (__m512)(vload(c) + bias_0));
+            _mm512_storeu_si512(p->y + r * p->y_stride, (__m512i)both);
+        } else {
+            const hvec out = to_bf16_bits(vload(c) + bias_0);
+            memcpy(p->y + r * p->y_stride, &out, sizeof out);
+        }
+    }
+}
+
+static inline void store_pending(Pending *p, int64_t rows) {
+    const int64_t to = p->next + rows < p->n_rows ? p->next + rows : p->n_rows;
+    store_rows(p, p->next, to);
+    p->next = to;
+}
+
+/* c[32][32] float32 = 32 rows of x (row stride in_features) times one or two panels. Meanwhile the previous
+ * block's rows go out to y a couple per step (pending; NULL: none): stored all at once after their block, 32 lines
+ * of y at the row stride that miss the cache, they held up the next block's tiles (README, "On a CPU with AMX"). */
+static ALWAYS_INLINE void amx_block(const uint16_t *x, int64_t in_features, const uint16_t *panel, int panels,
+                                    float *c, Pending *pending) {
     const int64_t x_stride = in_features * 2, panel_stride = in_features / 2 * 32;
+    const int64_t steps = in_features / AMX_K;
+    const int64_t per_step = pending != NULL ? (pending->n_rows - pending->next + steps - 1) / steps : 0;
     amx_zero_block();
     for (int64_t k = 0; k < in_features; k += AMX_K) {
         _tile_loadd(4, x + k, x_stride);
@@ -126,29 +166,10 @@ static void amx_block(const uint16_t *x, int64_t in_features, const uint16_t *pa
         _tile_loadd(5, x + 16 * in_features + k, x_stride);
         _tile_dpbf16ps(2, 5, 6);
         if (panels == 2) _tile_dpbf16ps(3, 5, 7);
+        if (pending != NULL) store_pending(pending, per_step);
     }
+    if (pending != NULL) store_pending(pending, pending->n_rows);
     amx_store_block(c, panels);
-}
-
-/* y[n_rows][16 * panels] (rows y_stride apart) = c + bias, rounded to bfloat16; a row's two panels are one
- * 64-byte store (VCVTNE2PS2BF16 rounds as VCVTNEPS2BF16 does), so each line of y is written whole at once. */
-static inline void store_block(const float *c, const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t n_rows,
-                               int panels) {
-    fvec bias_0 = splat(0.0f), bias_1 = splat(0.0f);
-    if (bias != NULL) {
-        bias_0 = load_any(bias, 0, 1);
-        if (panels == 2) bias_1 = load_any(bias, 16, 1);
-    }
-    for (int64_t r = 0; r < n_rows; ++r) {
-        if (panels == 2) {
-            const __m512bh both = _mm512_cvtne2ps_pbh((__m512)(vload(c + r * 32 + 16) + bias_1),
-                                                      (__m512)(vload(c + r * 32) + bias_0));
-            _mm512_storeu_si512(y + r * y_stride, (__m512i)both);
-        } else {
-            const hvec out = to_bf16_bits(vload(c + r * 32) + bias_0);
-            memcpy(y + r * y_stride, &out, sizeof out);
-        }
-    }
 }
 
 /* Bytes of panels in a group of column blocks (see linear_bf16_amx): what stays in L2 beside a chunk of rows. */
@@ -170,16 +191,18 @@ static int linear_bf16_amx(const uint16_t *x, const uint16_t *packed, const uint
      * writes its rows of y in runs of the group's width rather than 64 bytes a row at the row stride (6 KiB apart
      * at 3,072 outputs). Groups only where the call has more than one chunk: a single chunk keeps one column block
      * per item, whose panels stay in L1 across its few blocks of rows (groups there measured 9-20% slower at
-     * 64-256 rows over 30 layers streamed from memory, and 3-9% faster from 512 rows; README). Groups shrink until
-     * every thread has several items, and differ in size by one block at most. */
+     * 64-256 rows over 30 layers streamed from memory, and 3-9% faster from 512 rows; README), and only there are
+     * a block's rows of y stored during the next block's steps (`spread`; within one chunk an item is one block).
+     * Groups shrink until every thread has several items, and differ in size by one block at most. */
     const int64_t block_bytes = in_features * 64;
     int64_t group = AMX_GROUP_BYTES / block_bytes > 1 ? AMX_GROUP_BYTES / block_bytes : 1;
+    const int spread = row_blocks > AMX_CHUNK_BLOCKS;
 #pragma omp parallel if (rows * out_features * in_features >= 65536)
     {
         /* Eight 16 x 64-byte tiles: 0-3 accumulate [row half][panel], 4-5 hold x's row halves, 6-7 two panels. */
         static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
         amx_configure(colsb);
-        float c[AMX_ROWS * 32] __attribute__((aligned(64)));
+        float c[2][AMX_ROWS * 32] __attribute__((aligned(64)));
         const int64_t threads = omp_get_num_threads();
         for (int64_t chunk = 0; chunk < row_blocks; chunk += AMX_CHUNK_BLOCKS) {
             const int64_t chunk_blocks = row_blocks - chunk < AMX_CHUNK_BLOCKS ? row_blocks - chunk : AMX_CHUNK_BLOCKS;
@@ -193,13 +216,23 @@ static int linear_bf16_amx(const uint16_t *x, const uint16_t *packed, const uint
                     const int64_t n_rows = rows - row < AMX_ROWS ? rows - row : AMX_ROWS;
                     const uint16_t *rows_x = n_rows < AMX_ROWS ? tail : x + row * in_features;
                     const int64_t first = column_blocks * g / groups, last = column_blocks * (g + 1) / groups;
+                    Pending pending = {.c = NULL};
                     for (int64_t b = first; b < last; ++b) {
                         const int64_t first_panel = 2 * b;
                         const int n_panels = panels - first_panel < 2 ? 1 : 2;
-                        amx_block(rows_x, in_features, packed + first_panel * (in_features / 2) * 32, n_panels, c);
-                        store_block(c, bias != NULL ? bias + first_panel * 16 : NULL,
-                                    y + row * y_stride + first_panel * 16, y_stride, n_rows, n_panels);
+                        float *sums = c[spread && (b & 1)];
+                        const uint16_t *block_panels = packed + first_panel * (in_features / 2) * 32;
+                        if (spread)
+                            amx_block(rows_x, in_features, block_panels, n_panels, sums,
+                                      pending.c != NULL ? &pending : NULL);
+                        else
+                            amx_block(rows_x, in_features, block_panels, n_panels, sums, NULL);
+                        pending = (Pending){.c = sums, .bias = bias != NULL ? bias + first_panel * 16 : NULL,
+                                            .y = y + row * y_stride + first_panel * 16, .y_stride = y_stride,
+                                            .n_rows = n_rows, .next = 0, .panels = n_panels};
+                        if (!spread) store_pending(&pending, n_rows);
                     }
+                    if (pending.c != NULL) store_pending(&pending, pending.n_rows);
                 }
             }
         }
