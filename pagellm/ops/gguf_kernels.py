@@ -393,10 +393,7 @@ class GGUFKernels:
 
     def _packed_rows(self, type_id: int, weight: torch.Tensor, first_row: int, n_rows: int, in_features: int,
                      out: torch.Tensor) -> torch.Tensor:
-        failed = self._dequantize_packed(type_id, weight.data_ptr(), in_features, first_row, n_rows, out.data_ptr())
-        if failed == 1:
-            raise MemoryError("gguf_dequantize_packed could not allocate its 16-row buffers")
-        if failed:
+        if self._dequantize_packed(type_id, weight.data_ptr(), in_features, first_row, n_rows, out.data_ptr()):
             raise ValueError(f"gguf_dequantize_packed refused type {type_id} with in_features={in_features} and "
                              f"{n_rows} rows")
         return out.view(n_rows // LinearBF16.PANEL, in_features // 2, LinearBF16.PANEL, 2)

@@ -1027,35 +1027,34 @@ static void interleave_16_rows(const uint16_t *rows, int64_t pairs, uint16_t *ou
         for (int i = 0; i < 16; ++i) memcpy(out + 32 * k + 2 * i, rows + 2 * (i * pairs + k), 4);
 }
 
+/* Inputs of 16 rows dequantized at a time before they are interleaved: a multiple of both block sizes, small
+ * enough for the stack and L1. */
+#define PACK_CHUNK QK_K
+
 /* out = rows first_row .. first_row + n_rows - 1 of W in bfloat16 (rounded as gguf_dequantize_rows rounds them),
  * laid out as linear_bf16's packed weight ([n_rows / 16][in_features / 2][16][2], csrc/linear_bf16.c), so that its
- * tiles multiply a dense tile of W with no row-major copy of it: each group of 16 rows is dequantized into a
- * per-thread buffer (L1/L2-sized) and interleaved from there. Returns 2 as gguf_dequantize_rows does and for an
- * n_rows that is not a multiple of 16, 1 if memory ran out. */
+ * tiles multiply a dense tile of W with no row-major copy of it: 16 rows at a time, PACK_CHUNK inputs of each into a
+ * buffer on the stack, interleaved from there. (A buffer of whole rows malloc'ed per call had the OpenMP threads'
+ * arenas hand pages back and fault them in again on every call.) Returns 2 as gguf_dequantize_rows does and for
+ * an n_rows that is not a multiple of 16. */
 int gguf_dequantize_packed(int type, const uint8_t *w, int64_t in_features, int64_t first_row, int64_t n_rows,
                            uint16_t *out) {
     const int weights = block_weights(type);
     if (weights == 0 || in_features <= 0 || in_features % weights != 0 || n_rows < 0 || n_rows % 16 != 0) return 2;
     const DequantizeFunction dequantize = dequantize_function(type);
     const int64_t row_bytes = in_features / weights * block_bytes(type), groups = n_rows / 16;
-    int failed = 0;
-#pragma omp parallel if (n_rows * in_features >= PARALLEL_MIN_WORK / 4)
-    {
-        uint16_t *rows = malloc((size_t)(16 * in_features) * sizeof *rows);
-        if (rows == NULL) {
-#pragma omp atomic write
-            failed = 1;
+    const int64_t chunk_bytes = PACK_CHUNK / weights * block_bytes(type);
+#pragma omp parallel for schedule(static) if (n_rows * in_features >= PARALLEL_MIN_WORK / 4)
+    for (int64_t g = 0; g < groups; ++g) {
+        uint16_t rows[16 * PACK_CHUNK] __attribute__((aligned(64)));
+        const uint8_t *group = w + (first_row + 16 * g) * row_bytes;
+        for (int64_t k = 0; k < in_features; k += PACK_CHUNK) {
+            const int64_t n = in_features - k < PACK_CHUNK ? in_features - k : PACK_CHUNK;
+            for (int i = 0; i < 16; ++i) dequantize(group + i * row_bytes + k / PACK_CHUNK * chunk_bytes, n, rows + i * n, 1);
+            interleave_16_rows(rows, n / 2, out + 16 * g * in_features + 16 * k);
         }
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; ++g) {
-            if (rows == NULL) continue;
-            for (int i = 0; i < 16; ++i)
-                dequantize(w + (first_row + 16 * g + i) * row_bytes, in_features, rows + i * in_features, 1);
-            interleave_16_rows(rows, in_features / 2, out + 16 * g * in_features);
-        }
-        free(rows);
     }
-    return failed;
+    return 0;
 }
 
 /* Rows of x from which gguf_matmul multiplies `type` on the 512-bit tiles; 0 where it never does (a build
