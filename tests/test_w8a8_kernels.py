@@ -96,6 +96,20 @@ def test_int8_equals_the_reference_and_float64(path, isa, dtype, static):
                 assert ((y - x.double() @ w64.T).abs() <= bound + 1e-30).all()
 
 
+@pytest.mark.parametrize("rows, n", [(300, 1037), (530, 80)])
+def test_int8_tiles_over_several_chunks_of_rows_equal_the_reference(rows, n):
+    """More than one chunk of 256 rows on AMX's tiles: blocks of rows times groups of column blocks (unequal group
+    sizes, an odd last strip, masked columns past N, a partial last chunk and a tail of rows), each block's rows
+    stored during the next block's steps; the outputs are the reference's to the bit."""
+    kernels = _on_path(_kernels(ISAS[0]), "amx")
+    q, scale = _weight(n, 576, rows)
+    packed = wk.pack_int8(q, scale)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    x = _x(rows, 576, rows, torch.bfloat16)
+    y = kernels.int8_linear(x, packed, bias, None)
+    assert torch.equal(y, wk.int8_linear_reference(x, q, scale, None, bias))
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_quantize_rows_equals_the_reference(isa):
     kernels = _kernels(isa)

@@ -465,9 +465,32 @@ const int pagellm_w8a8_amx_available = HAVE_AMX_INT8;
 
 int w8a8_amx_ready(void) { return amx_ready(); }
 
-/* acc [32][32] int32: 32 quantized rows of x (row stride Kp) times one or two strips. */
-static void amx_int8_block(const int8_t *xq, int64_t Kp, const int8_t *strip, int64_t strip_bytes, int strips,
-                           int32_t *acc) {
+/* Panel bytes in a group of column blocks (int8_linear_amx): what stays in L2 beside a chunk of rows. */
+#define AMX_GROUP_BYTES (512 * 1024)
+
+/* A block's int32 sums waiting to be scaled and stored into y, a few rows at a time. */
+typedef struct {
+    const int32_t *acc;
+    int64_t row, n_rows, strip, next;
+    int strips;
+} Int8Pending;
+
+static ALWAYS_INLINE void int8_store_pending(const Int8Problem *pr, Int8Pending *p, int64_t rows) {
+    const int64_t to = p->next + rows < p->n_rows ? p->next + rows : p->n_rows;
+    if (to > p->next)
+        for (int s = 0; s < p->strips; ++s)
+            int8_strip_output(pr, p->row + p->next, to - p->next, (p->strip + s) * STRIP,
+                              p->acc + p->next * 32 + s * STRIP);
+    p->next = to;
+}
+
+/* acc [32][32] int32: 32 quantized rows of x (row stride Kp) times one or two strips. Meanwhile the previous
+ * block's rows go out to y a few per step (pending; NULL: none), as linear_bf16.c's amx_block does, for the same
+ * reason. */
+static ALWAYS_INLINE void amx_int8_block(const Int8Problem *pr, const int8_t *xq, int64_t Kp, const int8_t *strip,
+                                         int64_t strip_bytes, int strips, int32_t *acc, Int8Pending *pending) {
+    const int64_t steps = Kp / AMX_INPUTS;
+    const int64_t per_step = pending != NULL ? (pending->n_rows - pending->next + steps - 1) / steps : 0;
     amx_zero_block();
     for (int64_t k = 0; k < Kp; k += AMX_INPUTS) {
         _tile_loadd(4, xq + k, Kp);
@@ -480,30 +503,53 @@ static void amx_int8_block(const int8_t *xq, int64_t Kp, const int8_t *strip, in
             _tile_dpbssd(1, 4, 7);
             _tile_dpbssd(3, 5, 7);
         }
+        if (pending != NULL) int8_store_pending(pr, pending, per_step);
     }
+    if (pending != NULL) int8_store_pending(pr, pending, pending->n_rows);
     amx_store_block(acc, strips);
 }
 
 /* Inside the caller's parallel region, after its rows are quantized. `tail`: the last, partial block of quantized
- * rows, zero-padded to 32 (NULL where rows is a multiple of 32). */
+ * rows, zero-padded to 32 (NULL where rows is a multiple of 32). Work items as linear_bf16.c's linear_bf16_amx
+ * hands them out: within a chunk of rows, a block of 32 rows times a group of column blocks whose strips stay in
+ * L2, groups only where the call has more than one chunk, and only there a block's rows stored during the next
+ * block's steps. */
 static void int8_linear_amx(const Int8Problem *pr, int64_t rows, int64_t strips, const int8_t *tail) {
     static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
     amx_configure(colsb);
     const int64_t strip_bytes = pr->Kp / GROUP * 64, column_blocks = (strips + 1) / 2;
-    const int64_t row_blocks = (rows + AMX_ROWS - 1) / AMX_ROWS;
-    int32_t acc[AMX_ROWS * 32] __attribute__((aligned(64)));
+    const int64_t row_blocks = (rows + AMX_ROWS - 1) / AMX_ROWS, threads = omp_get_num_threads();
+    const int spread = row_blocks > AMX_CHUNK_BLOCKS;
+    const int64_t group = AMX_GROUP_BYTES / (2 * strip_bytes) > 1 ? AMX_GROUP_BYTES / (2 * strip_bytes) : 1;
+    int32_t acc[2][AMX_ROWS * 32] __attribute__((aligned(64)));
     for (int64_t chunk = 0; chunk < row_blocks; chunk += AMX_CHUNK_BLOCKS) {
         const int64_t chunk_blocks = row_blocks - chunk < AMX_CHUNK_BLOCKS ? row_blocks - chunk : AMX_CHUNK_BLOCKS;
+        int64_t groups = spread ? (column_blocks + group - 1) / group : column_blocks;
+        while (groups < column_blocks && groups * chunk_blocks < 4 * threads) groups *= 2;
+        if (groups > column_blocks) groups = column_blocks;
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t b = 0; b < column_blocks; ++b) {
+        for (int64_t g = 0; g < groups; ++g) {
             for (int64_t t = 0; t < chunk_blocks; ++t) {
-                const int64_t strip = 2 * b, row = (chunk + t) * AMX_ROWS;
-                const int n_strips = strips - strip < 2 ? 1 : 2;
+                const int64_t row = (chunk + t) * AMX_ROWS;
                 const int64_t n_rows = rows - row < AMX_ROWS ? rows - row : AMX_ROWS;
                 const int8_t *block_x = n_rows < AMX_ROWS ? tail : pr->xq + row * pr->Kp;
-                amx_int8_block(block_x, pr->Kp, pr->packed + strip * strip_bytes, strip_bytes, n_strips, acc);
-                for (int p = 0; p < n_strips; ++p)
-                    int8_strip_output(pr, row, n_rows, (strip + p) * STRIP, acc + p * STRIP);
+                const int64_t first = column_blocks * g / groups, last = column_blocks * (g + 1) / groups;
+                Int8Pending pending = {.acc = NULL};
+                for (int64_t b = first; b < last; ++b) {
+                    const int64_t strip = 2 * b;
+                    const int n_strips = strips - strip < 2 ? 1 : 2;
+                    int32_t *sums = acc[spread && (b & 1)];
+                    const int8_t *block_strips = pr->packed + strip * strip_bytes;
+                    if (spread)
+                        amx_int8_block(pr, block_x, pr->Kp, block_strips, strip_bytes, n_strips, sums,
+                                       pending.acc != NULL ? &pending : NULL);
+                    else
+                        amx_int8_block(pr, block_x, pr->Kp, block_strips, strip_bytes, n_strips, sums, NULL);
+                    pending = (Int8Pending){.acc = sums, .row = row, .n_rows = n_rows, .strip = strip, .next = 0,
+                                            .strips = n_strips};
+                    if (!spread) int8_store_pending(pr, &pending, n_rows);
+                }
+                if (pending.acc != NULL) int8_store_pending(pr, &pending, n_rows);
             }
         }
     }
