@@ -194,8 +194,6 @@ static int linear_bf16_amx(const uint16_t *x, const uint16_t *packed, const uint
      * 64-256 rows over 30 layers streamed from memory, and 3-9% faster from 512 rows; README), and only there are
      * a block's rows of y stored during the next block's steps (`spread`; within one chunk an item is one block).
      * Groups shrink until every thread has several items, and differ in size by one block at most. */
-    const int64_t block_bytes = in_features * 64;
-    int64_t group = AMX_GROUP_BYTES / block_bytes > 1 ? AMX_GROUP_BYTES / block_bytes : 1;
     const int spread = row_blocks > AMX_CHUNK_BLOCKS;
 #pragma omp parallel if (rows * out_features * in_features >= 65536)
     {
@@ -206,9 +204,8 @@ static int linear_bf16_amx(const uint16_t *x, const uint16_t *packed, const uint
         const int64_t threads = omp_get_num_threads();
         for (int64_t chunk = 0; chunk < row_blocks; chunk += AMX_CHUNK_BLOCKS) {
             const int64_t chunk_blocks = row_blocks - chunk < AMX_CHUNK_BLOCKS ? row_blocks - chunk : AMX_CHUNK_BLOCKS;
-            int64_t groups = row_blocks > AMX_CHUNK_BLOCKS ? (column_blocks + group - 1) / group : column_blocks;
-            while (groups < column_blocks && groups * chunk_blocks < 4 * threads) groups *= 2;
-            if (groups > column_blocks) groups = column_blocks;
+            const int64_t groups = amx_column_groups(column_blocks, in_features * 64, AMX_GROUP_BYTES, chunk_blocks,
+                                                     spread, threads);
 #pragma omp for collapse(2) schedule(static)
             for (int64_t g = 0; g < groups; ++g) {
                 for (int64_t t = 0; t < chunk_blocks; ++t) {

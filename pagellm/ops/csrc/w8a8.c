@@ -520,13 +520,11 @@ static void int8_linear_amx(const Int8Problem *pr, int64_t rows, int64_t strips,
     const int64_t strip_bytes = pr->Kp / GROUP * 64, column_blocks = (strips + 1) / 2;
     const int64_t row_blocks = (rows + AMX_ROWS - 1) / AMX_ROWS, threads = omp_get_num_threads();
     const int spread = row_blocks > AMX_CHUNK_BLOCKS;
-    const int64_t group = AMX_GROUP_BYTES / (2 * strip_bytes) > 1 ? AMX_GROUP_BYTES / (2 * strip_bytes) : 1;
     int32_t acc[2][AMX_ROWS * 32] __attribute__((aligned(64)));
     for (int64_t chunk = 0; chunk < row_blocks; chunk += AMX_CHUNK_BLOCKS) {
         const int64_t chunk_blocks = row_blocks - chunk < AMX_CHUNK_BLOCKS ? row_blocks - chunk : AMX_CHUNK_BLOCKS;
-        int64_t groups = spread ? (column_blocks + group - 1) / group : column_blocks;
-        while (groups < column_blocks && groups * chunk_blocks < 4 * threads) groups *= 2;
-        if (groups > column_blocks) groups = column_blocks;
+        const int64_t groups = amx_column_groups(column_blocks, 2 * strip_bytes, AMX_GROUP_BYTES, chunk_blocks, spread,
+                                                 threads);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             for (int64_t t = 0; t < chunk_blocks; ++t) {
