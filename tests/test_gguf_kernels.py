@@ -366,12 +366,17 @@ def test_bfloat16_dense_path_runs_on_amx_tiles_without_torchs_gemm(name, monkeyp
                                atol=1e-6 * in_features)
 
 
-def test_layers_the_amx_tiles_cannot_take_keep_torchs_gemm(cases):
+def test_layers_the_amx_tiles_cannot_take_keep_torchs_gemm(cases, monkeypatch):
     """out_features not a multiple of 16 (or in_features of 32) leaves the dense path on torch's GEMM."""
     kernels = _amx_kernels()
     weight, w64 = cases["Q4_0"]
     x = torch.randn(40, IN_FEATURES["Q4_0"]).to(torch.bfloat16)
+    gemm_calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *args, **kwargs: gemm_calls.append(1) or real_mm(*args, **kwargs))
     y = kernels.matmul_dense(x, weight, "Q4_0", OUT_FEATURES, IN_FEATURES["Q4_0"])
+    monkeypatch.undo()
+    assert gemm_calls
     expected = torch.mm(x, torch.from_numpy(w64).to(torch.bfloat16).t())
     torch.testing.assert_close(y.float(), expected.float(), rtol=2**-7, atol=1e-3)
 

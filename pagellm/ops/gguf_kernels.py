@@ -371,8 +371,8 @@ class GGUFKernels:
         packed layout and multiplied into its columns of y: no oneDNN, which keeps a primitive and its JIT code
         for every row count it has seen (README, "Memory that grows with use")."""
         y = _output(rows, rows.shape[0], out_features, torch.bfloat16, out)
-        # Whole pairs of 16-output panels (the kernel's 32-output blocks) in each tile but the last.
-        tile_rows = min(out_features, max(2 * LinearBF16.PANEL, DENSE_TILE_BYTES // (2 * in_features) // 32 * 32))
+        block = 2 * LinearBF16.PANEL  # the kernel's 32-output blocks: whole ones in each tile but the last
+        tile_rows = min(out_features, max(block, DENSE_TILE_BYTES // (2 * in_features) // block * block))
         tile = self._tile(tile_rows * in_features, torch.bfloat16)
         for first in range(0, out_features, tile_rows):
             n = min(tile_rows, out_features - first)

@@ -46,15 +46,18 @@ static inline void amx_configure(const uint16_t colsb[8]) {
     amx_configure_shapes(rows, colsb);
 }
 
+/* Weight bytes of a group of column blocks (amx_column_groups): what stays in L2 beside a chunk of rows. */
+#define AMX_GROUP_BYTES (512 * 1024)
+
 /* Work items of the GEMMs on tiles (linear_bf16.c, w8a8.c) over a chunk of chunk_blocks blocks of 32 rows: each is
  * a block of rows times one of the groups of column blocks this returns the count of. Over more than one chunk
- * (`grouped`) a group holds the column blocks whose weights fit group_bytes (they then stay in L2 across the
- * chunk's blocks of rows); within one chunk each column block is its own group. Groups double until each of
- * `threads` has 4 items or more; the caller splits column blocks into them evenly (first of group g:
+ * (`grouped`) a group holds the column blocks (block_bytes of weights each) that fit AMX_GROUP_BYTES, which then
+ * stay in L2 across the chunk's blocks of rows; within one chunk each column block is its own group. Groups double
+ * until each of `threads` has 4 items or more; the caller splits column blocks into them evenly (first of group g:
  * column_blocks * g / groups). */
-static inline int64_t amx_column_groups(int64_t column_blocks, int64_t block_bytes, int64_t group_bytes,
-                                        int64_t chunk_blocks, int grouped, int64_t threads) {
-    const int64_t per_group = group_bytes / block_bytes > 1 ? group_bytes / block_bytes : 1;
+static inline int64_t amx_column_groups(int64_t column_blocks, int64_t block_bytes, int64_t chunk_blocks, int grouped,
+                                        int64_t threads) {
+    const int64_t per_group = AMX_GROUP_BYTES / block_bytes > 1 ? AMX_GROUP_BYTES / block_bytes : 1;
     int64_t groups = grouped ? (column_blocks + per_group - 1) / per_group : column_blocks;
     while (groups < column_blocks && groups * chunk_blocks < 4 * threads) groups *= 2;
     return groups < column_blocks ? groups : column_blocks;

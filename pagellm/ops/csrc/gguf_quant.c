@@ -1034,23 +1034,22 @@ static void interleave_16_rows(const uint16_t *rows, int64_t pairs, uint16_t *ou
 /* out = rows first_row .. first_row + n_rows - 1 of W in bfloat16 (rounded as gguf_dequantize_rows rounds them),
  * laid out as linear_bf16's packed weight ([n_rows / 16][in_features / 2][16][2], csrc/linear_bf16.c), so that its
  * tiles multiply a dense tile of W with no row-major copy of it: 16 rows at a time, PACK_CHUNK inputs of each into a
- * buffer on the stack, interleaved from there. (A buffer of whole rows malloc'ed per call had the OpenMP threads'
- * arenas hand pages back and fault them in again on every call.) Returns 2 as gguf_dequantize_rows does and for
- * an n_rows that is not a multiple of 16. */
+ * buffer on the stack, interleaved from there (a buffer of whole rows, malloc'ed per call, came with more page
+ * faults). Returns 2 as gguf_dequantize_rows does and for an n_rows that is not a multiple of 16. */
 int gguf_dequantize_packed(int type, const uint8_t *w, int64_t in_features, int64_t first_row, int64_t n_rows,
                            uint16_t *out) {
     const int weights = block_weights(type);
     if (weights == 0 || in_features <= 0 || in_features % weights != 0 || n_rows < 0 || n_rows % 16 != 0) return 2;
     const DequantizeFunction dequantize = dequantize_function(type);
     const int64_t row_bytes = in_features / weights * block_bytes(type), groups = n_rows / 16;
-    const int64_t chunk_bytes = PACK_CHUNK / weights * block_bytes(type);
 #pragma omp parallel for schedule(static) if (n_rows * in_features >= PARALLEL_MIN_WORK / 4)
     for (int64_t g = 0; g < groups; ++g) {
         uint16_t rows[16 * PACK_CHUNK] __attribute__((aligned(64)));
         const uint8_t *group = w + (first_row + 16 * g) * row_bytes;
         for (int64_t k = 0; k < in_features; k += PACK_CHUNK) {
             const int64_t n = in_features - k < PACK_CHUNK ? in_features - k : PACK_CHUNK;
-            for (int i = 0; i < 16; ++i) dequantize(group + i * row_bytes + k / PACK_CHUNK * chunk_bytes, n, rows + i * n, 1);
+            const uint8_t *blocks = group + k / weights * block_bytes(type);
+            for (int i = 0; i < 16; ++i) dequantize(blocks + i * row_bytes, n, rows + i * n, 1);
             interleave_16_rows(rows, n / 2, out + 16 * g * in_features + 16 * k);
         }
     }

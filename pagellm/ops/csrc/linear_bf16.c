@@ -51,7 +51,8 @@ typedef struct {
     int64_t share, shares;
 } Ahead;
 
-/* y[rows x panels*16] of one tile (its rows y_stride apart); `rows` and `panels` are constants in the full tiles after inlining. */
+/* y[rows x panels*16] of one tile (its rows y_stride apart); `rows` and `panels` are constants in the full tiles
+ * after inlining. */
 static ALWAYS_INLINE void tile(const uint16_t *restrict x, int64_t in_features, const uint16_t *restrict panel,
                                const uint16_t *restrict bias, uint16_t *restrict y, int64_t y_stride,
                                const int rows, const int panels, const Ahead *ahead) {
@@ -89,9 +90,9 @@ static void edge_tile(const uint16_t *x, int64_t in_features, const uint16_t *pa
                       uint16_t *y, int64_t y_stride, int rows, int panels, const Ahead *ahead) {
 #define EDGE(R)                                                                                     \
     case R:                                                                                         \
-        if (panels == 1) tile(x, in_features, panel, bias, y, y_stride, R, 1, ahead);          \
-        else if (panels == 2) tile(x, in_features, panel, bias, y, y_stride, R, 2, ahead);     \
-        else tile(x, in_features, panel, bias, y, y_stride, R, 3, ahead);                      \
+        if (panels == 1) tile(x, in_features, panel, bias, y, y_stride, R, 1, ahead);              \
+        else if (panels == 2) tile(x, in_features, panel, bias, y, y_stride, R, 2, ahead);         \
+        else tile(x, in_features, panel, bias, y, y_stride, R, 3, ahead);                          \
         break;
     switch (rows) {
         EDGE(1) EDGE(2) EDGE(3) EDGE(4) EDGE(5) EDGE(6) EDGE(7) default : EDGE(8)
@@ -172,9 +173,6 @@ static ALWAYS_INLINE void amx_block(const uint16_t *x, int64_t in_features, cons
     amx_store_block(c, panels);
 }
 
-/* Bytes of panels in a group of column blocks (see linear_bf16_amx): what stays in L2 beside a chunk of rows. */
-#define AMX_GROUP_BYTES (512 * 1024)
-
 /* in_features a multiple of AMX_K. The last, partial block of rows reads a zero-padded copy of them. */
 static int linear_bf16_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                            int64_t y_stride, int64_t rows, int64_t in_features, int64_t out_features) {
@@ -204,8 +202,7 @@ static int linear_bf16_amx(const uint16_t *x, const uint16_t *packed, const uint
         const int64_t threads = omp_get_num_threads();
         for (int64_t chunk = 0; chunk < row_blocks; chunk += AMX_CHUNK_BLOCKS) {
             const int64_t chunk_blocks = row_blocks - chunk < AMX_CHUNK_BLOCKS ? row_blocks - chunk : AMX_CHUNK_BLOCKS;
-            const int64_t groups = amx_column_groups(column_blocks, in_features * 64, AMX_GROUP_BYTES, chunk_blocks,
-                                                     spread, threads);
+            const int64_t groups = amx_column_groups(column_blocks, in_features * 64, chunk_blocks, spread, threads);
 #pragma omp for collapse(2) schedule(static)
             for (int64_t g = 0; g < groups; ++g) {
                 for (int64_t t = 0; t < chunk_blocks; ++t) {

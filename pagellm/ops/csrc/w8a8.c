@@ -465,9 +465,6 @@ const int pagellm_w8a8_amx_available = HAVE_AMX_INT8;
 
 int w8a8_amx_ready(void) { return amx_ready(); }
 
-/* Panel bytes in a group of column blocks (int8_linear_amx): what stays in L2 beside a chunk of rows. */
-#define AMX_GROUP_BYTES (512 * 1024)
-
 /* A block's int32 sums waiting to be scaled and stored into y, a few rows at a time. */
 typedef struct {
     const int32_t *acc;
@@ -523,8 +520,7 @@ static void int8_linear_amx(const Int8Problem *pr, int64_t rows, int64_t strips,
     int32_t acc[2][AMX_ROWS * 32] __attribute__((aligned(64)));
     for (int64_t chunk = 0; chunk < row_blocks; chunk += AMX_CHUNK_BLOCKS) {
         const int64_t chunk_blocks = row_blocks - chunk < AMX_CHUNK_BLOCKS ? row_blocks - chunk : AMX_CHUNK_BLOCKS;
-        const int64_t groups = amx_column_groups(column_blocks, 2 * strip_bytes, AMX_GROUP_BYTES, chunk_blocks, spread,
-                                                 threads);
+        const int64_t groups = amx_column_groups(column_blocks, 2 * strip_bytes, chunk_blocks, spread, threads);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             for (int64_t t = 0; t < chunk_blocks; ++t) {
