@@ -13,6 +13,8 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
 - `awq 4-bit`, `gptq 4-bit act-order`, `gptq 8-bit`: the HF export packed as AutoAWQ / AutoGPTQ pack it
   (round-to-nearest groups of 64, as 576 input features take: tests/quant_checkpoints.py);
 - `w8a8 int8 (c-t)`, `fp8 (c-t)`: compressed-tensors checkpoints of the export (tests/w8a8_checkpoints.py);
+- `w4a16 (c-t)`: a compressed-tensors pack-quantized checkpoint of the export (4-bit, groups of 64, zero points, as
+  llm-compressor writes it: tests/quant_checkpoints.py);
 - `gemma3 Q4_K_M` (with --gemma): the real Gemma 3 270M Q4_K_M GGUF, for memory against a mixed K-quant file;
 - `llama 1B Q4_1 (synthetic)`: a Llama-3.2-1B-shaped GGUF of random Q4_1 blocks with the default model's tokenizer
   (benchmarks/synthetic_gguf.py), for memory at a size where the fixed costs (tokenizer, sampler workspace, code)
@@ -88,6 +90,7 @@ FORMATS = [
     Format("gptq 8-bit", "gptq8"),
     Format("w8a8 int8 (c-t)", "ct-int8"),
     Format("fp8 (c-t)", "ct-fp8"),
+    Format("w4a16 (c-t)", "ct-w4a16"),
     Format("gemma3 Q4_K_M", "gemma"),
     Format("llama 1B Q4_1 (synthetic)", "synthetic"),
 ]
@@ -159,7 +162,7 @@ def checkpoint(fmt: Format, workdir: Path, llama_python: str | None = None) -> s
     if (out / "quantized" / "config.json").exists():
         return str(out / "quantized")
     sys.path.insert(0, str(ROOT))
-    if fmt.source.startswith("ct-"):
+    if fmt.source in ("ct-int8", "ct-fp8"):
         from tests.w8a8_checkpoints import write_quantized as write_w8a8
 
         scheme = "int8-channel-dynamic" if fmt.source == "ct-int8" else "fp8-channel-dynamic"
@@ -168,7 +171,8 @@ def checkpoint(fmt: Format, workdir: Path, llama_python: str | None = None) -> s
 
     spec = {"awq": QuantSpec("awq", group_size=64),
             "gptq4": QuantSpec("gptq", bits=4, group_size=64, desc_act=True),
-            "gptq8": QuantSpec("gptq", bits=8, group_size=64, sym=False)}[fmt.source]
+            "gptq8": QuantSpec("gptq", bits=8, group_size=64, sym=False),
+            "ct-w4a16": QuantSpec("compressed-tensors", bits=4, group_size=64, sym=False)}[fmt.source]
     write_quantized(hf, out / "quantized", out / "dequantized", spec)
     return str(out / "quantized")
 

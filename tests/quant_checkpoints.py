@@ -1,13 +1,14 @@
-"""AWQ and GPTQ test checkpoints made from a float HF checkpoint: every linear weight of the decoder layers is
+"""AWQ, GPTQ and compressed-tensors W4A16/W8A16 test checkpoints made from a float HF checkpoint: every linear weight of the decoder layers is
 quantized by round-to-nearest (no calibration: the layout is what is tested, not the quantizer's quality) and
 packed into the format's exact tensors, written as safetensors with a config.json quantization_config as
-AutoAWQ / AutoGPTQ write it. Beside it, the same model with the dequantized weights in float32, the reference
+AutoAWQ / AutoGPTQ / llm-compressor write it. Beside it, the same model with the dequantized weights in float32, the reference
 pagellm and transformers run.
 
 The checkpoint packers are independent of pagellm's own unpacking (pagellm/ops/wna16.py,
 layers/quantization/awq.py, gptq.py): they follow the producers' code, and tests/data/awq_gptq_reference.safetensors
 (made by AutoAWQ's and AutoGPTQ's own packing code, see tests/data/make_awq_gptq_reference.py) checks them byte for
-byte. `random_group_quant_weight` makes kernel test weights directly in pagellm's representation.
+byte; the compressed-tensors packer is checked against that package's own compressor (tests/test_compressed_tensors_wna16.py).
+`random_group_quant_weight` makes kernel test weights directly in pagellm's representation.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ SAME_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """One checkpoint format: "awq" (4-bit, zero point) or "gptq" (bits, sym, desc_act, checkpoint_format)."""
+    """One checkpoint format: "awq" (4-bit, zero point), "gptq" (bits, sym, desc_act, checkpoint_format) or
+    "compressed-tensors" (pack-quantized W4A16/W8A16: bits, sym, group_size -1 for per channel, desc_act for
+    the "group" act order that stores weight_g_idx)."""
 
     method: str
     bits: int = 4
@@ -46,6 +49,8 @@ class QuantSpec:
             # AutoAWQ's AwqConfig.to_transformers_dict (what `save_quantized` puts in config.json).
             return {"quant_method": "awq", "zero_point": True, "group_size": self.group_size, "bits": self.bits,
                     "version": "gemm", "modules_to_not_convert": None}
+        if self.method == "compressed-tensors":
+            return compressed_tensors_wna16_config(self)
         # AutoGPTQ's BaseQuantizeConfig.to_dict, with the quant_method transformers adds.
         return {"bits": self.bits, "group_size": self.group_size, "damp_percent": 0.01, "desc_act": self.desc_act,
                 "static_groups": False, "sym": self.sym, "true_sequential": True, "model_name_or_path": None,
@@ -181,6 +186,85 @@ def gptq_tensors(weight: torch.Tensor, spec: QuantSpec, perm: torch.Tensor | Non
     return tensors, dequantized
 
 
+# ---- compressed-tensors pack-quantized -----------------------------------------------------------------------
+
+
+def compressed_tensors_wna16_config(spec: QuantSpec) -> dict:
+    """llm-compressor's quantization_config for a W4A16 / W8A16 scheme (compressed-tensors 0.20's QuantizationConfig
+    serialized, as `save_pretrained` writes it)."""
+    strategy = "channel" if spec.group_size == -1 else "group"
+    weights = {"num_bits": spec.bits, "type": "int", "symmetric": spec.sym,
+               "group_size": None if spec.group_size == -1 else spec.group_size, "strategy": strategy,
+               "block_structure": None, "dynamic": False, "actorder": "group" if spec.desc_act else None,
+               "scale_dtype": None, "zp_dtype": None if spec.sym else "torch.int8", "observer": "minmax",
+               "observer_kwargs": {}}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": "pack-quantized"}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
+            "global_compression_ratio": None, "version": "0.20.0"}
+
+
+def quantize_compressed_tensors(weight: torch.Tensor, spec: QuantSpec, perm: torch.Tensor | None):
+    """compressed-tensors' min-max round-to-nearest (calculate_qparams, then _quantize) per output row and group:
+    the range always includes 0; symmetric: scale = max|w| / ((2^bits - 1) / 2), zero point 0; asymmetric: scale =
+    (max - min) / (2^bits - 1), zero point clamp(round(q_min - min / scale)). q = clamp(round(w / scale + zp),
+    q_min, q_max), signed. Scales in float16. Groups as GPTQ's (`perm`: the act order). Returns q [out, in] int64,
+    scales [out, groups] float16, zero points [out, groups] int64, g_idx [in] int32."""
+    out_features, in_features = weight.shape
+    size = in_features if spec.group_size == -1 else spec.group_size
+    order = perm if perm is not None else torch.arange(in_features)
+    groups = -(-in_features // size)
+    q_min, q_max = -(1 << (spec.bits - 1)), (1 << (spec.bits - 1)) - 1
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[order] = (torch.arange(in_features) // size).to(torch.int32)
+    w = weight.float()
+    q = torch.empty(out_features, in_features, dtype=torch.int64)
+    scales = torch.empty(out_features, groups, dtype=torch.float16)
+    zeros = torch.zeros(out_features, groups, dtype=torch.int64)
+    for group in range(groups):
+        columns = order[group * size : (group + 1) * size]
+        low = w[:, columns].amin(dim=1).clamp(max=0)
+        high = w[:, columns].amax(dim=1).clamp(min=0)
+        if spec.sym:
+            scale = (torch.maximum(low.abs(), high) / ((q_max - q_min) / 2)).to(torch.float16)
+            zero = torch.zeros(out_features)
+        else:
+            scale = ((high - low) / (q_max - q_min)).to(torch.float16)
+            zero = (q_min - low / scale.float()).round().clamp(q_min, q_max)
+        scale = torch.where(scale == 0, torch.finfo(torch.float16).eps, scale)
+        scales[:, group], zeros[:, group] = scale, zero.long()
+        values = (w[:, columns] / scale.float().unsqueeze(1) + zero.unsqueeze(1)).round()
+        q[:, columns] = values.clamp(q_min, q_max).long()
+    return q, scales, zeros, g_idx
+
+
+def pack_compressed_tensors(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed values [rows, columns] -> int32 [rows, columns / pack]: value + 2^(bits - 1) at bits j * bits of
+    word [r, c] for column c * pack + j (compressed-tensors' pack_to_int32 along dim 1, for bits dividing 32)."""
+    pack = 32 // bits
+    unsigned = values.to(torch.int64) + (1 << (bits - 1))
+    rows, columns = unsigned.shape
+    words = torch.zeros(rows, columns // pack, dtype=torch.int64)
+    for j in range(pack):
+        words |= unsigned[:, j::pack] << (bits * j)
+    return _to_int32(words)
+
+
+def compressed_tensors_tensors(weight: torch.Tensor, spec: QuantSpec, perm: torch.Tensor | None):
+    """One module's pack-quantized tensors (suffix -> tensor) and its dequantized weight [out, in]."""
+    q, scales, zeros, g_idx = quantize_compressed_tensors(weight, spec, perm)
+    groups = g_idx.long()
+    dequantized = ((q - zeros[:, groups]).double() * scales[:, groups].double()).float()
+    tensors = {"weight_packed": pack_compressed_tensors(q, spec.bits), "weight_scale": scales,
+               "weight_shape": torch.tensor(weight.shape)}
+    if not spec.sym:
+        tensors["weight_zero_point"] = pack_compressed_tensors(zeros.t().contiguous(), spec.bits).t().contiguous()
+    if spec.desc_act:
+        tensors["weight_g_idx"] = g_idx
+    return tensors, dequantized
+
+
 # ---- kernel test weights ---------------------------------------------------------------------------------------
 
 
@@ -232,6 +316,8 @@ def write_quantized(float_dir: str | Path, quant_dir: str | Path, dequant_dir: s
         module = name.removesuffix(".weight")
         if spec.method == "awq":
             tensors, dense = awq_tensors(tensor, spec)
+        elif spec.method == "compressed-tensors" and not spec.desc_act:
+            tensors, dense = compressed_tensors_tensors(tensor, spec, None)
         else:
             perm = None
             if spec.desc_act:
@@ -240,7 +326,10 @@ def write_quantized(float_dir: str | Path, quant_dir: str | Path, dequant_dir: s
                 if key not in orders:
                     orders[key] = gptq_input_order(tensor.shape[1], generator)
                 perm = orders[key]
-            tensors, dense = gptq_tensors(tensor, spec, perm)
+            if spec.method == "compressed-tensors":
+                tensors, dense = compressed_tensors_tensors(tensor, spec, perm)
+            else:
+                tensors, dense = gptq_tensors(tensor, spec, perm)
         for suffix, value in tensors.items():
             quantized[f"{module}.{suffix}"] = value
         dequantized[name] = dense

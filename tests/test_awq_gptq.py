@@ -1,4 +1,5 @@
-"""AWQ and GPTQ checkpoints: the test packers against AutoAWQ's and AutoGPTQ's own code, the CPU kernels against a
+"""AWQ, GPTQ and compressed-tensors W4A16/W8A16 checkpoints: the test packers against AutoAWQ's, AutoGPTQ's and
+compressed-tensors' own code, the CPU kernels against a
 float64 reference of the dequantized weights (every instruction set this CPU runs, 1..130 rows), the layers'
 loading of fused shards and tensor-parallel slices, the configs, and the engine's greedy output against pagellm
 and transformers on the dequantized float weights."""
@@ -24,6 +25,8 @@ from pagellm.layers.linear import (
 )
 from pagellm.layers.quantization import quantization_config_for
 from pagellm.layers.quantization.awq import AWQConfig, AWQLinearMethod, pack_awq, unpack_awq
+from pagellm.layers.quantization.compressed_tensors import CompressedTensorsConfig
+from pagellm.layers.quantization.compressed_tensors_wna16 import CompressedTensorsWNA16Method
 from pagellm.layers.quantization.gptq import GPTQConfig, GPTQLinearMethod
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.ops import wna16
@@ -32,10 +35,12 @@ from tests.helpers import PROMPTS, hf_greedy
 from tests.quant_checkpoints import (
     QuantSpec,
     awq_tensors,
+    compressed_tensors_tensors,
     gptq_tensors,
     pack_gptq_qweight,
     pack_gptq_qzeros,
     quantize_awq,
+    quantize_compressed_tensors,
     quantize_gptq,
     random_group_quant_weight,
     write_quantized,
@@ -244,12 +249,16 @@ def test_torch_path_where_the_kernels_are_switched_off(monkeypatch):
 
 
 def _config(spec: QuantSpec):
+    if spec.method == "compressed-tensors":
+        return CompressedTensorsConfig.from_config(spec.quantization_config())
     return AWQConfig(spec.quantization_config()) if spec.method == "awq" else GPTQConfig(spec.quantization_config())
 
 
 def _checkpoint(spec: QuantSpec, weight: torch.Tensor, perm: torch.Tensor | None = None):
     if spec.method == "awq":
         return awq_tensors(weight, spec)
+    if spec.method == "compressed-tensors":
+        return compressed_tensors_tensors(weight, spec, perm)
     return gptq_tensors(weight, spec, perm)
 
 
@@ -264,6 +273,9 @@ SPECS = {
     "gptq4_desc_act": QuantSpec("gptq", bits=4, group_size=16, desc_act=True),
     "gptq8_asym": QuantSpec("gptq", bits=8, group_size=16, sym=False),
     "gptq4_v2_per_channel": QuantSpec("gptq", bits=4, group_size=-1, sym=False, checkpoint_format="gptq_v2"),
+    "ct_w4a16": QuantSpec("compressed-tensors", bits=4, group_size=16),
+    "ct_w4a16_asym_act_order": QuantSpec("compressed-tensors", bits=4, group_size=16, sym=False, desc_act=True),
+    "ct_w8a16_asym_per_channel": QuantSpec("compressed-tensors", bits=8, group_size=-1, sym=False),
 }
 
 
@@ -286,7 +298,8 @@ def test_fused_qkv_and_gate_up_shards_load_where_they_go(name):
             _load(layer, tensors, shard)
             dense.append(dequantized)
         layer.process_weights_after_loading()
-        assert layer.qweight.numel() == 0, "the checkpoint's layout is freed once the kernel's is built"
+        packed = getattr(layer, layer.quant_method.checkpoint_params[0])
+        assert packed.numel() == 0, "the checkpoint's layout is freed once the kernel's is built"
         x = torch.randn(5, 64)
         _assert_close(layer(x), x, torch.cat(dense))
 
@@ -415,6 +428,7 @@ def test_asking_for_awq_on_a_float_checkpoint_says_it_needs_an_awq_checkpoint():
 
 ENGINE_SPECS = {
     "awq_g32": QuantSpec("awq", group_size=32),
+    "ct_w4a16_asym_g32": QuantSpec("compressed-tensors", bits=4, group_size=32, sym=False),
     "gptq4_desc_act_sym_g32": QuantSpec("gptq", bits=4, group_size=32, desc_act=True),
     "gptq8_asym_g64": QuantSpec("gptq", bits=8, group_size=64, sym=False),
 }
@@ -467,3 +481,141 @@ def test_greedy_output_equals_the_dequantized_model_in_pagellm_and_transformers(
     bits, group_size = ENGINE_SPECS[name].bits, ENGINE_SPECS[name].group_size
     expected_ratio = (bits + 64 / group_size) / 32
     assert _linear_bytes(quantized) <= 1.1 * expected_ratio * _linear_bytes(dense)
+
+
+# ---- compressed-tensors W4A16 / W8A16 ---------------------------------------------------------------------------
+
+CT_PACKAGE_SPECS = {
+    "w4a16_g16": QuantSpec("compressed-tensors", bits=4, group_size=16),
+    "w4a16_asym_g16": QuantSpec("compressed-tensors", bits=4, group_size=16, sym=False),
+    "w8a16_per_channel": QuantSpec("compressed-tensors", bits=8, group_size=-1),
+    "w8a16_asym_g32": QuantSpec("compressed-tensors", bits=8, group_size=32, sym=False),
+}
+
+
+def _package_scheme(spec: QuantSpec):
+    from compressed_tensors.quantization import QuantizationConfig
+
+    return QuantizationConfig.model_validate(spec.quantization_config()).config_groups["group_0"]
+
+
+def _package_decompress(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """compressed-tensors' own dequantization of our tensors, with the scales widened to float32 (the package
+    multiplies in the scales' dtype, which would round the float16 products)."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    state = {**tensors, "weight_scale": tensors["weight_scale"].float()}
+    return compressor.decompress(state, _package_scheme(spec))["weight"]
+
+
+@pytest.mark.parametrize("name", CT_PACKAGE_SPECS)
+def test_compressed_tensors_packer_writes_the_bytes_the_package_writes(name):
+    """The package (compressed-tensors, a test dependency) compresses the float weight, given our scales and zero
+    points, into our bytes, and decompresses them to our dequantized weight."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+
+    spec = CT_PACKAGE_SPECS[name]
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(7)) * 0.2
+    tensors, dequantized = compressed_tensors_tensors(weight, spec, None)
+    q, scales, zeros, _ = quantize_compressed_tensors(weight, spec, None)
+    state = {"weight": weight, "weight_scale": scales}
+    if not spec.sym:
+        state["weight_zero_point"] = zeros.to(torch.int8)
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    theirs = compressor.compress(state, _package_scheme(spec))
+    assert set(theirs) == set(tensors)
+    for key in ("weight_packed", "weight_zero_point", "weight_shape"):
+        if key in tensors:
+            assert torch.equal(theirs[key], tensors[key]), key
+    assert torch.equal(_package_decompress(spec, tensors), dequantized)
+
+
+@pytest.mark.parametrize("name", CT_PACKAGE_SPECS)
+def test_pagellm_reads_compressed_tensors_as_the_package_dequantizes(name):
+    pytest.importorskip("compressed_tensors")
+    spec = CT_PACKAGE_SPECS[name]
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(8)) * 0.2
+    tensors, _ = compressed_tensors_tensors(weight, spec, None)
+    layer = ReplicatedLinear(96, 48, False, _config(spec), "model.layers.0.mlp.down_proj")
+    assert isinstance(layer.quant_method, CompressedTensorsWNA16Method)
+    _load(layer, tensors)
+    (first, part), = layer.quant_method.parts(layer)
+    assert first == 0 and part.bits == spec.bits
+    assert torch.equal(wna16.dequantize(part), _package_decompress(spec, tensors))
+
+
+def test_act_order_groups_follow_weight_g_idx():
+    """"group" act order (older llm-compressor; weight_g_idx): the inputs of a group are scattered, and each
+    input's scale is its group's."""
+    spec = SPECS["ct_w4a16_asym_act_order"]
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(4))
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(5)) * 0.3
+    tensors, dense = _checkpoint(spec, weight, perm)
+    assert not torch.equal(tensors["weight_g_idx"], torch.arange(64, dtype=torch.int32) // 16)
+    layer = ReplicatedLinear(64, 32, False, _config(spec), "model.layers.0.mlp.down_proj")
+    _load(layer, tensors)
+    layer.process_weights_after_loading()
+    x = torch.randn(3, 64)
+    _assert_close(layer(x), x, dense)
+
+
+def test_a_weight_shape_that_does_not_match_the_layer_is_refused():
+    spec = SPECS["ct_w4a16"]
+    layer = ReplicatedLinear(64, 32, False, _config(spec), "model.layers.0.mlp.down_proj")
+    tensors, _ = _checkpoint(spec, torch.randn(32, 64))
+    _load(layer, {**tensors, "weight_shape": torch.tensor([32, 60])})
+    with pytest.raises(ValueError, match=r"weight_shape \[\[32, 60\]\] does not match the layer's shards \[\[32, 64\]\]"):
+        layer.process_weights_after_loading()
+
+
+def _ct_config(**weights) -> dict:
+    config = QuantSpec("compressed-tensors", bits=4, group_size=128).quantization_config()
+    config["config_groups"]["group_0"]["weights"].update(weights)
+    return config
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(num_bits=3), "3-bit int weights in the pack-quantized format"),
+    (dict(type="float"), "4-bit float weights in the pack-quantized format"),
+    (dict(strategy="tensor", group_size=None), "strategy 'tensor'"),
+    (dict(group_size=None), "group_size=None"),
+    (dict(actorder="sideways"), "actorder='sideways'"),
+])
+def test_pack_quantized_schemes_pagellm_does_not_run_are_refused_naming_them(change, words):
+    with pytest.raises(ValueError) as refusal:
+        CompressedTensorsConfig.from_config(_ct_config(**change))
+    assert words in str(refusal.value) and "W4A16 and W8A16" in str(refusal.value), str(refusal.value)
+    w4a8 = _ct_config()
+    w4a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "strategy": "token",
+                                                             "dynamic": True}
+    with pytest.raises(ValueError, match=r"\(W4A8\)"):
+        CompressedTensorsConfig.from_config(w4a8)
+
+
+def test_compressed_tensors_describe_names_the_packed_scheme():
+    config = CompressedTensorsConfig.from_config(_ct_config(symmetric=False, actorder="weight"))
+    assert config.describe() == ("compressed-tensors (int4 group 128 weights (with zero points, act order weight), "
+                                 "float activations for Linear; dense: lm_head)")
+    method = config.linear_method("model.layers.0.self_attn.qkv_proj")
+    assert isinstance(method, CompressedTensorsWNA16Method) and not method.group_act_order
+    assert isinstance(config.linear_method("lm_head"), UnquantizedLinearMethod)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("compressed-tensors", bits=4, group_size=32),
+                                  QuantSpec("compressed-tensors", bits=8, group_size=-1)], ids=["w4a16_g32", "w8a16"])
+def test_transformers_reads_the_test_checkpoint_as_its_dequantized_weights(spec, tmp_path, tiny_llama_dir):
+    """The whole test checkpoint (config.json and tensors) read by a third party: transformers, through the
+    compressed-tensors package, computes the dequantized model's logits. (Asymmetric checkpoints are left out:
+    transformers 5.25 sizes weight_zero_point unpacked, [out, groups], while compressed-tensors 0.20 writes and vLLM
+    reads it packed, [out / pack, groups], as the test packer does and the byte test above checks.)"""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    write_quantized(tiny_llama_dir, tmp_path / "quantized", tmp_path / "dequantized", spec)
+    ids = torch.tensor([[1, 5, 9, 200, 31, 7]])
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(str(tmp_path / name), dtype=torch.float32)(ids).logits
+                  for name in ("quantized", "dequantized")]
+    assert torch.equal(logits[0], logits[1])

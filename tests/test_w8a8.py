@@ -234,7 +234,8 @@ def test_compressed_tensors_layers_take_their_group_or_stay_dense():
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(format="pack-quantized"), "format 'pack-quantized'"),
+    (dict(format="nvfp4-pack-quantized"), "format 'nvfp4-pack-quantized'"),
+    (dict(format="pack-quantized"), "8-bit weights with 8-bit int activations (W8A8)"),
     (dict(weights={"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}), "4-bit int weights"),
     (dict(weights={"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}), "asymmetric weights"),
     (dict(weights={"num_bits": 8, "type": "int", "strategy": "group", "group_size": 128}), "strategy 'group'"),

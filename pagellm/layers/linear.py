@@ -135,6 +135,9 @@ class ReplicatedLinear(LinearBase):
                  prefix: str) -> None:
         super().__init__(input_size, [output_size], bias, quant_config, prefix)
 
+    def checkpoint_shard_sizes(self) -> list[int]:
+        return [self.output_size]
+
 
 class ColumnParallelLinear(LinearBase):
     """Output features split evenly over the ranks; each rank's output is its slice (no communication)."""
@@ -220,6 +223,9 @@ class RowParallelLinear(LinearBase):
         self.splits_input = group.size > 1  # set first: a weight method sizes its group tensors by it
         super().__init__(input_size // group.size, [output_size], bias, quant_config, prefix, group)
         self.reduce_results = reduce_results
+
+    def checkpoint_shard_sizes(self) -> list[int]:
+        return [self.output_size]  # the outputs are not split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x, add_bias=self.group.rank == 0)

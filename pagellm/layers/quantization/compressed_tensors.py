@@ -1,18 +1,22 @@
-"""compressed-tensors checkpoints (llm-compressor's output; quant_method "compressed-tensors"), the 8-bit schemes:
+"""compressed-tensors checkpoints (llm-compressor's output; quant_method "compressed-tensors"):
 
 - W8A8 int8 ("int-quantized", or "naive-quantized"): int8 `weight` with symmetric `weight_scale` per channel
   ([N, 1]) or per tensor; activations int8, dynamic per token, or static per tensor with `input_scale`.
 - FP8 ("float-quantized", or "naive-quantized"): float8_e4m3fn `weight` with `weight_scale` per tensor, per
   channel or per block (`block_structure` [bn, bk]); activations dynamic or static, or none (W8A16). pagellm
   keeps activations in the model's dtype (see pagellm/ops/w8a8_kernels.py).
+- W4A16 / W8A16 ("pack-quantized"): 4- or 8-bit integer weights packed into int32, a scale per group of inputs
+  or per channel, symmetric or with zero points, optionally "group" act order (weight_g_idx); activations stay
+  float. They run on the AWQ/GPTQ kernels (compressed_tensors_wna16.py).
 
 The config (compressed_tensors.QuantizationConfig) maps `config_groups`, each with `targets` (module class names,
 of which linear layers answer to "Linear"; module names; or "re:" regular expressions matched from the start of
 the name), to a scheme of `weights` / `input_activations` QuantizationArgs (num_bits, type int/float, symmetric,
 strategy tensor/channel/group/block/token, dynamic); modules in `ignore` stay dense, and so does any module no
 group targets. A fused layer (qkv_proj, gate_up_proj) matches through its checkpoint modules, which must agree.
-Everything else (asymmetric or grouped weights, 4-bit packs, sparsity, KV cache schemes, transforms) is refused
-at load, naming what was found.
+Everything else (in the one-value-per-byte formats asymmetric or grouped weights and other widths than 8 bits; packs
+of other widths, of floats such as NVFP4, or with quantized activations; sparsity, KV cache schemes, transforms) is
+refused at load, naming what was found.
 """
 
 from __future__ import annotations
@@ -21,14 +25,21 @@ import re
 from dataclasses import dataclass
 
 from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagellm.layers.quantization.compressed_tensors_wna16 import CompressedTensorsWNA16Method
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import Fp8LinearMethod, Int8LinearMethod, checkpoint_module_names
 
 # Formats whose weights are stored one value per byte, as their scheme's dtype.
 FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
+# Integer weights of fewer bits packed into int32 words.
+PACKED_FORMAT = "pack-quantized"
 SUPPORTED = ("W8A8 int8 (symmetric per-channel or per-tensor weights; dynamic per-token or static per-tensor "
              "activations) and FP8 e4m3 (per-tensor, per-channel or block weights; any activations), in the "
-             f"{', '.join(FORMATS)} formats")
+             f"{', '.join(FORMATS)} formats; W4A16 and W8A16 (4- or 8-bit integer weights per group or channel, "
+             f"symmetric or not, act order 'weight' or 'group'; no activation quantization) in the {PACKED_FORMAT} "
+             "format")
+# compressed-tensors' ActivationOrdering and its aliases -> whether the checkpoint stores weight_g_idx.
+ACT_ORDERS = {None: False, False: False, "weight": False, "static": False, True: True, "group": True, "dynamic": True}
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,8 @@ class QuantArgs:
     strategy: str | None
     dynamic: bool | str
     block_structure: tuple[int, int] | None
+    group_size: int | None = None
+    actorder: str | bool | None = None
 
     @classmethod
     def parse(cls, raw: dict, where: str) -> QuantArgs:
@@ -54,7 +67,8 @@ class QuantArgs:
             block = (block[0], block[1])
         return cls(num_bits=int(raw.get("num_bits", 8)), type=str(raw.get("type", "int")),
                    symmetric=bool(raw.get("symmetric", True)), strategy=raw.get("strategy"),
-                   dynamic=raw.get("dynamic", False), block_structure=block)
+                   dynamic=raw.get("dynamic", False), block_structure=block, group_size=raw.get("group_size"),
+                   actorder=raw.get("actorder"))
 
 
 @dataclass(frozen=True)
@@ -76,10 +90,12 @@ def _refuse(group: str, what: str) -> ValueError:
 def method_for(group: SchemeGroup) -> LinearMethod:
     """The linear method of a group's scheme, or a ValueError naming what pagellm does not run."""
     weights, activations = group.weights, group.input_activations
-    if group.format not in FORMATS:
+    if group.format not in FORMATS + (PACKED_FORMAT,):
         raise _refuse(group.name, f"format {group.format!r}")
     if weights is None:
         raise _refuse(group.name, "a scheme without weight quantization")
+    if group.format == PACKED_FORMAT:
+        return _wna16_method(group, weights, activations)
     if weights.num_bits != 8 or weights.type not in ("int", "float"):
         raise _refuse(group.name, f"{weights.num_bits}-bit {weights.type} weights")
     if not weights.symmetric:
@@ -111,6 +127,25 @@ def _int8_method(group: SchemeGroup, weights: QuantArgs, activations: QuantArgs 
     if not activations.dynamic and activations.strategy != "tensor":
         raise _refuse(group.name, f"static int8 activations with strategy {activations.strategy!r}")
     return Int8LinearMethod(per_channel=weights.strategy == "channel", static_input=not activations.dynamic)
+
+
+def _wna16_method(group: SchemeGroup, weights: QuantArgs, activations: QuantArgs | None) -> LinearMethod:
+    if weights.type != "int" or weights.num_bits not in (4, 8):
+        raise _refuse(group.name, f"{weights.num_bits}-bit {weights.type} weights in the {PACKED_FORMAT} format")
+    if activations is not None:
+        raise _refuse(group.name, f"{weights.num_bits}-bit weights with {activations.num_bits}-bit "
+                                  f"{activations.type} activations (W{weights.num_bits}A{activations.num_bits})")
+    if weights.dynamic:
+        raise _refuse(group.name, f"dynamic={weights.dynamic!r} weight scales")
+    if weights.strategy not in ("group", "channel"):
+        raise _refuse(group.name, f"{PACKED_FORMAT} weights with strategy {weights.strategy!r}")
+    group_size = weights.group_size if weights.strategy == "group" else None
+    if weights.strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+        raise _refuse(group.name, f"group weights with group_size={group_size!r} (a positive number of inputs)")
+    if weights.actorder not in ACT_ORDERS:
+        raise _refuse(group.name, f"actorder={weights.actorder!r}")
+    group_act_order = ACT_ORDERS[weights.actorder] and group_size is not None
+    return CompressedTensorsWNA16Method(weights.num_bits, group_size, weights.symmetric, group_act_order)
 
 
 def _fp8_method(group: SchemeGroup, weights: QuantArgs, activations: QuantArgs | None) -> LinearMethod:
@@ -200,20 +235,27 @@ class CompressedTensorsConfig(QuantizationConfig):
         return self.dense if group is None else self.methods[group]
 
     def describe(self) -> str:
-        parts = []
-        for group in self.groups:
-            weights, activations = group.weights, group.input_activations
-            dtype = "int8" if weights.type == "int" else "fp8"
-            block = f" {list(weights.block_structure)}" if weights.strategy == "block" else ""
-            if activations is None:
-                acts = "no activation quantization"
-            else:
-                acts = f"{'dynamic' if activations.dynamic else 'static'} {activations.strategy} activations"
-                if dtype == "fp8":
-                    acts += " (run unquantized)"
-            parts.append(f"{dtype} {weights.strategy}{block} weights, {acts} for {', '.join(group.targets)}")
+        parts = [f"{_describe_scheme(group)} for {', '.join(group.targets)}" for group in self.groups]
         ignore = f"; dense: {', '.join(self.ignore)}" if self.ignore else ""
         return f"compressed-tensors ({'; '.join(parts)}{ignore})"
+
+
+def _describe_scheme(group: SchemeGroup) -> str:
+    weights, activations = group.weights, group.input_activations
+    if group.format == PACKED_FORMAT:
+        size = f" {weights.group_size}" if weights.strategy == "group" else ""
+        zero = "symmetric" if weights.symmetric else "with zero points"
+        order = f", act order {weights.actorder}" if weights.actorder not in (None, False) else ""
+        return f"int{weights.num_bits} {weights.strategy}{size} weights ({zero}{order}), float activations"
+    dtype = "int8" if weights.type == "int" else "fp8"
+    block = f" {list(weights.block_structure)}" if weights.strategy == "block" else ""
+    if activations is None:
+        acts = "no activation quantization"
+    else:
+        acts = f"{'dynamic' if activations.dynamic else 'static'} {activations.strategy} activations"
+        if dtype == "fp8":
+            acts += " (run unquantized)"
+    return f"{dtype} {weights.strategy}{block} weights, {acts}"
 
 
 def compressed_tensors_config(checkpoint_config: dict | None, requested: str | None) -> QuantizationConfig:

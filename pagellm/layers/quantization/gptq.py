@@ -35,12 +35,13 @@ from pagellm.layers.quantization.group_quant import (
     EMBEDDING_SUFFIX,
     GroupQuantLinearMethod,
     all_shards_agree,
-    column_ranges,
     checkpoint_modules,
+    load_shard_row,
+    parts_by_input_order,
 )
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
-from pagellm.layers.weights import copy_checked, set_weight_attrs
-from pagellm.ops.wna16 import BITS, GroupQuantWeight, Parts, unpack_rows
+from pagellm.layers.weights import set_weight_attrs
+from pagellm.ops.wna16 import BITS, Parts, unpack_rows
 
 logger = logging.getLogger(__name__)
 
@@ -86,46 +87,18 @@ class GPTQLinearMethod(GroupQuantLinearMethod):
         scales = nn.Parameter(torch.empty(groups, output_size, dtype=torch.float32), requires_grad=False)
         set_weight_attrs(scales, output_dim=1)
         g_idx = nn.Parameter(torch.empty(len(output_sizes), input_size, dtype=torch.int32), requires_grad=False)
-        set_weight_attrs(g_idx, weight_loader=functools.partial(self._load_g_idx, layer))
+        set_weight_attrs(g_idx, weight_loader=functools.partial(load_shard_row, layer, "g_idx", True))
         layer.register_parameter("qweight", qweight)
         layer.register_parameter("qzeros", qzeros)
         layer.register_parameter("scales", scales)
         layer.register_parameter("g_idx", g_idx)
-
-    @staticmethod
-    def _load_g_idx(layer: nn.Module, param: nn.Parameter, tensor: torch.Tensor, shard=None) -> None:
-        """A shard's g_idx into its row (a fused checkpoint tensor into every row), this rank's inputs only."""
-        size = param.shape[1]
-        if layer.splits_input:
-            tensor = tensor.narrow(0, layer.group.rank * size, size)
-        rows = range(param.shape[0]) if shard is None else [layer.shard_ids.index(shard)]
-        for row in rows:
-            copy_checked(param.data[row], tensor, f"{layer.prefix}.g_idx" + (f" ({shard})" if shard else ""))
 
     def parts(self, layer: nn.Module) -> Parts:
         qweight = layer.qweight.data
         zeros = unpack_columns(layer.qzeros.data, self.bits).to(torch.float32) + self.zero_offset
         scales = layer.scales.data.to(torch.float32)
         offsets = -scales * zeros
-        g_idx = layer.g_idx.data
-        groups = scales.shape[0]
-        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
-            raise ValueError(f"{layer.prefix}.g_idx holds groups outside 0 .. {groups - 1}: the checkpoint's g_idx "
-                             "does not fit its scales")
-        # Consecutive shards with the same input order run as one part.
-        runs: list[tuple[int, int, int]] = []  # (first column, width, g_idx row)
-        for row, (first, width) in enumerate(column_ranges(layer.output_sizes)):
-            if runs and torch.equal(g_idx[runs[-1][2]], g_idx[row]):
-                runs[-1] = (runs[-1][0], runs[-1][1] + width, runs[-1][2])
-            else:
-                runs.append((first, width, row))
-        parts: Parts = []
-        for first, width, row in runs:
-            columns = slice(first, first + width)
-            parts.append((first, GroupQuantWeight(self.bits, qweight[:, columns].contiguous(),
-                                                  scales[:, columns].contiguous(), offsets[:, columns].contiguous(),
-                                                  g_idx[row].contiguous())))
-        return parts
+        return parts_by_input_order(layer, self.bits, qweight, scales, offsets, layer.g_idx.data)
 
 
 class GPTQConfig(QuantizationConfig):

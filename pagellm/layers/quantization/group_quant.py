@@ -11,7 +11,15 @@ import torch
 from torch import nn
 
 from pagellm.layers.quantization.base import LinearMethod
-from pagellm.ops.wna16 import GroupQuantKernel, Parts, TorchGroupQuant, choose_kernel, compact_groups
+from pagellm.layers.weights import copy_checked
+from pagellm.ops.wna16 import (
+    GroupQuantKernel,
+    GroupQuantWeight,
+    Parts,
+    TorchGroupQuant,
+    choose_kernel,
+    compact_groups,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,3 +108,40 @@ def column_ranges(output_sizes: list[int]) -> list[tuple[int, int]]:
         ranges.append((first, size))
         first += size
     return ranges
+
+
+def load_shard_row(layer: nn.Module, name: str, input_sliced: bool, param: nn.Parameter, tensor: torch.Tensor,
+                   shard=None) -> None:
+    """A per-shard tensor (GPTQ's g_idx, compressed-tensors' weight_g_idx and weight_shape) into the parameter's
+    row for that shard, a fused checkpoint tensor into every row; with `input_sliced`, this rank's input
+    features of it only. Bound to a layer, a name and `input_sliced` with functools.partial, it is the
+    parameter's weight loader."""
+    size = param.shape[1]
+    if input_sliced and layer.splits_input:
+        tensor = tensor.narrow(0, layer.group.rank * size, size)
+    rows = range(param.shape[0]) if shard is None else [layer.shard_ids.index(shard)]
+    for row in rows:
+        copy_checked(param.data[row], tensor, f"{layer.prefix}.{name}" + (f" ({shard})" if shard is not None else ""))
+
+
+def parts_by_input_order(layer: nn.Module, bits: int, qweight: torch.Tensor, scales: torch.Tensor,
+                         offsets: torch.Tensor, g_idx: torch.Tensor) -> Parts:
+    """The layer's weight as kernel parts, from qweight [in / pack, out], scales and offsets [groups, out] and
+    one g_idx row per fused shard: consecutive shards whose inputs are in the same order run as one part (a
+    quantizer with act order may have visited each shard's inputs in its own order)."""
+    groups = scales.shape[0]
+    if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+        raise ValueError(f"{layer.prefix}: g_idx holds groups outside 0 .. {groups - 1}: the checkpoint's g_idx "
+                         "does not fit its scales")
+    runs: list[tuple[int, int, int]] = []  # (first column, width, g_idx row)
+    for row, (first, width) in enumerate(column_ranges(layer.output_sizes)):
+        if runs and torch.equal(g_idx[runs[-1][2]], g_idx[row]):
+            runs[-1] = (runs[-1][0], runs[-1][1] + width, runs[-1][2])
+        else:
+            runs.append((first, width, row))
+    parts: Parts = []
+    for first, width, row in runs:
+        columns = slice(first, first + width)
+        parts.append((first, GroupQuantWeight(bits, qweight[:, columns].contiguous(), scales[:, columns].contiguous(),
+                                              offsets[:, columns].contiguous(), g_idx[row].contiguous())))
+    return parts
