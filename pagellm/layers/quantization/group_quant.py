@@ -4,8 +4,10 @@ representation the kernels take (pagellm/ops/wna16.py); the checkpoint's tensors
 
 from __future__ import annotations
 
+import functools
 import logging
 from abc import abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -95,6 +97,10 @@ class GroupQuantLinearMethod(LinearMethod):
         if kernel is None:  # not processed yet (a model used before loading finished, e.g. in a unit test)
             kernel = TorchGroupQuant(self.parts(layer))
         return kernel(x, bias)
+
+    def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        kernel: GroupQuantKernel | None = getattr(layer, "group_quant_kernel", None)
+        return None if kernel is None else functools.partial(kernel, bias=None)
 
     def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         kernel = getattr(layer, "group_quant_kernel", None)
