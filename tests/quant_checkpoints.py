@@ -126,16 +126,22 @@ def gptq_input_order(in_features: int, generator: torch.Generator) -> torch.Tens
     return torch.randperm(in_features, generator=generator)
 
 
+def input_groups(in_features: int, spec: QuantSpec, perm: torch.Tensor | None):
+    """(group size, the order the quantizer walks the inputs in, group count, g_idx [in] int32): group i holds
+    the inputs order[i*g : (i+1)*g], so g_idx[order[j]] = j // g (-1 group size: one group)."""
+    size = in_features if spec.group_size == -1 else spec.group_size
+    order = perm if perm is not None else torch.arange(in_features)
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[order] = (torch.arange(in_features) // size).to(torch.int32)
+    return size, order, -(-in_features // size), g_idx
+
+
 def quantize_gptq(weight: torch.Tensor, spec: QuantSpec, perm: torch.Tensor | None):
     """Round-to-nearest in GPTQ's group structure: with desc_act, group i holds the inputs perm[i*g : (i+1)*g]
     and g_idx[perm[j]] = j // g (auto_gptq/quantization/gptq.py, `fasterquant`). Returns q [out, in] int64,
     scales [groups, out] float16, zeros [groups, out] int64, g_idx [in] int32."""
     out_features, in_features = weight.shape
-    size = in_features if spec.group_size == -1 else spec.group_size
-    order = perm if perm is not None else torch.arange(in_features)
-    groups = -(-in_features // size)
-    g_idx = torch.empty(in_features, dtype=torch.int32)
-    g_idx[order] = (torch.arange(in_features) // size).to(torch.int32)
+    size, order, groups, g_idx = input_groups(in_features, spec, perm)
     w = weight.double()
     q = torch.empty(out_features, in_features, dtype=torch.int64)
     scales = torch.empty(groups, out_features, dtype=torch.float16)
@@ -212,12 +218,8 @@ def quantize_compressed_tensors(weight: torch.Tensor, spec: QuantSpec, perm: tor
     q_min, q_max), signed. Scales in float16. Groups as GPTQ's (`perm`: the act order). Returns q [out, in] int64,
     scales [out, groups] float16, zero points [out, groups] int64, g_idx [in] int32."""
     out_features, in_features = weight.shape
-    size = in_features if spec.group_size == -1 else spec.group_size
-    order = perm if perm is not None else torch.arange(in_features)
-    groups = -(-in_features // size)
+    size, order, groups, g_idx = input_groups(in_features, spec, perm)
     q_min, q_max = -(1 << (spec.bits - 1)), (1 << (spec.bits - 1)) - 1
-    g_idx = torch.empty(in_features, dtype=torch.int32)
-    g_idx[order] = (torch.arange(in_features) // size).to(torch.int32)
     w = weight.float()
     q = torch.empty(out_features, in_features, dtype=torch.int64)
     scales = torch.empty(out_features, groups, dtype=torch.float16)
