@@ -101,13 +101,13 @@ class CompressedTensorsWNA16Method(GroupQuantLinearMethod):
             zeros = torch.full_like(scales, 1 << (self.bits - 1))
         else:
             zeros = unpack_rows(layer.weight_zero_point.data, self.bits).t().to(torch.float32)
-        in_features = layer.weight_packed.shape[1] * self.pack
+        qweight = layer.weight_packed.data.t().contiguous()
         if self.group_act_order:
             g_idx = layer.weight_g_idx.data
         else:
-            size = in_features if self.group_size is None else self.group_size
-            g_idx = (torch.arange(in_features) // size).to(torch.int32).expand(len(layer.output_sizes), -1)
-        qweight = layer.weight_packed.data.t().contiguous()
+            size = layer.input_size if self.group_size is None else self.group_size
+            inputs = torch.arange(layer.input_size, device=qweight.device)
+            g_idx = (inputs // size).to(torch.int32).expand(len(layer.output_sizes), -1)
         return parts_by_input_order(layer, self.bits, qweight, scales, -scales * zeros, g_idx)
 
     def _check_shapes(self, layer: nn.Module) -> None:
