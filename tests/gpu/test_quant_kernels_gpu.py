@@ -91,7 +91,8 @@ def quantized_dirs(gpu_tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-quantized")
     dirs = {}
     for name, spec in (("awq", QuantSpec("awq", group_size=32)),
-                       ("gptq", QuantSpec("gptq", bits=4, group_size=32, desc_act=True))):
+                       ("gptq", QuantSpec("gptq", bits=4, group_size=32, desc_act=True)),
+                       ("w4a16", QuantSpec("compressed-tensors", bits=4, group_size=32, sym=False))):
         write_quantized(gpu_tiny_dir, root / name, root / f"{name}-dequantized", spec)
         dirs[name] = str(root / name)
     dirs["w8a8"] = write_w8a8(gpu_tiny_dir, root / "w8a8", "int8-channel-dynamic")[0]
@@ -99,7 +100,7 @@ def quantized_dirs(gpu_tiny_dir, tmp_path_factory):
     return dirs
 
 
-@pytest.mark.parametrize("name", ["awq", "gptq", "w8a8", "fp8"])
+@pytest.mark.parametrize("name", ["awq", "gptq", "w4a16", "w8a8", "fp8"])
 def test_quantized_checkpoints_give_the_cpu_engine_s_tokens_on_cuda(quantized_dirs, name):
     from pagellm import LLM, SamplingParams
 
