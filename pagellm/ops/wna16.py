@@ -38,6 +38,7 @@ from pagellm.cpu_features import cpu_has_amx_bf16
 from pagellm.ops import cpu_build
 from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
 from pagellm.ops.scratch import thread_scratch
+from pagellm.worker.huge_pages import to_weight_memory
 
 logger = logging.getLogger(__name__)
 
@@ -214,14 +215,16 @@ def cpu_layout(weight: GroupQuantWeight) -> CpuLayout:
     q_internal = torch.zeros(k_internal, columns, dtype=torch.int32)
     q_internal[internal, :out_features] = q[order]
     packed = pack_rows(q_internal, bits)  # [k_rows, columns]
-    packed = packed.view(k_internal // pack, blocks, BLOCK_COLUMNS).permute(1, 0, 2).contiguous()
+    packed = packed.view(k_internal // pack, blocks, BLOCK_COLUMNS).permute(1, 0, 2)
 
     gparams = torch.zeros(weight.num_groups, 2, columns, dtype=torch.float32)
     gparams[:, 0, :out_features] = weight.scales
     gparams[:, 1, :out_features] = weight.offsets
-    gparams = gparams.view(weight.num_groups, 2, blocks, BLOCK_COLUMNS).permute(2, 0, 1, 3).contiguous()
-    return CpuLayout(bits, in_features, out_features, packed, gparams, (padded // pack).to(torch.int32),
-                     None if identity else src)
+    gparams = gparams.view(weight.num_groups, 2, blocks, BLOCK_COLUMNS).permute(2, 0, 1, 3)
+    # In the load's huge-page arena (worker/huge_pages.py): a decode step streams both once, and 4 KiB pages cut the
+    # hardware prefetcher short at every page (README, "AWQ, GPTQ and W4A16 from memory", has the figures).
+    return CpuLayout(bits, in_features, out_features, to_weight_memory(packed), to_weight_memory(gparams),
+                     (padded // pack).to(torch.int32), None if identity else src)
 
 
 def dequantize_cpu_layout(layout: CpuLayout) -> torch.Tensor:

@@ -95,3 +95,10 @@ def weight_zeros(nbytes: int) -> np.ndarray:
     """A zeroed uint8 buffer for weights: from the current arena (huge pages) inside `weight_arena()`, else numpy's."""
     arena = _ARENA.get()
     return arena.zeros(nbytes) if arena is not None else np.zeros(nbytes, dtype=np.uint8)
+
+
+def to_weight_memory(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `tensor` in `weight_zeros` memory: for a layout built by torch (whose allocator gives a small
+    layer 4 KiB pages) that a kernel streams once per step."""
+    buffer = torch.from_numpy(weight_zeros(tensor.numel() * tensor.element_size()))
+    return buffer.view(tensor.dtype).view(tensor.shape).copy_(tensor)
