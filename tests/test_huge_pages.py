@@ -13,6 +13,7 @@ from pagellm.worker.huge_pages import (
     NUMPY_HUGE_PAGE_MIN_BYTES,
     WeightArena,
     advise_huge_pages,
+    to_weight_memory,
     weight_arena,
     weight_zeros,
 )
@@ -78,6 +79,17 @@ def test_weight_zeros_uses_the_arena_of_its_block_only():
     assert weight_zeros(128).base is None
 
 
+def test_to_weight_memory_copies_a_layout_into_the_arena():
+    source = torch.arange(4 * 6 * 8, dtype=torch.int32).view(4, 6, 8).permute(1, 0, 2)  # a view, not contiguous
+    with weight_arena() as arena:
+        copy = to_weight_memory(source)
+        scales = to_weight_memory(torch.rand(3, 5))
+    assert torch.equal(copy, source) and copy.is_contiguous() and copy.dtype == torch.int32
+    assert copy.data_ptr() % 64 == 0 and copy.data_ptr() != source.data_ptr()
+    chunk = arena._chunk.ctypes.data
+    assert chunk <= copy.data_ptr() < scales.data_ptr() < chunk + arena.chunk_bytes  # one chunk, one after the other
+
+
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
 def test_a_gguf_models_small_layers_lie_on_huge_page_chunks():
     """Each linear layer of the default model (SmolLM2 GGUF) is well under numpy's huge-page size; they are packed
@@ -90,3 +102,23 @@ def test_a_gguf_models_small_layers_lie_on_huge_page_chunks():
     small = [w for w in weights if w.untyped_storage().nbytes() < NUMPY_HUGE_PAGE_MIN_BYTES]
     assert len(small) >= 60  # o_proj and down_proj of 30 layers at least
     assert all("hg" in _vma_flags(w.data_ptr()) for w in small)
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+def test_an_awq_models_kernel_layouts_lie_on_huge_page_chunks(tmp_path, tiny_llama_dir):
+    """The group-quantized kernels' packed weights and scales are built in the load's arena (the one-row product
+    streams them from memory), not on torch's 4 KiB pages."""
+    from pagellm import LLM
+    from pagellm.ops.wna16 import CpuGroupQuant
+    from tests.quant_checkpoints import QuantSpec, write_quantized
+
+    write_quantized(tiny_llama_dir, tmp_path / "awq", tmp_path / "dequantized", QuantSpec("awq", group_size=32))
+    llm = LLM(str(tmp_path / "awq"), dtype="float32", kv_cache_memory_bytes=4 << 20, max_model_len=64,
+              max_num_seqs=2)
+    kernels = [module.group_quant_kernel for module in llm.llm_engine.core.runner.model.modules()
+               if hasattr(module, "group_quant_kernel")]
+    if not kernels or not isinstance(kernels[0], CpuGroupQuant):
+        pytest.skip("the C kernels cannot be built here")
+    layouts = [layout for kernel in kernels for _, layout in kernel.layouts]
+    assert len(layouts) >= 12  # q/k/v, o, gate/up and down of 3 layers at least
+    assert all("hg" in _vma_flags(tensor.data_ptr()) for layout in layouts for tensor in (layout.packed, layout.gparams))
