@@ -216,6 +216,22 @@ def test_bfloat16_rows_run_linear_bf16_on_the_weight_rounded_once(bits, variant,
     assert taken == [20]
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_prepared_product_equals_the_kernels_call(isa, bits):
+    """The decode steps' product (the kernel called straight, bfloat16 rows' output written as bfloat16) gives the
+    layer's call bit for bit, on the packed path and past it (dense or bfloat16 tiles)."""
+    kernel = wna16.CpuGroupQuant([(0, random_group_quant_weight(bits, 96, 80, "act_order", seed=bits))], _kernels(isa))
+    product = kernel.prepared_product()
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 3, 8, 19, 40, 600):
+            x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            y = product(x)
+            assert y.dtype == dtype and torch.equal(y, kernel(x, None)), (dtype, rows)
+    x = torch.randn(2, 3, 96)
+    assert torch.equal(product(x), kernel(x, None))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("variant", ["plain", "act_order", "uneven"])
 def test_layout_holds_the_weight_exactly(bits, variant):

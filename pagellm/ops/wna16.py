@@ -29,6 +29,7 @@ import os
 import pathlib
 import subprocess
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -256,8 +257,8 @@ class WNA16Kernels:
                                f"{BLOCK_COLUMNS}")
         self._matmul = library.wna16_matmul
         self._matmul.restype = _INT
-        self._matmul.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _PTR, _INT, _I64, _I64, _PTR, _I64,
-                                 _PTR]
+        self._matmul.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _PTR, _INT, _I64, _I64, _PTR, _INT,
+                                 _I64, _PTR]
         self._dequantize_t = library.wna16_dequantize_t
         self._dequantize_t.restype = _INT
         self._dequantize_t.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _PTR, _I64]
@@ -281,6 +282,30 @@ class WNA16Kernels:
         if x.shape[0] >= self.dense_min_rows[layout.bits]:
             return self.matmul_dense(x, layout, out, bias)
         return self.matmul_packed(x, layout, out, bias)
+
+    def prepared(self, layout: CpuLayout) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x [rows, in_features] -> x @ W^T in x's dtype, as `matmul` computes it, with the checks made once: rows
+        that `matmul` sends to the packed path (decode steps) go straight to the kernel, which writes a bfloat16
+        x's output in bfloat16 (rounded as torch rounds) instead of a float32 tensor converted after."""
+        args, in_features, out_features = layout.kernel_args, layout.in_features, layout.out_features
+        call, dense_min_rows = self._matmul, self.dense_min_rows[layout.bits]
+        tiles = (self._linear_bf16 is not None and in_features % 2 == 0 and out_features % LinearBF16.PANEL == 0)
+        packed_below = {torch.float32: dense_min_rows,
+                        torch.bfloat16: min(dense_min_rows, self.bf16_tile_min_rows[layout.bits]) if tiles
+                        else dense_min_rows}
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            rows, dtype = x.shape[0], x.dtype
+            if x.dim() != 2 or x.shape[1] != in_features or rows >= packed_below.get(dtype, 0) or x.stride(1) != 1:
+                y = self.matmul(x.reshape(-1, x.shape[-1]), layout).to(dtype)
+                return y.view(*x.shape[:-1], out_features)
+            y = torch.empty(rows, out_features, dtype=dtype)
+            bf16 = dtype is torch.bfloat16
+            if call(*args, out_features, x.data_ptr(), bf16, rows, x.stride(0), y.data_ptr(), bf16, out_features, None):
+                raise MemoryError(f"wna16_matmul could not allocate the gathered activations of {rows} rows")
+            return y
+
+        return product
 
     def matmul_bf16_tiles(self, x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None = None,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -311,7 +336,7 @@ class WNA16Kernels:
         """`matmul` straight from the packed weights, whatever the row count."""
         x, y, bias = _operands(x, layout, out, bias)
         failed = self._matmul(*layout.kernel_args, layout.out_features, x.data_ptr(), x.dtype is torch.bfloat16,
-                              x.shape[0], x.stride(0), y.data_ptr(), y.stride(0),
+                              x.shape[0], x.stride(0), y.data_ptr(), False, y.stride(0),
                               bias.data_ptr() if bias is not None else None)
         if failed == 1:
             raise MemoryError(f"wna16_matmul could not allocate the gathered activations of {x.shape[0]} rows")
@@ -429,6 +454,11 @@ class GroupQuantKernel(ABC):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in_features] @ W^T + bias."""
 
+    def prepared_product(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """x [rows, in_features] -> self(x, None), made once at load where the kernel has a faster way to call it;
+        else None."""
+        return None
+
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """The tensors the kernel keeps (counted in the weights' bytes)."""
@@ -469,6 +499,9 @@ class CpuGroupQuant(GroupQuantKernel):
             columns = slice(first, first + layout.out_features)
             self.kernels.matmul(x, layout, y[:, columns], bias[columns] if bias is not None else None)
         return y
+
+    def prepared_product(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return self.kernels.prepared(self.layouts[0][1]) if len(self.layouts) == 1 else None
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for _, layout in self.layouts for t in layout.tensors()]

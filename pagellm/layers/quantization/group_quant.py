@@ -111,7 +111,9 @@ class GroupQuantLinearMethod(LinearMethod):
 
     def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
         kernel: GroupQuantKernel | None = getattr(layer, "group_quant_kernel", None)
-        return None if kernel is None else functools.partial(kernel, bias=None)
+        if kernel is None:
+            return None
+        return kernel.prepared_product() or functools.partial(kernel, bias=None)
 
     def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         kernel = getattr(layer, "group_quant_kernel", None)

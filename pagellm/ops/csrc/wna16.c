@@ -194,12 +194,20 @@ static void prepare_pass(const void *x, int x_bf16, int64_t x_stride, int64_t fi
     }
 }
 
-/* y [rows][y_stride] (float32; columns 0 .. out_features) = x [rows][x_stride] (float32, or bfloat16 if x_bf16)
- * W^T (+ bias[out_features] if not NULL). Returns 1 if the scratch for x could not be allocated, 2 for bits
- * other than 4 and 8. */
+/* float32 -> bfloat16, rounded to nearest even (NaN to 0x7FC0), as torch rounds. */
+static ALWAYS_INLINE uint16_t to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if (value != value) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* y [rows][y_stride] (columns 0 .. out_features; float32, or bfloat16 if y_bf16) = x [rows][x_stride] (float32, or
+ * bfloat16 if x_bf16) W^T (+ bias[out_features] if not NULL). Returns 1 if the scratch for x could not be allocated,
+ * 2 for bits other than 4 and 8. */
 int wna16_matmul(const int32_t *packed, const float *gparams, const int32_t *group_rows, const int32_t *src,
                  int bits, int64_t n_groups, int64_t k_rows, int64_t out_features, const void *x, int x_bf16,
-                 int64_t rows, int64_t x_stride, float *y, int64_t y_stride, const float *bias) {
+                 int64_t rows, int64_t x_stride, void *y, int y_bf16, int64_t y_stride, const float *bias) {
     if (bits != 4 && bits != 8) return 2;
     if (rows <= 0 || out_features <= 0) return 0;
     const int pack = 32 / bits;
@@ -238,9 +246,12 @@ int wna16_matmul(const int32_t *packed, const float *gparams, const int32_t *gro
                 pass_function(bits, taken)(block, gp, group_rows, n_groups, xs + first * k_internal,
                                            xsum + first * n_groups, out);
                 for (int r = 0; r < taken; ++r) {
-                    float *dst = y + (first + r) * y_stride + column;
-                    for (int64_t c = 0; c < width; ++c)
-                        dst[c] = out[r][c] + (bias != NULL ? bias[column + c] : 0.0f);
+                    const int64_t at = (first + r) * y_stride + column;
+                    for (int64_t c = 0; c < width; ++c) {
+                        const float value = out[r][c] + (bias != NULL ? bias[column + c] : 0.0f);
+                        if (y_bf16) ((uint16_t *)y)[at + c] = to_bf16(value);
+                        else ((float *)y)[at + c] = value;
+                    }
                 }
             }
         }
