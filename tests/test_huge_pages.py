@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagellm.worker import huge_pages
 from pagellm.worker.huge_pages import (
     HUGE_PAGE_BYTES,
     NUMPY_HUGE_PAGE_MIN_BYTES,
@@ -88,6 +89,17 @@ def test_to_weight_memory_copies_a_layout_into_the_arena():
     assert copy.data_ptr() % 64 == 0 and copy.data_ptr() != source.data_ptr()
     chunk = arena._chunk.ctypes.data
     assert chunk <= copy.data_ptr() < scales.data_ptr() < chunk + arena.chunk_bytes  # one chunk, one after the other
+
+
+def test_freed_checkpoint_memory_is_trimmed_every_32_mib_inside_a_load_only(monkeypatch):
+    trims = []
+    monkeypatch.setattr(huge_pages, "return_free_heap", lambda: trims.append(1))
+    huge_pages.note_freed(huge_pages.TRIM_EVERY_BYTES)
+    assert trims == []  # no load's arena: nothing of it is in the arena
+    with weight_arena():
+        for _ in range(7):
+            huge_pages.note_freed(huge_pages.TRIM_EVERY_BYTES // 2)
+    assert len(trims) == 3  # after the 2nd, 4th and 6th
 
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")

@@ -14,7 +14,7 @@ from torch import nn
 
 from pagellm.layers.quantization.base import LinearMethod
 from pagellm.layers.weights import copy_checked
-from pagellm.worker.kv_cache import return_free_heap
+from pagellm.worker.huge_pages import note_freed
 from pagellm.ops.wna16 import (
     GroupQuantKernel,
     GroupQuantWeight,
@@ -29,8 +29,6 @@ logger = logging.getLogger(__name__)
 # Checkpoint modules fused into one pagellm layer (vLLM's packed_modules_mapping): a layer is quantized or
 # skipped as its shards are, and they must agree.
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# Checkpoint bytes freed between two trims of the C heap while the layers are processed.
-TRIM_EVERY_BYTES = 32 << 20
 # Layers that are never linear products on group-quantized weights here (the LM head may be, where the
 # checkpoint says so).
 EMBEDDING_SUFFIX = "embed_tokens"
@@ -72,7 +70,6 @@ class GroupQuantLinearMethod(LinearMethod):
     def __init__(self, bits: int) -> None:
         self.bits = bits
         self._logged: set[str] = set()
-        self._freed_bytes = 0
 
     @abstractmethod
     def parts(self, layer: nn.Module) -> Parts:
@@ -87,14 +84,8 @@ class GroupQuantLinearMethod(LinearMethod):
         layer.group_quant_kernel = kernel
         for name in self.checkpoint_params:
             param = getattr(layer, name)
-            self._freed_bytes += param.data.untyped_storage().nbytes()
+            note_freed(param.data.untyped_storage().nbytes())
             param.data = param.data.new_empty(0)
-        if self._freed_bytes >= TRIM_EVERY_BYTES:
-            # The kernels' layouts live in the load's huge-page arena, not in the C heap where the checkpoint's
-            # tensors were: without a trim now and then, the heap they leave would be handed back only after loading
-            # (GPTQ 8-bit SmolLM2: a load peak 134 MiB higher, one trim per layer 1.2 s slower).
-            return_free_heap()
-            self._freed_bytes = 0
         if kernel.name not in self._logged:
             self._logged.add(kernel.name)
             if isinstance(kernel, TorchGroupQuant):
