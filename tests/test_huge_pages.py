@@ -89,6 +89,9 @@ def test_to_weight_memory_copies_a_layout_into_the_arena():
     assert copy.data_ptr() % 64 == 0 and copy.data_ptr() != source.data_ptr()
     chunk = arena._chunk.ctypes.data
     assert chunk <= copy.data_ptr() < scales.data_ptr() < chunk + arena.chunk_bytes  # one chunk, one after the other
+    outside = to_weight_memory(source)  # no load's arena: torch's allocator, as a contiguous copy
+    assert torch.equal(outside, source) and outside.is_contiguous()
+    assert not chunk <= outside.data_ptr() < chunk + arena.chunk_bytes
 
 
 def test_freed_checkpoint_memory_is_trimmed_every_32_mib_inside_a_load_only(monkeypatch):
@@ -134,3 +137,19 @@ def test_an_awq_models_kernel_layouts_lie_on_huge_page_chunks(tmp_path, tiny_lla
     layouts = [layout for kernel in kernels for _, layout in kernel.layouts]
     assert len(layouts) >= 12  # q/k/v, o, gate/up and down of 3 layers at least
     assert all("hg" in _vma_flags(tensor.data_ptr()) for layout in layouts for tensor in (layout.packed, layout.gparams))
+
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+def test_a_compressed_tensors_int8_models_packed_weights_lie_on_huge_page_chunks(tmp_path, tiny_llama_dir):
+    from pagellm import LLM
+    from tests.w8a8_checkpoints import write_quantized as write_w8a8
+
+    quantized, _ = write_w8a8(tiny_llama_dir, tmp_path, "int8-channel-dynamic")
+    llm = LLM(quantized, dtype="float32", kv_cache_memory_bytes=4 << 20, max_model_len=64, max_num_seqs=2)
+    packed = [module.int8_linear.packed.packed for module in llm.llm_engine.core.runner.model.modules()
+              if getattr(getattr(module, "int8_linear", None), "packed", None) is not None]
+    if not packed:
+        pytest.skip("the C kernels cannot be built here")
+    assert len(packed) >= 12
+    assert all("hg" in _vma_flags(tensor.data_ptr()) for tensor in packed)

@@ -42,6 +42,7 @@ from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels
 from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
 from pagellm.ops.scratch import thread_scratch
+from pagellm.worker.huge_pages import to_weight_memory
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,10 @@ def pack_int8(weight: torch.Tensor, scale: torch.Tensor) -> PackedInt8:
     n_pad, k_pad = _round_up(out_features, STRIP), _round_up(in_features, GROUP)
     padded = torch.zeros(n_pad, k_pad, dtype=torch.int8)
     padded[:out_features, :in_features] = weight
-    packed = padded.view(n_pad // STRIP, STRIP, k_pad // GROUP, GROUP).permute(0, 2, 1, 3).contiguous()
+    # In the load's huge-page arena where there is one (a checkpoint's int8 weights, packed once loaded; online
+    # quantization packs as it loads, outside it): a decode step streams the packed weight once, and torch's 4 KiB
+    # pages stop the hardware prefetcher at every page.
+    packed = to_weight_memory(padded.view(n_pad // STRIP, STRIP, k_pad // GROUP, GROUP).permute(0, 2, 1, 3))
     colsum = padded.sum(dim=1, dtype=torch.int32)
     scales = torch.zeros(n_pad, dtype=torch.float32)
     scales[:out_features] = scale.float()

@@ -100,8 +100,12 @@ def weight_zeros(nbytes: int) -> np.ndarray:
 
 
 def to_weight_memory(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of `tensor` in `weight_zeros` memory: for a layout built by torch (whose allocator gives a small
-    layer 4 KiB pages) that a kernel streams once per step."""
+    """`tensor` contiguous, copied into the load's arena inside `weight_arena()`: for a layout built by torch (whose
+    allocator gives a small layer 4 KiB pages) that a kernel streams once per step. Outside a load's arena it stays
+    with torch's allocator, whose freed memory the next layers reuse (online int8 quantization packs as the
+    checkpoint loads: numpy's zeroed buffers there raised its load peak by 167 MiB)."""
+    if _ARENA.get() is None:
+        return tensor.contiguous()
     buffer = torch.from_numpy(weight_zeros(tensor.numel() * tensor.element_size()))
     return buffer.view(tensor.dtype).view(tensor.shape).copy_(tensor)
 

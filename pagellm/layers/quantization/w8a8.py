@@ -28,6 +28,7 @@ from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.weights import set_weight_attrs
 from pagellm.ops import w8a8_kernels as wk
+from pagellm.worker.huge_pages import note_freed
 
 
 # pagellm's fused layers and the checkpoint modules each holds (vLLM's packed_modules_mapping).
@@ -82,6 +83,7 @@ def channelwise(per_shard: torch.Tensor, output_sizes: list[int]) -> torch.Tenso
 
 def _free(param: nn.Parameter) -> None:
     """Drop a parameter's storage once its kernel keeps its own copy of the weight."""
+    note_freed(param.data.untyped_storage().nbytes())
     param.data = param.data.new_empty(0)
 
 
