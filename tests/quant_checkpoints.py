@@ -1,13 +1,14 @@
-"""AWQ, GPTQ and compressed-tensors W4A16/W8A16 test checkpoints made from a float HF checkpoint: every linear weight of the decoder layers is
-quantized by round-to-nearest (no calibration: the layout is what is tested, not the quantizer's quality) and
-packed into the format's exact tensors, written as safetensors with a config.json quantization_config as
-AutoAWQ / AutoGPTQ / llm-compressor write it. Beside it, the same model with the dequantized weights in float32, the reference
-pagellm and transformers run.
+"""AWQ, GPTQ and compressed-tensors W4A16/W8A16 test checkpoints made from a float HF checkpoint: every linear
+weight of the decoder layers is quantized by round-to-nearest (no calibration: the layout is what is tested, not
+the quantizer's quality) and packed into the format's exact tensors, written as safetensors with a config.json
+quantization_config as AutoAWQ / AutoGPTQ / llm-compressor write it. Beside it, the same model with the dequantized
+weights in float32, the reference pagellm and transformers run.
 
 The checkpoint packers are independent of pagellm's own unpacking (pagellm/ops/wna16.py,
-layers/quantization/awq.py, gptq.py): they follow the producers' code, and tests/data/awq_gptq_reference.safetensors
-(made by AutoAWQ's and AutoGPTQ's own packing code, see tests/data/make_awq_gptq_reference.py) checks them byte for
-byte; the compressed-tensors packer is checked against that package's own compressor (tests/test_compressed_tensors_wna16.py).
+layers/quantization/awq.py, gptq.py, compressed_tensors_wna16.py): they follow the producers' code, and
+tests/data/awq_gptq_reference.safetensors (made by AutoAWQ's and AutoGPTQ's own packing code, see
+tests/data/make_awq_gptq_reference.py) checks them byte for byte; the compressed-tensors packer is checked against
+that package's own compressor (tests/test_awq_gptq.py).
 `random_group_quant_weight` makes kernel test weights directly in pagellm's representation.
 """
 
@@ -318,8 +319,6 @@ def write_quantized(float_dir: str | Path, quant_dir: str | Path, dequant_dir: s
         module = name.removesuffix(".weight")
         if spec.method == "awq":
             tensors, dense = awq_tensors(tensor, spec)
-        elif spec.method == "compressed-tensors" and not spec.desc_act:
-            tensors, dense = compressed_tensors_tensors(tensor, spec, None)
         else:
             perm = None
             if spec.desc_act:
@@ -328,10 +327,8 @@ def write_quantized(float_dir: str | Path, quant_dir: str | Path, dequant_dir: s
                 if key not in orders:
                     orders[key] = gptq_input_order(tensor.shape[1], generator)
                 perm = orders[key]
-            if spec.method == "compressed-tensors":
-                tensors, dense = compressed_tensors_tensors(tensor, spec, perm)
-            else:
-                tensors, dense = gptq_tensors(tensor, spec, perm)
+            pack = compressed_tensors_tensors if spec.method == "compressed-tensors" else gptq_tensors
+            tensors, dense = pack(tensor, spec, perm)
         for suffix, value in tensors.items():
             quantized[f"{module}.{suffix}"] = value
         dequantized[name] = dense

@@ -221,7 +221,8 @@ def test_bfloat16_rows_run_linear_bf16_on_the_weight_rounded_once(bits, variant,
 def test_a_prepared_product_equals_the_kernels_call(isa, bits):
     """The decode steps' product (the kernel called straight, bfloat16 rows' output written as bfloat16) gives the
     layer's call bit for bit, on the packed path and past it (dense or bfloat16 tiles)."""
-    kernel = wna16.CpuGroupQuant([(0, random_group_quant_weight(bits, 96, 80, "act_order", seed=bits))], _kernels(isa))
+    weight = random_group_quant_weight(bits, 96, 80, "act_order", seed=bits)
+    kernel = wna16.CpuGroupQuant([(0, weight)], _kernels(isa))
     product = kernel.prepared_product()
     for dtype in (torch.float32, torch.bfloat16):
         for rows in (1, 3, 8, 19, 40, 600):
@@ -584,7 +585,8 @@ def test_a_weight_shape_that_does_not_match_the_layer_is_refused():
     layer = ReplicatedLinear(64, 32, False, _config(spec), "model.layers.0.mlp.down_proj")
     tensors, _ = _checkpoint(spec, torch.randn(32, 64))
     _load(layer, {**tensors, "weight_shape": torch.tensor([32, 60])})
-    with pytest.raises(ValueError, match=r"weight_shape \[\[32, 60\]\] does not match the layer's shards \[\[32, 64\]\]"):
+    shapes = r"weight_shape \[\[32, 60\]\] does not match the layer's shards \[\[32, 64\]\]"
+    with pytest.raises(ValueError, match=shapes):
         layer.process_weights_after_loading()
 
 
@@ -605,6 +607,9 @@ def test_pack_quantized_schemes_pagellm_does_not_run_are_refused_naming_them(cha
     with pytest.raises(ValueError) as refusal:
         CompressedTensorsConfig.from_config(_ct_config(**change))
     assert words in str(refusal.value) and "W4A16 and W8A16" in str(refusal.value), str(refusal.value)
+
+
+def test_packed_weights_with_quantized_activations_are_refused():
     w4a8 = _ct_config()
     w4a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "strategy": "token",
                                                              "dynamic": True}

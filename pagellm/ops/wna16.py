@@ -276,23 +276,32 @@ class WNA16Kernels:
         """x [rows, in_features] (float32 or bfloat16) @ W^T (+ bias) into `out` (float32 [rows, out_features],
         possibly a column slice of a wider tensor) or a new tensor: bfloat16 x from bf16_tile_min_rows rows on
         linear_bf16 where it can; else the packed path below dense_min_rows rows, the dense one from there."""
-        if (x.dtype is torch.bfloat16 and self._linear_bf16 is not None and x.shape[0] >= self.bf16_tile_min_rows[
-                layout.bits] and layout.in_features % 2 == 0 and layout.out_features % LinearBF16.PANEL == 0):
+        rows = x.shape[0]
+        if rows < self.packed_below(layout, x.dtype):
+            return self.matmul_packed(x, layout, out, bias)
+        if x.dtype is torch.bfloat16 and self._tiles_take(layout) and rows >= self.bf16_tile_min_rows[layout.bits]:
             return self.matmul_bf16_tiles(x, layout, out, bias)
-        if x.shape[0] >= self.dense_min_rows[layout.bits]:
-            return self.matmul_dense(x, layout, out, bias)
-        return self.matmul_packed(x, layout, out, bias)
+        return self.matmul_dense(x, layout, out, bias)
+
+    def _tiles_take(self, layout: CpuLayout) -> bool:
+        """Whether linear_bf16 can multiply bfloat16 rows by this weight."""
+        return self._linear_bf16 is not None and layout.in_features % 2 == 0 and \
+            layout.out_features % LinearBF16.PANEL == 0
+
+    def packed_below(self, layout: CpuLayout, dtype: torch.dtype) -> int:
+        """Rows of x (of `dtype`) below which `matmul` takes the packed path."""
+        dense = self.dense_min_rows[layout.bits]
+        if dtype is torch.bfloat16 and self._tiles_take(layout):
+            return min(dense, self.bf16_tile_min_rows[layout.bits])
+        return dense
 
     def prepared(self, layout: CpuLayout) -> Callable[[torch.Tensor], torch.Tensor]:
         """x [rows, in_features] -> x @ W^T in x's dtype, as `matmul` computes it, with the checks made once: rows
         that `matmul` sends to the packed path (decode steps) go straight to the kernel, which writes a bfloat16
         x's output in bfloat16 (rounded as torch rounds) instead of a float32 tensor converted after."""
-        args, in_features, out_features = layout.kernel_args, layout.in_features, layout.out_features
-        call, dense_min_rows = self._matmul, self.dense_min_rows[layout.bits]
-        tiles = (self._linear_bf16 is not None and in_features % 2 == 0 and out_features % LinearBF16.PANEL == 0)
-        packed_below = {torch.float32: dense_min_rows,
-                        torch.bfloat16: min(dense_min_rows, self.bf16_tile_min_rows[layout.bits]) if tiles
-                        else dense_min_rows}
+        args, call = layout.kernel_args, self._matmul
+        in_features, out_features = layout.in_features, layout.out_features
+        packed_below = {dtype: self.packed_below(layout, dtype) for dtype in (torch.float32, torch.bfloat16)}
 
         def product(x: torch.Tensor) -> torch.Tensor:
             rows, dtype = x.shape[0], x.dtype

@@ -14,7 +14,6 @@ from torch import nn
 
 from pagellm.layers.quantization.base import LinearMethod
 from pagellm.layers.weights import copy_checked
-from pagellm.worker.huge_pages import note_freed
 from pagellm.ops.wna16 import (
     GroupQuantKernel,
     GroupQuantWeight,
@@ -23,6 +22,7 @@ from pagellm.ops.wna16 import (
     choose_kernel,
     compact_groups,
 )
+from pagellm.worker.huge_pages import note_freed
 
 logger = logging.getLogger(__name__)
 

@@ -216,6 +216,8 @@ static int linear_bf16_amx(const uint16_t *x, const uint16_t *packed, const uint
                         const int n_panels = panels - first_panel < 2 ? 1 : 2;
                         float *sums = c[spread && (b & 1)];
                         const uint16_t *block_panels = packed + first_panel * (in_features / 2) * 32;
+                        /* Two calls, so that the unspread one inlines with a literal NULL and no per-step check
+                         * (one call with a runtime NULL: best GFLOP/s 1-9% lower at 64-256 rows in 7 of 8 runs). */
                         if (spread)
                             amx_block(rows_x, in_features, block_panels, n_panels, sums,
                                       pending.c != NULL ? &pending : NULL);

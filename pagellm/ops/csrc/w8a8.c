@@ -534,6 +534,7 @@ static void int8_linear_amx(const Int8Problem *pr, int64_t rows, int64_t strips,
                     const int n_strips = strips - strip < 2 ? 1 : 2;
                     int32_t *sums = acc[spread && (b & 1)];
                     const int8_t *block_strips = pr->packed + strip * strip_bytes;
+                    /* Two calls, as in linear_bf16.c: the unspread one inlines with a literal NULL. */
                     if (spread)
                         amx_int8_block(pr, block_x, pr->Kp, block_strips, strip_bytes, n_strips, sums,
                                        pending.acc != NULL ? &pending : NULL);
