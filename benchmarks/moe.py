@@ -130,13 +130,16 @@ class Timing:
 
 
 class Bench:
-    def __init__(self, name: str, path: str, args) -> None:
+    def __init__(self, name: str, path: str, args, **engine_args) -> None:
+        """`engine_args` over the defaults (random weights: load_format "dummy")."""
         from pagellm import LLM
 
         self.name = name
-        self.llm = LLM(path, dtype=args.dtype, load_format="dummy", max_model_len=args.prompt_len + args.steps + 64,
-                       max_num_seqs=max(args.batch), max_num_batched_tokens=max(args.prompt_len, 256),
-                       kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False)
+        self.llm = LLM(path, **{**dict(dtype=args.dtype, load_format="dummy",
+                                       max_model_len=args.prompt_len + args.steps + 64, max_num_seqs=max(args.batch),
+                                       max_num_batched_tokens=max(args.prompt_len, 256),
+                                       kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False),
+                                **engine_args})
         self.engine = self.llm.llm_engine
         self.clock = MlpClock()
         self.clock.attach(self.engine.core.runner.model)

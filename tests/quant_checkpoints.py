@@ -24,12 +24,13 @@ from safetensors.torch import load_file, save_file
 
 from pagellm.ops.wna16 import GroupQuantWeight, pack_rows
 
-LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Mixtral's experts name gate, down and up w1, w2 and w3.
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 # Nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8 (AutoAWQ, awq/modules/linear/gemm.py `from_linear`).
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Projections that read the same input, and so share one act order in a real GPTQ run.
 SAME_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
-              "up_proj": "gate_up", "down_proj": "down"}
+              "up_proj": "gate_up", "down_proj": "down", "w1": "gate_up", "w3": "gate_up", "w2": "down"}
 
 
 @dataclass(frozen=True)
@@ -322,7 +323,7 @@ def write_quantized(float_dir: str | Path, quant_dir: str | Path, dequant_dir: s
         else:
             perm = None
             if spec.desc_act:
-                block, projection = module.rsplit(".", 2)[0], module.rsplit(".", 1)[1]
+                block, projection = module.rsplit(".", 1)  # an expert's projections: that expert's block
                 key = f"{block}:{SAME_INPUT[projection]}"
                 if key not in orders:
                     orders[key] = gptq_input_order(tensor.shape[1], generator)

@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import PROMPTS as CALIBRATION
 
-LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Mixtral's experts name gate, down and up w1, w2 and w3.
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 FP8_MAX = 448.0
 
 
@@ -40,6 +41,7 @@ SCHEMES = {
     "fp8-channel-dynamic": ("float", "channel", None, "dynamic"),
     "fp8-tensor-static": ("float", "tensor", None, "static"),
     "fp8-block-dynamic": ("float", "block", (32, 64), "dynamic"),
+    "fp8-block-128": ("float", "block", (128, 128), "dynamic"),  # DeepSeek-V3's blocks (benchmarks)
     "fp8-tensor-w8a16": ("float", "tensor", None, None),
 }
 
@@ -146,7 +148,7 @@ def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compre
                     ignore: tuple[str, ...] = ("lm_head",)) -> tuple[str, str]:
     """(the quantized checkpoint, a float checkpoint of its dequantized weights) from the float checkpoint at
     src_dir. fmt "compressed-tensors" takes any of SCHEMES; fmt "fp8" (quant_method fp8) takes the fp8 tensor
-    schemes ("fp8-tensor-static", "fp8-tensor-w8a16" as dynamic) and "fp8-block-dynamic". Modules matching
+    schemes ("fp8-tensor-static", "fp8-tensor-w8a16" as dynamic) and the block ones. Modules matching
     `ignore` (names, or "re:" patterns matched from the start) stay float."""
     src = Path(src_dir)
     tensors = {}

@@ -17,6 +17,10 @@ activations, biases, float16, bfloat16 sizes the dot layout cannot take) each ex
 (float32) or the dense layers' kernel choice of ops/dense_linear.py (half types), with one index_add_ summing
 back. On CUDA the same grouping runs in one Triton kernel per product (ops/triton_moe.py).
 
+Experts in a quantized format (AWQ, GPTQ, compressed-tensors, fp8, online int8 / fp8) are each two of the layer
+library's linear layers in that format (ExpertLinearsMoEMethod): the same grouping, one product per used expert
+on the format's own kernels. GGUF keeps its experts' blocks stacked (layers/quantization/gguf_moe.py).
+
 Tensor parallelism splits each expert's intermediate features as LlamaMLP splits its own: a rank holds rows
 [r * I/n, (r + 1) * I/n) of w1 and w3 and the same columns of w2, and one all-reduce sums the ranks' outputs.
 
@@ -38,9 +42,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagellm.distributed.parallel_state import current_group
+from pagellm.distributed.parallel_state import SINGLE, building_with, current_group
 from pagellm.layers.activation import SiluAndMul
-from pagellm.layers.linear import ReplicatedLinear
+from pagellm.layers.linear import LinearBase, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.layers.quantization.unquantized import Unquantized
 from pagellm.layers.weights import copy_checked, set_weight_attrs
@@ -188,8 +192,33 @@ class Routing:
 # (`shared_experts.gate_proj`) carry no number.
 _EXPERT_TENSOR = re.compile(r"^(?P<layer>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)"
                             r"\.(?P<kind>weight|bias)$")
+# Any tensor of an expert's module, for experts kept as linear layers of a quantized format (qweight, scales,
+# weight_scale, ...).
+_EXPERT_MODULE_TENSOR = re.compile(r"^(?P<layer>.*\.experts)\.(?P<expert>\d+)\."
+                                   r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.(?P<kind>\w+)$")
 _SHARD_OF_PROJ = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2", "down_proj": "w2"}
 SHARD_IDS = ("w1", "w3", "w2")
+
+
+@dataclass(frozen=True)
+class ExpertCheckpointNames:
+    """How a family's checkpoints name one expert's modules: the MoE block (which pagellm calls `mlp`), and the
+    gate/up projections fused (vLLM's name for them) and the down projection. A quantized format's per-module
+    rules (ignore lists, modules left unconverted, GPTQ's dynamic rules) are matched against these names."""
+
+    block: str = "mlp"
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
+
+    def experts_prefix(self, layer_prefix: str) -> str:
+        """The checkpoint's name for the experts of pagellm's FusedMoE `layer_prefix` (model.layers.0.mlp.experts)."""
+        if self.block == "mlp":
+            return layer_prefix
+        parent, _, experts = layer_prefix.rpartition(".")
+        return f"{parent.rpartition('.')[0]}.{self.block}.{experts}"
+
+
+MIXTRAL_EXPERT_NAMES = ExpertCheckpointNames("block_sparse_moe", "w13", "w2")
 
 
 @dataclass(frozen=True)
@@ -261,8 +290,7 @@ def moe_method_for(quant_config: QuantizationConfig | None, prefix: str) -> Fuse
         return UnquantizedFusedMoEMethod()
     make_method = getattr(quant_config, "fused_moe_method", None)
     if make_method is None:
-        raise ValueError(f"{prefix}: mixture-of-experts layers in the {quant_config.describe()} format are not "
-                         "supported; use the unquantized (float) checkpoint of this model")
+        return ExpertLinearsMoEMethod(quant_config)
     return make_method(prefix)
 
 
@@ -335,6 +363,54 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     def kernel_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
         kernels = (layer.gate_up_kernels or []) + (layer.down_kernels or [])
         return [tensor for kernel in kernels for tensor in kernel.tensors()]
+
+
+class ExpertLinearsMoEMethod(FusedMoEMethodBase):
+    """Each expert as two of the layer library's linear layers in the checkpoint's format, its gate/up fused and
+    its down: every format a dense layer takes (AWQ, GPTQ, compressed-tensors, fp8, online int8 / fp8) holds and
+    runs experts too, on that format's kernels (C on the CPU, Triton on CUDA) and at its bytes, with its loaders,
+    tensor-parallel slicing and refusals. A step runs one product per used expert and projection over the rows
+    routed to it (grouped_experts), as the unquantized experts do without their native kernel.
+
+    The layers' names follow the checkpoint's (ExpertCheckpointNames), so that the format's per-module rules
+    (ignore lists, modules left unconverted, GPTQ's dynamic rules) read the expert modules they name."""
+
+    def __init__(self, quant_config: QuantizationConfig) -> None:
+        self.quant_config = quant_config
+
+    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        features = intermediate_size * layer.feature_ranks
+        names = layer.checkpoint_names
+        experts = names.experts_prefix(layer.prefix)
+        ids = range(layer.placement.start, layer.placement.start + num_experts)
+        # Under expert parallelism a rank holds whole experts: their layers split nothing.
+        with building_with(SINGLE if layer.expert_parallel else current_group()):
+            layer.expert_gate_up = nn.ModuleList(
+                MergedColumnParallelLinear(hidden_size, [features, features], False, self.quant_config,
+                                           f"{experts}.{expert}.{names.gate_up}") for expert in ids)
+            layer.expert_down = nn.ModuleList(
+                RowParallelLinear(features, hidden_size, False, self.quant_config, f"{experts}.{expert}.{names.down}",
+                                  reduce_results=False) for expert in ids)
+        layer.expert_products = None
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        if layer.expert_products is None:
+            # After every layer has prepared its weights (the expert layers are processed after this one).
+            layer.expert_products = tuple([_expert_product(linear) for linear in linears]
+                                          for linears in (layer.expert_gate_up, layer.expert_down))
+        gate_up, down = layer.expert_products
+        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts,
+                               lambda expert, rows, out: out.copy_(gate_up[expert](rows)),
+                               lambda expert, rows, out: out.copy_(down[expert](rows)),
+                               2 * layer.intermediate_size, layer.act_fn)
+
+
+def _expert_product(linear: LinearBase) -> Callable[[torch.Tensor], torch.Tensor]:
+    """rows -> rows @ W^T of an expert's layer: its method's prepared product where it has one, else its matmul
+    (this rank's partial product: FusedMoE sums the ranks once for all experts)."""
+    return linear.direct_product() or (lambda rows: linear.matmul(rows))
 
 
 def _takes_native_experts(layer: FusedMoE) -> bool:
@@ -415,10 +491,11 @@ class FusedMoE(nn.Module):
                  activation: str = "silu", quant_config: QuantizationConfig | None = None, prefix: str = "",
                  routing: Routing | None = None, reduce_results: bool = True,
                  has_correction_bias: bool = False, has_bias: bool = False, swiglu_alpha: float = 1.702,
-                 swiglu_limit: float = 7.0) -> None:
+                 swiglu_limit: float = 7.0, checkpoint_names: ExpertCheckpointNames = ExpertCheckpointNames()) -> None:
         super().__init__()
         self.group = current_group()
         self.prefix = prefix
+        self.checkpoint_names = checkpoint_names
         self.routing = routing or Routing.softmax_top_k(top_k, renormalize=True)
         if self.routing.top_k != top_k:
             raise ValueError(f"{prefix}: top_k={top_k} but the routing chooses {self.routing.top_k} experts")
@@ -450,6 +527,10 @@ class FusedMoE(nn.Module):
             self.register_parameter("e_score_correction_bias", bias)
         else:
             self.register_parameter("e_score_correction_bias", None)
+        # Experts kept as linear layers of a quantized format (ExpertLinearsMoEMethod): this rank's experts'
+        # gate/up and down layers (set as instance attributes: a class default would hide the registered modules).
+        self.expert_gate_up: nn.ModuleList | None = None
+        self.expert_down: nn.ModuleList | None = None
         self.quant_method = moe_method_for(quant_config, prefix)
         self.quant_method.create_weights(self, self.local_num_experts, hidden_size, self.intermediate_size,
                                          torch.get_default_dtype())
@@ -507,6 +588,21 @@ class FusedMoE(nn.Module):
         shard = _SHARD_OF_PROJ[match["proj"]]
         param = ("w2_" if shard == "w2" else "w13_") + match["kind"]
         return f"{match['layer']}.{param}", ExpertTarget(param, int(match["expert"]), shard)
+
+    def expert_layer_target(self, expert_id: int, proj: str, kind: str) -> tuple[str, object] | None:
+        """Where tensor `kind` (qweight, weight_scale, ...) of expert `expert_id`'s checkpoint module `proj` loads
+        when the experts are linear layers: (parameter name under this layer, shard of the layer), or None where
+        another rank holds the expert."""
+        name = f"{self.prefix}.{expert_id}.{proj}.{kind}"
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"{name}: expert {expert_id} is out of range; this layer has {self.num_experts}")
+        local = self.placement.local_index(expert_id)
+        if local is None:
+            return None
+        shard = _SHARD_OF_PROJ[proj]
+        if shard == "w2":
+            return f"expert_down.{local}.{kind}", None
+        return f"expert_gate_up.{local}.{kind}", 0 if shard == "w1" else 1
 
     @staticmethod
     def make_expert_params_mapping(num_experts: int, gate: str = "gate_proj", up: str = "up_proj",
@@ -620,18 +716,20 @@ class SparseMoeBlock(nn.Module):
     of Mixtral, Qwen3-MoE and OLMoE layers."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, routing: Routing,
-                 quant_config: QuantizationConfig | None, prefix: str, activation: str = "silu") -> None:
+                 quant_config: QuantizationConfig | None, prefix: str, activation: str = "silu",
+                 checkpoint_names: ExpertCheckpointNames = ExpertCheckpointNames()) -> None:
         super().__init__()
         self.gate = ReplicatedLinear(hidden_size, num_experts, False, None, f"{prefix}.gate")
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, activation, quant_config,
-                                f"{prefix}.experts", routing)
+                                f"{prefix}.experts", routing, checkpoint_names=checkpoint_names)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden, self.gate(hidden))
 
     @classmethod
     def from_config(cls, config, intermediate_size: int, quant_config: QuantizationConfig | None, prefix: str,
-                    renormalize: bool | None = None) -> SparseMoeBlock:
+                    renormalize: bool | None = None,
+                    checkpoint_names: ExpertCheckpointNames = ExpertCheckpointNames()) -> SparseMoeBlock:
         """The softmax top-k block of an HF config: `num_experts_per_tok` of its experts, renormalised as
         `renormalize` says, or as the config's `norm_topk_prob` does where not given."""
         top_k = config.num_experts_per_tok
@@ -639,7 +737,7 @@ class SparseMoeBlock(nn.Module):
             renormalize = bool(getattr(config, "norm_topk_prob", False))
         return cls(num_experts_of(config), top_k, config.hidden_size, intermediate_size,
                    Routing.softmax_top_k(top_k, renormalize), quant_config, prefix,
-                   getattr(config, "hidden_act", "silu"))
+                   getattr(config, "hidden_act", "silu"), checkpoint_names)
 
 
 class ExpertCheckpointMixin:
@@ -649,11 +747,31 @@ class ExpertCheckpointMixin:
 
     moe_block_names: tuple[str, ...] = ()
 
-    def checkpoint_target(self, name: str) -> tuple[str, object]:
+    def checkpoint_target(self, name: str) -> tuple[str | None, object]:
         for block in self.moe_block_names:
             name = name.replace(f".{block}.", ".mlp.")
+        in_layers = expert_layers_target(self, name)
+        if in_layers is not None:
+            return in_layers
         expert = FusedMoE.checkpoint_target(name)
         if expert is not None:
             param, target = expert
             return param, (target.expert_id, target.shard_id)
         return super().checkpoint_target(name)
+
+
+def expert_layers_target(model: nn.Module, name: str) -> tuple[str | None, object] | None:
+    """For a tensor of an expert's module (model.layers.0.mlp.experts.5.gate_proj.qweight) whose FusedMoE keeps
+    its experts as linear layers: (parameter name, shard), or (None, None) where another rank holds the expert;
+    None for any other tensor."""
+    match = _EXPERT_MODULE_TENSOR.match(name)
+    if match is None:
+        return None
+    try:
+        layer = model.get_submodule(match["layer"])
+    except AttributeError:
+        return None
+    if not isinstance(layer, FusedMoE) or layer.expert_gate_up is None:
+        return None
+    target = layer.expert_layer_target(int(match["expert"]), match["proj"], match["kind"])
+    return (None, None) if target is None else (f"{match['layer']}.{target[0]}", target[1])

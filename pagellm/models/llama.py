@@ -429,6 +429,8 @@ class LlamaForCausalLM(nn.Module):
             if self.loads_embedding_into_head and name.startswith("model.embed_tokens."):
                 targets.append((name.replace("model.embed_tokens.", "lm_head."), None))
             for target, shard in targets:
+                if target is None:
+                    continue  # another rank's (an expert it holds under expert parallelism)
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
                 param = params[target]
@@ -442,8 +444,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-    def checkpoint_target(self, name: str) -> tuple[str, object]:
-        """(parameter name, shard) a checkpoint tensor loads into."""
+    def checkpoint_target(self, name: str) -> tuple[str | None, object]:
+        """(parameter name, shard) a checkpoint tensor loads into; (None, None) for one this rank does not hold."""
         return _fused_target(name)
 
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagellm.layers.fused_moe import ExpertCheckpointMixin, SparseMoeBlock
+from pagellm.layers.fused_moe import MIXTRAL_EXPERT_NAMES, ExpertCheckpointMixin, SparseMoeBlock
 from pagellm.layers.quantization.base import QuantizationConfig
 from pagellm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, config, layer_index: int, quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
-        return SparseMoeBlock.from_config(config, config.intermediate_size, quant_config, prefix, renormalize=True)
+        return SparseMoeBlock.from_config(config, config.intermediate_size, quant_config, prefix, renormalize=True,
+                                          checkpoint_names=MIXTRAL_EXPERT_NAMES)
 
 
 class MixtralModel(LlamaModel):

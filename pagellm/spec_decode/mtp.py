@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pagellm.distributed.parallel_state import current_group
+from pagellm.layers.fused_moe import expert_layers_target
 from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.linear import ReplicatedLinear
 from pagellm.layers.vocab_embedding import ParallelLMHead, VocabEmbedding, compute_logits
@@ -135,10 +136,11 @@ class MTPHead(nn.Module):
     def weights_bytes(self) -> int:
         return weights_bytes(self)
 
-    def checkpoint_target(self, name: str) -> tuple[str, object]:
-        """The block's tensors map as the target's layers do (fused gate/up, stacked experts)."""
+    def checkpoint_target(self, name: str) -> tuple[str | None, object]:
+        """The block's tensors map as the target's layers do (fused gate/up, stacked experts or this head's own
+        expert layers)."""
         if name.startswith("mtp_block."):
-            return self.target_checkpoint_target(name)
+            return expert_layers_target(self, name) or self.target_checkpoint_target(name)
         return name, None
 
 

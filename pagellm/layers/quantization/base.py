@@ -10,6 +10,12 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+# pagellm's fused layers and the checkpoint modules each fuses, in order along its outputs (vLLM's
+# packed_modules_mapping): a format's per-module rules name the checkpoint's modules. `w13` is a
+# mixture-of-experts expert's gate (w1) and up (w3) as Mixtral's checkpoints name them (vLLM's name for the pair).
+FUSED_CHECKPOINT_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+                            "w13": ("w1", "w3")}
+
 
 class LinearMethod(ABC):
     """How one kind of weight is stored and multiplied. One instance serves every layer of a model that

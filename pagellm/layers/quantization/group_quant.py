@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagellm.layers.quantization.base import LinearMethod
+from pagellm.layers.quantization.base import FUSED_CHECKPOINT_MODULES, LinearMethod
 from pagellm.layers.weights import copy_checked
 from pagellm.ops.wna16 import (
     GroupQuantKernel,
@@ -26,18 +26,16 @@ from pagellm.worker.huge_pages import note_freed
 
 logger = logging.getLogger(__name__)
 
-# Checkpoint modules fused into one pagellm layer (vLLM's packed_modules_mapping): a layer is quantized or
-# skipped as its shards are, and they must agree.
-FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Layers that are never linear products on group-quantized weights here (the LM head may be, where the
 # checkpoint says so).
 EMBEDDING_SUFFIX = "embed_tokens"
 
 
 def checkpoint_modules(prefix: str) -> list[str]:
-    """The checkpoint module names a layer `prefix` holds (one, or each shard of a fused layer)."""
+    """The checkpoint module names a layer `prefix` holds (one, or each shard of a fused layer): a layer is
+    quantized or skipped as its shards are, and they must agree."""
     head, _, name = prefix.rpartition(".")
-    shards = FUSED_MODULES.get(name)
+    shards = FUSED_CHECKPOINT_MODULES.get(name)
     if shards is None:
         return [prefix]
     return [f"{head}.{shard}" if head else shard for shard in shards]

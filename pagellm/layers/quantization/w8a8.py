@@ -24,15 +24,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagellm.layers.quantization.base import FUSED_CHECKPOINT_MODULES, LinearMethod, QuantizationConfig
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.weights import set_weight_attrs
 from pagellm.ops import w8a8_kernels as wk
 from pagellm.worker.huge_pages import note_freed
-
-
-# pagellm's fused layers and the checkpoint modules each holds (vLLM's packed_modules_mapping).
-FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def checkpoint_module_names(prefix: str, matches: Callable[[str], bool]) -> list[str]:
@@ -40,9 +36,9 @@ def checkpoint_module_names(prefix: str, matches: Callable[[str], bool]) -> list
     prefix itself where a pattern names it (Phi-3 stores qkv_proj fused) or it fuses nothing, else its shards
     (model.layers.0.self_attn.qkv_proj -> ...q_proj, ...k_proj, ...v_proj)."""
     parent, _, last = prefix.rpartition(".")
-    if matches(prefix) or last not in FUSED_SHARDS:
+    if matches(prefix) or last not in FUSED_CHECKPOINT_MODULES:
         return [prefix]
-    return [f"{parent}.{shard}" if parent else shard for shard in FUSED_SHARDS[last]]
+    return [f"{parent}.{shard}" if parent else shard for shard in FUSED_CHECKPOINT_MODULES[last]]
 
 
 def _shard_index(layer: nn.Module, shard) -> int:

@@ -1,0 +1,349 @@
+"""Mixture-of-experts checkpoints in the quantized formats dense layers take (AWQ, GPTQ, compressed-tensors,
+fp8, online int8 / fp8): the experts are the layer library's linear layers in the checkpoint's format
+(ExpertLinearsMoEMethod).
+
+Weight-only formats: greedy output equal to transformers' on a float checkpoint of the dequantized weights
+(tests/quant_checkpoints.py and tests/w8a8_checkpoints.py write both), for Qwen3-MoE's and Mixtral's expert
+names. int8 W8A8 also quantizes activations: a layer's output against a per-token reference on the dequantized
+weights with each product's input rounded as the kernels round it. Tensor and expert parallelism at the layer,
+the experts' bytes, and the format's per-module rules read against the experts' checkpoint names.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm import LLM, SamplingParams
+from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
+from pagellm.layers.fused_moe import MIXTRAL_EXPERT_NAMES, ExpertLinearsMoEMethod, FusedMoE
+from pagellm.layers.quantization import quantization_config_for
+from pagellm.layers.quantization.awq import AWQLinearMethod
+from pagellm.layers.quantization.compressed_tensors_wna16 import CompressedTensorsWNA16Method
+from pagellm.layers.quantization.gptq import GPTQLinearMethod
+from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagellm.layers.quantization.w8a8 import Fp8LinearMethod, Int8LinearMethod, OnlineQuantizedLinearMethod
+from pagellm.layers.weights import process_weights_after_loading, weights_bytes
+from pagellm.ops import w8a8_kernels as wk
+from tests.conftest import TINY_CONFIG
+from tests.helpers import PROMPTS
+from tests.models.tiny_checkpoints import check_greedy, checkpoint_dirs, greedy_references
+from tests.quant_checkpoints import SAME_INPUT, QuantSpec, awq_tensors, write_quantized
+from tests.w8a8_checkpoints import compressed_tensors_config, quantize_int8
+from tests.w8a8_checkpoints import write_quantized as write_8bit
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ENGINE = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_seqs=8, max_model_len=256)
+CASE_PROMPTS = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
+COMMON = {key: value for key, value in TINY_CONFIG.items()
+          if key not in ("rms_norm_eps", "rope_theta", "tie_word_embeddings", "intermediate_size")}
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    # Layer 1 dense. Every product's input is a multiple of 64 and its output of 32, which fp8's test blocks
+    # (32 x 64) need.
+    config = Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 3}, head_dim=64, intermediate_size=128,
+                            moe_intermediate_size=64, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+                            decoder_sparse_step=1, mlp_only_layers=[1], rms_norm_eps=1e-6, rope_theta=10000.0)
+    return Qwen3MoeForCausalLM, config
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**{**COMMON, "num_hidden_layers": 2}, intermediate_size=64, num_local_experts=8,
+                           num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=None)
+    return MixtralForCausalLM, config
+
+
+FAMILIES = {"qwen3-moe": _qwen3_moe, "mixtral": _mixtral}
+# name -> (family, the format's writer and setting, the experts' linear method)
+GROUP_SPECS = {
+    "gptq-4bit-act-order": QuantSpec("gptq", bits=4, group_size=16, desc_act=True),
+    "gptq-8bit": QuantSpec("gptq", bits=8, group_size=32),
+    "awq": QuantSpec("awq", group_size=16),
+    "w4a16-asym": QuantSpec("compressed-tensors", bits=4, group_size=16, sym=False),
+}
+CASES = {
+    "qwen3-moe/gptq-4bit-act-order": GPTQLinearMethod,
+    "qwen3-moe/gptq-8bit": GPTQLinearMethod,
+    "qwen3-moe/awq": AWQLinearMethod,
+    "qwen3-moe/w4a16-asym": CompressedTensorsWNA16Method,
+    "qwen3-moe/fp8-channel-dynamic": Fp8LinearMethod,
+    "qwen3-moe/fp8-block": Fp8LinearMethod,
+    "mixtral/awq": AWQLinearMethod,
+    "mixtral/gptq-4bit-act-order": GPTQLinearMethod,
+}
+
+
+@pytest.fixture(scope="module")
+def float_dirs(tmp_path_factory, default_tokenizer):
+    return checkpoint_dirs(FAMILIES, tmp_path_factory, default_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def case_dirs(tmp_path_factory, float_dirs):
+    """case -> (quantized checkpoint, float checkpoint of its dequantized weights), written on first use."""
+    written: dict[str, tuple[str, str]] = {}
+
+    def get(case: str) -> tuple[str, str]:
+        if case not in written:
+            family, fmt = case.split("/")
+            root = tmp_path_factory.mktemp(fmt)
+            if fmt in GROUP_SPECS:
+                write_quantized(float_dirs(family), root / "quantized", root / "dequantized", GROUP_SPECS[fmt])
+                written[case] = (str(root / "quantized"), str(root / "dequantized"))
+            elif fmt == "fp8-block":
+                written[case] = write_8bit(float_dirs(family), root, "fp8-block-dynamic", fmt="fp8")
+            else:
+                written[case] = write_8bit(float_dirs(family), root, fmt)
+        return written[case]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def dequantized_references(case_dirs, default_tokenizer):
+    return greedy_references(lambda case: case_dirs(case)[1], default_tokenizer, MAX_TOKENS)
+
+
+def _experts(llm: LLM) -> list[FusedMoE]:
+    return [m for m in llm.llm_engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+
+
+def _expert_bytes(model: torch.nn.Module) -> int:
+    return sum(weights_bytes(m) for m in model.modules() if isinstance(m, FusedMoE))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_weight_only_experts_equal_transformers_on_the_dequantized_weights(case, case_dirs, dequantized_references,
+                                                                          float_dirs):
+    quantized_dir, _ = case_dirs(case)
+    llm = LLM(quantized_dir, **ENGINE)
+    experts = _experts(llm)
+    assert len(experts) == 2
+    for layer in experts:
+        assert isinstance(layer.quant_method, ExpertLinearsMoEMethod)
+        assert len(layer.expert_gate_up) == len(layer.expert_down) == 8
+        assert all(isinstance(linear.quant_method, CASES[case]) for linear in layer.expert_gate_up)
+    check_greedy(llm, CASE_PROMPTS, dequantized_references(case, CASE_PROMPTS), GREEDY)
+    # The experts at the format's bytes: at most 8 bits a weight and its scales, against float32's 32.
+    dense = LLM(float_dirs(case.split("/")[0]), **ENGINE)
+    assert _expert_bytes(llm.llm_engine.core.runner.model) < 0.4 * _expert_bytes(dense.llm_engine.core.runner.model)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["feature-split", "expert-parallel"])
+def test_two_ranks_run_quantized_experts(expert_parallel, case_dirs, dequantized_references):
+    """tensor_parallel_size=2: each rank holds half of every expert's features (GPTQ's act-order groups per
+    rank), or with enable_expert_parallel 4 whole experts and nothing of the other 4 (their tensors passed
+    over at load)."""
+    case = "qwen3-moe/gptq-4bit-act-order"
+    llm = LLM(case_dirs(case)[0], **ENGINE, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              distributed_timeout_seconds=60)
+    try:
+        held = [(m.placement.start, len(m.expert_gate_up)) for m in _experts(llm)]
+        assert held == [(0, 4 if expert_parallel else 8)] * 2
+        check_greedy(llm, CASE_PROMPTS, dequantized_references(case, CASE_PROMPTS), GREEDY)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _online_fp8_dequantized(float_dir: str, directory) -> str:
+    """A float checkpoint of the weights quantization="fp8" makes: one fp8 scale per layer weight, fused q/k/v
+    and gate/up (a dense MLP's, and each expert's) together, as the layers quantize them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(f"{float_dir}/model.safetensors")
+    fused: dict[str, list[str]] = {}
+    for name in tensors:
+        module, _, kind = name.rpartition(".")
+        parent, _, projection = module.rpartition(".")
+        if kind == "weight" and projection in SAME_INPUT:
+            fused.setdefault(f"{parent}:{SAME_INPUT[projection]}", []).append(name)
+    for names in fused.values():
+        q, scale = wk.quantize_fp8_per_tensor(torch.cat([tensors[name] for name in names]))
+        pieces = (q.float() * scale).split([tensors[name].shape[0] for name in names])
+        tensors.update((name, piece.contiguous()) for name, piece in zip(names, pieces))
+    shutil.copytree(float_dir, directory)
+    save_file(tensors, f"{directory}/model.safetensors")
+    return str(directory)
+
+
+def test_online_fp8_experts_equal_their_dequantized_weights(float_dirs, tmp_path, default_tokenizer):
+    """quantization="fp8" on a float MoE checkpoint: each expert's products in fp8 beside the dense layers', the
+    same tokens as transformers on the weights it made."""
+    llm = LLM(float_dirs("qwen3-moe"), quantization="fp8", **ENGINE)
+    for layer in _experts(llm):
+        assert all(isinstance(linear.quant_method, OnlineQuantizedLinearMethod)
+                   for linear in (*layer.expert_gate_up, *layer.expert_down))
+    dense = LLM(float_dirs("qwen3-moe"), **ENGINE)
+    assert _expert_bytes(llm.llm_engine.core.runner.model) < 0.3 * _expert_bytes(dense.llm_engine.core.runner.model)
+    theirs = greedy_references(lambda _: _online_fp8_dequantized(float_dirs("qwen3-moe"), tmp_path / "fp8"),
+                               default_tokenizer, MAX_TOKENS)
+    check_greedy(llm, CASE_PROMPTS, theirs("qwen3-moe", CASE_PROMPTS), GREEDY)
+
+
+# ---- one layer ------------------------------------------------------------------------------------------------
+
+NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 64, 32, 2
+
+
+def _random_experts(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"gate_proj": torch.randn(NUM_EXPERTS, INTERMEDIATE, HIDDEN, generator=generator) * 0.1,
+            "up_proj": torch.randn(NUM_EXPERTS, INTERMEDIATE, HIDDEN, generator=generator) * 0.1,
+            "down_proj": torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=generator) * 0.1}
+
+
+def _build(quant_config, group: TensorParallelGroup | None = None, prefix: str = "model.layers.0.mlp.experts",
+           **kwargs) -> FusedMoE:
+    with building_with(group or TensorParallelGroup(0, 1)):
+        layer = FusedMoE(NUM_EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, quant_config=quant_config, prefix=prefix, **kwargs)
+    layer.reduce_results = False  # no device group here: a test sums the ranks' partial outputs itself
+    return layer
+
+
+def _load(layer: FusedMoE, tensors_of: dict[tuple[int, str], dict[str, torch.Tensor]]) -> None:
+    """Each checkpoint tensor of expert e's module `proj` (tensors_of[(e, proj)]) through the layer's names, as
+    the model's loader sends it; then the layers' preparation, as after a model's load."""
+    for (expert, proj), tensors in tensors_of.items():
+        for kind, tensor in tensors.items():
+            target = layer.expert_layer_target(expert, proj, kind)
+            if target is None:
+                continue  # another rank's expert
+            name, shard = target
+            param = layer.get_parameter(name)
+            param.weight_loader(param, tensor, shard)
+    layer.process_weights_after_loading()
+    process_weights_after_loading(layer)  # its expert layers (the walk passes over its root)
+
+
+def _fake_int8(x: torch.Tensor) -> torch.Tensor:
+    q, scale = wk.quantize_rows_int8(x)
+    return q.float() * scale[:, None]
+
+
+def _reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: dict[str, torch.Tensor],
+               inputs=lambda rows: rows) -> torch.Tensor:
+    """Each token's weighted sum over its experts, token by token in float64, each product's input passed
+    through `inputs` first (W8A8's rounding)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for token in range(x.shape[0]):
+        row = inputs(x[token:token + 1]).double()
+        for weight, expert in zip(weights[token].tolist(), ids[token].tolist()):
+            gate = row @ experts["gate_proj"][expert].double().T
+            up = row @ experts["up_proj"][expert].double().T
+            hidden = inputs((F.silu(gate) * up).float()).double()
+            out[token] += weight * (hidden @ experts["down_proj"][expert].double().T)[0]
+    return out
+
+
+def _routing(layer: FusedMoE, tokens: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=generator)
+    logits = torch.randn(tokens, NUM_EXPERTS, generator=generator)
+    return x, logits, *layer.routing.select(logits)
+
+
+def _int8_checkpoint(experts: dict[str, torch.Tensor]):
+    """compressed-tensors int8 per-channel tensors of every expert, and the dequantized weights."""
+    tensors, dequantized = {}, {proj: torch.empty_like(w) for proj, w in experts.items()}
+    for proj, stacked in experts.items():
+        for expert in range(NUM_EXPERTS):
+            q, scale = quantize_int8(stacked[expert], "channel")
+            tensors[(expert, proj)] = {"weight": q, "weight_scale": scale}
+            dequantized[proj][expert] = q.float() * scale
+    return tensors, dequantized
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_int8_w8a8_experts_match_a_per_token_reference(tokens):
+    """A compressed-tensors int8 checkpoint's experts: each product's input quantized per token (the kernels'
+    rounding), times the int8 weights."""
+    config = quantization_config_for({"quantization_config": compressed_tensors_config("int8-channel-dynamic")})
+    layer = _build(config)
+    tensors, dequantized = _int8_checkpoint(_random_experts(seed=1))
+    _load(layer, tensors)
+    assert all(isinstance(linear.quant_method, Int8LinearMethod) for linear in layer.expert_gate_up)
+    x, logits, weights, ids = _routing(layer, tokens, seed=tokens)
+    expected = _reference(x, weights, ids, dequantized, _fake_int8)
+    torch.testing.assert_close(layer(x, logits).double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_online_int8_experts_quantize_each_expert_per_channel():
+    layer = _build(quantization_config_for({}, "int8"))
+    experts = _random_experts(seed=2)
+    _load(layer, {(expert, proj): {"weight": stacked[expert]} for proj, stacked in experts.items()
+                  for expert in range(NUM_EXPERTS)})
+    dequantized = {}
+    for proj, stacked in experts.items():
+        rows = [wk.quantize_rows_int8(weight) for weight in stacked]
+        dequantized[proj] = torch.stack([q.float() * scale[:, None] for q, scale in rows])
+    x, logits, weights, ids = _routing(layer, 7, seed=3)
+    expected = _reference(x, weights, ids, dequantized, _fake_int8)
+    torch.testing.assert_close(layer(x, logits).double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def _awq_checkpoint(experts: dict[str, torch.Tensor], spec: QuantSpec):
+    tensors, dequantized = {}, {proj: torch.empty_like(w) for proj, w in experts.items()}
+    for proj, stacked in experts.items():
+        for expert in range(NUM_EXPERTS):
+            tensors[(expert, proj)], dequantized[proj][expert] = awq_tensors(stacked[expert], spec)
+    return tensors, dequantized
+
+
+AWQ = QuantSpec("awq", group_size=16)
+
+
+def _awq_config(**overrides):
+    return quantization_config_for({"quantization_config": {**AWQ.quantization_config(), **overrides}})
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["feature-split", "expert-parallel"])
+def test_parallel_ranks_hold_their_part_of_each_quantized_expert(expert_parallel):
+    """Two ranks: each expert's features split (AWQ's groups per rank), or whole experts per rank, whose
+    partial outputs add up to the whole layer's."""
+    tensors, dequantized = _awq_checkpoint(_random_experts(seed=4), AWQ)
+    whole = _build(_awq_config())
+    _load(whole, tensors)
+    x, logits, weights, ids = _routing(whole, 9, seed=5)
+    expected = _reference(x, weights, ids, dequantized)
+    torch.testing.assert_close(whole(x, logits).double(), expected, rtol=1e-4, atol=1e-5)
+    partial = torch.zeros(9, HIDDEN)
+    for rank in range(2):
+        shard = _build(_awq_config(), TensorParallelGroup(rank, 2, expert_parallel=expert_parallel))
+        _load(shard, tensors)
+        if expert_parallel:
+            assert len(shard.expert_gate_up) == 4 and shard.expert_gate_up[0].group.size == 1
+            assert shard.expert_layer_target(4 * (1 - rank), "gate_proj", "qweight") is None
+        else:
+            assert len(shard.expert_gate_up) == 8 and shard.expert_down[0].input_size == INTERMEDIATE // 2
+        partial += shard(x, logits)
+    torch.testing.assert_close(partial.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_the_formats_module_rules_read_the_experts_checkpoint_names():
+    # AutoAWQ's Mixtral config leaves "gate" (the router) unconverted: Mixtral's experts are w1/w3/w2, which it
+    # does not name, so they stay AWQ.
+    mixtral = _build(_awq_config(modules_to_not_convert=["gate"]), prefix="model.layers.0.mlp.experts",
+                     checkpoint_names=MIXTRAL_EXPERT_NAMES)
+    assert all(isinstance(linear.quant_method, AWQLinearMethod)
+               for linear in (*mixtral.expert_gate_up, *mixtral.expert_down))
+    assert mixtral.expert_gate_up[3].prefix == "model.layers.0.block_sparse_moe.experts.3.w13"
+    # A compressed-tensors ignore pattern naming one expert's modules leaves that expert's layers float.
+    config = compressed_tensors_config("int8-channel-dynamic", ignore=("lm_head", "re:.*experts\\.5\\..*"))
+    layer = _build(quantization_config_for({"quantization_config": config}))
+    methods = [type(linear.quant_method) for linear in layer.expert_down]
+    assert methods == [Int8LinearMethod] * 5 + [UnquantizedLinearMethod] + [Int8LinearMethod] * 2
+
+
+def test_a_checkpoint_tensor_of_an_expert_the_layer_lacks_is_refused():
+    layer = _build(_awq_config())
+    with pytest.raises(ValueError, match="expert 8 is out of range; this layer has 8"):
+        layer.expert_layer_target(8, "up_proj", "qweight")
