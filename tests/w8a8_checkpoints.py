@@ -22,8 +22,9 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import PROMPTS as CALIBRATION
 
-# Mixtral's experts name gate, down and up w1, w2 and w3.
-LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+# Mixtral's experts name gate, down and up w1, w2 and w3; the rest are multi-head latent attention's (DeepSeek).
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
+                   "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 FP8_MAX = 448.0
 
 
@@ -42,6 +43,7 @@ SCHEMES = {
     "fp8-tensor-static": ("float", "tensor", None, "static"),
     "fp8-block-dynamic": ("float", "block", (32, 64), "dynamic"),
     "fp8-block-128": ("float", "block", (128, 128), "dynamic"),  # DeepSeek-V3's blocks (benchmarks)
+    "fp8-block-32x16": ("float", "block", (32, 16), "dynamic"),  # tiny DeepSeek-V3: some outputs end mid-block
     "fp8-tensor-w8a16": ("float", "tensor", None, None),
 }
 
@@ -82,15 +84,19 @@ def quantize_int8(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, to
 
 
 def quantize_fp8(weight: torch.Tensor, strategy: str, block=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, scale [1], [N, 1] or [N / bn, K / bk])."""
+    """(float8_e4m3fn weight, scale [1], [N, 1] or [ceil(N / bn), ceil(K / bk)]: the last blocks partial, as
+    DeepSeek-V3's kv_a_proj_with_mqa has 576 outputs in blocks of 128)."""
     w = weight.float()
     if strategy == "block":
         bn, bk = block
         n, k = w.shape
-        tiles = w.reshape(n // bn, bn, k // bk, bk)
+        rows, cols = -(-n // bn), -(-k // bk)
+        padded = torch.zeros(rows * bn, cols * bk)
+        padded[:n, :k] = w
+        tiles = padded.reshape(rows, bn, cols, bk)
         amax = tiles.abs().amax(dim=(1, 3))
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(n, k)
+        q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(rows * bn, cols * bk)[:n, :k]
         return q.to(torch.float8_e4m3fn), scale
     amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
@@ -101,7 +107,8 @@ def quantize_fp8(weight: torch.Tensor, strategy: str, block=None) -> tuple[torch
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block=None) -> torch.Tensor:
     if block is not None:
         bn, bk = block
-        return q.float() * scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+        n, k = q.shape
+        return q.float() * scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return q.float() * (scale if scale.dim() == 2 else scale[0])
 
 

@@ -98,8 +98,15 @@ class LinearBase(nn.Module):
             copy_checked(param.data.narrow(output_dim, dest_start, size), tensor.narrow(output_dim, source_start, size),
                          name)
 
+    # Set once the method has prepared the weights: a parent that needs this layer's product while preparing its
+    # own (MLA's kv_b_proj) prepares it first, and the loader's walk then passes over it.
+    weights_processed = False
+
     def process_weights_after_loading(self) -> None:
+        if self.weights_processed:
+            return
         self.quant_method.process_weights_after_loading(self)
+        self.weights_processed = True
 
     def matmul(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """x @ W^T + b on this rank's partition (no collective), plus the LoRA delta of adapted tokens."""

@@ -40,6 +40,7 @@ from pagellm.distributed.parallel_state import current_group
 from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagellm.layers.quantization.base import QuantizationConfig
+from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.rotary import RopeInputs, apply_rotary
 
 
@@ -91,9 +92,12 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim, bias, quant_config,
                                                    f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
-        # Unquantized whatever the checkpoint's method: decode absorbs its two halves into the query and output.
+        # In the checkpoint's format (DeepSeek-V3's fp8 blocks) for the prefill's expansions; decode absorbs its
+        # two halves, as floats, into the query and output. A GGUF file's kv_b is read as floats
+        # (gguf_loader's _FLOAT_ONLY_STEMS) into an unquantized layer.
+        kv_b_format = None if quant_config is None or quant_config.name == "gguf" else quant_config
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, total_heads * (self.nope_dim + self.v_dim), False,
-                                              None, f"{prefix}.kv_b_proj")
+                                              kv_b_format, f"{prefix}.kv_b_proj")
         self.o_proj = RowParallelLinear(total_heads * self.v_dim, hidden, bias, quant_config, f"{prefix}.o_proj")
         self.scale = mla_softmax_scale(config)
         self.interleaved = rope_interleaved(config)
@@ -101,18 +105,28 @@ class MLAAttention(nn.Module):
         self.register_buffer("w_uk", torch.empty(0), persistent=False)
         self.register_buffer("w_uv_t", torch.empty(0), persistent=False)
 
+    def _kv_b_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight [heads * (nope + v), rank] as floats: the parameter itself where unquantized (read
+        before kv_b_proj's own method may pack it away: the loader visits a module before its children), else the
+        layer's product with the identity, its format's own dequantization (as vLLM dequantizes it)."""
+        layer = self.kv_b_proj
+        if isinstance(layer.quant_method, UnquantizedLinearMethod):
+            if layer.weight.numel() == 0:
+                raise RuntimeError(f"layer {self.layer_index}: kv_b_proj's weight was packed before MLA absorbed it")
+            return layer.weight.detach()
+        layer.process_weights_after_loading()
+        identity = torch.eye(self.kv_lora_rank, dtype=self.kv_a_layernorm.weight.dtype,
+                             device=self.kv_a_layernorm.weight.device)
+        return layer.matmul(identity).t().contiguous()
+
     @property
     def num_kv_heads(self) -> int:
         """The cache holds one latent row per token: one "head"."""
         return 1
 
     def process_weights_after_loading(self) -> None:
-        """Splits kv_b_proj's weight into the absorbed W_UK and W_UV. Runs before kv_b_proj's own method may pack
-        its weight away (the loader visits a module before its children)."""
-        weight = self.kv_b_proj.weight
-        if weight.numel() == 0:
-            raise RuntimeError(f"layer {self.layer_index}: kv_b_proj's weight was packed before MLA absorbed it")
-        per_head = weight.detach().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        """Splits kv_b_proj's weight into the absorbed W_UK and W_UV."""
+        per_head = self._kv_b_weight().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk = per_head[:, : self.nope_dim].contiguous()
         self.w_uv_t = per_head[:, self.nope_dim :].transpose(1, 2).contiguous()
 

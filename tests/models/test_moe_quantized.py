@@ -28,7 +28,7 @@ from pagellm.layers.weights import process_weights_after_loading, weights_bytes
 from pagellm.ops import w8a8_kernels as wk
 from tests.conftest import TINY_CONFIG
 from tests.helpers import PROMPTS
-from tests.models.tiny_checkpoints import check_greedy, checkpoint_dirs, greedy_references
+from tests.models.tiny_checkpoints import check_greedy, checkpoint_dirs, greedy_references, save_tiny_checkpoint
 from tests.quant_checkpoints import SAME_INPUT, QuantSpec, awq_tensors, write_quantized
 from tests.w8a8_checkpoints import compressed_tensors_config, quantize_int8
 from tests.w8a8_checkpoints import write_quantized as write_8bit
@@ -150,6 +150,26 @@ def test_two_ranks_run_quantized_experts(expert_parallel, case_dirs, dequantized
         check_greedy(llm, CASE_PROMPTS, dequantized_references(case, CASE_PROMPTS), GREEDY)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_deepseek_v3_in_its_own_fp8_block_format(tmp_path_factory, default_tokenizer):
+    """DeepSeek-V3's checkpoint format (quant_method fp8, weight_block_size, weight_scale_inv): every linear layer
+    in fp8 blocks, latent attention's kv_a_proj_with_mqa ending in a partial block of outputs (576 in blocks of
+    128 in the real model; here 80 in blocks of 32) and kv_b_proj dequantized for absorption, the routed and
+    shared experts in fp8; greedy output equal to transformers' on the dequantized weights."""
+    from tests.models.test_mla import _perturb_correction_bias, _v3
+
+    float_dir = save_tiny_checkpoint(_v3, default_tokenizer, tmp_path_factory.mktemp("v3"), _perturb_correction_bias)
+    quantized, dequantized = write_8bit(float_dir, tmp_path_factory.mktemp("v3-fp8"), "fp8-block-32x16", fmt="fp8")
+    llm = LLM(quantized, **ENGINE)
+    attention = llm.llm_engine.core.runner.model.model.layers[0].self_attn
+    assert attention.kv_a_proj_with_mqa.weight_scale_inv.shape == (3, 8)  # 80 outputs: 2.5 blocks of 32
+    for linear in (attention.kv_a_proj_with_mqa, attention.kv_b_proj, attention.q_b_proj):
+        assert isinstance(linear.quant_method, Fp8LinearMethod)
+    [experts] = _experts(llm)
+    assert all(isinstance(linear.quant_method, Fp8LinearMethod) for linear in experts.expert_down)
+    expected = greedy_references(lambda _: dequantized, default_tokenizer, MAX_TOKENS)("v3", CASE_PROMPTS)
+    check_greedy(llm, CASE_PROMPTS, expected, GREEDY)
 
 
 def _online_fp8_dequantized(float_dir: str, directory) -> str:

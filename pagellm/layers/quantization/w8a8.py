@@ -171,10 +171,14 @@ class Fp8LinearMethod(LinearMethod):
             _register_channel_scale(layer, self.scale_name, out_features)
         else:
             block_n, block_k = self.block
-            _check_block_shape(layer.prefix, output_sizes, input_size, block_n, block_k)
-            scale = nn.Parameter(torch.empty(out_features // block_n, input_size // block_k, dtype=torch.float32),
+            whole = len(output_sizes) == 1 and layer.checkpoint_shard_sizes() == list(output_sizes)
+            _check_block_shape(layer.prefix, output_sizes, input_size, block_n, block_k, whole)
+            scale = nn.Parameter(torch.empty(-(-out_features // block_n), input_size // block_k, dtype=torch.float32),
                                  requires_grad=False)
-            set_weight_attrs(scale, output_dim=0, input_dim=1, packed_dim=0, pack_factor=block_n)
+            if out_features % block_n:
+                set_weight_attrs(scale, input_dim=1)  # one whole weight: its scales load as they are
+            else:
+                set_weight_attrs(scale, output_dim=0, input_dim=1, packed_dim=0, pack_factor=block_n)
             layer.register_parameter(self.scale_name, scale)
         if self.static_input:
             per_shard_scale(layer, "input_scale", len(output_sizes))
@@ -209,9 +213,12 @@ class Fp8LinearMethod(LinearMethod):
         return kernel.tensors() if kernel is not None else []
 
 
-def _check_block_shape(prefix: str, output_sizes: list[int], input_size: int, block_n: int, block_k: int) -> None:
-    """Block-wise scales load shard by shard and rank by rank only where every piece is whole blocks."""
-    if any(size % block_n for size in output_sizes) or input_size % block_k:
+def _check_block_shape(prefix: str, output_sizes: list[int], input_size: int, block_n: int, block_k: int,
+                       whole: bool) -> None:
+    """Block-wise scales load shard by shard and rank by rank only where every piece is whole blocks; a layer
+    holding one whole checkpoint weight (`whole`) may end in a partial block of outputs, as the checkpoint's
+    scales do (DeepSeek-V3's kv_a_proj_with_mqa: 576 outputs in blocks of 128)."""
+    if (any(size % block_n for size in output_sizes) and not whole) or input_size % block_k:
         raise ValueError(f"{prefix}: fp8 block-wise scales of [{block_n}, {block_k}] need each output shard "
                          f"(q/k/v, gate/up, per tensor-parallel rank) and the input features to be whole blocks; "
                          f"this layer has outputs {output_sizes} and {input_size} inputs. pagellm does not load "
