@@ -263,6 +263,10 @@ class FusedMoEMethodBase(ABC):
     """How the experts' weights are stored and run (unquantized here; quantized formats plug in with their own
     parameters, loaders and kernels)."""
 
+    # Whether a CUDA graph can hold `apply`: not where it reads the step's expert counts back to the host to run
+    # one product per used expert (grouped_experts); such models decode eagerly on CUDA.
+    cuda_graph_safe = True
+
     @abstractmethod
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate_size: int,
                        params_dtype: torch.dtype) -> None:
@@ -374,6 +378,8 @@ class ExpertLinearsMoEMethod(FusedMoEMethodBase):
 
     The layers' names follow the checkpoint's (ExpertCheckpointNames), so that the format's per-module rules
     (ignore lists, modules left unconverted, GPTQ's dynamic rules) read the expert modules they name."""
+
+    cuda_graph_safe = False
 
     def __init__(self, quant_config: QuantizationConfig) -> None:
         self.quant_config = quant_config
@@ -775,3 +781,8 @@ def expert_layers_target(model: nn.Module, name: str) -> tuple[str | None, objec
         return None
     target = layer.expert_layer_target(int(match["expert"]), match["proj"], match["kind"])
     return (None, None) if target is None else (f"{match['layer']}.{target[0]}", target[1])
+
+
+def cuda_graph_safe(model: nn.Module) -> bool:
+    """Whether every mixture-of-experts layer of `model` can run inside a CUDA graph."""
+    return all(module.quant_method.cuda_graph_safe for module in model.modules() if isinstance(module, FusedMoE))

@@ -14,6 +14,7 @@ from pagellm.attention.backend import AttentionShape, select_backend
 from pagellm.attention.kv_spec import KVCacheFormat, mla_latent_dim
 from pagellm.attention.paged import to_device
 from pagellm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagellm.layers.fused_moe import cuda_graph_safe
 from pagellm.layers.quantization.gguf import kernel_switch_rows
 from pagellm.layers.rotary import RotaryEmbedding
 from pagellm.models.llama import LlamaForCausalLM, head_dim_of
@@ -99,7 +100,8 @@ class ModelRunner:
                 module.trim()
 
     def can_capture_cuda_graphs(self) -> bool:
-        return self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs
+        return (self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs
+                and cuda_graph_safe(self.model))
 
     def capture_cuda_graphs(self) -> int:
         """Capture decode steps at bucketed batch sizes over the KV pool; returns the graph pool's bytes."""

@@ -216,6 +216,30 @@ def test_moe_and_mla_engines_equal_transformers(name, word_tokenizer_dir, tmp_pa
     assert llm.llm_engine.get_stats().kv_cache.prefix_cache_hits > 0
 
 
+@pytest.mark.parametrize("name", ["qwen3-moe-gptq", "deepseek-v3-fp8-blocks"])
+def test_quantized_moe_engines_equal_transformers_on_the_dequantized_weights(name, word_tokenizer_dir, tmp_path):
+    """Experts as linear layers of their format (GPTQ 4-bit act order; DeepSeek-V3's fp8 blocks, with its
+    partial output block and kv_b_proj dequantized for the latent decode) on the Triton kernels, decoding eagerly
+    (one product per used expert reads the counts on the host)."""
+    from tests.models.test_moe_quantized import _qwen3_moe
+    from tests.quant_checkpoints import QuantSpec, write_quantized
+    from tests.w8a8_checkpoints import write_quantized as write_8bit
+
+    if name == "qwen3-moe-gptq":
+        path = _tiny_checkpoint(_qwen3_moe, word_tokenizer_dir[1], tmp_path / "float")
+        quantized, dequantized = tmp_path / "quantized", tmp_path / "dequantized"
+        write_quantized(path, quantized, dequantized, QuantSpec("gptq", bits=4, group_size=16, desc_act=True))
+    else:
+        variant, perturb = _variant("deepseek-v3")
+        path = _tiny_checkpoint(variant, word_tokenizer_dir[1], tmp_path / "float", perturb)
+        quantized, dequantized = write_8bit(path, tmp_path / "fp8", "fp8-block-32x16", fmt="fp8")
+    prompts = _prompts()
+    expected = _hf_expected(str(dequantized), prompts)
+    llm = LLM(str(quantized), dtype="float32", **ENGINE_ARGS)
+    assert llm.llm_engine.core.runner.graphs is None
+    assert _token_ids(llm, prompts) == expected
+
+
 def test_lora_engine_equals_transformers_and_peft(gpu_tiny_dir, tmp_path):
     """Two adapters (attention only; every projection) and the base model in one batch: the LoRA Triton kernels
     on the device's step."""

@@ -58,6 +58,8 @@ class QuantizedExperts:
 
 
 class GGUFFusedMoEMethod(FusedMoEMethodBase):
+    cuda_graph_safe = False  # one product per used expert (grouped_experts)
+
     def __init__(self, ops=None) -> None:
         # The kernels for the device the model is built on, chosen at the first layer (as GGUFLinearMethod does);
         # `ops` fixes them (tests run the Triton kernels on the CPU under TRITON_INTERPRET=1).
