@@ -207,6 +207,21 @@ def test_fp8_widening_is_exact_for_every_finite_value(isa):
         wk.check_fp8_finite(torch.tensor([0x7F], dtype=torch.uint8).view(torch.float8_e4m3fn), "layer.weight")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k", [64, 67])
+def test_fp8_products_of_bfloat16_rows_widen_every_finite_value_exactly(isa, k):
+    """Identity rows through the fused path give back each weight: bfloat16 rows of two panels run on
+    avx512_bf16's pair dot products where the build has them (fp8_block_pairs, which widens fp8 to bfloat16),
+    the float path elsewhere; an odd K leaves a last input to the float path, and the third panel has no pair."""
+    kernels = _kernels(isa)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].repeat(7)[: 24 * k]  # every finite code, 24 columns (3 panels)
+    w = codes.reshape(k, 24).t().contiguous().view(torch.float8_e4m3fn)
+    scales = torch.ones(24, 1)
+    y = kernels.fp8_linear_fused(torch.eye(k, dtype=torch.bfloat16), wk.pack_fp8(w, scales, k), None)
+    assert torch.equal(y.t().float(), w.float())
+
+
 def test_threads_give_identical_results():
     kernels = _kernels(ISAS[0])
     q, scale = _weight(200, 576, 7)

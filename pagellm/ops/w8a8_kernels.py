@@ -221,7 +221,8 @@ def pack_fp8(weight: torch.Tensor, scales: torch.Tensor, block_k: int) -> Packed
     n_pad = _round_up(out_features, PANEL)
     padded = torch.zeros(n_pad, in_features, dtype=torch.uint8)
     padded[:out_features] = weight.view(torch.uint8)
-    packed = padded.view(n_pad // PANEL, PANEL, in_features).permute(0, 2, 1).contiguous()
+    # In the load's huge-page arena where there is one, as pack_int8's.
+    packed = to_weight_memory(padded.view(n_pad // PANEL, PANEL, in_features).permute(0, 2, 1))
     grid = torch.zeros(blocks, n_pad, dtype=torch.float32)
     grid[:, :out_features] = scales.float().t() * 256
     return PackedFp8(packed, grid, block_k, in_features, out_features)

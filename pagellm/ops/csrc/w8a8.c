@@ -672,6 +672,10 @@ int w8a8_quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t K, float
 
 /* ---- fp8 e4m3 weights ------------------------------------------------------------------------------- */
 
+/* How far ahead a panel's weights are prefetched: each panel is a short stream (K * 8 bytes) that the hardware
+ * prefetcher would only pick up late. */
+#define FP8_PREFETCH_BYTES 512
+
 /* 8 fp8 e4m3fn values (sign, 4 exponent bits biased by 7, 3 mantissa bits) as floats divided by 256, exactly:
  * moved into float16's fields (exponent biased by 15), every finite e4m3 value is a float16 2^8 times smaller,
  * subnormals included. Sign-extending the byte to 16 bits and shifting it left by 7 puts the sign at bit 15 and
@@ -705,12 +709,91 @@ typedef struct {
     int x_bf16, y_bf16;
 } Fp8Problem;
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_FP8_BF16_PAIRS 1
+/* Two panels' weights at inputs k and k + 1 (16 columns) as 32 bfloat16 values w / 256 in VDPBF16PS's pair order,
+ * column c's (k, k + 1) pair in words 2c and 2c + 1: the 16 bytes of each panel (k's 8 columns, then k + 1's)
+ * are interleaved within their lane, widened through float16's fields as fp8x8_over_256 does, and rounded to
+ * bfloat16, exactly (3 mantissa bits fit its 7; w / 256 stays a normal number, which VDPBF16PS needs). */
+static ALWAYS_INLINE __m512bh fp8_pairs_over_256(const uint8_t *panel0, const uint8_t *panel1) {
+    const __m128i interleave = _mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    const __m256i bytes = _mm256_shuffle_epi8(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)panel0)),
+                                _mm_loadu_si128((const __m128i *)panel1), 1),
+        _mm256_broadcastsi128_si256(interleave));
+    const __m512i half = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7),
+                                          _mm512_set1_epi16((short)0xBF80));
+    return _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)),
+                               _mm512_cvtph_ps(_mm512_castsi512_si256(half)));
+}
+
+/* fp8_block for two panels and bfloat16 rows on avx512_bf16: each instruction multiplies a pair of inputs for 16
+ * columns (VDPBF16PS), where the float path multiplies one input for 8. `chains` independent sums per row keep
+ * that many dot products in flight (one row alone would wait on each one's latency). An odd last input is left
+ * to the caller. Returns the inputs it covered. */
+static ALWAYS_INLINE int64_t fp8_block_pairs(const Fp8Problem *pr, int64_t row, const uint8_t *w_base, int64_t k0,
+                                             int64_t k1, const int R, f32x8 part[FP8_ROWS][FP8_PANELS]) {
+    const int64_t K = pr->K, panel_bytes = K * PANEL;
+    const int chains = R == 1 ? 4 : R == 2 ? 2 : 1;
+    const uint16_t *x = (const uint16_t *)pr->x;
+    __m512 sums[4][FP8_ROWS];
+    for (int i = 0; i < chains; ++i)
+        for (int r = 0; r < R; ++r) sums[i][r] = _mm512_setzero_ps();
+    int64_t k = k0;
+    for (; k + 2 * chains <= k1; k += 2 * chains) {
+        __builtin_prefetch(w_base + k * PANEL + FP8_PREFETCH_BYTES);
+        __builtin_prefetch(w_base + panel_bytes + k * PANEL + FP8_PREFETCH_BYTES);
+        for (int i = 0; i < chains; ++i) {
+            const int64_t kk = k + 2 * i;
+            const __m512bh w = fp8_pairs_over_256(w_base + kk * PANEL, w_base + panel_bytes + kk * PANEL);
+            for (int r = 0; r < R; ++r) {
+                uint32_t pair;
+                memcpy(&pair, x + (row + r) * K + kk, sizeof pair);
+                sums[i][r] = _mm512_dpbf16_ps(sums[i][r], w, (__m512bh)_mm512_set1_epi32((int)pair));
+            }
+        }
+    }
+    for (; k + 2 <= k1; k += 2) {
+        const __m512bh w = fp8_pairs_over_256(w_base + k * PANEL, w_base + panel_bytes + k * PANEL);
+        for (int r = 0; r < R; ++r) {
+            uint32_t pair;
+            memcpy(&pair, x + (row + r) * K + k, sizeof pair);
+            sums[0][r] = _mm512_dpbf16_ps(sums[0][r], w, (__m512bh)_mm512_set1_epi32((int)pair));
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        __m512 total = sums[0][r];
+        for (int i = 1; i < chains; ++i) total = _mm512_add_ps(total, sums[i][r]);
+        part[r][0] = (f32x8)_mm512_castps512_ps256(total);
+        part[r][1] = (f32x8)_mm512_extractf32x8_ps(total, 1);
+    }
+    return k - k0;
+}
+#else
+#define HAVE_FP8_BF16_PAIRS 0
+#endif
+
 /* One K block's sums part[r][p] = sum over k in [k0, k1) of x[row + r][k] w[k][panel + p]. With few rows and
  * panels (a decode step's single row), even and odd k go to separate sums, so that more FMAs are in flight
- * than one chain of dependent ones allows. */
+ * than one chain of dependent ones allows. Two panels of bfloat16 rows take fp8_block_pairs where the build has
+ * avx512_bf16. */
 static ALWAYS_INLINE void fp8_block(const Fp8Problem *pr, int64_t row, const uint8_t *w_base, int64_t k0, int64_t k1,
                                    const int R, const int P, f32x8 part[FP8_ROWS][FP8_PANELS]) {
     const int64_t K = pr->K, panel_bytes = K * PANEL;
+#if HAVE_FP8_BF16_PAIRS
+    if (P == 2 && pr->x_bf16) {
+        const int64_t k = k0 + fp8_block_pairs(pr, row, w_base, k0, k1, R, part);
+        if (k < k1) {
+            for (int p = 0; p < P; ++p) {
+                const f32x8 w = fp8x8_over_256(w_base + p * panel_bytes + k * PANEL);
+                for (int r = 0; r < R; ++r)
+                    part[r][p] = fmadd(splat_f32(load_one(pr->x, (row + r) * K + k, 1)), w, part[r][p]);
+            }
+        }
+        return;
+    }
+#endif
     const int ways = R * P <= 4 ? 2 : 1;
     f32x8 sums[2][FP8_ROWS][FP8_PANELS];
     for (int i = 0; i < ways; ++i)
@@ -718,6 +801,8 @@ static ALWAYS_INLINE void fp8_block(const Fp8Problem *pr, int64_t row, const uin
             for (int p = 0; p < P; ++p) sums[i][r][p] = splat_f32(0.0f);
     int64_t k = k0;
     for (; k + ways <= k1; k += ways) {
+        if ((k & 7) < ways)
+            for (int p = 0; p < P; ++p) __builtin_prefetch(w_base + p * panel_bytes + k * PANEL + FP8_PREFETCH_BYTES);
         for (int i = 0; i < ways; ++i) {
             f32x8 w[FP8_PANELS];
             for (int p = 0; p < P; ++p) w[p] = fp8x8_over_256(w_base + p * panel_bytes + (k + i) * PANEL);
