@@ -306,3 +306,31 @@ def test_the_compressed_tensors_package_reads_our_layout(tmp_path, tiny_llama_di
         compressed = compressor.compress({"weight": original[f"{module}.weight"],
                                           "weight_scale": ours[f"{module}.weight_scale"]}, group)["weight"]
         assert torch.equal(compressed.view(torch.uint8), ours[f"{module}.weight"].view(torch.uint8)), scheme
+
+
+@pytest.mark.parametrize("source", ["int8", "fp8", "fp8-block-dynamic"])
+def test_8_bit_layers_take_the_direct_path_and_compute_what_their_modules_do(source, tmp_path, tiny_llama_dir,
+                                                                           monkeypatch):
+    """The int8 and fp8 layers' prepared products make LlamaModel's direct path (decode steps without the layers'
+    module calls); it generates what the modules do, bit for bit."""
+    from pagellm.models.llama import LlamaDecoderLayer
+
+    monkeypatch.setenv("PAGELLM_DECODE_STACK", "0")  # int8's decode stack would take its decode steps
+    if source in ("int8", "fp8"):
+        llm = LLM(tiny_llama_dir, **{**ENGINE, "dtype": "bfloat16"}, quantization=source)
+    else:
+        llm = LLM(write_quantized(tiny_llama_dir, tmp_path / source, source, fmt="fp8")[0],
+                  **{**ENGINE, "dtype": "bfloat16"})
+    model = llm.llm_engine.core.runner.model.model
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=TOP)
+
+    def run():
+        outputs = llm.generate(CASE_PROMPTS, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    assert model.direct_layers() is not None
+    direct = run()
+    monkeypatch.setattr(LlamaDecoderLayer, "direct", lambda self, ops: None)
+    model.reset_direct_layers()
+    assert model.direct_layers() is None
+    assert run() == direct

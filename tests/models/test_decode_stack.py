@@ -148,11 +148,11 @@ def test_a_bf16_llama_on_linear_bf16_runs_on_the_stack_as_its_direct_path_does(t
     assert {1, 3} <= set(ran)
 
 
-def test_an_int8_w8a8_llama_runs_on_the_stack_as_its_modules_do(tiny_llama_dir, monkeypatch):
-    # The direct path takes no int8 layers (their steps ran as modules): the stack's kernels are the modules'.
+def test_an_int8_w8a8_llama_runs_on_the_stack_as_its_direct_path_does(tiny_llama_dir, monkeypatch):
+    # The int8 layers' prepared products make the direct path, which calls the kernels the stack calls.
     llm = _llm(tiny_llama_dir, dtype="bfloat16", quantization="int8")
     model = llm.llm_engine.core.runner.model.model
-    assert model.direct_layers() is None
+    assert model.direct_layers() is not None
     stack = model.decode_stack()
     assert stack.max_tokens is None and stack._structs[0].gate_up.parts == 1
     stacked, direct, ran = _with_and_without(llm, monkeypatch)

@@ -77,6 +77,12 @@ def channelwise(per_shard: torch.Tensor, output_sizes: list[int]) -> torch.Tenso
     return torch.cat([per_shard[i].expand(size) for i, size in enumerate(output_sizes)]).float()
 
 
+def _prepared(kernel) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A loaded layer's kernel (ops/w8a8_kernels.py's Int8Linear / Fp8Linear) as x -> x @ W^T, or None before it
+    is made."""
+    return None if kernel is None else functools.partial(kernel, bias=None)
+
+
 def _free(param: nn.Parameter) -> None:
     """Drop a parameter's storage once its kernel keeps its own copy of the weight."""
     note_freed(param.data.untyped_storage().nbytes())
@@ -139,6 +145,9 @@ class Int8LinearMethod(LinearMethod):
             scale, input_scale = self._scales(layer)
             return wk.int8_linear_reference(x, layer.weight, scale, input_scale, bias)
         return kernel(x, bias)
+
+    def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return _prepared(getattr(layer, "int8_linear", None))
 
     def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         kernel = getattr(layer, "int8_linear", None)
@@ -207,6 +216,9 @@ class Fp8LinearMethod(LinearMethod):
             scales, block_k = self._scales(layer)
             return wk.fp8_linear_reference(x, layer.weight, scales, block_k, bias)
         return kernel(x, bias)
+
+    def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return _prepared(getattr(layer, "fp8_linear", None))
 
     def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         kernel = getattr(layer, "fp8_linear", None)
@@ -278,6 +290,9 @@ class OnlineQuantizedLinearMethod(LinearMethod):
         if layer.online_kernel is None:
             raise RuntimeError(f"{layer.prefix} is used before its weights were loaded and quantized")
         return layer.online_kernel(x, bias)
+
+    def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return _prepared(layer.online_kernel)
 
     def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         return layer.online_kernel.tensors() if layer.online_kernel is not None else []
