@@ -324,3 +324,20 @@ def test_vllm_names_of_the_head_methods():
     assert SpeculativeConfig.from_dict({"method": "deepseek_mtp", "num_speculative_tokens": 1}).method == "mtp"
     eagle = SpeculativeConfig.from_dict({"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 2})
     assert eagle.method == "eagle" and eagle.uses_head and eagle.uses_draft_model
+
+
+def test_an_mtp_head_of_a_checkpoint_in_fp8_blocks(deepseek_dir, tmp_path):
+    """DeepSeek-V3's own fp8 format, MTP layer included: the head's experts and latent attention load as the
+    target's do (each expert a linear layer of the format), and greedy output is unchanged by the head."""
+    from pagellm.layers.fused_moe import FusedMoE
+    from tests.w8a8_checkpoints import write_quantized
+
+    quantized = write_quantized(deepseek_dir, tmp_path / "fp8", "fp8-block-32x16", fmt="fp8")[0]
+    expected = _outputs(LLM(quantized, dtype="float32", **ENGINES["batched"]), SOME_PROMPTS, GREEDY)
+    llm = LLM(quantized, dtype="float32", speculative_config=_config("mtp", 2), **ENGINES["batched"])
+    head = llm.llm_engine.core.runner.drafter.runner.model
+    [experts] = [m for m in head.modules() if isinstance(m, FusedMoE)]
+    assert experts.expert_gate_up is not None and len(experts.expert_gate_up) == 8
+    assert _outputs(llm, SOME_PROMPTS, GREEDY) == expected
+    stats = _stats(llm)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats

@@ -22,7 +22,7 @@ import logging
 import torch
 from torch import nn
 
-from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, is_lm_head
 from pagellm.layers.quantization.group_quant import (
     EMBEDDING_SUFFIX,
     GroupQuantLinearMethod,
@@ -130,7 +130,7 @@ class AWQConfig(QuantizationConfig):
         self.dense = UnquantizedLinearMethod()
 
     def linear_method(self, prefix: str) -> LinearMethod:
-        if prefix.endswith(EMBEDDING_SUFFIX) or prefix == "lm_head" or prefix.endswith(".lm_head"):
+        if prefix.endswith(EMBEDDING_SUFFIX) or is_lm_head(prefix):
             return self.dense
         skipped = all_shards_agree(prefix, lambda module: any(name in module for name in self.modules_to_not_convert),
                                    "modules_to_not_convert")

@@ -13,6 +13,12 @@ from torch import nn
 # pagellm's fused layers and the checkpoint modules each fuses, in order along its outputs (vLLM's
 # packed_modules_mapping): a format's per-module rules name the checkpoint's modules. `w13` is a
 # mixture-of-experts expert's gate (w1) and up (w3) as Mixtral's checkpoints name them (vLLM's name for the pair).
+def is_lm_head(prefix: str) -> bool:
+    """The LM head, or an MTP layer's own (DeepSeek's model.layers.N.shared_head.head): vLLM's ParallelLMHead,
+    which a format quantizes only where it says so (GPTQ's lm_head)."""
+    return prefix.split(".")[-1] == "lm_head" or prefix.endswith("shared_head.head")
+
+
 FUSED_CHECKPOINT_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
                             "w13": ("w1", "w3")}
 

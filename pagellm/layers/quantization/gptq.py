@@ -30,7 +30,7 @@ import re
 import torch
 from torch import nn
 
-from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, is_lm_head
 from pagellm.layers.quantization.group_quant import (
     EMBEDDING_SUFFIX,
     GroupQuantLinearMethod,
@@ -148,7 +148,7 @@ class GPTQConfig(QuantizationConfig):
         return None
 
     def linear_method(self, prefix: str) -> LinearMethod:
-        is_head = prefix == "lm_head" or prefix.endswith(".lm_head")
+        is_head = is_lm_head(prefix)
         if prefix.endswith(EMBEDDING_SUFFIX) or (is_head and not self.lm_head):
             return self.dense
         listed = self.modules_in_block_to_quantize

@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagellm.layers.quantization.base import FUSED_CHECKPOINT_MODULES, LinearMethod, QuantizationConfig
+from pagellm.layers.quantization.base import (FUSED_CHECKPOINT_MODULES, LinearMethod, QuantizationConfig,
+                                              is_lm_head)
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.weights import set_weight_attrs
 from pagellm.ops import w8a8_kernels as wk
@@ -316,7 +317,7 @@ class OnlineFp8LinearMethod(OnlineQuantizedLinearMethod):
 
 def is_embedding_or_head(prefix: str) -> bool:
     """The token embedding and the LM head: kept dense by online quantization (as vLLM keeps them)."""
-    return prefix.endswith("embed_tokens") or prefix.split(".")[-1] == "lm_head"
+    return prefix.endswith("embed_tokens") or is_lm_head(prefix)
 
 
 class OnlineQuantization(QuantizationConfig):
