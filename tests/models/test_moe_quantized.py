@@ -26,8 +26,8 @@ from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import Fp8LinearMethod, Int8LinearMethod, OnlineQuantizedLinearMethod
 from pagellm.layers.weights import process_weights_after_loading, weights_bytes
 from pagellm.ops import w8a8_kernels as wk
-from tests.conftest import TINY_CONFIG
 from tests.helpers import PROMPTS
+from tests.models.test_moe import COMMON, _mixtral
 from tests.models.tiny_checkpoints import check_greedy, checkpoint_dirs, greedy_references, save_tiny_checkpoint
 from tests.quant_checkpoints import SAME_INPUT, QuantSpec, awq_tensors, write_quantized
 from tests.w8a8_checkpoints import compressed_tensors_config, quantize_int8
@@ -37,11 +37,10 @@ MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ENGINE = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_seqs=8, max_model_len=256)
 CASE_PROMPTS = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
-COMMON = {key: value for key, value in TINY_CONFIG.items()
-          if key not in ("rms_norm_eps", "rope_theta", "tie_word_embeddings", "intermediate_size")}
 
 
 def _qwen3_moe():
+    """tests/models/test_moe.py's Qwen3-MoE with wider experts."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     # Layer 1 dense. Every product's input is a multiple of 64 and its output of 32, which fp8's test blocks
@@ -52,22 +51,16 @@ def _qwen3_moe():
     return Qwen3MoeForCausalLM, config
 
 
-def _mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(**{**COMMON, "num_hidden_layers": 2}, intermediate_size=64, num_local_experts=8,
-                           num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=None)
-    return MixtralForCausalLM, config
-
-
 FAMILIES = {"qwen3-moe": _qwen3_moe, "mixtral": _mixtral}
-# name -> (family, the format's writer and setting, the experts' linear method)
+# The group-quantized formats' writer settings (tests/quant_checkpoints.py); the 8-bit ones are
+# tests/w8a8_checkpoints.py's scheme names.
 GROUP_SPECS = {
     "gptq-4bit-act-order": QuantSpec("gptq", bits=4, group_size=16, desc_act=True),
     "gptq-8bit": QuantSpec("gptq", bits=8, group_size=32),
     "awq": QuantSpec("awq", group_size=16),
     "w4a16-asym": QuantSpec("compressed-tensors", bits=4, group_size=16, sym=False),
 }
+# "family/format" -> the method each expert's linear layers take
 CASES = {
     "qwen3-moe/gptq-4bit-act-order": GPTQLinearMethod,
     "qwen3-moe/gptq-8bit": GPTQLinearMethod,
