@@ -169,6 +169,10 @@ def test_deepseek_v3_in_its_own_fp8_block_format(tmp_path_factory, default_token
     check_greedy(llm, CASE_PROMPTS, expected, GREEDY)
 
 
+# Latent attention's projections, each a layer of its own.
+MLA_PROJECTIONS = {name: name for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")}
+
+
 def _online_fp8_dequantized(float_dir: str, directory) -> str:
     """A float checkpoint of the weights quantization="fp8" makes: one fp8 scale per layer weight, fused q/k/v
     and gate/up (a dense MLP's, and each expert's) together, as the layers quantize them."""
@@ -177,12 +181,13 @@ def _online_fp8_dequantized(float_dir: str, directory) -> str:
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(f"{float_dir}/model.safetensors")
+    layer_of = {**SAME_INPUT, **MLA_PROJECTIONS}
     fused: dict[str, list[str]] = {}
     for name in tensors:
         module, _, kind = name.rpartition(".")
         parent, _, projection = module.rpartition(".")
-        if kind == "weight" and projection in SAME_INPUT:
-            fused.setdefault(f"{parent}:{SAME_INPUT[projection]}", []).append(name)
+        if kind == "weight" and projection in layer_of and ".layers." in name:
+            fused.setdefault(f"{parent}:{layer_of[projection]}", []).append(name)
     for names in fused.values():
         q, scale = wk.quantize_fp8_per_tensor(torch.cat([tensors[name] for name in names]))
         pieces = (q.float() * scale).split([tensors[name].shape[0] for name in names])
@@ -204,6 +209,20 @@ def test_online_fp8_experts_equal_their_dequantized_weights(float_dirs, tmp_path
     theirs = greedy_references(lambda _: _online_fp8_dequantized(float_dirs("qwen3-moe"), tmp_path / "fp8"),
                                default_tokenizer, MAX_TOKENS)
     check_greedy(llm, CASE_PROMPTS, theirs("qwen3-moe", CASE_PROMPTS), GREEDY)
+
+
+def test_online_fp8_deepseek_v3_equals_its_dequantized_weights(tmp_path_factory, default_tokenizer):
+    """quantization="fp8" on a float DeepSeek-V3: latent attention's kv_b_proj quantized too, and dequantized
+    for the absorbed decode from the layer itself."""
+    from tests.models.test_mla import _perturb_correction_bias, _v3
+
+    float_dir = save_tiny_checkpoint(_v3, default_tokenizer, tmp_path_factory.mktemp("v3"), _perturb_correction_bias)
+    llm = LLM(float_dir, quantization="fp8", **ENGINE)
+    attention = llm.llm_engine.core.runner.model.model.layers[0].self_attn
+    assert isinstance(attention.kv_b_proj.quant_method, OnlineQuantizedLinearMethod)
+    dequantized = _online_fp8_dequantized(float_dir, tmp_path_factory.mktemp("v3-fp8") / "dequantized")
+    check_greedy(llm, CASE_PROMPTS, greedy_references(lambda _: dequantized, default_tokenizer, MAX_TOKENS)(
+        "v3", CASE_PROMPTS), GREEDY)
 
 
 # ---- one layer ------------------------------------------------------------------------------------------------
