@@ -459,20 +459,19 @@ def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     # Stable: an expert's rows keep token order, so each token's sum adds its experts in ascending order.
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    spans, start = [], 0
-    for expert, count in enumerate(counts):
-        if count:
-            spans.append((expert, start, start + count))
-            start += count
+    experts = [expert for expert, count in enumerate(counts) if count]
+    sizes = [counts[expert] for expert in experts]
     token_of_row = order // top_k
     rows_in = x.index_select(0, token_of_row)
     gate_up_rows = rows_in.new_empty(rows_in.shape[0], gate_up_width)
-    for expert, begin, end in spans:
-        gate_up(expert, rows_in[begin:end], gate_up_rows[begin:end])
+    # Each expert's rows as views made in one call (split): slicing them one by one in Python cost more than a
+    # decode step's small products.
+    for expert, rows, out in zip(experts, rows_in.split(sizes), gate_up_rows.split(sizes)):
+        gate_up(expert, rows, out)
     activated = act_fn(gate_up_rows)
     rows_out = torch.empty_like(rows_in)
-    for expert, begin, end in spans:
-        down(expert, activated[begin:end], rows_out[begin:end])
+    for expert, rows, out in zip(experts, activated.split(sizes), rows_out.split(sizes)):
+        down(expert, rows, out)
     rows_out.mul_(topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(rows_out.dtype))
     return torch.zeros_like(x).index_add_(0, token_of_row, rows_out)
 
