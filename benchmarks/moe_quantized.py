@@ -6,7 +6,7 @@ features, 8 per token, 16 query / 2 KV heads of 64, `--layers` layers), with ran
 bfloat16 checkpoint, then in each format by the test suite's reference quantizers (tests/quant_checkpoints.py,
 tests/w8a8_checkpoints.py: the formats' documented layouts): GPTQ and AWQ 4-bit in groups of 128,
 compressed-tensors int8 W8A8 per channel, fp8 with DeepSeek-V3's 128 x 128 blocks, and online int8 / fp8 of the
-bfloat16 checkpoint. bfloat16 runs its experts on the fused native kernel (ops/cpu_moe.py); every quantized
+bfloat16 checkpoint, and vLLM's experts_int8 (the experts alone, int8 weights per channel, bf16 activations). bfloat16 runs its experts on the fused native kernel (ops/cpu_moe.py); every quantized
 format runs each expert as two linear layers of its format (ExpertLinearsMoEMethod), one product per used expert.
 
 Every engine is loaded first, then the rounds run them interleaved (`--repeats`, best kept): one decode step of
@@ -34,7 +34,7 @@ from benchmarks.moe import SHAPES, Bench, Timing, best, configs
 
 # name -> how its checkpoint is made from the bfloat16 one, and what LLM() is given
 FORMATS = ("bf16", "gptq-4bit-g128", "awq-4bit-g128", "int8 W8A8 (c-t)", "fp8 block 128 (DeepSeek-V3)",
-           "int8 online", "fp8 online")
+           "int8 online", "fp8 online", "experts_int8")
 
 
 def float_checkpoint(root: Path, args, tokenizer) -> str:
@@ -56,7 +56,7 @@ def format_checkpoint(fmt: str, float_dir: str, root: Path) -> tuple[str, dict]:
     from tests.quant_checkpoints import QuantSpec, write_quantized
     from tests.w8a8_checkpoints import write_quantized as write_8bit
 
-    if fmt in ("bf16", "int8 online", "fp8 online"):
+    if fmt in ("bf16", "int8 online", "fp8 online", "experts_int8"):
         return float_dir, {} if fmt == "bf16" else {"quantization": fmt.split()[0]}
     out = root / fmt.split()[0]
     if fmt.startswith(("gptq", "awq")):

@@ -129,7 +129,8 @@ _NO_DP = "pagellm runs one engine (data_parallel_size=1); start one server per r
 _NO_MM = "pagellm serves text-only models"
 _NO_POOLING = "pagellm runs generative models (no pooling / embedding runners)"
 _QUANT_METHODS = ("pagellm loads unquantized, GGUF, AWQ, GPTQ, compressed-tensors (int8/fp8 W8A8) and fp8 "
-                  "checkpoints, and quantizes float ones to int8 or fp8 as they load")
+                  "checkpoints, and quantizes float ones to int8 or fp8 (or their experts alone to int8: "
+                  "experts_int8) as they load")
 _NO_QUANT_OVERRIDE = "pagellm reads the quantization config from the checkpoint; it takes no override"
 _NO_OFFLOAD = "pagellm keeps every weight on the device"
 _NO_DISAGG = "pagellm does no disaggregated prefill / KV transfer"
@@ -172,11 +173,12 @@ class EngineArgs:
                                          "(default: the model's max_position_embeddings)")
     quantization: str | None = default_only(
         None, group=MODEL, kind="optional_str", flags=("-q",),
-        accepted=("awq", "gptq", "compressed-tensors", "fp8", "int8"), why=_QUANT_METHODS)
+        accepted=("awq", "gptq", "compressed-tensors", "fp8", "int8", "experts_int8"), why=_QUANT_METHODS)
     quantization_config: dict | None = default_only(None, group=MODEL, kind="json", why=_NO_QUANT_OVERRIDE)
     allow_deprecated_quantization: bool = no_effect(False, group=MODEL)
     enforce_eager: bool = arg(False, group=MODEL, help="run every step eagerly (no CUDA graphs)")
-    enable_return_routed_experts: bool = default_only(False, group=MODEL, why="pagellm runs no MoE models")
+    enable_return_routed_experts: bool = default_only(False, group=MODEL,
+                                                      why="pagellm does not return the experts a MoE model routed to")
     return_sampling_mask: bool = default_only(False, group=MODEL, why="pagellm returns no sampling masks")
     max_logprobs: int = arg(20, group=MODEL, help="most logprobs a request may ask for (-1: no limit)")
     logprobs_mode: str = default_only("raw_logprobs", group=MODEL,

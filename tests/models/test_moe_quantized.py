@@ -225,6 +225,46 @@ def test_online_fp8_deepseek_v3_equals_its_dequantized_weights(tmp_path_factory,
         "v3", CASE_PROMPTS), GREEDY)
 
 
+def _experts_int8_dequantized(float_dir: str, directory) -> str:
+    """A float checkpoint of the weights quantization="experts_int8" makes: each expert projection's weight as
+    int8 per output channel, dequantized as the kernels dequantize it; every other tensor as it was."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagellm.layers.quantization.experts_int8 import int8_channel_weight
+    from pagellm.ops.wna16 import dequantize
+
+    tensors = load_file(f"{float_dir}/model.safetensors")
+    for name, tensor in tensors.items():
+        if ".experts." in name and name.endswith(".weight"):
+            tensors[name] = dequantize(int8_channel_weight(tensor)).contiguous()
+    shutil.copytree(float_dir, directory)
+    save_file(tensors, f"{directory}/model.safetensors")
+    return str(directory)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_experts_int8_quantizes_the_experts_alone(family, float_dirs, tmp_path, default_tokenizer):
+    """vLLM's quantization="experts_int8": the experts' weights int8 per output channel (weight-only, on the
+    group-quantized kernels' 8-bit path), attention and dense MLPs unquantized; the same tokens as transformers
+    on the weights it made."""
+    from pagellm.layers.quantization.experts_int8 import OnlineInt8WeightOnlyMethod
+
+    llm = LLM(float_dirs(family), quantization="experts_int8", **ENGINE)
+    model = llm.llm_engine.core.runner.model
+    for layer in _experts(llm):
+        assert all(isinstance(linear.quant_method, OnlineInt8WeightOnlyMethod)
+                   for linear in (*layer.expert_gate_up, *layer.expert_down))
+    attention = model.model.layers[0].self_attn
+    assert isinstance(attention.qkv_proj.quant_method, UnquantizedLinearMethod)
+    dense = LLM(float_dirs(family), **ENGINE)
+    assert _expert_bytes(model) < 0.3 * _expert_bytes(dense.llm_engine.core.runner.model)
+    dequantized = _experts_int8_dequantized(float_dirs(family), tmp_path / "dequantized")
+    check_greedy(llm, CASE_PROMPTS, greedy_references(lambda _: dequantized, default_tokenizer, MAX_TOKENS)(
+        family, CASE_PROMPTS), GREEDY)
+
+
 # ---- one layer ------------------------------------------------------------------------------------------------
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 64, 32, 2
