@@ -5,9 +5,11 @@ A Qwen3-30B-A3B-shaped model scaled down as benchmarks/moe.py scales it (hidden 
 features, 8 per token, 16 query / 2 KV heads of 64, `--layers` layers), with random weights written as a
 bfloat16 checkpoint, then in each format by the test suite's reference quantizers (tests/quant_checkpoints.py,
 tests/w8a8_checkpoints.py: the formats' documented layouts): GPTQ and AWQ 4-bit in groups of 128,
-compressed-tensors int8 W8A8 per channel, fp8 with DeepSeek-V3's 128 x 128 blocks, and online int8 / fp8 of the
-bfloat16 checkpoint, and vLLM's experts_int8 (the experts alone, int8 weights per channel, bf16 activations). bfloat16 runs its experts on the fused native kernel (ops/cpu_moe.py); every quantized
-format runs each expert as two linear layers of its format (ExpertLinearsMoEMethod), one product per used expert.
+compressed-tensors int8 W8A8 per channel, fp8 with DeepSeek-V3's 128 x 128 blocks, online int8 / fp8 of the
+bfloat16 checkpoint, and vLLM's experts_int8 (the experts alone, int8 weights per channel, bf16 activations).
+bfloat16 runs its experts on the fused native kernel (ops/cpu_moe.py); every quantized format runs each expert as
+two linear layers of its format (ExpertLinearsMoEMethod): one product per used expert, or for the group-quantized
+formats one call for all of a decode step's experts (wna16_matmul_experts).
 
 Every engine is loaded first, then the rounds run them interleaved (`--repeats`, best kept): one decode step of
 `--batch` sequences (median of `--steps`), and the prefill step of one `--prompt-len`-token prompt; the time inside
@@ -98,32 +100,35 @@ def main() -> None:
     shape = SHAPES["qwen3-30b-a3b"]
     print(f"Qwen3-MoE shape: hidden {shape['hidden_size']}, {args.experts} experts of "
           f"{shape['moe_intermediate_size']}, top {shape['num_experts_per_tok']}, {args.layers} layers")
-    root = Path(tempfile.mkdtemp(prefix="pagellm-moe-quant-"))
-    float_dir = float_checkpoint(root, args, tokenizer)
-    benches = []
-    for fmt in args.formats:
-        path, engine_args = format_checkpoint(fmt, float_dir, root)
-        benches.append(Bench(fmt, path, args, load_format="auto", **engine_args))
-    results: dict[tuple[str, str], list[Timing]] = {}
-    workloads = [f"decode x{b}" for b in args.batch] + [f"prefill {args.prompt_len}"]
-    for _ in range(args.repeats):
-        for bench in benches:  # interleaved: every format sees the same load
-            for batch in args.batch:
-                results.setdefault((bench.name, f"decode x{batch}"), []).append(
-                    bench.decode(batch, args.context, args.steps))
-            results.setdefault((bench.name, f"prefill {args.prompt_len}"), []).append(bench.prefill(args.prompt_len))
-    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; step ms (MoE blocks' ms), best of "
-          f"{args.repeats} rounds")
-    print("| format | experts MiB | " + " | ".join(workloads) + " |")
-    print("|---|---:|" + "---:|" * len(workloads))
-    for bench in benches:
-        cells = []
-        for workload in workloads:
-            timing = best(results[(bench.name, workload)])
-            cells.append(f"{timing.step * 1e3:.2f} ({timing.mlp * 1e3:.2f})")
-        print(f"| {bench.name} | {expert_bytes(bench) / 2**20:.1f} | " + " | ".join(cells) + " |")
-    for bench in benches:
-        bench.engine.shutdown()
+    # The checkpoints take GBs at 128 experts: removed when the run ends.
+    with tempfile.TemporaryDirectory(prefix="pagellm-moe-quant-") as scratch:
+        root = Path(scratch)
+        float_dir = float_checkpoint(root, args, tokenizer)
+        benches = []
+        for fmt in args.formats:
+            path, engine_args = format_checkpoint(fmt, float_dir, root)
+            benches.append(Bench(fmt, path, args, load_format="auto", **engine_args))
+        results: dict[tuple[str, str], list[Timing]] = {}
+        workloads = [f"decode x{b}" for b in args.batch] + [f"prefill {args.prompt_len}"]
+        for _ in range(args.repeats):
+            for bench in benches:  # interleaved: every format sees the same load
+                for batch in args.batch:
+                    results.setdefault((bench.name, f"decode x{batch}"), []).append(
+                        bench.decode(batch, args.context, args.steps))
+                results.setdefault((bench.name, f"prefill {args.prompt_len}"), []).append(
+                    bench.prefill(args.prompt_len))
+        print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; step ms (MoE blocks' ms), best of "
+              f"{args.repeats} rounds")
+        print("| format | experts MiB | " + " | ".join(workloads) + " |")
+        print("|---|---:|" + "---:|" * len(workloads))
+        for bench in benches:
+            cells = []
+            for workload in workloads:
+                timing = best(results[(bench.name, workload)])
+                cells.append(f"{timing.step * 1e3:.2f} ({timing.mlp * 1e3:.2f})")
+            print(f"| {bench.name} | {expert_bytes(bench) / 2**20:.1f} | " + " | ".join(cells) + " |")
+        for bench in benches:
+            bench.engine.shutdown()
 
 
 if __name__ == "__main__":

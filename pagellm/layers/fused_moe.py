@@ -51,6 +51,7 @@ from pagellm.layers.weights import copy_checked, set_weight_attrs
 from pagellm.ops.cpu_moe import CpuMoEKernel, cpu_moe_kernel
 from pagellm.ops.dense_linear import DenseKernel, UpcastScratch, choose_dense_kernel
 from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
+from pagellm.ops.wna16 import CpuGroupQuant, ExpertsPackedProduct
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
 # What the experts apply between gate_up and down: SiLU(gate) * up, or gpt-oss's clamped SwiGLU (vLLM's name).
@@ -349,8 +350,9 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
                                        layer.tile_experts, layer.act_fn)
         if layer.native_experts is not None:
             return layer.native_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, self._product(layer, "gate_up"),
-                               self._product(layer, "down"), 2 * layer.intermediate_size, layer.act_fn)
+        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts,
+                               one_at_a_time(self._product(layer, "gate_up")),
+                               one_at_a_time(self._product(layer, "down")), 2 * layer.intermediate_size, layer.act_fn)
 
     @staticmethod
     def _product(layer: FusedMoE, which: str) -> ExpertProduct:
@@ -404,12 +406,9 @@ class ExpertLinearsMoEMethod(FusedMoEMethodBase):
               topk_ids: torch.Tensor) -> torch.Tensor:
         if layer.expert_products is None:
             # After every layer has prepared its weights (the expert layers are processed after this one).
-            layer.expert_products = tuple([_expert_product(linear) for linear in linears]
-                                          for linears in (layer.expert_gate_up, layer.expert_down))
+            layer.expert_products = (_experts_product(layer.expert_gate_up), _experts_product(layer.expert_down))
         gate_up, down = layer.expert_products
-        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts,
-                               lambda expert, rows, out: out.copy_(gate_up[expert](rows)),
-                               lambda expert, rows, out: out.copy_(down[expert](rows)),
+        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, gate_up, down,
                                2 * layer.intermediate_size, layer.act_fn)
 
 
@@ -417,6 +416,27 @@ def _expert_product(linear: LinearBase) -> Callable[[torch.Tensor], torch.Tensor
     """rows -> rows @ W^T of an expert's layer: its method's prepared product where it has one, else its matmul
     (this rank's partial product: FusedMoE sums the ranks once for all experts)."""
     return linear.direct_product() or (lambda rows: linear.matmul(rows))
+
+
+def _experts_product(linears: nn.ModuleList) -> ExpertsProduct:
+    """One projection of the experts: on the CPU's group-quantized kernels, a step whose experts all take the
+    packed path (a decode step's few rows each) in one call for all of them (ExpertsPackedProduct); otherwise
+    each expert's product in turn."""
+    products = [_expert_product(linear) for linear in linears]
+    one_by_one = one_at_a_time(lambda expert, rows, out: out.copy_(products[expert](rows)))
+    kernels = [getattr(linear, "group_quant_kernel", None) or getattr(linear, "online_kernel", None)
+               for linear in linears]
+    if not all(isinstance(kernel, CpuGroupQuant) and len(kernel.layouts) == 1 for kernel in kernels):
+        return one_by_one
+    packed = ExpertsPackedProduct(kernels[0].kernels, [kernel.layouts[0][1] for kernel in kernels])
+
+    def run(experts: list[int], sizes: list[int], rows: torch.Tensor, out: torch.Tensor) -> None:
+        if packed.takes(sizes, rows.dtype) and rows.dtype is out.dtype:
+            packed(experts, sizes, rows, out)
+        else:
+            one_by_one(experts, sizes, rows, out)
+
+    return run
 
 
 def _takes_native_experts(layer: FusedMoE) -> bool:
@@ -439,17 +459,30 @@ def linear_bf16_experts(x: torch.Tensor, w13d: torch.Tensor, w2d: torch.Tensor, 
     weights (CpuMoEKernel.pack's linear_bf16 layout): the AMX tiles take an expert's rows from their threshold
     on. The same roundings as the fused kernel, which makes the same sums."""
     return grouped_experts(x, topk_weights, topk_ids, w13d.shape[0],
-                           lambda expert, rows, out: out.copy_(linear(rows, w13d[expert], None)),
-                           lambda expert, rows, out: out.copy_(linear(rows, w2d[expert], None)),
+                           one_at_a_time(lambda expert, rows, out: out.copy_(linear(rows, w13d[expert], None))),
+                           one_at_a_time(lambda expert, rows, out: out.copy_(linear(rows, w2d[expert], None))),
                            w13d.shape[1] * LinearBF16.PANEL, act_fn)
 
 
 # (expert, rows [n, in], out [n, out]): writes rows @ W_expert^T into out.
 ExpertProduct = Callable[[int, torch.Tensor, torch.Tensor], None]
+# (experts, their row counts, rows [sum, in], out [sum, out]): each expert's product over its rows, which follow
+# one another in the order of `experts`.
+ExpertsProduct = Callable[[list[int], list[int], torch.Tensor, torch.Tensor], None]
+
+
+def one_at_a_time(product: ExpertProduct) -> ExpertsProduct:
+    """An ExpertsProduct calling `product` per expert, on views of its rows made by one split each (slicing them
+    one by one in Python cost more than a decode step's small products)."""
+    def run(experts: list[int], sizes: list[int], rows: torch.Tensor, out: torch.Tensor) -> None:
+        for expert, expert_rows, expert_out in zip(experts, rows.split(sizes), out.split(sizes)):
+            product(expert, expert_rows, expert_out)
+
+    return run
 
 
 def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                    gate_up: ExpertProduct, down: ExpertProduct, gate_up_width: int,
+                    gate_up: ExpertsProduct, down: ExpertsProduct, gate_up_width: int,
                     act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The experts' weighted sum per token [T, H]: the T * k (token, expert) pairs sorted by expert once; each
     expert with tokens runs gate_up once over its rows, the gated activation runs once over all rows, each
@@ -464,14 +497,10 @@ def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     token_of_row = order // top_k
     rows_in = x.index_select(0, token_of_row)
     gate_up_rows = rows_in.new_empty(rows_in.shape[0], gate_up_width)
-    # Each expert's rows as views made in one call (split): slicing them one by one in Python cost more than a
-    # decode step's small products.
-    for expert, rows, out in zip(experts, rows_in.split(sizes), gate_up_rows.split(sizes)):
-        gate_up(expert, rows, out)
+    gate_up(experts, sizes, rows_in, gate_up_rows)
     activated = act_fn(gate_up_rows)
     rows_out = torch.empty_like(rows_in)
-    for expert, rows, out in zip(experts, activated.split(sizes), rows_out.split(sizes)):
-        down(expert, rows, out)
+    down(experts, sizes, activated, rows_out)
     rows_out.mul_(topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(rows_out.dtype))
     return torch.zeros_like(x).index_add_(0, token_of_row, rows_out)
 

@@ -259,6 +259,9 @@ class WNA16Kernels:
         self._matmul.restype = _INT
         self._matmul.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _PTR, _INT, _I64, _I64, _PTR, _INT,
                                  _I64, _PTR]
+        self._matmul_experts = library.wna16_matmul_experts
+        self._matmul_experts.restype = _INT
+        self._matmul_experts.argtypes = [_PTR, _INT, _I64, _PTR, _PTR, _I64, _PTR, _INT, _I64, _PTR, _INT, _I64]
         self._dequantize_t = library.wna16_dequantize_t
         self._dequantize_t.restype = _INT
         self._dequantize_t.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _PTR, _I64]
@@ -391,6 +394,48 @@ class WNA16Kernels:
     @staticmethod
     def _tile(elements: int) -> torch.Tensor:
         return thread_scratch("wna16", "tile", elements, torch.float32)
+
+
+class _Wna16Weight(ctypes.Structure):
+    """csrc/wna16.c's Wna16Weight: one weight's leading arguments of wna16_matmul."""
+
+    _fields_ = [("packed", ctypes.c_void_p), ("gparams", ctypes.c_void_p), ("group_rows", ctypes.c_void_p),
+                ("src", ctypes.c_void_p), ("n_groups", ctypes.c_int64), ("k_rows", ctypes.c_int64)]
+
+
+class ExpertsPackedProduct:
+    """One projection of a mixture-of-experts layer's experts (their CpuLayouts, one shape) on the packed path,
+    each expert over its own rows, in one wna16_matmul_experts call per step: what `prepared` computes expert by
+    expert, with one call, one scratch and one fork of the threads for all of them."""
+
+    def __init__(self, kernels: WNA16Kernels, layouts: list[CpuLayout]) -> None:
+        first = layouts[0]
+        if any((layout.bits, layout.in_features, layout.out_features) !=
+               (first.bits, first.in_features, first.out_features) for layout in layouts):
+            raise ValueError("the experts of one projection differ in shape or bits")
+        self.layouts = layouts  # the table below points into their tensors
+        self.bits, self.out_features = first.bits, first.out_features
+        self.table = (_Wna16Weight * len(layouts))(*[
+            _Wna16Weight(layout.packed.data_ptr(), layout.gparams.data_ptr(), layout.group_rows.data_ptr(),
+                         layout.src.data_ptr() if layout.src is not None else None, layout.num_groups,
+                         layout.k_rows) for layout in layouts])
+        self.call = kernels._matmul_experts
+        self.packed_below = {dtype: min(kernels.packed_below(layout, dtype) for layout in layouts)
+                             for dtype in (torch.float32, torch.bfloat16)}
+
+    def takes(self, sizes: list[int], dtype: torch.dtype) -> bool:
+        """Whether every expert's rows are few enough for the packed path (as `prepared` would send them)."""
+        return max(sizes) < self.packed_below.get(dtype, 0)
+
+    def __call__(self, experts: list[int], sizes: list[int], x: torch.Tensor, out: torch.Tensor) -> None:
+        """out[rows of expert i] = x[the same rows] @ W_{experts[i]}^T, rows in the order of `experts`; x and out
+        float32 or bfloat16, rows contiguous."""
+        count = len(experts)
+        failed = self.call(self.table, self.bits, self.out_features, (ctypes.c_int32 * count)(*experts),
+                           (ctypes.c_int64 * count)(*sizes), count, x.data_ptr(), x.dtype is torch.bfloat16,
+                           x.stride(0), out.data_ptr(), out.dtype is torch.bfloat16, out.stride(0))
+        if failed:
+            raise MemoryError(f"wna16_matmul_experts could not allocate the gathered activations of {sum(sizes)} rows")
 
 
 def _operands(x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None, bias: torch.Tensor | None):

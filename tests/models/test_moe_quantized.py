@@ -25,11 +25,14 @@ from pagellm.layers.quantization.gptq import GPTQLinearMethod
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import Fp8LinearMethod, Int8LinearMethod, OnlineQuantizedLinearMethod
 from pagellm.layers.weights import process_weights_after_loading, weights_bytes
+from pagellm.models.loader import default_dtype
 from pagellm.ops import w8a8_kernels as wk
+from pagellm.ops.wna16 import ExpertsPackedProduct, wna16_kernels
 from tests.helpers import PROMPTS
 from tests.models.test_moe import COMMON, _mixtral
 from tests.models.tiny_checkpoints import check_greedy, checkpoint_dirs, greedy_references, save_tiny_checkpoint
-from tests.quant_checkpoints import SAME_INPUT, QuantSpec, awq_tensors, write_quantized
+from tests.quant_checkpoints import (SAME_INPUT, QuantSpec, awq_tensors, gptq_input_order, gptq_tensors,
+                                     write_quantized)
 from tests.w8a8_checkpoints import compressed_tensors_config, quantize_int8
 from tests.w8a8_checkpoints import write_quantized as write_8bit
 
@@ -423,3 +426,40 @@ def test_a_checkpoint_tensor_of_an_expert_the_layer_lacks_is_refused():
     layer = _build(_awq_config())
     with pytest.raises(ValueError, match="expert 8 is out of range; this layer has 8"):
         layer.expert_layer_target(8, "up_proj", "qweight")
+
+
+def _gptq_checkpoint(experts: dict[str, torch.Tensor], spec: QuantSpec, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for proj, stacked in experts.items():
+        for expert in range(NUM_EXPERTS):
+            order = gptq_input_order(stacked.shape[2], generator) if spec.desc_act else None
+            tensors[(expert, proj)] = gptq_tensors(stacked[expert], spec, order)[0]
+    return tensors
+
+
+@pytest.mark.skipif(wna16_kernels() is None, reason="no C compiler for the CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", [QuantSpec("gptq", bits=4, group_size=16, desc_act=True),
+                                  QuantSpec("gptq", bits=8, group_size=32)], ids=["4-bit-act-order", "8-bit"])
+def test_a_steps_packed_experts_run_in_one_call_as_they_do_one_by_one(spec, dtype, monkeypatch):
+    """Where every expert of a step takes the packed path (few rows each), one wna16_matmul_experts call runs
+    them all: bit for bit what each expert's own call gives, for 1 to 9 rows an expert (passes of 8, 4 and the
+    rest), act order's per-expert input orders included."""
+    config = quantization_config_for({"quantization_config": spec.quantization_config()})
+    with default_dtype(dtype):
+        layer = _build(config)
+    _load(layer, _gptq_checkpoint(_random_experts(seed=6), spec, seed=7))
+    calls = []
+    grouped = ExpertsPackedProduct.__call__
+    monkeypatch.setattr(ExpertsPackedProduct, "__call__",
+                        lambda self, *args: calls.append(args[1]) or grouped(self, *args))
+    for tokens in (1, 3, 9, 30):
+        x, logits, _, _ = _routing(layer, tokens, seed=tokens)
+        x = x.to(dtype)
+        calls.clear()
+        together = layer(x, logits)
+        assert calls and max(max(sizes) for sizes in calls) <= tokens  # the packed call ran
+        with monkeypatch.context() as one_by_one:
+            one_by_one.setattr(ExpertsPackedProduct, "takes", lambda self, sizes, dtype: False)
+            assert torch.equal(layer(x, logits), together), tokens

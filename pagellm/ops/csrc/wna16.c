@@ -302,6 +302,95 @@ static ALWAYS_INLINE void dequantize_block(const int32_t *block, const float *gp
 /* out [in_features][out_stride] = columns n_first .. n_first + n_count of W^T (n_first a multiple of NB; out_stride
  * >= n_count): each input feature's row in input order (padding rows dropped), a tile for a dense GEMM x @ tile.
  * Returns 2 for bits other than 4 and 8, 3 for an n_first that is not a block boundary. */
+/* One weight of a group that wna16_matmul_experts runs in one call (a mixture-of-experts layer's experts, one
+ * projection): wna16_matmul's leading arguments. */
+typedef struct {
+    const int32_t *packed;
+    const float *gparams;
+    const int32_t *group_rows;
+    const int32_t *src;
+    int64_t n_groups, k_rows;
+} Wna16Weight;
+
+/* A pass of wna16_matmul_experts: `taken` rows of x from `first`, times weight `weight`, its scratch at the
+ * offsets given. */
+typedef struct {
+    int64_t first, xs, xsum;
+    int32_t weight, taken;
+} ExpertPass;
+
+/* wna16_matmul (without bias) for several weights of `bits` bits and `out_features` outputs in one parallel
+ * region: weight ids[i] times the next counts[i] rows of x (in the order of i), into the same rows of y. A
+ * decode step's experts each take a few rows: one call for all of them spares a call, its scratch and a fork of
+ * the threads per expert. Returns as wna16_matmul. */
+int wna16_matmul_experts(const Wna16Weight *weights, int bits, int64_t out_features, const int32_t *ids,
+                         const int64_t *counts, int64_t n, const void *x, int x_bf16, int64_t x_stride, void *y,
+                         int y_bf16, int64_t y_stride) {
+    if (bits != 4 && bits != 8) return 2;
+    if (n <= 0 || out_features <= 0) return 0;
+    const int pack = 32 / bits;
+    const int64_t n_blocks = (out_features + NB - 1) / NB;
+    int64_t n_passes = 0;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t row = 0; row < counts[i]; row += pass_rows(counts[i] - row)) ++n_passes;
+    ExpertPass *passes = malloc(sizeof(ExpertPass) * (size_t)(n_passes > 0 ? n_passes : 1));
+    if (passes == NULL) return 1;
+    int64_t xs_total = 0, xsum_total = 0, work = 0;
+    for (int64_t i = 0, p = 0, first = 0; i < n; first += counts[i++]) {
+        const Wna16Weight *w = weights + ids[i];
+        for (int64_t row = 0; row < counts[i]; row += pass_rows(counts[i] - row), ++p) {
+            const int taken = pass_rows(counts[i] - row);
+            passes[p] = (ExpertPass){first + row, xs_total, xsum_total, ids[i], taken};
+            xs_total += taken * w->k_rows * pack;
+            xsum_total += taken * (w->n_groups > 0 ? w->n_groups : 1);
+            work += taken * w->k_rows * pack * n_blocks * NB;
+        }
+    }
+    float *xs = malloc(sizeof(float) * (size_t)(xs_total > 0 ? xs_total : 1));
+    float *xsum = malloc(sizeof(float) * (size_t)(xsum_total > 0 ? xsum_total : 1));
+    if (xs == NULL || xsum == NULL) {
+        free(xs);
+        free(xsum);
+        free(passes);
+        return 1;
+    }
+    const int64_t items = n_passes * n_blocks;
+#pragma omp parallel if (work >= PARALLEL_MIN_WORK)
+    {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < n_passes; ++p) {
+            const ExpertPass *pass = passes + p;
+            const Wna16Weight *w = weights + pass->weight;
+            prepare_pass(x, x_bf16, x_stride, pass->first, pass->taken, w->src, bits, w->group_rows, w->n_groups,
+                         xs + pass->xs, xsum + pass->xsum);
+        }
+        /* Items in (pass, block) order: a thread's share walks one expert's blocks in turn. */
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; ++item) {
+            const ExpertPass *pass = passes + item / n_blocks;
+            const Wna16Weight *w = weights + pass->weight;
+            const int64_t b = item % n_blocks, column = b * NB;
+            const int64_t width = out_features - column < NB ? out_features - column : NB;
+            float out[MAX_PASS_ROWS][NB];
+            memset(out, 0, sizeof out);
+            pass_function(bits, pass->taken)(w->packed + b * w->k_rows * NB, w->gparams + b * w->n_groups * 2 * NB,
+                                             w->group_rows, w->n_groups, xs + pass->xs, xsum + pass->xsum, out);
+            for (int r = 0; r < pass->taken; ++r) {
+                const int64_t at = (pass->first + r) * y_stride + column;
+                for (int64_t c = 0; c < width; ++c) {
+                    const float value = out[r][c] + 0.0f; /* as wna16_matmul's sum with no bias: -0 becomes +0 */
+                    if (y_bf16) ((uint16_t *)y)[at + c] = to_bf16(value);
+                    else ((float *)y)[at + c] = value;
+                }
+            }
+        }
+    }
+    free(xs);
+    free(xsum);
+    free(passes);
+    return 0;
+}
+
 int wna16_dequantize_t(const int32_t *packed, const float *gparams, const int32_t *group_rows, const int32_t *src,
                        int bits, int64_t n_groups, int64_t k_rows, int64_t n_first, int64_t n_count, float *out,
                        int64_t out_stride) {
