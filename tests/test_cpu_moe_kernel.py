@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagellm.layers.activation import SiluAndMul
-from pagellm.layers.fused_moe import grouped_experts, linear_bf16_experts, one_at_a_time
+from pagellm.layers.fused_moe import grouped_experts, linear_bf16_experts
 from pagellm.ops import cpu_build
 from pagellm.ops.cpu_moe import CpuMoEKernel
 from pagellm.ops.linear_bf16 import LinearBF16
@@ -41,9 +41,8 @@ def _routed(tokens: int, hidden: int, num_experts: int, top_k: int, dtype: torch
 
 def _torch_grouped(x, weights, ids, w13, w2):
     return grouped_experts(x, weights, ids, w13.shape[0],
-                           one_at_a_time(lambda e, rows, out: torch.mm(rows, w13[e].t(), out=out)),
-                           one_at_a_time(lambda e, rows, out: torch.mm(rows, w2[e].t(), out=out)), w13.shape[1],
-                           SiluAndMul())
+                           lambda e, rows, out: torch.mm(rows, w13[e].t(), out=out),
+                           lambda e, rows, out: torch.mm(rows, w2[e].t(), out=out), w13.shape[1], SiluAndMul())
 
 
 @pytest.mark.parametrize("isa", ISAS)

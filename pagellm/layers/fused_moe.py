@@ -350,9 +350,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
                                        layer.tile_experts, layer.act_fn)
         if layer.native_experts is not None:
             return layer.native_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts,
-                               one_at_a_time(self._product(layer, "gate_up")),
-                               one_at_a_time(self._product(layer, "down")), 2 * layer.intermediate_size, layer.act_fn)
+        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, self._product(layer, "gate_up"),
+                               self._product(layer, "down"), 2 * layer.intermediate_size, layer.act_fn)
 
     @staticmethod
     def _product(layer: FusedMoE, which: str) -> ExpertProduct:
@@ -408,8 +407,8 @@ class ExpertLinearsMoEMethod(FusedMoEMethodBase):
             # After every layer has prepared its weights (the expert layers are processed after this one).
             layer.expert_products = (_experts_product(layer.expert_gate_up), _experts_product(layer.expert_down))
         gate_up, down = layer.expert_products
-        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, gate_up, down,
-                               2 * layer.intermediate_size, layer.act_fn)
+        return grouped_experts_together(x, topk_weights, topk_ids, layer.local_num_experts, gate_up, down,
+                                        2 * layer.intermediate_size, layer.act_fn)
 
 
 def _expert_product(linear: LinearBase) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -459,8 +458,8 @@ def linear_bf16_experts(x: torch.Tensor, w13d: torch.Tensor, w2d: torch.Tensor, 
     weights (CpuMoEKernel.pack's linear_bf16 layout): the AMX tiles take an expert's rows from their threshold
     on. The same roundings as the fused kernel, which makes the same sums."""
     return grouped_experts(x, topk_weights, topk_ids, w13d.shape[0],
-                           one_at_a_time(lambda expert, rows, out: out.copy_(linear(rows, w13d[expert], None))),
-                           one_at_a_time(lambda expert, rows, out: out.copy_(linear(rows, w2d[expert], None))),
+                           lambda expert, rows, out: out.copy_(linear(rows, w13d[expert], None)),
+                           lambda expert, rows, out: out.copy_(linear(rows, w2d[expert], None)),
                            w13d.shape[1] * LinearBF16.PANEL, act_fn)
 
 
@@ -482,11 +481,19 @@ def one_at_a_time(product: ExpertProduct) -> ExpertsProduct:
 
 
 def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                    gate_up: ExpertsProduct, down: ExpertsProduct, gate_up_width: int,
+                    gate_up: ExpertProduct, down: ExpertProduct, gate_up_width: int,
                     act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The experts' weighted sum per token [T, H]: the T * k (token, expert) pairs sorted by expert once; each
     expert with tokens runs gate_up once over its rows, the gated activation runs once over all rows, each
     expert's down once over its rows; the weighted rows are summed back into their tokens with one index_add_."""
+    return grouped_experts_together(x, topk_weights, topk_ids, num_experts, one_at_a_time(gate_up),
+                                    one_at_a_time(down), gate_up_width, act_fn)
+
+
+def grouped_experts_together(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                             gate_up: ExpertsProduct, down: ExpertsProduct, gate_up_width: int,
+                             act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """grouped_experts with products that take all of a step's experts at once (ExpertsProduct)."""
     tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     # Stable: an expert's rows keep token order, so each token's sum adds its experts in ascending order.

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pagellm.layers.fused_moe import ExpertProduct, FusedMoE, FusedMoEMethodBase, UnquantizedFusedMoEMethod, \
-    grouped_experts, one_at_a_time
+    grouped_experts
 from pagellm.layers.quantization.gguf import FLOAT_TYPES, GGUFWeight
 from pagellm.ops.gguf_kernels import gguf_ops, row_bytes
 
@@ -171,9 +171,8 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
         experts: QuantizedExperts | None = layer.gguf_experts
         if experts is None:
             return self.dense.apply(layer, x, topk_weights, topk_ids)
-        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts,
-                               one_at_a_time(self._gate_up(experts, layer.hidden_size)),
-                               one_at_a_time(self._down(experts, layer.intermediate_size)), 2 * layer.intermediate_size,
+        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, self._gate_up(experts, layer.hidden_size),
+                               self._down(experts, layer.intermediate_size), 2 * layer.intermediate_size,
                                layer.act_fn)
 
     def _gate_up(self, experts: QuantizedExperts, hidden: int) -> ExpertProduct:
