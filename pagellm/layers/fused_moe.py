@@ -430,7 +430,7 @@ def _experts_product(linears: nn.ModuleList) -> ExpertsProduct:
     packed = ExpertsPackedProduct(kernels[0].kernels, [kernel.layouts[0][1] for kernel in kernels])
 
     def run(experts: list[int], sizes: list[int], rows: torch.Tensor, out: torch.Tensor) -> None:
-        if packed.takes(sizes, rows.dtype) and rows.dtype is out.dtype:
+        if packed.takes(sizes, rows.dtype) and rows.dtype is out.dtype and rows.stride(1) == out.stride(1) == 1:
             packed(experts, sizes, rows, out)
         else:
             one_by_one(experts, sizes, rows, out)
