@@ -202,6 +202,19 @@ static ALWAYS_INLINE uint16_t to_bf16(float value) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* A pass's sums for one block of columns (+ bias, if not NULL) into rows first .. first + taken of y. */
+static ALWAYS_INLINE void store_block(float out[MAX_PASS_ROWS][NB], int taken, int64_t width, const float *bias,
+                                      int64_t column, void *y, int y_bf16, int64_t y_stride, int64_t first) {
+    for (int r = 0; r < taken; ++r) {
+        const int64_t at = (first + r) * y_stride + column;
+        for (int64_t c = 0; c < width; ++c) {
+            const float value = out[r][c] + (bias != NULL ? bias[column + c] : 0.0f);
+            if (y_bf16) ((uint16_t *)y)[at + c] = to_bf16(value);
+            else ((float *)y)[at + c] = value;
+        }
+    }
+}
+
 /* y [rows][y_stride] (columns 0 .. out_features; float32, or bfloat16 if y_bf16) = x [rows][x_stride] (float32, or
  * bfloat16 if x_bf16) W^T (+ bias[out_features] if not NULL). Returns 1 if the scratch for x could not be allocated,
  * 2 for bits other than 4 and 8. */
@@ -245,14 +258,7 @@ int wna16_matmul(const int32_t *packed, const float *gparams, const int32_t *gro
                 memset(out, 0, sizeof out);
                 pass_function(bits, taken)(block, gp, group_rows, n_groups, xs + first * k_internal,
                                            xsum + first * n_groups, out);
-                for (int r = 0; r < taken; ++r) {
-                    const int64_t at = (first + r) * y_stride + column;
-                    for (int64_t c = 0; c < width; ++c) {
-                        const float value = out[r][c] + (bias != NULL ? bias[column + c] : 0.0f);
-                        if (y_bf16) ((uint16_t *)y)[at + c] = to_bf16(value);
-                        else ((float *)y)[at + c] = value;
-                    }
-                }
+                store_block(out, taken, width, bias, column, y, y_bf16, y_stride, first);
             }
         }
     }
@@ -375,14 +381,7 @@ int wna16_matmul_experts(const Wna16Weight *weights, int bits, int64_t out_featu
             memset(out, 0, sizeof out);
             pass_function(bits, pass->taken)(w->packed + b * w->k_rows * NB, w->gparams + b * w->n_groups * 2 * NB,
                                              w->group_rows, w->n_groups, xs + pass->xs, xsum + pass->xsum, out);
-            for (int r = 0; r < pass->taken; ++r) {
-                const int64_t at = (pass->first + r) * y_stride + column;
-                for (int64_t c = 0; c < width; ++c) {
-                    const float value = out[r][c] + 0.0f; /* as wna16_matmul's sum with no bias: -0 becomes +0 */
-                    if (y_bf16) ((uint16_t *)y)[at + c] = to_bf16(value);
-                    else ((float *)y)[at + c] = value;
-                }
-            }
+            store_block(out, pass->taken, width, NULL, column, y, y_bf16, y_stride, pass->first);
         }
     }
     free(xs);
