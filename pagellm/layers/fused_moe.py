@@ -423,8 +423,7 @@ def _experts_product(linears: nn.ModuleList) -> ExpertsProduct:
     each expert's product in turn."""
     products = [_expert_product(linear) for linear in linears]
     one_by_one = one_at_a_time(lambda expert, rows, out: out.copy_(products[expert](rows)))
-    kernels = [getattr(linear, "group_quant_kernel", None) or getattr(linear, "online_kernel", None)
-               for linear in linears]
+    kernels = [linear.quant_method.loaded_kernel(linear) for linear in linears]
     if not all(isinstance(kernel, CpuGroupQuant) and len(kernel.layouts) == 1 for kernel in kernels):
         return one_by_one
     packed = ExpertsPackedProduct(kernels[0].kernels, [kernel.layouts[0][1] for kernel in kernels])

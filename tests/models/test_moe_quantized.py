@@ -173,7 +173,7 @@ def test_deepseek_v3_in_its_own_fp8_block_format(tmp_path_factory, default_token
 
 
 # Latent attention's projections, each a layer of its own.
-MLA_PROJECTIONS = {name: name for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")}
+MLA_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def _online_fp8_dequantized(float_dir: str, directory) -> str:
@@ -184,13 +184,13 @@ def _online_fp8_dequantized(float_dir: str, directory) -> str:
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(f"{float_dir}/model.safetensors")
-    layer_of = {**SAME_INPUT, **MLA_PROJECTIONS}
     fused: dict[str, list[str]] = {}
     for name in tensors:
         module, _, kind = name.rpartition(".")
         parent, _, projection = module.rpartition(".")
-        if kind == "weight" and projection in layer_of and ".layers." in name:
-            fused.setdefault(f"{parent}:{layer_of[projection]}", []).append(name)
+        layer = SAME_INPUT.get(projection, projection if projection in MLA_PROJECTIONS else None)
+        if kind == "weight" and layer is not None and ".layers." in name:
+            fused.setdefault(f"{parent}:{layer}", []).append(name)
     for names in fused.values():
         q, scale = wk.quantize_fp8_per_tensor(torch.cat([tensors[name] for name in names]))
         pieces = (q.float() * scale).split([tensors[name].shape[0] for name in names])

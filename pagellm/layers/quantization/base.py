@@ -46,6 +46,11 @@ class LinearMethod(ABC):
         skip the layer's module call (a decode step's host work); None where the method has none."""
         return None
 
+    def loaded_kernel(self, layer: nn.Module) -> object | None:
+        """The kernel object `apply` runs on once the layer is prepared, for callers that batch several layers'
+        products into one call (the experts of a MoE layer); None where the method keeps none."""
+        return None
+
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows `input_ids` of the weight, dequantized: for an embedding table kept in this format."""
         raise TypeError(f"{type(self).__name__} keeps no embedding tables; the embedding of {layer.prefix} needs "

@@ -14,7 +14,7 @@ from torch import nn
 from pagellm.layers.fused_moe import ExpertLinearsMoEMethod
 from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
-from pagellm.layers.quantization.w8a8 import OnlineQuantizedLinearMethod
+from pagellm.layers.quantization.w8a8 import OnlineQuantization, OnlineQuantizedLinearMethod
 from pagellm.ops.wna16 import GroupQuantKernel, GroupQuantWeight, choose_kernel, pack_rows
 
 INT8_MAX = 127
@@ -44,24 +44,13 @@ class OnlineInt8WeightOnlyMethod(OnlineQuantizedLinearMethod):
         return None if kernel is None else kernel.prepared_product() or super().prepared_product(layer)
 
 
-class _ExpertWeights(QuantizationConfig):
-    """The format the experts' linear layers take (ExpertLinearsMoEMethod asks a config per expert)."""
-
-    name = "experts_int8"
-
-    def __init__(self) -> None:
-        self.method = OnlineInt8WeightOnlyMethod()
-
-    def linear_method(self, prefix: str) -> LinearMethod:
-        return self.method
-
-
 class ExpertsInt8Config(QuantizationConfig):
     name = "experts_int8"
 
     def __init__(self) -> None:
         self.dense = UnquantizedLinearMethod()
-        self.experts = _ExpertWeights()
+        # The experts' linear layers ask this config (ExpertLinearsMoEMethod); none is an embedding or a head.
+        self.experts = OnlineQuantization(self.name, OnlineInt8WeightOnlyMethod(), "int8 weights per output channel")
 
     def linear_method(self, prefix: str) -> LinearMethod:
         return self.dense

@@ -104,6 +104,9 @@ class GroupQuantLinearMethod(LinearMethod):
             return None
         return kernel.prepared_product() or functools.partial(kernel, bias=None)
 
+    def loaded_kernel(self, layer: nn.Module) -> GroupQuantKernel | None:
+        return getattr(layer, "group_quant_kernel", None)
+
     def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         kernel = getattr(layer, "group_quant_kernel", None)
         return kernel.tensors() if kernel is not None else []

@@ -295,6 +295,9 @@ class OnlineQuantizedLinearMethod(LinearMethod):
     def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return _prepared(layer.online_kernel)
 
+    def loaded_kernel(self, layer: nn.Module):
+        return layer.online_kernel
+
     def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         return layer.online_kernel.tensors() if layer.online_kernel is not None else []
 
