@@ -8,8 +8,9 @@ tests/w8a8_checkpoints.py: the formats' documented layouts): GPTQ and AWQ 4-bit 
 compressed-tensors int8 W8A8 per channel, fp8 with DeepSeek-V3's 128 x 128 blocks, online int8 / fp8 of the
 bfloat16 checkpoint, and vLLM's experts_int8 (the experts alone, int8 weights per channel, bf16 activations).
 bfloat16 runs its experts on the fused native kernel (ops/cpu_moe.py); every quantized format runs each expert as
-two linear layers of its format (ExpertLinearsMoEMethod): one product per used expert, or for the group-quantized
-formats one call for all of a decode step's experts (wna16_matmul_experts).
+two linear layers of its format (ExpertLinearsMoEMethod): one product per used expert, or one C call for all of a
+decode step's experts (wna16_matmul_experts for the group-quantized formats, w8a8_int8_linear_experts /
+w8a8_fp8_linear_experts for int8 W8A8 and fp8).
 
 Every engine is loaded first, then the rounds run them interleaved (`--repeats`, best kept): one decode step of
 `--batch` sequences (median of `--steps`), and the prefill step of one `--prompt-len`-token prompt; the time inside

@@ -222,6 +222,36 @@ def test_fp8_products_of_bfloat16_rows_widen_every_finite_value_exactly(isa, k):
     assert torch.equal(y.t().float(), w.float())
 
 
+# A mixture-of-experts step's experts: (expert, its rows) in the order the grouped call takes them, rows of 1 to
+# 5 (two row tiles), an expert without rows, K and N with tails.
+EXPERT_ROWS = [(3, 2), (0, 1), (4, 0), (1, 5), (2, 3)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["int8", "int8-static", "fp8-channel", "fp8-blocks"])
+def test_experts_in_one_call_equal_each_experts_own_call(isa, dtype, fmt):
+    """w8a8_int8_linear_experts / w8a8_fp8_linear_experts: every expert's rows times its own weight, bit for bit
+    what each expert's own product gives (its own static input scale included)."""
+    kernels = _kernels(isa)
+    k, n = 67, 40
+    if fmt.startswith("int8"):
+        linears = [wk.NativeInt8Linear(*_weight(n, k, seed), 0.03 + 0.01 * seed if fmt == "int8-static" else None,
+                                       kernels) for seed in range(5)]
+        together = wk.ExpertsInt8Product(linears)
+    else:
+        block_k = k if fmt == "fp8-channel" else 32
+        linears = [wk.NativeFp8Linear(*_fp8_case(n, k, block_k, seed), block_k, kernels) for seed in range(5)]
+        together = wk.ExpertsFp8Product(linears)
+    experts, sizes = [e for e, _ in EXPERT_ROWS], [rows for _, rows in EXPERT_ROWS]
+    assert together.takes(sizes, dtype)
+    x = _x(sum(sizes), k, 11, dtype)
+    out = torch.full((sum(sizes), n), float("nan"), dtype=dtype)
+    together(experts, sizes, x, out)
+    expected = torch.cat([linears[e](rows, None) for e, rows in zip(experts, x.split(sizes))])
+    assert torch.equal(out, expected)
+
+
 def test_threads_give_identical_results():
     kernels = _kernels(ISAS[0])
     q, scale = _weight(200, 576, 7)

@@ -51,6 +51,7 @@ from pagellm.layers.weights import copy_checked, set_weight_attrs
 from pagellm.ops.cpu_moe import CpuMoEKernel, cpu_moe_kernel
 from pagellm.ops.dense_linear import DenseKernel, UpcastScratch, choose_dense_kernel
 from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
+from pagellm.ops.w8a8_kernels import ExpertsFp8Product, ExpertsInt8Product, NativeFp8Linear, NativeInt8Linear
 from pagellm.ops.wna16 import CpuGroupQuant, ExpertsPackedProduct
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
@@ -418,23 +419,35 @@ def _expert_product(linear: LinearBase) -> Callable[[torch.Tensor], torch.Tensor
 
 
 def _experts_product(linears: nn.ModuleList) -> ExpertsProduct:
-    """One projection of the experts: on the CPU's group-quantized kernels, a step whose experts all take the
-    packed path (a decode step's few rows each) in one call for all of them (ExpertsPackedProduct); otherwise
+    """One projection of the experts: where the CPU kernels of their format have a call for many experts, a
+    step whose experts all have rows few enough for it (a decode step's) in one call for all of them; otherwise
     each expert's product in turn."""
     products = [_expert_product(linear) for linear in linears]
     one_by_one = one_at_a_time(lambda expert, rows, out: out.copy_(products[expert](rows)))
-    kernels = [linear.quant_method.loaded_kernel(linear) for linear in linears]
-    if not all(isinstance(kernel, CpuGroupQuant) and len(kernel.layouts) == 1 for kernel in kernels):
+    together = _one_call_for_experts([linear.quant_method.loaded_kernel(linear) for linear in linears])
+    if together is None:
         return one_by_one
-    packed = ExpertsPackedProduct(kernels[0].kernels, [kernel.layouts[0][1] for kernel in kernels])
 
     def run(experts: list[int], sizes: list[int], rows: torch.Tensor, out: torch.Tensor) -> None:
-        if packed.takes(sizes, rows.dtype) and rows.dtype is out.dtype and rows.stride(1) == out.stride(1) == 1:
-            packed(experts, sizes, rows, out)
+        if (together.takes(sizes, rows.dtype) and rows.dtype is out.dtype and rows.is_contiguous()
+                and out.is_contiguous()):
+            together(experts, sizes, rows, out)
         else:
             one_by_one(experts, sizes, rows, out)
 
     return run
+
+
+def _one_call_for_experts(kernels: list[object]):
+    """The C call running every expert of a projection at once for the experts' kernels (group-quantized 4/8-bit
+    on the packed path, int8 W8A8, fp8), or None where their kernels have none (other devices, formats)."""
+    if all(isinstance(kernel, CpuGroupQuant) and len(kernel.layouts) == 1 for kernel in kernels):
+        return ExpertsPackedProduct(kernels[0].kernels, [kernel.layouts[0][1] for kernel in kernels])
+    if all(type(kernel) is NativeInt8Linear for kernel in kernels):
+        return ExpertsInt8Product(kernels)
+    if all(type(kernel) is NativeFp8Linear for kernel in kernels):
+        return ExpertsFp8Product(kernels)
+    return None
 
 
 def _takes_native_experts(layer: FusedMoE) -> bool:

@@ -266,6 +266,14 @@ class W8A8Kernels:
         self._fp8 = library.w8a8_fp8_linear
         self._fp8.restype = _INT
         self._fp8.argtypes = [_PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
+        self._int8_experts = library.w8a8_int8_linear_experts
+        self._int8_experts.restype = _INT
+        self._int8_experts.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _PTR, _INT, _PTR, _PTR]
+        library.w8a8_int8_experts_max_rows.restype = _I64
+        self.int8_experts_max_rows = min(library.w8a8_int8_experts_max_rows(), self.amx_min_rows - 1)
+        self._fp8_experts = library.w8a8_fp8_linear_experts
+        self._fp8_experts.restype = _INT
+        self._fp8_experts.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _PTR, _INT]
         self._dequantize = library.w8a8_fp8_dequantize
         self._dequantize.restype = _INT
         self._dequantize.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _INT]
@@ -519,6 +527,85 @@ class NativeFp8Linear(Fp8Linear):
 
     def tensors(self) -> list[torch.Tensor]:
         return self.packed.tensors()
+
+
+class _Int8ExpertWeight(ctypes.Structure):
+    _fields_ = [("packed", _PTR), ("colsum", _PTR), ("wscale", _PTR), ("static_scale", _F32)]
+
+
+class _Fp8ExpertWeight(ctypes.Structure):
+    _fields_ = [("packed", _PTR), ("scales", _PTR), ("block_k", _I64)]
+
+
+class _ExpertsProduct:
+    """One projection of a mixture-of-experts layer's experts (the kernels of one shape) in one C call per step,
+    each expert over its own rows (csrc/w8a8.c's experts calls): what calling each expert's kernel on its rows
+    computes, bit for bit, with one call and one fork of the threads for all of them."""
+
+    def __init__(self, linears: list, table: ctypes.Array) -> None:
+        first = linears[0]
+        if any((linear.in_features, linear.out_features) != (first.in_features, first.out_features)
+               or linear.kernels.library is not first.kernels.library for linear in linears):
+            raise ValueError("the experts of one projection differ in shape or kernels")
+        self.linears = linears  # the table points into their packed tensors
+        self.table = table
+        self.kernels: W8A8Kernels = first.kernels
+        self.in_features, self.out_features = first.in_features, first.out_features
+
+    def _arguments(self, experts: list[int], sizes: list[int], x: torch.Tensor, out: torch.Tensor) -> tuple:
+        count = len(experts)
+        if (x.shape != (sum(sizes), self.in_features) or out.shape != (x.shape[0], self.out_features)
+                or out.dtype is not x.dtype or not x.is_contiguous() or not out.is_contiguous()):
+            raise ValueError(f"the experts' rows are {x.dtype} {tuple(x.shape)} and their outputs {out.dtype} "
+                             f"{tuple(out.shape)}; this call takes contiguous [{sum(sizes)}, {self.in_features}] "
+                             f"and [{sum(sizes)}, {self.out_features}] of one dtype")
+        return (self.table, len(self.table), (ctypes.c_int32 * count)(*experts), (ctypes.c_int64 * count)(*sizes),
+                count, x.data_ptr(), x.dtype is torch.bfloat16, self.in_features, self.out_features, out.data_ptr(),
+                out.dtype is torch.bfloat16)
+
+
+class ExpertsInt8Product(_ExpertsProduct):
+    """_ExpertsProduct of int8 W8A8 experts (NativeInt8Linear), for steps whose experts each have fewer rows
+    than the single call's wider tiles start at (`takes`)."""
+
+    def __init__(self, linears: list[NativeInt8Linear]) -> None:
+        super().__init__(linears, (_Int8ExpertWeight * len(linears))(*[
+            _Int8ExpertWeight(linear.packed.packed.data_ptr(), linear.packed.colsum.data_ptr(),
+                              linear.packed.scale.data_ptr(), _static(linear.input_scale)) for linear in linears]))
+
+    def takes(self, sizes: list[int], dtype: torch.dtype) -> bool:
+        return dtype in ACTIVATION_DTYPES and max(sizes) <= self.kernels.int8_experts_max_rows
+
+    def __call__(self, experts: list[int], sizes: list[int], x: torch.Tensor, out: torch.Tensor) -> None:
+        arguments = self._arguments(experts, sizes, x, out)
+        rows = x.shape[0]
+        xq = W8A8Kernels._buffer("xq", rows * _round_up(self.in_features, GROUP), torch.int8)
+        xs = W8A8Kernels._buffer("xs", rows, torch.float32)
+        if self.kernels._int8_experts(*arguments, xq.data_ptr(), xs.data_ptr()):
+            raise ValueError(f"w8a8_int8_linear_experts refused {len(experts)} experts of {rows} rows "
+                             f"({self.in_features} -> {self.out_features})")
+
+
+class ExpertsFp8Product(_ExpertsProduct):
+    """_ExpertsProduct of fp8 experts (NativeFp8Linear), for steps whose experts each have fewer rows than the
+    dense path starts at (`takes`)."""
+
+    def __init__(self, linears: list[NativeFp8Linear]) -> None:
+        super().__init__(linears, (_Fp8ExpertWeight * len(linears))(*[
+            _Fp8ExpertWeight(linear.packed.packed.data_ptr(), linear.packed.scales.data_ptr(), linear.packed.block_k)
+            for linear in linears]))
+
+    def takes(self, sizes: list[int], dtype: torch.dtype) -> bool:
+        if dtype not in ACTIVATION_DTYPES:
+            return False
+        kernels = self.kernels
+        min_rows = kernels.fp8_bf16_dense_min_rows if dtype is torch.bfloat16 else kernels.fp8_dense_min_rows
+        return max(sizes) < min_rows
+
+    def __call__(self, experts: list[int], sizes: list[int], x: torch.Tensor, out: torch.Tensor) -> None:
+        if self.kernels._fp8_experts(*self._arguments(experts, sizes, x, out)):
+            raise ValueError(f"w8a8_fp8_linear_experts refused {len(experts)} experts of {x.shape[0]} rows "
+                             f"({self.in_features} -> {self.out_features})")
 
 
 class TritonFp8Linear(Fp8Linear):

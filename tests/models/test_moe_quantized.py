@@ -33,7 +33,7 @@ from tests.models.test_moe import COMMON, _mixtral
 from tests.models.tiny_checkpoints import check_greedy, checkpoint_dirs, greedy_references, save_tiny_checkpoint
 from tests.quant_checkpoints import (SAME_INPUT, QuantSpec, awq_tensors, gptq_input_order, gptq_tensors,
                                      write_quantized)
-from tests.w8a8_checkpoints import compressed_tensors_config, quantize_int8
+from tests.w8a8_checkpoints import SCHEMES, compressed_tensors_config, quantize_fp8, quantize_int8
 from tests.w8a8_checkpoints import write_quantized as write_8bit
 
 MAX_TOKENS = 10
@@ -438,28 +438,58 @@ def _gptq_checkpoint(experts: dict[str, torch.Tensor], spec: QuantSpec, seed: in
     return tensors
 
 
-@pytest.mark.skipif(wna16_kernels() is None, reason="no C compiler for the CPU kernels")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("spec", [QuantSpec("gptq", bits=4, group_size=16, desc_act=True),
-                                  QuantSpec("gptq", bits=8, group_size=32)], ids=["4-bit-act-order", "8-bit"])
-def test_a_steps_packed_experts_run_in_one_call_as_they_do_one_by_one(spec, dtype, monkeypatch):
-    """Where every expert of a step takes the packed path (few rows each), one wna16_matmul_experts call runs
-    them all: bit for bit what each expert's own call gives, for 1 to 9 rows an expert (passes of 8, 4 and the
-    rest), act order's per-expert input orders included."""
-    config = quantization_config_for({"quantization_config": spec.quantization_config()})
+def _8bit_checkpoint(experts: dict[str, torch.Tensor], scheme: str):
+    """compressed-tensors int8 or fp8 tensors of every expert in `scheme` (tests/w8a8_checkpoints.py's), a static
+    input scale of its own per expert."""
+    kind, strategy, block, activations = SCHEMES[scheme]
+    tensors = {}
+    for proj, stacked in experts.items():
+        for expert in range(NUM_EXPERTS):
+            q, scale = (quantize_int8(stacked[expert], strategy) if kind == "int"
+                        else quantize_fp8(stacked[expert], strategy, block))
+            tensors[(expert, proj)] = {"weight": q, "weight_scale": scale}
+            if activations == "static":
+                tensors[(expert, proj)]["input_scale"] = torch.tensor([0.02 + 0.005 * expert])
+    return tensors
+
+
+def _one_call_case(fmt: str, dtype: torch.dtype):
+    """(layer, the class of its experts' one call) for `fmt` with random experts loaded."""
+    if fmt.startswith("gptq"):
+        spec = (QuantSpec("gptq", bits=4, group_size=16, desc_act=True) if fmt == "gptq-4-act-order"
+                else QuantSpec("gptq", bits=8, group_size=32))
+        config, tensors = spec.quantization_config(), _gptq_checkpoint(_random_experts(seed=6), spec, seed=7)
+        together = ExpertsPackedProduct
+    else:
+        config, tensors = compressed_tensors_config(fmt), _8bit_checkpoint(_random_experts(seed=6), fmt)
+        together = wk.ExpertsInt8Product if fmt.startswith("int8") else wk.ExpertsFp8Product
     with default_dtype(dtype):
-        layer = _build(config)
-    _load(layer, _gptq_checkpoint(_random_experts(seed=6), spec, seed=7))
+        layer = _build(quantization_config_for({"quantization_config": config}))
+    _load(layer, tensors)
+    return layer, together
+
+
+@pytest.mark.skipif(wna16_kernels() is None or wk.w8a8_kernels() is None, reason="no C compiler for the CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["gptq-4-act-order", "gptq-8", "int8-channel-dynamic", "int8-tensor-static",
+                                 "fp8-channel-dynamic", "fp8-block-32x16"])
+def test_a_steps_experts_run_in_one_call_as_they_do_one_by_one(fmt, dtype, monkeypatch):
+    """Where every expert of a step has few enough rows, one C call runs them all (wna16_matmul_experts for the
+    group-quantized formats, w8a8_int8_linear_experts / w8a8_fp8_linear_experts for int8 W8A8 and fp8): bit for
+    bit what each expert's own call gives, for 1 to 30 tokens (1 to 9 rows an expert: row tiles of each height
+    and steps left to the experts' own calls), act order's per-expert input orders and static input scales of
+    each expert's own included."""
+    layer, together = _one_call_case(fmt, dtype)
     calls = []
-    grouped = ExpertsPackedProduct.__call__
-    monkeypatch.setattr(ExpertsPackedProduct, "__call__",
-                        lambda self, *args: calls.append(args[1]) or grouped(self, *args))
+    grouped = together.__call__
+    monkeypatch.setattr(together, "__call__", lambda self, *args: calls.append(args[1]) or grouped(self, *args))
     for tokens in (1, 3, 9, 30):
         x, logits, _, _ = _routing(layer, tokens, seed=tokens)
         x = x.to(dtype)
         calls.clear()
-        together = layer(x, logits)
-        assert calls and max(max(sizes) for sizes in calls) <= tokens  # the packed call ran
+        result = layer(x, logits)
+        assert calls or tokens > 3  # a step of at most 3 rows an expert takes the one call in every format
+        assert all(max(sizes) <= tokens for sizes in calls)
         with monkeypatch.context() as one_by_one:
-            one_by_one.setattr(ExpertsPackedProduct, "takes", lambda self, sizes, dtype: False)
-            assert torch.equal(layer(x, logits), together), tokens
+            one_by_one.setattr(together, "takes", lambda self, sizes, dtype: False)
+            assert torch.equal(layer(x, logits), result), tokens

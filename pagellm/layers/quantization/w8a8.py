@@ -150,6 +150,9 @@ class Int8LinearMethod(LinearMethod):
     def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return _prepared(getattr(layer, "int8_linear", None))
 
+    def loaded_kernel(self, layer: nn.Module) -> wk.Int8Linear | None:
+        return getattr(layer, "int8_linear", None)
+
     def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         kernel = getattr(layer, "int8_linear", None)
         return kernel.tensors() if kernel is not None else []
@@ -220,6 +223,9 @@ class Fp8LinearMethod(LinearMethod):
 
     def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return _prepared(getattr(layer, "fp8_linear", None))
+
+    def loaded_kernel(self, layer: nn.Module) -> wk.Fp8Linear | None:
+        return getattr(layer, "fp8_linear", None)
 
     def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         kernel = getattr(layer, "fp8_linear", None)

@@ -18,6 +18,8 @@
  *   multiplies fp8: each 8-weight group is widened to float32 (through float16 bits and F16C where the build
  *   has it, exact for every finite value) and multiplied with float32 FMAs; activations stay in their dtype
  *   (weight-only, W8A16).
+ * w8a8_int8_linear_experts, w8a8_fp8_linear_experts: those products for a mixture-of-experts layer's experts, each
+ *   over its own rows, all in one call (a decode step's few rows per expert).
  * w8a8_fp8_dequantize: columns of the fp8 weight as a float32 or bfloat16 [K, n] tile (w * scale, one rounding),
  *   for torch's GEMM at prefill sizes (pagellm/ops/w8a8_kernels.py picks the path by row count).
  *
@@ -965,6 +967,133 @@ int w8a8_fp8_dequantize_bf16_packed(const uint8_t *packed, int64_t K, int64_t Np
     (void)packed, (void)K, (void)Np, (void)scales, (void)block_k, (void)first_block, (void)n_blocks, (void)out;
     return 2;
 #endif
+}
+
+/* ---- a mixture-of-experts layer's experts in one call ------------------------------------------------------
+ * A decode step gives each expert it uses a few rows, and one call per expert and projection costs more in calls
+ * and forks of the threads than the products take. The experts calls run a projection for all of a step's
+ * experts at once: rows [0, counts[0]) of x times weight ids[0], the next counts[1] rows times weight ids[1], and
+ * so on, into the same rows of y (x and y contiguous). Each expert's rows go in tiles of the few-row path's
+ * height from its first row, as the one-weight call tiles them, so that every output is that call's bit for bit;
+ * a (row tile, column tile) pair is one work item, items in row tile order: a thread's share walks one expert's
+ * columns in turn. */
+
+/* A row tile of one expert: rows [first, first + rows) times weight `weight`. */
+typedef struct {
+    int64_t first;
+    int32_t weight, rows;
+} ExpertRows;
+
+/* Sizes and ids a grouped call takes (counts >= 0, ids within the n_weights weights); *rows: their sum. */
+static int experts_valid(int64_t n_weights, const int32_t *ids, const int64_t *counts, int64_t n, int64_t *rows) {
+    *rows = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (counts[i] < 0 || ids[i] < 0 || ids[i] >= n_weights) return 0;
+        *rows += counts[i];
+    }
+    return 1;
+}
+
+/* The experts' row tiles of up to tile_rows rows, *count of them (to be freed); NULL if memory ran out. */
+static ExpertRows *expert_row_tiles(const int32_t *ids, const int64_t *counts, int64_t n, int tile_rows,
+                                    int64_t *count) {
+    int64_t tiles = 0;
+    for (int64_t i = 0; i < n; ++i) tiles += (counts[i] + tile_rows - 1) / tile_rows;
+    ExpertRows *out = malloc(sizeof(ExpertRows) * (size_t)(tiles > 0 ? tiles : 1));
+    if (out == NULL) return NULL;
+    for (int64_t i = 0, t = 0, first = 0; i < n; first += counts[i++])
+        for (int64_t row = 0; row < counts[i]; row += tile_rows) {
+            const int64_t left = counts[i] - row;
+            out[t++] = (ExpertRows){first + row, ids[i], (int32_t)(left < tile_rows ? left : tile_rows)};
+        }
+    *count = tiles;
+    return out;
+}
+
+/* One int8 weight of a grouped call (w8a8_int8_linear's weight arguments). */
+typedef struct {
+    const int8_t *packed;
+    const int32_t *colsum;
+    const float *wscale;
+    float static_scale;
+} Int8ExpertWeight;
+
+/* w8a8_int8_linear (no bias) for experts: see above. Every row takes the few-row tiles, so the call is meant
+ * for experts of fewer rows than the wide and AMX tiles start at (w8a8_int8_experts_max_rows). xq [rows * Kp]
+ * and xs [rows] as w8a8_int8_linear's. Returns 2 for sizes or ids it cannot take, 3 if memory ran out. */
+int w8a8_int8_linear_experts(const Int8ExpertWeight *weights, int64_t n_weights, const int32_t *ids,
+                             const int64_t *counts, int64_t n, const void *x, int x_bf16, int64_t K, int64_t N,
+                             void *y, int y_bf16, int8_t *xq, float *xs) {
+    int64_t rows;
+    if (K <= 0 || K > MAX_IN_FEATURES || N <= 0 || n < 0 || !experts_valid(n_weights, ids, counts, n, &rows))
+        return 2;
+    if (rows == 0) return 0;
+    int64_t n_tiles;
+    ExpertRows *tiles = expert_row_tiles(ids, counts, n, INT8_ROWS, &n_tiles);
+    if (tiles == NULL) return 3;
+    const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP, panels = 2 * ((N + STRIP - 1) / STRIP);
+    const int64_t column_tiles = (panels + INT8_PANELS - 1) / INT8_PANELS, items = n_tiles * column_tiles;
+#pragma omp parallel if (rows * K * N >= PARALLEL_MIN_WORK)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n_tiles; ++t) {
+            const float static_scale = weights[tiles[t].weight].static_scale;
+            for (int64_t r = tiles[t].first; r < tiles[t].first + tiles[t].rows; ++r) {
+                xs[r] = quantize_row(x, r, K, Kp, x_bf16, static_scale, xq + r * Kp);
+                if (HAVE_VNNI) bias_row(xq + r * Kp, Kp);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; ++item) {
+            const ExpertRows *tile = tiles + item / column_tiles;
+            const Int8ExpertWeight *w = weights + tile->weight;
+            const Int8Problem pr = {xq, xs, w->packed, w->colsum, w->wscale, NULL, y, Kp, N, y_bf16};
+            const int64_t panel = item % column_tiles * INT8_PANELS;
+            const int64_t P = panels - panel < INT8_PANELS ? panels - panel : INT8_PANELS;
+            INT8_TILES[P - 1][tile->rows - 1](&pr, tile->first, panel);
+        }
+    }
+    free(tiles);
+    return 0;
+}
+
+/* The most rows an expert may have for w8a8_int8_linear_experts to run the tiles w8a8_int8_linear would (this
+ * build's wide VNNI tiles start at WIDE_MIN_ROWS; AMX's tiles at the caller's amx_min_rows). */
+int64_t w8a8_int8_experts_max_rows(void) { return HAVE_VNNI512 ? WIDE_MIN_ROWS - 1 : INT64_MAX; }
+
+/* One fp8 weight of a grouped call (w8a8_fp8_linear's weight arguments). */
+typedef struct {
+    const uint8_t *packed;
+    const float *scales;
+    int64_t block_k;
+} Fp8ExpertWeight;
+
+/* w8a8_fp8_linear (no bias) for experts: see above. Returns 2 for sizes or ids it cannot take, 3 if memory ran
+ * out. */
+int w8a8_fp8_linear_experts(const Fp8ExpertWeight *weights, int64_t n_weights, const int32_t *ids,
+                            const int64_t *counts, int64_t n, const void *x, int x_bf16, int64_t K, int64_t N,
+                            void *y, int y_bf16) {
+    int64_t rows;
+    if (K <= 0 || N <= 0 || n < 0 || !experts_valid(n_weights, ids, counts, n, &rows)) return 2;
+    for (int64_t i = 0; i < n; ++i)
+        if (weights[ids[i]].block_k <= 0) return 2;
+    if (rows == 0) return 0;
+    int64_t n_tiles;
+    ExpertRows *tiles = expert_row_tiles(ids, counts, n, FP8_ROWS, &n_tiles);
+    if (tiles == NULL) return 3;
+    const int64_t panels = (N + PANEL - 1) / PANEL, column_tiles = (panels + FP8_PANELS - 1) / FP8_PANELS;
+    const int64_t items = n_tiles * column_tiles;
+#pragma omp parallel for schedule(static) if (rows * K * N >= PARALLEL_MIN_WORK)
+    for (int64_t item = 0; item < items; ++item) {
+        const ExpertRows *tile = tiles + item / column_tiles;
+        const Fp8ExpertWeight *w = weights + tile->weight;
+        const Fp8Problem pr = {x, w->packed, w->scales, NULL, y, K, N, panels * PANEL, w->block_k, x_bf16, y_bf16};
+        const int64_t panel = item % column_tiles * FP8_PANELS;
+        const int64_t P = panels - panel < FP8_PANELS ? panels - panel : FP8_PANELS;
+        FP8_TILES[w->block_k < K][P - 1][tile->rows - 1](&pr, tile->first, panel);
+    }
+    free(tiles);
+    return 0;
 }
 
 const char *pagellm_isa(void) { return ISA_NAME; }
