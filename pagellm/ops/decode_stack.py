@@ -271,11 +271,12 @@ def _linear_parts(linear, in_features: int, out_features: int) -> tuple[StackPro
     forward adds anything to them or computes otherwise."""
     if linear.bias is not None or linear.group.size != 1 or linear.lora is not None:
         return None
-    int8 = getattr(linear, "int8_linear", None) or getattr(linear, "online_kernel", None)
+    int8 = (linear.quant_method.loaded_kernel(linear)
+            if type(linear.quant_method) in (Int8LinearMethod, OnlineInt8LinearMethod) else None)
     dense = getattr(linear, "dense_kernel", None)
     part: _OnePart | None = None
     if int8 is not None:
-        if type(int8) is NativeInt8Linear and type(linear.quant_method) in (Int8LinearMethod, OnlineInt8LinearMethod):
+        if type(int8) is NativeInt8Linear:
             part = Int8Part.of(int8)
     elif dense is not None:
         if (type(dense) is NativeBF16Packed and getattr(linear, "gguf_products", None) is None
