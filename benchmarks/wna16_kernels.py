@@ -6,6 +6,10 @@ with --act-order), times y = x W^T through both paths of the kernels:
 - `dense`:  tiles dequantized to float32 and torch's GEMM on them (what it runs from there);
 and pagellm's float32 dense layer on the dequantized weight, set up as the loader sets it up
 (pagellm.ops.dense_linear.choose_dense_kernel: oneDNN on a packed copy, MKL from 512 rows on AVX2).
+With --bf16, bfloat16 rows, a third path and the bfloat16 layer instead:
+- `tiles`:  the weight dequantized into linear_bf16's packed layout, tile by tile, and linear_bf16 on it (what
+            `matmul` runs from `bf16_tile_min_rows` rows where the CPU has avx512_bf16);
+and the row count from which the tiles were faster than the packed path.
 
 Weights come from memory as in a decode step: each option cycles through enough layers of distinct weights to
 hold --min-mib of them. Options are timed interleaved, best of --repeats. Prints GFLOP/s and weight bytes read per
@@ -13,6 +17,7 @@ second, and the row count from which the dense path was faster.
 
     PYTHONPATH=$PWD python benchmarks/wna16_kernels.py
     PYTHONPATH=$PWD python benchmarks/wna16_kernels.py --rows 1 2 4 8 16 32 64 128 --threads 1 --cpu-time
+    PYTHONPATH=$PWD python benchmarks/wna16_kernels.py --bf16 --rows 8 16 32 64 128 --in-features 1024 --out-features 768
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ def main() -> None:
     parser.add_argument("--min-mib", type=float, default=96, help="weights cycled per option, beyond the caches")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time the calling thread's CPU time (use with --threads 1 on a shared machine)")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 rows, with the linear_bf16 tiles path")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,31 +92,41 @@ def main() -> None:
         count = max(1, min(64, math.ceil(args.min_mib * 2**20 / layer_bytes)))
         layouts = [wna16.cpu_layout(random_weight(bits, k, n, args.group_size, args.act_order, generator))
                    for _ in range(count)]
-        float_count = max(1, min(64, math.ceil(args.min_mib * 2**20 / (4 * k * n))))
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        element = torch.finfo(dtype).bits // 8
+        float_count = max(1, min(64, math.ceil(args.min_mib * 2**20 / (element * k * n))))
         scratch = UpcastScratch()
-        dense_layers = [choose_dense_kernel(kernels.dequantize(layouts[i % count]), False, scratch)[0]
+        dense_layers = [choose_dense_kernel(kernels.dequantize(layouts[i % count]).to(dtype), False, scratch)[0]
                         for i in range(float_count)]
-        print(f"\n{bits}-bit ({count} layers of {layer_bytes / 2**20:.1f} MiB; float32 layer: "
+        tiles = args.bf16 and kernels._tiles_take(layouts[0])
+        print(f"\n{bits}-bit ({count} layers of {layer_bytes / 2**20:.1f} MiB; {dtype} layer: "
               f"{dense_layers[0].name}, {float_count} layers)")
-        print(f"{'rows':>6} {'packed GFLOP/s':>15} {'GB/s':>6} {'dense GFLOP/s':>14} {'float32 GFLOP/s':>16} {'GB/s':>6}")
-        dense_from = None
+        print(f"{'rows':>6} {'packed GFLOP/s':>15} {'GB/s':>6} {'dense GFLOP/s':>14}"
+              + (f" {'tiles GFLOP/s':>14}" if tiles else "") + f" {str(dtype)[6:] + ' GFLOP/s':>17} {'GB/s':>6}")
+        dense_from = tiles_from = None
         for rows in args.rows:
-            x = torch.randn(rows, k)
+            x = torch.randn(rows, k).to(dtype)
             options = {
                 "packed": lambda: [kernels.matmul_packed(x, layout) for layout in layouts],
                 "dense": lambda: [kernels.matmul_dense(x, layout) for layout in layouts],
-                "float32": lambda: [layer(x, None) for layer in dense_layers],
+                "layer": lambda: [layer(x, None) for layer in dense_layers],
             }
+            if tiles:
+                options["tiles"] = lambda: [kernels.matmul_bf16_tiles(x, layout) for layout in layouts]
             best = time_interleaved(options, args.repeats, args.cpu_time)
             flops = 2 * rows * k * n
-            packed = flops * count / best["packed"] / 1e9
-            dense = flops * count / best["dense"] / 1e9
-            dense32 = flops * float_count / best["float32"] / 1e9
-            print(f"{rows:>6} {packed:>15.1f} {layer_bytes * count / best['packed'] / 1e9:>6.1f} {dense:>14.1f} "
-                  f"{dense32:>16.1f} {4 * k * n * float_count / best['float32'] / 1e9:>6.1f}")
-            if dense_from is None and dense > packed:
+            speed = {name: flops * (float_count if name == "layer" else count) / seconds / 1e9
+                     for name, seconds in best.items()}
+            print(f"{rows:>6} {speed['packed']:>15.1f} {layer_bytes * count / best['packed'] / 1e9:>6.1f} "
+                  f"{speed['dense']:>14.1f}" + (f" {speed['tiles']:>14.1f}" if tiles else "")
+                  + f" {speed['layer']:>17.1f} {element * k * n * float_count / best['layer'] / 1e9:>6.1f}")
+            if dense_from is None and speed["dense"] > speed["packed"]:
                 dense_from = rows
-        print(f"dense path faster from {dense_from} rows" if dense_from else "packed path faster at every row count")
+            if tiles and tiles_from is None and speed["tiles"] > speed["packed"]:
+                tiles_from = rows
+        print(f"dense path faster from {dense_from} rows" if dense_from else "packed path faster than dense at every row count")
+        if tiles:
+            print(f"tiles faster from {tiles_from} rows" if tiles_from else "packed path faster than the tiles at every row count")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from pagellm import LLM, SamplingParams
+from pagellm.cpu_features import cpu_has_amx_bf16
 from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
 from pagellm.ops import cpu_build
 from pagellm.layers.linear import (
@@ -214,6 +215,19 @@ def test_bfloat16_rows_run_linear_bf16_on_the_weight_rounded_once(bits, variant,
     kernels.matmul(x[:19], layout)
     kernels.matmul(x.float(), layout)
     assert taken == [20]
+
+
+def test_bfloat16_rows_take_the_tiles_from_this_cpus_threshold():
+    """AMX's tiles from BF16_TILE_MIN_ROWS, avx512_bf16's vector products from BF16_VECTOR_TILE_MIN_ROWS (each
+    measured on a CPU of its kind); without linear_bf16, bfloat16 rows switch where float32 rows do."""
+    kernels = _kernels(ISAS[0])
+    if kernels._linear_bf16 is None:
+        expected = kernels.dense_min_rows
+    else:
+        expected = wna16.BF16_TILE_MIN_ROWS if cpu_has_amx_bf16() else wna16.BF16_VECTOR_TILE_MIN_ROWS
+    assert kernels.bf16_tile_min_rows == expected
+    layout = wna16.cpu_layout(random_group_quant_weight(4, 96, 80, "plain", seed=1))
+    assert kernels.packed_below(layout, torch.bfloat16) == min(expected[4], kernels.dense_min_rows[4])
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -20,7 +20,7 @@ import subprocess
 import pytest
 import torch
 
-from pagellm.cpu_features import cpu_has_amx_bf16, cpu_has_native
+from pagellm.cpu_features import cpu_has_native
 from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels as gk
 from pagellm.ops import w8a8_kernels as wk
@@ -280,8 +280,7 @@ def test_float16_activations_go_through_float32():
 
 def test_fp8_rows_take_the_dense_path_from_their_dtypes_threshold(monkeypatch):
     kernels = _kernels(ISAS[0])
-    expected = (wk.FP8_AMX_BF16_DENSE_MIN_ROWS if kernels.isa == "avx512" and cpu_has_amx_bf16()
-                else kernels.fp8_dense_min_rows)
+    expected = wk.FP8_BF16_DENSE_MIN_ROWS if kernels._linear_bf16 is not None else kernels.fp8_dense_min_rows
     assert kernels.fp8_bf16_dense_min_rows == expected
     w, scales = _fp8_case(16, 32, 32, 2)
     packed = wk.pack_fp8(w, scales, 32)

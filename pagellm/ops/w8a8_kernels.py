@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagellm.cpu_features import cpu_has_amx_bf16, cpu_has_native
+from pagellm.cpu_features import cpu_has_native
 from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels
 from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
@@ -64,10 +64,11 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # pays it once per call instead of once per 4 rows. Where the two met in benchmarks/w8a8_kernels.py (README,
 # "8-bit weights"); the AVX-512 build runs the AVX2 code and takes its value until measured there.
 FP8_DENSE_MIN_ROWS = {"avx512": 96, "avx2": 96, "generic": 8}
-# bfloat16 rows where the CPU has AMX's bfloat16 tiles, which multiply the dense path's dequantized tiles: the two
-# paths met at 12-16 rows on an Emerald Rapids Xeon (README, "An Emerald Rapids Xeon"), where 64-row decode steps
-# on the fused kernel ran at a quarter of the dense path's rate.
-FP8_AMX_BF16_DENSE_MIN_ROWS = 16
+# bfloat16 rows where the CPU multiplies the dense path's dequantized tiles on linear_bf16 (avx512_bf16): the two
+# paths met at 12-16 rows on an Emerald Rapids Xeon's AMX tiles (README, "An Emerald Rapids Xeon"), where 64-row
+# decode steps on the fused kernel ran at a quarter of the dense path's rate, and at 12 rows on a Zen 4's vector
+# products (1.17x the fused kernel's rate at 16 rows, 1.66x at 32; README, "Quantized weights").
+FP8_BF16_DENSE_MIN_ROWS = 16
 # Rows of x from which the int8 product runs on AMX tiles where the CPU has amx_int8 (the same int32 sums as the
 # vector paths); where the two met on SmolLM2's shapes (README, "On a CPU with AMX").
 INT8_AMX_MIN_ROWS = 8
@@ -283,7 +284,7 @@ class W8A8Kernels:
         # bfloat16 dense products on linear_bf16 where this build's library has it (avx512_bf16; AMX's tiles too).
         self._linear_bf16 = linear_bf16(self.isa)
         self.fp8_dense_min_rows = FP8_DENSE_MIN_ROWS[self.isa]
-        self.fp8_bf16_dense_min_rows = (FP8_AMX_BF16_DENSE_MIN_ROWS if self.isa == "avx512" and cpu_has_amx_bf16()
+        self.fp8_bf16_dense_min_rows = (FP8_BF16_DENSE_MIN_ROWS if self._linear_bf16 is not None
                                         else self.fp8_dense_min_rows)
 
     @staticmethod

@@ -65,9 +65,11 @@ DENSE_MIN_ROWS: dict[str, dict[int, int]] = {
     "generic": {4: 16, 8: 16},
 }
 # bfloat16 rows from which linear_bf16 multiplies them by the weight dequantized into its packed layout, per bits,
-# where the CPU has AMX's bfloat16 tiles (measured on an Emerald Rapids Xeon, README "An Emerald Rapids Xeon");
-# CPUs with avx512_bf16 only take dense_min_rows until measured there.
+# where the CPU has AMX's bfloat16 tiles (measured on an Emerald Rapids Xeon, README "An Emerald Rapids Xeon"), and
+# where it has avx512_bf16's vector products alone (benchmarks/wna16_kernels.py --bf16 on a Zen 4: the tiles ahead
+# from 24-32 rows on 384 x 1024 to 2048 x 2048 layers, README "Quantized weights").
 BF16_TILE_MIN_ROWS = {4: 16, 8: 16}
+BF16_VECTOR_TILE_MIN_ROWS = {4: 32, 8: 32}
 
 
 def pack_factor(bits: int) -> int:
@@ -271,8 +273,10 @@ class WNA16Kernels:
         self._dequantize_packed.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _I64, _PTR]
         # bfloat16 rows on linear_bf16 (avx512_bf16; AMX's tiles too), from bf16_tile_min_rows rows on.
         self._linear_bf16 = linear_bf16(self.isa)
-        self.bf16_tile_min_rows = (dict(BF16_TILE_MIN_ROWS) if self._linear_bf16 is not None and cpu_has_amx_bf16()
-                                   else dict(self.dense_min_rows))
+        if self._linear_bf16 is None:
+            self.bf16_tile_min_rows = dict(self.dense_min_rows)
+        else:
+            self.bf16_tile_min_rows = dict(BF16_TILE_MIN_ROWS if cpu_has_amx_bf16() else BF16_VECTOR_TILE_MIN_ROWS)
 
     def matmul(self, x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
