@@ -716,18 +716,28 @@ typedef struct {
 #define HAVE_FP8_BF16_PAIRS 1
 /* Two panels' weights at inputs k and k + 1 (16 columns) as 32 bfloat16 values w / 256 in VDPBF16PS's pair order,
  * column c's (k, k + 1) pair in words 2c and 2c + 1: the 16 bytes of each panel (k's 8 columns, then k + 1's)
- * are interleaved within their lane, widened through float16's fields as fp8x8_over_256 does, and rounded to
- * bfloat16, exactly (3 mantissa bits fit its 7; w / 256 stays a normal number, which VDPBF16PS needs). */
+ * are interleaved within their lane and moved into bfloat16's fields in the integer unit, exactly (3 mantissa bits
+ * fit its 7). A normal e4m3 value's exponent and mantissa shifted left by 4 are bfloat16's fields with the
+ * exponent biased by 7; adding 112 to it makes the bias 127 + 8, the value divided by 256. Zero and the
+ * subnormals (exponent 0: m 2^-9 for mantissa m) are looked up instead, as normal bfloat16 numbers m 2^-17, which
+ * VDPBF16PS needs (it reads subnormal inputs as zero). The sign is bit 15 of the sign-extended byte. */
 static ALWAYS_INLINE __m512bh fp8_pairs_over_256(const uint8_t *panel0, const uint8_t *panel1) {
     const __m128i interleave = _mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    /* bfloat16 of m 2^-17 for m = 0..7, indexed by the word's low 5 bits (mantissa, then the exponent's low 2 bits,
+     * zero where the table is read). */
+    const __m512i subnormals =
+        _mm512_zextsi128_si512(_mm_setr_epi16(0x0000, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860));
     const __m256i bytes = _mm256_shuffle_epi8(
         _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)panel0)),
                                 _mm_loadu_si128((const __m128i *)panel1), 1),
         _mm256_broadcastsi128_si256(interleave));
-    const __m512i half = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7),
-                                          _mm512_set1_epi16((short)0xBF80));
-    return _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)),
-                               _mm512_cvtph_ps(_mm512_castsi512_si256(half)));
+    const __m512i word = _mm512_cvtepi8_epi16(bytes);
+    __m512i magnitude = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(word, 4), _mm512_set1_epi16(0x07F0)),
+                                         _mm512_set1_epi16(112 << 7));
+    magnitude = _mm512_mask_permutexvar_epi16(magnitude, _mm512_testn_epi16_mask(word, _mm512_set1_epi16(0x78)),
+                                              word, subnormals);
+    /* magnitude | (word & 0x8000) */
+    return (__m512bh)_mm512_ternarylogic_epi32(magnitude, word, _mm512_set1_epi16((short)0x8000), 0xF8);
 }
 
 /* fp8_block for two panels and bfloat16 rows on avx512_bf16: each instruction multiplies a pair of inputs for 16
