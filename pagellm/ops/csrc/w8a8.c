@@ -16,8 +16,9 @@
  * w8a8_fp8_linear: y = x W^T for fp8 e4m3 weights with a scale per output column and block of K (per-tensor
  *   and per-channel scales are one block of K; DeepSeek-style [128, 128] blocks are K blocks of 128). No CPU
  *   multiplies fp8: each 8-weight group is widened to float32 (through float16 bits and F16C where the build
- *   has it, exact for every finite value) and multiplied with float32 FMAs; activations stay in their dtype
- *   (weight-only, W8A16).
+ *   has it, exact for every finite value) and multiplied with float32 FMAs, or, for bfloat16 rows where the build
+ *   has avx512_bf16, 32 weights at a time to bfloat16 pairs (exact too) for VDPBF16PS; activations stay in their
+ *   dtype (weight-only, W8A16).
  * w8a8_int8_linear_experts, w8a8_fp8_linear_experts: those products for a mixture-of-experts layer's experts, each
  *   over its own rows, all in one call (a decode step's few rows per expert).
  * w8a8_fp8_dequantize: columns of the fp8 weight as a float32 or bfloat16 [K, n] tile (w * scale, one rounding),
