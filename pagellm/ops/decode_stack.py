@@ -1,5 +1,5 @@
-"""A GGUF, bfloat16 or int8 W8A8 Llama's decode step as one C call for all its decoder layers, a Gemma 3's as one per layer
-(ops/csrc/decode_stack.c).
+"""A GGUF, bfloat16, int8 W8A8 or fp8 Llama's decode step as one C call for all its decoder layers, a Gemma 3's as one
+per layer (ops/csrc/decode_stack.c).
 
 models/llama.py's direct path already runs each layer as its bare kernel calls, but each of those ~10 calls per
 layer still pays for its Python: argument checks, a fresh output tensor, the ctypes call. For a small model a
@@ -11,6 +11,7 @@ that the step is one the C loop serves, and otherwise leaves it to the direct pa
   three parts each), with the step's rows below the size where a product switches to dequantized tiles; or
   every one is a bfloat16 layer on pagellm's own kernel (ops/dense_linear.py's NativeBF16Packed, linear_bf16.c),
   or every one an int8 W8A8 layer (ops/w8a8_kernels.py's NativeInt8Linear, w8a8.c), which take any row count;
+  or every one an fp8 layer (NativeFp8Linear), with the step's rows below its switch to dequantized tiles;
 - the step is decode tokens only, on the CPU attention backend with its native decode kernel and K/V writer;
 - the caches are float32/bfloat16 in the activations' dtype, or a quantized format the kernels read.
 
@@ -34,14 +35,15 @@ import torch
 from pagellm.attention.native import DecodeKernel, KVWriter, _cache_geometry
 from pagellm.attention.paged import AttentionMetadata, TorchAttentionBackend
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
-from pagellm.layers.quantization.w8a8 import Int8LinearMethod, OnlineInt8LinearMethod
+from pagellm.layers.quantization.w8a8 import (Fp8LinearMethod, Int8LinearMethod, OnlineFp8LinearMethod,
+                                              OnlineInt8LinearMethod)
 from pagellm.layers.rotary import RopeInputs
 from pagellm.ops.cpu_build import KERNEL_DTYPES
 from pagellm.ops.cpu_ops import CpuOps
 from pagellm.ops.dense_linear import NativeBF16Packed
 from pagellm.ops.gguf_kernels import PreparedProduct
 from pagellm.ops.linear_bf16 import LinearBF16
-from pagellm.ops.w8a8_kernels import NativeInt8Linear
+from pagellm.ops.w8a8_kernels import Fp8WeightStruct, NativeFp8Linear, NativeInt8Linear
 from pagellm.ops.w8a8_kernels import _static as w8a8_static
 
 ENV = "PAGELLM_DECODE_STACK"
@@ -152,8 +154,33 @@ class Int8Part(_OnePart):
         return ctypes.addressof(self.struct)
 
 
+@dataclass(frozen=True)
+class Fp8Part(_OnePart):
+    """An fp8 layer (NativeFp8Linear: a checkpoint's or quantization="fp8"'s): w8a8_fp8_stack_product, the fused
+    kernel its product runs below the rows where it switches to dequantized tiles (per activation dtype, as
+    W8A8Kernels.fp8_linear switches), its weight in a struct `weight_address` points at (held here)."""
+
+    struct: Fp8WeightStruct | None = None
+    fused_below: tuple[int, int] = (0, 0)  # rows of float32, of bfloat16
+    type_id: int = 0
+    product_name: ClassVar[str] = "w8a8_fp8_linear"
+
+    @classmethod
+    def of(cls, linear: NativeFp8Linear) -> Fp8Part:
+        kernels = linear.kernels
+        return cls(kernels.library, kernels.library.w8a8_fp8_stack_product, linear.in_features, linear.out_features,
+                   Fp8WeightStruct.of(linear), (kernels.fp8_dense_min_rows, kernels.fp8_bf16_dense_min_rows))
+
+    def int8_max_rows(self, dtype: torch.dtype) -> int | None:
+        return self.fused_below[dtype is torch.bfloat16] - 1
+
+    @property
+    def weight_address(self) -> int:
+        return ctypes.addressof(self.struct)
+
+
 _INT32_MAX = 2**31 - 1
-StackProduct = PreparedProduct | DenseBF16Part | Int8Part
+StackProduct = PreparedProduct | DenseBF16Part | Int8Part | Fp8Part
 
 
 def _same_kernels(products: list[StackProduct]) -> bool:
@@ -267,17 +294,21 @@ class _Stack:
 
 def _linear_parts(linear, in_features: int, out_features: int) -> tuple[StackProduct, ...] | None:
     """The GGUF int8 products that make up `linear`'s forward (its parts' side by side, as GGUFLinearMethod.apply
-    concatenates them), or its one bfloat16 product on linear_bf16, or its one int8 W8A8 product; None where its
-    forward adds anything to them or computes otherwise."""
+    concatenates them), or its one bfloat16 product on linear_bf16, or its one int8 W8A8 or fp8 product; None
+    where its forward adds anything to them or computes otherwise."""
     if linear.bias is not None or linear.group.size != 1 or linear.lora is not None:
         return None
-    int8 = (linear.quant_method.loaded_kernel(linear)
-            if type(linear.quant_method) in (Int8LinearMethod, OnlineInt8LinearMethod) else None)
+    method = type(linear.quant_method)
+    eight_bit = (linear.quant_method.loaded_kernel(linear)
+                 if method in (Int8LinearMethod, OnlineInt8LinearMethod, Fp8LinearMethod, OnlineFp8LinearMethod)
+                 else None)
     dense = getattr(linear, "dense_kernel", None)
     part: _OnePart | None = None
-    if int8 is not None:
-        if type(int8) is NativeInt8Linear:
-            part = Int8Part.of(int8)
+    if eight_bit is not None:
+        if type(eight_bit) is NativeInt8Linear:
+            part = Int8Part.of(eight_bit)
+        elif type(eight_bit) is NativeFp8Linear:
+            part = Fp8Part.of(eight_bit)
     elif dense is not None:
         if (type(dense) is NativeBF16Packed and getattr(linear, "gguf_products", None) is None
                 and type(linear.quant_method) is UnquantizedLinearMethod):

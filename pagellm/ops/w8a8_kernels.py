@@ -534,8 +534,15 @@ class _Int8ExpertWeight(ctypes.Structure):
     _fields_ = [("packed", _PTR), ("colsum", _PTR), ("wscale", _PTR), ("static_scale", _F32)]
 
 
-class _Fp8ExpertWeight(ctypes.Structure):
+class Fp8WeightStruct(ctypes.Structure):
+    """csrc/w8a8.c's Fp8Weight: one fp8 weight's arguments, for the calls that take several layers' (the experts
+    call, the decode stack)."""
+
     _fields_ = [("packed", _PTR), ("scales", _PTR), ("block_k", _I64)]
+
+    @classmethod
+    def of(cls, linear: NativeFp8Linear) -> Fp8WeightStruct:
+        return cls(linear.packed.packed.data_ptr(), linear.packed.scales.data_ptr(), linear.packed.block_k)
 
 
 class _ExpertsProduct:
@@ -592,9 +599,7 @@ class ExpertsFp8Product(_ExpertsProduct):
     dense path starts at (`takes`)."""
 
     def __init__(self, linears: list[NativeFp8Linear]) -> None:
-        super().__init__(linears, (_Fp8ExpertWeight * len(linears))(*[
-            _Fp8ExpertWeight(linear.packed.packed.data_ptr(), linear.packed.scales.data_ptr(), linear.packed.block_k)
-            for linear in linears]))
+        super().__init__(linears, (Fp8WeightStruct * len(linears))(*[Fp8WeightStruct.of(linear) for linear in linears]))
 
     def takes(self, sizes: list[int], dtype: torch.dtype) -> bool:
         if dtype not in ACTIVATION_DTYPES:

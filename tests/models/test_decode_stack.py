@@ -1,5 +1,5 @@
 """The decode stack (ops/decode_stack.py: a GGUF Llama's decode step, or a bfloat16 Llama's on linear_bf16, or an
-int8 W8A8 Llama's, as one C call for all its layers) computes what the direct path (or, for int8, the modules)
+int8 W8A8 or fp8 Llama's, as one C call for all its layers) computes what the direct path (or, for int8, the modules)
 computes, to the bit, and leaves every step it does not serve to that path."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch
 from benchmarks.synthetic_gguf import LlamaShape, write_synthetic_gguf
 from pagellm import LLM, SamplingParams
 from pagellm.ops.cpu_build import native_library
-from pagellm.ops.decode_stack import DecodeStack, DenseBF16Part
+from pagellm.ops.decode_stack import DecodeStack, DenseBF16Part, Fp8Part
 from pagellm.ops.linear_bf16 import LinearBF16
+from tests.w8a8_checkpoints import write_quantized as write_8bit
 
 # Q4_1 blocks, head_dim 64 (the native decode kernel's multiple of 32), grouped KV heads, three layers.
 SHAPE = LlamaShape(hidden_size=128, intermediate_size=256, num_layers=3, num_heads=2, num_kv_heads=1)
@@ -155,6 +156,25 @@ def test_an_int8_w8a8_llama_runs_on_the_stack_as_its_direct_path_does(tiny_llama
     assert model.direct_layers() is not None
     stack = model.decode_stack()
     assert stack.max_tokens is None and stack._structs[0].gate_up.parts == 1
+    stacked, direct, ran = _with_and_without(llm, monkeypatch)
+    assert stacked == direct
+    assert {1, 3} <= set(ran)
+
+
+@pytest.mark.parametrize("source", ["online", "compressed-tensors"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_fp8_llama_runs_on_the_stack_as_its_direct_path_does(tiny_llama_dir, tmp_path, source, dtype,
+                                                                 monkeypatch):
+    """fp8 weights (quantization="fp8", or a compressed-tensors checkpoint's) on the fused kernel their direct path
+    calls, for steps below the rows where the product switches to dequantized tiles."""
+    if source == "online":
+        llm = _llm(tiny_llama_dir, dtype=dtype, quantization="fp8")
+    else:
+        quantized, _ = write_8bit(tiny_llama_dir, tmp_path, "fp8-channel-dynamic")
+        llm = _llm(quantized, dtype=dtype)
+    stack = _stack(llm)
+    part = stack.linears[0][0][0]
+    assert isinstance(part, Fp8Part) and stack.max_tokens == part.fused_below[dtype == "bfloat16"] - 1
     stacked, direct, ran = _with_and_without(llm, monkeypatch)
     assert stacked == direct
     assert {1, 3} <= set(ran)

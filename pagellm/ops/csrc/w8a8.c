@@ -1072,16 +1072,17 @@ int w8a8_int8_linear_experts(const Int8ExpertWeight *weights, int64_t n_weights,
  * build's wide VNNI tiles start at WIDE_MIN_ROWS; AMX's tiles at the caller's amx_min_rows). */
 int64_t w8a8_int8_experts_max_rows(void) { return HAVE_VNNI512 ? WIDE_MIN_ROWS - 1 : INT64_MAX; }
 
-/* One fp8 weight of a grouped call (w8a8_fp8_linear's weight arguments). */
+/* One fp8 weight (w8a8_fp8_linear's weight arguments), for the calls that take several: the experts call, the
+ * decode stack's. */
 typedef struct {
     const uint8_t *packed;
     const float *scales;
     int64_t block_k;
-} Fp8ExpertWeight;
+} Fp8Weight;
 
 /* w8a8_fp8_linear (no bias) for experts: see above. Returns 2 for sizes or ids it cannot take, 3 if memory ran
  * out. */
-int w8a8_fp8_linear_experts(const Fp8ExpertWeight *weights, int64_t n_weights, const int32_t *ids,
+int w8a8_fp8_linear_experts(const Fp8Weight *weights, int64_t n_weights, const int32_t *ids,
                             const int64_t *counts, int64_t n, const void *x, int x_bf16, int64_t K, int64_t N,
                             void *y, int y_bf16) {
     int64_t rows;
@@ -1097,7 +1098,7 @@ int w8a8_fp8_linear_experts(const Fp8ExpertWeight *weights, int64_t n_weights, c
 #pragma omp parallel for schedule(static) if (rows * K * N >= PARALLEL_MIN_WORK)
     for (int64_t item = 0; item < items; ++item) {
         const ExpertRows *tile = tiles + item / column_tiles;
-        const Fp8ExpertWeight *w = weights + tile->weight;
+        const Fp8Weight *w = weights + tile->weight;
         const Fp8Problem pr = {x, w->packed, w->scales, NULL, y, K, N, panels * PANEL, w->block_k, x_bf16, y_bf16};
         const int64_t panel = item % column_tiles * FP8_PANELS;
         const int64_t P = panels - panel < FP8_PANELS ? panels - panel : FP8_PANELS;
@@ -1105,6 +1106,18 @@ int w8a8_fp8_linear_experts(const Fp8ExpertWeight *weights, int64_t n_weights, c
     }
     free(tiles);
     return 0;
+}
+
+/* w8a8_fp8_linear behind gguf_matmul's signature, for the decode stack (`type` unused; activations and outputs in
+ * one dtype, no bias), the weight at `w`. Returns 2 for inputs it does not take. */
+int w8a8_fp8_stack_product(int type, const void *w, const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N,
+                           void *y, int y_bf16) {
+    (void)type;
+    if (x_bf16 != y_bf16 || rows < 0 || K <= 0) return 2;
+    if (rows == 0) return 0;
+    const Fp8Weight *layer = w;
+    return w8a8_fp8_linear(x, x_bf16, rows, K, N, layer->packed, layer->scales, layer->block_k, NULL, y, y_bf16) ? 2
+                                                                                                                 : 0;
 }
 
 const char *pagellm_isa(void) { return ISA_NAME; }
