@@ -17,7 +17,7 @@ second, and the row count from which the dense path was faster.
 
     PYTHONPATH=$PWD python benchmarks/wna16_kernels.py
     PYTHONPATH=$PWD python benchmarks/wna16_kernels.py --rows 1 2 4 8 16 32 64 128 --threads 1 --cpu-time
-    PYTHONPATH=$PWD python benchmarks/wna16_kernels.py --bf16 --rows 8 16 32 64 128 --in-features 1024 --out-features 768
+    PYTHONPATH=$PWD python benchmarks/wna16_kernels.py --bf16 --rows 16 32 64 --in-features 1024 --out-features 768
 """
 
 from __future__ import annotations
@@ -124,9 +124,11 @@ def main() -> None:
                 dense_from = rows
             if tiles and tiles_from is None and speed["tiles"] > speed["packed"]:
                 tiles_from = rows
-        print(f"dense path faster from {dense_from} rows" if dense_from else "packed path faster than dense at every row count")
+        print(f"dense path faster from {dense_from} rows" if dense_from
+              else "packed path faster than dense at every row count")
         if tiles:
-            print(f"tiles faster from {tiles_from} rows" if tiles_from else "packed path faster than the tiles at every row count")
+            print(f"tiles faster from {tiles_from} rows" if tiles_from
+                  else "packed path faster than the tiles at every row count")
 
 
 if __name__ == "__main__":

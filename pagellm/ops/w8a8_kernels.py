@@ -589,9 +589,9 @@ class ExpertsInt8Product(_ExpertsProduct):
         rows = x.shape[0]
         xq = W8A8Kernels._buffer("xq", rows * _round_up(self.in_features, GROUP), torch.int8)
         xs = W8A8Kernels._buffer("xs", rows, torch.float32)
-        if self.kernels._int8_experts(*arguments, xq.data_ptr(), xs.data_ptr()):
-            raise ValueError(f"w8a8_int8_linear_experts refused {len(experts)} experts of {rows} rows "
-                             f"({self.in_features} -> {self.out_features})")
+        failed = self.kernels._int8_experts(*arguments, xq.data_ptr(), xs.data_ptr())
+        if failed:
+            raise _experts_failure("w8a8_int8_linear_experts", failed, len(experts), rows, self)
 
 
 class ExpertsFp8Product(_ExpertsProduct):
@@ -599,7 +599,8 @@ class ExpertsFp8Product(_ExpertsProduct):
     dense path starts at (`takes`)."""
 
     def __init__(self, linears: list[NativeFp8Linear]) -> None:
-        super().__init__(linears, (Fp8WeightStruct * len(linears))(*[Fp8WeightStruct.of(linear) for linear in linears]))
+        table = (Fp8WeightStruct * len(linears))(*[Fp8WeightStruct.of(linear) for linear in linears])
+        super().__init__(linears, table)
 
     def takes(self, sizes: list[int], dtype: torch.dtype) -> bool:
         if dtype not in ACTIVATION_DTYPES:
@@ -609,9 +610,17 @@ class ExpertsFp8Product(_ExpertsProduct):
         return max(sizes) < min_rows
 
     def __call__(self, experts: list[int], sizes: list[int], x: torch.Tensor, out: torch.Tensor) -> None:
-        if self.kernels._fp8_experts(*self._arguments(experts, sizes, x, out)):
-            raise ValueError(f"w8a8_fp8_linear_experts refused {len(experts)} experts of {x.shape[0]} rows "
-                             f"({self.in_features} -> {self.out_features})")
+        failed = self.kernels._fp8_experts(*self._arguments(experts, sizes, x, out))
+        if failed:
+            raise _experts_failure("w8a8_fp8_linear_experts", failed, len(experts), x.shape[0], self)
+
+
+def _experts_failure(name: str, code: int, experts: int, rows: int, product: _ExpertsProduct) -> Exception:
+    """The error of an experts call's failure code (csrc/w8a8.c: 3 memory, 2 arguments)."""
+    if code == 3:
+        return MemoryError(f"{name} could not allocate the row tiles of {experts} experts ({rows} rows)")
+    return ValueError(f"{name} refused {experts} experts of {rows} rows ({product.in_features} -> "
+                      f"{product.out_features})")
 
 
 class TritonFp8Linear(Fp8Linear):
