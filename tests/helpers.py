@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 
 import pytest
@@ -120,3 +121,20 @@ def run_python(script: str, env: dict | None = None, timeout: float = 300) -> st
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
+
+
+def built_or_skip(kernels, what: str):
+    """`kernels` (a kernel library's wrapper, None where it could not be built), or a skip where this machine
+    cannot build C at all (no compiler, or PAGELLM_NATIVE_KERNELS=0). With a compiler present a failed build fails
+    the test: skipping there would hide a kernel source that no longer compiles for this CPU's instruction set."""
+    if kernels is not None:
+        return kernels
+    if os.environ.get("PAGELLM_NATIVE_KERNELS", "1") == "0":
+        pytest.skip("PAGELLM_NATIVE_KERNELS=0")
+    from pagellm.ops import cpu_build
+
+    try:
+        cpu_build.find_compiler()
+    except FileNotFoundError:
+        pytest.skip("no C compiler")
+    pytest.fail(f"{what} failed to build with a C compiler present (the warning logged above names the error)")

@@ -32,7 +32,7 @@ from pagellm.layers.quantization.gptq import GPTQConfig, GPTQLinearMethod
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.ops import wna16
 from pagellm.ops.linear_bf16 import LinearBF16
-from tests.helpers import PROMPTS, hf_greedy
+from tests.helpers import PROMPTS, built_or_skip, hf_greedy
 from tests.quant_checkpoints import (
     QuantSpec,
     awq_tensors,
@@ -120,9 +120,7 @@ def _assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch
 
 
 def _kernels(isa: str) -> wna16.WNA16Kernels:
-    kernels = wna16.wna16_kernels(isa)
-    if kernels is None:
-        pytest.skip("no C compiler: the kernels cannot be built here")
+    kernels = built_or_skip(wna16.wna16_kernels(isa), f"the AWQ/GPTQ kernels' {isa} build")
     assert kernels.isa == isa
     return kernels
 

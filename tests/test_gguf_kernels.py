@@ -31,6 +31,7 @@ from pagellm.models import gguf_quants
 from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels as gk
 from pagellm.ops.linear_bf16 import LinearBF16
+from tests.helpers import built_or_skip
 
 ISAS = cpu_build.runnable_isas()
 TYPES = gk.KERNEL_TYPES
@@ -89,9 +90,7 @@ def cases():
 
 
 def _kernels(isa: str) -> gk.GGUFKernels:
-    kernels = gk.gguf_kernels(isa)
-    if kernels is None:
-        pytest.skip("no C compiler")
+    kernels = built_or_skip(gk.gguf_kernels(isa), f"the GGUF kernels' {isa} build")
     assert kernels.isa == isa
     return kernels
 

@@ -25,6 +25,7 @@ from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels as gk
 from pagellm.ops import w8a8_kernels as wk
 from pagellm.ops.linear_bf16 import LinearBF16
+from tests.helpers import built_or_skip
 
 ISAS = cpu_build.runnable_isas()
 ROWS = (1, 3, 5, 8, 33, 70)
@@ -34,9 +35,7 @@ SHAPES = [(67, 21), (128, 40), (130, 9), (192, 48)]
 
 
 def _kernels(isa: str) -> wk.W8A8Kernels:
-    kernels = wk.w8a8_kernels(isa)
-    if kernels is None:
-        pytest.skip("no C compiler")
+    kernels = built_or_skip(wk.w8a8_kernels(isa), f"the 8-bit kernels' {isa} build")
     assert kernels.isa == isa
     return kernels
 
