@@ -1,5 +1,5 @@
-"""A GGUF, bfloat16, int8 W8A8 or fp8 Llama's decode step as one C call for all its decoder layers, a Gemma 3's as one
-per layer (ops/csrc/decode_stack.c).
+"""A GGUF, bfloat16, int8 W8A8, fp8 or AWQ/GPTQ Llama's decode step as one C call for all its decoder layers, a Gemma
+3's as one per layer (ops/csrc/decode_stack.c).
 
 models/llama.py's direct path already runs each layer as its bare kernel calls, but each of those ~10 calls per
 layer still pays for its Python: argument checks, a fresh output tensor, the ctypes call. For a small model a
@@ -11,7 +11,9 @@ that the step is one the C loop serves, and otherwise leaves it to the direct pa
   three parts each), with the step's rows below the size where a product switches to dequantized tiles; or
   every one is a bfloat16 layer on pagellm's own kernel (ops/dense_linear.py's NativeBF16Packed, linear_bf16.c),
   or every one an int8 W8A8 layer (ops/w8a8_kernels.py's NativeInt8Linear, w8a8.c), which take any row count;
-  or every one an fp8 layer (NativeFp8Linear), with the step's rows below its switch to dequantized tiles;
+  or every one an fp8 layer (NativeFp8Linear), or every one a group-quantized layer (AWQ, GPTQ, compressed-tensors
+  W4A16/W8A16 on ops/wna16.py's CpuGroupQuant, up to three parts each), with the step's rows below the switch of
+  its product to dequantized tiles;
 - the step is decode tokens only, on the CPU attention backend with its native decode kernel and K/V writer;
 - the caches are float32/bfloat16 in the activations' dtype, or a quantized format the kernels read.
 
@@ -34,6 +36,7 @@ import torch
 
 from pagellm.attention.native import DecodeKernel, KVWriter, _cache_geometry
 from pagellm.attention.paged import AttentionMetadata, TorchAttentionBackend
+from pagellm.layers.quantization.group_quant import GroupQuantLinearMethod
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import (Fp8LinearMethod, Int8LinearMethod, OnlineFp8LinearMethod,
                                               OnlineInt8LinearMethod)
@@ -45,6 +48,7 @@ from pagellm.ops.gguf_kernels import PreparedProduct
 from pagellm.ops.linear_bf16 import LinearBF16
 from pagellm.ops.w8a8_kernels import Fp8WeightStruct, NativeFp8Linear, NativeInt8Linear
 from pagellm.ops.w8a8_kernels import _static as w8a8_static
+from pagellm.ops.wna16 import CpuGroupQuant, CpuLayout, WNA16Kernels, Wna16StackLayer
 
 ENV = "PAGELLM_DECODE_STACK"
 # decode_stack.c's failure codes.
@@ -179,8 +183,33 @@ class Fp8Part(_OnePart):
         return ctypes.addressof(self.struct)
 
 
+@dataclass(frozen=True)
+class GroupQuantPart(_OnePart):
+    """One part of an AWQ / GPTQ / compressed-tensors group-quantized layer (a CpuLayout of its CpuGroupQuant):
+    wna16_stack_product, the packed path its product runs below the rows where it switches to dequantized tiles
+    (per activation dtype, as WNA16Kernels.matmul switches), its weight in a struct `weight_address` points at."""
+
+    struct: Wna16StackLayer | None = None
+    packed_below: tuple[int, int] = (0, 0)  # rows of float32, of bfloat16
+    type_id: int = 0
+    product_name: ClassVar[str] = "wna16_matmul"
+
+    @classmethod
+    def of(cls, kernels: WNA16Kernels, layout: CpuLayout) -> GroupQuantPart:
+        return cls(kernels.library, kernels.library.wna16_stack_product, layout.in_features, layout.out_features,
+                   Wna16StackLayer.of(layout),
+                   tuple(kernels.packed_below(layout, dtype) for dtype in (torch.float32, torch.bfloat16)))
+
+    def int8_max_rows(self, dtype: torch.dtype) -> int | None:
+        return self.packed_below[dtype is torch.bfloat16] - 1
+
+    @property
+    def weight_address(self) -> int:
+        return ctypes.addressof(self.struct)
+
+
 _INT32_MAX = 2**31 - 1
-StackProduct = PreparedProduct | DenseBF16Part | Int8Part | Fp8Part
+StackProduct = PreparedProduct | DenseBF16Part | Int8Part | Fp8Part | GroupQuantPart
 
 
 def _same_kernels(products: list[StackProduct]) -> bool:
@@ -299,6 +328,8 @@ def _linear_parts(linear, in_features: int, out_features: int) -> tuple[StackPro
     if linear.bias is not None or linear.group.size != 1 or linear.lora is not None:
         return None
     method = type(linear.quant_method)
+    if isinstance(linear.quant_method, GroupQuantLinearMethod):
+        return _group_quant_parts(linear.quant_method.loaded_kernel(linear), in_features, out_features)
     eight_bit = (linear.quant_method.loaded_kernel(linear)
                  if method in (Int8LinearMethod, OnlineInt8LinearMethod, Fp8LinearMethod, OnlineFp8LinearMethod)
                  else None)
@@ -318,6 +349,21 @@ def _linear_parts(linear, in_features: int, out_features: int) -> tuple[StackPro
     if part is None or (part.in_features, part.out_features) != (in_features, out_features):
         return None
     return (part,)
+
+
+def _group_quant_parts(kernel, in_features: int, out_features: int) -> tuple[GroupQuantPart, ...] | None:
+    """A group-quantized layer's layouts side by side (the order and columns CpuGroupQuant computes them in), or
+    None for another kernel (torch's, Triton's) or more parts than the C loop takes."""
+    if type(kernel) is not CpuGroupQuant or not 0 < len(kernel.layouts) <= _MAX_PARTS:
+        return None
+    column = 0
+    for first, layout in kernel.layouts:
+        if first != column or layout.in_features != in_features:
+            return None
+        column += layout.out_features
+    if column != out_features:
+        return None
+    return tuple(GroupQuantPart.of(kernel.kernels, layout) for _, layout in kernel.layouts)
 
 
 def _gguf_parts(linear, in_features: int, out_features: int) -> tuple[PreparedProduct, ...] | None:

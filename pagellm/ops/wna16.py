@@ -253,6 +253,7 @@ class WNA16Kernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.isa = cpu_build.library_isa(library)
+        self.library = library  # for the decode stack's product pointer (pagellm/ops/decode_stack.py)
         library.wna16_block_columns.restype = _INT
         if library.wna16_block_columns() != BLOCK_COLUMNS:
             raise RuntimeError(f"wna16.c has blocks of {library.wna16_block_columns()} columns, wna16.py "
@@ -406,6 +407,21 @@ class _Wna16Weight(ctypes.Structure):
     _fields_ = [("packed", ctypes.c_void_p), ("gparams", ctypes.c_void_p), ("group_rows", ctypes.c_void_p),
                 ("src", ctypes.c_void_p), ("n_groups", ctypes.c_int64), ("k_rows", ctypes.c_int64)]
 
+    @classmethod
+    def of(cls, layout: CpuLayout) -> _Wna16Weight:
+        return cls(layout.packed.data_ptr(), layout.gparams.data_ptr(), layout.group_rows.data_ptr(),
+                   layout.src.data_ptr() if layout.src is not None else None, layout.num_groups, layout.k_rows)
+
+
+class Wna16StackLayer(ctypes.Structure):
+    """csrc/wna16.c's Wna16StackLayer: one weight as the decode stack's product (wna16_stack_product) reads it."""
+
+    _fields_ = [("weight", _Wna16Weight), ("bits", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, layout: CpuLayout) -> Wna16StackLayer:
+        return cls(_Wna16Weight.of(layout), layout.bits)
+
 
 class ExpertsPackedProduct:
     """One projection of a mixture-of-experts layer's experts (their CpuLayouts, one shape) on the packed path,
@@ -419,10 +435,7 @@ class ExpertsPackedProduct:
             raise ValueError("the experts of one projection differ in shape or bits")
         self.layouts = layouts  # the table below points into their tensors
         self.bits, self.out_features = first.bits, first.out_features
-        self.table = (_Wna16Weight * len(layouts))(*[
-            _Wna16Weight(layout.packed.data_ptr(), layout.gparams.data_ptr(), layout.group_rows.data_ptr(),
-                         layout.src.data_ptr() if layout.src is not None else None, layout.num_groups,
-                         layout.k_rows) for layout in layouts])
+        self.table = (_Wna16Weight * len(layouts))(*[_Wna16Weight.of(layout) for layout in layouts])
         self.call = kernels._matmul_experts
         self.packed_below = {dtype: min(kernels.packed_below(layout, dtype) for layout in layouts)
                              for dtype in (torch.float32, torch.bfloat16)}

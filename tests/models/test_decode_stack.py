@@ -1,5 +1,5 @@
 """The decode stack (ops/decode_stack.py: a GGUF Llama's decode step, or a bfloat16 Llama's on linear_bf16, or an
-int8 W8A8 or fp8 Llama's, as one C call for all its layers) computes what the direct path (or, for int8, the modules)
+int8 W8A8, fp8 or AWQ/GPTQ Llama's, as one C call for all its layers) computes what the direct path (or, for int8, the modules)
 computes, to the bit, and leaves every step it does not serve to that path."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import torch
 from benchmarks.synthetic_gguf import LlamaShape, write_synthetic_gguf
 from pagellm import LLM, SamplingParams
 from pagellm.ops.cpu_build import native_library
-from pagellm.ops.decode_stack import DecodeStack, DenseBF16Part, Fp8Part
+from pagellm.ops.decode_stack import DecodeStack, DenseBF16Part, Fp8Part, GroupQuantPart
 from pagellm.ops.linear_bf16 import LinearBF16
+from tests.quant_checkpoints import QuantSpec
+from tests.quant_checkpoints import write_quantized as write_group_quantized
 from tests.w8a8_checkpoints import write_quantized as write_8bit
 
 # Q4_1 blocks, head_dim 64 (the native decode kernel's multiple of 32), grouped KV heads, three layers.
@@ -175,6 +177,25 @@ def test_an_fp8_llama_runs_on_the_stack_as_its_direct_path_does(tiny_llama_dir, 
     stack = _stack(llm)
     part = stack.linears[0][0][0]
     assert isinstance(part, Fp8Part) and stack.max_tokens == part.fused_below[dtype == "bfloat16"] - 1
+    stacked, direct, ran = _with_and_without(llm, monkeypatch)
+    assert stacked == direct
+    assert {1, 3} <= set(ran)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("awq", group_size=32), QuantSpec("gptq", bits=4, group_size=16,
+                                                                              desc_act=True),
+                                  QuantSpec("gptq", bits=8, group_size=32, sym=False)],
+                         ids=["awq", "gptq-4-bit-act-order", "gptq-8-bit"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_group_quantized_llama_runs_on_the_stack_as_its_direct_path_does(tiny_llama_dir, tmp_path, spec, dtype,
+                                                                           monkeypatch):
+    """AWQ / GPTQ weights on the packed path their direct path calls, for steps below the rows where the product
+    switches to dequantized tiles."""
+    write_group_quantized(tiny_llama_dir, tmp_path / "quantized", tmp_path / "dequantized", spec)
+    llm = _llm(tmp_path / "quantized", dtype=dtype)
+    stack = _stack(llm)
+    part = stack.linears[0][0][0]
+    assert isinstance(part, GroupQuantPart) and stack.max_tokens == part.packed_below[dtype == "bfloat16"] - 1
     stacked, direct, ran = _with_and_without(llm, monkeypatch)
     assert stacked == direct
     assert {1, 3} <= set(ran)

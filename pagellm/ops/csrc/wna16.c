@@ -390,6 +390,27 @@ int wna16_matmul_experts(const Wna16Weight *weights, int bits, int64_t out_featu
     return 0;
 }
 
+/* One weight as the decode stack calls its products (decode_stack.c: gguf_matmul's signature): its
+ * wna16_matmul arguments and bits. */
+typedef struct {
+    Wna16Weight weight;
+    int64_t bits;
+} Wna16StackLayer;
+
+/* wna16_matmul behind gguf_matmul's signature (`type` unused; activations and outputs in one dtype, rows
+ * contiguous, no bias), for the decode stack. Returns wna16_matmul's codes (1: memory ran out), 2 for inputs it
+ * does not take. */
+int wna16_stack_product(int type, const void *w, const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N,
+                        void *y, int y_bf16) {
+    (void)type;
+    if (x_bf16 != y_bf16 || rows < 0 || K <= 0) return 2;
+    if (rows == 0) return 0;
+    const Wna16StackLayer *layer = w;
+    const Wna16Weight *weight = &layer->weight;
+    return wna16_matmul(weight->packed, weight->gparams, weight->group_rows, weight->src, (int)layer->bits,
+                        weight->n_groups, weight->k_rows, N, x, x_bf16, rows, K, y, y_bf16, N, NULL);
+}
+
 int wna16_dequantize_t(const int32_t *packed, const float *gparams, const int32_t *group_rows, const int32_t *src,
                        int bits, int64_t n_groups, int64_t k_rows, int64_t n_first, int64_t n_count, float *out,
                        int64_t out_stride) {
