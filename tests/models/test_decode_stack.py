@@ -174,12 +174,7 @@ def test_an_fp8_llama_runs_on_the_stack_as_its_direct_path_does(tiny_llama_dir, 
     else:
         quantized, _ = write_8bit(tiny_llama_dir, tmp_path, "fp8-channel-dynamic")
         llm = _llm(quantized, dtype=dtype)
-    stack = _stack(llm)
-    part = stack.linears[0][0][0]
-    assert isinstance(part, Fp8Part) and stack.max_tokens == part.fused_below[dtype == "bfloat16"] - 1
-    stacked, direct, ran = _with_and_without(llm, monkeypatch)
-    assert stacked == direct
-    assert {1, 3} <= set(ran)
+    _check_on_the_stack_below_its_parts_rows(llm, Fp8Part, monkeypatch)
 
 
 @pytest.mark.parametrize("spec", [QuantSpec("awq", group_size=32), QuantSpec("gptq", bits=4, group_size=16,
@@ -192,10 +187,15 @@ def test_a_group_quantized_llama_runs_on_the_stack_as_its_direct_path_does(tiny_
     """AWQ / GPTQ weights on the packed path their direct path calls, for steps below the rows where the product
     switches to dequantized tiles."""
     write_group_quantized(tiny_llama_dir, tmp_path / "quantized", tmp_path / "dequantized", spec)
-    llm = _llm(tmp_path / "quantized", dtype=dtype)
+    _check_on_the_stack_below_its_parts_rows(_llm(tmp_path / "quantized", dtype=dtype), GroupQuantPart, monkeypatch)
+
+
+def _check_on_the_stack_below_its_parts_rows(llm: LLM, part_class: type, monkeypatch) -> None:
+    """The model's layers are `part_class` parts, the stack serves steps up to the rows their kernel takes, and
+    generates what the direct path does (steps of 1 and 3 tokens among them)."""
     stack = _stack(llm)
     part = stack.linears[0][0][0]
-    assert isinstance(part, GroupQuantPart) and stack.max_tokens == part.packed_below[dtype == "bfloat16"] - 1
+    assert isinstance(part, part_class) and stack.max_tokens == part.int8_max_rows(stack.dtype)
     stacked, direct, ran = _with_and_without(llm, monkeypatch)
     assert stacked == direct
     assert {1, 3} <= set(ran)
