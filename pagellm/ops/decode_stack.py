@@ -323,8 +323,8 @@ class _Stack:
 
 def _linear_parts(linear, in_features: int, out_features: int) -> tuple[StackProduct, ...] | None:
     """The GGUF int8 products that make up `linear`'s forward (its parts' side by side, as GGUFLinearMethod.apply
-    concatenates them), or its one bfloat16 product on linear_bf16, or its one int8 W8A8 or fp8 product; None
-    where its forward adds anything to them or computes otherwise."""
+    concatenates them), or its one bfloat16 product on linear_bf16, or its one int8 W8A8 or fp8 product, or a
+    group-quantized layer's parts; None where its forward adds anything to them or computes otherwise."""
     if linear.bias is not None or linear.group.size != 1 or linear.lora is not None:
         return None
     method = type(linear.quant_method)
