@@ -16,6 +16,7 @@ from pagellm.models.loader import default_dtype
 from pagellm.ops import dense_linear
 from pagellm.ops.cpu_build import NEVER_ROWS
 from pagellm.ops.dense_linear import FLOAT32_PLAIN_MIN_ROWS, NativeBF16Packed, OneDNNPacked, can_pack_for_cpu
+from tests.helpers import built_or_skip
 
 
 def _layer(in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32,
@@ -210,9 +211,7 @@ def test_only_the_avx512_bf16_build_has_the_linear_kernel_and_only_with_amx_its_
     from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
 
     for isa in cpu_build.runnable_isas():
-        library = cpu_build.native_library(isa)
-        if library is None:
-            pytest.skip("no C compiler")
+        library = built_or_skip(cpu_build.native_library(isa), "cpu_build.native_library(isa)")
         has_dot = isa == "avx512" and "avx512_bf16" in cpu_build.cpu_flags()
         assert LinearBF16.available(library) == has_dot
         assert (linear_bf16(isa) is not None) == has_dot

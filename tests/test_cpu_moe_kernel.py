@@ -13,14 +13,13 @@ from pagellm.layers.fused_moe import grouped_experts, linear_bf16_experts
 from pagellm.ops import cpu_build
 from pagellm.ops.cpu_moe import CpuMoEKernel
 from pagellm.ops.linear_bf16 import LinearBF16
+from tests.helpers import built_or_skip
 
 ISAS = cpu_build.runnable_isas()
 
 
 def _kernel(isa: str) -> CpuMoEKernel:
-    library = cpu_build.native_library(isa)
-    if library is None:
-        pytest.skip("no C compiler for the native kernels")
+    library = built_or_skip(cpu_build.native_library(isa), "cpu_build.native_library(isa)")
     return CpuMoEKernel(library)
 
 

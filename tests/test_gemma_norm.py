@@ -8,13 +8,12 @@ import torch
 from pagellm.layers.layernorm import GemmaRMSNorm
 from pagellm.ops import cpu_build
 from pagellm.ops.cpu_ops import cpu_ops
+from tests.helpers import built_or_skip
 
 
 @pytest.mark.parametrize("isa", cpu_build.runnable_isas())
 def test_fused_gemma_norm_matches_the_torch_ops(isa):
-    ops = cpu_ops(isa)
-    if ops is None:
-        pytest.skip("no C compiler")
+    ops = built_or_skip(cpu_ops(isa), "cpu_ops(isa)")
     gen = torch.Generator().manual_seed(0)
     norm = GemmaRMSNorm(200, 1e-6)  # a width with a tail past the 8-float vectors
     norm.weight.data = torch.randn(200, generator=gen) * 0.5
@@ -42,9 +41,7 @@ def test_fused_gemma_norm_rounds_bfloat16_once_as_the_torch_ops_do(isa):
     """bfloat16 rows: the float32 product with the float32 1 + weight, rounded once (not the weight rounded to
     bfloat16 first, as Llama's kernel would): equal to the torch ops but for a rare last-place step where the
     kernel's sum of squares (in another order) moves the product across a rounding tie."""
-    ops = cpu_ops(isa)
-    if ops is None:
-        pytest.skip("no C compiler")
+    ops = built_or_skip(cpu_ops(isa), "cpu_ops(isa)")
     gen = torch.Generator().manual_seed(1)
     norm = GemmaRMSNorm(200, 1e-6)
     norm.weight.data = (torch.randn(200, generator=gen) * 0.5).to(torch.bfloat16)

@@ -17,6 +17,7 @@ import torch
 from pagellm.attention import native
 from pagellm.ops import cpu_build
 from pagellm.ops.cpu_ops import CpuOps, cpu_ops
+from tests.helpers import built_or_skip
 
 ISAS = cpu_build.runnable_isas()
 DTYPES = [torch.float32, torch.bfloat16]
@@ -28,9 +29,7 @@ def isa(request):
 
 
 def _ops(isa):
-    ops = cpu_ops(isa)
-    if ops is None:
-        pytest.skip("no C compiler")
+    ops = built_or_skip(cpu_ops(isa), "cpu_ops(isa)")
     assert ops.isa == isa
     return ops
 
@@ -116,9 +115,7 @@ def test_kv_writer_equals_index_copy(isa, dtype, tokens):
     a fused qkv output as the model passes them, and touches nothing else."""
     from pagellm.attention.paged import kv_write_index, write_kv
 
-    writer = native.kv_writer(isa)
-    if writer is None:
-        pytest.skip("no C compiler")
+    writer = built_or_skip(native.kv_writer(isa), "native.kv_writer(isa)")
     num_blocks, kv_heads, block_size, head_dim = 64, 3, 16, 64
     gen = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)

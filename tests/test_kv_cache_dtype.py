@@ -34,6 +34,7 @@ from pagellm.attention.kv_spec import KVCacheFormat, KVCacheSpec  # noqa: E402
 from pagellm.attention.paged import TorchAttentionBackend, kv_write_index, paged_attention, write_kv  # noqa: E402
 from pagellm.config import KV_CACHE_DTYPES  # noqa: E402
 from pagellm.ops import cpu_build  # noqa: E402
+from tests.helpers import built_or_skip
 
 ISAS = cpu_build.runnable_isas()
 # vLLM's names; the aliases resolve to the same stored format.
@@ -59,9 +60,7 @@ def _triton_backend(shape: AttentionShape):
 
 
 def _c(kind, isa):
-    kernel = kind(isa)
-    if kernel is None:
-        pytest.skip("no C compiler")
+    kernel = built_or_skip(kind(isa), "kind(isa)")
     return kernel
 
 

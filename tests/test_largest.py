@@ -8,13 +8,12 @@ import torch
 
 from pagellm.ops import cpu_build
 from pagellm.ops.largest import _kernel, largest_by_sorting, largest_per_row
+from tests.helpers import built_or_skip
 
 
 @pytest.fixture(params=cpu_build.runnable_isas())
 def kernel(request):
-    function = _kernel(request.param)
-    if function is None:
-        pytest.skip("no C compiler")
+    function = built_or_skip(_kernel(request.param), "_kernel(request.param)")
     return request.param, function
 
 

@@ -20,6 +20,7 @@ from pagellm.attention.kv_spec import KVCacheFormat  # noqa: E402
 from pagellm.attention.mla import mla_decode_kernel, torch_latent_decode, write_latent  # noqa: E402
 from pagellm.attention.paged import DecodeMetadata, kv_write_index  # noqa: E402
 from pagellm.ops.cpu_build import runnable_isas  # noqa: E402
+from tests.helpers import built_or_skip
 
 NOPE, V = 24, 20
 
@@ -92,9 +93,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
                                                   (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_c_kernel_matches_expanded_attention(isa, q_dtype, cache_dtype, shape):
-    kernel = mla_decode_kernel(isa)
-    if kernel is None:
-        pytest.skip("no C compiler: the native kernels are off")
+    kernel = built_or_skip(mla_decode_kernel(isa), "mla_decode_kernel(isa)")
     assert kernel.isa == isa
     heads, rank, rope, lens, block_size = shape
     cache, rows, w_uk, w_uv, q_nope, q_pe, decode = _case(0, heads, rank, rope, lens, block_size, cache_dtype)
@@ -165,9 +164,7 @@ QUANTIZED_FORMATS = ["fp8", "fp8_e5m2", "int8_per_token_head"]
 def test_c_kernel_reads_quantized_latents(isa, q_dtype, format_name, shape):
     """The C kernel over the codes and scales as stored equals the float64 expanded attention over the
     dequantized rows (to float32 rounding: the dequantization is exact)."""
-    kernel = mla_decode_kernel(isa)
-    if kernel is None:
-        pytest.skip("no C compiler: the native kernels are off")
+    kernel = built_or_skip(mla_decode_kernel(isa), "mla_decode_kernel(isa)")
     kv_format = KVCacheFormat.resolve(format_name, torch.float32)
     heads, rank, rope, lens, block_size = shape
     cache, rows, w_uk, w_uv, q_nope, q_pe, decode = _case(5, heads, rank, rope, lens, block_size, torch.float32,
@@ -180,9 +177,7 @@ def test_c_kernel_reads_quantized_latents(isa, q_dtype, format_name, shape):
 
 
 def test_c_kernel_refuses_a_quantized_cache_without_its_format():
-    kernel = mla_decode_kernel()
-    if kernel is None:
-        pytest.skip("no C compiler: the native kernels are off")
+    kernel = built_or_skip(mla_decode_kernel(), "mla_decode_kernel()")
     kv_format = KVCacheFormat.resolve("int8_per_token_head", torch.float32)
     heads, rank, rope, lens, block_size = SHAPES[0]
     cache, *_, decode = _case(6, heads, rank, rope, lens, block_size, torch.float32, kv_format)
