@@ -18,6 +18,7 @@ from pagellm.attention.backend import AttentionShape
 from pagellm.attention.paged import TorchAttentionBackend, paged_attention
 from pagellm.ops import cpu_build
 from tests.attention_cases import make_step
+from tests.helpers import built_or_skip
 
 ISAS = cpu_build.runnable_isas()
 CPU = torch.device("cpu")
@@ -82,9 +83,8 @@ def test_torch_path_matches_reference(window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 10])
 def test_native_kernels_match_reference(isa, dtype, window):
-    decode, prefill = native.decode_kernel(isa), native.prefill_kernel(isa)
-    if decode is None:
-        pytest.skip("no C compiler")
+    decode = built_or_skip(native.decode_kernel(isa), "native.decode_kernel(isa)")
+    prefill = native.prefill_kernel(isa)
     # 9 heads over 3 KV heads: a group of 3 (one pass of the decode kernel), 64-float heads.
     shape = AttentionShape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
     backend = TorchAttentionBackend(shape, CPU, decode, native_prefill=prefill)
@@ -95,9 +95,8 @@ def test_native_kernels_match_reference(isa, dtype, window):
 
 def test_native_kernels_without_sinks_are_unchanged():
     """sinks=None is the kernels' plain softmax; a sink far below every score changes nothing either."""
-    decode, prefill = native.decode_kernel(), native.prefill_kernel()
-    if decode is None:
-        pytest.skip("no C compiler")
+    decode = built_or_skip(native.decode_kernel(), "native.decode_kernel()")
+    prefill = native.prefill_kernel()
     shape = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
     step, q, k, v, k_cache, v_cache = make_step(shape, COMPUTED, SCHEDULED, num_blocks=40, seed=3)
     backend = TorchAttentionBackend(shape, CPU, decode, native_prefill=prefill)
@@ -111,9 +110,7 @@ def test_native_kernels_without_sinks_are_unchanged():
 
 
 def test_sinks_of_the_wrong_shape_are_refused():
-    decode = native.decode_kernel()
-    if decode is None:
-        pytest.skip("no C compiler")
+    decode = built_or_skip(native.decode_kernel(), "native.decode_kernel()")
     shape = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
     step, q, k, v, k_cache, v_cache = make_step(shape, [5], [1], num_blocks=8, seed=4)
     meta = TorchAttentionBackend(shape, CPU, decode).build_metadata(step)
