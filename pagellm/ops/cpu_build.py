@@ -196,3 +196,21 @@ def _cpu_identity() -> bytes:
 def _first_line(error: Exception) -> str:
     detail = getattr(error, "stderr", None) or str(error)
     return detail.strip().splitlines()[0] if detail.strip() else type(error).__name__
+
+
+# The arrays expert_arrays made last, with the lists they were made from (held, so that their identity holds).
+_last_expert_arrays: tuple[list[int], list[int], ctypes.Array, ctypes.Array] | None = None
+
+
+def expert_arrays(experts: list[int], sizes: list[int]) -> tuple[ctypes.Array, ctypes.Array]:
+    """A step's experts and their row counts as the C experts calls read them (int32 ids, int64 counts). A MoE
+    layer passes the same two lists to its gate/up call and then its down call: the second gets the arrays the
+    first made (the lists are the step's own and not changed after)."""
+    global _last_expert_arrays
+    last = _last_expert_arrays
+    if last is not None and last[0] is experts and last[1] is sizes:
+        return last[2], last[3]
+    count = len(experts)
+    ids, counts = (ctypes.c_int32 * count)(*experts), (ctypes.c_int64 * count)(*sizes)
+    _last_expert_arrays = (experts, sizes, ids, counts)
+    return ids, counts

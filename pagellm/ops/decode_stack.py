@@ -46,8 +46,7 @@ from pagellm.ops.cpu_ops import CpuOps
 from pagellm.ops.dense_linear import NativeBF16Packed
 from pagellm.ops.gguf_kernels import PreparedProduct
 from pagellm.ops.linear_bf16 import LinearBF16
-from pagellm.ops.w8a8_kernels import Fp8WeightStruct, NativeFp8Linear, NativeInt8Linear
-from pagellm.ops.w8a8_kernels import _static as w8a8_static
+from pagellm.ops.w8a8_kernels import Fp8WeightStruct, Int8WeightStruct, NativeFp8Linear, NativeInt8Linear
 from pagellm.ops.wna16 import CpuGroupQuant, CpuLayout, WNA16Kernels, Wna16StackLayer
 
 ENV = "PAGELLM_DECODE_STACK"
@@ -131,27 +130,18 @@ class DenseBF16Part(_OnePart):
                    min(dense.kernel.amx_min_rows, _INT32_MAX))
 
 
-class _W8A8StackLayer(ctypes.Structure):
-    _fields_ = [("packed", ctypes.c_void_p), ("colsum", ctypes.c_void_p), ("wscale", ctypes.c_void_p),
-                ("amx_min_rows", ctypes.c_int64), ("static_scale", ctypes.c_float)]
-
-
 @dataclass(frozen=True)
-class Int8Part(_OnePart):
-    """An int8 W8A8 layer (NativeInt8Linear: a checkpoint's or quantization="int8"'s): w8a8_stack_product, its
-    weights in a struct `weight_address` points at (held here)."""
+class _StructPart(_OnePart):
+    """A layer whose product function reads its weight's pointers from a struct `weight_address` points at (held
+    here), below `rows_below` rows of float32 / of bfloat16 activations (where the layer's own product switches
+    to another kernel; None: at any row count)."""
 
-    struct: _W8A8StackLayer | None = None
+    struct: ctypes.Structure | None = None
+    rows_below: tuple[int, int] | None = None
     type_id: int = 0
-    product_name: ClassVar[str] = "w8a8_int8_linear"
 
-    @classmethod
-    def of(cls, linear: NativeInt8Linear) -> Int8Part:
-        kernels, packed = linear.kernels, linear.packed
-        struct = _W8A8StackLayer(packed.packed.data_ptr(), packed.colsum.data_ptr(), packed.scale.data_ptr(),
-                                 kernels.amx_min_rows, w8a8_static(linear.input_scale))
-        return cls(kernels.library, kernels.library.w8a8_stack_product, packed.in_features, packed.out_features,
-                   struct)
+    def int8_max_rows(self, dtype: torch.dtype) -> int | None:
+        return None if self.rows_below is None else self.rows_below[dtype is torch.bfloat16] - 1
 
     @property
     def weight_address(self) -> int:
@@ -159,14 +149,25 @@ class Int8Part(_OnePart):
 
 
 @dataclass(frozen=True)
-class Fp8Part(_OnePart):
+class Int8Part(_StructPart):
+    """An int8 W8A8 layer (NativeInt8Linear: a checkpoint's or quantization="int8"'s): w8a8_stack_product, at any
+    row count."""
+
+    product_name: ClassVar[str] = "w8a8_int8_linear"
+
+    @classmethod
+    def of(cls, linear: NativeInt8Linear) -> Int8Part:
+        library = linear.kernels.library
+        return cls(library, library.w8a8_stack_product, linear.in_features, linear.out_features,
+                   Int8WeightStruct.of(linear))
+
+
+@dataclass(frozen=True)
+class Fp8Part(_StructPart):
     """An fp8 layer (NativeFp8Linear: a checkpoint's or quantization="fp8"'s): w8a8_fp8_stack_product, the fused
     kernel its product runs below the rows where it switches to dequantized tiles (per activation dtype, as
-    W8A8Kernels.fp8_linear switches), its weight in a struct `weight_address` points at (held here)."""
+    W8A8Kernels.fp8_linear switches)."""
 
-    struct: Fp8WeightStruct | None = None
-    fused_below: tuple[int, int] = (0, 0)  # rows of float32, of bfloat16
-    type_id: int = 0
     product_name: ClassVar[str] = "w8a8_fp8_linear"
 
     @classmethod
@@ -175,23 +176,13 @@ class Fp8Part(_OnePart):
         return cls(kernels.library, kernels.library.w8a8_fp8_stack_product, linear.in_features, linear.out_features,
                    Fp8WeightStruct.of(linear), (kernels.fp8_dense_min_rows, kernels.fp8_bf16_dense_min_rows))
 
-    def int8_max_rows(self, dtype: torch.dtype) -> int | None:
-        return self.fused_below[dtype is torch.bfloat16] - 1
-
-    @property
-    def weight_address(self) -> int:
-        return ctypes.addressof(self.struct)
-
 
 @dataclass(frozen=True)
-class GroupQuantPart(_OnePart):
+class GroupQuantPart(_StructPart):
     """One part of an AWQ / GPTQ / compressed-tensors group-quantized layer (a CpuLayout of its CpuGroupQuant):
     wna16_stack_product, the packed path its product runs below the rows where it switches to dequantized tiles
-    (per activation dtype, as WNA16Kernels.matmul switches), its weight in a struct `weight_address` points at."""
+    (per activation dtype, as WNA16Kernels.matmul switches)."""
 
-    struct: Wna16StackLayer | None = None
-    packed_below: tuple[int, int] = (0, 0)  # rows of float32, of bfloat16
-    type_id: int = 0
     product_name: ClassVar[str] = "wna16_matmul"
 
     @classmethod
@@ -199,13 +190,6 @@ class GroupQuantPart(_OnePart):
         return cls(kernels.library, kernels.library.wna16_stack_product, layout.in_features, layout.out_features,
                    Wna16StackLayer.of(layout),
                    tuple(kernels.packed_below(layout, dtype) for dtype in (torch.float32, torch.bfloat16)))
-
-    def int8_max_rows(self, dtype: torch.dtype) -> int | None:
-        return self.packed_below[dtype is torch.bfloat16] - 1
-
-    @property
-    def weight_address(self) -> int:
-        return ctypes.addressof(self.struct)
 
 
 _INT32_MAX = 2**31 - 1

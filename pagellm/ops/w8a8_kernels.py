@@ -530,8 +530,18 @@ class NativeFp8Linear(Fp8Linear):
         return self.packed.tensors()
 
 
-class _Int8ExpertWeight(ctypes.Structure):
-    _fields_ = [("packed", _PTR), ("colsum", _PTR), ("wscale", _PTR), ("static_scale", _F32)]
+class Int8WeightStruct(ctypes.Structure):
+    """csrc/w8a8.c's Int8Weight: one int8 weight's arguments, for the calls that take several layers' (the decode
+    stack, the experts call)."""
+
+    _fields_ = [("packed", _PTR), ("colsum", _PTR), ("wscale", _PTR), ("amx_min_rows", _I64),
+                ("static_scale", _F32)]
+
+    @classmethod
+    def of(cls, linear: NativeInt8Linear) -> Int8WeightStruct:
+        packed = linear.packed
+        return cls(packed.packed.data_ptr(), packed.colsum.data_ptr(), packed.scale.data_ptr(),
+                   linear.kernels.amx_min_rows, _static(linear.input_scale))
 
 
 class Fp8WeightStruct(ctypes.Structure):
@@ -561,15 +571,14 @@ class _ExpertsProduct:
         self.in_features, self.out_features = first.in_features, first.out_features
 
     def _arguments(self, experts: list[int], sizes: list[int], x: torch.Tensor, out: torch.Tensor) -> tuple:
-        count = len(experts)
         if (x.shape != (sum(sizes), self.in_features) or out.shape != (x.shape[0], self.out_features)
                 or out.dtype is not x.dtype or not x.is_contiguous() or not out.is_contiguous()):
             raise ValueError(f"the experts' rows are {x.dtype} {tuple(x.shape)} and their outputs {out.dtype} "
                              f"{tuple(out.shape)}; this call takes contiguous [{sum(sizes)}, {self.in_features}] "
                              f"and [{sum(sizes)}, {self.out_features}] of one dtype")
-        return (self.table, len(self.table), (ctypes.c_int32 * count)(*experts), (ctypes.c_int64 * count)(*sizes),
-                count, x.data_ptr(), x.dtype is torch.bfloat16, self.in_features, self.out_features, out.data_ptr(),
-                out.dtype is torch.bfloat16)
+        ids, counts = cpu_build.expert_arrays(experts, sizes)
+        return (self.table, len(self.table), ids, counts, len(experts), x.data_ptr(), x.dtype is torch.bfloat16,
+                self.in_features, self.out_features, out.data_ptr(), out.dtype is torch.bfloat16)
 
 
 class ExpertsInt8Product(_ExpertsProduct):
@@ -577,9 +586,8 @@ class ExpertsInt8Product(_ExpertsProduct):
     than the single call's wider tiles start at (`takes`)."""
 
     def __init__(self, linears: list[NativeInt8Linear]) -> None:
-        super().__init__(linears, (_Int8ExpertWeight * len(linears))(*[
-            _Int8ExpertWeight(linear.packed.packed.data_ptr(), linear.packed.colsum.data_ptr(),
-                              linear.packed.scale.data_ptr(), _static(linear.input_scale)) for linear in linears]))
+        super().__init__(linears, (Int8WeightStruct * len(linears))(*[Int8WeightStruct.of(linear)
+                                                                       for linear in linears]))
 
     def takes(self, sizes: list[int], dtype: torch.dtype) -> bool:
         return dtype in ACTIVATION_DTYPES and max(sizes) <= self.kernels.int8_experts_max_rows

@@ -447,10 +447,10 @@ class ExpertsPackedProduct:
     def __call__(self, experts: list[int], sizes: list[int], x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows of expert i] = x[the same rows] @ W_{experts[i]}^T, rows in the order of `experts`; x and out
         float32 or bfloat16, rows contiguous."""
-        count = len(experts)
-        failed = self.call(self.table, self.bits, self.out_features, (ctypes.c_int32 * count)(*experts),
-                           (ctypes.c_int64 * count)(*sizes), count, x.data_ptr(), x.dtype is torch.bfloat16,
-                           x.stride(0), out.data_ptr(), out.dtype is torch.bfloat16, out.stride(0))
+        ids, counts = cpu_build.expert_arrays(experts, sizes)
+        failed = self.call(self.table, self.bits, self.out_features, ids, counts, len(experts), x.data_ptr(),
+                           x.dtype is torch.bfloat16, x.stride(0), out.data_ptr(), out.dtype is torch.bfloat16,
+                           out.stride(0))
         if failed:
             raise MemoryError(f"wna16_matmul_experts could not allocate the gathered activations of {sum(sizes)} rows")
 

@@ -1,6 +1,6 @@
 """The decode stack (ops/decode_stack.py: a GGUF Llama's decode step, or a bfloat16 Llama's on linear_bf16, or an
-int8 W8A8, fp8 or AWQ/GPTQ Llama's, as one C call for all its layers) computes what the direct path (or, for int8, the modules)
-computes, to the bit, and leaves every step it does not serve to that path."""
+int8 W8A8, fp8 or AWQ/GPTQ Llama's, as one C call for all its layers) computes what the direct path (or, for int8,
+the modules) computes, to the bit, and leaves every step it does not serve to that path."""
 
 from __future__ import annotations
 

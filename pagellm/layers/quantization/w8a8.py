@@ -84,6 +84,18 @@ def _prepared(kernel) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return None if kernel is None else functools.partial(kernel, bias=None)
 
 
+class _OneKernel:
+    """The prepared product and the kept tensors of a method whose loaded layer runs on one kernel object
+    (ops/w8a8_kernels.py's Int8Linear / Fp8Linear, or an online method's), which `loaded_kernel` returns."""
+
+    def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return _prepared(self.loaded_kernel(layer))
+
+    def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
+        kernel = self.loaded_kernel(layer)
+        return kernel.tensors() if kernel is not None else []
+
+
 def _free(param: nn.Parameter) -> None:
     """Drop a parameter's storage once its kernel keeps its own copy of the weight."""
     note_freed(param.data.untyped_storage().nbytes())
@@ -104,7 +116,7 @@ def _register_channel_scale(layer: nn.Module, name: str, out_features: int) -> N
     layer.register_parameter(name, scale)
 
 
-class Int8LinearMethod(LinearMethod):
+class Int8LinearMethod(_OneKernel, LinearMethod):
     """A checkpoint's int8 weights: `weight` int8 [N, K]; `weight_scale` float [N, 1] (per channel) or one per
     checkpoint shard (per tensor); `input_scale` one per shard with static activation scales (their largest is
     used, as vLLM does)."""
@@ -141,24 +153,17 @@ class Int8LinearMethod(LinearMethod):
             _free(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kernel = getattr(layer, "int8_linear", None)
+        kernel = self.loaded_kernel(layer)
         if kernel is None:  # not processed yet (a model used before loading finished, e.g. in a unit test)
             scale, input_scale = self._scales(layer)
             return wk.int8_linear_reference(x, layer.weight, scale, input_scale, bias)
         return kernel(x, bias)
 
-    def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        return _prepared(getattr(layer, "int8_linear", None))
-
     def loaded_kernel(self, layer: nn.Module) -> wk.Int8Linear | None:
         return getattr(layer, "int8_linear", None)
 
-    def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
-        kernel = getattr(layer, "int8_linear", None)
-        return kernel.tensors() if kernel is not None else []
 
-
-class Fp8LinearMethod(LinearMethod):
+class Fp8LinearMethod(_OneKernel, LinearMethod):
     """A checkpoint's fp8 weights: `weight` float8_e4m3fn [N, K] and its scale `scale_name` ("weight_scale", or
     "weight_scale_inv" in quant_method fp8's block-wise checkpoints): one per checkpoint shard ("tensor"),
     [N, 1] ("channel") or [N / bn, K / bk] ("block", `block` = (bn, bk)); `input_scale` one per shard with
@@ -215,21 +220,14 @@ class Fp8LinearMethod(LinearMethod):
             _free(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kernel = getattr(layer, "fp8_linear", None)
+        kernel = self.loaded_kernel(layer)
         if kernel is None:
             scales, block_k = self._scales(layer)
             return wk.fp8_linear_reference(x, layer.weight, scales, block_k, bias)
         return kernel(x, bias)
 
-    def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        return _prepared(getattr(layer, "fp8_linear", None))
-
     def loaded_kernel(self, layer: nn.Module) -> wk.Fp8Linear | None:
         return getattr(layer, "fp8_linear", None)
-
-    def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
-        kernel = getattr(layer, "fp8_linear", None)
-        return kernel.tensors() if kernel is not None else []
 
 
 def _check_block_shape(prefix: str, output_sizes: list[int], input_size: int, block_n: int, block_k: int,
@@ -247,7 +245,7 @@ def _check_block_shape(prefix: str, output_sizes: list[int], input_size: int, bl
 # ---- online quantization ------------------------------------------------------------------------------------
 
 
-class OnlineQuantizedLinearMethod(LinearMethod):
+class OnlineQuantizedLinearMethod(_OneKernel, LinearMethod):
     """A float checkpoint quantized layer by layer while it loads: `weight` starts empty and is allocated in
     the model's dtype when its first checkpoint tensor arrives; once every shard has loaded, `quantize` turns it
     into the layer's kernel and the float weight is freed."""
@@ -298,14 +296,8 @@ class OnlineQuantizedLinearMethod(LinearMethod):
             raise RuntimeError(f"{layer.prefix} is used before its weights were loaded and quantized")
         return layer.online_kernel(x, bias)
 
-    def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        return _prepared(layer.online_kernel)
-
     def loaded_kernel(self, layer: nn.Module):
         return layer.online_kernel
-
-    def kernel_tensors(self, layer: nn.Module) -> list[torch.Tensor]:
-        return layer.online_kernel.tensors() if layer.online_kernel is not None else []
 
 
 class OnlineInt8LinearMethod(OnlineQuantizedLinearMethod):

@@ -615,15 +615,16 @@ int w8a8_int8_linear(const void *x, int x_bf16, int64_t rows, int64_t K, int64_t
     return 0;
 }
 
-/* One int8 layer as the decode stack calls its products (decode_stack.c: gguf_matmul's signature),
- * its weights at `w`. */
+/* One int8 weight (w8a8_int8_linear's weight arguments), for the calls that take several: the decode stack's
+ * (decode_stack.c: gguf_matmul's signature, the weight at `w`) and the experts call (which runs no AMX tiles and
+ * reads no amx_min_rows). */
 typedef struct {
     const int8_t *packed;
     const int32_t *colsum;
     const float *wscale;
     int64_t amx_min_rows;
     float static_scale;
-} W8A8StackLayer;
+} Int8Weight;
 
 /* The calling thread's buffers of quantized rows, kept and grown between calls (a decode step makes one call per
  * layer and product: fresh ones would be allocated each time). Returns 0 if memory ran out. */
@@ -655,7 +656,7 @@ int w8a8_stack_product(int type, const void *w, const void *x, int x_bf16, int64
     (void)type;
     if (x_bf16 != y_bf16 || rows < 0 || K <= 0) return 2;
     if (rows == 0) return 0;
-    const W8A8StackLayer *layer = w;
+    const Int8Weight *layer = w;
     int8_t *xq;
     float *xs;
     if (!stack_buffers(rows, (K + GROUP - 1) / GROUP * GROUP, &xq, &xs)) return 1;
@@ -1021,18 +1022,10 @@ static ExpertRows *expert_row_tiles(const int32_t *ids, const int64_t *counts, i
     return out;
 }
 
-/* One int8 weight of a grouped call (w8a8_int8_linear's weight arguments). */
-typedef struct {
-    const int8_t *packed;
-    const int32_t *colsum;
-    const float *wscale;
-    float static_scale;
-} Int8ExpertWeight;
-
 /* w8a8_int8_linear (no bias) for experts: see above. Every row takes the few-row tiles, so the call is meant
  * for experts of fewer rows than the wide and AMX tiles start at (w8a8_int8_experts_max_rows). xq [rows * Kp]
  * and xs [rows] as w8a8_int8_linear's. Returns 2 for sizes or ids it cannot take, 3 if memory ran out. */
-int w8a8_int8_linear_experts(const Int8ExpertWeight *weights, int64_t n_weights, const int32_t *ids,
+int w8a8_int8_linear_experts(const Int8Weight *weights, int64_t n_weights, const int32_t *ids,
                              const int64_t *counts, int64_t n, const void *x, int x_bf16, int64_t K, int64_t N,
                              void *y, int y_bf16, int8_t *xq, float *xs) {
     int64_t rows;
@@ -1057,7 +1050,7 @@ int w8a8_int8_linear_experts(const Int8ExpertWeight *weights, int64_t n_weights,
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; ++item) {
             const ExpertRows *tile = tiles + item / column_tiles;
-            const Int8ExpertWeight *w = weights + tile->weight;
+            const Int8Weight *w = weights + tile->weight;
             const Int8Problem pr = {xq, xs, w->packed, w->colsum, w->wscale, NULL, y, Kp, N, y_bf16};
             const int64_t panel = item % column_tiles * INT8_PANELS;
             const int64_t P = panels - panel < INT8_PANELS ? panels - panel : INT8_PANELS;

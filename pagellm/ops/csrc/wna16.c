@@ -305,9 +305,6 @@ static ALWAYS_INLINE void dequantize_block(const int32_t *block, const float *gp
     }
 }
 
-/* out [in_features][out_stride] = columns n_first .. n_first + n_count of W^T (n_first a multiple of NB; out_stride
- * >= n_count): each input feature's row in input order (padding rows dropped), a tile for a dense GEMM x @ tile.
- * Returns 2 for bits other than 4 and 8, 3 for an n_first that is not a block boundary. */
 /* One weight of a group that wna16_matmul_experts runs in one call (a mixture-of-experts layer's experts, one
  * projection): wna16_matmul's leading arguments. */
 typedef struct {
@@ -411,6 +408,9 @@ int wna16_stack_product(int type, const void *w, const void *x, int x_bf16, int6
                         weight->n_groups, weight->k_rows, N, x, x_bf16, rows, K, y, y_bf16, N, NULL);
 }
 
+/* out [in_features][out_stride] = columns n_first .. n_first + n_count of W^T (n_first a multiple of NB; out_stride
+ * >= n_count): each input feature's row in input order (padding rows dropped), a tile for a dense GEMM x @ tile.
+ * Returns 2 for bits other than 4 and 8, 3 for an n_first that is not a block boundary. */
 int wna16_dequantize_t(const int32_t *packed, const float *gparams, const int32_t *group_rows, const int32_t *src,
                        int bits, int64_t n_groups, int64_t k_rows, int64_t n_first, int64_t n_count, float *out,
                        int64_t out_stride) {
