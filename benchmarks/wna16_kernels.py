@@ -8,7 +8,8 @@ and pagellm's float32 dense layer on the dequantized weight, set up as the loade
 (pagellm.ops.dense_linear.choose_dense_kernel: oneDNN on a packed copy, MKL from 512 rows on AVX2).
 With --bf16, bfloat16 rows, a third path and the bfloat16 layer instead:
 - `tiles`:  the weight dequantized into linear_bf16's packed layout, tile by tile, and linear_bf16 on it (what
-            `matmul` runs from `bf16_tile_min_rows` rows where the CPU has avx512_bf16);
+            `product` runs from `bf16_tile_min_rows` rows where the CPU has avx512_bf16); the packed path and
+            the tiles then write bfloat16 outputs, as a bfloat16 model's layers have them written;
 and the row count from which the tiles were faster than the packed path.
 
 Weights come from memory as in a decode step: each option cycles through enough layers of distinct weights to
@@ -106,13 +107,16 @@ def main() -> None:
         dense_from = tiles_from = None
         for rows in args.rows:
             x = torch.randn(rows, k).to(dtype)
+            # bfloat16 rows: the packed path and the tiles write bfloat16, as a bfloat16 model's layers call them.
+            y = torch.empty(rows, n, dtype=torch.bfloat16)
             options = {
-                "packed": lambda: [kernels.matmul_packed(x, layout) for layout in layouts],
+                "packed": (lambda: [kernels._packed_into(x, layout, y, None) for layout in layouts]) if args.bf16
+                else (lambda: [kernels.matmul_packed(x, layout) for layout in layouts]),
                 "dense": lambda: [kernels.matmul_dense(x, layout) for layout in layouts],
                 "layer": lambda: [layer(x, None) for layer in dense_layers],
             }
             if tiles:
-                options["tiles"] = lambda: [kernels.matmul_bf16_tiles(x, layout) for layout in layouts]
+                options["tiles"] = lambda: [kernels._tiles_into(x, layout, y) for layout in layouts]
             best = time_interleaved(options, args.repeats, args.cpu_time)
             flops = 2 * rows * k * n
             speed = {name: flops * (float_count if name == "layer" else count) / seconds / 1e9

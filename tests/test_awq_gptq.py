@@ -215,6 +215,56 @@ def test_bfloat16_rows_run_linear_bf16_on_the_weight_rounded_once(bits, variant,
     assert taken == [20]
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("variant", ["plain", "act_order", "uneven"])
+def test_the_bf16_layout_is_the_weight_rounded_once_on_every_isa(isa, bits, variant):
+    """wna16_dequantize_bf16_packed, on every build (in registers where it has avx512_bf16, through a float32
+    block elsewhere and for act order without it), from a block-aligned first column."""
+    kernels = _kernels(isa)
+    weight = random_group_quant_weight(bits, 96, 80, variant, seed=bits + 7)
+    layout = wna16.cpu_layout(weight)
+    expected = LinearBF16.pack(kernels.dequantize(layout).to(torch.bfloat16))
+    for first, count in ((0, 80), (32, 48), (64, 16)):
+        packed = torch.full((count // 16, 48, 16, 2), float("nan"), dtype=torch.bfloat16)
+        assert kernels._dequantize_packed(*layout.kernel_args, 96, first, count, packed.data_ptr()) == 0
+        assert torch.equal(packed, expected[first // 16 : (first + count) // 16]), (first, count)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("variant", ["plain", "act_order"])
+def test_bfloat16_products_write_bfloat16_as_the_float32_result_rounds(bits, variant, monkeypatch):
+    """`product` on bfloat16 rows (the packed path, the tiles, the dense path past them) gives matmul's float32
+    result rounded to bfloat16, bias included, also into a column slice of a wider tensor; a layer of two parts
+    (GPTQ shards in different orders) fills its two column ranges."""
+    kernels = _kernels(ISAS[0])
+    weight = random_group_quant_weight(bits, 96, 80, variant, seed=bits + 3)
+    layout = wna16.cpu_layout(weight)
+    bias = torch.randn(80, generator=torch.Generator().manual_seed(4))
+    for rows in (1, 7, 8, 12, 20, 40):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        for b in (None, bias):
+            y = kernels.product(x, layout, bias=b)
+            assert y.dtype == torch.bfloat16 and torch.equal(y, kernels.matmul(x, layout, bias=b).bfloat16()), rows
+        wide = torch.full((rows, 120), float("nan"), dtype=torch.bfloat16)
+        kernels.product(x, layout, out=wide[:, 20:100], bias=bias)
+        assert torch.equal(wide[:, 20:100], y)
+        assert torch.isnan(wide[:, :20]).all() and torch.isnan(wide[:, 100:]).all()
+    taken = []
+    monkeypatch.setattr(kernels, "_tiles_into", lambda x, layout, y: taken.append(len(x)))
+    monkeypatch.setattr(kernels, "bf16_tile_min_rows", {bits: 20})
+    for rows in (19, 20):
+        kernels.product(torch.zeros(rows, 96, dtype=torch.bfloat16), layout)
+    assert taken == ([20] if kernels._linear_bf16 is not None else [])
+    monkeypatch.undo()
+    other = random_group_quant_weight(bits, 96, 48, "act_order", seed=9)
+    two_parts = wna16.CpuGroupQuant([(0, weight), (80, other)], kernels)
+    for rows in (3, 30):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        expected = torch.cat([kernels.matmul(x, wna16.cpu_layout(w)) for w in (weight, other)], dim=1).bfloat16()
+        assert torch.equal(two_parts(x, None), expected)
+
+
 def test_bfloat16_rows_take_the_tiles_from_this_cpus_threshold():
     """AMX's tiles from BF16_TILE_MIN_ROWS, avx512_bf16's vector products from BF16_VECTOR_TILE_MIN_ROWS (each
     measured on a CPU of its kind); without linear_bf16, bfloat16 rows switch where float32 rows do."""

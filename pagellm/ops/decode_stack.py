@@ -41,12 +41,12 @@ from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import (Fp8LinearMethod, Int8LinearMethod, OnlineFp8LinearMethod,
                                               OnlineInt8LinearMethod)
 from pagellm.layers.rotary import RopeInputs
-from pagellm.ops.cpu_build import KERNEL_DTYPES
+from pagellm.ops.cpu_build import KERNEL_DTYPES, NEVER_ROWS
 from pagellm.ops.cpu_ops import CpuOps
 from pagellm.ops.dense_linear import NativeBF16Packed
 from pagellm.ops.gguf_kernels import PreparedProduct
 from pagellm.ops.linear_bf16 import LinearBF16
-from pagellm.ops.w8a8_kernels import Fp8WeightStruct, Int8WeightStruct, NativeFp8Linear, NativeInt8Linear
+from pagellm.ops.w8a8_kernels import Fp8StackLayer, Int8WeightStruct, NativeFp8Linear, NativeInt8Linear
 from pagellm.ops.wna16 import CpuGroupQuant, CpuLayout, WNA16Kernels, Wna16StackLayer
 
 ENV = "PAGELLM_DECODE_STACK"
@@ -141,7 +141,8 @@ class _StructPart(_OnePart):
     type_id: int = 0
 
     def int8_max_rows(self, dtype: torch.dtype) -> int | None:
-        return None if self.rows_below is None else self.rows_below[dtype is torch.bfloat16] - 1
+        below = None if self.rows_below is None else self.rows_below[dtype is torch.bfloat16]
+        return None if below is None or below >= NEVER_ROWS else below - 1
 
     @property
     def weight_address(self) -> int:
@@ -166,30 +167,33 @@ class Int8Part(_StructPart):
 class Fp8Part(_StructPart):
     """An fp8 layer (NativeFp8Linear: a checkpoint's or quantization="fp8"'s): w8a8_fp8_stack_product, the fused
     kernel its product runs below the rows where it switches to dequantized tiles (per activation dtype, as
-    W8A8Kernels.fp8_linear switches)."""
+    W8A8Kernels.fp8_linear switches), and for bfloat16 rows where linear_bf16 takes the weight, both at every
+    row count."""
 
     product_name: ClassVar[str] = "w8a8_fp8_linear"
 
     @classmethod
     def of(cls, linear: NativeFp8Linear) -> Fp8Part:
         kernels = linear.kernels
+        bf16_below = NEVER_ROWS if kernels.fp8_stack_tiles_take(linear.packed) else kernels.fp8_bf16_dense_min_rows
         return cls(kernels.library, kernels.library.w8a8_fp8_stack_product, linear.in_features, linear.out_features,
-                   Fp8WeightStruct.of(linear), (kernels.fp8_dense_min_rows, kernels.fp8_bf16_dense_min_rows))
+                   Fp8StackLayer.of(linear), (kernels.fp8_dense_min_rows, bf16_below))
 
 
 @dataclass(frozen=True)
 class GroupQuantPart(_StructPart):
     """One part of an AWQ / GPTQ / compressed-tensors group-quantized layer (a CpuLayout of its CpuGroupQuant):
     wna16_stack_product, the packed path its product runs below the rows where it switches to dequantized tiles
-    (per activation dtype, as WNA16Kernels.matmul switches)."""
+    in float32 (torch's GEMM), and for bfloat16 rows where linear_bf16 takes them, both paths at every row count
+    (per activation dtype, as WNA16Kernels.product switches)."""
 
     product_name: ClassVar[str] = "wna16_matmul"
 
     @classmethod
     def of(cls, kernels: WNA16Kernels, layout: CpuLayout) -> GroupQuantPart:
+        bf16_below = NEVER_ROWS if kernels._tiles_take(layout) else kernels.packed_below(layout, torch.bfloat16)
         return cls(kernels.library, kernels.library.wna16_stack_product, layout.in_features, layout.out_features,
-                   Wna16StackLayer.of(layout),
-                   tuple(kernels.packed_below(layout, dtype) for dtype in (torch.float32, torch.bfloat16)))
+                   Wna16StackLayer.of(kernels, layout), (kernels.packed_below(layout, torch.float32), bf16_below))
 
 
 _INT32_MAX = 2**31 - 1

@@ -89,6 +89,22 @@ class LinearBF16:
                              f"row stride {y.stride(0)}")
 
 
+class BF16TilesStruct(ctypes.Structure):
+    """csrc/bf16_tiles.h's BF16Tiles: where a decode-stack layer whose weight is dequantized per call (AWQ/GPTQ,
+    fp8) sends bfloat16 rows to `kernel` (linear_bf16_strided, by address): from `min_rows` rows, `columns`
+    columns of the weight at a time."""
+
+    _fields_ = [("linear", _PTR), ("min_rows", _I64), ("columns", _I64), ("amx_min_rows", _I64)]
+
+    @classmethod
+    def of(cls, kernel: LinearBF16 | None, min_rows: int = NEVER_ROWS, columns: int = 0) -> BF16TilesStruct:
+        """kernel None: never."""
+        if kernel is None:
+            return cls(None, NEVER_ROWS, 0, NEVER_ROWS)
+        return cls(ctypes.cast(kernel.library.linear_bf16_strided, _PTR).value, min_rows, columns,
+                   kernel.amx_min_rows)
+
+
 def linear_bf16(isa: str | None = None) -> LinearBF16 | None:
     """The bfloat16 linear kernel, or None where the library for `isa` has none (no avx512_bf16, no compiler)."""
     library = native_library(isa)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from pagellm.cpu_features import cpu_has_native
 from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels
-from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
+from pagellm.ops.linear_bf16 import BF16TilesStruct, LinearBF16, linear_bf16
 from pagellm.ops.scratch import thread_scratch
 from pagellm.worker.huge_pages import to_weight_memory
 
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "w8a8.c"]
-_HEADERS = [_CSRC / "gguf_simd.h", _CSRC / "isa_name.h", cpu_build.AMX_HEADER]
+_HEADERS = [_CSRC / "gguf_simd.h", _CSRC / "isa_name.h", _CSRC / "bf16_tiles.h", cpu_build.AMX_HEADER]
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 # Output columns per packed fp8 panel and int8 strip, and int8 inputs per dot group (csrc/w8a8.c's layouts).
@@ -363,13 +363,19 @@ class W8A8Kernels:
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y.view(*x.shape[:-1], out_features)
 
+    def fp8_stack_tiles_take(self, weight: PackedFp8) -> bool:
+        """Whether the decode stack's product can run this weight's bfloat16 rows on linear_bf16 as
+        `fp8_linear_dense` runs them: linear_bf16 here, an even in_features, whole 16-column blocks, no padding."""
+        return (self._linear_bf16 is not None and cpu_has_native(torch.bfloat16) and weight.in_features % 2 == 0
+                and weight.out_features % LinearBF16.PANEL == 0 and weight.padded_out_features == weight.out_features)
+
     def _fp8_dense_on_linear_bf16(self, rows: torch.Tensor, weight: PackedFp8) -> torch.Tensor:
         """bfloat16 rows @ W^T on linear_bf16, the weight dequantized DENSE_TILE_BYTES at a time into its packed
         layout (faster than torch's GEMM on plain dequantized tiles up to 1,024 rows, README "An Emerald Rapids
         Xeon"). Whole 16-column blocks only; a last 8 columns go to torch's GEMM."""
         in_features, out_features, panel = weight.in_features, weight.out_features, LinearBF16.PANEL
         blocks = weight.padded_out_features // panel
-        per_tile = max(1, min(blocks, DENSE_TILE_BYTES // (in_features * 2 * panel)))
+        per_tile = _tile_blocks(weight)
         tile = self._buffer("tile-bf16-packed", per_tile * in_features * panel, torch.bfloat16)
         products = []
         for first in range(0, blocks, per_tile):
@@ -414,6 +420,12 @@ class W8A8Kernels:
                             weight.block_k, 0, width // PANEL, out.data_ptr(), int(dtype == torch.bfloat16)):
             raise ValueError(f"w8a8_fp8_dequantize refused in_features={weight.in_features}")
         return out[:, : weight.out_features].t().contiguous()
+
+
+def _tile_blocks(weight: PackedFp8) -> int:
+    """16-column blocks of an fp8 weight per bfloat16 tile for linear_bf16 (about DENSE_TILE_BYTES)."""
+    blocks = weight.padded_out_features // LinearBF16.PANEL
+    return max(1, min(blocks, DENSE_TILE_BYTES // (weight.in_features * 2 * LinearBF16.PANEL)))
 
 
 def _static(scale: float | None) -> float:
@@ -553,6 +565,22 @@ class Fp8WeightStruct(ctypes.Structure):
     @classmethod
     def of(cls, linear: NativeFp8Linear) -> Fp8WeightStruct:
         return cls(linear.packed.packed.data_ptr(), linear.packed.scales.data_ptr(), linear.packed.block_k)
+
+
+class Fp8StackLayer(ctypes.Structure):
+    """csrc/w8a8.c's Fp8StackLayer: one fp8 layer as the decode stack's product (w8a8_fp8_stack_product) reads it,
+    bfloat16 rows going to linear_bf16's tiles from the rows where `W8A8Kernels.fp8_linear` sends them there."""
+
+    _fields_ = [("weight", Fp8WeightStruct), ("tiles", BF16TilesStruct)]
+
+    @classmethod
+    def of(cls, linear: NativeFp8Linear) -> Fp8StackLayer:
+        kernels, weight = linear.kernels, linear.packed
+        if not kernels.fp8_stack_tiles_take(weight):
+            return cls(Fp8WeightStruct.of(linear), BF16TilesStruct.of(None))
+        return cls(Fp8WeightStruct.of(linear),
+                   BF16TilesStruct.of(kernels._linear_bf16, kernels.fp8_bf16_dense_min_rows,
+                                      _tile_blocks(weight) * LinearBF16.PANEL))
 
 
 class _ExpertsProduct:

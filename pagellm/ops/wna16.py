@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from pagellm.cpu_features import cpu_has_amx_bf16
 from pagellm.ops import cpu_build
-from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
+from pagellm.ops.linear_bf16 import BF16TilesStruct, LinearBF16, linear_bf16
 from pagellm.ops.scratch import thread_scratch
 from pagellm.worker.huge_pages import to_weight_memory
 
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "wna16.c"]
-_HEADERS = [_CSRC / "isa_name.h"]
+_HEADERS = [_CSRC / "isa_name.h", _CSRC / "bf16_tiles.h"]
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 BITS = (4, 8)
@@ -65,10 +65,12 @@ DENSE_MIN_ROWS: dict[str, dict[int, int]] = {
     "generic": {4: 16, 8: 16},
 }
 # bfloat16 rows from which linear_bf16 multiplies them by the weight dequantized into its packed layout, per bits,
-# where the CPU has AMX's bfloat16 tiles (measured on an Emerald Rapids Xeon, README "An Emerald Rapids Xeon"), and
-# where it has avx512_bf16's vector products alone (benchmarks/wna16_kernels.py --bf16 on a Zen 4: the tiles ahead
-# from 24-32 rows on 384 x 1024 to 2048 x 2048 layers, README "Quantized weights").
-BF16_TILE_MIN_ROWS = {4: 16, 8: 16}
+# where the CPU has AMX's bfloat16 tiles (benchmarks/wna16_kernels.py --bf16 on a Sapphire Rapids Xeon since the
+# one-pass dequantization: the tiles ahead from 8 rows at 4 bits, 8-10 at 8, on SmolLM2's shapes and 2048 x 2048;
+# README "AWQ and GPTQ on AMX's tiles"), and where it has avx512_bf16's vector products alone (the same benchmark on
+# a Zen 4 before that change: the tiles ahead from 24-32 rows on 384 x 1024 to 2048 x 2048 layers, README
+# "Quantized weights").
+BF16_TILE_MIN_ROWS = {4: 8, 8: 10}
 BF16_VECTOR_TILE_MIN_ROWS = {4: 32, 8: 32}
 
 
@@ -291,6 +293,64 @@ class WNA16Kernels:
             return self.matmul_bf16_tiles(x, layout, out, bias)
         return self.matmul_dense(x, layout, out, bias)
 
+    def product(self, x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`matmul`, but bfloat16 rows give bfloat16 (rounded once, as `matmul(...).to(torch.bfloat16)` rounds)
+        into `out` (possibly a column slice of a wider tensor) or a new tensor: the packed path and the tiles
+        write them without the float32 result in between. Other rows give float32, as `matmul`."""
+        if x.dtype is not torch.bfloat16:
+            return self.matmul(x, layout, out, bias)
+        if x.dim() != 2 or x.shape[1] != layout.in_features:
+            raise ValueError(f"x is {tuple(x.shape)}; this weight takes [rows, {layout.in_features}]")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        rows = x.shape[0]
+        if out is None:
+            out = torch.empty(rows, layout.out_features, dtype=torch.bfloat16)
+        elif out.dtype is not torch.bfloat16 or out.shape != (rows, layout.out_features) or out.stride(1) != 1:
+            raise ValueError(f"out is {out.dtype} {tuple(out.shape)}; this product writes bfloat16 "
+                             f"[{rows}, {layout.out_features}] with unit column stride")
+        if rows < self.packed_below(layout, torch.bfloat16):
+            return self._packed_into(x, layout, out, bias)
+        if self._tiles_take(layout) and rows >= self.bf16_tile_min_rows[layout.bits]:
+            self._tiles_into(x, layout, out)
+            return out if bias is None else out.add_(bias)
+        return out.copy_(self.matmul_dense(x, layout, bias=bias))
+
+    def _packed_into(self, x: torch.Tensor, layout: CpuLayout, y: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """The packed path writing y in y's dtype (float32, or bfloat16 rounded once)."""
+        if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
+            bias = bias.to(torch.float32).contiguous()
+        failed = self._matmul(*layout.kernel_args, layout.out_features, x.data_ptr(), x.dtype is torch.bfloat16,
+                              x.shape[0], x.stride(0), y.data_ptr(), y.dtype is torch.bfloat16, y.stride(0),
+                              bias.data_ptr() if bias is not None else None)
+        if failed == 1:
+            raise MemoryError(f"wna16_matmul could not allocate the gathered activations of {x.shape[0]} rows")
+        if failed:
+            raise ValueError(f"wna16_matmul refused {layout.bits}-bit weights")
+        return y
+
+    def _tiles_into(self, x: torch.Tensor, layout: CpuLayout, y: torch.Tensor) -> None:
+        """y (bfloat16, unit column stride) = bfloat16 x @ W^T on linear_bf16, the weight dequantized (about
+        DENSE_TILE_BYTES at a time) into its packed layout, each weight rounded to bfloat16 once; linear_bf16
+        writes its columns of y in place."""
+        in_features, panel = layout.in_features, LinearBF16.PANEL
+        if in_features % 2 or layout.out_features % panel:
+            raise ValueError(f"linear_bf16 takes an even in_features and out_features a multiple of {panel}, not "
+                             f"{in_features}, {layout.out_features}")
+        rows = x if x.is_contiguous() else x.contiguous()
+        tile_columns = _tile_columns(in_features)
+        tile = self._tile(min(tile_columns, layout.out_features) * in_features // 2)  # float32 words: bf16 pairs
+        for first in range(0, layout.out_features, tile_columns):
+            n = min(tile_columns, layout.out_features - first)
+            packed = tile[: n * in_features // 2].view(torch.bfloat16).view(n // panel, in_features // 2, panel, 2)
+            failed = self._dequantize_packed(*layout.kernel_args, in_features, first, n, packed.data_ptr())
+            if failed:
+                raise (MemoryError("wna16_dequantize_bf16_packed ran out of memory") if failed == 5 else
+                       ValueError(f"wna16_dequantize_bf16_packed refused {layout.bits}-bit weights (code {failed})"))
+            self._linear_bf16.into(rows, packed, y if n == layout.out_features else y[:, first : first + n])
+
     def _tiles_take(self, layout: CpuLayout) -> bool:
         """Whether linear_bf16 can multiply bfloat16 rows by this weight."""
         return self._linear_bf16 is not None and layout.in_features % 2 == 0 and \
@@ -314,7 +374,7 @@ class WNA16Kernels:
         def product(x: torch.Tensor) -> torch.Tensor:
             rows, dtype = x.shape[0], x.dtype
             if x.dim() != 2 or x.shape[1] != in_features or rows >= packed_below.get(dtype, 0) or x.stride(1) != 1:
-                y = self.matmul(x.reshape(-1, x.shape[-1]), layout).to(dtype)
+                y = self.product(x.reshape(-1, x.shape[-1]), layout).to(dtype)
                 return y.view(*x.shape[:-1], out_features)
             y = torch.empty(rows, out_features, dtype=dtype)
             bf16 = dtype is torch.bfloat16
@@ -330,20 +390,11 @@ class WNA16Kernels:
         its packed layout, each weight rounded to bfloat16 once; the bfloat16 products are widened into the
         float32 output. in_features even, out_features a multiple of 16."""
         x, y, bias = _operands(x, layout, out, bias)
-        in_features, panel = layout.in_features, LinearBF16.PANEL
-        if x.dtype is not torch.bfloat16 or in_features % 2 or layout.out_features % panel:
-            raise ValueError(f"linear_bf16 takes bfloat16 rows, an even in_features and out_features a multiple "
-                             f"of {panel}, not {x.dtype}, {in_features}, {layout.out_features}")
-        tile_columns = max(1, DENSE_TILE_BYTES // (2 * in_features) // BLOCK_COLUMNS) * BLOCK_COLUMNS
-        tile = self._tile(min(tile_columns, layout.out_features) * in_features // 2)  # float32 words: bf16 pairs
-        for first in range(0, layout.out_features, tile_columns):
-            n = min(tile_columns, layout.out_features - first)
-            packed = tile[: n * in_features // 2].view(torch.bfloat16).view(n // panel, in_features // 2, panel, 2)
-            failed = self._dequantize_packed(*layout.kernel_args, in_features, first, n, packed.data_ptr())
-            if failed:
-                raise (MemoryError("wna16_dequantize_bf16_packed ran out of memory") if failed == 5 else
-                       ValueError(f"wna16_dequantize_bf16_packed refused {layout.bits}-bit weights (code {failed})"))
-            y[:, first : first + n] = self._linear_bf16(x, packed, None)
+        if x.dtype is not torch.bfloat16:
+            raise ValueError(f"linear_bf16 takes bfloat16 rows, not {x.dtype}")
+        products = torch.empty(y.shape, dtype=torch.bfloat16)
+        self._tiles_into(x, layout, products)
+        y.copy_(products)
         if bias is not None:
             y += bias
         return y
@@ -352,14 +403,7 @@ class WNA16Kernels:
                       bias: torch.Tensor | None = None) -> torch.Tensor:
         """`matmul` straight from the packed weights, whatever the row count."""
         x, y, bias = _operands(x, layout, out, bias)
-        failed = self._matmul(*layout.kernel_args, layout.out_features, x.data_ptr(), x.dtype is torch.bfloat16,
-                              x.shape[0], x.stride(0), y.data_ptr(), False, y.stride(0),
-                              bias.data_ptr() if bias is not None else None)
-        if failed == 1:
-            raise MemoryError(f"wna16_matmul could not allocate the gathered activations of {x.shape[0]} rows")
-        if failed:
-            raise ValueError(f"wna16_matmul refused {layout.bits}-bit weights")
-        return y
+        return self._packed_into(x, layout, y, bias)
 
     def matmul_dense(self, x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None = None,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -414,13 +458,18 @@ class _Wna16Weight(ctypes.Structure):
 
 
 class Wna16StackLayer(ctypes.Structure):
-    """csrc/wna16.c's Wna16StackLayer: one weight as the decode stack's product (wna16_stack_product) reads it."""
+    """csrc/wna16.c's Wna16StackLayer: one weight as the decode stack's product (wna16_stack_product) reads it,
+    bfloat16 rows going to linear_bf16's tiles where and from where `WNA16Kernels.product` sends them."""
 
-    _fields_ = [("weight", _Wna16Weight), ("bits", ctypes.c_int64)]
+    _fields_ = [("weight", _Wna16Weight), ("bits", ctypes.c_int64), ("tiles", BF16TilesStruct)]
 
     @classmethod
-    def of(cls, layout: CpuLayout) -> Wna16StackLayer:
-        return cls(_Wna16Weight.of(layout), layout.bits)
+    def of(cls, kernels: WNA16Kernels, layout: CpuLayout) -> Wna16StackLayer:
+        if not kernels._tiles_take(layout):
+            return cls(_Wna16Weight.of(layout), layout.bits, BF16TilesStruct.of(None))
+        return cls(_Wna16Weight.of(layout), layout.bits,
+                   BF16TilesStruct.of(kernels._linear_bf16, kernels.bf16_tile_min_rows[layout.bits],
+                                      _tile_columns(layout.in_features)))
 
 
 class ExpertsPackedProduct:
@@ -453,6 +502,11 @@ class ExpertsPackedProduct:
                            out.stride(0))
         if failed:
             raise MemoryError(f"wna16_matmul_experts could not allocate the gathered activations of {sum(sizes)} rows")
+
+
+def _tile_columns(in_features: int) -> int:
+    """Columns of a weight of `in_features` inputs per bfloat16 tile for linear_bf16 (about DENSE_TILE_BYTES)."""
+    return max(1, DENSE_TILE_BYTES // (2 * in_features) // BLOCK_COLUMNS) * BLOCK_COLUMNS
 
 
 def _operands(x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None, bias: torch.Tensor | None):
@@ -564,11 +618,12 @@ class CpuGroupQuant(GroupQuantKernel):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if len(self.layouts) == 1:
-            return self.kernels.matmul(x, self.layouts[0][1], bias=bias)
-        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+            return self.kernels.product(x, self.layouts[0][1], bias=bias)
+        dtype = torch.bfloat16 if x.dtype is torch.bfloat16 else torch.float32
+        y = torch.empty(x.shape[0], self.out_features, dtype=dtype, device=x.device)
         for first, layout in self.layouts:
             columns = slice(first, first + layout.out_features)
-            self.kernels.matmul(x, layout, y[:, columns], bias[columns] if bias is not None else None)
+            self.kernels.product(x, layout, y[:, columns], bias[columns] if bias is not None else None)
         return y
 
     def prepared_product(self) -> Callable[[torch.Tensor], torch.Tensor] | None:

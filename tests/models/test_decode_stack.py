@@ -190,6 +190,49 @@ def test_a_group_quantized_llama_runs_on_the_stack_as_its_direct_path_does(tiny_
     _check_on_the_stack_below_its_parts_rows(_llm(tmp_path / "quantized", dtype=dtype), GroupQuantPart, monkeypatch)
 
 
+@pytest.mark.skipif(not _LINEAR_BF16, reason="the CPU kernels were built without avx512_bf16's dot product")
+@pytest.mark.parametrize("spec", [QuantSpec("awq", group_size=32), QuantSpec("gptq", bits=4, group_size=16,
+                                                                              desc_act=True)],
+                         ids=["awq", "gptq-4-bit-act-order"])
+def test_bfloat16_steps_past_the_packed_path_run_on_the_stacks_tiles(tiny_llama_dir, tmp_path, spec, monkeypatch):
+    """bfloat16 steps from the rows where the product takes linear_bf16's tiles (lowered here to 2, so that steps
+    of 3 tokens take them) run on the stack too, as the direct path runs them."""
+    write_group_quantized(tiny_llama_dir, tmp_path / "quantized", tmp_path / "dequantized", spec)
+    llm = _llm(tmp_path / "quantized", dtype="bfloat16")
+    model = llm.llm_engine.core.runner.model.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    monkeypatch.setattr(qkv.quant_method.loaded_kernel(qkv).kernels, "bf16_tile_min_rows", {4: 2, 8: 2})
+    model.reset_direct_layers()
+    _check_the_stacks_tiles(llm, monkeypatch)
+
+
+@pytest.mark.skipif(not _LINEAR_BF16, reason="the CPU kernels were built without avx512_bf16's dot product")
+@pytest.mark.parametrize("source", ["online", "compressed-tensors"])
+def test_bfloat16_fp8_steps_past_the_fused_kernel_run_on_the_stacks_tiles(tiny_llama_dir, tmp_path, source,
+                                                                           monkeypatch):
+    """As above for fp8 weights: bfloat16 steps from the rows where the product takes linear_bf16's tiles (2
+    here) run on the stack as the direct path runs them."""
+    if source == "online":
+        llm = _llm(tiny_llama_dir, dtype="bfloat16", quantization="fp8")
+    else:
+        llm = _llm(write_8bit(tiny_llama_dir, tmp_path, "fp8-block-dynamic")[0], dtype="bfloat16")
+    model = llm.llm_engine.core.runner.model.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    monkeypatch.setattr(qkv.quant_method.loaded_kernel(qkv).kernels, "fp8_bf16_dense_min_rows", 2)
+    model.reset_direct_layers()
+    _check_the_stacks_tiles(llm, monkeypatch)
+
+
+def _check_the_stacks_tiles(llm: LLM, monkeypatch) -> None:
+    """The stack, rebuilt after the tiles' threshold was lowered to 2, serves steps of any size, takes the tiles
+    from 2 rows and generates what the direct path does (steps of 1 and 3 tokens among them)."""
+    stack = _stack(llm)
+    assert stack.max_tokens is None and stack.linears[0][0][0].struct.tiles.min_rows == 2
+    stacked, direct, ran = _with_and_without(llm, monkeypatch)
+    assert stacked == direct
+    assert {1, 3} <= set(ran)
+
+
 def _check_on_the_stack_below_its_parts_rows(llm: LLM, part_class: type, monkeypatch) -> None:
     """The model's layers are `part_class` parts, the stack serves steps up to the rows their kernel takes, and
     generates what the direct path does (steps of 1 and 3 tokens among them)."""

@@ -41,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_tiles.h"
 #include "gguf_simd.h"
 #include "isa_name.h"
 
@@ -1101,16 +1102,35 @@ int w8a8_fp8_linear_experts(const Fp8Weight *weights, int64_t n_weights, const i
     return 0;
 }
 
+/* One fp8 layer as the decode stack calls its products: its weight, and where bfloat16 rows go to linear_bf16's
+ * tiles (as W8A8Kernels.fp8_linear sends them; only for weights of whole 16-column blocks, no padding). */
+typedef struct {
+    Fp8Weight weight;
+    BF16Tiles tiles;
+} Fp8StackLayer;
+
+static int fp8_stack_layer_columns(const void *w, int64_t K, int64_t N, int64_t first, int64_t n, uint16_t *tile) {
+    const Fp8Weight *weight = &((const Fp8StackLayer *)w)->weight;
+    if (N % STRIP != 0 || first % STRIP != 0 || n % STRIP != 0) return 2;
+    return w8a8_fp8_dequantize_bf16_packed(weight->packed, K, N, weight->scales, weight->block_k, first / STRIP,
+                                           n / STRIP, tile);
+}
+
 /* w8a8_fp8_linear behind gguf_matmul's signature, for the decode stack (`type` unused; activations and outputs in
- * one dtype, no bias), the weight at `w`. Returns 2 for inputs it does not take. */
+ * one dtype, no bias), the layer (Fp8StackLayer) at `w`; bfloat16 rows from its tiles.min_rows on linear_bf16's
+ * tiles. Returns 1 if memory ran out, 2 for inputs it does not take. */
 int w8a8_fp8_stack_product(int type, const void *w, const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N,
                            void *y, int y_bf16) {
     (void)type;
     if (x_bf16 != y_bf16 || rows < 0 || K <= 0) return 2;
     if (rows == 0) return 0;
-    const Fp8Weight *layer = w;
-    return w8a8_fp8_linear(x, x_bf16, rows, K, N, layer->packed, layer->scales, layer->block_k, NULL, y, y_bf16) ? 2
-                                                                                                                 : 0;
+    const Fp8StackLayer *layer = w;
+    if (x_bf16 && layer->tiles.linear != NULL && rows >= layer->tiles.min_rows)
+        return bf16_tiles_product(&layer->tiles, layer, fp8_stack_layer_columns, x, rows, K, N, y);
+    const Fp8Weight *weight = &layer->weight;
+    return w8a8_fp8_linear(x, x_bf16, rows, K, N, weight->packed, weight->scales, weight->block_k, NULL, y, y_bf16)
+               ? 2
+               : 0;
 }
 
 const char *pagellm_isa(void) { return ISA_NAME; }

@@ -32,7 +32,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_tiles.h"
 #include "isa_name.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -387,27 +392,6 @@ int wna16_matmul_experts(const Wna16Weight *weights, int bits, int64_t out_featu
     return 0;
 }
 
-/* One weight as the decode stack calls its products (decode_stack.c: gguf_matmul's signature): its
- * wna16_matmul arguments and bits. */
-typedef struct {
-    Wna16Weight weight;
-    int64_t bits;
-} Wna16StackLayer;
-
-/* wna16_matmul behind gguf_matmul's signature (`type` unused; activations and outputs in one dtype, rows
- * contiguous, no bias), for the decode stack. Returns wna16_matmul's codes (1: memory ran out), 2 for inputs it
- * does not take. */
-int wna16_stack_product(int type, const void *w, const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N,
-                        void *y, int y_bf16) {
-    (void)type;
-    if (x_bf16 != y_bf16 || rows < 0 || K <= 0) return 2;
-    if (rows == 0) return 0;
-    const Wna16StackLayer *layer = w;
-    const Wna16Weight *weight = &layer->weight;
-    return wna16_matmul(weight->packed, weight->gparams, weight->group_rows, weight->src, (int)layer->bits,
-                        weight->n_groups, weight->k_rows, N, x, x_bf16, rows, K, y, y_bf16, N, NULL);
-}
-
 /* out [in_features][out_stride] = columns n_first .. n_first + n_count of W^T (n_first a multiple of NB; out_stride
  * >= n_count): each input feature's row in input order (padding rows dropped), a tile for a dense GEMM x @ tile.
  * Returns 2 for bits other than 4 and 8, 3 for an n_first that is not a block boundary. */
@@ -453,11 +437,128 @@ static void pack_block_bf16(const float *rows, int64_t in_features, int64_t widt
     }
 }
 
+/* Sixteen columns (one linear_bf16 panel) of two consecutive input features as one 64-byte row of its packed
+ * layout: word j = column j's bfloat16 of `first` in the low half, of `second` in the high half, each rounded
+ * to nearest even as pack_block_bf16 rounds (VCVTNE2PS2BF16 and a word interleave where the build has
+ * avx512_bf16; it reads subnormal values as zero, which no dequantized weight of a real checkpoint is). */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+static ALWAYS_INLINE u32x16 bf16_pair_row(f32x16 first, f32x16 second) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)second, (__m512)first); /* first's in words 0..15 */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return (u32x16)_mm512_permutexvar_epi16(interleave, both);
+#else
+    const u32x16 a = (u32x16)first, b = (u32x16)second;
+    const u32x16 a_nan = (u32x16)(first != first), b_nan = (u32x16)(second != second);
+    const u32x16 ra = ((a + 0x7FFFu + ((a >> 16) & 1u)) & ~a_nan) | (0x7FC00000u & a_nan);
+    const u32x16 rb = ((b + 0x7FFFu + ((b >> 16) & 1u)) & ~b_nan) | (0x7FC00000u & b_nan);
+    return (ra >> 16) | (rb & 0xFFFF0000u);
+#endif
+}
+
+/* Field j of each lane as its integer value, converted to float (field_value's 16 lanes). */
+static ALWAYS_INLINE f32x16 field_value16(u32x16 v, const int bits, const int j) {
+    const uint32_t mask = (1u << bits) - 1;
+    return __builtin_convertvector((i32x16)((v >> (bits * j)) & mask), f32x16);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* Act-order layouts put the input features out of order: each internal row's 16 columns go to its feature's
+ * half of the pair row, one masked store of 16-bit lanes (the other feature of the pair writes the other half). */
+#define HAVE_SCATTERED_BF16_ROWS 1
+static ALWAYS_INLINE void store_feature_row(uint16_t *pair_row, f32x16 values, int64_t feature) {
+    const __m512i words = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)values));
+    if (feature & 1) _mm512_mask_storeu_epi16(pair_row, 0xAAAAAAAAu, _mm512_slli_epi32(words, 16));
+    else _mm512_mask_storeu_epi16(pair_row, 0x55555555u, words);
+}
+#endif
+
+/* A block's columns (`width`: 16 or NB) straight into linear_bf16's packed layout, each weight computed (as
+ * dequantize_block computes it), rounded in registers and written once: with the features in order (no src)
+ * each pair of fields of a packed row is one pair of input features; in act order each feature's row is
+ * stored into its half of its pair (HAVE_SCATTERED_BF16_ROWS only). */
+static ALWAYS_INLINE void dequantize_block_bf16(const int32_t *block, const float *gp, const int32_t *group_rows,
+                                               int64_t n_groups, const int32_t *src, int64_t in_features,
+                                               int64_t width, uint16_t *out, const int bits) {
+    const int pack = 32 / bits, panels = (int)(width / 16);
+    const int64_t pairs = in_features / 2;
+    const int32_t *w = block;
+    int64_t k = 0;
+    for (int64_t g = 0; g < n_groups; ++g) {
+        f32x16 s[2], o[2];
+        for (int c = 0; c < panels; ++c) {
+            memcpy(&s[c], gp + g * 2 * NB + 16 * c, sizeof s[c]);
+            memcpy(&o[c], gp + g * 2 * NB + NB + 16 * c, sizeof o[c]);
+        }
+        for (int32_t p = 0; p < group_rows[g]; ++p, w += NB, k += pack) {
+            u32x16 v[2];
+            for (int c = 0; c < panels; ++c) memcpy(&v[c], w + 16 * c, sizeof v[c]);
+            if (src == NULL) {
+                for (int j = 0; j < pack; j += 2) {
+                    const int64_t pair = (k + j) / 2;
+                    if (pair >= pairs) return; /* the last packed row's fields past in_features */
+                    for (int c = 0; c < panels; ++c) {
+                        const u32x16 row = bf16_pair_row(s[c] * field_value16(v[c], bits, j) + o[c],
+                                                         s[c] * field_value16(v[c], bits, j + 1) + o[c]);
+                        memcpy(out + (c * pairs + pair) * 32, &row, sizeof row);
+                    }
+                }
+            }
+#ifdef HAVE_SCATTERED_BF16_ROWS
+            else {
+                for (int j = 0; j < pack; ++j) {
+                    const int64_t feature = src[k + j];
+                    if (feature < 0) continue;
+                    for (int c = 0; c < panels; ++c)
+                        store_feature_row(out + (c * pairs + feature / 2) * 32,
+                                          s[c] * field_value16(v[c], bits, j) + o[c], feature);
+                }
+            }
+#endif
+        }
+    }
+}
+
+/* Block b of the layout (its first `width` columns) into `out` in linear_bf16's packed layout. `rows`: float32
+ * scratch [in_features][NB] for act order where the build cannot scatter (dequantize_block, then
+ * pack_block_bf16); unused otherwise. */
+static void block_into_bf16(const int32_t *packed, const float *gparams, const int32_t *group_rows,
+                            const int32_t *src, int bits, int64_t n_groups, int64_t k_rows, int64_t in_features,
+                            int64_t b, int64_t width, uint16_t *out, float *rows) {
+    const int32_t *block = packed + b * k_rows * NB;
+    const float *gp = gparams + b * n_groups * 2 * NB;
+#ifndef HAVE_SCATTERED_BF16_ROWS
+    if (src != NULL) {
+        if (bits == 4) dequantize_block(block, gp, group_rows, n_groups, src, width, rows, NB, 4);
+        else dequantize_block(block, gp, group_rows, n_groups, src, width, rows, NB, 8);
+        pack_block_bf16(rows, in_features, width, out);
+        return;
+    }
+#else
+    (void)rows;
+#endif
+    if (bits == 4) dequantize_block_bf16(block, gp, group_rows, n_groups, src, in_features, width, out, 4);
+    else dequantize_block_bf16(block, gp, group_rows, n_groups, src, in_features, width, out, 8);
+}
+
+/* Whether block_into_bf16 needs its float32 scratch for this layout. */
+static int needs_rows_scratch(const int32_t *src) {
+#ifdef HAVE_SCATTERED_BF16_ROWS
+    (void)src;
+    return 0;
+#else
+    return src != NULL;
+#endif
+}
+
 /* out [n_count / 16][in_features / 2][16][2] bfloat16 = columns n_first .. n_first + n_count of W (n_first a
  * multiple of NB, n_count of 16), each weight s q + o computed as wna16_dequantize_t computes it and rounded once
- * to bfloat16, in linear_bf16's packed layout (csrc/linear_bf16.c), so that its kernel (AMX's tiles where the CPU
- * has them) multiplies bfloat16 rows by the weight. Returns 2 and 3 as wna16_dequantize_t does, 4 for an odd
- * in_features or an n_count that is not a multiple of 16, 5 if memory ran out. */
+ * to bfloat16, in linear_bf16's packed layout (csrc/linear_bf16.c). Returns 2 and 3 as wna16_dequantize_t does, 4
+ * for an odd in_features or an n_count that is not a multiple of 16, 5 if memory ran out. */
 int wna16_dequantize_bf16_packed(const int32_t *packed, const float *gparams, const int32_t *group_rows,
                                  const int32_t *src, int bits, int64_t n_groups, int64_t k_rows, int64_t in_features,
                                  int64_t n_first, int64_t n_count, uint16_t *out) {
@@ -468,24 +569,54 @@ int wna16_dequantize_bf16_packed(const int32_t *packed, const float *gparams, co
     int failed = 0;
 #pragma omp parallel if (n_count * k_rows * (32 / bits) >= PARALLEL_MIN_WORK / 4)
     {
-        float *rows = malloc(sizeof(float) * (size_t)(in_features * NB));
-        if (rows == NULL) {
+        float *rows = needs_rows_scratch(src) ? malloc(sizeof(float) * (size_t)(in_features * NB)) : NULL;
+        if (needs_rows_scratch(src) && rows == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n_blocks; ++i) {
-            if (rows == NULL) continue;
-            const int64_t b = first_block + i, width = n_count - i * NB < NB ? n_count - i * NB : NB;
-            const int32_t *block = packed + b * k_rows * NB;
-            const float *gp = gparams + b * n_groups * 2 * NB;
-            if (bits == 4) dequantize_block(block, gp, group_rows, n_groups, src, width, rows, NB, 4);
-            else dequantize_block(block, gp, group_rows, n_groups, src, width, rows, NB, 8);
-            pack_block_bf16(rows, in_features, width, out + i * NB * in_features);
+            if (needs_rows_scratch(src) && rows == NULL) continue;
+            const int64_t width = n_count - i * NB < NB ? n_count - i * NB : NB;
+            block_into_bf16(packed, gparams, group_rows, src, bits, n_groups, k_rows, in_features, first_block + i,
+                            width, out + i * NB * in_features, rows);
         }
         free(rows);
     }
     return failed ? 5 : 0;
+}
+
+/* One weight as the decode stack calls its products (decode_stack.c: gguf_matmul's signature): its
+ * wna16_matmul arguments and bits, and where bfloat16 rows go to linear_bf16's tiles (as WNA16Kernels.product
+ * sends them). */
+typedef struct {
+    Wna16Weight weight;
+    int64_t bits;
+    BF16Tiles tiles;
+} Wna16StackLayer;
+
+static int stack_layer_columns(const void *w, int64_t K, int64_t N, int64_t first, int64_t n, uint16_t *tile) {
+    (void)N;
+    const Wna16StackLayer *layer = w;
+    const Wna16Weight *weight = &layer->weight;
+    return wna16_dequantize_bf16_packed(weight->packed, weight->gparams, weight->group_rows, weight->src,
+                                        (int)layer->bits, weight->n_groups, weight->k_rows, K, first, n, tile);
+}
+
+/* wna16_matmul behind gguf_matmul's signature (`type` unused; activations and outputs in one dtype, rows
+ * contiguous, no bias), for the decode stack; bfloat16 rows from the layer's tiles.min_rows on linear_bf16's
+ * tiles. Returns wna16_matmul's codes (1: memory ran out), 2 for inputs it does not take. */
+int wna16_stack_product(int type, const void *w, const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N,
+                        void *y, int y_bf16) {
+    (void)type;
+    if (x_bf16 != y_bf16 || rows < 0 || K <= 0) return 2;
+    if (rows == 0) return 0;
+    const Wna16StackLayer *layer = w;
+    if (x_bf16 && layer->tiles.linear != NULL && rows >= layer->tiles.min_rows)
+        return bf16_tiles_product(&layer->tiles, layer, stack_layer_columns, x, rows, K, N, y);
+    const Wna16Weight *weight = &layer->weight;
+    return wna16_matmul(weight->packed, weight->gparams, weight->group_rows, weight->src, (int)layer->bits,
+                        weight->n_groups, weight->k_rows, N, x, x_bf16, rows, K, y, y_bf16, N, NULL);
 }
 
 /* Columns per block of the layout (the wrapper checks it against its own). */
