@@ -67,9 +67,9 @@ DENSE_MIN_ROWS: dict[str, dict[int, int]] = {
 # bfloat16 rows from which linear_bf16 multiplies them by the weight dequantized into its packed layout, per bits,
 # where the CPU has AMX's bfloat16 tiles (benchmarks/wna16_kernels.py --bf16 on a Sapphire Rapids Xeon since the
 # one-pass dequantization: the tiles ahead from 8 rows at 4 bits, 8-10 at 8, on SmolLM2's shapes and 2048 x 2048;
-# README "AWQ and GPTQ on AMX's tiles"), and where it has avx512_bf16's vector products alone (the same benchmark on
-# a Zen 4 before that change: the tiles ahead from 24-32 rows on 384 x 1024 to 2048 x 2048 layers, README
-# "Quantized weights").
+# README "AWQ, GPTQ and fp8 on AMX's tiles"), and where it has avx512_bf16's vector products alone (the same
+# benchmark on a Zen 4 before that change: the tiles ahead from 24-32 rows on 384 x 1024 to 2048 x 2048 layers,
+# README "Quantized weights").
 BF16_TILE_MIN_ROWS = {4: 8, 8: 10}
 BF16_VECTOR_TILE_MIN_ROWS = {4: 32, 8: 32}
 
