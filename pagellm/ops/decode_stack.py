@@ -7,13 +7,14 @@ decode step's kernels are short (tens of microseconds), so that host work was a 
 kernels run in the same order from C, so the result is the layers' bit for bit; this module checks once per step
 that the step is one the C loop serves, and otherwise leaves it to the direct path or the modules:
 
-- every layer's linear layers are GGUF int8 products (ops/gguf_kernels.py's PreparedProduct, one library; up to
-  three parts each), with the step's rows below the size where a product switches to dequantized tiles; or
-  every one is a bfloat16 layer on pagellm's own kernel (ops/dense_linear.py's NativeBF16Packed, linear_bf16.c),
-  or every one an int8 W8A8 layer (ops/w8a8_kernels.py's NativeInt8Linear, w8a8.c), which take any row count;
-  or every one an fp8 layer (NativeFp8Linear), or every one a group-quantized layer (AWQ, GPTQ, compressed-tensors
-  W4A16/W8A16 on ops/wna16.py's CpuGroupQuant, up to three parts each), with the step's rows below the switch of
-  its product to dequantized tiles;
+- every layer's linear layers are GGUF products (ops/gguf_kernels.py's PreparedProduct, one library; up to
+  three parts each); or every one is a bfloat16 layer on pagellm's own kernel (ops/dense_linear.py's
+  NativeBF16Packed, linear_bf16.c), or every one an int8 W8A8 layer (ops/w8a8_kernels.py's NativeInt8Linear,
+  w8a8.c), which take any row count; or every one an fp8 layer (NativeFp8Linear), or every one a group-quantized
+  layer (AWQ, GPTQ, compressed-tensors W4A16/W8A16 on ops/wna16.py's CpuGroupQuant, up to three parts each). The
+  GGUF, fp8 and group-quantized products switch to dequantized tiles past some rows: bfloat16 rows go on to
+  linear_bf16 on those tiles in C too (where the direct path runs them there: AMX's tiles for GGUF, avx512_bf16
+  for the others), other steps only below the switch;
 - the step is decode tokens only, on the CPU attention backend with its native decode kernel and K/V writer;
 - the caches are float32/bfloat16 in the activations' dtype, or a quantized format the kernels read.
 
@@ -44,7 +45,7 @@ from pagellm.layers.rotary import RopeInputs
 from pagellm.ops.cpu_build import KERNEL_DTYPES, NEVER_ROWS
 from pagellm.ops.cpu_ops import CpuOps
 from pagellm.ops.dense_linear import NativeBF16Packed
-from pagellm.ops.gguf_kernels import PreparedProduct
+from pagellm.ops.gguf_kernels import GgufStackLayer, PreparedProduct
 from pagellm.ops.linear_bf16 import LinearBF16
 from pagellm.ops.w8a8_kernels import Fp8StackLayer, Int8WeightStruct, NativeFp8Linear, NativeInt8Linear
 from pagellm.ops.wna16 import CpuGroupQuant, CpuLayout, WNA16Kernels, Wna16StackLayer
@@ -196,8 +197,26 @@ class GroupQuantPart(_StructPart):
                    Wna16StackLayer.of(kernels, layout), (kernels.packed_below(layout, torch.float32), bf16_below))
 
 
+@dataclass(frozen=True)
+class GgufPart(_StructPart):
+    """One GGUF part of a layer (a PreparedProduct of its gguf_products): gguf_stack_product, gguf_matmul's int8
+    products below the rows where its product switches to the dense path, and for bfloat16 rows where that path
+    runs on AMX's tiles (GGUFKernels.amx_dense_takes), both at every row count."""
+
+    product_name: ClassVar[str] = "gguf_matmul"
+
+    @classmethod
+    def of(cls, product: PreparedProduct) -> GgufPart:
+        kernels = product.kernels
+        amx = kernels.amx_dense_takes(product.type_name, product.out_features, product.in_features)
+        below = tuple(NEVER_ROWS if limit is None else limit + 1
+                      for limit in (product.int8_max_rows(torch.float32), product.int8_max_rows(torch.bfloat16)))
+        return cls(kernels.library, kernels.library.gguf_stack_product, product.in_features, product.out_features,
+                   GgufStackLayer.of(product), (below[0], NEVER_ROWS if amx else below[1]), product.type_id)
+
+
 _INT32_MAX = 2**31 - 1
-StackProduct = PreparedProduct | DenseBF16Part | Int8Part | Fp8Part | GroupQuantPart
+StackProduct = GgufPart | DenseBF16Part | Int8Part | Fp8Part | GroupQuantPart
 
 
 def _same_kernels(products: list[StackProduct]) -> bool:
@@ -207,8 +226,8 @@ def _same_kernels(products: list[StackProduct]) -> bool:
 
 
 def _int8_row_limit(products: list[StackProduct], dtype: torch.dtype) -> int | None:
-    """The most rows of `dtype` every product takes on its int8 kernel (PreparedProduct switches to dequantized
-    tiles from its dense threshold on; the C loop only calls the int8 kernel), or None for no limit."""
+    """The most rows of `dtype` every product takes in C (a product whose layer switches to a path the C loop does
+    not run, torch's GEMM on dequantized tiles, limits them), or None for no limit."""
     limits = [limit for p in products if (limit := p.int8_max_rows(dtype)) is not None]
     return min(limits) if limits else None
 
@@ -354,15 +373,15 @@ def _group_quant_parts(kernel, in_features: int, out_features: int) -> tuple[Gro
     return tuple(GroupQuantPart.of(kernel.kernels, layout) for _, layout in kernel.layouts)
 
 
-def _gguf_parts(linear, in_features: int, out_features: int) -> tuple[PreparedProduct, ...] | None:
-    """`linear`'s GGUF int8 products, or None (see _linear_parts)."""
+def _gguf_parts(linear, in_features: int, out_features: int) -> tuple[GgufPart, ...] | None:
+    """`linear`'s GGUF products, or None (see _linear_parts)."""
     parts = getattr(linear, "gguf_products", None)
     if (parts is None or not 0 < len(parts) <= _MAX_PARTS
             or getattr(linear.quant_method, "ops", None) is not parts[0].kernels
             or any(type(p) is not PreparedProduct or p.in_features != in_features for p in parts)
             or sum(p.out_features for p in parts) != out_features):
         return None
-    return tuple(parts)
+    return tuple(GgufPart.of(p) for p in parts)
 
 
 def _set_linear(struct: _StackLinear, parts: tuple[StackProduct, ...]) -> None:
@@ -400,7 +419,7 @@ class DecodeStack(_Stack):
                  hidden_size: int, intermediate_size: int) -> None:
         attn = layers[0].self_attn
         self.layers = layers  # held: the C structs point into their tensors
-        self.linears = linears  # held: an int8 part's struct is the memory its weights' pointer names
+        self.linears = linears  # held: a struct part's struct is the memory its weights' pointer names
         self.dtype = layers[0].input_layernorm.weight.dtype
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self._function = ops.library.decode_layer_stack
@@ -473,10 +492,11 @@ class GemmaDecodeStack(_Stack):
     between them. Made by `build` from Gemma3Model's layers on the fused CPU ops, or None where a layer is not the
     kind it runs (see build)."""
 
-    def __init__(self, layers: list, activations: list, linears: list[list[tuple[PreparedProduct, ...]]],
+    def __init__(self, layers: list, activations: list, linears: list[list[tuple[GgufPart, ...]]],
                  ops: CpuOps, tables: list[tuple], hidden_size: int, intermediate_size: int) -> None:
         attn = layers[0].self_attn
         self.layers = layers  # held: the C structs point into their tensors
+        self.linears = linears  # held: the structs of the parts, which the layers' structs point at
         self.activations = activations
         self.dtype = layers[0].input_layernorm.weight.dtype
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -516,7 +536,7 @@ class GemmaDecodeStack(_Stack):
             return None
         linears = _layer_linears(layers, hidden, intermediate)
         # GGUF products only: the bfloat16 and int8 layers' products have not been checked against Gemma's modules.
-        if linears is None or any(type(p) is not PreparedProduct for row in linears for parts in row for p in parts):
+        if linears is None or any(type(p) is not GgufPart for row in linears for parts in row for p in parts):
             return None
         activations, held = [], []
         for layer, table in zip(layers, tables):

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from pagellm.cpu_features import cpu_flags, cpu_has_amx_bf16, cpu_has_native
 from pagellm.models.gguf_quants import QUANT_FORMATS, QuantFormat, dequantize
 from pagellm.ops import cpu_build
-from pagellm.ops.linear_bf16 import AMX_K, LinearBF16, linear_bf16
+from pagellm.ops.linear_bf16 import AMX_K, BF16TilesStruct, LinearBF16, linear_bf16
 from pagellm.ops.scratch import thread_scratch
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "gguf_quant.c"]
-_HEADERS = [_CSRC / "gguf_simd.h", _CSRC / "isa_name.h"]
+_HEADERS = [_CSRC / "gguf_simd.h", _CSRC / "isa_name.h", _CSRC / "bf16_tiles.h"]
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 # The block types the kernels compute with (GGML type ids); the others (F32, F16, BF16) are plain tensors.
@@ -246,6 +246,7 @@ class GGUFKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.isa = cpu_build.library_isa(library)
+        self.library = library  # for the decode stack's product (pagellm/ops/decode_stack.py)
         library.gguf_dot_instructions.restype = ctypes.c_char_p
         self.dot_instructions = library.gguf_dot_instructions().decode()
         self._matmul = library.gguf_matmul
@@ -365,14 +366,20 @@ class GGUFKernels:
                 y[:, first : first + n] = torch.mm(operand, dense.t())
         return y.view(*x.shape[:-1], out_features)
 
+    def amx_dense_takes(self, type_name: str, out_features: int, in_features: int) -> bool:
+        """Whether bfloat16 rows from `dense_threshold` on always run on AMX's tiles (`_matmul_amx`) for this
+        weight: the tiles here, whole blocks of inputs and panels of outputs, no int8 tiles taking rows back."""
+        return (self.amx_product is not None and in_features % AMX_K == 0 and out_features % LinearBF16.PANEL == 0
+                and self.dense_threshold(type_name, torch.bfloat16) is not None
+                and self.tile_threshold(type_name, torch.bfloat16) is None)
+
     def _matmul_amx(self, rows: torch.Tensor, weight: torch.Tensor, type_id: int, out_features: int,
                     in_features: int, out: torch.Tensor | None) -> torch.Tensor:
         """matmul_dense on AMX's tiles (linear_bf16), each tile of W dequantized straight into that kernel's
         packed layout and multiplied into its columns of y: no oneDNN, which keeps a primitive and its JIT code
         for every row count it has seen (README, "Memory that grows with use")."""
         y = _output(rows, rows.shape[0], out_features, torch.bfloat16, out)
-        block = 2 * LinearBF16.PANEL  # the kernel's 32-output blocks: whole ones in each tile but the last
-        tile_rows = min(out_features, max(block, DENSE_TILE_BYTES // (2 * in_features) // block * block))
+        tile_rows = _amx_tile_rows(out_features, in_features)
         tile = self._tile(tile_rows * in_features, torch.bfloat16)
         for first in range(0, out_features, tile_rows):
             n = min(tile_rows, out_features - first)
@@ -484,6 +491,30 @@ def build_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
     elif isa == "avx2" and "avx_vnni" in flags:
         extra.append("-mavxvnni")
     return cpu_build.compiler_flags(isa) + extra
+
+
+def _amx_tile_rows(out_features: int, in_features: int) -> int:
+    """Rows of W per tile of the dense path on AMX (about DENSE_TILE_BYTES of bfloat16): whole 32-output blocks
+    of linear_bf16 in each tile but the last."""
+    block = 2 * LinearBF16.PANEL
+    return min(out_features, max(block, DENSE_TILE_BYTES // (2 * in_features) // block * block))
+
+
+class GgufStackLayer(ctypes.Structure):
+    """csrc/gguf_quant.c's GgufStackLayer: one GGUF weight as the decode stack's product (gguf_stack_product)
+    reads it, bfloat16 rows going to linear_bf16 on AMX's tiles where and from where `GGUFKernels.matmul` sends
+    them."""
+
+    _fields_ = [("blocks", _PTR), ("type", _I64), ("tiles", BF16TilesStruct)]
+
+    @classmethod
+    def of(cls, product: PreparedProduct) -> GgufStackLayer:
+        kernels = product.kernels
+        if not kernels.amx_dense_takes(product.type_name, product.out_features, product.in_features):
+            return cls(product.weight_address, product.type_id, BF16TilesStruct.of(None))
+        return cls(product.weight_address, product.type_id,
+                   BF16TilesStruct.of(kernels.amx_product, kernels.dense_threshold(product.type_name, torch.bfloat16),
+                                      _amx_tile_rows(product.out_features, product.in_features)))
 
 
 def _amx_product(isa: str) -> LinearBF16 | None:

@@ -11,6 +11,7 @@ import torch
 
 from benchmarks.synthetic_gguf import LlamaShape, write_synthetic_gguf
 from pagellm import LLM, SamplingParams
+from pagellm.ops import gguf_kernels
 from pagellm.ops.cpu_build import native_library
 from pagellm.ops.decode_stack import DecodeStack, DenseBF16Part, Fp8Part, GroupQuantPart
 from pagellm.ops.linear_bf16 import LinearBF16
@@ -138,6 +139,7 @@ def test_the_switch_turns_it_off(float_llm, monkeypatch):
 
 
 _LINEAR_BF16 = native_library() is not None and LinearBF16.available(native_library())
+_AMX_TILES = gguf_kernels.gguf_kernels() is not None and gguf_kernels.gguf_kernels().amx_product is not None
 
 
 @pytest.mark.skipif(not _LINEAR_BF16, reason="the CPU kernels were built without avx512_bf16's dot product")
@@ -223,10 +225,25 @@ def test_bfloat16_fp8_steps_past_the_fused_kernel_run_on_the_stacks_tiles(tiny_l
     _check_the_stacks_tiles(llm, monkeypatch)
 
 
+@pytest.mark.skipif(not _AMX_TILES, reason="the GGUF dense path runs on linear_bf16 only where AMX's tiles do")
+@pytest.mark.parametrize("which", ["q4_1", "mixed"])
+def test_bfloat16_gguf_steps_past_the_int8_products_run_on_the_stacks_tiles(gguf_path, mixed_llama_gguf, which,
+                                                                            monkeypatch):
+    """GGUF weights on AMX: bfloat16 steps from the rows where the product switches to the dense path on
+    linear_bf16 (2 here) run on the stack as the direct path runs them, a layer of two types (qkv) included."""
+    monkeypatch.setattr(gguf_kernels, "_AMX_BF16_DENSE_MIN_ROWS", dict.fromkeys(gguf_kernels.KERNEL_TYPES, 2))
+    if which == "q4_1":
+        llm = _llm(gguf_path, dtype="bfloat16")
+    else:
+        path, tokenizer = mixed_llama_gguf
+        llm = _llm(path, tokenizer=str(tokenizer), dtype="bfloat16")
+    _check_the_stacks_tiles(llm, monkeypatch)
+
+
 def _check_the_stacks_tiles(llm: LLM, monkeypatch) -> None:
     """The stack, rebuilt after the tiles' threshold was lowered to 2, serves steps of any size, takes the tiles
-    from 2 rows and generates what the direct path does (steps of 1 and 3 tokens among them)."""
-    stack = _stack(llm)
+    from 2 rows and generates what the direct path (or the modules) does (steps of 1 and 3 tokens among them)."""
+    stack = llm.llm_engine.core.runner.model.model.decode_stack()
     assert stack.max_tokens is None and stack.linears[0][0][0].struct.tiles.min_rows == 2
     stacked, direct, ran = _with_and_without(llm, monkeypatch)
     assert stacked == direct

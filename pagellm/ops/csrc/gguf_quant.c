@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_tiles.h"
 #include "gguf_simd.h"
 #include "isa_name.h"
 
@@ -1027,6 +1028,59 @@ static void interleave_16_rows(const uint16_t *rows, int64_t pairs, uint16_t *ou
         for (int i = 0; i < 16; ++i) memcpy(out + 32 * k + 2 * i, rows + 2 * (i * pairs + k), 4);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* dequantize_row's bfloat16 for the 32-weight formats, a block per 512-bit register: the same float32 operations
+ * in the same order (vector extensions, so that the compiler fuses them as it fuses dequantize_row's), rounded
+ * by one VCVTNE2PS2BF16 per block instead of four 8-lane conversions. */
+#define HAVE_WIDE_ROW_32 1
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+static ALWAYS_INLINE void dequantize_row_32_bf16(const int type, const uint8_t *w, int64_t in_features,
+                                                 uint16_t *out) {
+    const int bytes = block_bytes(type);
+    for (int64_t b = 0; b < in_features / QK; ++b) {
+        const Block32 u = unpack_32(type, w + b * bytes);
+        const __m256i q = (__m256i)u.q;
+        const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+        f32x16 v[2];
+        for (int h = 0; h < 2; ++h) {
+            const i32x16 wide = (i32x16)(type == Q8_0 ? _mm512_cvtepi8_epi32(halves[h]) : _mm512_cvtepu8_epi32(halves[h]));
+            f32x16 weights = __builtin_convertvector(wide - u.offset, f32x16) * u.d;
+            if (type == Q4_1 || type == Q5_1) weights = weights + u.m;
+            v[h] = weights;
+        }
+        _mm512_storeu_si512(out + b * QK, (__m512i)_mm512_cvtne2ps_pbh((__m512)v[1], (__m512)v[0]));
+    }
+}
+
+#define WIDE_ROW_FOR(T)                                                                                            \
+    static void dequantize_wide_##T(const uint8_t *w, int64_t in_features, void *out, int bf16) {                  \
+        (void)bf16;                                                                                                \
+        dequantize_row_32_bf16(T, w, in_features, out);                                                            \
+    }
+WIDE_ROW_FOR(Q4_0)
+WIDE_ROW_FOR(Q4_1)
+WIDE_ROW_FOR(Q5_0)
+WIDE_ROW_FOR(Q5_1)
+WIDE_ROW_FOR(Q8_0)
+#endif
+
+/* The row dequantizer of gguf_dequantize_packed, which asks for bfloat16 rows only. */
+static DequantizeFunction packed_dequantize_function(int type) {
+#ifdef HAVE_WIDE_ROW_32
+    switch (type) {
+    case Q4_0: return dequantize_wide_Q4_0;
+    case Q4_1: return dequantize_wide_Q4_1;
+    case Q5_0: return dequantize_wide_Q5_0;
+    case Q5_1: return dequantize_wide_Q5_1;
+    case Q8_0: return dequantize_wide_Q8_0;
+    default: break;
+    }
+#endif
+    return dequantize_function(type);
+}
+
 /* Inputs of 16 rows dequantized at a time before they are interleaved: a multiple of both block sizes, small
  * enough for the stack and L1. */
 #define PACK_CHUNK QK_K
@@ -1040,7 +1094,7 @@ int gguf_dequantize_packed(int type, const uint8_t *w, int64_t in_features, int6
                            uint16_t *out) {
     const int weights = block_weights(type);
     if (weights == 0 || in_features <= 0 || in_features % weights != 0 || n_rows < 0 || n_rows % 16 != 0) return 2;
-    const DequantizeFunction dequantize = dequantize_function(type);
+    const DequantizeFunction dequantize = packed_dequantize_function(type);
     const int64_t row_bytes = in_features / weights * block_bytes(type), groups = n_rows / 16;
 #pragma omp parallel for schedule(static) if (n_rows * in_features >= PARALLEL_MIN_WORK / 4)
     for (int64_t g = 0; g < groups; ++g) {
@@ -1072,6 +1126,31 @@ int gguf_tile_min_rows(int type) {
 /* Block geometry as the kernels see it (the wrapper checks it against its own table): 0 for unknown types. */
 int gguf_block_weights(int type) { return block_weights(type); }
 int gguf_block_bytes(int type) { return block_bytes(type); }
+
+/* One GGUF weight as the decode stack calls its products: its blocks, its type, and where bfloat16 rows go to
+ * linear_bf16 on the weight dequantized into its packed layout (as GGUFKernels.matmul sends them to the dense
+ * path on AMX's tiles). */
+typedef struct {
+    const uint8_t *blocks;
+    int64_t type;
+    BF16Tiles tiles;
+} GgufStackLayer;
+
+static int gguf_stack_layer_rows(const void *w, int64_t K, int64_t N, int64_t first, int64_t n, uint16_t *tile) {
+    (void)N;
+    const GgufStackLayer *layer = w;
+    return gguf_dequantize_packed((int)layer->type, layer->blocks, K, first, n, tile);
+}
+
+/* gguf_matmul for the decode stack, the layer (GgufStackLayer) at `w` (`type` is its type); bfloat16 rows from
+ * its tiles.min_rows on linear_bf16's tiles. Returns gguf_matmul's codes (1: memory ran out, 2: refused). */
+int gguf_stack_product(int type, const void *w, const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N,
+                       void *y, int y_bf16) {
+    const GgufStackLayer *layer = w;
+    if (x_bf16 && y_bf16 && layer->tiles.linear != NULL && rows >= layer->tiles.min_rows)
+        return bf16_tiles_product(&layer->tiles, layer, gguf_stack_layer_rows, x, rows, K, N, y);
+    return gguf_matmul(type, layer->blocks, x, x_bf16, rows, K, N, y, y_bf16);
+}
 
 const char *pagellm_isa(void) { return ISA_NAME; }
 /* The instructions the integer dot products run on: avx512_vnni, avx_vnni, avx2 (VPMADDUBSW) or generic. */
