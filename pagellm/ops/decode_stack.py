@@ -192,7 +192,7 @@ class GroupQuantPart(_StructPart):
 
     @classmethod
     def of(cls, kernels: WNA16Kernels, layout: CpuLayout) -> GroupQuantPart:
-        bf16_below = NEVER_ROWS if kernels._tiles_take(layout) else kernels.packed_below(layout, torch.bfloat16)
+        bf16_below = NEVER_ROWS if kernels.tiles_from_packed(layout) else kernels.packed_below(layout, torch.bfloat16)
         return cls(kernels.library, kernels.library.wna16_stack_product, layout.in_features, layout.out_features,
                    Wna16StackLayer.of(kernels, layout), (kernels.packed_below(layout, torch.float32), bf16_below))
 

@@ -351,6 +351,12 @@ class WNA16Kernels:
                        ValueError(f"wna16_dequantize_bf16_packed refused {layout.bits}-bit weights (code {failed})"))
             self._linear_bf16.into(rows, packed, y if n == layout.out_features else y[:, first : first + n])
 
+    def tiles_from_packed(self, layout: CpuLayout) -> bool:
+        """Whether bfloat16 rows go from the packed path straight to the tiles (no dense path between them): what
+        the decode stack's product (wna16_stack_product) computes too."""
+        return self._tiles_take(layout) and \
+            self.packed_below(layout, torch.bfloat16) == self.bf16_tile_min_rows[layout.bits]
+
     def _tiles_take(self, layout: CpuLayout) -> bool:
         """Whether linear_bf16 can multiply bfloat16 rows by this weight."""
         return self._linear_bf16 is not None and layout.in_features % 2 == 0 and \
@@ -465,7 +471,7 @@ class Wna16StackLayer(ctypes.Structure):
 
     @classmethod
     def of(cls, kernels: WNA16Kernels, layout: CpuLayout) -> Wna16StackLayer:
-        if not kernels._tiles_take(layout):
+        if not kernels.tiles_from_packed(layout):
             return cls(_Wna16Weight.of(layout), layout.bits, BF16TilesStruct.of(None))
         return cls(_Wna16Weight.of(layout), layout.bits,
                    BF16TilesStruct.of(kernels._linear_bf16, kernels.bf16_tile_min_rows[layout.bits],
