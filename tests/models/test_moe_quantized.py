@@ -489,7 +489,8 @@ def test_a_steps_experts_run_in_one_call_as_they_do_one_by_one(fmt, dtype, monke
         calls.clear()
         result = layer(x, logits)
         assert calls or tokens > 3  # a step of at most 3 rows an expert takes the one call in every format
-        assert all(max(sizes) <= tokens for sizes in calls)
+        # Each call (gate/up, then down) takes every (token, expert) pair of the step.
+        assert all(sum(sizes) == tokens * layer.top_k for sizes in calls)
         with monkeypatch.context() as one_by_one:
             one_by_one.setattr(together, "takes", lambda self, sizes, dtype: False)
             assert torch.equal(layer(x, logits), result), tokens
