@@ -265,6 +265,23 @@ def test_bfloat16_products_write_bfloat16_as_the_float32_result_rounds(bits, var
         assert torch.equal(two_parts(x, None), expected)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_experts_own_products_compute_what_their_one_call_does(bits):
+    """A mixture-of-experts projection: up to EXPERTS_BF16_TILE_MIN_ROWS rows an expert, the one call takes the
+    step, and each expert's own product (for the steps it does not take) stays on the packed path too, so that the
+    two agree bit for bit whatever this CPU's tiles' threshold for a lone weight."""
+    kernels = _kernels(ISAS[0])
+    layouts = [wna16.cpu_layout(random_group_quant_weight(bits, 96, 80, "act_order", seed=seed)) for seed in (1, 2)]
+    together = wna16.ExpertsPackedProduct(kernels, layouts)
+    rows = wna16.EXPERTS_BF16_TILE_MIN_ROWS - 1
+    assert together.takes([rows, 1], torch.bfloat16)
+    x = torch.randn(rows + 1, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    out = torch.empty(rows + 1, 80, dtype=torch.bfloat16)
+    together([1, 0], [rows, 1], x, out)
+    products = together.expert_products()
+    assert torch.equal(out[:rows], products[1](x[:rows])) and torch.equal(out[rows:], products[0](x[rows:]))
+
+
 def test_bfloat16_rows_take_the_tiles_from_this_cpus_threshold():
     """AMX's tiles from BF16_TILE_MIN_ROWS, avx512_bf16's vector products from BF16_VECTOR_TILE_MIN_ROWS (each
     measured on a CPU of its kind); without linear_bf16, bfloat16 rows switch where float32 rows do."""

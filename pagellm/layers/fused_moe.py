@@ -422,9 +422,10 @@ def _experts_product(linears: nn.ModuleList) -> ExpertsProduct:
     """One projection of the experts: where the CPU kernels of their format have a call for many experts, a
     step whose experts all have rows few enough for it (a decode step's) in one call for all of them; otherwise
     each expert's product in turn."""
-    products = [_expert_product(linear) for linear in linears]
-    one_by_one = one_at_a_time(lambda expert, rows, out: out.copy_(products[expert](rows)))
     together = _one_call_for_experts([linear.quant_method.loaded_kernel(linear) for linear in linears])
+    products = (together.expert_products() if isinstance(together, ExpertsPackedProduct)
+                else [_expert_product(linear) for linear in linears])
+    one_by_one = one_at_a_time(lambda expert, rows, out: out.copy_(products[expert](rows)))
     if together is None:
         return one_by_one
 

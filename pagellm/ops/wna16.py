@@ -72,6 +72,10 @@ DENSE_MIN_ROWS: dict[str, dict[int, int]] = {
 # README "Quantized weights").
 BF16_TILE_MIN_ROWS = {4: 8, 8: 10}
 BF16_VECTOR_TILE_MIN_ROWS = {4: 32, 8: 32}
+# A mixture-of-experts layer's experts take the tiles from at least this many rows an expert: below it a step's
+# experts run on the packed path in one call (ExpertsPackedProduct), which at 8-15 rows an expert beat each expert's
+# own tiles on AMX (benchmarks/moe_quantized.py --batch 8 32 64, README "AWQ, GPTQ and fp8 on AMX's tiles").
+EXPERTS_BF16_TILE_MIN_ROWS = 16
 
 
 def pack_factor(bits: int) -> int:
@@ -294,10 +298,11 @@ class WNA16Kernels:
         return self.matmul_dense(x, layout, out, bias)
 
     def product(self, x: torch.Tensor, layout: CpuLayout, out: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, tile_min_rows: int | None = None) -> torch.Tensor:
         """`matmul`, but bfloat16 rows give bfloat16 (rounded once, as `matmul(...).to(torch.bfloat16)` rounds)
         into `out` (possibly a column slice of a wider tensor) or a new tensor: the packed path and the tiles
-        write them without the float32 result in between. Other rows give float32, as `matmul`."""
+        write them without the float32 result in between. Other rows give float32, as `matmul`. tile_min_rows:
+        the tiles' threshold where not this CPU's (see packed_below)."""
         if x.dtype is not torch.bfloat16:
             return self.matmul(x, layout, out, bias)
         if x.dim() != 2 or x.shape[1] != layout.in_features:
@@ -310,9 +315,9 @@ class WNA16Kernels:
         elif out.dtype is not torch.bfloat16 or out.shape != (rows, layout.out_features) or out.stride(1) != 1:
             raise ValueError(f"out is {out.dtype} {tuple(out.shape)}; this product writes bfloat16 "
                              f"[{rows}, {layout.out_features}] with unit column stride")
-        if rows < self.packed_below(layout, torch.bfloat16):
+        if rows < self.packed_below(layout, torch.bfloat16, tile_min_rows):
             return self._packed_into(x, layout, out, bias)
-        if self._tiles_take(layout) and rows >= self.bf16_tile_min_rows[layout.bits]:
+        if self._tiles_take(layout) and rows >= (tile_min_rows or self.bf16_tile_min_rows[layout.bits]):
             self._tiles_into(x, layout, out)
             return out if bias is None else out.add_(bias)
         return out.copy_(self.matmul_dense(x, layout, bias=bias))
@@ -362,25 +367,26 @@ class WNA16Kernels:
         return self._linear_bf16 is not None and layout.in_features % 2 == 0 and \
             layout.out_features % LinearBF16.PANEL == 0
 
-    def packed_below(self, layout: CpuLayout, dtype: torch.dtype) -> int:
-        """Rows of x (of `dtype`) below which `matmul` takes the packed path."""
+    def packed_below(self, layout: CpuLayout, dtype: torch.dtype, tile_min_rows: int | None = None) -> int:
+        """Rows of x (of `dtype`) below which `matmul` takes the packed path; for bfloat16 rows with the tiles'
+        threshold `tile_min_rows` in place of bf16_tile_min_rows where given."""
         dense = self.dense_min_rows[layout.bits]
         if dtype is torch.bfloat16 and self._tiles_take(layout):
-            return min(dense, self.bf16_tile_min_rows[layout.bits])
+            return min(dense, tile_min_rows or self.bf16_tile_min_rows[layout.bits])
         return dense
 
-    def prepared(self, layout: CpuLayout) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x [rows, in_features] -> x @ W^T in x's dtype, as `matmul` computes it, with the checks made once: rows
-        that `matmul` sends to the packed path (decode steps) go straight to the kernel, which writes a bfloat16
-        x's output in bfloat16 (rounded as torch rounds) instead of a float32 tensor converted after."""
+    def prepared(self, layout: CpuLayout, tile_min_rows: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x [rows, in_features] -> x @ W^T in x's dtype, as `product` computes it (with `tile_min_rows`), with the
+        checks made once: rows that go to the packed path (decode steps) go straight to the kernel."""
         args, call = layout.kernel_args, self._matmul
         in_features, out_features = layout.in_features, layout.out_features
-        packed_below = {dtype: self.packed_below(layout, dtype) for dtype in (torch.float32, torch.bfloat16)}
+        packed_below = {dtype: self.packed_below(layout, dtype, tile_min_rows)
+                        for dtype in (torch.float32, torch.bfloat16)}
 
         def product(x: torch.Tensor) -> torch.Tensor:
             rows, dtype = x.shape[0], x.dtype
             if x.dim() != 2 or x.shape[1] != in_features or rows >= packed_below.get(dtype, 0) or x.stride(1) != 1:
-                y = self.product(x.reshape(-1, x.shape[-1]), layout).to(dtype)
+                y = self.product(x.reshape(-1, x.shape[-1]), layout, tile_min_rows=tile_min_rows).to(dtype)
                 return y.view(*x.shape[:-1], out_features)
             y = torch.empty(rows, out_features, dtype=dtype)
             bf16 = dtype is torch.bfloat16
@@ -480,8 +486,9 @@ class Wna16StackLayer(ctypes.Structure):
 
 class ExpertsPackedProduct:
     """One projection of a mixture-of-experts layer's experts (their CpuLayouts, one shape) on the packed path,
-    each expert over its own rows, in one wna16_matmul_experts call per step: what `prepared` computes expert by
-    expert, with one call, one scratch and one fork of the threads for all of them."""
+    each expert over its own rows, in one wna16_matmul_experts call per step: what `expert_products` compute expert
+    by expert, with one call, one scratch and one fork of the threads for all of them. The experts take the tiles
+    from EXPERTS_BF16_TILE_MIN_ROWS rows an expert at the earliest."""
 
     def __init__(self, kernels: WNA16Kernels, layouts: list[CpuLayout]) -> None:
         first = layouts[0]
@@ -492,8 +499,15 @@ class ExpertsPackedProduct:
         self.bits, self.out_features = first.bits, first.out_features
         self.table = (_Wna16Weight * len(layouts))(*[_Wna16Weight.of(layout) for layout in layouts])
         self.call = kernels._matmul_experts
-        self.packed_below = {dtype: min(kernels.packed_below(layout, dtype) for layout in layouts)
+        self.kernels = kernels
+        self.tile_min_rows = max(EXPERTS_BF16_TILE_MIN_ROWS, kernels.bf16_tile_min_rows[first.bits])
+        self.packed_below = {dtype: min(kernels.packed_below(layout, dtype, self.tile_min_rows) for layout in layouts)
                              for dtype in (torch.float32, torch.bfloat16)}
+
+    def expert_products(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """Each expert's own product, for the steps the one call does not take: `prepared` with the experts'
+        tiles threshold, so that a step's result does not depend on which of the two ran it."""
+        return [self.kernels.prepared(layout, self.tile_min_rows) for layout in self.layouts]
 
     def takes(self, sizes: list[int], dtype: torch.dtype) -> bool:
         """Whether every expert's rows are few enough for the packed path (as `prepared` would send them)."""
