@@ -172,17 +172,18 @@ def test_fp8_paths_match_float64(isa, dtype):
                     assert ((y.double() - reference).abs() <= bound + 1e-30).all(), (path.__name__, k, n, m)
 
 
-def test_fp8_dense_bf16_rows_run_linear_bf16_on_its_packed_layout(monkeypatch):
+@pytest.mark.parametrize("block_k", [32, 96, 7])  # in blocks, per channel, blocks that split input pairs
+def test_fp8_dense_bf16_rows_run_linear_bf16_on_its_packed_layout(block_k, monkeypatch):
     kernels = _kernels(ISAS[0])
     if kernels._linear_bf16 is None:
         pytest.skip("linear_bf16 needs avx512_bf16's dot product, which this CPU or build lacks")
     k, n = 96, 72  # four whole 16-column blocks and a last 8 columns, which torch's GEMM takes
-    w, scales = _fp8_case(n, k, 32, 11)
-    packed = wk.pack_fp8(w, scales, 32)
+    w, scales = _fp8_case(n, k, block_k, 11)
+    packed = wk.pack_fp8(w, scales, block_k)
     expected = LinearBF16.pack(kernels.fp8_dequantize(packed, torch.bfloat16)[:64])
     blocks = torch.empty(4, k // 2, 16, 2, dtype=torch.bfloat16)
     assert kernels._dequantize_packed(packed.packed.data_ptr(), k, packed.padded_out_features,
-                                      packed.scales.data_ptr(), 32, 0, 4, blocks.data_ptr()) == 0
+                                      packed.scales.data_ptr(), block_k, 0, 4, blocks.data_ptr()) == 0
     assert torch.equal(blocks, expected)
     x = _x(40, k, 12, torch.bfloat16)
     whole = kernels.fp8_linear_dense(x, packed, None)

@@ -952,27 +952,35 @@ int w8a8_fp8_dequantize_bf16_packed(const uint8_t *packed, int64_t K, int64_t Np
         (first_block + n_blocks) * STRIP > Np)
         return 2;
     const int64_t pairs = K / 2;
+    /* The scales' row changes every block_k inputs: found per run of inputs sharing it (pairs of inputs, each
+     * with its own row, where block_k is odd), not by a division per input. */
+    const int64_t run = block_k % 2 == 0 ? block_k : 2;
 #pragma omp parallel for schedule(static) if (K * n_blocks * STRIP >= PARALLEL_MIN_WORK / 4)
     for (int64_t b = 0; b < n_blocks; ++b) {
         const int64_t column = (first_block + b) * STRIP;
         const uint8_t *low = packed + (column / PANEL) * K * PANEL, *high = low + K * PANEL;
         uint16_t *block_out = out + b * pairs * 32;
-        for (int64_t pair = 0; pair < pairs; ++pair) {
-            __m512i rounded[2];
-            for (int i = 0; i < 2; ++i) {
-                const int64_t k = 2 * pair + i;
-                const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(low + k * PANEL)),
-                                                         _mm_loadl_epi64((const __m128i *)(high + k * PANEL)));
-                /* fp8x8_over_256's float16 fields, 16 at a time. */
-                const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
-                                                      _mm256_set1_epi16((short)0xBF80));
-                const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(half),
-                                               _mm512_loadu_ps(scales + (k / block_k) * Np + column));
-                rounded[i] = bf16_bits_high(v);
+        for (int64_t first = 0; first < K; first += run) {
+            const int64_t last = first + run < K ? first + run : K;
+            /* The pairs' scales: one row for both inputs where block_k is even, else each input's own. */
+            const __m512 scale_0 = _mm512_loadu_ps(scales + (first / block_k) * Np + column);
+            const __m512 scale_1 = block_k % 2 ? _mm512_loadu_ps(scales + ((first + 1) / block_k) * Np + column) : scale_0;
+            for (int64_t k = first; k < last; k += 2) {
+                __m512i rounded[2];
+                for (int i = 0; i < 2; ++i) {
+                    const __m128i bytes =
+                        _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(low + (k + i) * PANEL)),
+                                           _mm_loadl_epi64((const __m128i *)(high + (k + i) * PANEL)));
+                    /* fp8x8_over_256's float16 fields, 16 at a time. */
+                    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                                                          _mm256_set1_epi16((short)0xBF80));
+                    rounded[i] = bf16_bits_high(_mm512_mul_ps(_mm512_cvtph_ps(half), i ? scale_1 : scale_0));
+                }
+                /* Lane j: the pair's first weight in its low half, the second in its high half: the packed layout. */
+                const __m512i second = _mm512_and_si512(rounded[1], _mm512_set1_epi32((int)0xFFFF0000));
+                _mm512_storeu_si512(block_out + k / 2 * 32,
+                                    _mm512_or_si512(_mm512_srli_epi32(rounded[0], 16), second));
             }
-            /* Lane j: the pair's first weight in its low half, the second in its high half: the packed layout. */
-            const __m512i second = _mm512_and_si512(rounded[1], _mm512_set1_epi32((int)0xFFFF0000));
-            _mm512_storeu_si512(block_out + pair * 32, _mm512_or_si512(_mm512_srli_epi32(rounded[0], 16), second));
         }
     }
     return 0;
