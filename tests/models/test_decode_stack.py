@@ -201,10 +201,7 @@ def test_bfloat16_steps_past_the_packed_path_run_on_the_stacks_tiles(tiny_llama_
     of 3 tokens take them) run on the stack too, as the direct path runs them."""
     write_group_quantized(tiny_llama_dir, tmp_path / "quantized", tmp_path / "dequantized", spec)
     llm = _llm(tmp_path / "quantized", dtype="bfloat16")
-    model = llm.llm_engine.core.runner.model.model
-    qkv = model.layers[0].self_attn.qkv_proj
-    monkeypatch.setattr(qkv.quant_method.loaded_kernel(qkv).kernels, "bf16_tile_min_rows", {4: 2, 8: 2})
-    model.reset_direct_layers()
+    _lower_the_kernels_threshold(llm, "bf16_tile_min_rows", {4: 2, 8: 2}, monkeypatch)
     _check_the_stacks_tiles(llm, monkeypatch)
 
 
@@ -218,10 +215,7 @@ def test_bfloat16_fp8_steps_past_the_fused_kernel_run_on_the_stacks_tiles(tiny_l
         llm = _llm(tiny_llama_dir, dtype="bfloat16", quantization="fp8")
     else:
         llm = _llm(write_8bit(tiny_llama_dir, tmp_path, "fp8-block-dynamic")[0], dtype="bfloat16")
-    model = llm.llm_engine.core.runner.model.model
-    qkv = model.layers[0].self_attn.qkv_proj
-    monkeypatch.setattr(qkv.quant_method.loaded_kernel(qkv).kernels, "fp8_bf16_dense_min_rows", 2)
-    model.reset_direct_layers()
+    _lower_the_kernels_threshold(llm, "fp8_bf16_dense_min_rows", 2, monkeypatch)
     _check_the_stacks_tiles(llm, monkeypatch)
 
 
@@ -238,6 +232,14 @@ def test_bfloat16_gguf_steps_past_the_int8_products_run_on_the_stacks_tiles(gguf
         path, tokenizer = mixed_llama_gguf
         llm = _llm(path, tokenizer=str(tokenizer), dtype="bfloat16")
     _check_the_stacks_tiles(llm, monkeypatch)
+
+
+def _lower_the_kernels_threshold(llm: LLM, attribute: str, value, monkeypatch) -> None:
+    """Sets `attribute` of the kernels the model's linear layers share (for the test) and rebuilds the stack."""
+    model = llm.llm_engine.core.runner.model.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    monkeypatch.setattr(qkv.quant_method.loaded_kernel(qkv).kernels, attribute, value)
+    model.reset_direct_layers()
 
 
 def _check_the_stacks_tiles(llm: LLM, monkeypatch) -> None:
