@@ -207,12 +207,12 @@ class GgufPart(_StructPart):
 
     @classmethod
     def of(cls, product: PreparedProduct) -> GgufPart:
-        kernels = product.kernels
-        amx = kernels.amx_dense_takes(product.type_name, product.out_features, product.in_features)
-        below = tuple(NEVER_ROWS if limit is None else limit + 1
-                      for limit in (product.int8_max_rows(torch.float32), product.int8_max_rows(torch.bfloat16)))
+        kernels, name = product.kernels, product.type_name
+        amx = kernels.amx_dense_takes(name, product.out_features, product.in_features)
+        f32_below, bf16_below = (NEVER_ROWS if (rows := kernels.dense_threshold(name, dtype)) is None else rows
+                                 for dtype in (torch.float32, torch.bfloat16))
         return cls(kernels.library, kernels.library.gguf_stack_product, product.in_features, product.out_features,
-                   GgufStackLayer.of(product), (below[0], NEVER_ROWS if amx else below[1]), product.type_id)
+                   GgufStackLayer.of(product), (f32_below, NEVER_ROWS if amx else bf16_below), product.type_id)
 
 
 _INT32_MAX = 2**31 - 1

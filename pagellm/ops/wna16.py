@@ -510,7 +510,7 @@ class ExpertsPackedProduct:
         return [self.kernels.prepared(layout, self.tile_min_rows) for layout in self.layouts]
 
     def takes(self, sizes: list[int], dtype: torch.dtype) -> bool:
-        """Whether every expert's rows are few enough for the packed path (as `prepared` would send them)."""
+        """Whether every expert's rows are few enough for the packed path (as `expert_products` send them)."""
         return max(sizes) < self.packed_below.get(dtype, 0)
 
     def __call__(self, experts: list[int], sizes: list[int], x: torch.Tensor, out: torch.Tensor) -> None:

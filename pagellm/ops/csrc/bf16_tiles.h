@@ -1,6 +1,7 @@
-/* What the libraries that run linear_bf16 on weights they dequantize per call (wna16.c, w8a8.c) share: the type
- * of linear_bf16_strided, which they call through a pointer (it lives in the native library; the Python side
- * passes its address), and the calling thread's buffer for one tile of a dequantized weight. */
+/* What the libraries whose decode-stack products run linear_bf16 on weights they dequantize per call (wna16.c,
+ * w8a8.c's fp8, gguf_quant.c) share: the type of linear_bf16_strided, which they call through a pointer (it lives
+ * in the native library; the Python side passes its address), the calling thread's buffer for one tile of a
+ * dequantized weight, and the loop over the tiles. */
 #ifndef PAGELLM_BF16_TILES_H
 #define PAGELLM_BF16_TILES_H
 
@@ -32,6 +33,11 @@ typedef struct {
     LinearBF16Strided linear;
     int64_t min_rows, columns, amx_min_rows;
 } BF16Tiles;
+
+/* Whether a stack product sends these rows to the tiles. */
+static inline int bf16_tiles_take(const BF16Tiles *tiles, int x_bf16, int64_t rows) {
+    return x_bf16 && tiles->linear != NULL && rows >= tiles->min_rows;
+}
 
 /* Columns [first, first + n) of `weight` (K inputs) into `tile` in linear_bf16's packed layout: 0, or nonzero. */
 typedef int (*DequantizeColumns)(const void *weight, int64_t K, int64_t N, int64_t first, int64_t n, uint16_t *tile);

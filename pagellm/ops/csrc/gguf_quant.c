@@ -1147,7 +1147,7 @@ static int gguf_stack_layer_rows(const void *w, int64_t K, int64_t N, int64_t fi
 int gguf_stack_product(int type, const void *w, const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N,
                        void *y, int y_bf16) {
     const GgufStackLayer *layer = w;
-    if (x_bf16 && y_bf16 && layer->tiles.linear != NULL && rows >= layer->tiles.min_rows)
+    if (y_bf16 && bf16_tiles_take(&layer->tiles, x_bf16, rows))
         return bf16_tiles_product(&layer->tiles, layer, gguf_stack_layer_rows, x, rows, K, N, y);
     return gguf_matmul(type, layer->blocks, x, x_bf16, rows, K, N, y, y_bf16);
 }

@@ -1133,7 +1133,7 @@ int w8a8_fp8_stack_product(int type, const void *w, const void *x, int x_bf16, i
     if (x_bf16 != y_bf16 || rows < 0 || K <= 0) return 2;
     if (rows == 0) return 0;
     const Fp8StackLayer *layer = w;
-    if (x_bf16 && layer->tiles.linear != NULL && rows >= layer->tiles.min_rows)
+    if (bf16_tiles_take(&layer->tiles, x_bf16, rows))
         return bf16_tiles_product(&layer->tiles, layer, fp8_stack_layer_columns, x, rows, K, N, y);
     const Fp8Weight *weight = &layer->weight;
     return w8a8_fp8_linear(x, x_bf16, rows, K, N, weight->packed, weight->scales, weight->block_k, NULL, y, y_bf16)

@@ -612,7 +612,7 @@ int wna16_stack_product(int type, const void *w, const void *x, int x_bf16, int6
     if (x_bf16 != y_bf16 || rows < 0 || K <= 0) return 2;
     if (rows == 0) return 0;
     const Wna16StackLayer *layer = w;
-    if (x_bf16 && layer->tiles.linear != NULL && rows >= layer->tiles.min_rows)
+    if (bf16_tiles_take(&layer->tiles, x_bf16, rows))
         return bf16_tiles_product(&layer->tiles, layer, stack_layer_columns, x, rows, K, N, y);
     const Wna16Weight *weight = &layer->weight;
     return wna16_matmul(weight->packed, weight->gparams, weight->group_rows, weight->src, (int)layer->bits,
