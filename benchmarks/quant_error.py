@@ -11,8 +11,13 @@ part in a thousand (each output channel's by its own random factor in [1 - 1e-3,
 as before but rounds some values the other way. The columns after the first run each scheme under --dithers such
 moves and give the spread of what they measure: the part of a single measurement that is chance.
 
+The last scheme is quantization="int8"'s (pagellm/ops/w8a8_kernels.py, quantize_int8_rotated): weights and
+inputs rotated by blocks of a Hadamard matrix before both are quantized, the weights' per-channel scales fitted;
+the weights here rotated and fitted by the engine's own functions.
+
     .venv/bin/python benchmarks/quant_error.py
     .venv/bin/python benchmarks/quant_error.py --dithers 16
+    .venv/bin/python benchmarks/quant_error.py --schemes "W8A8 int8 (per-channel weights, per-token inputs)"
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.texts import PERPLEXITY_TEXT
+from pagellm.ops import w8a8_kernels as wk
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
@@ -66,10 +72,10 @@ def grouped(weight: torch.Tensor, group: int, rounder: Rounder, grid_max: float,
 
 class Scheme:
     def __init__(self, name: str, weights: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 per_token_int8_inputs: bool = False) -> None:
+                 inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.name = name
         self.weights = weights  # (weight, per-channel jitter [rows, 1]) -> rounded weight
-        self.per_token_int8_inputs = per_token_int8_inputs
+        self.inputs = inputs  # a layer's input -> what its product multiplies (None: the input as it is)
 
 
 def _channel_scheme(rounder: Rounder, scale_of: Callable[[torch.Tensor, float], torch.Tensor], grid_max: float):
@@ -80,18 +86,35 @@ def _group_scheme(group: int):
     return lambda weight, jitter: grouped(weight, group, round_int8, INT8_MAX, jitter.expand(-1, weight.shape[1] // group))
 
 
+def _per_token_int8(x: torch.Tensor) -> torch.Tensor:
+    return round_int8(x, x.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny) / INT8_MAX)
+
+
+def _rotated_fitted_weights(weight: torch.Tensor, jitter: torch.Tensor) -> torch.Tensor:
+    """quantize_int8_rotated's weights, dequantized (in the rotated space, where `_rotated_int8` puts the inputs);
+    a dither moves the fitted scales."""
+    rotation = wk.rotation_block(weight.shape[1])
+    rotated = (wk.hadamard_rows(weight.double(), rotation) / rotation).float()
+    _, scale = wk.quantize_rows_int8_fitted(rotated)
+    return round_int8(rotated, scale[:, None].clamp(min=torch.finfo(torch.float32).tiny) * jitter)
+
+
+def _rotated_int8(x: torch.Tensor) -> torch.Tensor:
+    """The input rotated and quantized per token as the kernels do (quantize_rows_int8), dequantized."""
+    q, scale = wk.quantize_rows_int8(x, None, wk.rotation_block(x.shape[-1]))
+    return (q.float() * scale[:, None]).view(x.shape)
+
+
 SCHEMES = [
     Scheme("int8 weights, per channel", _channel_scheme(round_int8, per_channel, INT8_MAX)),
     Scheme("int8 weights, groups of 64", _group_scheme(64)),
     Scheme("fp8 e4m3 weights, per tensor", _channel_scheme(round_fp8, per_tensor, FP8_MAX)),
     Scheme("fp8 e4m3 weights, per channel", _channel_scheme(round_fp8, per_channel, FP8_MAX)),
     Scheme("W8A8 int8 (per-channel weights, per-token inputs)", _channel_scheme(round_int8, per_channel, INT8_MAX),
-           per_token_int8_inputs=True),
+           inputs=_per_token_int8),
+    Scheme("W8A8 int8, rotated, fitted scales (quantization=\"int8\")", _rotated_fitted_weights,
+           inputs=_rotated_int8),
 ]
-
-
-def _per_token_int8(x: torch.Tensor) -> torch.Tensor:
-    return round_int8(x, x.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny) / INT8_MAX)
 
 
 def _linear_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -115,8 +138,8 @@ def run_scheme(model: torch.nn.Module, originals: list[torch.Tensor], scheme: Sc
         rows = original.shape[0]
         jitter = torch.ones(rows, 1) if generator is None else 1 + DITHER * (2 * torch.rand(rows, 1, generator=generator) - 1)
         layer.weight.data = scheme.weights(original, jitter)
-        if scheme.per_token_int8_inputs:
-            hooks.append(layer.register_forward_pre_hook(lambda _module, args: (_per_token_int8(args[0]),)))
+        if scheme.inputs is not None:
+            hooks.append(layer.register_forward_pre_hook(lambda _module, args: (scheme.inputs(args[0]),)))
     try:
         return perplexity(model, ids)
     finally:
@@ -129,6 +152,8 @@ def run_scheme(model: torch.nn.Module, originals: list[torch.Tensor], scheme: Sc
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dithers", type=int, default=8, help="dithered runs per scheme (default 8)")
+    parser.add_argument("--schemes", nargs="+", default=None, choices=[scheme.name for scheme in SCHEMES],
+                        metavar="SCHEME", help="schemes to run (default: all)")
     parser.add_argument("--hf-dir", type=Path, default=None,
                         help="the default model's HF export (default: written to a temporary directory)")
     args = parser.parse_args(argv)
@@ -152,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
           f"({len(originals)} linear layers quantized per scheme)\n")
     print(f"| scheme | perplexity | vs float32 | {args.dithers} dithered runs: mean | min | max | std |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for scheme in SCHEMES:
+    for scheme in [scheme for scheme in SCHEMES if args.schemes is None or scheme.name in args.schemes]:
         plain = run_scheme(model, originals, scheme, ids, None) / reference - 1
         moved = [run_scheme(model, originals, scheme, ids, seed) / reference - 1 for seed in range(args.dithers)]
         spread = statistics.stdev(moved) if len(moved) > 1 else 0.0

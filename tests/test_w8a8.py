@@ -44,11 +44,12 @@ def _ours(path: str, **kwargs) -> list[tuple[list[int], list[dict]]]:
             for o in outputs]
 
 
-def _hf(path: str, tokenizer, input_scales: dict[str, float | None] | None = None):
+def _hf(path: str, tokenizer, input_scales: dict[str, float | None] | None = None, rotated: bool = False):
     """transformers' greedy continuations and top logprobs; with `input_scales` (module name -> static scale, or
     None for dynamic per-token scales), the inputs of those linear modules are replaced by their int8
     quantization, dequantized (quantize_rows_int8: the kernels' rounding), so that the float32 model computes
-    what W8A8 computes, up to float32 rounding."""
+    what W8A8 computes, up to float32 rounding. `rotated`: the inputs are rotated first as quantization="int8"
+    rotates them (the checkpoint at `path` holding the rotated weights)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -56,7 +57,8 @@ def _hf(path: str, tokenizer, input_scales: dict[str, float | None] | None = Non
         if input_scales is not None and name in input_scales:
             def fake_quantize(module, inputs, scale=input_scales[name]):
                 x = inputs[0]
-                q, step = wk.quantize_rows_int8(x, scale)
+                rotation = wk.rotation_block(x.shape[-1]) if rotated else 1
+                q, step = wk.quantize_rows_int8(x, scale, rotation)
                 return ((q.float() * step[:, None]).view(x.shape),)
 
             module.register_forward_pre_hook(fake_quantize)
@@ -123,8 +125,10 @@ def test_int8_checkpoints_stay_close_to_the_dequantized_model(tmp_path, tiny_lla
 
 
 def _online_dequantized(tiny_llama_dir: str, directory, method: str) -> str:
-    """A float checkpoint of the weights quantization=`method` makes: int8 per output channel; fp8 with one scale
-    per fused weight (q/k/v together, gate/up together), as the layers quantize them."""
+    """A float checkpoint of the weights quantization=`method` makes: int8 per output channel, rotated
+    (quantize_int8_rotated: the model computes W8A8's products when its inputs are rotated likewise, `_hf`'s
+    `rotated`); fp8 with one scale per fused weight (q/k/v together, gate/up together), as the layers quantize
+    them."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -136,7 +140,8 @@ def _online_dequantized(tiny_llama_dir: str, directory, method: str) -> str:
             names = [f"model.layers.{layer}.{part}.weight" for part in parts]
             fused = torch.cat([tensors[name] for name in names])
             if method == "int8":
-                q, scale = wk.quantize_rows_int8(fused)
+                q, scale, rotation = wk.quantize_int8_rotated(fused)
+                assert rotation > 1
                 dequantized = q.float() * scale[:, None]
             else:
                 q, scale = wk.quantize_fp8_per_tensor(fused)
@@ -158,7 +163,7 @@ def test_online_int8_halves_the_weights_and_computes_w8a8(tmp_path, tiny_llama_d
     linears = {f"model.layers.{i}.{part}": None for i in range(3) for part in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
         "mlp.up_proj", "mlp.down_proj")}
-    theirs = _hf(dequantized, default_tokenizer, linears)
+    theirs = _hf(dequantized, default_tokenizer, linears, rotated=True)
     agreed = [check_logprobs_close(mine, hf) for mine, hf in zip(ours, theirs)]
     assert sum(agreed) >= 2 * TOKENS, f"only {agreed} leading tokens agree"
 

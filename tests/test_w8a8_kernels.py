@@ -95,6 +95,119 @@ def test_int8_equals_the_reference_and_float64(path, isa, dtype, static):
                 assert ((y - x.double() @ w64.T).abs() <= bound + 1e-30).all()
 
 
+# (K, rotation): blocks of 64 (SmolLM2's 576 and 1,536 inputs), of 16 (the vector stages only), below 16 (the
+# scalar stages), larger than 64, and one block over all of K.
+ROTATIONS = [(576, 64), (192, 16), (100, 4), (24, 8), (256, 128), (64, 64)]
+
+
+@pytest.mark.parametrize("path", ["vector", "amx"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotated_int8_equals_the_reference(path, isa, dtype):
+    """quantization="int8"'s rotated weights: the kernels rotate each row (csrc/w8a8.c's hadamard_row) to the
+    bit as hadamard_rows does, then quantize and multiply as for any int8 weight; NaN rows stay in their row."""
+    kernels = _on_path(_kernels(isa), path)
+    for k, rotation in ROTATIONS:
+        w = torch.randn(40, k, generator=torch.Generator().manual_seed(k))
+        q, scale, got = wk.quantize_int8_rotated(w, rotation)
+        assert got == rotation
+        packed = wk.pack_int8(q, scale, rotation)
+        for m in (1, 5, 33):
+            x = _x(m, k, m + k, dtype)
+            if m > 3:
+                x[3, k - 1] = float("nan")
+            y = kernels.int8_linear(x, packed, None)
+            expected = wk.int8_linear_reference(x, q, scale, None, None, rotation)
+            assert torch.equal(y.isnan(), expected.isnan()), (k, m)
+            assert torch.equal(y.nan_to_num(), expected.nan_to_num()), (k, rotation, m)
+            xq, xs = kernels.quantize_rows(x, None, rotation)
+            q_ref, s_ref = wk.quantize_rows_int8(x, None, rotation)
+            assert torch.equal(xq, q_ref) and torch.equal(xs.nan_to_num(), s_ref.nan_to_num())
+
+
+@pytest.mark.parametrize("rotation", [3, 48, 256])
+def test_a_rotation_the_kernels_cannot_take_is_refused(rotation):
+    kernels = _kernels(ISAS[0])
+    q, scale = _weight(16, 96, 1)
+    with pytest.raises(ValueError, match=f"rotation={rotation}"):
+        kernels.int8_linear(_x(2, 96, 1), wk.pack_int8(q, scale, rotation), None)
+    with pytest.raises(ValueError, match="power of two dividing"):
+        wk.hadamard_rows(_x(2, 96, 1), rotation)
+
+
+def test_hadamard_rows_is_the_block_hadamard_matrix():
+    """hadamard_rows(x, b) = x H for H block-diagonal of Sylvester's H_b (entries +-1, H H^T = b I), so that a
+    weight rotated the same way and divided by b leaves the product unchanged."""
+    for block in (1, 2, 8, 64):
+        h = wk.hadamard_rows(torch.eye(128, dtype=torch.float64), block)
+        assert set(h.unique().tolist()) <= {-1.0, 0.0, 1.0}
+        assert torch.equal(h, h.T) and torch.equal(h @ h.T, block * torch.eye(128, dtype=torch.float64))
+        assert (h[:block, block:] == 0).all() and (h[:block, :block].abs() == 1).all()
+        x = torch.randn(3, 128, dtype=torch.float64)
+        assert torch.allclose(wk.hadamard_rows(x, block), x @ h)
+    assert [wk.rotation_block(k) for k in (576, 1536, 100, 7, 4096)] == [64, 64, 4, 1, 64]
+    assert wk.rotation_block(4096, 512) == 512
+
+
+def test_rotation_spreads_an_outlier_channel():
+    """The reason for the rotation: with one input channel 100 times the others, per-row int8 flattens every other
+    channel to a few steps; rotated, the product's error falls by more than 5x."""
+    generator = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 576, generator=generator) * 0.05
+    x = torch.randn(16, 576, generator=generator)
+    x[:, 100] *= 100
+    exact = x.double() @ w.double().T
+
+    def relative_error(y: torch.Tensor) -> float:
+        return float((y.double() - exact).norm() / exact.norm())
+
+    plain = wk.int8_linear_reference(x, *wk.quantize_rows_int8(w), None, None)
+    q, scale, rotation = wk.quantize_int8_rotated(w)
+    rotated = wk.int8_linear_reference(x, q, scale, None, None, rotation)
+    assert rotation == 64 and relative_error(rotated) * 5 < relative_error(plain)
+
+
+def test_fitted_weight_scales_are_never_further_than_the_largest_magnitude_s():
+    """quantize_rows_int8_fitted picks per channel the clipping nearest the weights in squared error, the unclipped
+    scale among its choices: no channel ends up further than quantize_rows_int8 puts it; a channel with one
+    weight just above the rest is clipped; zero and non-finite channels as quantize_rows_int8 gives them."""
+    generator = torch.Generator().manual_seed(2)
+    w = torch.randn(32, 1024, generator=generator)
+    w[1] = 0.9  # 0.9 falls 0.3 of a step from max|w| / 127's grid, 0.17 from 0.97 max|w| / 127's: clipping 1.0 pays
+    w[1, 3] = 1.0
+    w[2] = 0.0
+    w[3, 7] = float("nan")
+    q, scale = wk.quantize_rows_int8_fitted(w)
+    q_max, scale_max = wk.quantize_rows_int8(w)
+    fitted = ((q.float() * scale[:, None] - w) ** 2).sum(1)
+    plain = ((q_max.float() * scale_max[:, None] - w) ** 2).sum(1)
+    finite = [r for r in range(32) if r not in (2, 3)]
+    assert (fitted[finite] <= plain[finite] * (1 + 1e-6)).all()
+    assert scale[1] < scale_max[1] and fitted[1] < plain[1]
+    assert scale[2] == 0 and (q[2] == 0).all()
+    assert scale[3].isnan() and (q[3] == 0).all()
+    assert q.abs().max() <= 127
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_c_search_of_fitted_scales_chooses_as_torch_does(isa):
+    """w8a8_fit_int8_scales (the load's search) and fitted_scales (torch) sum their errors in different orders; on
+    Gaussian rows, rows with a tail past K's multiple of 8, clipped, zero and non-finite rows they choose alike."""
+    kernels = _kernels(isa)
+    generator = torch.Generator().manual_seed(4)
+    for k in (576, 67):
+        w = torch.randn(200, k, generator=generator) * torch.rand(200, 1, generator=generator)
+        w[1] = 0.9
+        w[1, 3] = 1.0
+        w[2] = 0.0
+        w[3, 7] = float("inf")
+        w[4, 60] = 30.0
+        ours, theirs = kernels.fit_int8_scales(w), wk.fitted_scales(w)
+        assert torch.equal(ours.nan_to_num(-1.0), theirs.nan_to_num(-1.0)), k
+        assert ours[2] == 0 and ours[3].isnan()
+        assert (ours[1] < w[1].abs().max() / 127) == (k == 576)  # clipping the 1.0 pays over 575 values, not 66
+
+
 @pytest.mark.parametrize("rows, n", [(300, 1037), (530, 80)])
 def test_int8_tiles_over_several_chunks_of_rows_equal_the_reference(rows, n):
     """More than one chunk of 256 rows on AMX's tiles: blocks of rows times groups of column blocks (unequal group
@@ -229,13 +342,19 @@ EXPERT_ROWS = [(3, 2), (0, 1), (4, 0), (1, 5), (2, 3)]
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt", ["int8", "int8-static", "fp8-channel", "fp8-blocks"])
+@pytest.mark.parametrize("fmt", ["int8", "int8-static", "int8-rotated", "fp8-channel", "fp8-blocks"])
 def test_experts_in_one_call_equal_each_experts_own_call(isa, dtype, fmt):
     """w8a8_int8_linear_experts / w8a8_fp8_linear_experts: every expert's rows times its own weight, bit for bit
-    what each expert's own product gives (its own static input scale included)."""
+    what each expert's own product gives (its own static input scale or rotation included)."""
     kernels = _kernels(isa)
     k, n = 67, 40
-    if fmt.startswith("int8"):
+    if fmt == "int8-rotated":
+        k = 96  # rotated by blocks of 32
+        weights = [torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) for seed in range(5)]
+        linears = [wk.NativeInt8Linear(*wk.quantize_int8_rotated(w)[:2], None, kernels, wk.rotation_block(k))
+                   for w in weights]
+        together = wk.ExpertsInt8Product(linears)
+    elif fmt.startswith("int8"):
         linears = [wk.NativeInt8Linear(*_weight(n, k, seed), 0.03 + 0.01 * seed if fmt == "int8-static" else None,
                                        kernels) for seed in range(5)]
         together = wk.ExpertsInt8Product(linears)

@@ -49,6 +49,19 @@ def test_int8_equals_the_reference(m, k, n, dtype, static):
     assert torch.equal(xq, xq_ref) and torch.equal(xs.nan_to_num(-1.0), xs_ref.nan_to_num(-1.0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotated_int8_equals_the_reference(dtype):
+    """quantization="int8"'s rotated weights on CUDA: the rows rotated in torch (hadamard_rows), then the same
+    kernels; bit for bit the reference's."""
+    x, w, bias = _inputs(5, 192, 40, 7)
+    q, scale, rotation = wk.quantize_int8_rotated(w)
+    assert rotation == 64
+    x = x.to(dtype)
+    y = wt.int8_linear(x, q, scale, None, bias.to(dtype), rotation)
+    assert y.dtype == dtype
+    assert torch.equal(y, wk.int8_linear_reference(x, q, scale, None, bias.to(dtype), rotation))
+
+
 @pytest.mark.parametrize("m, k, n", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fp8_matches_float64(m, k, n, dtype):

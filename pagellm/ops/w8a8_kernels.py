@@ -10,6 +10,13 @@ C); on CUDA: Triton (ops/w8a8_triton.py); elsewhere, or without a
 compiler, the torch reference below. Every path sums the same int32 values, so they agree to the float32
 epilogue (the C kernel and the torch reference bit for bit).
 
+quantization="int8" quantizes a float checkpoint's weights rotated (`quantize_int8_rotated`): each block of
+`rotation` input features (up to ONLINE_INT8_ROTATION) times a Hadamard matrix, which the products undo by rotating
+each row of x the same way before quantizing it (`hadamard_rows`, csrc/w8a8.c's hadamard_row): x W^T = (x H)(W H)^T
+/ rotation. A per-row int8 scale set by one input channel far larger than the rest (this model family's outlier
+channels) flattens the others to a few steps; rotated, that channel is spread over its block. The weights' scales
+are fitted per output channel (`quantize_rows_int8_fitted`). README, "What the 8-bit schemes cost by themselves".
+
 FP8 (compressed-tensors float-quantized, quant_method "fp8", quantization="fp8"): weights float8_e4m3fn with a
 scale per output channel and block of K (per-tensor scales are expanded per channel, exactly; block-wise scales
 of [bn, bk] per column and K block). No CPU has fp8 arithmetic: the C kernel widens each group of 8 weights to
@@ -74,6 +81,15 @@ FP8_BF16_DENSE_MIN_ROWS = 16
 INT8_AMX_MIN_ROWS = 8
 # Weight bytes dequantized per tile of the dense path (the only dequantized copy that exists at a time).
 DENSE_TILE_BYTES = 4 << 20
+# The largest Hadamard block quantization="int8" rotates inputs by (the largest power of two dividing K, up to
+# this): blocks of 64 measured better than 512 (README, "What the 8-bit schemes cost by themselves"), and a
+# block's rotation costs each row log2(block) passes of additions.
+ONLINE_INT8_ROTATION = 64
+# The clipped ranges quantize_rows_int8_fitted tries per output channel: max|w| times each ratio (ratio 1, the
+# unclipped range, among them: a fitted channel is never further from its weights than quantize_rows_int8's).
+WEIGHT_CLIP_RATIOS = tuple(1 - 0.03 * i for i in range(8))
+# Weight elements the fitted quantizer works on at a time (its float temporaries are a few times this).
+FIT_CHUNK_ELEMENTS = 1 << 22
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -89,12 +105,42 @@ def _check_in_features(in_features: int) -> None:
 # ---- quantizers (torch): the load-time quantizers, and the reference the kernels are tested against ----------
 
 
-def quantize_rows_int8(x: torch.Tensor, static_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotation_block(in_features: int, largest: int = ONLINE_INT8_ROTATION) -> int:
+    """The Hadamard block quantization="int8" rotates `in_features` inputs by: the largest power of two dividing
+    it, up to `largest` (1: no rotation)."""
+    block = 1
+    while in_features % (2 * block) == 0 and 2 * block <= largest:
+        block *= 2
+    return block
+
+
+def hadamard_rows(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., K] times the block-diagonal Hadamard matrix of blocks of `block` inputs (Sylvester's, entries +-1,
+    unnormalized: H H^T = block * I), in x's dtype, by butterfly stages of distance 1, 2, 4, ... (a, b) -> (a + b,
+    a - b): csrc/w8a8.c's hadamard_row in the same order, so that float32 rows agree bit for bit."""
+    if block <= 1:
+        return x
+    if x.shape[-1] % block or block & (block - 1):
+        raise ValueError(f"a Hadamard rotation takes blocks of a power of two dividing the {x.shape[-1]} features, "
+                         f"not {block}")
+    rows = x.reshape(-1, x.shape[-1])
+    distance = 1
+    while distance < block:
+        pairs = rows.view(rows.shape[0], -1, 2, distance)
+        low, high = pairs[:, :, 0], pairs[:, :, 1]
+        rows = torch.stack((low + high, low - high), dim=2).view(rows.shape)
+        distance *= 2
+    return rows.view(x.shape)
+
+
+def quantize_rows_int8(x: torch.Tensor, static_scale: float | None = None,
+                       rotation: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (q int8 [rows, K], scale float32 [rows]) as the kernels quantize activations: per row
     s = max|x| / 127 and q = x * (127 / max|x|), or with a static scale s, q = x * (1 / s); rounded to nearest
-    even and clamped to [-127, 127]. A row holding a NaN or an infinity gets s = NaN and q = 0. Per-channel
-    weights are quantized the same way (a row of W is an output channel)."""
-    rows = x.reshape(-1, x.shape[-1]).float()
+    even and clamped to [-127, 127]. A row holding a NaN or an infinity gets s = NaN and q = 0. With `rotation`
+    > 1 each row is rotated first (hadamard_rows in float32). Per-channel weights are quantized the same way (a row
+    of W is an output channel)."""
+    rows = hadamard_rows(x.reshape(-1, x.shape[-1]).float(), rotation)
     finite = torch.isfinite(rows).all(dim=1)
     # Divisions in float64, rounded once to float32: torch's float32 division by a scalar multiplies by its
     # rounded reciprocal, which is not the correctly rounded quotient the kernels compute.
@@ -108,6 +154,66 @@ def quantize_rows_int8(x: torch.Tensor, static_scale: float | None = None) -> tu
     q = (rows * inverse[:, None]).clamp(-127, 127).round()
     q = torch.where(finite[:, None], q, torch.zeros_like(q)).to(torch.int8)
     return q, torch.where(finite, scale, torch.full_like(scale, float("nan")))
+
+
+def quantize_rows_int8_fitted(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q int8 [N, K], scale float32 [N]): per output channel the scale max|w| * ratio / 127,
+    ratio among WEIGHT_CLIP_RATIOS, whose rounding (values past the clipped range saturating at +-127) lies
+    nearest the channel's weights in squared error. An all-zero channel gets scale 0, one holding a NaN or an
+    infinity scale NaN and q 0 (as quantize_rows_int8). The search runs in C where the kernels are built (a
+    load's cost: every weight rounded once per ratio), in torch elsewhere."""
+    out_features, in_features = weight.shape
+    kernels = w8a8_kernels() if weight.device.type == "cpu" else None
+    q = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(out_features, dtype=torch.float32, device=weight.device)
+    step = max(1, FIT_CHUNK_ELEMENTS // max(in_features, 1))
+    for first in range(0, out_features, step):
+        rows = weight[first:first + step].float()
+        chosen = kernels.fit_int8_scales(rows) if kernels is not None else fitted_scales(rows)
+        q[first:first + step] = _round_to_scales(rows, chosen)
+        scale[first:first + step] = chosen
+    return q, scale
+
+
+def fitted_scales(rows: torch.Tensor) -> torch.Tensor:
+    """quantize_rows_int8_fitted's scales [N] for float32 rows [N, K], searched in torch."""
+    finite = torch.isfinite(rows).all(dim=1)
+    amax = torch.where(finite, rows.abs().amax(dim=1), torch.zeros_like(rows[:, 0]))
+    best_scale = best_error = None
+    for ratio in WEIGHT_CLIP_RATIOS:
+        scale = amax * ratio / 127
+        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+        error = (rows / divisor).round_().clamp_(-127, 127).mul_(divisor).sub_(rows).square_().sum(dim=1)
+        if best_scale is None:
+            best_scale, best_error = scale, error
+        else:
+            best_scale = torch.where(error < best_error, scale, best_scale)
+            best_error = torch.minimum(error, best_error)
+    return torch.where(finite, best_scale, torch.full_like(best_scale, float("nan")))
+
+
+def _round_to_scales(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """rows [N, K] rounded to int8 steps of scale [N] (0 where a scale is 0 or NaN)."""
+    usable = scale > 0
+    divisor = torch.where(usable, scale, torch.ones_like(scale))[:, None]
+    q = (rows / divisor).round_().clamp_(-127, 127)
+    return torch.where(usable[:, None], q, torch.zeros_like(q)).to(torch.int8)
+
+
+def quantize_int8_rotated(weight: torch.Tensor,
+                          largest: int = ONLINE_INT8_ROTATION) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """quantization="int8"'s weights: (q int8 [N, K], scale float32 [N], rotation) for a float weight [N, K],
+    rotated by blocks of `rotation` inputs (rotation_block) and divided by the block (so that (x H) (W H / b)^T
+    = x W^T), then quantized per channel with fitted scales."""
+    rotation = rotation_block(weight.shape[1], largest)
+    if rotation == 1:
+        return (*quantize_rows_int8_fitted(weight), 1)
+    # As a GEMM on [rows * blocks, rotation] (a few times faster than hadamard_rows' stages; the weights need no
+    # bit-exact agreement with the kernels, only the activations do).
+    hadamard = hadamard_rows(torch.eye(rotation), rotation) / rotation
+    rotated = (weight.float().reshape(-1, rotation) @ hadamard).view(weight.shape)
+    q, scale = quantize_rows_int8_fitted(rotated)
+    return q, scale, rotation
 
 
 def quantize_fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,9 +238,10 @@ def expand_block_scales(scales: torch.Tensor, out_features: int, block_n: int) -
 
 
 def int8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                          input_scale: float | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """y in x's dtype: the int8 sums computed exactly (float64 holds them), then the kernels' float32 epilogue."""
-    q, x_scale = quantize_rows_int8(x, input_scale)
+                          input_scale: float | None, bias: torch.Tensor | None, rotation: int = 1) -> torch.Tensor:
+    """y in x's dtype: the int8 sums computed exactly (float64 holds them), then the kernels' float32 epilogue;
+    x's rows rotated first where `rotation` > 1 (the weight is a rotated one, quantize_int8_rotated's)."""
+    q, x_scale = quantize_rows_int8(x, input_scale, rotation)
     sums = q.double() @ weight.double().t()
     y = sums.float() * (x_scale[:, None] * weight_scale.float()[None, :])
     if bias is not None:
@@ -161,19 +268,21 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Te
 @dataclass
 class PackedInt8:
     """An int8 weight as csrc/w8a8.c reads it: strips of 16 outputs by groups of 4 inputs (N and K padded with
-    zero weights), the column sums the VNNI build subtracts, and the per-channel scales (zero past N)."""
+    zero weights), the column sums the VNNI build subtracts, and the per-channel scales (zero past N); `rotation`
+    > 1 for a rotated weight (quantize_int8_rotated), whose products rotate x's rows likewise."""
 
     packed: torch.Tensor  # int8 [Np / 16, Kp / 4, 16, 4]
     colsum: torch.Tensor  # int32 [Np]
     scale: torch.Tensor  # float32 [Np]
     in_features: int
     out_features: int
+    rotation: int = 1
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.packed, self.colsum, self.scale]
 
 
-def pack_int8(weight: torch.Tensor, scale: torch.Tensor) -> PackedInt8:
+def pack_int8(weight: torch.Tensor, scale: torch.Tensor, rotation: int = 1) -> PackedInt8:
     """weight int8 [N, K], scale float32 [N] -> PackedInt8."""
     out_features, in_features = weight.shape
     _check_in_features(in_features)
@@ -190,7 +299,7 @@ def pack_int8(weight: torch.Tensor, scale: torch.Tensor) -> PackedInt8:
     colsum = padded.sum(dim=1, dtype=torch.int32)
     scales = torch.zeros(n_pad, dtype=torch.float32)
     scales[:out_features] = scale.float()
-    return PackedInt8(packed, colsum, scales, in_features, out_features)
+    return PackedInt8(packed, colsum, scales, in_features, out_features, rotation)
 
 
 @dataclass
@@ -257,13 +366,16 @@ class W8A8Kernels:
         self.dot_instructions = library.w8a8_dot_instructions().decode()
         self._int8 = library.w8a8_int8_linear
         self._int8.restype = _INT
-        self._int8.argtypes = [_PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _F32, _PTR, _PTR,
-                               _I64]
+        self._int8.argtypes = [_PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _F32, _I64, _PTR,
+                               _PTR, _I64]
         self.amx = bool(ctypes.c_int.in_dll(library, "pagellm_w8a8_amx_available").value and library.w8a8_amx_ready())
         self.amx_min_rows = INT8_AMX_MIN_ROWS if self.amx else cpu_build.NEVER_ROWS
         self._quantize = library.w8a8_quantize_rows
         self._quantize.restype = _INT
-        self._quantize.argtypes = [_PTR, _INT, _I64, _I64, _F32, _PTR, _PTR]
+        self._quantize.argtypes = [_PTR, _INT, _I64, _I64, _F32, _I64, _PTR, _PTR]
+        self._fit = library.w8a8_fit_int8_scales
+        self._fit.restype = _INT
+        self._fit.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR]
         self._fp8 = library.w8a8_fp8_linear
         self._fp8.restype = _INT
         self._fp8.argtypes = [_PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
@@ -291,7 +403,8 @@ class W8A8Kernels:
     def _buffer(name: str, elements: int, dtype: torch.dtype) -> torch.Tensor:
         return thread_scratch("w8a8", name, elements, dtype)
 
-    def quantize_rows(self, x: torch.Tensor, static_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_rows(self, x: torch.Tensor, static_scale: float | None = None,
+                      rotation: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [rows, K], scale float32 [rows]) as the int8 product quantizes x (equal to quantize_rows_int8)."""
         in_features = x.shape[-1]
         rows = _rows_of(x if x.dtype in ACTIVATION_DTYPES else x.float(), in_features)
@@ -299,9 +412,20 @@ class W8A8Kernels:
         q = torch.empty(rows.shape[0], k_pad, dtype=torch.int8)
         scale = torch.empty(rows.shape[0], dtype=torch.float32)
         if self._quantize(rows.data_ptr(), int(rows.dtype == torch.bfloat16), rows.shape[0], in_features,
-                          _static(static_scale), q.data_ptr(), scale.data_ptr()):
-            raise ValueError(f"w8a8_quantize_rows refused in_features={in_features}")
+                          _static(static_scale), rotation, q.data_ptr(), scale.data_ptr()):
+            raise ValueError(f"w8a8_quantize_rows refused in_features={in_features}, rotation={rotation}")
         return q[:, :in_features], scale
+
+    def fit_int8_scales(self, weight: torch.Tensor) -> torch.Tensor:
+        """quantize_rows_int8_fitted's scales [N] for a weight [N, K], searched in C (the torch search's choice but
+        where two clippings' errors tie to float rounding)."""
+        rows = weight.float().contiguous()
+        ratios = torch.tensor(WEIGHT_CLIP_RATIOS, dtype=torch.float32)
+        scales = torch.empty(rows.shape[0], dtype=torch.float32)
+        if self._fit(rows.data_ptr(), rows.shape[0], rows.shape[1], ratios.data_ptr(), len(ratios),
+                     scales.data_ptr()):
+            raise ValueError(f"w8a8_fit_int8_scales refused a weight of shape {tuple(rows.shape)}")
+        return scales
 
     def int8_linear(self, x: torch.Tensor, weight: PackedInt8, bias: torch.Tensor | None,
                     static_scale: float | None = None) -> torch.Tensor:
@@ -319,8 +443,9 @@ class W8A8Kernels:
         if self._int8(rows.data_ptr(), bf16, count, in_features, out_features, weight.packed.data_ptr(),
                       weight.colsum.data_ptr(), weight.scale.data_ptr(),
                       bias.data_ptr() if bias is not None else None, y.data_ptr(), bf16, _static(static_scale),
-                      xq.data_ptr(), xs.data_ptr(), self.amx_min_rows):
-            raise ValueError(f"w8a8_int8_linear refused in_features={in_features}, out_features={out_features}")
+                      weight.rotation, xq.data_ptr(), xs.data_ptr(), self.amx_min_rows):
+            raise ValueError(f"w8a8_int8_linear refused in_features={in_features}, out_features={out_features}, "
+                             f"rotation={weight.rotation}")
         return y if rows is x else y.view(*x.shape[:-1], out_features)
 
     def fp8_linear(self, x: torch.Tensor, weight: PackedFp8, bias: torch.Tensor | None) -> torch.Tensor:
@@ -462,19 +587,22 @@ def w8a8_kernels(isa: str | None = None) -> W8A8Kernels | None:
 
 
 class Int8Linear:
-    """x @ W^T + bias for one int8 weight (per-channel scales), activations quantized per row."""
+    """x @ W^T + bias for one int8 weight (per-channel scales), activations quantized per row (rotated first
+    for a rotated weight: `rotation` > 1, quantize_int8_rotated's)."""
 
     name = "torch"
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: float | None) -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: float | None,
+                 rotation: int = 1) -> None:
         _check_in_features(weight.shape[1])
         self.weight = weight
         self.scale = scale.float().contiguous()
         self.input_scale = input_scale
+        self.rotation = rotation
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int8_linear_reference(x, self.weight, self.scale, self.input_scale, bias)
+        return int8_linear_reference(x, self.weight, self.scale, self.input_scale, bias, self.rotation)
 
     def tensors(self) -> list[torch.Tensor]:
         """What the layer's weight is kept as (counted as weight memory)."""
@@ -485,10 +613,10 @@ class NativeInt8Linear(Int8Linear):
     name = "native"
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: float | None,
-                 kernels: W8A8Kernels) -> None:
-        super().__init__(weight, scale, input_scale)
+                 kernels: W8A8Kernels, rotation: int = 1) -> None:
+        super().__init__(weight, scale, input_scale, rotation)
         self.kernels = kernels
-        self.packed = pack_int8(weight, self.scale)
+        self.packed = pack_int8(weight, self.scale, rotation)
         self.name = f"native-{kernels.dot_instructions}"
         self.weight = None  # only the packed copy is kept
 
@@ -505,7 +633,7 @@ class TritonInt8Linear(Int8Linear):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from pagellm.ops import w8a8_triton
 
-        return w8a8_triton.int8_linear(x, self.weight, self.scale, self.input_scale, bias)
+        return w8a8_triton.int8_linear(x, self.weight, self.scale, self.input_scale, bias, self.rotation)
 
 
 class Fp8Linear:
@@ -547,13 +675,13 @@ class Int8WeightStruct(ctypes.Structure):
     stack, the experts call)."""
 
     _fields_ = [("packed", _PTR), ("colsum", _PTR), ("wscale", _PTR), ("amx_min_rows", _I64),
-                ("static_scale", _F32)]
+                ("static_scale", _F32), ("rotation", _I64)]
 
     @classmethod
     def of(cls, linear: NativeInt8Linear) -> Int8WeightStruct:
         packed = linear.packed
         return cls(packed.packed.data_ptr(), packed.colsum.data_ptr(), packed.scale.data_ptr(),
-                   linear.kernels.amx_min_rows, _static(linear.input_scale))
+                   linear.kernels.amx_min_rows, _static(linear.input_scale), packed.rotation)
 
 
 class Fp8WeightStruct(ctypes.Structure):
@@ -676,16 +804,18 @@ def _triton_available() -> bool:
     return True
 
 
-def choose_int8_linear(weight: torch.Tensor, scale: torch.Tensor, input_scale: float | None) -> Int8Linear:
-    """The product for an int8 weight [N, K] with per-channel scales [N] on its device: the C kernels on the
-    CPU, Triton on CUDA, torch elsewhere or where those are missing."""
+def choose_int8_linear(weight: torch.Tensor, scale: torch.Tensor, input_scale: float | None,
+                       rotation: int = 1) -> Int8Linear:
+    """The product for an int8 weight [N, K] with per-channel scales [N] (rotated by blocks of `rotation` inputs
+    where > 1) on its device: the C kernels on the CPU, Triton on CUDA, torch elsewhere or where those are
+    missing."""
     if weight.device.type == "cpu":
         kernels = w8a8_kernels()
         if kernels is not None:
-            return NativeInt8Linear(weight, scale, input_scale, kernels)
+            return NativeInt8Linear(weight, scale, input_scale, kernels, rotation)
     elif weight.device.type == "cuda" and _triton_available():
-        return TritonInt8Linear(weight, scale, input_scale)
-    return Int8Linear(weight, scale, input_scale)
+        return TritonInt8Linear(weight, scale, input_scale, rotation)
+    return Int8Linear(weight, scale, input_scale, rotation)
 
 
 def choose_fp8_linear(weight: torch.Tensor, scales: torch.Tensor, block_k: int) -> Fp8Linear:

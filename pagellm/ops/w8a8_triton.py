@@ -143,10 +143,16 @@ def quantize_rows(x: torch.Tensor, static_scale: float | None = None) -> tuple[t
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: float | None,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) for int8 W [N, K] with per-channel scales, x quantized to int8 per row."""
+                bias: torch.Tensor | None, rotation: int = 1) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) for int8 W [N, K] with per-channel scales, x quantized to int8 per row (rotated
+    first by w8a8_kernels.hadamard_rows in float32 where `rotation` > 1: a rotated weight's)."""
+    from pagellm.ops.w8a8_kernels import hadamard_rows
+
     out_features, in_features = weight.shape
-    q, x_scale = quantize_rows(_rows(x, in_features), input_scale)
+    rows = _rows(x, in_features)
+    if rotation > 1:
+        rows = hadamard_rows(rows.float(), rotation)
+    q, x_scale = quantize_rows(rows, input_scale)
     y = torch.empty(q.shape[0], out_features, dtype=x.dtype, device=x.device)
     if q.shape[0]:
         grid = (triton.cdiv(q.shape[0], BLOCK_M), triton.cdiv(out_features, BLOCK_N))

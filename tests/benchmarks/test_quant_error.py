@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import quant_error
-from pagellm.ops.w8a8_kernels import quantize_rows_int8
+from pagellm.ops.w8a8_kernels import quantize_int8_rotated, quantize_rows_int8
 
 
 def test_the_int8_schemes_grid_is_the_engines():
@@ -49,3 +49,18 @@ def test_a_scheme_moves_perplexity_and_leaves_the_model_as_it_was(hf_tiny, schem
     assert quant_error.perplexity(hf_tiny, ids) == reference
     assert all(torch.equal(layer.weight, original) for layer, original in zip(layers, originals))
     assert all(not layer._forward_pre_hooks for layer in layers)
+
+
+def test_the_rotated_scheme_is_quantization_int8s():
+    """The last scheme's weights are what quantize_int8_rotated keeps (dequantized, in the rotated space; the two
+    rotate in different orders, so only values at a midpoint may round apart), and its inputs what the kernels'
+    rows quantize to."""
+    torch.manual_seed(1)
+    weight = torch.randn(48, 192)
+    q, scale, rotation = quantize_int8_rotated(weight)
+    scheme = quant_error.SCHEMES[-1]
+    apart = (scheme.weights(weight, torch.ones(48, 1)) - q.float() * scale[:, None]).abs() > 1e-6
+    assert rotation == 64 and apart.float().mean() < 1e-3
+    x = torch.randn(3, 192)
+    xq, xs = quantize_rows_int8(x, None, 64)
+    assert torch.equal(scheme.inputs(x), xq.float() * xs[:, None])

@@ -56,15 +56,16 @@ def test_awq_gptq_triton_matches_the_dequantized_weights(bits, variant, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 9, 200])
-def test_int8_w8a8_triton_equals_the_torch_reference(dtype, rows):
+@pytest.mark.parametrize("rotated", [False, True])
+def test_int8_w8a8_triton_equals_the_torch_reference(dtype, rows, rotated):
     from pagellm.ops import w8a8_triton as wt
 
     generator = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 384, generator=generator) * 2).to(dtype)
     w = torch.randn(272, 384, generator=generator)
-    q, scale = wk.quantize_rows_int8(w)
-    y = wt.int8_linear(x.to(CUDA), q.to(CUDA), scale.to(CUDA), None, None)
-    expected = wk.int8_linear_reference(x, q, scale, None, None)
+    q, scale, rotation = wk.quantize_int8_rotated(w) if rotated else (*wk.quantize_rows_int8(w), 1)
+    y = wt.int8_linear(x.to(CUDA), q.to(CUDA), scale.to(CUDA), None, None, rotation)
+    expected = wk.int8_linear_reference(x, q, scale, None, None, rotation)
     # The same int8 activations and exact int32 sums; only the float epilogue's rounding may differ.
     torch.testing.assert_close(y.cpu().float(), expected.float(), rtol=2 ** -7 if dtype != torch.float32 else 1e-6,
                                atol=1e-5)

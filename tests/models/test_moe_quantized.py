@@ -308,6 +308,12 @@ def _fake_int8(x: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
+def _fake_rotated_int8(x: torch.Tensor) -> torch.Tensor:
+    """quantization="int8"'s inputs: rotated, then quantized per row (dequantized, in the rotated space)."""
+    q, scale = wk.quantize_rows_int8(x, None, wk.rotation_block(x.shape[-1]))
+    return q.float() * scale[:, None]
+
+
 def _reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: dict[str, torch.Tensor],
                inputs=lambda rows: rows) -> torch.Tensor:
     """Each token's weighted sum over its experts, token by token in float64, each product's input passed
@@ -355,17 +361,18 @@ def test_int8_w8a8_experts_match_a_per_token_reference(tokens):
     torch.testing.assert_close(layer(x, logits).double(), expected, rtol=1e-4, atol=1e-5)
 
 
-def test_online_int8_experts_quantize_each_expert_per_channel():
+def test_online_int8_experts_quantize_each_expert_per_channel_rotated():
     layer = _build(quantization_config_for({}, "int8"))
     experts = _random_experts(seed=2)
     _load(layer, {(expert, proj): {"weight": stacked[expert]} for proj, stacked in experts.items()
                   for expert in range(NUM_EXPERTS)})
     dequantized = {}
     for proj, stacked in experts.items():
-        rows = [wk.quantize_rows_int8(weight) for weight in stacked]
-        dequantized[proj] = torch.stack([q.float() * scale[:, None] for q, scale in rows])
+        rows = [wk.quantize_int8_rotated(weight) for weight in stacked]
+        assert all(rotation > 1 for _, _, rotation in rows)
+        dequantized[proj] = torch.stack([q.float() * scale[:, None] for q, scale, _ in rows])
     x, logits, weights, ids = _routing(layer, 7, seed=3)
-    expected = _reference(x, weights, ids, dequantized, _fake_int8)
+    expected = _reference(x, weights, ids, dequantized, _fake_rotated_int8)
     torch.testing.assert_close(layer(x, logits).double(), expected, rtol=1e-4, atol=1e-5)
 
 

@@ -301,11 +301,12 @@ class OnlineQuantizedLinearMethod(_OneKernel, LinearMethod):
 
 
 class OnlineInt8LinearMethod(OnlineQuantizedLinearMethod):
-    """Per-channel symmetric int8 weights (scale = max|w| / 127 per output channel), activations int8 per row."""
+    """Per-channel symmetric int8 weights, activations int8 per row, both rotated by a block Hadamard transform
+    and the weights' scales fitted (w8a8_kernels.quantize_int8_rotated)."""
 
     def quantize(self, weight: torch.Tensor) -> wk.Int8Linear:
-        q, scale = wk.quantize_rows_int8(weight)
-        return wk.choose_int8_linear(q, scale, None)
+        q, scale, rotation = wk.quantize_int8_rotated(weight)
+        return wk.choose_int8_linear(q, scale, None, rotation)
 
 
 class OnlineFp8LinearMethod(OnlineQuantizedLinearMethod):
@@ -342,4 +343,5 @@ def online_int8_config(checkpoint_config: dict | None, requested: str | None) ->
     """The registry's factory for quantization="int8" (a float checkpoint only: see the registry)."""
     return OnlineQuantization("int8", OnlineInt8LinearMethod(),
                               "online W8A8: per-channel int8 weights quantized at load, dynamic per-token int8 "
-                              "activations")
+                              f"activations, both rotated by Hadamard blocks of up to {wk.ONLINE_INT8_ROTATION} "
+                              "inputs")

@@ -7,6 +7,10 @@
  *   q = x * (127 / max|x|); both rounded to nearest even and clamped to [-127, 127] (symmetric: -128 would not
  *   fit the AVX2 product below). A row holding a NaN or an infinity gets scale NaN (and q = 0), so that its
  *   outputs are NaN as they would be from a float product; other rows are untouched.
+ *   With rotation > 1 (quantization="int8"'s online weights), each row is first multiplied by the block-diagonal
+ *   Hadamard matrix of blocks of `rotation` inputs (hadamard_row below) and the rotated row is quantized: the
+ *   weight was rotated the same way when it was quantized, so the product is unchanged, while an input channel
+ *   far larger than the rest (which a per-row scale would flatten the others against) is spread over its block.
  *   The products: AVX2 has no signed x signed byte product, so VPMADDUBSW multiplies |w| (unsigned) by x with
  *   w's sign (VPSIGNB) into pairs of int16 (|w| <= 128, |x| <= 127: no saturation), and VPMADDWD sums the pairs
  *   into int32; AVX-512 VNNI or AVX-VNNI's VPDPBUSD takes unsigned x + 128 (x XOR 0x80) times signed w straight
@@ -115,6 +119,9 @@ static ALWAYS_INLINE __m512 load_x16(const void *x, int64_t index, int n, const 
 /* quantize_row's arithmetic 16 values at a time: the largest magnitude as the largest of the absolute values'
  * bit patterns (non-negative floats order as their bits; an infinity or NaN is above every finite one), the
  * same multiply, clamp (max first: a NaN product becomes -127, as max_f32 makes it) and round to nearest even. */
+static float quantize_row16_given(const void *x, int64_t base, int64_t K, int64_t Kp, const int bf16,
+                                  float static_scale, uint32_t top, int8_t *q);
+
 static float quantize_row16(const void *x, int64_t row, int64_t K, int64_t Kp, const int bf16, float static_scale,
                             int8_t *q) {
     const int64_t base = row * K;
@@ -123,7 +130,12 @@ static float quantize_row16(const void *x, int64_t row, int64_t K, int64_t Kp, c
         const __m512i bits = _mm512_castps_si512(load_x16(x, base + i, K - i < 16 ? (int)(K - i) : 16, bf16));
         amax_bits = _mm512_max_epu32(amax_bits, _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
     }
-    const uint32_t top = (uint32_t)_mm512_reduce_max_epu32(amax_bits);
+    return quantize_row16_given(x, base, K, Kp, bf16, static_scale, (uint32_t)_mm512_reduce_max_epu32(amax_bits), q);
+}
+
+/* quantize_row16 past its first pass: `top`, the largest of the row's absolute values' bit patterns, known. */
+static float quantize_row16_given(const void *x, int64_t base, int64_t K, int64_t Kp, const int bf16,
+                                  float static_scale, uint32_t top, int8_t *q) {
     if (top >= 0x7F800000u) {
         memset(q, 0, (size_t)Kp);
         return NAN;
@@ -197,6 +209,166 @@ static float quantize_row(const void *x, int64_t row, int64_t K, int64_t Kp, con
  * the packed weight take the 128 back out. */
 static void bias_row(int8_t *q, int64_t Kp) {
     for (int64_t i = 0; i < Kp; ++i) q[i] = (int8_t)((uint8_t)q[i] ^ 0x80u);
+}
+
+/* ---- rotated rows ----------------------------------------------------------------------------------- */
+
+#define MAX_ROTATION 4096
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16_unaligned __attribute__((vector_size(64), aligned(4)));
+
+/* Whether `rotation` is a block size the rotated rows take for K inputs: 0 or 1 (none), or a power of two up to
+ * MAX_ROTATION dividing K. */
+static int rotation_valid(int64_t rotation, int64_t K) {
+    if (rotation <= 1) return rotation >= 0;
+    return rotation <= MAX_ROTATION && (rotation & (rotation - 1)) == 0 && K % rotation == 0;
+}
+
+typedef uint16_t u16x16_unaligned __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+/* 16 values of x from `index` as float32. */
+static ALWAYS_INLINE f32x16 load16(const void *x, int64_t index, const int bf16) {
+    if (!bf16) return *(const f32x16_unaligned *)((const float *)x + index);
+    const u32x16 wide = __builtin_convertvector(*(const u16x16_unaligned *)((const uint16_t *)x + index), u32x16);
+    return (f32x16)(wide << 16);
+}
+
+/* partner + value * signs, rounded once: value * +-1 is exact, so this is partner + value or partner - value
+ * whether fused (one instruction where the build has AVX-512) or not. */
+static ALWAYS_INLINE f32x16 add_signed(f32x16 partner, f32x16 value, f32x16 signs) {
+#if defined(__AVX512F__)
+    return (f32x16)_mm512_fmadd_ps((__m512)value, (__m512)signs, (__m512)partner);
+#else
+    return partner + value * signs;
+#endif
+}
+
+/* One butterfly stage of distance h < 16 inside 16 values: value j and its partner j ^ h become partner + value
+ * (lower of the two) and partner - value (upper), as the scalar stage's a + b and a - b (x + (-y) is x - y
+ * exactly). */
+#define BUTTERFLY16(v, h, ...)                                                                                   \
+    do {                                                                                                         \
+        static const f32x16 signs = SIGNS##h;                                                                    \
+        v = add_signed(__builtin_shufflevector(v, v, __VA_ARGS__), v, signs);                                    \
+    } while (0)
+#define SIGNS1 {1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1}
+#define SIGNS2 {1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1}
+#define SIGNS4 {1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1}
+#define SIGNS8 {1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1}
+
+/* The stages of distance 1, 2, 4 and 8 of 16 values. */
+static ALWAYS_INLINE f32x16 butterflies16(f32x16 v) {
+    BUTTERFLY16(v, 1, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    BUTTERFLY16(v, 2, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    BUTTERFLY16(v, 4, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    BUTTERFLY16(v, 8, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    return v;
+}
+
+static ALWAYS_INLINE void butterfly_pair(f32x16_unaligned *low, f32x16_unaligned *high) {
+    const f32x16 a = *low, b = *high;
+    *low = a + b;
+    *high = a - b;
+}
+
+/* The largest of v's absolute values' bit patterns and top's, lane by lane (non-negative floats order as their
+ * bits; an infinity or NaN is above every finite one). */
+static ALWAYS_INLINE u32x16 magnitude_bits_max(u32x16 top, f32x16 v) {
+    const u32x16 bits = (u32x16)v & 0x7FFFFFFFu;
+    const u32x16 above = (u32x16)(bits > top);
+    return (bits & above) | (top & ~above);
+}
+
+/* The largest of out[0 .. K)'s absolute values' bit patterns (quantize_row16's first pass). */
+static uint32_t magnitude_bits_top(const float *out, int64_t K) {
+    uint32_t top = 0;
+    for (int64_t i = 0; i < K; ++i) {
+        uint32_t bits;
+        memcpy(&bits, out + i, sizeof bits);
+        bits &= 0x7FFFFFFFu;
+        top = bits > top ? bits : top;
+    }
+    return top;
+}
+
+/* x's row `row` (K values) times the block-diagonal Hadamard matrix of order `rotation` (unnormalized: entries
+ * +-1), in float32 into out[0 .. K): per block, butterfly stages of distance 1, 2, 4, ... (a, b) -> (a + b, a - b),
+ * the order of pagellm/ops/w8a8_kernels.py's hadamard_rows, so that both give the same floats. The stages up to
+ * distance 32 run in registers, 64 values at a time, as the row is loaded. Returns the largest of the rotated
+ * values' absolute bit patterns, for quantize_row16_given. */
+static uint32_t hadamard_row(const void *x, int64_t row, int64_t K, const int bf16, int64_t rotation, float *out) {
+    const int64_t base = row * K;
+    if (rotation < 16) {
+        for (int64_t i = 0; i < K; ++i) out[i] = load_one(x, base + i, bf16);
+        for (int64_t h = 1; h < rotation; h *= 2)
+            for (int64_t i = 0; i < K; i += 2 * h)
+                for (int64_t j = i; j < i + h; ++j) {
+                    const float a = out[j], b = out[j + h];
+                    out[j] = a + b;
+                    out[j + h] = a - b;
+                }
+        return magnitude_bits_top(out, K);
+    }
+    const int64_t width = rotation < 64 ? rotation : 64, vectors = width / 16;
+    u32x16 top = {0};
+    for (int64_t i = 0; i < K; i += width) {
+        f32x16 v[4];
+        for (int64_t c = 0; c < vectors; ++c) v[c] = butterflies16(load16(x, base + i + 16 * c, bf16));
+        if (vectors >= 2) butterfly_pair(&v[0], &v[1]);
+        if (vectors == 4) {
+            butterfly_pair(&v[2], &v[3]);
+            butterfly_pair(&v[0], &v[2]);
+            butterfly_pair(&v[1], &v[3]);
+        }
+        for (int64_t c = 0; c < vectors; ++c) {
+            *(f32x16_unaligned *)(out + i + 16 * c) = v[c];
+            top = magnitude_bits_max(top, v[c]);
+        }
+    }
+    if (rotation <= 64) {
+        uint32_t largest = 0;
+        for (int lane = 0; lane < 16; ++lane) largest = top[lane] > largest ? top[lane] : largest;
+        return largest;
+    }
+    for (int64_t h = 64; h < rotation; h *= 2)
+        for (int64_t i = 0; i < K; i += 2 * h)
+            for (int64_t j = i; j < i + h; j += 16)
+                butterfly_pair((f32x16_unaligned *)(out + j), (f32x16_unaligned *)(out + j + h));
+    return magnitude_bits_top(out, K);
+}
+
+/* The calling thread's float row for hadamard_row, kept and grown between calls; NULL if memory ran out. */
+static float *rotation_buffer(int64_t K) {
+    static __thread float *buffer;
+    static __thread int64_t size;
+    if (K > size) {
+        float *grown = realloc(buffer, sizeof(float) * (size_t)K);
+        if (grown == NULL) return NULL;
+        buffer = grown;
+        size = K;
+    }
+    return buffer;
+}
+
+/* quantize_row of row `row` of x, rotated first where rotation > 1. Returns 0 if memory ran out (q and *scale
+ * untouched), else 1. */
+static int quantize_input_row(const void *x, int64_t row, int64_t K, int64_t Kp, const int bf16, float static_scale,
+                              int64_t rotation, int8_t *q, float *scale) {
+    if (rotation <= 1) {
+        *scale = quantize_row(x, row, K, Kp, bf16, static_scale, q);
+        return 1;
+    }
+    float *rotated = rotation_buffer(K);
+    if (rotated == NULL) return 0;
+    const uint32_t top = hadamard_row(x, row, K, bf16, rotation, rotated);
+#if HAVE_AVX512BW
+    *scale = quantize_row16_given(rotated, 0, K, Kp, 0, static_scale, top, q);
+#else
+    (void)top;
+    *scale = quantize_row(rotated, 0, K, Kp, 0, static_scale, q);
+#endif
+    return 1;
 }
 
 /* ---- outputs ---------------------------------------------------------------------------------------- */
@@ -561,11 +733,12 @@ int w8a8_amx_ready(void) { return 0; }
 /* x [rows, K] float32 (or bfloat16 if x_bf16) -> y [rows, N] float32 (or bfloat16 if y_bf16; bias in y's
  * dtype or NULL). xq [rows * Kp] and xs [rows] are the caller's scratch for the quantized rows (Kp = K rounded
  * up to 4). Calls of at least amx_min_rows rows take the AMX tiles where the build has them, the OS grants them
- * and Kp is a multiple of 64. Returns 2 for sizes outside what the layout holds, 3 if memory ran out. */
+ * and Kp is a multiple of 64. rotation: see the top (0 or 1: none). Returns 2 for sizes outside what the layout
+ * holds or a rotation it does not take, 3 if memory ran out. */
 int w8a8_int8_linear(const void *x, int x_bf16, int64_t rows, int64_t K, int64_t N, const int8_t *packed,
                      const int32_t *colsum, const float *wscale, const void *bias, void *y, int y_bf16,
-                     float static_scale, int8_t *xq, float *xs, int64_t amx_min_rows) {
-    if (K <= 0 || K > MAX_IN_FEATURES || N <= 0 || rows < 0) return 2;
+                     float static_scale, int64_t rotation, int8_t *xq, float *xs, int64_t amx_min_rows) {
+    if (K <= 0 || K > MAX_IN_FEATURES || N <= 0 || rows < 0 || !rotation_valid(rotation, K)) return 2;
     if (rows == 0) return 0;
     const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP, strips = (N + STRIP - 1) / STRIP, panels = 2 * strips;
     const Int8Problem pr = {xq, xs, packed, colsum, wscale, bias, y, Kp, N, y_bf16};
@@ -580,14 +753,20 @@ int w8a8_int8_linear(const void *x, int x_bf16, int64_t rows, int64_t K, int64_t
     const int on_tiles = 0;
     (void)amx_min_rows;
 #endif
+    int out_of_memory = 0;
 #pragma omp parallel if (rows * K * N >= PARALLEL_MIN_WORK)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
-            xs[r] = quantize_row(x, r, K, Kp, x_bf16, static_scale, xq + r * Kp);
+            if (!quantize_input_row(x, r, K, Kp, x_bf16, static_scale, rotation, xq + r * Kp, xs + r)) {
+#pragma omp atomic write
+                out_of_memory = 1;
+            }
             if (HAVE_VNNI && !on_tiles) bias_row(xq + r * Kp, Kp);
         }
-        if (on_tiles) {
+        if (out_of_memory) {
+            /* every thread reads it after the loop's barrier: none runs the products */
+        } else if (on_tiles) {
 #if HAVE_AMX_INT8
 #pragma omp single
             if (tail != NULL) memcpy(tail, xq + (rows - tail_rows) * Kp, (size_t)(tail_rows * Kp));
@@ -613,7 +792,7 @@ int w8a8_int8_linear(const void *x, int x_bf16, int64_t rows, int64_t K, int64_t
 #if HAVE_AMX_INT8
     free(tail);
 #endif
-    return 0;
+    return out_of_memory ? 3 : 0;
 }
 
 /* One int8 weight (w8a8_int8_linear's weight arguments), for the calls that take several: the decode stack's
@@ -625,6 +804,7 @@ typedef struct {
     const float *wscale;
     int64_t amx_min_rows;
     float static_scale;
+    int64_t rotation;
 } Int8Weight;
 
 /* The calling thread's buffers of quantized rows, kept and grown between calls (a decode step makes one call per
@@ -661,18 +841,83 @@ int w8a8_stack_product(int type, const void *w, const void *x, int x_bf16, int64
     int8_t *xq;
     float *xs;
     if (!stack_buffers(rows, (K + GROUP - 1) / GROUP * GROUP, &xq, &xs)) return 1;
-    return w8a8_int8_linear(x, x_bf16, rows, K, N, layer->packed, layer->colsum, layer->wscale, NULL, y, y_bf16,
-                            layer->static_scale, xq, xs, layer->amx_min_rows) ? 2 : 0;
+    const int failed = w8a8_int8_linear(x, x_bf16, rows, K, N, layer->packed, layer->colsum, layer->wscale, NULL, y,
+                                        y_bf16, layer->static_scale, layer->rotation, xq, xs, layer->amx_min_rows);
+    return failed == 3 ? 1 : failed;
+}
+
+/* The squared distance between row[0 .. K) and its rounding to [-127, 127] steps of `scale` (inverse: 1 / scale). */
+static double int8_rounding_error(const float *row, int64_t K, float scale, float inverse) {
+    const f32x8 step = splat_f32(scale), factor = splat_f32(inverse), magic = splat_f32(12582912.0f);
+    const f32x8 low = splat_f32(-127.0f), high = splat_f32(127.0f);
+    f32x8 sums = splat_f32(0.0f);
+    const int64_t full = K / 8 * 8;
+    for (int64_t k = 0; k < full; k += 8) {
+        f32x8 v;
+        memcpy(&v, row + k, sizeof v);
+        f32x8 q = max_f32(v * factor, low);
+        q = -max_f32(-q, -high);
+        const f32x8 d = ((q + magic) - magic) * step - v;
+        sums += d * d;
+    }
+    double error = 0.0;
+    for (int lane = 0; lane < 8; ++lane) error += sums[lane];
+    for (int64_t k = full; k < K; ++k) {
+        const double d = (double)round_clamped(row[k] * inverse) * scale - row[k];
+        error += d * d;
+    }
+    return error;
+}
+
+/* Per row of w [N, K] (float32), the int8 weight scale quantize_rows_int8_fitted keeps (pagellm/ops/w8a8_kernels.py):
+ * of max|row| * ratios[i] / 127, the one whose rounding lies nearest the row in squared error (the first of equal
+ * ones); 0 for an all-zero row, NaN for a row holding a NaN or an infinity. */
+int w8a8_fit_int8_scales(const float *w, int64_t N, int64_t K, const float *ratios, int64_t n_ratios,
+                         float *scales) {
+    if (N < 0 || K <= 0 || n_ratios <= 0) return 2;
+#pragma omp parallel for schedule(static) if (N * K * n_ratios >= PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < N; ++r) {
+        const float *row = w + r * K;
+        float amax = 0.0f;
+        int finite = 1;
+        for (int64_t k = 0; k < K; ++k) {
+            const float v = fabsf(row[k]);
+            finite &= v <= 3.4028235e38f;
+            amax = v > amax ? v : amax;
+        }
+        if (!finite || amax == 0.0f) {
+            scales[r] = finite ? 0.0f : NAN;
+            continue;
+        }
+        float best = 0.0f;
+        double best_error = INFINITY;
+        for (int64_t i = 0; i < n_ratios; ++i) {
+            const float scale = amax * ratios[i] / 127.0f;
+            if (!(scale > 0.0f)) continue;
+            const double error = int8_rounding_error(row, K, scale, 1.0f / scale);
+            if (error < best_error) {
+                best_error = error;
+                best = scale;
+            }
+        }
+        scales[r] = best;
+    }
+    return 0;
 }
 
 /* xq [rows * Kp], xs [rows]: the rows as w8a8_int8_linear quantizes them (for tests and the torch paths). */
-int w8a8_quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t K, float static_scale, int8_t *xq,
-                       float *xs) {
-    if (K <= 0 || rows < 0) return 2;
+int w8a8_quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t K, float static_scale, int64_t rotation,
+                       int8_t *xq, float *xs) {
+    if (K <= 0 || rows < 0 || !rotation_valid(rotation, K)) return 2;
     const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP;
+    int out_of_memory = 0;
 #pragma omp parallel for schedule(static) if (rows * K >= PARALLEL_MIN_WORK)
-    for (int64_t r = 0; r < rows; ++r) xs[r] = quantize_row(x, r, K, Kp, x_bf16, static_scale, xq + r * Kp);
-    return 0;
+    for (int64_t r = 0; r < rows; ++r)
+        if (!quantize_input_row(x, r, K, Kp, x_bf16, static_scale, rotation, xq + r * Kp, xs + r)) {
+#pragma omp atomic write
+            out_of_memory = 1;
+        }
+    return out_of_memory ? 3 : 0;
 }
 
 /* ---- fp8 e4m3 weights ------------------------------------------------------------------------------- */
@@ -1040,34 +1285,43 @@ int w8a8_int8_linear_experts(const Int8Weight *weights, int64_t n_weights, const
     int64_t rows;
     if (K <= 0 || K > MAX_IN_FEATURES || N <= 0 || n < 0 || !experts_valid(n_weights, ids, counts, n, &rows))
         return 2;
+    for (int64_t i = 0; i < n; ++i)
+        if (!rotation_valid(weights[ids[i]].rotation, K)) return 2;
     if (rows == 0) return 0;
     int64_t n_tiles;
     ExpertRows *tiles = expert_row_tiles(ids, counts, n, INT8_ROWS, &n_tiles);
     if (tiles == NULL) return 3;
     const int64_t Kp = (K + GROUP - 1) / GROUP * GROUP, panels = 2 * ((N + STRIP - 1) / STRIP);
     const int64_t column_tiles = (panels + INT8_PANELS - 1) / INT8_PANELS, items = n_tiles * column_tiles;
+    int out_of_memory = 0;
 #pragma omp parallel if (rows * K * N >= PARALLEL_MIN_WORK)
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < n_tiles; ++t) {
-            const float static_scale = weights[tiles[t].weight].static_scale;
+            const Int8Weight *w = weights + tiles[t].weight;
             for (int64_t r = tiles[t].first; r < tiles[t].first + tiles[t].rows; ++r) {
-                xs[r] = quantize_row(x, r, K, Kp, x_bf16, static_scale, xq + r * Kp);
+                if (!quantize_input_row(x, r, K, Kp, x_bf16, w->static_scale, w->rotation, xq + r * Kp, xs + r)) {
+#pragma omp atomic write
+                    out_of_memory = 1;
+                }
                 if (HAVE_VNNI) bias_row(xq + r * Kp, Kp);
             }
         }
+        /* every thread reads it after the loop's barrier: all run the products or none */
+        if (!out_of_memory) {
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < items; ++item) {
-            const ExpertRows *tile = tiles + item / column_tiles;
-            const Int8Weight *w = weights + tile->weight;
-            const Int8Problem pr = {xq, xs, w->packed, w->colsum, w->wscale, NULL, y, Kp, N, y_bf16};
-            const int64_t panel = item % column_tiles * INT8_PANELS;
-            const int64_t P = panels - panel < INT8_PANELS ? panels - panel : INT8_PANELS;
-            INT8_TILES[P - 1][tile->rows - 1](&pr, tile->first, panel);
+            for (int64_t item = 0; item < items; ++item) {
+                const ExpertRows *tile = tiles + item / column_tiles;
+                const Int8Weight *w = weights + tile->weight;
+                const Int8Problem pr = {xq, xs, w->packed, w->colsum, w->wscale, NULL, y, Kp, N, y_bf16};
+                const int64_t panel = item % column_tiles * INT8_PANELS;
+                const int64_t P = panels - panel < INT8_PANELS ? panels - panel : INT8_PANELS;
+                INT8_TILES[P - 1][tile->rows - 1](&pr, tile->first, panel);
+            }
         }
     }
     free(tiles);
-    return 0;
+    return out_of_memory ? 3 : 0;
 }
 
 /* The most rows an expert may have for w8a8_int8_linear_experts to run the tiles w8a8_int8_linear would (this
