@@ -153,3 +153,22 @@ def test_a_compressed_tensors_int8_models_packed_weights_lie_on_huge_page_chunks
         pytest.skip("the C kernels cannot be built here")
     assert len(packed) >= 12
     assert all("hg" in _vma_flags(tensor.data_ptr()) for tensor in packed)
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_online_quantized_packed_weights_lie_on_huge_page_chunks(tiny_llama_dir, quantization):
+    """Online quantization packs each layer as the checkpoint loads, inside the load's arena too: one-stream decode
+    streams those layouts as it streams a checkpoint's."""
+    from pagellm import LLM
+    from pagellm.ops.w8a8_kernels import NativeFp8Linear, NativeInt8Linear
+
+    llm = LLM(tiny_llama_dir, dtype="float32", quantization=quantization, kv_cache_memory_bytes=4 << 20,
+              max_model_len=64, max_num_seqs=2)
+    kernels = [module.online_kernel for module in llm.llm_engine.core.runner.model.modules()
+               if getattr(module, "online_kernel", None) is not None]
+    packed = [kernel.packed.packed for kernel in kernels if isinstance(kernel, (NativeInt8Linear, NativeFp8Linear))]
+    if not packed:
+        pytest.skip("the C kernels cannot be built here")
+    assert len(packed) >= 12
+    assert all("hg" in _vma_flags(tensor.data_ptr()) for tensor in packed)

@@ -188,12 +188,14 @@ def load_model(
             module.reset_cache(device)
     if device.type == "cpu":
         advise_huge_pages([*model.parameters(), *model.buffers()])
-    if load_format == "dummy":
-        initialize_dummy_weights(model, seed)
-    else:
-        weights = gguf_state_dict.items() if gguf_state_dict is not None else _iter_hf_weights(source.path)
-        model.load_weights(weights)
-    with weight_arena():  # the layers' repacked weights share huge-page chunks (worker/huge_pages.py)
+    # The layers' repacked weights share huge-page chunks (worker/huge_pages.py), those online quantization packs
+    # as the checkpoint loads included.
+    with weight_arena():
+        if load_format == "dummy":
+            initialize_dummy_weights(model, seed)
+        else:
+            weights = gguf_state_dict.items() if gguf_state_dict is not None else _iter_hf_weights(source.path)
+            model.load_weights(weights)
         process_weights_after_loading(model)
     ops = cpu_ops() if device.type == "cpu" else None
     if ops is not None and CpuOps.supports(config.hidden_size, config.intermediate_size, dtype):

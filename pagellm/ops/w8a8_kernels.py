@@ -292,9 +292,9 @@ def pack_int8(weight: torch.Tensor, scale: torch.Tensor, rotation: int = 1) -> P
     n_pad, k_pad = _round_up(out_features, STRIP), _round_up(in_features, GROUP)
     padded = torch.zeros(n_pad, k_pad, dtype=torch.int8)
     padded[:out_features, :in_features] = weight
-    # In the load's huge-page arena where there is one (a checkpoint's int8 weights, packed once loaded; online
-    # quantization packs as it loads, outside it): a decode step streams the packed weight once, and torch's 4 KiB
-    # pages stop the hardware prefetcher at every page.
+    # In the load's huge-page arena where there is one (a checkpoint's int8 weights, packed once loaded, and online
+    # quantization's, packed as the checkpoint loads): a decode step streams the packed weight once, and torch's 4 KiB
+    # pages stop the hardware prefetcher at every page of a small layer.
     packed = to_weight_memory(padded.view(n_pad // STRIP, STRIP, k_pad // GROUP, GROUP).permute(0, 2, 1, 3))
     colsum = padded.sum(dim=1, dtype=torch.int32)
     scales = torch.zeros(n_pad, dtype=torch.float32)

@@ -102,8 +102,8 @@ def weight_zeros(nbytes: int) -> np.ndarray:
 def to_weight_memory(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` contiguous, copied into the load's arena inside `weight_arena()`: for a layout built by torch (whose
     allocator gives a small layer 4 KiB pages) that a kernel streams once per step. Outside a load's arena it stays
-    with torch's allocator, whose freed memory the next layers reuse (online int8 quantization packs as the
-    checkpoint loads: numpy's zeroed buffers there raised its load peak by 167 MiB)."""
+    with torch's allocator. Online quantization packs inside the arena as the checkpoint loads (README, "Quantized
+    weights", has what that costs the load's peak and gains a decode step)."""
     if _ARENA.get() is None:
         return tensor.contiguous()
     buffer = torch.from_numpy(weight_zeros(tensor.numel() * tensor.element_size()))
