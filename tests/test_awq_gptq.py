@@ -282,6 +282,22 @@ def test_experts_own_products_compute_what_their_one_call_does(bits):
     assert torch.equal(out[:rows], products[1](x[:rows])) and torch.equal(out[rows:], products[0](x[rows:]))
 
 
+def test_the_tiles_product_over_several_tiles_writes_a_column_slice(monkeypatch):
+    """wna16_tiles_product with tiles of 32 columns (80 columns: 32 + 32 + 16) into a column slice of a wider
+    bfloat16 tensor: each tile's columns at their place, rows a wide row apart, nothing outside the slice."""
+    kernels = _kernels(ISAS[0])
+    if kernels._linear_bf16 is None:
+        pytest.skip("no linear_bf16 here (avx512_bf16)")
+    monkeypatch.setattr(wna16, "DENSE_TILE_BYTES", 2 * 96 * 32)
+    layout = wna16.cpu_layout(random_group_quant_weight(4, 96, 80, "act_order", seed=5))
+    assert wna16._tile_columns(96) == 32
+    x = torch.randn(24, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    wide = torch.full((24, 120), float("nan"), dtype=torch.bfloat16)
+    kernels._tiles_into(x, layout, wide[:, 20:100])
+    assert torch.equal(wide[:, 20:100], kernels.matmul(x, layout).bfloat16())
+    assert torch.isnan(wide[:, :20]).all() and torch.isnan(wide[:, 100:]).all()
+
+
 def test_bfloat16_rows_take_the_tiles_from_this_cpus_threshold():
     """AMX's tiles from BF16_TILE_MIN_ROWS, avx512_bf16's vector products from BF16_VECTOR_TILE_MIN_ROWS (each
     measured on a CPU of its kind); without linear_bf16, bfloat16 rows switch where float32 rows do."""

@@ -258,6 +258,10 @@ class GGUFKernels:
         self._dequantize_packed = library.gguf_dequantize_packed
         self._dequantize_packed.restype = _INT
         self._dequantize_packed.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR]
+        self._tiles = library.gguf_tiles_product
+        self._tiles.restype = _INT
+        self._tiles.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64]
+        self._amx_tiles: dict[int, BF16TilesStruct] = {}  # _matmul_amx's, per columns of a tile
         for name in ("gguf_block_weights", "gguf_block_bytes", "gguf_tile_min_rows"):
             getattr(library, name).restype = _INT
             getattr(library, name).argtypes = [_INT]
@@ -379,12 +383,16 @@ class GGUFKernels:
         packed layout and multiplied into its columns of y: no oneDNN, which keeps a primitive and its JIT code
         for every row count it has seen (README, "Memory that grows with use")."""
         y = _output(rows, rows.shape[0], out_features, torch.bfloat16, out)
-        tile_rows = _amx_tile_rows(out_features, in_features)
-        tile = self._tile(tile_rows * in_features, torch.bfloat16)
-        for first in range(0, out_features, tile_rows):
-            n = min(tile_rows, out_features - first)
-            packed = self._packed_rows(type_id, weight, first, n, in_features, tile[: n * in_features])
-            self.amx_product.into(rows, packed, y[:, first : first + n])
+        columns = _amx_tile_rows(out_features, in_features)
+        tiles = self._amx_tiles.get(columns)
+        if tiles is None:
+            tiles = self._amx_tiles[columns] = BF16TilesStruct.of(self.amx_product, 0, columns)
+        layer = GgufStackLayer(weight.data_ptr(), type_id, tiles)
+        failed = self._tiles(ctypes.addressof(layer), rows.data_ptr(), rows.shape[0], in_features, out_features,
+                             y.data_ptr(), y.stride(0))
+        if failed:
+            raise (MemoryError("gguf_tiles_product could not allocate its tile") if failed == 1 else
+                   ValueError(f"gguf_tiles_product refused type {type_id} with in_features={in_features}"))
         return y
 
     def dequantize_packed(self, weight: torch.Tensor, type_name: str, first_row: int, n_rows: int,

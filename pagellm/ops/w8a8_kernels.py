@@ -39,7 +39,7 @@ import logging
 import os
 import pathlib
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -312,6 +312,8 @@ class PackedFp8:
     block_k: int
     in_features: int
     out_features: int
+    # Per kernels' library (its id): the weight as w8a8_fp8_tiles_product reads it (W8A8Kernels._tiles_layer).
+    tiles_layers: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def padded_out_features(self) -> int:
@@ -390,9 +392,12 @@ class W8A8Kernels:
         self._dequantize = library.w8a8_fp8_dequantize
         self._dequantize.restype = _INT
         self._dequantize.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _INT]
-        self._dequantize_packed = library.w8a8_fp8_dequantize_bf16_packed
+        self._dequantize_packed = library.w8a8_fp8_dequantize_bf16_packed  # (tests read the tiles with it)
         self._dequantize_packed.restype = _INT
         self._dequantize_packed.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR]
+        self._fp8_tiles = library.w8a8_fp8_tiles_product
+        self._fp8_tiles.restype = _INT
+        self._fp8_tiles.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64]
         # bfloat16 dense products on linear_bf16 where this build's library has it (avx512_bf16; AMX's tiles too).
         self._linear_bf16 = linear_bf16(self.isa)
         self.fp8_dense_min_rows = FP8_DENSE_MIN_ROWS[self.isa]
@@ -497,23 +502,30 @@ class W8A8Kernels:
     def _fp8_dense_on_linear_bf16(self, rows: torch.Tensor, weight: PackedFp8) -> torch.Tensor:
         """bfloat16 rows @ W^T on linear_bf16, the weight dequantized DENSE_TILE_BYTES at a time into its packed
         layout (faster than torch's GEMM on plain dequantized tiles up to 1,024 rows, README "An Emerald Rapids
-        Xeon"). Whole 16-column blocks only; a last 8 columns go to torch's GEMM."""
-        in_features, out_features, panel = weight.in_features, weight.out_features, LinearBF16.PANEL
-        blocks = weight.padded_out_features // panel
-        per_tile = _tile_blocks(weight)
-        tile = self._buffer("tile-bf16-packed", per_tile * in_features * panel, torch.bfloat16)
-        products = []
-        for first in range(0, blocks, per_tile):
-            count = min(per_tile, blocks - first)
-            packed = tile[: count * in_features * panel].view(count, in_features // 2, panel, 2)
-            if self._dequantize_packed(weight.packed.data_ptr(), in_features, weight.padded_out_features,
-                                       weight.scales.data_ptr(), weight.block_k, first, count, packed.data_ptr()):
-                raise ValueError(f"w8a8_fp8_dequantize_bf16_packed refused in_features={in_features}")
-            products.append(self._linear_bf16(rows, packed, None))
-        if blocks * panel < out_features:
-            products.append(self._fp8_dense_on_torch(rows, weight, blocks * 2))
-        y = products[0] if len(products) == 1 else torch.cat(products, dim=1)
-        return y if y.shape[1] == out_features else y[:, :out_features].contiguous()
+        Xeon"), all in one C call (w8a8_fp8_tiles_product). Whole 16-column blocks only; the last < 16 columns go to
+        torch's GEMM."""
+        in_features, out_features = weight.in_features, weight.out_features
+        whole = out_features // LinearBF16.PANEL * LinearBF16.PANEL
+        y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
+        if whole:
+            failed = self._fp8_tiles(ctypes.addressof(self._tiles_layer(weight)), rows.data_ptr(), rows.shape[0],
+                                     in_features, whole, y.data_ptr(), y.stride(0))
+            if failed:
+                raise (MemoryError("w8a8_fp8_tiles_product could not allocate its tile") if failed == 1 else
+                       ValueError(f"w8a8_fp8_tiles_product refused in_features={in_features}, columns={whole}"))
+        if whole < out_features:
+            y[:, whole:] = self._fp8_dense_on_torch(rows, weight, whole // PANEL)
+        return y
+
+    def _tiles_layer(self, weight: PackedFp8) -> Fp8StackLayer:
+        """`weight` with this library's tiles, made once (the C call reads it by address)."""
+        layer = weight.tiles_layers.get(id(self.library))
+        if layer is None:
+            tiles = BF16TilesStruct.of(self._linear_bf16, self.fp8_bf16_dense_min_rows,
+                                       _tile_blocks(weight) * LinearBF16.PANEL)
+            layer = Fp8StackLayer(Fp8WeightStruct.of_packed(weight), tiles, weight.padded_out_features)
+            weight.tiles_layers[id(self.library)] = layer
+        return layer
 
     def _fp8_dense_on_torch(self, operand: torch.Tensor, weight: PackedFp8, first_panel: int = 0) -> torch.Tensor:
         """operand @ W^T over output columns from 8 * first_panel on, torch's GEMM on tiles of W^T dequantized in
@@ -692,23 +704,27 @@ class Fp8WeightStruct(ctypes.Structure):
 
     @classmethod
     def of(cls, linear: NativeFp8Linear) -> Fp8WeightStruct:
-        return cls(linear.packed.packed.data_ptr(), linear.packed.scales.data_ptr(), linear.packed.block_k)
+        return cls.of_packed(linear.packed)
+
+    @classmethod
+    def of_packed(cls, weight: PackedFp8) -> Fp8WeightStruct:
+        return cls(weight.packed.data_ptr(), weight.scales.data_ptr(), weight.block_k)
 
 
 class Fp8StackLayer(ctypes.Structure):
     """csrc/w8a8.c's Fp8StackLayer: one fp8 layer as the decode stack's product (w8a8_fp8_stack_product) reads it,
     bfloat16 rows going to linear_bf16's tiles from the rows where `W8A8Kernels.fp8_linear` sends them there."""
 
-    _fields_ = [("weight", Fp8WeightStruct), ("tiles", BF16TilesStruct)]
+    _fields_ = [("weight", Fp8WeightStruct), ("tiles", BF16TilesStruct), ("padded_columns", _I64)]
 
     @classmethod
     def of(cls, linear: NativeFp8Linear) -> Fp8StackLayer:
         kernels, weight = linear.kernels, linear.packed
         if not kernels.fp8_stack_tiles_take(weight):
-            return cls(Fp8WeightStruct.of(linear), BF16TilesStruct.of(None))
+            return cls(Fp8WeightStruct.of(linear), BF16TilesStruct.of(None), weight.padded_out_features)
         return cls(Fp8WeightStruct.of(linear),
                    BF16TilesStruct.of(kernels._linear_bf16, kernels.fp8_bf16_dense_min_rows,
-                                      _tile_blocks(weight) * LinearBF16.PANEL))
+                                      _tile_blocks(weight) * LinearBF16.PANEL), weight.padded_out_features)
 
 
 class _ExpertsProduct:

@@ -30,7 +30,7 @@ import pathlib
 import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -181,6 +181,8 @@ class CpuLayout:
     gparams: torch.Tensor  # float32 [blocks, groups, 2, BLOCK_COLUMNS]: scale, offset
     group_rows: torch.Tensor  # int32 [groups]: packed rows per group
     src: torch.Tensor | None  # int32 [k_rows * pack]: input feature of each internal row (-1: padding)
+    # Per kernels' library (its id): the weight as wna16_tiles_product reads it (WNA16Kernels._tiles_layer).
+    tiles_layers: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # The C kernels' leading arguments, read once: a call costs microseconds of Python per product otherwise.
@@ -278,6 +280,9 @@ class WNA16Kernels:
         self._dequantize_packed = library.wna16_dequantize_bf16_packed
         self._dequantize_packed.restype = _INT
         self._dequantize_packed.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _I64, _PTR]
+        self._tiles = library.wna16_tiles_product
+        self._tiles.restype = _INT
+        self._tiles.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64]
         # bfloat16 rows on linear_bf16 (avx512_bf16; AMX's tiles too), from bf16_tile_min_rows rows on.
         self._linear_bf16 = linear_bf16(self.isa)
         if self._linear_bf16 is None:
@@ -338,23 +343,28 @@ class WNA16Kernels:
 
     def _tiles_into(self, x: torch.Tensor, layout: CpuLayout, y: torch.Tensor) -> None:
         """y (bfloat16, unit column stride) = bfloat16 x @ W^T on linear_bf16, the weight dequantized (about
-        DENSE_TILE_BYTES at a time) into its packed layout, each weight rounded to bfloat16 once; linear_bf16
-        writes its columns of y in place."""
+        DENSE_TILE_BYTES at a time) into its packed layout, each weight rounded to bfloat16 once; one C call
+        (wna16_tiles_product) writes y's columns in place."""
         in_features, panel = layout.in_features, LinearBF16.PANEL
         if in_features % 2 or layout.out_features % panel:
             raise ValueError(f"linear_bf16 takes an even in_features and out_features a multiple of {panel}, not "
                              f"{in_features}, {layout.out_features}")
         rows = x if x.is_contiguous() else x.contiguous()
-        tile_columns = _tile_columns(in_features)
-        tile = self._tile(min(tile_columns, layout.out_features) * in_features // 2)  # float32 words: bf16 pairs
-        for first in range(0, layout.out_features, tile_columns):
-            n = min(tile_columns, layout.out_features - first)
-            packed = tile[: n * in_features // 2].view(torch.bfloat16).view(n // panel, in_features // 2, panel, 2)
-            failed = self._dequantize_packed(*layout.kernel_args, in_features, first, n, packed.data_ptr())
-            if failed:
-                raise (MemoryError("wna16_dequantize_bf16_packed ran out of memory") if failed == 5 else
-                       ValueError(f"wna16_dequantize_bf16_packed refused {layout.bits}-bit weights (code {failed})"))
-            self._linear_bf16.into(rows, packed, y if n == layout.out_features else y[:, first : first + n])
+        failed = self._tiles(ctypes.addressof(self._tiles_layer(layout)), rows.data_ptr(), rows.shape[0],
+                             in_features, layout.out_features, y.data_ptr(), y.stride(0))
+        if failed:
+            raise (MemoryError("wna16_tiles_product could not allocate its tile") if failed == 1 else
+                   ValueError(f"wna16_tiles_product refused {layout.bits}-bit weights of {in_features} inputs"))
+
+    def _tiles_layer(self, layout: CpuLayout) -> Wna16StackLayer:
+        """`layout` with this library's tiles, made once (the C call reads it by address)."""
+        layer = layout.tiles_layers.get(id(self.library))
+        if layer is None:
+            tiles = BF16TilesStruct.of(self._linear_bf16, self.bf16_tile_min_rows[layout.bits],
+                                       _tile_columns(layout.in_features))
+            layer = Wna16StackLayer(_Wna16Weight.of(layout), layout.bits, tiles)
+            layout.tiles_layers[id(self.library)] = layer
+        return layer
 
     def tiles_from_packed(self, layout: CpuLayout) -> bool:
         """Whether bfloat16 rows go from the packed path straight to the tiles (no dense path between them): what

@@ -1364,18 +1364,22 @@ int w8a8_fp8_linear_experts(const Fp8Weight *weights, int64_t n_weights, const i
     return 0;
 }
 
-/* One fp8 layer as the decode stack calls its products: its weight, and where bfloat16 rows go to linear_bf16's
- * tiles (as W8A8Kernels.fp8_linear sends them; only for weights of whole 16-column blocks, no padding). */
+/* One fp8 layer as its tiles product and the decode stack call it: its weight, where bfloat16 rows go to
+ * linear_bf16's tiles (as W8A8Kernels.fp8_linear sends them; the stack only for weights of whole 16-column blocks,
+ * no padding), and the packed weight's columns (N rounded up to 8). */
 typedef struct {
     Fp8Weight weight;
     BF16Tiles tiles;
+    int64_t padded_columns;
 } Fp8StackLayer;
 
 static int fp8_stack_layer_columns(const void *w, int64_t K, int64_t N, int64_t first, int64_t n, uint16_t *tile) {
-    const Fp8Weight *weight = &((const Fp8StackLayer *)w)->weight;
-    if (N % STRIP != 0 || first % STRIP != 0 || n % STRIP != 0) return 2;
-    return w8a8_fp8_dequantize_bf16_packed(weight->packed, K, N, weight->scales, weight->block_k, first / STRIP,
-                                           n / STRIP, tile);
+    (void)N;
+    const Fp8StackLayer *layer = w;
+    const Fp8Weight *weight = &layer->weight;
+    if (first % STRIP != 0 || n % STRIP != 0 || first + n > layer->padded_columns) return 2;
+    return w8a8_fp8_dequantize_bf16_packed(weight->packed, K, layer->padded_columns, weight->scales, weight->block_k,
+                                           first / STRIP, n / STRIP, tile);
 }
 
 /* w8a8_fp8_linear behind gguf_matmul's signature, for the decode stack (`type` unused; activations and outputs in
@@ -1388,11 +1392,20 @@ int w8a8_fp8_stack_product(int type, const void *w, const void *x, int x_bf16, i
     if (rows == 0) return 0;
     const Fp8StackLayer *layer = w;
     if (bf16_tiles_take(&layer->tiles, x_bf16, rows))
-        return bf16_tiles_product(&layer->tiles, layer, fp8_stack_layer_columns, x, rows, K, N, y);
+        return bf16_tiles_product(&layer->tiles, layer, fp8_stack_layer_columns, x, rows, K, N, y, N);
     const Fp8Weight *weight = &layer->weight;
     return w8a8_fp8_linear(x, x_bf16, rows, K, N, weight->packed, weight->scales, weight->block_k, NULL, y, y_bf16)
                ? 2
                : 0;
+}
+
+/* y [rows, n] bfloat16 (rows y_stride apart) = bfloat16 x @ W^T over the weight's first n columns (whole 16-column
+ * blocks) on the layer's tiles (W8A8Kernels.fp8_linear_dense). Returns 1 if memory ran out, 2 for a refusal. */
+int w8a8_fp8_tiles_product(const Fp8StackLayer *layer, const uint16_t *x, int64_t rows, int64_t K, int64_t n,
+                           uint16_t *y, int64_t y_stride) {
+    if (rows < 0 || K <= 0 || n <= 0 || n % 16 != 0) return 2;
+    if (rows == 0) return 0;
+    return bf16_tiles_product(&layer->tiles, layer, fp8_stack_layer_columns, x, rows, K, n, y, y_stride);
 }
 
 const char *pagellm_isa(void) { return ISA_NAME; }

@@ -613,10 +613,19 @@ int wna16_stack_product(int type, const void *w, const void *x, int x_bf16, int6
     if (rows == 0) return 0;
     const Wna16StackLayer *layer = w;
     if (bf16_tiles_take(&layer->tiles, x_bf16, rows))
-        return bf16_tiles_product(&layer->tiles, layer, stack_layer_columns, x, rows, K, N, y);
+        return bf16_tiles_product(&layer->tiles, layer, stack_layer_columns, x, rows, K, N, y, N);
     const Wna16Weight *weight = &layer->weight;
     return wna16_matmul(weight->packed, weight->gparams, weight->group_rows, weight->src, (int)layer->bits,
                         weight->n_groups, weight->k_rows, N, x, x_bf16, rows, K, y, y_bf16, N, NULL);
+}
+
+/* y [rows, N] bfloat16 (rows y_stride apart) = bfloat16 x @ W^T on the layer's tiles whatever the row count (the
+ * layers' own products, pagellm/ops/wna16.py's _tiles_into). Returns 1 if memory ran out, 2 for a refusal. */
+int wna16_tiles_product(const Wna16StackLayer *layer, const uint16_t *x, int64_t rows, int64_t K, int64_t N,
+                        uint16_t *y, int64_t y_stride) {
+    if (rows < 0 || K <= 0 || N <= 0) return 2;
+    if (rows == 0) return 0;
+    return bf16_tiles_product(&layer->tiles, layer, stack_layer_columns, x, rows, K, N, y, y_stride);
 }
 
 /* Columns per block of the layout (the wrapper checks it against its own). */
