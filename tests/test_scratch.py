@@ -1,6 +1,7 @@
 """The CPU kernels' scratch tensors: one per thread and kind, shared by every layer (one per layer kept a copy per
 layer: 186 MiB of int8 activation buffers for SmolLM2 after one 2,048-row prefill)."""
 
+import pathlib
 import threading
 
 import pytest
@@ -32,3 +33,18 @@ def test_kernel_wrappers_of_different_layers_share_their_buffers():
         pytest.skip("no C compiler or native kernels switched off")
     assert first is not second
     assert first._buffer("xq", 4096, torch.int8) is second._buffer("xq", 4096, torch.int8)
+
+
+@pytest.mark.skipif(not pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+                    or "[never]" in pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="no transparent huge pages here")
+def test_a_large_buffer_lies_on_huge_pages_and_a_small_one_on_torchs():
+    """The dequantized tiles the kernels write and a GEMM streams ran slower on torch's 4 KiB pages."""
+    from tests.test_huge_pages import _vma_flags
+
+    large = thread_scratch("test", "tile", (4 << 20) // 4, torch.float32)
+    large.fill_(1.0)
+    assert large.numel() == (4 << 20) // 4 and large.is_contiguous() and large.sum() == large.numel()
+    assert "hg" in _vma_flags(large.data_ptr())
+    small = thread_scratch("test", "small", 1000, torch.bfloat16)
+    assert small.dtype == torch.bfloat16 and "hg" not in _vma_flags(small.data_ptr())

@@ -71,13 +71,19 @@ class WeightArena:
         return piece
 
     def _new_chunk(self) -> None:
-        # A private anonymous mapping of its own: zero pages until written, and advised before any is. (numpy's
-        # zeros of this size may come from the C heap, whose calloc clears, and so keeps resident, the whole chunk.)
-        mapping = mmap.mmap(-1, self.chunk_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            with contextlib.suppress(OSError):  # THP disabled, or a kernel without it: 4 KiB pages
-                mapping.madvise(mmap.MADV_HUGEPAGE)
-        self._chunk, self._used = np.frombuffer(mapping, dtype=np.uint8), 0
+        # (numpy's zeros of this size may come from the C heap, whose calloc clears, and so keeps resident, the
+        # whole chunk.)
+        self._chunk, self._used = huge_page_buffer(self.chunk_bytes), 0
+
+
+def huge_page_buffer(nbytes: int) -> np.ndarray:
+    """A zeroed uint8 array of nbytes in a private anonymous mapping of its own, advised for transparent huge pages
+    before any page is written (zero pages until then; 4 KiB pages where THP is disabled)."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # THP disabled, or a kernel without it
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(mapping, dtype=np.uint8)
 
 
 _ARENA: contextvars.ContextVar[WeightArena | None] = contextvars.ContextVar("weight_arena", default=None)
