@@ -38,8 +38,9 @@ def test_kernel_wrappers_of_different_layers_share_their_buffers():
 @pytest.mark.skipif(not pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
                     or "[never]" in pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
                     reason="no transparent huge pages here")
-def test_a_large_buffer_lies_on_huge_pages_and_a_small_one_on_torchs():
-    """The dequantized tiles the kernels write and a GEMM streams ran slower on torch's 4 KiB pages."""
+def test_a_large_buffer_lies_on_huge_pages():
+    """The dequantized tiles the kernels write and a GEMM streams ran slower on torch's 4 KiB pages. (Where a
+    small buffer lands is torch's allocator's business: its heap may reuse memory another mapping advised.)"""
     from tests.test_huge_pages import _vma_flags
 
     large = thread_scratch("test", "tile", (4 << 20) // 4, torch.float32)
@@ -47,4 +48,4 @@ def test_a_large_buffer_lies_on_huge_pages_and_a_small_one_on_torchs():
     assert large.numel() == (4 << 20) // 4 and large.is_contiguous() and large.sum() == large.numel()
     assert "hg" in _vma_flags(large.data_ptr())
     small = thread_scratch("test", "small", 1000, torch.bfloat16)
-    assert small.dtype == torch.bfloat16 and "hg" not in _vma_flags(small.data_ptr())
+    assert small.dtype == torch.bfloat16 and small.numel() == 1000
