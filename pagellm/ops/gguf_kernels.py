@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from pagellm.cpu_features import cpu_flags, cpu_has_amx_bf16, cpu_has_native
 from pagellm.models.gguf_quants import QUANT_FORMATS, QuantFormat, dequantize
 from pagellm.ops import cpu_build
-from pagellm.ops.linear_bf16 import AMX_K, BF16TilesStruct, LinearBF16, linear_bf16
+from pagellm.ops.linear_bf16 import (AMX_K, BF16TilesStruct, LinearBF16, linear_bf16, run_tiles_product,
+                                     tiles_product_function)
 from pagellm.ops.scratch import thread_scratch
 
 if TYPE_CHECKING:
@@ -258,9 +259,7 @@ class GGUFKernels:
         self._dequantize_packed = library.gguf_dequantize_packed
         self._dequantize_packed.restype = _INT
         self._dequantize_packed.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR]
-        self._tiles = library.gguf_tiles_product
-        self._tiles.restype = _INT
-        self._tiles.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64]
+        self._tiles = tiles_product_function(library, "gguf_tiles_product")
         self._amx_tiles: dict[int, BF16TilesStruct] = {}  # _matmul_amx's, per columns of a tile
         for name in ("gguf_block_weights", "gguf_block_bytes", "gguf_tile_min_rows"):
             getattr(library, name).restype = _INT
@@ -387,12 +386,8 @@ class GGUFKernels:
         tiles = self._amx_tiles.get(columns)
         if tiles is None:
             tiles = self._amx_tiles[columns] = BF16TilesStruct.of(self.amx_product, 0, columns)
-        layer = GgufStackLayer(weight.data_ptr(), type_id, tiles)
-        failed = self._tiles(ctypes.addressof(layer), rows.data_ptr(), rows.shape[0], in_features, out_features,
-                             y.data_ptr(), y.stride(0))
-        if failed:
-            raise (MemoryError("gguf_tiles_product could not allocate its tile") if failed == 1 else
-                   ValueError(f"gguf_tiles_product refused type {type_id} with in_features={in_features}"))
+        run_tiles_product(self._tiles, GgufStackLayer(weight.data_ptr(), type_id, tiles), rows, in_features,
+                          out_features, y, f"type {type_id} with in_features={in_features}")
         return y
 
     def dequantize_packed(self, weight: torch.Tensor, type_name: str, first_row: int, n_rows: int,

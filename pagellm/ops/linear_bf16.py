@@ -105,6 +105,27 @@ class BF16TilesStruct(ctypes.Structure):
                    kernel.amx_min_rows)
 
 
+def tiles_product_function(library: ctypes.CDLL, name: str):
+    """A library's tiles product (wna16_tiles_product, w8a8_fp8_tiles_product, gguf_tiles_product: csrc/bf16_tiles.h's
+    loop over one weight's tiles, for the layers' own products) with its argument types declared."""
+    function = getattr(library, name)
+    function.restype = ctypes.c_int
+    function.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64]
+    return function
+
+
+def run_tiles_product(function, layer: ctypes.Structure, rows: torch.Tensor, in_features: int, columns: int,
+                      y: torch.Tensor, what: str) -> None:
+    """y[:, :columns] (bfloat16, rows y.stride(0) apart) = contiguous bfloat16 rows @ W^T through `function`
+    (tiles_product_function's) on the weight `layer` describes; `what` names the weight in a refusal."""
+    failed = function(ctypes.addressof(layer), rows.data_ptr(), rows.shape[0], in_features, columns, y.data_ptr(),
+                      y.stride(0))
+    if failed == 1:
+        raise MemoryError(f"{function.__name__} could not allocate its tile")
+    if failed:
+        raise ValueError(f"{function.__name__} refused {what}")
+
+
 def linear_bf16(isa: str | None = None) -> LinearBF16 | None:
     """The bfloat16 linear kernel, or None where the library for `isa` has none (no avx512_bf16, no compiler)."""
     library = native_library(isa)

@@ -3,7 +3,7 @@ its pages in on every call) and shared by every layer the thread runs: layers ru
 of each kind serves them all, where one per layer kept a copy per layer (the int8 W8A8 activations' buffers for a
 2,048-row prefill chunk, one set per linear layer: 186 MiB for SmolLM2). Buffers of HUGE_PAGE_MIN_BYTES or more
 are mapped on transparent huge pages: the dequantized weight tiles the kernels write and a GEMM then streams ran
-slower on torch's 4 KiB pages (README, "Quantized weights")."""
+slower on torch's 4 KiB pages (README, "AWQ, GPTQ and fp8 on AMX's tiles")."""
 
 from __future__ import annotations
 

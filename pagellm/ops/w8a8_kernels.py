@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from pagellm.cpu_features import cpu_has_native
 from pagellm.ops import cpu_build
 from pagellm.ops import gguf_kernels
-from pagellm.ops.linear_bf16 import BF16TilesStruct, LinearBF16, linear_bf16
+from pagellm.ops.linear_bf16 import (BF16TilesStruct, LinearBF16, linear_bf16, run_tiles_product,
+                                     tiles_product_function)
 from pagellm.ops.scratch import thread_scratch
 from pagellm.worker.huge_pages import to_weight_memory
 
@@ -395,9 +396,7 @@ class W8A8Kernels:
         self._dequantize_packed = library.w8a8_fp8_dequantize_bf16_packed  # (tests read the tiles with it)
         self._dequantize_packed.restype = _INT
         self._dequantize_packed.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR]
-        self._fp8_tiles = library.w8a8_fp8_tiles_product
-        self._fp8_tiles.restype = _INT
-        self._fp8_tiles.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64]
+        self._fp8_tiles = tiles_product_function(library, "w8a8_fp8_tiles_product")
         # bfloat16 dense products on linear_bf16 where this build's library has it (avx512_bf16; AMX's tiles too).
         self._linear_bf16 = linear_bf16(self.isa)
         self.fp8_dense_min_rows = FP8_DENSE_MIN_ROWS[self.isa]
@@ -508,11 +507,8 @@ class W8A8Kernels:
         whole = out_features // LinearBF16.PANEL * LinearBF16.PANEL
         y = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
         if whole:
-            failed = self._fp8_tiles(ctypes.addressof(self._tiles_layer(weight)), rows.data_ptr(), rows.shape[0],
-                                     in_features, whole, y.data_ptr(), y.stride(0))
-            if failed:
-                raise (MemoryError("w8a8_fp8_tiles_product could not allocate its tile") if failed == 1 else
-                       ValueError(f"w8a8_fp8_tiles_product refused in_features={in_features}, columns={whole}"))
+            run_tiles_product(self._fp8_tiles, self._tiles_layer(weight), rows, in_features, whole, y,
+                              f"in_features={in_features}, columns={whole}")
         if whole < out_features:
             y[:, whole:] = self._fp8_dense_on_torch(rows, weight, whole // PANEL)
         return y
@@ -521,10 +517,7 @@ class W8A8Kernels:
         """`weight` with this library's tiles, made once (the C call reads it by address)."""
         layer = weight.tiles_layers.get(id(self.library))
         if layer is None:
-            tiles = BF16TilesStruct.of(self._linear_bf16, self.fp8_bf16_dense_min_rows,
-                                       _tile_blocks(weight) * LinearBF16.PANEL)
-            layer = Fp8StackLayer(Fp8WeightStruct.of_packed(weight), tiles, weight.padded_out_features)
-            weight.tiles_layers[id(self.library)] = layer
+            layer = weight.tiles_layers[id(self.library)] = Fp8StackLayer.on_tiles(self, weight)
         return layer
 
     def _fp8_dense_on_torch(self, operand: torch.Tensor, weight: PackedFp8, first_panel: int = 0) -> torch.Tensor:
@@ -721,8 +714,13 @@ class Fp8StackLayer(ctypes.Structure):
     def of(cls, linear: NativeFp8Linear) -> Fp8StackLayer:
         kernels, weight = linear.kernels, linear.packed
         if not kernels.fp8_stack_tiles_take(weight):
-            return cls(Fp8WeightStruct.of(linear), BF16TilesStruct.of(None), weight.padded_out_features)
-        return cls(Fp8WeightStruct.of(linear),
+            return cls(Fp8WeightStruct.of_packed(weight), BF16TilesStruct.of(None), weight.padded_out_features)
+        return cls.on_tiles(kernels, weight)
+
+    @classmethod
+    def on_tiles(cls, kernels: W8A8Kernels, weight: PackedFp8) -> Fp8StackLayer:
+        """The weight with its bfloat16 tiles (from the rows where `W8A8Kernels.fp8_linear` takes them)."""
+        return cls(Fp8WeightStruct.of_packed(weight),
                    BF16TilesStruct.of(kernels._linear_bf16, kernels.fp8_bf16_dense_min_rows,
                                       _tile_blocks(weight) * LinearBF16.PANEL), weight.padded_out_features)
 

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.ops.w8a8_kernels import hadamard_rows
+
 # The float16 bits of an fp8 e4m3 byte sign-extended to 16 bits and shifted left by 7 (see csrc/w8a8.c): the
 # mask 0xBF80 clears the sign's copy at bit 14; as an int16 it is -16512.
 _FP16_FIELDS = tl.constexpr(-16512)  # a kernel reads only constexpr globals on a GPU
@@ -146,8 +148,6 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 bias: torch.Tensor | None, rotation: int = 1) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) for int8 W [N, K] with per-channel scales, x quantized to int8 per row (rotated
     first by w8a8_kernels.hadamard_rows in float32 where `rotation` > 1: a rotated weight's)."""
-    from pagellm.ops.w8a8_kernels import hadamard_rows
-
     out_features, in_features = weight.shape
     rows = _rows(x, in_features)
     if rotation > 1:

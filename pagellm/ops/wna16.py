@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from pagellm.cpu_features import cpu_has_amx_bf16
 from pagellm.ops import cpu_build
-from pagellm.ops.linear_bf16 import BF16TilesStruct, LinearBF16, linear_bf16
+from pagellm.ops.linear_bf16 import BF16TilesStruct, LinearBF16, linear_bf16, run_tiles_product, tiles_product_function
 from pagellm.ops.scratch import thread_scratch
 from pagellm.worker.huge_pages import to_weight_memory
 
@@ -280,9 +280,7 @@ class WNA16Kernels:
         self._dequantize_packed = library.wna16_dequantize_bf16_packed
         self._dequantize_packed.restype = _INT
         self._dequantize_packed.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _I64, _PTR]
-        self._tiles = library.wna16_tiles_product
-        self._tiles.restype = _INT
-        self._tiles.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64]
+        self._tiles = tiles_product_function(library, "wna16_tiles_product")
         # bfloat16 rows on linear_bf16 (avx512_bf16; AMX's tiles too), from bf16_tile_min_rows rows on.
         self._linear_bf16 = linear_bf16(self.isa)
         if self._linear_bf16 is None:
@@ -350,20 +348,14 @@ class WNA16Kernels:
             raise ValueError(f"linear_bf16 takes an even in_features and out_features a multiple of {panel}, not "
                              f"{in_features}, {layout.out_features}")
         rows = x if x.is_contiguous() else x.contiguous()
-        failed = self._tiles(ctypes.addressof(self._tiles_layer(layout)), rows.data_ptr(), rows.shape[0],
-                             in_features, layout.out_features, y.data_ptr(), y.stride(0))
-        if failed:
-            raise (MemoryError("wna16_tiles_product could not allocate its tile") if failed == 1 else
-                   ValueError(f"wna16_tiles_product refused {layout.bits}-bit weights of {in_features} inputs"))
+        run_tiles_product(self._tiles, self._tiles_layer(layout), rows, in_features, layout.out_features, y,
+                          f"{layout.bits}-bit weights of {in_features} inputs")
 
     def _tiles_layer(self, layout: CpuLayout) -> Wna16StackLayer:
         """`layout` with this library's tiles, made once (the C call reads it by address)."""
         layer = layout.tiles_layers.get(id(self.library))
         if layer is None:
-            tiles = BF16TilesStruct.of(self._linear_bf16, self.bf16_tile_min_rows[layout.bits],
-                                       _tile_columns(layout.in_features))
-            layer = Wna16StackLayer(_Wna16Weight.of(layout), layout.bits, tiles)
-            layout.tiles_layers[id(self.library)] = layer
+            layer = layout.tiles_layers[id(self.library)] = Wna16StackLayer.on_tiles(self, layout)
         return layer
 
     def tiles_from_packed(self, layout: CpuLayout) -> bool:
@@ -489,6 +481,11 @@ class Wna16StackLayer(ctypes.Structure):
     def of(cls, kernels: WNA16Kernels, layout: CpuLayout) -> Wna16StackLayer:
         if not kernels.tiles_from_packed(layout):
             return cls(_Wna16Weight.of(layout), layout.bits, BF16TilesStruct.of(None))
+        return cls.on_tiles(kernels, layout)
+
+    @classmethod
+    def on_tiles(cls, kernels: WNA16Kernels, layout: CpuLayout) -> Wna16StackLayer:
+        """The weight with its bfloat16 tiles (from the rows where `WNA16Kernels.product` takes them)."""
         return cls(_Wna16Weight.of(layout), layout.bits,
                    BF16TilesStruct.of(kernels._linear_bf16, kernels.bf16_tile_min_rows[layout.bits],
                                       _tile_columns(layout.in_features)))

@@ -14,7 +14,7 @@ typedef int (*LinearBF16Strided)(const uint16_t *x, const uint16_t *packed, cons
                                  int64_t amx_min_rows);
 
 /* At least `elements` bfloat16 words, the calling thread's own, kept between calls (a decode step makes ~100):
- * NULL if memory ran out. */
+ * NULL if memory ran out. (w8a8.c also rotates a row of activations in it: never while a tile product runs.) */
 static inline uint16_t *thread_tile(size_t elements) {
     static __thread uint16_t *tile = NULL;
     static __thread size_t capacity = 0;
@@ -44,11 +44,14 @@ typedef int (*DequantizeColumns)(const void *weight, int64_t K, int64_t N, int64
 
 /* y [rows, N] bfloat16 (rows y_stride apart) = x [rows, K] bfloat16 (contiguous) @ W^T on linear_bf16, the
  * weight dequantized tiles.columns columns at a time into the calling thread's buffer: each tile's dequantization
- * and product run their own parallel regions. Returns 1 if memory ran out, 2 for a refusal. */
+ * and product run their own parallel regions. Returns 1 if memory ran out, 2 for a refusal (0 rows: nothing). */
 static inline int bf16_tiles_product(const BF16Tiles *tiles, const void *weight, DequantizeColumns dequantize,
                                      const uint16_t *x, int64_t rows, int64_t K, int64_t N, uint16_t *y,
                                      int64_t y_stride) {
-    if (tiles->linear == NULL || tiles->columns <= 0 || tiles->columns % 16 != 0 || y_stride < N) return 2;
+    if (rows < 0 || K <= 0 || N <= 0 || y_stride < N || tiles->linear == NULL || tiles->columns <= 0 ||
+        tiles->columns % 16 != 0)
+        return 2;
+    if (rows == 0) return 0;
     const int64_t columns = tiles->columns < N ? tiles->columns : N;
     uint16_t *tile = thread_tile((size_t)(columns * K));
     if (tile == NULL) return 1;

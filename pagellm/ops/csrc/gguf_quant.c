@@ -1156,8 +1156,6 @@ int gguf_stack_product(int type, const void *w, const void *x, int x_bf16, int64
  * (GGUFKernels._matmul_amx). Returns 1 if memory ran out, 2 for a refusal. */
 int gguf_tiles_product(const GgufStackLayer *layer, const uint16_t *x, int64_t rows, int64_t K, int64_t N,
                        uint16_t *y, int64_t y_stride) {
-    if (rows < 0 || K <= 0 || N <= 0) return 2;
-    if (rows == 0) return 0;
     return bf16_tiles_product(&layer->tiles, layer, gguf_stack_layer_rows, x, rows, K, N, y, y_stride);
 }
 

@@ -338,19 +338,6 @@ static uint32_t hadamard_row(const void *x, int64_t row, int64_t K, const int bf
     return magnitude_bits_top(out, K);
 }
 
-/* The calling thread's float row for hadamard_row, kept and grown between calls; NULL if memory ran out. */
-static float *rotation_buffer(int64_t K) {
-    static __thread float *buffer;
-    static __thread int64_t size;
-    if (K > size) {
-        float *grown = realloc(buffer, sizeof(float) * (size_t)K);
-        if (grown == NULL) return NULL;
-        buffer = grown;
-        size = K;
-    }
-    return buffer;
-}
-
 /* quantize_row of row `row` of x, rotated first where rotation > 1. Returns 0 if memory ran out (q and *scale
  * untouched), else 1. */
 static int quantize_input_row(const void *x, int64_t row, int64_t K, int64_t Kp, const int bf16, float static_scale,
@@ -359,7 +346,8 @@ static int quantize_input_row(const void *x, int64_t row, int64_t K, int64_t Kp,
         *scale = quantize_row(x, row, K, Kp, bf16, static_scale, q);
         return 1;
     }
-    float *rotated = rotation_buffer(K);
+    /* The thread's tile buffer (bf16_tiles.h), free while rows are quantized: malloc'd, so float-aligned. */
+    float *rotated = (float *)(void *)thread_tile(2 * (size_t)K);
     if (rotated == NULL) return 0;
     const uint32_t top = hadamard_row(x, row, K, bf16, rotation, rotated);
 #if HAVE_AVX512BW
@@ -1209,7 +1197,8 @@ int w8a8_fp8_dequantize_bf16_packed(const uint8_t *packed, int64_t K, int64_t Np
             const int64_t last = first + run < K ? first + run : K;
             /* The pairs' scales: one row for both inputs where block_k is even, else each input's own. */
             const __m512 scale_0 = _mm512_loadu_ps(scales + (first / block_k) * Np + column);
-            const __m512 scale_1 = block_k % 2 ? _mm512_loadu_ps(scales + ((first + 1) / block_k) * Np + column) : scale_0;
+            const __m512 scale_1 =
+                block_k % 2 ? _mm512_loadu_ps(scales + ((first + 1) / block_k) * Np + column) : scale_0;
             for (int64_t k = first; k < last; k += 2) {
                 __m512i rounded[2];
                 for (int i = 0; i < 2; ++i) {
@@ -1400,11 +1389,10 @@ int w8a8_fp8_stack_product(int type, const void *w, const void *x, int x_bf16, i
 }
 
 /* y [rows, n] bfloat16 (rows y_stride apart) = bfloat16 x @ W^T over the weight's first n columns (whole 16-column
- * blocks) on the layer's tiles (W8A8Kernels.fp8_linear_dense). Returns 1 if memory ran out, 2 for a refusal. */
+ * blocks: fp8_stack_layer_columns refuses others) on the layer's tiles (W8A8Kernels.fp8_linear_dense). Returns 1 if
+ * memory ran out, 2 for a refusal. */
 int w8a8_fp8_tiles_product(const Fp8StackLayer *layer, const uint16_t *x, int64_t rows, int64_t K, int64_t n,
                            uint16_t *y, int64_t y_stride) {
-    if (rows < 0 || K <= 0 || n <= 0 || n % 16 != 0) return 2;
-    if (rows == 0) return 0;
     return bf16_tiles_product(&layer->tiles, layer, fp8_stack_layer_columns, x, rows, K, n, y, y_stride);
 }
 

@@ -623,8 +623,6 @@ int wna16_stack_product(int type, const void *w, const void *x, int x_bf16, int6
  * layers' own products, pagellm/ops/wna16.py's _tiles_into). Returns 1 if memory ran out, 2 for a refusal. */
 int wna16_tiles_product(const Wna16StackLayer *layer, const uint16_t *x, int64_t rows, int64_t K, int64_t N,
                         uint16_t *y, int64_t y_stride) {
-    if (rows < 0 || K <= 0 || N <= 0) return 2;
-    if (rows == 0) return 0;
     return bf16_tiles_product(&layer->tiles, layer, stack_layer_columns, x, rows, K, N, y, y_stride);
 }
 
