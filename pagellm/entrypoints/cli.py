@@ -1,6 +1,7 @@
 """`pagellm serve [MODEL]`: the OpenAI-compatible server, taking every flag `vllm serve` takes (made from the
 argument tables: pagellm/config.py, engine/arg_utils.py, entrypoints/openai/cli_args.py); `pagellm worker`:
-another host's share of a tensor-parallel engine."""
+another host's share of a tensor-parallel engine; `pagellm quantize MODEL OUTPUT`: a compressed-tensors checkpoint of
+an HF checkpoint, rounded by GPTQ (pagellm/compression)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,46 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(**_rendezvous_defaults_from_environment())
     worker = commands.add_parser("worker", help="run this host's tensor-parallel ranks of an engine on another host")
     _add_worker_arguments(worker)
+    quantize = commands.add_parser(
+        "quantize", help="write a quantized (compressed-tensors) checkpoint of an HF checkpoint",
+        usage="pagellm quantize model output [options]",
+        description="Round an HF checkpoint's linear layers by GPTQ (or to nearest) into a compressed-tensors "
+                    "checkpoint that pagellm and vLLM load. Calibration text: --calibration-file, or samples the "
+                    "model writes itself.")
+    _add_quantize_arguments(quantize)
     return parser
+
+
+def _add_quantize_arguments(parser) -> None:
+    from pagellm.compression.oneshot import METHODS, SCHEMES, QuantizeArgs
+
+    defaults = QuantizeArgs(model="", output="")
+    parser.add_argument("model", help="an HF checkpoint directory (safetensors)")
+    parser.add_argument("output", help="a new directory for the quantized checkpoint")
+    parser.add_argument("--scheme", choices=sorted(SCHEMES), default=defaults.scheme,
+                        help="FP8_DYNAMIC: fp8 weights per channel, fp8 activations per token; W8A8: the same in "
+                             "int8; W4A16 / W8A16: weight-only int4 in groups of 128 / int8 per channel "
+                             f"(default: {defaults.scheme})")
+    parser.add_argument("--method", choices=METHODS, default=defaults.method,
+                        help=f"gptq: error-compensating rounding over calibration text; rtn: round to nearest, no "
+                             f"calibration (default: {defaults.method})")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="inputs per scale of an int scheme (default: the scheme's: 128 for W4A16, per channel "
+                             "otherwise)")
+    parser.add_argument("--calibration-file", action="append", default=[], dest="calibration_files",
+                        help="a text file to calibrate on, cut into windows of --sample-length tokens (repeatable; "
+                             "default: samples the model writes from its start token)")
+    parser.add_argument("--num-samples", type=int, default=defaults.num_samples,
+                        help=f"calibration sequences (default: {defaults.num_samples})")
+    parser.add_argument("--sample-length", type=int, default=defaults.sample_length,
+                        help=f"tokens per calibration sequence (default: {defaults.sample_length})")
+    parser.add_argument("--dampening-frac", type=float, default=defaults.dampening_frac,
+                        help=f"GPTQ's dampening, a fraction of the Hessian's mean diagonal (default: "
+                             f"{defaults.dampening_frac})")
+    parser.add_argument("--ignore", action="append", default=None,
+                        help='a module left in float: a name, its last part, or "re:" + a regular expression '
+                             '(repeatable; default: lm_head)')
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="the calibration samples' seed")
 
 
 def _rendezvous_defaults_from_environment() -> dict:
@@ -127,6 +167,20 @@ def main(argv: list[str] | None = None) -> None:
         serve(args)
     elif args.command == "worker":
         worker(args)
+    elif args.command == "quantize":
+        quantize(args)
+
+
+def quantize(args: argparse.Namespace) -> None:
+    from pagellm.compression.oneshot import QuantizeArgs
+    from pagellm.compression.oneshot import quantize as write_quantized
+
+    options = {name: value for name, value in vars(args).items() if name != "command" and value is not None}
+    try:
+        output = write_quantized(QuantizeArgs(**options))
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        sys.exit(f"pagellm quantize: {exc}")
+    print(output)
 
 
 def worker(args: argparse.Namespace) -> None:

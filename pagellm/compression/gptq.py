@@ -1,0 +1,134 @@
+"""Rounding a linear layer's weights onto a quantization grid: round-to-nearest, or GPTQ (Frantar et al., 2022),
+which rounds the input columns one at a time and moves each column's rounding error onto the columns not yet
+rounded, weighted by the inverse Hessian of the layer's squared output error, H = E[x x^T] over calibration
+inputs. Where inputs are correlated, most of the error cancels in the product; round-to-nearest cannot do that.
+
+The grids are compressed-tensors' symmetric ones (its calculate_qparams and _quantize), so that what is rounded
+here is what its checkpoints hold: int scale = max|w| / ((2^bits - 1) / 2), code = round(clamp(w / scale,
+-2^(bits-1), 2^(bits-1) - 1)); fp8 e4m3 scale = max|w| / 448, code = clamp(w / scale, +-448) cast to e4m3.
+A scale is rounded to the dtype it is stored in before the codes are taken, so the checkpoint's products are
+the ones GPTQ compensated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class WeightGrid:
+    """Where a scheme's weights may lie: `kind` "int" or "float" (fp8 e4m3), `bits`, and `group_size` inputs
+    per scale (None: one scale per output channel)."""
+
+    kind: str
+    bits: int
+    group_size: int | None
+    scale_dtype: torch.dtype = torch.float32
+
+    @property
+    def code_max(self) -> float:
+        return FP8_MAX if self.kind == "float" else (2 ** self.bits - 1) / 2
+
+    def scale_of(self, columns: torch.Tensor) -> torch.Tensor:
+        """One scale per row of `columns` [rows, n], as stored, widened to float32."""
+        largest = columns.abs().amax(dim=1)
+        scale = (largest / self.code_max).to(self.scale_dtype).float()
+        return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+    def codes(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """values [rows, n] / scale [rows] onto the grid, in units of the scale (float32)."""
+        scaled = values / scale[:, None]
+        if self.kind == "float":
+            return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        low, high = -(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1
+        return scaled.clamp(low, high).round()
+
+    def check(self, in_features: int) -> None:
+        if self.group_size is not None and in_features % self.group_size:
+            raise ValueError(f"group_size={self.group_size} does not divide a layer's {in_features} inputs; "
+                             f"choose a group size that divides every quantized layer's input size")
+
+
+@dataclass
+class RoundedWeight:
+    """codes [out, in] (integers or e4m3 values, as float32) and scales [out, groups] (float32, exact in the
+    grid's scale dtype); groups is 1 for per-channel grids."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    grid: WeightGrid
+
+    def dequantize(self) -> torch.Tensor:
+        group = self.codes.shape[1] // self.scales.shape[1]
+        return self.codes * self.scales.repeat_interleave(group, dim=1)
+
+
+def round_to_nearest(weight: torch.Tensor, grid: WeightGrid) -> RoundedWeight:
+    rows, columns = weight.shape
+    grid.check(columns)
+    group = grid.group_size or columns
+    w = weight.float().reshape(rows, columns // group, group)
+    scales = torch.stack([grid.scale_of(w[:, g]) for g in range(w.shape[1])], dim=1)
+    codes = torch.cat([grid.codes(w[:, g], scales[:, g]) for g in range(w.shape[1])], dim=1)
+    return RoundedWeight(codes, scales, grid)
+
+
+def inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float) -> torch.Tensor:
+    """The upper Cholesky factor of (H + damp I)^-1 (float32), damp = dampening_frac x mean(diag H); inputs never
+    seen in calibration (a zero diagonal) get a unit diagonal, so their columns round to nearest. Dampening grows
+    tenfold (from 1e-4 if it was 0) while H is not positive definite, up to the mean diagonal itself."""
+    h = hessian.double().clone()
+    diagonal = h.diagonal()
+    dead = diagonal == 0
+    h[dead, dead] = 1.0
+    mean = h.diagonal().mean()
+    damp = dampening_frac
+    for _ in range(6):
+        factor, info = torch.linalg.cholesky_ex(h + damp * mean * torch.eye(h.shape[0], dtype=h.dtype))
+        if info.item() == 0:
+            return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True).float()
+        if damp >= 1:
+            break
+        damp = max(damp * 10, 1e-4)
+    raise ValueError(f"the calibration Hessian is not positive definite even with dampening_frac={damp:g}; "
+                     "calibrate on more tokens")
+
+
+def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: WeightGrid, dampening_frac: float = 0.01,
+         block_size: int = 128) -> RoundedWeight:
+    """GPTQ without act order: columns rounded left to right, each one's error spread over the rest through
+    the inverse Hessian's Cholesky factor, lazily a block at a time. A group's scale is taken when its first
+    column comes up, from the group's weights as the earlier errors left them (blocks are whole groups so
+    that every earlier error has reached them)."""
+    rows, columns = weight.shape
+    grid.check(columns)
+    if grid.group_size is not None:
+        block_size = grid.group_size * max(1, block_size // grid.group_size)
+    w = weight.float().clone()
+    factor = inverse_hessian_factor(hessian, dampening_frac)
+    group = grid.group_size or columns
+    codes = torch.empty_like(w)
+    scales = torch.empty(rows, columns // group)
+    scale = grid.scale_of(w) if grid.group_size is None else None
+    for start in range(0, columns, block_size):
+        end = min(start + block_size, columns)
+        block = w[:, start:end].clone()
+        errors = torch.empty_like(block)
+        inverse = factor[start:end, start:end]
+        for j in range(end - start):
+            column = start + j
+            if column % group == 0:
+                if grid.group_size is not None:
+                    scale = grid.scale_of(block[:, j:j + group])
+                scales[:, column // group] = scale
+            code = grid.codes(block[:, j:j + 1], scale)[:, 0]
+            codes[:, column] = code
+            error = (block[:, j] - code * scale) / inverse[j, j]
+            block[:, j:] -= error[:, None] * inverse[j, j:][None, :]
+            errors[:, j] = error
+        w[:, end:] -= errors @ factor[start:end, end:]
+    return RoundedWeight(codes, scales, grid)

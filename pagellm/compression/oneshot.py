@@ -1,0 +1,410 @@
+"""`pagellm quantize`: an HF checkpoint's linear layers rounded by GPTQ (or to nearest) into a compressed-tensors
+checkpoint, the format llm-compressor's `oneshot` writes and pagellm and vLLM both load.
+
+Calibration needs text the model would read. Without a file of it, the model writes its own: samples from its
+start token at temperature 1 (data-free calibration, as LLM-QAT does), drawn by pagellm's engine. The decoder
+layers are quantized in order (llm-compressor's sequential pipeline): each layer's input Hessians are gathered
+from the calibration batch's hidden states as the earlier layers, already rounded, left them, so the errors GPTQ
+compensates include those the earlier layers made, and only one layer's Hessians are held at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagellm.compression.gptq import RoundedWeight, WeightGrid, gptq, round_to_nearest
+
+logger = logging.getLogger(__name__)
+
+COMPRESSED_TENSORS_VERSION = "0.20.0"
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A compressed-tensors preset: how weights round, what activations the serving engine quantizes, and the
+    format the weights are stored in."""
+
+    name: str
+    kind: str  # "int" or "float"
+    bits: int
+    group_size: int | None
+    activations: bool  # dynamic per-token activations of the weights' type (W8A8); False: weight-only
+    format: str
+
+
+SCHEMES = {s.name: s for s in (
+    Scheme("FP8_DYNAMIC", "float", 8, None, True, "float-quantized"),
+    Scheme("W8A8", "int", 8, None, True, "int-quantized"),
+    Scheme("W4A16", "int", 4, 128, False, "pack-quantized"),
+    Scheme("W8A16", "int", 8, None, False, "pack-quantized"),
+)}
+METHODS = ("gptq", "rtn")
+
+
+@dataclass
+class QuantizeArgs:
+    model: str
+    output: str
+    scheme: str = "FP8_DYNAMIC"
+    method: str = "gptq"
+    group_size: int | None = None  # None: the scheme's
+    num_samples: int = 64
+    sample_length: int = 256
+    calibration_files: list[str] = field(default_factory=list)
+    dampening_frac: float = 0.1
+    block_size: int = 128
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    seed: int = 0
+    batch_size: int = 4
+
+    def check(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"scheme={self.scheme!r} is not one pagellm writes; choose one of {sorted(SCHEMES)}")
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r} is not supported; choose one of {list(METHODS)}")
+        for name, value, low in (("num_samples", self.num_samples, 1), ("sample_length", self.sample_length, 2),
+                                 ("block_size", self.block_size, 1), ("batch_size", self.batch_size, 1)):
+            if value < low:
+                raise ValueError(f"{name}={value} must be at least {low}")
+        if self.group_size is not None and (self.group_size < 1 or SCHEMES[self.scheme].kind == "float"):
+            raise ValueError(f"group_size={self.group_size} must be a positive number of inputs, on an int scheme")
+        if not 0 <= self.dampening_frac < 1:
+            raise ValueError(f"dampening_frac={self.dampening_frac} must lie in [0, 1)")
+
+
+def quantize(args: QuantizeArgs) -> Path:
+    """Writes the quantized checkpoint to args.output and returns its path."""
+    args.check()
+    source, output = Path(args.model), Path(args.output)
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(f"{source} is not an HF checkpoint directory (no config.json); pagellm quantize "
+                                "takes a safetensors checkpoint, not a GGUF file")
+    if output.exists() and any(output.iterdir()):
+        raise FileExistsError(f"{output} exists and is not empty; name a new directory")
+    scheme = SCHEMES[args.scheme]
+    started = time.perf_counter()
+    _check_shapes(source, WeightGrid(scheme.kind, scheme.bits, args.group_size or scheme.group_size), args.ignore)
+    calibration = calibration_batch(args) if args.method == "gptq" else None
+    model = _float32_model(source)
+    grid = WeightGrid(scheme.kind, scheme.bits, args.group_size or scheme.group_size, _scale_dtype(model))
+    rounded = quantize_model(model, grid, args, calibration)
+    _write(source, output, model, scheme, grid, rounded, args)
+    logger.info("quantize: %d linear layers of %s to %s by %s in %.1f s into %s", len(rounded), source,
+                scheme.name, args.method, time.perf_counter() - started, output)
+    return output
+
+
+# ---- calibration ------------------------------------------------------------------------------------------------
+
+
+def calibration_batch(args: QuantizeArgs) -> torch.Tensor:
+    """[num_samples, sample_length] token ids: windows of the calibration files' text, or the model's samples."""
+    if args.calibration_files:
+        return _text_windows(args)
+    return _model_samples(args)
+
+
+def _text_windows(args: QuantizeArgs) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    text = "\n\n".join(Path(path).read_text() for path in args.calibration_files)
+    ids = tokenizer(text).input_ids
+    windows = len(ids) // args.sample_length
+    if windows == 0:
+        raise ValueError(f"the calibration files hold {len(ids)} tokens, fewer than sample_length="
+                         f"{args.sample_length}; give more text or a smaller sample_length")
+    count = min(windows, args.num_samples)
+    if count < args.num_samples:
+        logger.warning("quantize: the calibration files give %d windows of %d tokens, not num_samples=%d",
+                       count, args.sample_length, args.num_samples)
+    return torch.tensor(ids[:count * args.sample_length]).view(count, args.sample_length)
+
+
+def _model_samples(args: QuantizeArgs) -> torch.Tensor:
+    from pagellm import LLM, SamplingParams
+
+    llm = LLM(args.model, seed=args.seed, max_model_len=args.sample_length,
+              max_num_seqs=min(args.num_samples, 64))
+    try:
+        start = _start_token(llm)
+        params = SamplingParams(n=args.num_samples, temperature=1.0, top_p=1.0, seed=args.seed,
+                                max_tokens=args.sample_length - 1, ignore_eos=True)
+        output = llm.generate({"prompt_token_ids": [start]}, params, use_tqdm=False)[0]
+    finally:
+        llm.llm_engine.shutdown()
+    return torch.tensor([[start, *sample.token_ids] for sample in output.outputs])
+
+
+def _start_token(llm) -> int:
+    """The token a document starts with: the tokenizer's BOS, else its EOS (which separates documents in
+    training text where there is no BOS)."""
+    tokenizer = llm.get_tokenizer()
+    for token in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if token is not None:
+            return token
+    raise ValueError("the tokenizer has neither a BOS nor an EOS token to start calibration samples from; pass "
+                     "--calibration-file")
+
+
+# ---- the layers, in order -----------------------------------------------------------------------------------------
+
+
+class _StopForward(Exception):
+    """Raised after the layer being calibrated: the layers after it need not run."""
+
+
+def _float32_model(source: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+
+
+def _check_shapes(source: Path, grid: WeightGrid, ignore: list[str]) -> None:
+    """The grid's refusals (a group size not dividing a layer's inputs), from the model's skeleton on the meta
+    device: before minutes of calibration, not after."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(source)))
+    names = {module: name for name, module in skeleton.named_modules()}
+    for module in decoder_layers(skeleton).modules():
+        if isinstance(module, torch.nn.Linear) and not _ignored(names[module], ignore):
+            try:
+                grid.check(module.in_features)
+            except ValueError as exc:
+                raise ValueError(f"{names[module]}: {exc}") from None
+
+
+def _scale_dtype(model: torch.nn.Module) -> torch.dtype:
+    """Scales are stored in the checkpoint's own float dtype, as llm-compressor stores them."""
+    dtype = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers: its largest ModuleList holding linear layers."""
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
+              and any(isinstance(sub, torch.nn.Linear) for sub in m.modules())]
+    if not stacks:
+        raise ValueError(f"{type(model).__name__} has no list of layers holding linear layers to quantize")
+    return max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def _ignored(name: str, ignore: list[str]) -> bool:
+    """compressed-tensors' matching: "re:" + a regular expression matched from the start, or a name's last part
+    or whole."""
+    return any(re.match(entry[3:], name) if entry.startswith("re:") else name == entry or name.endswith("." + entry)
+               for entry in ignore)
+
+
+def quantize_model(model: torch.nn.Module, grid: WeightGrid, args: QuantizeArgs,
+                   calibration: torch.Tensor | None) -> dict[str, RoundedWeight]:
+    """Every linear layer of the decoder stack not ignored, rounded in place (the model then computes with the
+    rounded weights); returns module name -> its codes and scales."""
+    names = {module: name for name, module in model.named_modules()}
+    layers = decoder_layers(model)
+    calls = _layer_calls(model, layers, calibration, args.batch_size) if calibration is not None else None
+    rounded: dict[str, RoundedWeight] = {}
+    for index, layer in enumerate(layers):
+        linears = {names[m]: m for m in layer.modules()
+                   if isinstance(m, torch.nn.Linear) and not _ignored(names[m], args.ignore)}
+        hessians = _layer_hessians(layer, index, linears, calls) if calls is not None and linears else {}
+        for name, module in linears.items():
+            weight = module.weight.data
+            if name in hessians:
+                result = gptq(weight, hessians.pop(name), grid, args.dampening_frac, args.block_size)
+            else:
+                result = round_to_nearest(weight, grid)
+            module.weight.data = result.dequantize().to(weight.dtype)
+            rounded[name] = result
+        if calls is not None:
+            calls.advance(layer, index)
+        logger.info("quantize: layer %d: %d linear layers rounded", index, len(linears))
+    if not rounded:
+        raise ValueError("no linear layer is left to quantize (all ignored?)")
+    return rounded
+
+
+@dataclass
+class _LayerCalls:
+    """The calibration batches' hidden states at the current layer's input, and the other arguments the model
+    passed each layer (masks, position embeddings: the same in every batch's run, per layer), so that each layer
+    runs twice in all (to gather its Hessians, then rounded, to make the next layer's inputs) instead of the
+    model running up to it for every layer."""
+
+    hidden: list[torch.Tensor]
+    arguments: list[list[tuple[tuple, dict]]]  # [batch][layer] -> (args after the hidden states, kwargs)
+
+    def run(self, layer: torch.nn.Module, index: int) -> Iterator[torch.Tensor]:
+        for hidden, arguments in zip(self.hidden, self.arguments):
+            args, kwargs = arguments[index]
+            output = layer(hidden, *args, **kwargs)
+            yield output[0] if isinstance(output, tuple) else output
+
+    def advance(self, layer: torch.nn.Module, index: int) -> None:
+        with torch.no_grad():
+            self.hidden = list(self.run(layer, index))
+
+
+def _layer_calls(model: torch.nn.Module, layers: torch.nn.ModuleList, calibration: torch.Tensor,
+                 batch_size: int) -> _LayerCalls:
+    """One run of the model over the calibration batches, stopped after its last decoder layer, recording what
+    each layer was called with."""
+    hidden: list[torch.Tensor] = []
+    arguments: list[list[tuple[tuple, dict]]] = []
+
+    def record(index: int):
+        def hook(_module, args, kwargs):
+            kwargs = dict(kwargs)
+            state = args[0] if args else kwargs.pop("hidden_states")
+            if index == 0:
+                hidden.append(state)
+                arguments.append([])
+            arguments[-1].append((tuple(args[1:]), kwargs))
+        return hook
+
+    def stop(_module, _inputs, _output):
+        raise _StopForward
+
+    handles = [layer.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles.append(layers[-1].register_forward_hook(stop))
+    try:
+        with torch.no_grad():
+            for batch in _batches(calibration, batch_size):
+                try:
+                    model(batch, use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    if any(len(per_layer) != len(layers) for per_layer in arguments):
+        raise ValueError(f"{type(model).__name__} did not call each of its {len(layers)} decoder layers once per "
+                         "batch; pagellm quantize cannot calibrate it layer by layer")
+    return _LayerCalls(hidden, arguments)
+
+
+def _layer_hessians(layer: torch.nn.Module, index: int, linears: dict[str, torch.nn.Linear],
+                    calls: _LayerCalls) -> dict[str, torch.Tensor]:
+    """E[x x^T] of each linear layer's inputs over the calibration batches (float64). Layers reading the same
+    input (q, k and v) share one product."""
+    sums = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in linears.items()}
+    counts = dict.fromkeys(linears, 0)
+    last: list = [None, None]  # the previous input seen and its x^T x
+
+    def gather(name: str):
+        def hook(_module, inputs):
+            x = inputs[0]
+            if last[0] is not x:
+                rows = x.reshape(-1, x.shape[-1]).float()
+                last[0], last[1] = x, (rows.T @ rows).double()
+            sums[name] += last[1]
+            counts[name] += x.numel() // x.shape[-1]
+        return hook
+
+    handles = [m.register_forward_pre_hook(gather(name)) for name, m in linears.items()]
+    try:
+        with torch.no_grad():
+            for _ in calls.run(layer, index):
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    last.clear()
+    return {name: total / max(counts[name], 1) for name, total in sums.items() if counts[name]}
+
+
+def _batches(ids: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
+    for start in range(0, ids.shape[0], size):
+        yield ids[start:start + size]
+
+
+# ---- the checkpoint ---------------------------------------------------------------------------------------------
+
+
+def compressed_tensors_config(scheme: Scheme, grid: WeightGrid, ignore: list[str]) -> dict:
+    """quantization_config as compressed-tensors' QuantizationConfig serializes it."""
+    def args(strategy: str, group_size: int | None, dynamic: bool) -> dict:
+        return {"num_bits": scheme.bits, "type": scheme.kind, "symmetric": True, "group_size": group_size,
+                "strategy": strategy, "block_structure": None, "dynamic": dynamic, "actorder": None,
+                "observer": None if dynamic else "minmax", "observer_kwargs": {}}
+
+    weights = args("group" if grid.group_size else "channel", grid.group_size, False)
+    activations = args("token", None, True) if scheme.activations else None
+    return {"quant_method": "compressed-tensors", "format": scheme.format, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": activations, "output_activations": None,
+                                          "format": scheme.format}},
+            "ignore": list(ignore), "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
+            "global_compression_ratio": None, "version": COMPRESSED_TENSORS_VERSION}
+
+
+def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed codes [rows, columns] -> int32 [rows, columns * bits / 32]: code + 2^(bits - 1) at bits j * bits of
+    word [r, c] for column c * (32 / bits) + j (compressed-tensors' pack_to_int32)."""
+    per_word = 32 // bits
+    unsigned = codes.to(torch.int64) + (1 << (bits - 1))
+    words = torch.zeros(codes.shape[0], codes.shape[1] // per_word, dtype=torch.int64)
+    for j in range(per_word):
+        words |= unsigned[:, j::per_word] << (bits * j)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def module_tensors(rounded: RoundedWeight, scheme: Scheme) -> dict[str, torch.Tensor]:
+    """One module's tensors in the scheme's format (suffix -> tensor)."""
+    scales = rounded.scales.to(rounded.grid.scale_dtype)
+    if scheme.format == "pack-quantized":
+        if rounded.codes.shape[1] % (32 // scheme.bits):
+            raise ValueError(f"{rounded.codes.shape[1]} inputs do not pack into 32-bit words of {scheme.bits}-bit "
+                             "values")
+        return {"weight_packed": pack_int32(rounded.codes, scheme.bits), "weight_scale": scales,
+                "weight_shape": torch.tensor(list(rounded.codes.shape), dtype=torch.int64)}
+    dtype = torch.float8_e4m3fn if scheme.kind == "float" else torch.int8
+    return {"weight": rounded.codes.to(dtype), "weight_scale": scales}
+
+
+def _source_tensors(source: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{source} holds no .safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def _write(source: Path, output: Path, model: torch.nn.Module, scheme: Scheme, grid: WeightGrid,
+           rounded: dict[str, RoundedWeight], args: QuantizeArgs) -> None:
+    from safetensors.torch import save_file
+
+    tensors = _source_tensors(source)
+    for name, weight in rounded.items():
+        if f"{name}.weight" not in tensors:
+            raise ValueError(f"the checkpoint names no tensor {name}.weight for transformers' module {name}; "
+                             "pagellm quantize needs checkpoints whose tensor names are the module names")
+        del tensors[f"{name}.weight"]
+        tensors.update({f"{name}.{suffix}": t for suffix, t in module_tensors(weight, scheme).items()})
+    output.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and path.suffix not in (".safetensors", ".bin", ".pt", ".pth") \
+                and path.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(path, output / path.name)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(output / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = compressed_tensors_config(scheme, grid, args.ignore)
+    (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,193 @@
+"""`pagellm quantize` (pagellm/compression): GPTQ's rounding against round-to-nearest on correlated inputs, and
+its checkpoints read by compressed-tensors' own decompressors and served by pagellm as transformers runs their
+dequantized weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.compression import oneshot
+from pagellm.compression.gptq import FP8_MAX, WeightGrid, gptq, inverse_hessian_factor, round_to_nearest
+from pagellm.entrypoints import cli
+from tests.helpers import PROMPTS, hf_greedy
+
+GRIDS = {
+    "fp8 per channel": WeightGrid("float", 8, None),
+    "int8 per channel": WeightGrid("int", 8, None),
+    "int4 groups of 32, bfloat16 scales": WeightGrid("int", 4, 32, torch.bfloat16),
+}
+CALIBRATION_TEXT = " ".join(PROMPTS) * 4
+
+
+def _correlated_inputs(features: int, rows: int = 2048) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    mixing = torch.eye(features) + 0.3 * torch.randn(features, features, generator=generator)
+    return torch.randn(rows, features, generator=generator) @ mixing
+
+
+def _weight(rows: int = 48, columns: int = 256) -> torch.Tensor:
+    return torch.randn(rows, columns, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("grid", GRIDS.values(), ids=GRIDS.keys())
+def test_gptq_with_an_identity_hessian_rounds_to_nearest(grid):
+    weight = _weight()
+    nearest, compensated = round_to_nearest(weight, grid), gptq(weight, torch.eye(256), grid, dampening_frac=0.0)
+    assert torch.equal(nearest.codes, compensated.codes)
+    assert torch.equal(nearest.scales, compensated.scales)
+
+
+@pytest.mark.parametrize("grid", GRIDS.values(), ids=GRIDS.keys())
+def test_gptq_cuts_the_output_error_on_correlated_inputs(grid):
+    weight, inputs = _weight(), _correlated_inputs(256)
+    hessian = inputs.T.double() @ inputs.double() / inputs.shape[0]
+    nearest, compensated = round_to_nearest(weight, grid), gptq(weight, hessian, grid)
+    error = {name: (inputs @ (r.dequantize() - weight).T).norm().item()
+             for name, r in (("nearest", nearest), ("gptq", compensated))}
+    assert error["gptq"] < 0.85 * error["nearest"], error
+
+
+@pytest.mark.parametrize("grid", GRIDS.values(), ids=GRIDS.keys())
+def test_codes_lie_on_the_grid_and_scales_are_stored_exactly(grid):
+    weight, inputs = _weight(), _correlated_inputs(256)
+    rounded = gptq(weight, inputs.T @ inputs, grid)
+    assert rounded.scales.shape == (48, 256 // (grid.group_size or 256))
+    assert torch.equal(rounded.scales.to(grid.scale_dtype).float(), rounded.scales)
+    if grid.kind == "float":
+        assert torch.equal(rounded.codes.to(torch.float8_e4m3fn).float(), rounded.codes)
+        assert rounded.codes.abs().max() <= FP8_MAX
+    else:
+        assert torch.equal(rounded.codes.round(), rounded.codes)
+        assert rounded.codes.min() >= -(2 ** (grid.bits - 1)) and rounded.codes.max() <= 2 ** (grid.bits - 1) - 1
+
+
+def test_an_input_never_seen_rounds_to_nearest_and_a_singular_hessian_is_dampened():
+    weight, inputs = _weight(8, 64), _correlated_inputs(64, rows=16)  # rank 16 of 64: singular
+    inputs[:, 5] = 0
+    hessian = inputs.T @ inputs
+    grid = GRIDS["int8 per channel"]
+    rounded = gptq(weight, hessian, grid, dampening_frac=0.0)
+    assert torch.isfinite(rounded.dequantize()).all()
+    assert torch.equal(rounded.codes[:, 5], round_to_nearest(weight, grid).codes[:, 5])
+    with pytest.raises(ValueError, match="not positive definite.*calibrate on more tokens"):
+        inverse_hessian_factor(-torch.eye(4) - torch.ones(4, 4), 0.01)
+
+
+def test_a_group_size_that_does_not_divide_the_inputs_is_refused():
+    with pytest.raises(ValueError, match="group_size=48 does not divide a layer's 256 inputs"):
+        gptq(_weight(), torch.eye(256), WeightGrid("int", 4, 48))
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------------
+
+
+def _write(tmp_path, tiny_llama_dir, scheme: str, **changes) -> str:
+    text = tmp_path / "calibration.txt"
+    text.write_text(CALIBRATION_TEXT)
+    args = oneshot.QuantizeArgs(tiny_llama_dir, str(tmp_path / scheme), scheme, calibration_files=[str(text)],
+                                num_samples=4, sample_length=64, **changes)
+    return str(oneshot.quantize(args))
+
+
+@pytest.mark.parametrize("scheme", oneshot.SCHEMES)
+def test_compressed_tensors_decompresses_each_scheme_to_our_rounding(scheme):
+    """compressed-tensors' own compressor reads the tensors a scheme writes as exactly the weights GPTQ chose."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    chosen = oneshot.SCHEMES[scheme]
+    grid = WeightGrid(chosen.kind, chosen.bits, chosen.group_size and 32, torch.bfloat16)
+    inputs = _correlated_inputs(256)
+    rounded = gptq(_weight(), inputs.T @ inputs, grid)
+    config = oneshot.compressed_tensors_config(chosen, grid, ["lm_head"])
+    parsed = QuantizationConfig.model_validate(config).config_groups["group_0"]
+    state = oneshot.module_tensors(rounded, chosen)
+    state["weight_scale"] = state["weight_scale"].float()  # the package multiplies in the scales' dtype
+    decompressed = BaseCompressor.get_value_from_registry(config["format"]).decompress(state, parsed)["weight"]
+    assert torch.equal(decompressed.float(), rounded.dequantize())
+
+
+def _decompressed(path: str) -> dict[str, torch.Tensor]:
+    """Module name -> its weight as compressed-tensors' own compressor dequantizes our tensors."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    config = json.loads(open(f"{path}/config.json").read())["quantization_config"]
+    scheme = QuantizationConfig.model_validate(config).config_groups["group_0"]
+    compressor = BaseCompressor.get_value_from_registry(config["format"])
+    tensors = load_file(f"{path}/model.safetensors")
+    modules = {name.rsplit(".", 1)[0] for name in tensors if name.endswith(".weight_scale")}
+    weights = {}
+    for module in modules:
+        state = {name.rsplit(".", 1)[1]: t for name, t in tensors.items() if name.rsplit(".", 1)[0] == module}
+        state["weight_scale"] = state["weight_scale"].float()
+        weights[module] = compressor.decompress(state, scheme)["weight"].float()
+    return weights
+
+
+def _hf_on(path: str, weights: dict[str, torch.Tensor], source: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    modules = dict(model.named_modules())
+    for name, weight in weights.items():
+        modules[name].weight.data = weight
+    return model
+
+
+@pytest.mark.parametrize("scheme, group_size", [("FP8_DYNAMIC", None), ("W4A16", 32)])
+def test_pagellm_serves_its_checkpoints_as_transformers_runs_their_weights(tmp_path, tiny_llama_dir,
+                                                                           default_tokenizer, scheme, group_size):
+    pytest.importorskip("compressed_tensors")
+    path = _write(tmp_path, tiny_llama_dir, scheme, group_size=group_size)
+    weights = _decompressed(path)
+    assert len(weights) == 3 * 7 and not any("lm_head" in name for name in weights)
+    reference = _hf_on(path, weights, tiny_llama_dir)
+    llm = LLM(path, dtype="float32", max_model_len=128, num_gpu_blocks_override=32, max_num_seqs=4)
+    assert "compressed-tensors" in llm.llm_engine.core.runner.model.weight_format
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[7]]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        expected = hf_greedy(reference, default_tokenizer, default_tokenizer(prompt).input_ids, 8, ignore_eos=True)
+        assert output.outputs[0].token_ids == expected, prompt
+
+
+def test_the_model_writes_its_own_calibration_samples(tiny_llama_dir, default_tokenizer):
+    args = oneshot.QuantizeArgs(tiny_llama_dir, "unused", num_samples=3, sample_length=12, seed=5)
+    samples = oneshot.calibration_batch(args)
+    assert samples.shape == (3, 12)
+    assert (samples[:, 0] == default_tokenizer.bos_token_id).all()
+    assert len({tuple(row.tolist()) for row in samples}) == 3
+
+
+def test_the_command_line_writes_a_checkpoint_and_refuses_bad_values(tmp_path, tiny_llama_dir, capsys):
+    text = tmp_path / "calibration.txt"
+    text.write_text(CALIBRATION_TEXT)
+    output = tmp_path / "out"
+    cli.main(["quantize", tiny_llama_dir, str(output), "--scheme", "W8A16", "--calibration-file", str(text),
+              "--num-samples", "2", "--sample-length", "32"])
+    assert capsys.readouterr().out.strip() == str(output)
+    config = json.loads((output / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "pack-quantized" and config["config_groups"]["group_0"]["weights"]["num_bits"] == 8
+    assert (output / "tokenizer.json").is_file()
+    with pytest.raises(SystemExit, match="out exists and is not empty"):
+        cli.main(["quantize", tiny_llama_dir, str(output), "--method", "rtn"])
+    with pytest.raises(SystemExit, match=r"hold 7 tokens, fewer than sample_length=32; give more text"):
+        (tmp_path / "short.txt").write_text("one two three four five six seven")
+        cli.main(["quantize", tiny_llama_dir, str(tmp_path / "other"), "--calibration-file",
+                  str(tmp_path / "short.txt"), "--sample-length", "32"])
+    with pytest.raises(SystemExit, match="group_size=16 must be a positive number of inputs, on an int scheme"):
+        cli.main(["quantize", tiny_llama_dir, str(tmp_path / "other"), "--scheme", "FP8_DYNAMIC",
+                  "--group-size", "16"])
+    with pytest.raises(SystemExit, match="mlp.down_proj: group_size=48 does not divide a layer's 256 inputs"):
+        cli.main(["quantize", tiny_llama_dir, str(tmp_path / "other"), "--scheme", "W4A16", "--group-size", "48",
+                  "--ignore", "q_proj", "--ignore", "k_proj", "--ignore", "v_proj", "--ignore", "o_proj",
+                  "--ignore", "gate_proj", "--ignore", "up_proj"])
+    with pytest.raises(SystemExit, match="no config.json"):
+        cli.main(["quantize", str(tmp_path / "nowhere"), str(tmp_path / "other")])
