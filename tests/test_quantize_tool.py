@@ -191,3 +191,19 @@ def test_the_command_line_writes_a_checkpoint_and_refuses_bad_values(tmp_path, t
                   "--ignore", "gate_proj", "--ignore", "up_proj"])
     with pytest.raises(SystemExit, match="no config.json"):
         cli.main(["quantize", str(tmp_path / "nowhere"), str(tmp_path / "other")])
+
+
+def test_scales_take_the_checkpoints_dtype(tmp_path, tiny_llama_dir):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = tmp_path / "bf16"
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    model.save_pretrained(source)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(source)
+    written = oneshot.quantize(oneshot.QuantizeArgs(str(source), str(tmp_path / "out"), "W4A16", method="rtn",
+                                                    group_size=32))
+    tensors = load_file(f"{written}/model.safetensors")
+    scale = tensors["model.layers.0.mlp.down_proj.weight_scale"]
+    assert scale.dtype == torch.bfloat16 and scale.shape == (128, 256 // 32)
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16

@@ -95,9 +95,9 @@ def quantize(args: QuantizeArgs) -> Path:
     _check_shapes(source, WeightGrid(scheme.kind, scheme.bits, args.group_size or scheme.group_size), args.ignore)
     calibration = calibration_batch(args) if args.method == "gptq" else None
     model = _float32_model(source)
-    grid = WeightGrid(scheme.kind, scheme.bits, args.group_size or scheme.group_size, _scale_dtype(model))
+    grid = WeightGrid(scheme.kind, scheme.bits, args.group_size or scheme.group_size, _scale_dtype(source))
     rounded = quantize_model(model, grid, args, calibration)
-    _write(source, output, model, scheme, grid, rounded, args)
+    _write(source, output, scheme, grid, rounded, args)
     logger.info("quantize: %d linear layers of %s to %s by %s in %.1f s into %s", len(rounded), source,
                 scheme.name, args.method, time.perf_counter() - started, output)
     return output
@@ -185,11 +185,11 @@ def _check_shapes(source: Path, grid: WeightGrid, ignore: list[str]) -> None:
                 raise ValueError(f"{names[module]}: {exc}") from None
 
 
-def _scale_dtype(model: torch.nn.Module) -> torch.dtype:
-    """Scales are stored in the checkpoint's own float dtype, as llm-compressor stores them."""
-    dtype = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
+def _scale_dtype(source: Path) -> torch.dtype:
+    """Scales are stored in the checkpoint's own float dtype, as llm-compressor stores them (the config's: the
+    loaded float32 model's config says float32)."""
+    config = json.loads((source / "config.json").read_text())
+    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32"), None)
     return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
@@ -387,7 +387,7 @@ def _source_tensors(source: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _write(source: Path, output: Path, model: torch.nn.Module, scheme: Scheme, grid: WeightGrid,
+def _write(source: Path, output: Path, scheme: Scheme, grid: WeightGrid,
            rounded: dict[str, RoundedWeight], args: QuantizeArgs) -> None:
     from safetensors.torch import save_file
 
