@@ -141,13 +141,21 @@ def _hf_on(path: str, weights: dict[str, torch.Tensor], source: str):
     return model
 
 
-@pytest.mark.parametrize("scheme, group_size", [("FP8_DYNAMIC", None), ("W4A16", 32)])
+@pytest.mark.parametrize("scheme, group_size, ignore", [
+    ("FP8_DYNAMIC", None, ["lm_head"]),
+    ("W4A16", 32, ["lm_head"]),
+    ("FP8_DYNAMIC", None, ["lm_head", "re:.*mlp.down_proj$"]),  # a mixed checkpoint: whole names in `ignore`
+])
 def test_pagellm_serves_its_checkpoints_as_transformers_runs_their_weights(tmp_path, tiny_llama_dir,
-                                                                           default_tokenizer, scheme, group_size):
+                                                                           default_tokenizer, scheme, group_size,
+                                                                           ignore):
     pytest.importorskip("compressed_tensors")
-    path = _write(tmp_path, tiny_llama_dir, scheme, group_size=group_size)
+    path = _write(tmp_path, tiny_llama_dir, scheme, group_size=group_size, ignore=ignore)
     weights = _decompressed(path)
-    assert len(weights) == 3 * 7 and not any("lm_head" in name for name in weights)
+    dense = [f"model.layers.{i}.mlp.down_proj" for i in range(3)] if len(ignore) > 1 else []
+    assert len(weights) == 3 * 7 - len(dense) and not any("lm_head" in name for name in weights)
+    config = json.loads(open(f"{path}/config.json").read())["quantization_config"]
+    assert config["ignore"] == sorted(["lm_head", *dense])
     reference = _hf_on(path, weights, tiny_llama_dir)
     llm = LLM(path, dtype="float32", max_model_len=128, num_gpu_blocks_override=32, max_num_seqs=4)
     assert "compressed-tensors" in llm.llm_engine.core.runner.model.weight_format
@@ -207,3 +215,13 @@ def test_scales_take_the_checkpoints_dtype(tmp_path, tiny_llama_dir):
     scale = tensors["model.layers.0.mlp.down_proj.weight_scale"]
     assert scale.dtype == torch.bfloat16 and scale.shape == (128, 256 // 32)
     assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def test_a_mixture_of_experts_is_refused_before_calibrating(tmp_path):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
+    MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
+    with pytest.raises(ValueError, match=r"is a weight outside any linear layer .*dense models only"):
+        oneshot.quantize(oneshot.QuantizeArgs(str(tmp_path / "moe"), str(tmp_path / "out")))

@@ -88,6 +88,9 @@ def quantize(args: QuantizeArgs) -> Path:
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{source} is not an HF checkpoint directory (no config.json); pagellm quantize "
                                 "takes a safetensors checkpoint, not a GGUF file")
+    if not any(source.glob("*.safetensors")):
+        raise FileNotFoundError(f"{source} holds no .safetensors weights; pagellm quantize reads safetensors "
+                                "checkpoints")
     if output.exists() and any(output.iterdir()):
         raise FileExistsError(f"{output} exists and is not empty; name a new directory")
     scheme = SCHEMES[args.scheme]
@@ -97,7 +100,9 @@ def quantize(args: QuantizeArgs) -> Path:
     model = _float32_model(source)
     grid = WeightGrid(scheme.kind, scheme.bits, args.group_size or scheme.group_size, _scale_dtype(source))
     rounded = quantize_model(model, grid, args, calibration)
-    _write(source, output, scheme, grid, rounded, args)
+    dense = sorted(name for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and name not in rounded)
+    _write(source, output, scheme, grid, rounded, dense)
     logger.info("quantize: %d linear layers of %s to %s by %s in %.1f s into %s", len(rounded), source,
                 scheme.name, args.method, time.perf_counter() - started, output)
     return output
@@ -170,19 +175,28 @@ def _float32_model(source: Path) -> torch.nn.Module:
 
 
 def _check_shapes(source: Path, grid: WeightGrid, ignore: list[str]) -> None:
-    """The grid's refusals (a group size not dividing a layer's inputs), from the model's skeleton on the meta
-    device: before minutes of calibration, not after."""
+    """Refusals read from the model's skeleton on the meta device, before minutes of calibration: weights the
+    decoder layers hold outside linear layers (a mixture of experts' stacked experts, which this tool does not
+    round, while the written config would say every linear layer is quantized), and a group size that does not
+    divide a layer's inputs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(source)))
     names = {module: name for name, module in skeleton.named_modules()}
     for module in decoder_layers(skeleton).modules():
-        if isinstance(module, torch.nn.Linear) and not _ignored(names[module], ignore):
-            try:
-                grid.check(module.in_features)
-            except ValueError as exc:
-                raise ValueError(f"{names[module]}: {exc}") from None
+        if isinstance(module, torch.nn.Linear):
+            if not _ignored(names[module], ignore):
+                try:
+                    grid.check(module.in_features)
+                except ValueError as exc:
+                    raise ValueError(f"{names[module]}: {exc}") from None
+            continue
+        for name, parameter in module.named_parameters(recurse=False):
+            if parameter.dim() >= 2:
+                raise ValueError(f"{names[module]}.{name} {list(parameter.shape)} is a weight outside any linear "
+                                 f"layer ({type(module).__name__}); pagellm quantize writes dense models only "
+                                 "(mixtures of experts: llm-compressor)")
 
 
 def _scale_dtype(source: Path) -> torch.dtype:
@@ -378,17 +392,16 @@ def module_tensors(rounded: RoundedWeight, scheme: Scheme) -> dict[str, torch.Te
 def _source_tensors(source: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    files = sorted(source.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{source} holds no .safetensors weights")
     tensors: dict[str, torch.Tensor] = {}
-    for path in files:
+    for path in sorted(source.glob("*.safetensors")):
         tensors.update(load_file(str(path)))
     return tensors
 
 
-def _write(source: Path, output: Path, scheme: Scheme, grid: WeightGrid,
-           rounded: dict[str, RoundedWeight], args: QuantizeArgs) -> None:
+def _write(source: Path, output: Path, scheme: Scheme, grid: WeightGrid, rounded: dict[str, RoundedWeight],
+           dense: list[str]) -> None:
+    """The checkpoint: the rounded modules' tensors in the scheme's format, every other tensor as the source has
+    it, the config's `ignore` naming each linear layer left dense (whole names, which every loader matches)."""
     from safetensors.torch import save_file
 
     tensors = _source_tensors(source)
@@ -406,5 +419,5 @@ def _write(source: Path, output: Path, scheme: Scheme, grid: WeightGrid,
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(output / "model.safetensors"),
               metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = compressed_tensors_config(scheme, grid, args.ignore)
+    config["quantization_config"] = compressed_tensors_config(scheme, grid, dense)
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
