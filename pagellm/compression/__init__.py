@@ -1,0 +1,1 @@
+"""Writing quantized checkpoints (`pagellm quantize`): GPTQ and round-to-nearest onto compressed-tensors' grids."""

@@ -142,12 +142,13 @@ def _model_samples(args: QuantizeArgs) -> torch.Tensor:
               max_num_seqs=min(args.num_samples, 64))
     try:
         start = _start_token(llm)
-        params = SamplingParams(n=args.num_samples, temperature=1.0, top_p=1.0, seed=args.seed,
-                                max_tokens=args.sample_length - 1, ignore_eos=True)
-        output = llm.generate({"prompt_token_ids": [start]}, params, use_tqdm=False)[0]
+        # One request per sample, each seeded: no limit on n, and a sample does not depend on the batch it ran in.
+        params = [SamplingParams(temperature=1.0, top_p=1.0, seed=args.seed * 1_000_003 + i,
+                                 max_tokens=args.sample_length - 1, ignore_eos=True) for i in range(args.num_samples)]
+        outputs = llm.generate([{"prompt_token_ids": [start]}] * args.num_samples, params, use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
-    return torch.tensor([[start, *sample.token_ids] for sample in output.outputs])
+    return torch.tensor([[start, *output.outputs[0].token_ids] for output in outputs])
 
 
 def _start_token(llm) -> int:
@@ -165,7 +166,7 @@ def _start_token(llm) -> int:
 
 
 class _StopForward(Exception):
-    """Raised after the layer being calibrated: the layers after it need not run."""
+    """Raised after the last decoder layer: the final norm and the LM head need not run."""
 
 
 def _float32_model(source: Path) -> torch.nn.Module:
