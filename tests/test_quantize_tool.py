@@ -19,6 +19,7 @@ GRIDS = {
     "fp8 per channel": WeightGrid("float", 8, None),
     "int8 per channel": WeightGrid("int", 8, None),
     "int4 groups of 32, bfloat16 scales": WeightGrid("int", 4, 32, torch.bfloat16),
+    "int4 groups of 32, zero points": WeightGrid("int", 4, 32, torch.float16, symmetric=False),
 }
 CALIBRATION_TEXT = " ".join(PROMPTS) * 4
 
@@ -61,8 +62,11 @@ def test_codes_lie_on_the_grid_and_scales_are_stored_exactly(grid):
         assert torch.equal(rounded.codes.to(torch.float8_e4m3fn).float(), rounded.codes)
         assert rounded.codes.abs().max() <= FP8_MAX
     else:
-        assert torch.equal(rounded.codes.round(), rounded.codes)
-        assert rounded.codes.min() >= -(2 ** (grid.bits - 1)) and rounded.codes.max() <= 2 ** (grid.bits - 1) - 1
+        low, high = -(2 ** (grid.bits - 1)), 2 ** (grid.bits - 1) - 1
+        for integers in (rounded.codes, rounded.zeros):
+            assert torch.equal(integers.round(), integers)
+            assert integers.min() >= low and integers.max() <= high
+        assert (rounded.zeros != 0).any() != grid.symmetric
 
 
 def test_an_input_never_seen_rounds_to_nearest_and_a_singular_hessian_is_dampened():
@@ -101,7 +105,7 @@ def test_compressed_tensors_decompresses_each_scheme_to_our_rounding(scheme):
     from compressed_tensors.quantization import QuantizationConfig
 
     chosen = oneshot.SCHEMES[scheme]
-    grid = WeightGrid(chosen.kind, chosen.bits, chosen.group_size and 32, torch.bfloat16)
+    grid = WeightGrid(chosen.kind, chosen.bits, chosen.group_size and 32, torch.bfloat16, chosen.symmetric)
     inputs = _correlated_inputs(256)
     rounded = gptq(_weight(), inputs.T @ inputs, grid)
     config = oneshot.compressed_tensors_config(chosen, grid, ["lm_head"])
@@ -144,6 +148,7 @@ def _hf_on(path: str, weights: dict[str, torch.Tensor], source: str):
 @pytest.mark.parametrize("scheme, group_size, ignore", [
     ("FP8_DYNAMIC", None, ["lm_head"]),
     ("W4A16", 32, ["lm_head"]),
+    ("W4A16_ASYM", 32, ["lm_head"]),
     ("FP8_DYNAMIC", None, ["lm_head", "re:.*mlp.down_proj$"]),  # a mixed checkpoint: whole names in `ignore`
 ])
 def test_pagellm_serves_its_checkpoints_as_transformers_runs_their_weights(tmp_path, tiny_llama_dir,

@@ -3,9 +3,10 @@ which rounds the input columns one at a time and moves each column's rounding er
 rounded, weighted by the inverse Hessian of the layer's squared output error, H = E[x x^T] over calibration
 inputs. Where inputs are correlated, most of the error cancels in the product; round-to-nearest cannot do that.
 
-The grids are compressed-tensors' symmetric ones (its calculate_qparams and _quantize), so that what is rounded
-here is what its checkpoints hold: int scale = max|w| / ((2^bits - 1) / 2), code = round(clamp(w / scale,
--2^(bits-1), 2^(bits-1) - 1)); fp8 e4m3 scale = max|w| / 448, code = clamp(w / scale, +-448) cast to e4m3.
+The grids are compressed-tensors' (its calculate_qparams and _quantize), so that what is rounded here is what its
+checkpoints hold: symmetric int scale = max|w| / ((2^bits - 1) / 2), code = clamp(round(w / scale), -2^(bits-1),
+2^(bits-1) - 1); asymmetric int below (WeightGrid); fp8 e4m3 scale = max|w| / 448, code = clamp(w / scale, +-448)
+cast to e4m3.
 A scale is rounded to the dtype it is stored in before the codes are taken, so the checkpoint's products are
 the ones GPTQ compensated.
 """
@@ -21,31 +22,42 @@ FP8_MAX = 448.0
 
 @dataclass(frozen=True)
 class WeightGrid:
-    """Where a scheme's weights may lie: `kind` "int" or "float" (fp8 e4m3), `bits`, and `group_size` inputs
-    per scale (None: one scale per output channel)."""
+    """Where a scheme's weights may lie: `kind` "int" or "float" (fp8 e4m3), `bits`, `group_size` inputs per
+    scale (None: one scale per output channel), and for int grids whether a zero point shifts the codes
+    (`symmetric` False: the range spans [min, max] of the weights, 0 included, as compressed-tensors' asymmetric
+    grid: scale = (max - min) / (2^bits - 1), zero = clamp(round(qmin - min / scale)), code = clamp(round(w / scale
+    + zero)))."""
 
     kind: str
     bits: int
     group_size: int | None
     scale_dtype: torch.dtype = torch.float32
+    symmetric: bool = True
 
     @property
-    def code_max(self) -> float:
-        return FP8_MAX if self.kind == "float" else (2 ** self.bits - 1) / 2
+    def code_range(self) -> tuple[int, int]:
+        return -(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1
 
-    def scale_of(self, columns: torch.Tensor) -> torch.Tensor:
-        """One scale per row of `columns` [rows, n], as stored, widened to float32."""
-        largest = columns.abs().amax(dim=1)
-        scale = (largest / self.code_max).to(self.scale_dtype).float()
-        return torch.where(scale > 0, scale, torch.ones_like(scale))
+    def params_of(self, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero point) per row of `columns` [rows, n]: the scale as stored, widened to float32; the zero
+        point 0 on symmetric grids."""
+        if self.kind == "float" or self.symmetric:
+            half_range = FP8_MAX if self.kind == "float" else (2 ** self.bits - 1) / 2
+            scale = (columns.abs().amax(dim=1) / half_range).to(self.scale_dtype).float()
+            return torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(scale)
+        low, high = self.code_range
+        smallest, largest = columns.amin(dim=1).clamp(max=0), columns.amax(dim=1).clamp(min=0)
+        scale = ((largest - smallest) / (high - low)).to(self.scale_dtype).float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return scale, (low - smallest / scale).round().clamp(low, high)
 
-    def codes(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """values [rows, n] / scale [rows] onto the grid, in units of the scale (float32)."""
+    def codes(self, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """values [rows, n] onto the grid of scale and zero [rows], in units of the scale (float32)."""
         scaled = values / scale[:, None]
         if self.kind == "float":
             return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-        low, high = -(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1
-        return scaled.clamp(low, high).round()
+        low, high = self.code_range
+        return (scaled + zero[:, None]).round().clamp(low, high)
 
     def check(self, in_features: int) -> None:
         if self.group_size is not None and in_features % self.group_size:
@@ -55,16 +67,19 @@ class WeightGrid:
 
 @dataclass
 class RoundedWeight:
-    """codes [out, in] (integers or e4m3 values, as float32) and scales [out, groups] (float32, exact in the
-    grid's scale dtype); groups is 1 for per-channel grids."""
+    """codes [out, in] (integers or e4m3 values, as float32), scales [out, groups] (float32, exact in the grid's
+    scale dtype) and zero points [out, groups] (integers as float32; zeros on symmetric grids); groups is 1 for
+    per-channel grids."""
 
     codes: torch.Tensor
     scales: torch.Tensor
+    zeros: torch.Tensor
     grid: WeightGrid
 
     def dequantize(self) -> torch.Tensor:
         group = self.codes.shape[1] // self.scales.shape[1]
-        return self.codes * self.scales.repeat_interleave(group, dim=1)
+        per_input = lambda t: t.repeat_interleave(group, dim=1)  # noqa: E731
+        return (self.codes - per_input(self.zeros)) * per_input(self.scales)
 
 
 def round_to_nearest(weight: torch.Tensor, grid: WeightGrid) -> RoundedWeight:
@@ -72,9 +87,11 @@ def round_to_nearest(weight: torch.Tensor, grid: WeightGrid) -> RoundedWeight:
     grid.check(columns)
     group = grid.group_size or columns
     w = weight.float().reshape(rows, columns // group, group)
-    scales = torch.stack([grid.scale_of(w[:, g]) for g in range(w.shape[1])], dim=1)
-    codes = torch.cat([grid.codes(w[:, g], scales[:, g]) for g in range(w.shape[1])], dim=1)
-    return RoundedWeight(codes, scales, grid)
+    params = [grid.params_of(w[:, g]) for g in range(w.shape[1])]
+    scales = torch.stack([scale for scale, _ in params], dim=1)
+    zeros = torch.stack([zero for _, zero in params], dim=1)
+    codes = torch.cat([grid.codes(w[:, g], *params[g]) for g in range(w.shape[1])], dim=1)
+    return RoundedWeight(codes, scales, zeros, grid)
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float) -> torch.Tensor:
@@ -112,8 +129,8 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: WeightGrid, dampenin
     factor = inverse_hessian_factor(hessian, dampening_frac)
     group = grid.group_size or columns
     codes = torch.empty_like(w)
-    scales = torch.empty(rows, columns // group)
-    scale = grid.scale_of(w) if grid.group_size is None else None
+    scales, zeros = torch.empty(rows, columns // group), torch.empty(rows, columns // group)
+    scale, zero = grid.params_of(w) if grid.group_size is None else (None, None)
     for start in range(0, columns, block_size):
         end = min(start + block_size, columns)
         block = w[:, start:end].clone()
@@ -123,12 +140,12 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: WeightGrid, dampenin
             column = start + j
             if column % group == 0:
                 if grid.group_size is not None:
-                    scale = grid.scale_of(block[:, j:j + group])
-                scales[:, column // group] = scale
-            code = grid.codes(block[:, j:j + 1], scale)[:, 0]
+                    scale, zero = grid.params_of(block[:, j:j + group])
+                scales[:, column // group], zeros[:, column // group] = scale, zero
+            code = grid.codes(block[:, j:j + 1], scale, zero)[:, 0]
             codes[:, column] = code
-            error = (block[:, j] - code * scale) / inverse[j, j]
+            error = (block[:, j] - (code - zero) * scale) / inverse[j, j]
             block[:, j:] -= error[:, None] * inverse[j, j:][None, :]
             errors[:, j] = error
         w[:, end:] -= errors @ factor[start:end, end:]
-    return RoundedWeight(codes, scales, grid)
+    return RoundedWeight(codes, scales, zeros, grid)

@@ -39,12 +39,14 @@ class Scheme:
     group_size: int | None
     activations: bool  # dynamic per-token activations of the weights' type (W8A8); False: weight-only
     format: str
+    symmetric: bool = True
 
 
 SCHEMES = {s.name: s for s in (
     Scheme("FP8_DYNAMIC", "float", 8, None, True, "float-quantized"),
     Scheme("W8A8", "int", 8, None, True, "int-quantized"),
     Scheme("W4A16", "int", 4, 128, False, "pack-quantized"),
+    Scheme("W4A16_ASYM", "int", 4, 128, False, "pack-quantized", symmetric=False),
     Scheme("W8A16", "int", 8, None, False, "pack-quantized"),
 )}
 METHODS = ("gptq", "rtn")
@@ -95,10 +97,11 @@ def quantize(args: QuantizeArgs) -> Path:
         raise FileExistsError(f"{output} exists and is not empty; name a new directory")
     scheme = SCHEMES[args.scheme]
     started = time.perf_counter()
-    _check_shapes(source, WeightGrid(scheme.kind, scheme.bits, args.group_size or scheme.group_size), args.ignore)
+    grid = WeightGrid(scheme.kind, scheme.bits, args.group_size or scheme.group_size, _scale_dtype(source),
+                      scheme.symmetric)
+    _check_shapes(source, grid, args.ignore)
     calibration = calibration_batch(args) if args.method == "gptq" else None
     model = _float32_model(source)
-    grid = WeightGrid(scheme.kind, scheme.bits, args.group_size or scheme.group_size, _scale_dtype(source))
     rounded = quantize_model(model, grid, args, calibration)
     dense = sorted(name for name, module in model.named_modules()
                    if isinstance(module, torch.nn.Linear) and name not in rounded)
@@ -351,12 +354,13 @@ def _batches(ids: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 
 def compressed_tensors_config(scheme: Scheme, grid: WeightGrid, ignore: list[str]) -> dict:
     """quantization_config as compressed-tensors' QuantizationConfig serializes it."""
-    def args(strategy: str, group_size: int | None, dynamic: bool) -> dict:
-        return {"num_bits": scheme.bits, "type": scheme.kind, "symmetric": True, "group_size": group_size,
+    def args(strategy: str, group_size: int | None, dynamic: bool, symmetric: bool = True) -> dict:
+        return {"num_bits": scheme.bits, "type": scheme.kind, "symmetric": symmetric, "group_size": group_size,
                 "strategy": strategy, "block_structure": None, "dynamic": dynamic, "actorder": None,
-                "observer": None if dynamic else "minmax", "observer_kwargs": {}}
+                "zp_dtype": None if symmetric else "torch.int8", "observer": None if dynamic else "minmax",
+                "observer_kwargs": {}}
 
-    weights = args("group" if grid.group_size else "channel", grid.group_size, False)
+    weights = args("group" if grid.group_size else "channel", grid.group_size, False, scheme.symmetric)
     activations = args("token", None, True) if scheme.activations else None
     return {"quant_method": "compressed-tensors", "format": scheme.format, "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
@@ -384,8 +388,13 @@ def module_tensors(rounded: RoundedWeight, scheme: Scheme) -> dict[str, torch.Te
         if rounded.codes.shape[1] % (32 // scheme.bits):
             raise ValueError(f"{rounded.codes.shape[1]} inputs do not pack into 32-bit words of {scheme.bits}-bit "
                              "values")
-        return {"weight_packed": pack_int32(rounded.codes, scheme.bits), "weight_scale": scales,
-                "weight_shape": torch.tensor(list(rounded.codes.shape), dtype=torch.int64)}
+        tensors = {"weight_packed": pack_int32(rounded.codes, scheme.bits), "weight_scale": scales,
+                   "weight_shape": torch.tensor(list(rounded.codes.shape), dtype=torch.int64)}
+        if not scheme.symmetric:  # packed along the outputs
+            if rounded.zeros.shape[0] % (32 // scheme.bits):
+                raise ValueError(f"{rounded.zeros.shape[0]} outputs do not pack into 32-bit words of zero points")
+            tensors["weight_zero_point"] = pack_int32(rounded.zeros.t(), scheme.bits).t().contiguous()
+        return tensors
     dtype = torch.float8_e4m3fn if scheme.kind == "float" else torch.int8
     return {"weight": rounded.codes.to(dtype), "weight_scale": scales}
 
