@@ -15,8 +15,9 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
 - `w8a8 int8 (c-t)`, `fp8 (c-t)`: compressed-tensors checkpoints of the export (tests/w8a8_checkpoints.py);
 - `w4a16 (c-t)`: a compressed-tensors pack-quantized checkpoint of the export (4-bit, groups of 64, zero points, as
   llm-compressor writes it: tests/quant_checkpoints.py);
-- `fp8 (pagellm quantize)`, `w4a16 (pagellm quantize)`: the export written by `pagellm quantize` (GPTQ over 16
-  samples of 256 tokens the model writes itself; FP8_DYNAMIC, and W4A16 in groups of 64, symmetric);
+- `fp8 (pagellm quantize)`, `w4a16 (pagellm quantize)`: the export written by `pagellm quantize` (GPTQ over its
+  default calibration, 64 samples of 256 tokens the model writes itself; FP8_DYNAMIC, and W4A16_ASYM in groups of
+  64, the grid of `w4a16 (c-t)` rounded to nearest);
 - `gemma3 Q4_K_M` (with --gemma): the real Gemma 3 270M Q4_K_M GGUF, for memory against a mixed K-quant file;
 - `llama 1B Q4_1 (synthetic)`: a Llama-3.2-1B-shaped GGUF of random Q4_1 blocks with the default model's tokenizer
   (benchmarks/synthetic_gguf.py), for memory at a size where the fixed costs (tokenizer, sampler workspace, code)
@@ -95,7 +96,7 @@ FORMATS = [
     Format("fp8 (c-t)", "ct-fp8"),
     Format("w4a16 (c-t)", "ct-w4a16"),
     Format("fp8 (pagellm quantize)", "gptq-FP8_DYNAMIC"),
-    Format("w4a16 (pagellm quantize)", "gptq-W4A16"),
+    Format("w4a16 (pagellm quantize)", "gptq-W4A16_ASYM"),
     Format("gemma3 Q4_K_M", "gemma"),
     Format("llama 1B Q4_1 (synthetic)", "synthetic"),
 ]
@@ -173,7 +174,7 @@ def checkpoint(fmt: Format, workdir: Path, llama_python: str | None = None) -> s
         scheme = fmt.source.removeprefix("gptq-")
         shutil.rmtree(out, ignore_errors=True)
         written = quantize(QuantizeArgs(str(hf), str(out / "partial"), scheme,
-                                        group_size=64 if scheme == "W4A16" else None))
+                                        group_size=64 if scheme.startswith("W4A16") else None))
         return str(written.rename(out / "quantized"))
     if fmt.source in ("ct-int8", "ct-fp8"):
         from tests.w8a8_checkpoints import write_quantized as write_w8a8

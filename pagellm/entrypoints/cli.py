@@ -59,14 +59,14 @@ def _add_quantize_arguments(parser) -> None:
     parser.add_argument("output", help="a new directory for the quantized checkpoint")
     parser.add_argument("--scheme", choices=sorted(SCHEMES), default=defaults.scheme,
                         help="FP8_DYNAMIC: fp8 weights per channel, fp8 activations per token; W8A8: the same in "
-                             "int8; W4A16 / W8A16: weight-only int4 in groups of 128 / int8 per channel "
-                             f"(default: {defaults.scheme})")
+                             "int8; W4A16 / W4A16_ASYM / W8A16: weight-only int4 in groups of 128 (ASYM: with zero "
+                             f"points) / int8 per channel (default: {defaults.scheme})")
     parser.add_argument("--method", choices=METHODS, default=defaults.method,
                         help=f"gptq: error-compensating rounding over calibration text; rtn: round to nearest, no "
                              f"calibration (default: {defaults.method})")
     parser.add_argument("--group-size", type=int, default=None,
-                        help="inputs per scale of an int scheme (default: the scheme's: 128 for W4A16, per channel "
-                             "otherwise)")
+                        help="inputs per scale of an int scheme (default: the scheme's: 128 for W4A16 and "
+                             "W4A16_ASYM, per channel otherwise)")
     parser.add_argument("--calibration-file", action="append", default=[], dest="calibration_files",
                         help="a text file to calibrate on, cut into windows of --sample-length tokens (repeatable; "
                              "default: samples the model writes from its start token)")
