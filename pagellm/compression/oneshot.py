@@ -230,7 +230,7 @@ def _ignored(name: str, ignore: list[str]) -> bool:
 def quantize_model(model: torch.nn.Module, grid: WeightGrid, args: QuantizeArgs,
                    calibration: torch.Tensor | None) -> dict[str, RoundedWeight]:
     """Every linear layer of the decoder stack not ignored, rounded in place (the model then computes with the
-    rounded weights); returns module name -> its codes and scales."""
+    rounded weights); returns module name -> its codes, scales and zero points."""
     names = {module: name for name, module in model.named_modules()}
     layers = decoder_layers(model)
     calls = _layer_calls(model, layers, calibration, args.batch_size) if calibration is not None else None
