@@ -13,7 +13,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.compression import oneshot
 from pagellm.compression.gptq import FP8_MAX, WeightGrid, gptq, inverse_hessian_factor, round_to_nearest
 from pagellm.entrypoints import cli
-from tests.helpers import PROMPTS, hf_greedy
+from tests.helpers import PROMPTS, hf_greedy, run_python
 
 GRIDS = {
     "fp8 per channel": WeightGrid("float", 8, None),
@@ -230,3 +230,10 @@ def test_a_mixture_of_experts_is_refused_before_calibrating(tmp_path):
     MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
     with pytest.raises(ValueError, match=r"is a weight outside any linear layer .*dense models only"):
         oneshot.quantize(oneshot.QuantizeArgs(str(tmp_path / "moe"), str(tmp_path / "out")))
+
+
+def test_the_command_line_parser_imports_no_torch():
+    """`pagellm serve` shares the parser, which refuses bad flags before anything heavy loads."""
+    script = ("import sys\nfrom pagellm.entrypoints.cli import build_parser\nbuild_parser()\n"
+              "print('torch' in sys.modules)")
+    assert run_python(script).strip() == "False"

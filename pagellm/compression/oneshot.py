@@ -12,75 +12,23 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pagellm.compression.arguments import SCHEMES, QuantizeArgs, Scheme
 from pagellm.compression.gptq import RoundedWeight, WeightGrid, gptq, round_to_nearest
+from pagellm.layers.quantization.compressed_tensors import target_matches
+from pagellm.models.loader import checkpoint_files
+from pagellm.ops.wna16 import pack_rows
 
 logger = logging.getLogger(__name__)
 
 COMPRESSED_TENSORS_VERSION = "0.20.0"
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """A compressed-tensors preset: how weights round, what activations the serving engine quantizes, and the
-    format the weights are stored in."""
-
-    name: str
-    kind: str  # "int" or "float"
-    bits: int
-    group_size: int | None
-    activations: bool  # dynamic per-token activations of the weights' type (W8A8); False: weight-only
-    format: str
-    symmetric: bool = True
-
-
-SCHEMES = {s.name: s for s in (
-    Scheme("FP8_DYNAMIC", "float", 8, None, True, "float-quantized"),
-    Scheme("W8A8", "int", 8, None, True, "int-quantized"),
-    Scheme("W4A16", "int", 4, 128, False, "pack-quantized"),
-    Scheme("W4A16_ASYM", "int", 4, 128, False, "pack-quantized", symmetric=False),
-    Scheme("W8A16", "int", 8, None, False, "pack-quantized"),
-)}
-METHODS = ("gptq", "rtn")
-
-
-@dataclass
-class QuantizeArgs:
-    model: str
-    output: str
-    scheme: str = "FP8_DYNAMIC"
-    method: str = "gptq"
-    group_size: int | None = None  # None: the scheme's
-    num_samples: int = 64
-    sample_length: int = 256
-    calibration_files: list[str] = field(default_factory=list)
-    dampening_frac: float = 0.1
-    block_size: int = 128
-    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
-    seed: int = 0
-    batch_size: int = 4
-
-    def check(self) -> None:
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"scheme={self.scheme!r} is not one pagellm writes; choose one of {sorted(SCHEMES)}")
-        if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r} is not supported; choose one of {list(METHODS)}")
-        for name, value, low in (("num_samples", self.num_samples, 1), ("sample_length", self.sample_length, 2),
-                                 ("block_size", self.block_size, 1), ("batch_size", self.batch_size, 1)):
-            if value < low:
-                raise ValueError(f"{name}={value} must be at least {low}")
-        if self.group_size is not None and (self.group_size < 1 or SCHEMES[self.scheme].kind == "float"):
-            raise ValueError(f"group_size={self.group_size} must be a positive number of inputs, on an int scheme")
-        if not 0 <= self.dampening_frac < 1:
-            raise ValueError(f"dampening_frac={self.dampening_frac} must lie in [0, 1)")
 
 
 def quantize(args: QuantizeArgs) -> Path:
@@ -90,7 +38,7 @@ def quantize(args: QuantizeArgs) -> Path:
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{source} is not an HF checkpoint directory (no config.json); pagellm quantize "
                                 "takes a safetensors checkpoint, not a GGUF file")
-    if not any(source.glob("*.safetensors")):
+    if not checkpoint_files(source):
         raise FileNotFoundError(f"{source} holds no .safetensors weights; pagellm quantize reads safetensors "
                                 "checkpoints")
     if output.exists() and any(output.iterdir()):
@@ -221,10 +169,9 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def _ignored(name: str, ignore: list[str]) -> bool:
-    """compressed-tensors' matching: "re:" + a regular expression matched from the start, or a name's last part
-    or whole."""
-    return any(re.match(entry[3:], name) if entry.startswith("re:") else name == entry or name.endswith("." + entry)
-               for entry in ignore)
+    """An --ignore entry as compressed-tensors matches one (target_matches: "re:" + a regular expression, a whole
+    name, or the class name "Linear"), or a name's last part."""
+    return any(target_matches(entry, name) or name.endswith("." + entry) for entry in ignore)
 
 
 def quantize_model(model: torch.nn.Module, grid: WeightGrid, args: QuantizeArgs,
@@ -258,9 +205,9 @@ def quantize_model(model: torch.nn.Module, grid: WeightGrid, args: QuantizeArgs,
 @dataclass
 class _LayerCalls:
     """The calibration batches' hidden states at the current layer's input, and the other arguments the model
-    passed each layer (masks, position embeddings: the same in every batch's run, per layer), so that each layer
-    runs twice in all (to gather its Hessians, then rounded, to make the next layer's inputs) instead of the
-    model running up to it for every layer."""
+    passed each layer in each batch's run (masks, position embeddings), so that each layer runs twice in all (to
+    gather its Hessians, then rounded, to make the next layer's inputs) instead of the model running up to it for
+    every layer."""
 
     hidden: list[torch.Tensor]
     arguments: list[list[tuple[tuple, dict]]]  # [batch][layer] -> (args after the hidden states, kwargs)
@@ -340,8 +287,7 @@ def _layer_hessians(layer: torch.nn.Module, index: int, linears: dict[str, torch
     finally:
         for handle in handles:
             handle.remove()
-    last.clear()
-    return {name: total / max(counts[name], 1) for name, total in sums.items() if counts[name]}
+    return {name: total / counts[name] for name, total in sums.items() if counts[name]}
 
 
 def _batches(ids: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
@@ -370,30 +316,18 @@ def compressed_tensors_config(scheme: Scheme, grid: WeightGrid, ignore: list[str
             "global_compression_ratio": None, "version": COMPRESSED_TENSORS_VERSION}
 
 
-def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Signed codes [rows, columns] -> int32 [rows, columns * bits / 32]: code + 2^(bits - 1) at bits j * bits of
-    word [r, c] for column c * (32 / bits) + j (compressed-tensors' pack_to_int32)."""
-    per_word = 32 // bits
-    unsigned = codes.to(torch.int64) + (1 << (bits - 1))
-    words = torch.zeros(codes.shape[0], codes.shape[1] // per_word, dtype=torch.int64)
-    for j in range(per_word):
-        words |= unsigned[:, j::per_word] << (bits * j)
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-
-
 def module_tensors(rounded: RoundedWeight, scheme: Scheme) -> dict[str, torch.Tensor]:
     """One module's tensors in the scheme's format (suffix -> tensor)."""
     scales = rounded.scales.to(rounded.grid.scale_dtype)
     if scheme.format == "pack-quantized":
-        if rounded.codes.shape[1] % (32 // scheme.bits):
-            raise ValueError(f"{rounded.codes.shape[1]} inputs do not pack into 32-bit words of {scheme.bits}-bit "
-                             "values")
-        tensors = {"weight_packed": pack_int32(rounded.codes, scheme.bits), "weight_scale": scales,
+        # compressed-tensors' pack_to_int32: signed codes + 2^(bits - 1), the first value of a word in its low bits;
+        # weights packed along the inputs, zero points along the outputs (pack_rows packs down a column).
+        offset = 1 << (scheme.bits - 1)
+        tensors = {"weight_packed": pack_rows((rounded.codes + offset).t(), scheme.bits).t().contiguous(),
+                   "weight_scale": scales,
                    "weight_shape": torch.tensor(list(rounded.codes.shape), dtype=torch.int64)}
-        if not scheme.symmetric:  # packed along the outputs
-            if rounded.zeros.shape[0] % (32 // scheme.bits):
-                raise ValueError(f"{rounded.zeros.shape[0]} outputs do not pack into 32-bit words of zero points")
-            tensors["weight_zero_point"] = pack_int32(rounded.zeros.t(), scheme.bits).t().contiguous()
+        if not scheme.symmetric:
+            tensors["weight_zero_point"] = pack_rows(rounded.zeros + offset, scheme.bits)
         return tensors
     dtype = torch.float8_e4m3fn if scheme.kind == "float" else torch.int8
     return {"weight": rounded.codes.to(dtype), "weight_scale": scales}
@@ -403,8 +337,8 @@ def _source_tensors(source: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(source.glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
+    for path in checkpoint_files(source):  # the index's files where there is one (not a consolidated copy too)
+        tensors.update(load_file(path))
     return tensors
 
 

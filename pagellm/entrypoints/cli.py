@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_quantize_arguments(parser) -> None:
-    from pagellm.compression.oneshot import METHODS, SCHEMES, QuantizeArgs
+    from pagellm.compression.arguments import METHODS, SCHEMES, QuantizeArgs
 
     defaults = QuantizeArgs(model="", output="")
     parser.add_argument("model", help="an HF checkpoint directory (safetensors)")
@@ -78,8 +78,8 @@ def _add_quantize_arguments(parser) -> None:
                         help=f"GPTQ's dampening, a fraction of the Hessian's mean diagonal (default: "
                              f"{defaults.dampening_frac})")
     parser.add_argument("--ignore", action="append", default=None,
-                        help='a module left in float: a name, its last part, or "re:" + a regular expression '
-                             '(repeatable; default: lm_head)')
+                        help='a decoder layer\'s linear module left in float: a whole name, its last part, "re:" + '
+                             'a regular expression, or Linear (repeatable; the LM head stays float always)')
     parser.add_argument("--seed", type=int, default=defaults.seed, help="the calibration samples' seed")
 
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def quantize(args: argparse.Namespace) -> None:
-    from pagellm.compression.oneshot import QuantizeArgs
+    from pagellm.compression.arguments import QuantizeArgs
     from pagellm.compression.oneshot import quantize as write_quantized
 
     options = {name: value for name, value in vars(args).items() if name != "command" and value is not None}
