@@ -20,6 +20,8 @@ import logging
 import os
 from dataclasses import MISSING, dataclass, field, fields
 
+from pagellm import online_quantization
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -130,8 +132,9 @@ _NO_MM = "pagellm serves text-only models"
 _NO_POOLING = "pagellm runs generative models (no pooling / embedding runners)"
 _QUANT_METHODS = ("pagellm loads unquantized, GGUF, AWQ, GPTQ, compressed-tensors (int8/fp8 W8A8) and fp8 "
                   "checkpoints, and quantizes float ones to int8 or fp8 (or their experts alone to int8: "
-                  "experts_int8) as they load")
-_NO_QUANT_OVERRIDE = "pagellm reads the quantization config from the checkpoint; it takes no override"
+                  "experts_int8) as they load, or as vLLM's online shorthands say (fp8_per_tensor, "
+                  "fp8_per_channel, fp8_per_block, mxfp8, int8_per_channel_weight_only; online with "
+                  "quantization_config)")
 _NO_OFFLOAD = "pagellm keeps every weight on the device"
 _NO_DISAGG = "pagellm does no disaggregated prefill / KV transfer"
 _NO_CUSTOM_CODE = "pagellm runs its own model implementations"
@@ -173,8 +176,14 @@ class EngineArgs:
                                          "(default: the model's max_position_embeddings)")
     quantization: str | None = default_only(
         None, group=MODEL, kind="optional_str", flags=("-q",),
-        accepted=("awq", "gptq", "compressed-tensors", "fp8", "int8", "experts_int8"), why=_QUANT_METHODS)
-    quantization_config: dict | None = default_only(None, group=MODEL, kind="json", why=_NO_QUANT_OVERRIDE)
+        accepted=("awq", "gptq", "compressed-tensors", "fp8", "int8", "experts_int8", "gguf",
+                  *online_quantization.ONLINE_METHODS),
+        why=_QUANT_METHODS)
+    quantization_config: dict | None = arg(
+        None, group=MODEL, kind="json",
+        help='online quantization\'s settings, vLLM\'s: {"linear": FORMAT, "moe": FORMAT, "ignore": [modules]}, FORMAT '
+             f"a shorthand or one of {', '.join(online_quantization.WEIGHT_FORMATS)}; ignore takes module names, "
+             'fnmatch patterns and "re:" regular expressions')
     allow_deprecated_quantization: bool = no_effect(False, group=MODEL)
     enforce_eager: bool = arg(False, group=MODEL, help="run every step eagerly (no CUDA graphs)")
     enable_return_routed_experts: bool = default_only(False, group=MODEL,
@@ -570,6 +579,10 @@ class EngineArgs:
             self.distributed_timeout_seconds = DEFAULT_DISTRIBUTED_TIMEOUT_SECONDS
 
     def validate(self) -> None:
+        try:  # first: its refusals of vLLM's online names say why, where check_supported's list what is taken
+            online_quantization.resolve(self.quantization, self.quantization_config)
+        except ValueError as exc:
+            raise ArgumentValueError(str(exc)) from None
         check_supported(self)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ArgumentValueError(

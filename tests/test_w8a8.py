@@ -124,11 +124,15 @@ def test_int8_checkpoints_stay_close_to_the_dequantized_model(tmp_path, tiny_lla
     assert sum(agreed) >= 2 * TOKENS, f"only {agreed} leading tokens agree"
 
 
+# vLLM's online fp8 shorthands: (block_n, block_k or None for the whole row, power-of-two scales).
+FP8_BLOCKS = {"fp8_per_channel": (1, None, False), "fp8_per_block": (128, 128, False), "mxfp8": (1, 32, True)}
+
+
 def _online_dequantized(tiny_llama_dir: str, directory, method: str) -> str:
     """A float checkpoint of the weights quantization=`method` makes: int8 per output channel, rotated
     (quantize_int8_rotated: the model computes W8A8's products when its inputs are rotated likewise, `_hf`'s
     `rotated`); fp8 with one scale per fused weight (q/k/v together, gate/up together), as the layers quantize
-    them."""
+    them, or (FP8_BLOCKS) per block of the fused weight."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -143,6 +147,11 @@ def _online_dequantized(tiny_llama_dir: str, directory, method: str) -> str:
                 q, scale, rotation = wk.quantize_int8_rotated(fused)
                 assert rotation > 1
                 dequantized = q.float() * scale[:, None]
+            elif method in FP8_BLOCKS:
+                block_n, block_k, power_of_two = FP8_BLOCKS[method]
+                block_k = block_k or fused.shape[1]
+                q, scales = wk.quantize_fp8_blocks(fused, block_n, block_k, power_of_two)
+                dequantized = wk.dequantize_fp8(q, scales, block_k)
             else:
                 q, scale = wk.quantize_fp8_per_tensor(fused)
                 dequantized = q.float() * scale
@@ -175,6 +184,54 @@ def test_online_fp8_halves_the_weights_and_equals_its_dequantized_weights(tmp_pa
     ours = _ours(tiny_llama_dir, quantization="fp8")
     theirs = _hf(_online_dequantized(tiny_llama_dir, tmp_path / "dequantized", "fp8"), default_tokenizer)
     assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in theirs]
+
+
+@pytest.mark.parametrize("shorthand", sorted(FP8_BLOCKS))
+def test_vllms_online_fp8_shorthands_halve_the_weights_and_equal_their_dequantized_weights(
+        shorthand, tmp_path, tiny_llama_dir, default_tokenizer):
+    float_layers = weights_bytes(_load(tiny_llama_dir, torch.bfloat16).model.layers)
+    # MXFP8's scales (float32 in the kernels' layout, one per 32 weights) add 1/16 of bfloat16's bytes.
+    most = 0.57 if shorthand == "mxfp8" else 0.55
+    assert weights_bytes(_load(tiny_llama_dir, torch.bfloat16, shorthand).model.layers) <= most * float_layers
+    ours = _ours(tiny_llama_dir, quantization=shorthand)
+    theirs = _hf(_online_dequantized(tiny_llama_dir, tmp_path / "dequantized", shorthand), default_tokenizer)
+    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in theirs]
+
+
+def test_online_int8_weight_only_and_ignored_layers(tmp_path, tiny_llama_dir, default_tokenizer):
+    """quantization_config's int8 weights per output channel for the linear layers (experts_int8's format), the
+    layers `ignore` names left in float: transformers' tokens on those weights, the ignored ones as they were."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagellm.layers.quantization.experts_int8 import int8_channel_weight
+    from pagellm.ops.wna16 import dequantize
+
+    from pagellm.layers.quantization.experts_int8 import OnlineInt8WeightOnlyMethod
+
+    config = {"linear": "int8_per_channel_static", "ignore": ["re:.*down_proj$", "model.layers.2.*"]}
+    source = loader.resolve_model(tiny_llama_dir)
+    hf_config, _ = loader.load_hf_config(source)
+    model = loader.load_model(source, hf_config, None, torch.float32, torch.device("cpu"), 64, online_config=config)
+    layers = model.model.layers
+    assert isinstance(layers[1].self_attn.qkv_proj.quant_method, OnlineInt8WeightOnlyMethod)
+    assert all(isinstance(linear.quant_method, UnquantizedLinearMethod) for linear in (
+        layers[0].mlp.down_proj, layers[2].self_attn.qkv_proj, layers[2].mlp.gate_up_proj, model.lm_head))
+    ours = _ours(tiny_llama_dir, quantization_config=config)
+    tensors = load_file(f"{tiny_llama_dir}/model.safetensors")
+    for layer in range(2):
+        for parts in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
+                      ("self_attn.o_proj",)):
+            names = [f"model.layers.{layer}.{part}.weight" for part in parts]
+            fused = torch.cat([tensors[name] for name in names])
+            dequantized = dequantize(int8_channel_weight(fused))
+            for name, piece in zip(names, dequantized.split([tensors[n].shape[0] for n in names])):
+                tensors[name] = piece.contiguous()
+    shutil.copytree(tiny_llama_dir, tmp_path / "dequantized")
+    save_file(tensors, f"{tmp_path}/dequantized/model.safetensors")
+    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in _hf(str(tmp_path / "dequantized"),
+                                                                           default_tokenizer)]
 
 
 def test_online_quantization_keeps_one_layer_in_float_at_a_time(tiny_llama_dir, monkeypatch):

@@ -18,7 +18,7 @@ from pagellm.core.kv_cache_manager import cdiv, max_blocks_per_sequence
 from pagellm.cpu_features import cpu_has_native
 from pagellm.cpu_threads import cpu_share, openmp_wait_description
 from pagellm.distributed.parallel_state import SINGLE, TensorParallelGroup, building_with
-from pagellm.layers.quantization import quantization_config_for
+from pagellm.layers.quantization import check_source_quantization, quantization_config_for
 from pagellm.models import loader
 from pagellm.models.llama import check_tensor_parallel_size, head_dim_of
 from pagellm.models.sliding_window import model_sliding_window
@@ -81,6 +81,7 @@ class ModelWorker:
                 "or free the device."
             )
         source = loader.resolve_model(args.model, args.revision, args.download_dir)
+        check_source_quantization(source.is_gguf, args.quantization, args.quantization_config)
         if source.is_gguf:
             # Before the file is read: a file larger than memory is refused without touching it.
             check_weights_fit(*gguf_share(source.path, group), _explicit_pool(args, None), memory)
@@ -93,7 +94,8 @@ class ModelWorker:
         budget = self.max_num_batched_tokens
         # The least pool: one request of max_model_len (a window plus a chunk on sliding-window models).
         need_blocks = max_blocks_per_sequence(max_model_len, args.block_size, model_sliding_window(hf_config), budget)
-        quant_config = None if source.is_gguf else quantization_config_for(hf_config, args.quantization)
+        quant_config = None if source.is_gguf else quantization_config_for(
+            hf_config, args.quantization, args.quantization_config)
         planned = planned_model(hf_config, max_model_len, dtype, group, quant_config)
         planned_spec = kv_cache_spec_for(hf_config, planned.num_kv_heads, head_dim_of(hf_config), args.block_size,
                                          dtype, args.kv_cache_dtype)
@@ -105,7 +107,8 @@ class ModelWorker:
         check_weights_fit(*weights, least_pool, memory)
         with building_with(group):
             model = loader.load_model(source, hf_config, gguf_state_dict, dtype, device, max_model_len,
-                                      args.load_format, args.seed, args.quantization)
+                                      args.load_format, args.seed, args.quantization,
+                                      args.quantization_config)
         del gguf_state_dict
         tokenizer, eos_ids = None, frozenset()
         if group.rank == 0:

@@ -161,12 +161,13 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     quantization: str | None = None,
+    online_config: dict | None = None,
 ) -> LlamaForCausalLM:
     """The model in `dtype` on `device`, its weights from the checkpoint, or random with load_format="dummy".
 
     Built on the device with `dtype` as the default, so parameters are first allocated there already in
     `dtype` (an 8B model never exists in float32 on the GPU), and quantized formats (the checkpoint's, or
-    `quantization`'s online one) keep their own
+    `quantization`'s online one, with `online_config`'s settings) keep their own
     parameter dtypes; checkpoint tensors are then copied in one at a time (cast where the parameter's dtype
     differs), so at most one tensor is in flight beside the model. Then each layer's method prepares its
     weights for this device (packed layouts, kernels).
@@ -178,7 +179,7 @@ def load_model(
 
         quant_config = GGUFConfig(gguf_state_dict.type_counts())
     else:
-        quant_config = quantization_config_for(config, quantization)
+        quant_config = quantization_config_for(config, quantization, online_config)
     model_class = registry.model_class_for(config)
     # The layers make their parameters with torch.empty: no time goes into initialising weights we overwrite.
     with torch.device(device), default_dtype(dtype):

@@ -338,7 +338,8 @@ def _linear_parts(linear, in_features: int, out_features: int) -> tuple[StackPro
     if isinstance(linear.quant_method, GroupQuantLinearMethod):
         return _group_quant_parts(linear.quant_method.loaded_kernel(linear), in_features, out_features)
     eight_bit = (linear.quant_method.loaded_kernel(linear)
-                 if method in (Int8LinearMethod, OnlineInt8LinearMethod, Fp8LinearMethod, OnlineFp8LinearMethod)
+                 if issubclass(method, (Int8LinearMethod, OnlineInt8LinearMethod, Fp8LinearMethod,
+                                        OnlineFp8LinearMethod))
                  else None)
     dense = getattr(linear, "dense_kernel", None)
     part: _OnePart | None = None

@@ -225,6 +225,29 @@ def quantize_fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+def quantize_fp8_blocks(weight: torch.Tensor, block_n: int, block_k: int,
+                        power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight [N, K], float32 scales [N, ceil(K / block_k)]: one per output column and K block, the
+    same down each block of `block_n` outputs) for a float weight [N, K], with each block's scale max|w| / 448
+    over its weights (the last blocks of a dimension may be partial), or with `power_of_two` the least power of
+    two that keeps the block's largest weight within 448 (an MX scale, E8M0: nothing saturates)."""
+    w = weight.float()
+    out_features, in_features = w.shape
+    n_blocks, k_blocks = -(-out_features // block_n), -(-in_features // block_k)
+    padded = w.new_zeros(n_blocks * block_n, k_blocks * block_k)
+    padded[:out_features, :in_features] = w
+    amax = padded.abs().view(n_blocks, block_n, k_blocks, block_k).amax(dim=(1, 3))
+    if power_of_two:
+        mantissa, exponent = torch.frexp(amax / FP8_MAX)  # amax / 448 = m 2^e, m in [0.5, 1)
+        scale = torch.ldexp(torch.ones_like(amax), exponent - (mantissa == 0.5).to(exponent.dtype))
+    else:
+        scale = amax / FP8_MAX
+    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
+    scales = expand_block_scales(scale, out_features, block_n)
+    q = w / scales.repeat_interleave(block_k, dim=1)[:, :in_features]
+    return q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
 def check_fp8_finite(weight: torch.Tensor, name: str) -> None:
     """Refuses a float8_e4m3fn weight holding NaN codes (0x7F, 0xFF): no quantizer writes them, and the CPU
     kernel's widening, which skips the test per weight, would read them as +-480."""

@@ -79,6 +79,7 @@ def load_draft_runner(config, target_config, max_model_len: int, dtype: torch.dt
     """The draft model, loaded in the target's dtype on the target's device, in a ModelRunner of its own (its
     attention backend and LM head) that shares the target runner's input batch, and its KV spec. `config` is the
     validated SpeculativeConfig."""
+    from pagellm.layers.quantization import check_source_quantization
     from pagellm.models import loader
     from pagellm.models.llama import head_dim_of
     from pagellm.attention.kv_spec import kv_cache_spec_for
@@ -88,6 +89,7 @@ def load_draft_runner(config, target_config, max_model_len: int, dtype: torch.dt
     name = config.model
     try:
         source = loader.resolve_model(name, config.revision, download_dir)
+        check_source_quantization(source.is_gguf, config.quantization, None)
     except ValueError as error:
         raise DraftModelError(f"speculative_config.model: {error}") from None
     draft_config, gguf_state_dict = loader.load_hf_config(source, trust_remote_code)

@@ -101,19 +101,29 @@ def quantized_dirs(gpu_tiny_dir, tmp_path_factory):
     return dirs
 
 
-@pytest.mark.parametrize("name", ["awq", "gptq", "w4a16", "w8a8", "fp8"])
-def test_quantized_checkpoints_give_the_cpu_engine_s_tokens_on_cuda(quantized_dirs, name):
+def _check_cpu_and_cuda_agree(path: str, **engine) -> None:
     from pagellm import LLM, SamplingParams
 
     prompts = [{"prompt_token_ids": [1, 17 + i, 40, 99, 7 * i + 3]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     tokens = {}
     for device in ("cpu", "cuda"):
-        llm = LLM(quantized_dirs[name], device=device, dtype="float32", max_model_len=128,
-                  kv_cache_memory_bytes=16 << 20, enforce_eager=device == "cpu")
+        llm = LLM(path, device=device, dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20,
+                  enforce_eager=device == "cpu", **engine)
         tokens[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
         torch.cuda.empty_cache()
     # float32 on both: the products differ only in summation order, far below a greedy margin on most steps.
     agree = sum(a == b for a, b in zip(tokens["cpu"], tokens["cuda"]))
     assert agree >= 3, (tokens["cpu"], tokens["cuda"])
+
+
+@pytest.mark.parametrize("name", ["awq", "gptq", "w4a16", "w8a8", "fp8"])
+def test_quantized_checkpoints_give_the_cpu_engine_s_tokens_on_cuda(quantized_dirs, name):
+    _check_cpu_and_cuda_agree(quantized_dirs[name])
+
+
+@pytest.mark.parametrize("shorthand", ["fp8_per_channel", "fp8_per_block", "mxfp8"])
+def test_vllms_online_shorthands_give_the_cpu_engine_s_tokens_on_cuda(gpu_tiny_dir, shorthand):
+    """Quantized on the GPU as the layers load (the scales computed there), then the Triton fp8 kernel."""
+    _check_cpu_and_cuda_agree(gpu_tiny_dir, quantization=shorthand)

@@ -165,14 +165,15 @@ def test_an_int8_w8a8_llama_runs_on_the_stack_as_its_direct_path_does(tiny_llama
     assert {1, 3} <= set(ran)
 
 
-@pytest.mark.parametrize("source", ["online", "compressed-tensors"])
+@pytest.mark.parametrize("source", ["online", "mxfp8", "compressed-tensors"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_fp8_llama_runs_on_the_stack_as_its_direct_path_does(tiny_llama_dir, tmp_path, source, dtype,
                                                                  monkeypatch):
-    """fp8 weights (quantization="fp8", or a compressed-tensors checkpoint's) on the fused kernel their direct path
-    calls, for steps below the rows where the product switches to dequantized tiles."""
-    if source == "online":
-        llm = _llm(tiny_llama_dir, dtype=dtype, quantization="fp8")
+    """fp8 weights (quantization="fp8" or "mxfp8", whose scales change every 32 inputs, or a compressed-tensors
+    checkpoint's) on the fused kernel their direct path calls, for steps below the rows where the product switches
+    to dequantized tiles."""
+    if source in ("online", "mxfp8"):
+        llm = _llm(tiny_llama_dir, dtype=dtype, quantization="fp8" if source == "online" else source)
     else:
         quantized, _ = write_8bit(tiny_llama_dir, tmp_path, "fp8-channel-dynamic")
         llm = _llm(quantized, dtype=dtype)

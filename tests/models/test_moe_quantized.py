@@ -176,9 +176,10 @@ def test_deepseek_v3_in_its_own_fp8_block_format(tmp_path_factory, default_token
 MLA_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
-def _online_fp8_dequantized(float_dir: str, directory) -> str:
+def _online_fp8_dequantized(float_dir: str, directory, blocks: tuple[int, int, bool] | None = None) -> str:
     """A float checkpoint of the weights quantization="fp8" makes: one fp8 scale per layer weight, fused q/k/v
-    and gate/up (a dense MLP's, and each expert's) together, as the layers quantize them."""
+    and gate/up (a dense MLP's, and each expert's) together, as the layers quantize them; or with `blocks`
+    (block_n, block_k, power-of-two scales) a scale per block of each such weight, as vLLM's online shorthands."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -192,8 +193,14 @@ def _online_fp8_dequantized(float_dir: str, directory) -> str:
         if kind == "weight" and layer is not None and ".layers." in name:
             fused.setdefault(f"{parent}:{layer}", []).append(name)
     for names in fused.values():
-        q, scale = wk.quantize_fp8_per_tensor(torch.cat([tensors[name] for name in names]))
-        pieces = (q.float() * scale).split([tensors[name].shape[0] for name in names])
+        weight = torch.cat([tensors[name] for name in names])
+        if blocks is None:
+            q, scale = wk.quantize_fp8_per_tensor(weight)
+            dequantized = q.float() * scale
+        else:
+            q, scales = wk.quantize_fp8_blocks(weight, *blocks)
+            dequantized = wk.dequantize_fp8(q, scales, blocks[1])
+        pieces = dequantized.split([tensors[name].shape[0] for name in names])
         tensors.update((name, piece.contiguous()) for name, piece in zip(names, pieces))
     shutil.copytree(float_dir, directory)
     save_file(tensors, f"{directory}/model.safetensors")
@@ -266,6 +273,42 @@ def test_experts_int8_quantizes_the_experts_alone(family, float_dirs, tmp_path, 
     dequantized = _experts_int8_dequantized(float_dirs(family), tmp_path / "dequantized")
     check_greedy(llm, CASE_PROMPTS, greedy_references(lambda _: dequantized, default_tokenizer, MAX_TOKENS)(
         family, CASE_PROMPTS), GREEDY)
+
+
+def test_vllms_online_shorthands_quantize_the_experts_as_they_say(float_dirs, tmp_path, default_tokenizer):
+    """quantization="mxfp8": every linear layer and expert in fp8 with a power-of-two scale per 32 inputs;
+    "int8_per_channel_weight_only": the experts alone, as experts_int8; `ignore` naming an experts layer leaves it
+    in float. Greedy tokens are transformers' on the weights they made."""
+    from pagellm.layers.fused_moe import UnquantizedFusedMoEMethod
+    from pagellm.layers.quantization.experts_int8 import OnlineInt8WeightOnlyMethod
+    from pagellm.layers.quantization.online import OnlineFp8BlocksLinearMethod
+
+    float_dir = float_dirs("qwen3-moe")
+    llm = LLM(float_dir, quantization="mxfp8", **ENGINE)
+    model = llm.llm_engine.core.runner.model
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj.quant_method, OnlineFp8BlocksLinearMethod)
+    for layer in _experts(llm):
+        assert all(isinstance(linear.quant_method, OnlineFp8BlocksLinearMethod)
+                   for linear in (*layer.expert_gate_up, *layer.expert_down))
+    dequantized = _online_fp8_dequantized(float_dir, tmp_path / "mxfp8", (1, 32, True))
+    check_greedy(llm, CASE_PROMPTS, greedy_references(lambda _: dequantized, default_tokenizer, MAX_TOKENS)(
+        "qwen3-moe", CASE_PROMPTS), GREEDY)
+
+    llm = LLM(float_dir, quantization="int8_per_channel_weight_only", **ENGINE)
+    assert isinstance(llm.llm_engine.core.runner.model.model.layers[0].self_attn.qkv_proj.quant_method,
+                      UnquantizedLinearMethod)
+    for layer in _experts(llm):
+        assert all(isinstance(linear.quant_method, OnlineInt8WeightOnlyMethod)
+                   for linear in (*layer.expert_gate_up, *layer.expert_down))
+    dequantized = _experts_int8_dequantized(float_dir, tmp_path / "int8")
+    check_greedy(llm, CASE_PROMPTS, greedy_references(lambda _: dequantized, default_tokenizer, MAX_TOKENS)(
+        "qwen3-moe", CASE_PROMPTS), GREEDY)
+
+    llm = LLM(float_dir, quantization="fp8_per_channel",
+              quantization_config={"ignore": ["model.layers.0.mlp.experts"]}, **ENGINE)
+    first, last = _experts(llm)
+    assert isinstance(first.quant_method, UnquantizedFusedMoEMethod)
+    assert isinstance(last.quant_method, ExpertLinearsMoEMethod)
 
 
 # ---- one layer ------------------------------------------------------------------------------------------------

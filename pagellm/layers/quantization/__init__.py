@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from pagellm import online_quantization
 from pagellm.layers.quantization.base import QuantizationConfig
 
 # vLLM's method name -> "module:factory", the factory taking (the checkpoint's quantization_config dict or None,
@@ -39,28 +40,59 @@ def checkpoint_quantization(hf_config) -> dict | None:
     return config
 
 
-def check_quantization_supported(hf_config, requested: str | None = None) -> str | None:
-    """The method the model loads with (None: unquantized), or a ValueError naming what was found or asked
-    for and the methods pagellm runs."""
+def check_quantization_supported(hf_config, requested: str | None = None,
+                                 online_config: dict | None = None) -> str | None:
+    """The method the model loads with (None: unquantized; "online" for vLLM's online frontend, a shorthand or
+    `quantization_config`), or a ValueError naming what was found or asked for and the methods pagellm runs."""
     checkpoint = checkpoint_quantization(hf_config)
     found = checkpoint["quant_method"] if checkpoint else None
+    if online_quantization.is_online(requested, online_config):
+        online_quantization.resolve(requested, online_config)
+        if found is not None:
+            asked = f"quantization={requested!r}" if requested else "quantization_config"
+            raise ValueError(f"{asked} quantizes a float checkpoint as it loads, but the checkpoint is quantized "
+                             f"with {found!r} already; leave quantization and quantization_config unset")
+        return "online"
+    if online_config is not None:
+        online_quantization.resolve(requested, online_config)  # refuses it, naming the online methods
     if found is not None and requested is not None and requested != found:
         raise ValueError(f"quantization={requested!r} but the checkpoint is quantized with {found!r}; leave "
                          "quantization unset (the checkpoint's method is used) or pass that method.")
     method = found or requested
     if method is not None and method not in QUANTIZATION_METHODS:
         where = f"the checkpoint's quantization_config.quant_method={method!r}" if found else f"quantization={method!r}"
-        supported = ", ".join(supported_methods()) or "none yet"
-        raise ValueError(f"{where} is not supported; pagellm loads {supported}, GGUF files (kept in their blocks) "
-                         "and unquantized float32/float16/bfloat16 checkpoints.")
+        why = online_quantization.REFUSED_SHORTHANDS.get(method)
+        why = f" ({why})" if why and not found else ""
+        raise ValueError(f"{where} is not supported{why}; pagellm loads {', '.join(supported_methods())}, GGUF "
+                         "files (kept in their blocks) and unquantized float32/float16/bfloat16 checkpoints, and "
+                         f"quantizes float ones as they load with {', '.join(online_quantization.ONLINE_METHODS)}.")
     return method
 
 
-def quantization_config_for(hf_config, requested: str | None = None) -> QuantizationConfig | None:
-    """The QuantizationConfig the model's layers take their methods from (None: unquantized)."""
-    method = check_quantization_supported(hf_config, requested)
+def check_source_quantization(is_gguf: bool, requested: str | None, online_config: dict | None) -> None:
+    """A GGUF file's tensors keep the types the file gives them: `quantization=` other than "gguf" (vLLM's name
+    for them), or online settings, would be ignored, so they are refused; "gguf" needs such a file."""
+    if is_gguf and (requested not in (None, "gguf") or online_config is not None):
+        asked = f"quantization={requested!r}" if requested else "quantization_config"
+        raise ValueError(f"{asked} does not apply to a GGUF file, whose tensors keep the types the file gives them "
+                         "(quantized ones stay in their blocks); leave it unset, or pass an HF checkpoint directory "
+                         "to quantize float weights as they load")
+    if not is_gguf and requested == "gguf":
+        raise ValueError("quantization='gguf' needs a .gguf model file; this model is an HF checkpoint directory "
+                         "(leave quantization unset to use its own format)")
+
+
+def quantization_config_for(hf_config, requested: str | None = None,
+                            online_config: dict | None = None) -> QuantizationConfig | None:
+    """The QuantizationConfig the model's layers take their methods from (None: unquantized); `online_config` is
+    vLLM's `quantization_config` argument (online quantization's settings, not the checkpoint's)."""
+    method = check_quantization_supported(hf_config, requested, online_config)
     if method is None:
         return None
+    if method == "online":
+        from pagellm.layers.quantization.online import OnlineConfig
+
+        return OnlineConfig(online_quantization.resolve(requested, online_config), requested)
     module_name, factory_name = QUANTIZATION_METHODS[method].split(":")
     factory: Callable[[dict | None, str | None], QuantizationConfig] = getattr(
         importlib.import_module(module_name), factory_name)

@@ -1,0 +1,97 @@
+"""vLLM's online quantization frontend (`quantization=` fp8_per_tensor | fp8_per_channel | fp8_per_block | mxfp8 |
+int8_per_channel_weight_only | online, and `quantization_config`; pagellm/online_quantization.py resolves them):
+a float checkpoint's dense linear layers and its experts quantized as they load, each to its own format, the
+layers `ignore` names left in the model's dtype.
+
+Every fp8 format here is float8_e4m3fn weights on the fp8 kernels (csrc/w8a8.c on the CPU, Triton on CUDA), which
+take a scale per output column and block of inputs; they differ only in those scales. int8 is the group-quantized
+kernels' 8-bit path with one group per row (as experts_int8 runs its experts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.layers.fused_moe import ExpertLinearsMoEMethod, FusedMoEMethodBase, UnquantizedFusedMoEMethod
+from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagellm.layers.quantization.experts_int8 import OnlineInt8WeightOnlyMethod
+from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagellm.layers.quantization.w8a8 import (OnlineFp8LinearMethod, OnlineQuantizedLinearMethod,
+                                              checkpoint_module_names, is_embedding_or_head)
+from pagellm.online_quantization import OnlineSpec
+from pagellm.ops import w8a8_kernels as wk
+
+FP8_BLOCK = (128, 128)  # vLLM's fp8_per_block (kFp8Static128BlockSym)
+MX_BLOCK = 32  # OCP MX: one E8M0 scale per 32 values along the inputs
+
+
+class OnlineFp8BlocksLinearMethod(OnlineFp8LinearMethod):
+    """float8_e4m3fn weights with a scale per block of `block_n` outputs by `block_k` inputs (partial blocks at the
+    edges): per output channel with (1, K), vLLM's fp8_per_block with (128, 128), MXFP8 with (1, 32) and
+    power-of-two scales."""
+
+    def __init__(self, block_n: int | None, block_k: int | None, power_of_two: bool = False) -> None:
+        self.block_n, self.block_k, self.power_of_two = block_n, block_k, power_of_two
+
+    def quantize(self, weight: torch.Tensor) -> wk.Fp8Linear:
+        out_features, in_features = weight.shape
+        block_n, block_k = self.block_n or out_features, self.block_k or in_features
+        q, scales = wk.quantize_fp8_blocks(weight, block_n, block_k, self.power_of_two)
+        return wk.choose_fp8_linear(q, scales, block_k)
+
+
+def online_linear_method(weight_format: str) -> OnlineQuantizedLinearMethod:
+    """The layer method of one of online_quantization.WEIGHT_FORMATS."""
+    if weight_format == "fp8_per_tensor_static":
+        return OnlineFp8LinearMethod()
+    if weight_format == "fp8_per_channel_static":
+        return OnlineFp8BlocksLinearMethod(1, None)
+    if weight_format == "fp8_per_block_static":
+        return OnlineFp8BlocksLinearMethod(*FP8_BLOCK)
+    if weight_format == "mxfp8":
+        return OnlineFp8BlocksLinearMethod(1, MX_BLOCK, power_of_two=True)
+    if weight_format == "int8_per_channel_static":
+        return OnlineInt8WeightOnlyMethod()
+    raise ValueError(f"no online method for weight format {weight_format!r}")
+
+
+class _FormatForAll(QuantizationConfig):
+    """The experts' linear layers (ExpertLinearsMoEMethod asks a config per expert layer): all of one format."""
+
+    name = "online"
+
+    def __init__(self, method: LinearMethod) -> None:
+        self.method = method
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        return self.method
+
+
+class OnlineConfig(QuantizationConfig):
+    name = "online"
+
+    def __init__(self, spec: OnlineSpec, requested: str | None) -> None:
+        self.spec = spec
+        self.requested = requested
+        self.dense = UnquantizedLinearMethod()
+        self.linear = online_linear_method(spec.linear) if spec.linear else None
+        self.experts = _FormatForAll(online_linear_method(spec.moe)) if spec.moe else None
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        if self.linear is None or is_embedding_or_head(prefix):
+            return self.dense
+        names = checkpoint_module_names(prefix, self.spec.ignores)
+        ignored = [self.spec.ignores(name) for name in names]
+        if any(ignored) and not all(ignored):
+            raise ValueError(f"{prefix} fuses {names}, of which quantization_config.ignore names only some; pagellm "
+                             "(as vLLM) needs the fused shards quantized alike: name all of them or none")
+        return self.dense if all(ignored) else self.linear
+
+    def fused_moe_method(self, prefix: str) -> FusedMoEMethodBase:
+        if self.experts is None or self.spec.ignores(prefix):
+            return UnquantizedFusedMoEMethod()
+        return ExpertLinearsMoEMethod(self.experts)
+
+    def describe(self) -> str:
+        asked = f"quantization={self.requested!r}" if self.requested else "quantization_config"
+        return f"online ({asked}; {self.spec.describe()}; quantized at load, activations in the model dtype)"
