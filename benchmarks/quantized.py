@@ -10,6 +10,8 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
 - `gguf Q8_0 (requant), fp32` and `gguf Q8_0 (requant), fp32 + bf16 KV`: the Q8_0 file with float32 activations,
   its KV cache in float32 or in bfloat16 (kv_cache_dtype="bfloat16");
 - `int8 online`, `fp8 online`: the HF export with quantization="int8" (W8A8) / "fp8", quantized as it loads;
+  `fp8_per_channel online`, `fp8_per_block online`, `mxfp8 online`: with vLLM's online shorthands of those names
+  (fp8 weights with a scale per output channel, per 128 x 128 block, per 32 inputs as a power of two);
 - `awq 4-bit`, `gptq 4-bit act-order`, `gptq 8-bit`: the HF export packed as AutoAWQ / AutoGPTQ pack it
   (round-to-nearest groups of 64, as 576 input features take: tests/quant_checkpoints.py);
 - `w8a8 int8 (c-t)`, `fp8 (c-t)`: compressed-tensors checkpoints of the export (tests/w8a8_checkpoints.py);
@@ -89,6 +91,9 @@ FORMATS = [
     # The online formats run in the dtype a user gets (float32 on CPUs without bf16 instructions, else bfloat16).
     Format("int8 online", "hf", "auto", "int8"),
     Format("fp8 online", "hf", "auto", "fp8"),
+    Format("fp8_per_channel online", "hf", "auto", "fp8_per_channel"),
+    Format("fp8_per_block online", "hf", "auto", "fp8_per_block"),
+    Format("mxfp8 online", "hf", "auto", "mxfp8"),
     Format("awq 4-bit", "awq"),
     Format("gptq 4-bit act-order", "gptq4"),
     Format("gptq 8-bit", "gptq8"),
