@@ -130,8 +130,8 @@ _SPEC_CONFIG_ONLY = "pagellm takes speculative decoding settings from speculativ
 _NO_DP = "pagellm runs one engine (data_parallel_size=1); start one server per replica behind a load balancer"
 _NO_MM = "pagellm serves text-only models"
 _NO_POOLING = "pagellm runs generative models (no pooling / embedding runners)"
-_QUANT_METHODS = ("pagellm loads unquantized, GGUF, AWQ, GPTQ, compressed-tensors (int8/fp8 W8A8) and fp8 "
-                  "checkpoints, and quantizes float ones to int8 or fp8 (or their experts alone to int8: "
+_QUANT_METHODS = ("pagellm loads unquantized, GGUF, AWQ, GPTQ, compressed-tensors (int8/fp8 W8A8), fp8 and "
+                  "ModelOpt fp8 checkpoints, and quantizes float ones to int8 or fp8 (or their experts alone to int8: "
                   "experts_int8) as they load, or as vLLM's online shorthands say (fp8_per_tensor, "
                   "fp8_per_channel, fp8_per_block, mxfp8, int8_per_channel_weight_only; online with "
                   "quantization_config)")
@@ -176,7 +176,7 @@ class EngineArgs:
                                          "(default: the model's max_position_embeddings)")
     quantization: str | None = default_only(
         None, group=MODEL, kind="optional_str", flags=("-q",),
-        accepted=("awq", "gptq", "compressed-tensors", "fp8", "int8", "experts_int8", "gguf",
+        accepted=("awq", "gptq", "compressed-tensors", "fp8", "modelopt", "int8", "experts_int8", "gguf",
                   *online_quantization.ONLINE_METHODS),
         why=_QUANT_METHODS)
     quantization_config: dict | None = arg(

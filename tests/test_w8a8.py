@@ -108,6 +108,55 @@ def test_fp8_checkpoints_give_the_dequantized_model_s_tokens(tmp_path, tiny_llam
     assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in theirs]
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_128_kv_dir(tmp_path_factory, default_tokenizer) -> str:
+    """The tiny Llama with 4 KV heads: k and v 128 outputs each, whole blocks of 128 (ModelOpt's FP8_PB_WO)."""
+    from tests.conftest import _save_tiny
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama-4kv"), default_tokenizer, num_key_value_heads=4)
+
+
+@pytest.mark.parametrize("algo, nested, exclude, kv_scales", [
+    ("FP8", False, ("lm_head",), True),
+    ("FP8_PER_CHANNEL_PER_TOKEN", True, ("model.layers.2.mlp*",), False),  # the LM head quantized too
+    ("FP8_PB_WO", False, ("lm_head", "o_proj"), False),
+])
+def test_modelopt_fp8_checkpoints_give_the_dequantized_model_s_tokens(
+        tmp_path, tiny_llama_128_kv_dir, default_tokenizer, caplog, algo, nested, exclude, kv_scales):
+    """NVIDIA ModelOpt's fp8 exports (config.json's quantization_config, or hf_quant_config.json beside it):
+    fp8 layers with the algorithm's scales, excluded modules dense (a name, a contained name, a wildcard), a
+    calibrated KV cache's scales passed over; transformers' greedy tokens on the dequantized weights."""
+    from tests.w8a8_checkpoints import write_modelopt
+
+    quantized, dequantized = write_modelopt(tiny_llama_128_kv_dir, tmp_path, algo, exclude, nested, kv_scales)
+    model = _load(quantized)
+    layers = model.model.layers
+    assert isinstance(layers[0].self_attn.qkv_proj.quant_method, Fp8LinearMethod)
+    assert isinstance(layers[0].self_attn.o_proj.quant_method,
+                      UnquantizedLinearMethod if "o_proj" in exclude else Fp8LinearMethod)
+    assert isinstance(layers[2].mlp.gate_up_proj.quant_method,
+                      UnquantizedLinearMethod if "model.layers.2.mlp*" in exclude else Fp8LinearMethod)
+    assert isinstance(model.lm_head.quant_method,
+                      UnquantizedLinearMethod if "lm_head" in exclude else Fp8LinearMethod)
+    with caplog.at_level("INFO", logger="pagellm.layers.quantization.modelopt"):
+        ours = _ours(quantized)
+    assert ("KV cache scales" in caplog.text) == kv_scales
+    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in _hf(dequantized, default_tokenizer)]
+
+
+def test_modelopt_formats_pagellm_does_not_read_are_refused_naming_them():
+    for algo, words in (("NVFP4", "Blackwell"), ("W4A16_NVFP4", "NVFP4 weights"), ("INT4_AWQ", "unknown")):
+        with pytest.raises(ValueError, match=f"quant_algo '{algo}'.*{words}"):
+            quantization_config_for({"quantization_config": {"quant_method": "modelopt", "quant_algo": algo}})
+    with pytest.raises(ValueError, match="reads NVIDIA ModelOpt checkpoints"):
+        quantization_config_for({}, "modelopt")
+    config = quantization_config_for({"quantization_config": {
+        "quant_method": "modelopt", "quantization": {"quant_algo": "fp8", "exclude_modules": ["*.k_proj"]}}})
+    assert "modelopt FP8" in config.describe()
+    with pytest.raises(ValueError, match="qkv_proj fuses .*excludes only some"):
+        config.linear_method("model.layers.0.self_attn.qkv_proj")
+
+
 @pytest.mark.parametrize("scheme", ["int8-channel-dynamic", "int8-tensor-static"])
 def test_int8_checkpoints_stay_close_to_the_dequantized_model(tmp_path, tiny_llama_dir, default_tokenizer, scheme):
     quantized, dequantized = write_quantized(tiny_llama_dir, tmp_path, scheme)

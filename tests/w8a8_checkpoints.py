@@ -175,6 +175,10 @@ def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compre
             scale_name = "weight_scale_inv" if fmt == "fp8" and block is not None else "weight_scale"
             quantized[f"{module}.{scale_name}"] = scale.reshape(()) if fmt == "fp8" and block is None else scale
             if activations == "static":
+                if module not in amax and kind == "float":
+                    # transformers runs stacked experts, not linear modules, so no input was seen: fp8 input
+                    # scales are loaded and not applied (pagellm keeps activations in the model's dtype).
+                    amax[module] = FP8_MAX
                 step = amax[module] / (127.5 if kind == "int" else FP8_MAX)
                 value = torch.tensor([step], dtype=torch.float32)
                 quantized[f"{module}.input_scale"] = value.reshape(()) if fmt == "fp8" else value
@@ -196,3 +200,69 @@ def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compre
     save_file({k: v.contiguous() for k, v in quantized.items()}, str(quant_dir / "model.safetensors"))
     save_file({k: v.contiguous() for k, v in dequantized.items()}, str(float_dir / "model.safetensors"))
     return str(quant_dir), str(float_dir)
+
+
+# NVIDIA ModelOpt's fp8 algorithms -> the scheme above whose tensors they store (reshaped as ModelOpt exports them).
+MODELOPT_SCHEMES = {"FP8": "fp8-tensor-static", "FP8_PER_CHANNEL_PER_TOKEN": "fp8-channel-dynamic",
+                    "FP8_PB_WO": "fp8-block-128"}
+
+
+def _modelopt_excluded(module: str, exclude: tuple[str, ...]) -> bool:
+    """ModelOpt's exclude_modules as vLLM matches them: a whole name, one contained in the module's, a wildcard."""
+    from fnmatch import fnmatchcase
+
+    return any(entry == module or entry in module or fnmatchcase(module, entry) for entry in exclude)
+
+
+def write_modelopt(src_dir: str, dst_dir: Path, algo: str, exclude: tuple[str, ...] = ("lm_head",),
+                   nested: bool = False, kv_scales: bool = False) -> tuple[str, str]:
+    """(a ModelOpt fp8 checkpoint, a float checkpoint of its dequantized weights): write_quantized's tensors for
+    the algorithm's scheme with ModelOpt's shapes (per-tensor scales as scalars, per-channel ones [N], block ones
+    [N / 128, 1, K / 128, 1]), `kv_scales` adding each layer's k_proj.k_scale / v_proj.v_scale, and the config in
+    config.json (flat, as newer exports write it) or, `nested`, in hf_quant_config.json."""
+    tensors = {}
+    for file in sorted(Path(src_dir).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    modules = {name.rsplit(".", 1)[0] for name in tensors if name.endswith(".weight")}
+    float_modules = tuple(sorted(m for m in modules if _modelopt_excluded(m, exclude)))
+    scheme = MODELOPT_SCHEMES[algo]
+    quant_dir, float_dir = write_quantized(src_dir, dst_dir, scheme, ignore=float_modules)
+    quantized = load_file(f"{quant_dir}/model.safetensors")
+    if "lm_head.weight" in tensors and "lm_head" not in float_modules:  # ModelOpt quantizes the head unless excluded
+        _, strategy, block, _ = SCHEMES[scheme]
+        q, scale = quantize_fp8(tensors["lm_head.weight"], strategy, block)
+        quantized.update({"lm_head.weight": q, "lm_head.weight_scale": scale})
+        if algo == "FP8":
+            quantized["lm_head.input_scale"] = torch.tensor([1.0])
+        dequantized = load_file(f"{float_dir}/model.safetensors")
+        dequantized["lm_head.weight"] = dequantize(q, scale, block).to(tensors["lm_head.weight"].dtype)
+        save_file({k: v.contiguous() for k, v in dequantized.items()}, f"{float_dir}/model.safetensors")
+    for name in list(quantized):
+        if name.endswith((".weight_scale", ".input_scale")):
+            scale = quantized[name]
+            if algo == "FP8" or name.endswith(".input_scale"):
+                quantized[name] = scale.reshape(())
+            elif algo == "FP8_PER_CHANNEL_PER_TOKEN":
+                quantized[name] = scale.reshape(-1)
+            else:
+                quantized[name] = scale.reshape(scale.shape[0], 1, scale.shape[1], 1)
+    if kv_scales:
+        layers = {name.split(".")[2] for name in quantized if name.startswith("model.layers.")}
+        for layer in sorted(layers):
+            quantized[f"model.layers.{layer}.self_attn.k_proj.k_scale"] = torch.tensor(0.03125)
+            quantized[f"model.layers.{layer}.self_attn.v_proj.v_scale"] = torch.tensor(0.015625)
+    save_file({k: v.contiguous() for k, v in quantized.items()}, f"{quant_dir}/model.safetensors")
+    config_path = Path(quant_dir) / "config.json"
+    config = json.loads(config_path.read_text())
+    producer = {"name": "modelopt", "version": "0.29.0"}
+    if nested:
+        del config["quantization_config"]
+        (Path(quant_dir) / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": {
+            "quant_algo": algo, "kv_cache_quant_algo": "FP8" if kv_scales else None,
+            "exclude_modules": list(exclude)}}, indent=2))
+    else:
+        config["quantization_config"] = {
+            "quant_method": "modelopt", "quant_algo": algo, "ignore": list(exclude), "producer": producer,
+            "kv_cache_scheme": {"num_bits": 8, "type": "float", "dynamic": False} if kv_scales else None}
+    config_path.write_text(json.dumps(config, indent=2))
+    return quant_dir, float_dir

@@ -141,9 +141,32 @@ def load_hf_config(source: ModelSource, trust_remote_code: bool = False):
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_path} is not valid JSON ({error}); it should be the model's HF config") from None
+    separate = _hf_quant_config(source.path) if "quantization_config" not in raw else None
+    if separate is not None:
+        raw["quantization_config"] = separate
     registry.family_of(raw)
-    config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
-    return registry.language_model_config(config), None
+    config = registry.language_model_config(AutoConfig.from_pretrained(source.path,
+                                                                       trust_remote_code=trust_remote_code))
+    if separate is not None:
+        config.quantization_config = separate
+    return config, None
+
+
+def _hf_quant_config(directory: Path) -> dict | None:
+    """NVIDIA ModelOpt's hf_quant_config.json, which older exports write beside a config.json that holds no
+    quantization_config (vLLM reads it too), as a quantization_config of quant_method "modelopt"."""
+    path = directory / "hf_quant_config.json"
+    if not path.is_file():
+        return None
+    try:
+        contents = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); it should be ModelOpt's quantization config") \
+            from None
+    if not isinstance(contents, dict) or not isinstance(contents.get("quantization"), dict):
+        raise ValueError(f"{path} holds no 'quantization' section; ModelOpt writes "
+                         '{"producer": {"name": "modelopt", ...}, "quantization": {"quant_algo": ...}}')
+    return {"quant_method": "modelopt", **contents}
 
 
 def check_architecture(config) -> None:
@@ -196,6 +219,8 @@ def load_model(
             initialize_dummy_weights(model, seed)
         else:
             weights = gguf_state_dict.items() if gguf_state_dict is not None else _iter_hf_weights(source.path)
+            if quant_config is not None:
+                weights = ((name, tensor) for name, tensor in weights if not quant_config.skipped_tensor(name))
             model.load_weights(weights)
         process_weights_after_loading(model)
     ops = cpu_ops() if device.type == "cpu" else None

@@ -275,6 +275,21 @@ def test_experts_int8_quantizes_the_experts_alone(family, float_dirs, tmp_path, 
         family, CASE_PROMPTS), GREEDY)
 
 
+def test_modelopt_fp8_experts_equal_their_dequantized_weights(float_dirs, tmp_path, default_tokenizer):
+    """An NVIDIA ModelOpt FP8 export of Mixtral (per-tensor scales per expert projection, static input scales, the
+    router excluded as ModelOpt excludes it): the experts are fp8 linear layers; transformers' tokens on the
+    dequantized weights."""
+    from tests.w8a8_checkpoints import write_modelopt
+
+    quantized, dequantized = write_modelopt(float_dirs("mixtral"), tmp_path, "FP8", ("lm_head", "*.gate"))
+    llm = LLM(quantized, **ENGINE)
+    for layer in _experts(llm):
+        assert all(isinstance(linear.quant_method, Fp8LinearMethod)
+                   for linear in (*layer.expert_gate_up, *layer.expert_down))
+    check_greedy(llm, CASE_PROMPTS, greedy_references(lambda _: dequantized, default_tokenizer, MAX_TOKENS)(
+        "mixtral", CASE_PROMPTS), GREEDY)
+
+
 def test_vllms_online_shorthands_quantize_the_experts_as_they_say(float_dirs, tmp_path, default_tokenizer):
     """quantization="mxfp8": every linear layer and expert in fp8 with a power-of-two scale per 32 inputs;
     "int8_per_channel_weight_only": the experts alone, as experts_int8; `ignore` naming an experts layer leaves it

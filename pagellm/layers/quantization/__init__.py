@@ -20,6 +20,7 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "int8": "pagellm.layers.quantization.w8a8:online_int8_config",
     "experts_int8": "pagellm.layers.quantization.experts_int8:experts_int8_config",
     "mxfp4": "pagellm.layers.quantization.mxfp4:mxfp4_config",
+    "modelopt": "pagellm.layers.quantization.modelopt:modelopt_config",
 }
 
 

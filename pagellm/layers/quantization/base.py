@@ -71,6 +71,11 @@ class QuantizationConfig(ABC):
         """The method of the linear layer whose parameters live under `prefix` (e.g.
         "model.layers.0.self_attn.qkv_proj"): formats that skip some layers say so per prefix."""
 
+    def skipped_tensor(self, name: str) -> bool:
+        """A checkpoint tensor the format stores that pagellm does not use (a calibrated KV cache's scales), passed
+        over at load instead of refused as having no place in the model."""
+        return False
+
     def describe(self) -> str:
         """For the start-up log: the format and its settings."""
         return self.name
