@@ -15,6 +15,8 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
 - `awq 4-bit`, `gptq 4-bit act-order`, `gptq 8-bit`: the HF export packed as AutoAWQ / AutoGPTQ pack it
   (round-to-nearest groups of 64, as 576 input features take: tests/quant_checkpoints.py);
 - `w8a8 int8 (c-t)`, `fp8 (c-t)`: compressed-tensors checkpoints of the export (tests/w8a8_checkpoints.py);
+- `fp8 (modelopt)`: an NVIDIA ModelOpt FP8 checkpoint of the export (per-tensor scales, static input scales from
+  the calibration prompts; tests/w8a8_checkpoints.py's write_modelopt);
 - `w4a16 (c-t)`: a compressed-tensors pack-quantized checkpoint of the export (4-bit, groups of 64, zero points, as
   llm-compressor writes it: tests/quant_checkpoints.py);
 - `fp8 (pagellm quantize)`, `w4a16 (pagellm quantize)`: the export written by `pagellm quantize` (GPTQ over its
@@ -99,6 +101,7 @@ FORMATS = [
     Format("gptq 8-bit", "gptq8"),
     Format("w8a8 int8 (c-t)", "ct-int8"),
     Format("fp8 (c-t)", "ct-fp8"),
+    Format("fp8 (modelopt)", "modelopt-fp8"),
     Format("w4a16 (c-t)", "ct-w4a16"),
     Format("fp8 (pagellm quantize)", "gptq-FP8_DYNAMIC"),
     Format("w4a16 (pagellm quantize)", "gptq-W4A16_ASYM"),
@@ -181,6 +184,10 @@ def checkpoint(fmt: Format, workdir: Path, llama_python: str | None = None) -> s
         written = quantize(QuantizeArgs(str(hf), str(out / "partial"), scheme,
                                         group_size=64 if scheme.startswith("W4A16") else None))
         return str(written.rename(out / "quantized"))
+    if fmt.source == "modelopt-fp8":
+        from tests.w8a8_checkpoints import write_modelopt
+
+        return write_modelopt(str(hf), out, "FP8")[0]
     if fmt.source in ("ct-int8", "ct-fp8"):
         from tests.w8a8_checkpoints import write_quantized as write_w8a8
 
