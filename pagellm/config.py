@@ -40,6 +40,11 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head",
                    "int8_per_token_head")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's names for a checkpoint method's kernels (Marlin, the auto_* spellings, moe_wna16 for a mixture of experts'
+# AWQ / GPTQ experts, gpt-oss's MXFP4) -> the checkpoint methods each is taken for: such a checkpoint runs on
+# pagellm's kernels for its method.
+QUANTIZATION_KERNEL_ALIASES = {"awq_marlin": ("awq",), "auto_awq": ("awq",), "gptq_marlin": ("gptq",),
+                               "auto_gptq": ("gptq",), "moe_wna16": ("awq", "gptq"), "gpt_oss_mxfp4": ("mxfp4",)}
 # vLLM's StructuredOutputsConfig fields and defaults. pagellm's grammars run on xgrammar ("auto" picks it);
 # disable_any_whitespace is read by the grammar code; the others select what pagellm has not and stay as they are.
 STRUCTURED_OUTPUTS_DEFAULTS = {
@@ -177,7 +182,7 @@ class EngineArgs:
     quantization: str | None = default_only(
         None, group=MODEL, kind="optional_str", flags=("-q",),
         accepted=("awq", "gptq", "compressed-tensors", "fp8", "modelopt", "int8", "experts_int8", "gguf",
-                  *online_quantization.ONLINE_METHODS),
+                  *QUANTIZATION_KERNEL_ALIASES, *online_quantization.ONLINE_METHODS),
         why=_QUANT_METHODS)
     quantization_config: dict | None = arg(
         None, group=MODEL, kind="json",

@@ -536,6 +536,25 @@ def test_asking_for_awq_on_a_float_checkpoint_says_it_needs_an_awq_checkpoint():
         quantization_config_for({}, "awq")
 
 
+def test_vllms_kernel_names_take_checkpoints_of_their_method():
+    """quantization="awq_marlin", "gptq_marlin", "moe_wna16" ... (vLLM's kernel choices, which its users pass):
+    the checkpoint's method on pagellm's kernels; anything else refused naming what the name is for."""
+    from pagellm.config import EngineArgs
+
+    awq = {"quantization_config": QuantSpec("awq", group_size=128).quantization_config()}
+    gptq = {"quantization_config": QuantSpec("gptq", bits=4).quantization_config()}
+    for name, checkpoint, config in (("awq_marlin", awq, AWQConfig), ("auto_awq", awq, AWQConfig),
+                                     ("moe_wna16", awq, AWQConfig), ("gptq_marlin", gptq, GPTQConfig),
+                                     ("auto_gptq", gptq, GPTQConfig), ("moe_wna16", gptq, GPTQConfig)):
+        assert EngineArgs(quantization=name).quantization == name
+        assert isinstance(quantization_config_for(checkpoint, name), config), name
+    with pytest.raises(ValueError, match="'gptq_marlin' is vLLM's name for kernels of gptq checkpoints; this "
+                                         "checkpoint is quantized with 'awq'"):
+        quantization_config_for(awq, "gptq_marlin")
+    with pytest.raises(ValueError, match="'awq_marlin' .* this checkpoint is not quantized"):
+        quantization_config_for({}, "awq_marlin")
+
+
 # ---- the engine -------------------------------------------------------------------------------------------
 
 ENGINE_SPECS = {

@@ -5,10 +5,14 @@ Each format is a QuantizationConfig registered here under vLLM's name for it."""
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 
 from pagellm import online_quantization
+from pagellm.config import QUANTIZATION_KERNEL_ALIASES
 from pagellm.layers.quantization.base import QuantizationConfig
+
+logger = logging.getLogger(__name__)
 
 # vLLM's method name -> "module:factory", the factory taking (the checkpoint's quantization_config dict or None,
 # the method asked for by quantization=) and returning the config. Imported only when a model uses it.
@@ -56,6 +60,16 @@ def check_quantization_supported(hf_config, requested: str | None = None,
         return "online"
     if online_config is not None:
         online_quantization.resolve(requested, online_config)  # refuses it, naming the online methods
+    if requested in QUANTIZATION_KERNEL_ALIASES:
+        methods = QUANTIZATION_KERNEL_ALIASES[requested]
+        if found not in methods:
+            what = f"quantized with {found!r}" if found else "not quantized"
+            raise ValueError(f"quantization={requested!r} is vLLM's name for kernels of {' or '.join(methods)} "
+                             f"checkpoints; this checkpoint is {what}. Leave quantization unset (the checkpoint's "
+                             "own method is used).")
+        logger.info("quantization=%r: the checkpoint's %s weights run on pagellm's kernels for them", requested,
+                    found)
+        return found
     if found is not None and requested is not None and requested != found:
         raise ValueError(f"quantization={requested!r} but the checkpoint is quantized with {found!r}; leave "
                          "quantization unset (the checkpoint's method is used) or pass that method.")
