@@ -35,11 +35,16 @@ HF_CONFIGS = {
 }
 
 
+def _gguf_quantize(name: str, data: np.ndarray, qtype: gguf.GGMLQuantizationType):
+    return gguf.quants.quantize(data, qtype), qtype
+
+
 def write_gguf_like_llama_cpp(model: transformers.PreTrainedModel, arch: str, path: pathlib.Path,
-                              quantized: Callable[[str], gguf.GGMLQuantizationType | None] = lambda name: None
-                              ) -> None:
-    """The HF model's tensors under llama.cpp's names, in F32 (or the block type `quantized` gives a GGUF name),
-    with its metadata keys (convert_hf_to_gguf.py)."""
+                              quantized: Callable[[str], gguf.GGMLQuantizationType | None] = lambda name: None,
+                              encode=_gguf_quantize) -> None:
+    """The HF model's tensors under llama.cpp's names, in F32 (or the block type `quantized` gives a GGUF name,
+    its blocks and the type they are stored as from `encode(name, data, type)`), with its metadata keys
+    (convert_hf_to_gguf.py)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -77,7 +82,8 @@ def write_gguf_like_llama_cpp(model: transformers.PreTrainedModel, arch: str, pa
         if qtype is None:
             writer.add_tensor(name, data)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            blocks, stored = encode(name, data, qtype)
+            writer.add_tensor(name, blocks, raw_dtype=stored)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -143,3 +149,75 @@ def test_gguf_greedy_equals_transformers(tiny, default_tokenizer):
     for output in llm.generate(PROMPTS, greedy, use_tqdm=False):
         expected = hf_greedy(model, default_tokenizer, output.prompt_token_ids, MAX_TOKENS, ignore_eos=True)
         assert output.outputs[0].token_ids == expected, (arch, output.prompt)
+
+
+# Types no pagellm kernel reads in their own blocks, by GGUF tensor stem (qwen3's rows: 128 inputs for q/gate, 256
+# for attn_output/ffn_down, so the 256-weight types go there).
+KERNEL_LESS = {"attn_q": gguf.GGMLQuantizationType.IQ4_NL, "attn_output": gguf.GGMLQuantizationType.IQ4_XS,
+               "ffn_down": gguf.GGMLQuantizationType.IQ2_XXS, "ffn_gate": gguf.GGMLQuantizationType.MXFP4}
+# Each type's scale field (byte offset), set to a value that keeps random blocks' weights near the model's.
+_SCALES = {"IQ4_NL": (0, 0.003), "IQ4_XS": (0, 0.0001), "IQ2_XXS": (0, 0.002)}
+
+
+def _kernel_less_blocks(name: str, data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Blocks of `qtype` for a tensor of data's shape: gguf's quantizer where it has one, else random blocks
+    (seeded by the name) whose scale field is set to a moderate value."""
+    import zlib
+
+    if qtype.name not in _SCALES:
+        return gguf.quants.quantize(data, qtype)
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    blocks = rng.integers(0, 256, (data.size // block_size, block_bytes), dtype=np.uint8)
+    offset, scale = _SCALES[qtype.name]
+    blocks[:, offset:offset + 2] = np.full((len(blocks), 1), scale, dtype=np.float16).view(np.uint8)
+    return blocks.reshape(data.shape[0], -1)
+
+
+def test_kernel_less_types_run_as_their_q8_0_blocks(tmp_path, default_tokenizer, caplog):
+    """IQ4_NL, IQ4_XS, IQ2_XXS and MXFP4 tensors are kept as Q8_0 blocks (gguf_quants.transcode_to_q8_0): the
+    engine generates what it generates from a file that stores those Q8_0 blocks itself, token for token and
+    logprob for logprob, and the start-up log names the types."""
+    from pagellm.models.gguf_quants import transcode_to_q8_0
+
+    model = tiny_hf_model(HF_CONFIGS["qwen3"](), default_tokenizer, seed=1)
+
+    def stem_type(name: str):
+        parts = name.split(".")
+        return KERNEL_LESS.get(parts[2]) if name.startswith("blk.") and parts[-1] == "weight" else None
+
+    def as_stored(name, data, qtype):
+        return _kernel_less_blocks(name, data, qtype), qtype
+
+    def as_q8_0(name, data, qtype):
+        blocks = _kernel_less_blocks(name, data, qtype)
+        block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+        q8 = transcode_to_q8_0(blocks.reshape(-1, block_bytes), int(qtype)).reshape(data.shape[0], -1)
+        return q8, gguf.GGMLQuantizationType.Q8_0
+
+    paths = {}
+    for kind, encode in (("stored", as_stored), ("q8_0", as_q8_0)):
+        paths[kind] = tmp_path / f"{kind}.gguf"
+        write_gguf_like_llama_cpp(model, "qwen3", paths[kind], stem_type, encode)
+    default_tokenizer.save_pretrained(tmp_path)
+    # The memory check counts the Q8_0 blocks' bytes: the second file's size, up to each tensor's alignment.
+    from pagellm.models.gguf_loader import open_gguf
+
+    growth = open_gguf(paths["stored"])[1].transcoding_growth()
+    converted = 4 * model.config.num_hidden_layers
+    assert abs(paths["stored"].stat().st_size + growth - paths["q8_0"].stat().st_size) <= 32 * converted
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    results = {}
+    for kind, path in paths.items():
+        caplog.clear()
+        with caplog.at_level("INFO", logger="pagellm.engine.engine_core"):
+            llm = LLM(str(path), tokenizer=str(tmp_path), dtype="float32", max_model_len=64,
+                      kv_cache_memory_bytes=32 << 20)
+        if kind == "stored":
+            for name in ("IQ4_NL", "IQ4_XS", "IQ2_XXS", "MXFP4"):
+                assert f"{name} as Q8_0" in caplog.text, name
+        results[kind] = [(o.outputs[0].token_ids, [{t: p.logprob for t, p in step.items()}
+                                                   for step in o.outputs[0].logprobs])
+                         for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        llm.llm_engine.shutdown()
+    assert results["stored"] == results["q8_0"]

@@ -255,15 +255,16 @@ def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path):
 
 
 def test_unsupported_tensor_type_is_refused_with_its_name(tmp_path):
-    path = tmp_path / "iq4.gguf"
+    """Q8_1 (llama.cpp's activation type, never a weight's) has neither a kernel nor a Q8_0 transcoding."""
+    path = tmp_path / "q8_1.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 18), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 40), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"IQ4_NL \(id 20\) \(tensor 'token_embd\.weight'\) is not supported; "
-                                         r"pagellm reads F32, F16, .*Q4_K, Q5_K, Q6_K, BF16"):
+    with pytest.raises(ValueError, match=r"Q8_1 \(id 9\) \(tensor 'token_embd\.weight'\) is not supported; "
+                                         r"pagellm reads F32, F16, .*Q4_K, Q5_K, Q6_K, BF16, IQ4_NL, IQ4_XS"):
         load_gguf(path)
 
 

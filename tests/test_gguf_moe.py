@@ -553,8 +553,8 @@ def test_experts_of_one_projection_in_two_types_are_refused():
 
 
 def test_an_unsupported_expert_type_is_refused_naming_it(tmp_path):
-    """An expert stack in a type pagellm cannot read (IQ4_XS) is refused before any tensor is read, naming the
-    tensor, its type and the types pagellm reads."""
+    """An expert stack in a type pagellm cannot read (Q8_K, llama.cpp's activation type) is refused before any
+    tensor is read, naming the tensor, its type and the types pagellm reads."""
     writer = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "qwen3moe")
     writer.add_block_count(1)
     writer.add_embedding_length(256)
@@ -562,11 +562,11 @@ def test_an_unsupported_expert_type_is_refused_naming_it(tmp_path):
     writer.add_expert_count(2)
     writer.add_expert_used_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 256), dtype=np.float32))
-    # IQ4_XS: 136 bytes per 256 weights; two experts of 64 x 256.
-    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 64, 136), dtype=np.uint8), raw_dtype=T.IQ4_XS)
+    # Q8_K: 292 bytes per 256 weights; two experts of 64 x 256.
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 64, 292), dtype=np.uint8), raw_dtype=T.Q8_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"IQ4_XS.*blk\.0\.ffn_gate_exps\.weight.*Q4_K"):
+    with pytest.raises(ValueError, match=r"Q8_K.*blk\.0\.ffn_gate_exps\.weight.*Q4_K"):
         open_gguf(tmp_path / "iq.gguf")

@@ -65,10 +65,47 @@ def test_quantized_real_values_round_trip(name):
 
 
 def test_unsupported_type_is_refused_with_its_name_and_the_supported_list():
-    with pytest.raises(ValueError, match=r"IQ2_XXS \(id 16\) \(tensor 'blk\.0\.attn_q\.weight'\) is not supported.*Q4_K.*Q6_K"):
-        quant_format(16, "blk.0.attn_q.weight")
+    with pytest.raises(ValueError, match=r"Q8_1 \(id 9\) \(tensor 'blk\.0\.attn_q\.weight'\) is not supported.*Q4_K.*Q6_K"):
+        quant_format(9, "blk.0.attn_q.weight")
 
 
 def test_row_not_a_whole_number_of_blocks_is_refused():
     with pytest.raises(ValueError, match=r"row length 100 is not a multiple of the Q4_K block size 256"):
         tensor_nbytes((4, 100), 12, "w")
+
+
+@pytest.mark.parametrize("name", sorted(gguf_quants.TRANSCODED_TYPES))
+def test_kernel_less_types_become_q8_0_blocks_of_their_values(name):
+    """transcode_to_q8_0 against gguf's own values of the blocks: IQ4_NL exactly, IQ4_XS to within the f16
+    rounding of each sub-block's scale, the rest to within half a Q8_0 step (plus its f16 scale's rounding)."""
+    qtype = gguf.GGMLQuantizationType[name]
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    if name in ("TQ1_0", "TQ2_0", "MXFP4"):
+        raw = gguf.quants.quantize(rng.standard_normal((8, 4 * block_size), dtype=np.float32), qtype)
+    else:
+        raw = rng.integers(0, 256, (32, block_bytes), dtype=np.uint8)
+        d = int(np.float16(0.01).view(np.uint16))
+        if name == "IQ1_M":  # its f16 scale is the top nibbles of its four uint16 scale words (bytes 48-55)
+            words = raw[:, 48:56].copy().view(np.uint16)
+            words[:] = (words & 0x0FFF) | (((d >> (4 * np.arange(4))) & 0xF) << 12).astype(np.uint16)
+            raw[:, 48:56] = words.view(np.uint8)
+        else:
+            raw[:, :2] = np.full((32, 1), d, dtype=np.uint16).view(np.uint8)
+    blocks = raw.reshape(-1, block_bytes)
+    values = reference(blocks, int(qtype), (len(blocks), block_size)).reshape(-1, 32)
+    q8 = gguf_quants.transcode_to_q8_0(blocks, int(qtype))
+    assert q8.shape == (len(values), 34)
+    ours = dequantize(q8, 8, (len(values), 32))
+    finite = np.isfinite(values).all(axis=1)
+    assert finite.mean() > 0.5
+    values, ours = values[finite], ours[finite]
+    if name == "IQ4_NL":
+        assert_bit_identical(ours, values)
+        return
+    if name == "IQ4_XS":
+        assert np.all(np.abs(ours - values) <= np.abs(values) * 2.0 ** -11)
+        assert not np.array_equal(ours, values)  # some scale was not an f16 already
+        return
+    amax = np.abs(values).max(axis=1, keepdims=True)
+    assert np.all(np.abs(ours - values) <= amax / 127 * 0.51 + amax * 2.0 ** -10)

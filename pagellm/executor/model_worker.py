@@ -103,7 +103,8 @@ class ModelWorker:
             need_blocks * planned_spec.bytes_per_block, f"one request of max_model_len={max_model_len}",
             "max_model_len")
         # A GGUF's linear layers make their parameters as their blocks arrive: its file says what they take.
-        weights = gguf_share(source.path, group) if source.is_gguf else (planned.parameter_bytes, planned.described)
+        weights = (gguf_share(source.path, group, gguf_state_dict.transcoding_growth()) if source.is_gguf
+                   else (planned.parameter_bytes, planned.described))
         check_weights_fit(*weights, least_pool, memory)
         with building_with(group):
             model = loader.load_model(source, hf_config, gguf_state_dict, dtype, device, max_model_len,

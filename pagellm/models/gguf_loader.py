@@ -31,7 +31,8 @@ import torch
 from pagellm.cache_dir import cache_root
 from pagellm.child_process import child_environment
 from pagellm.models.gguf_config import GGUFModelConfig, gguf_model_config
-from pagellm.models.gguf_quants import dequantize, quant_format, tensor_nbytes
+from pagellm.models.gguf_quants import (Q8_0_BLOCK_BYTES, dequantize, kernel_type, quant_format, tensor_nbytes,
+                                        transcode_to_q8_0)
 
 if TYPE_CHECKING:
     import transformers
@@ -177,8 +178,20 @@ class GGUFTensors:
         counts: dict[str, int] = {}
         for info in self.header.tensors.values():
             name = quant_format(info.type_id, info.name).name
+            if kernel_type(name) != name:
+                name = f"{name} as {kernel_type(name)}"
             counts[name] = counts.get(name, 0) + 1
         return counts
+
+    def transcoding_growth(self) -> int:
+        """Bytes the kernel-less types' tensors take beyond their file size once kept as Q8_0 blocks."""
+        grown = 0
+        for info in self.header.tensors.values():
+            fmt = quant_format(info.type_id, info.name)
+            if kernel_type(fmt.name) != fmt.name:
+                weights = int(np.prod(info.shape, dtype=np.int64))
+                grown += weights // 32 * Q8_0_BLOCK_BYTES - tensor_nbytes(info.shape, info.type_id, info.name)
+        return grown
 
     def items(self):
         with open(self.path, "rb", buffering=0) as file:
@@ -684,8 +697,8 @@ def _hf_tensors(header: _Header, arch: _GGUFArch, config: GGUFModelConfig, info:
                              "[experts, rows, columns]")
         experts, rows, cols = info.shape
         if keep_blocks:
-            stacked = torch.from_numpy(_read_tensor_bytes(file, info, len(header.blob))).view(experts, rows, -1)
-            slices = (GGUFWeight(stacked[e], fmt.name, rows, cols) for e in range(experts))
+            stacked = torch.from_numpy(_kernel_blocks(file, info, fmt, len(header.blob))).view(experts, rows, -1)
+            slices = (GGUFWeight(stacked[e], kernel_type(fmt.name), rows, cols) for e in range(experts))
         else:
             slices = iter(torch.from_numpy(_load_tensor(header.blob, info, None, file)))
         for expert, tensor in enumerate(slices):
@@ -695,10 +708,10 @@ def _hf_tensors(header: _Header, arch: _GGUFArch, config: GGUFModelConfig, info:
     permute = _permute_heads(arch, config, info.name)
     if keep_blocks and len(info.shape) == 2:
         rows, cols = info.shape
-        blocks = torch.from_numpy(_read_tensor_bytes(file, info, len(header.blob))).view(rows, -1)
+        blocks = torch.from_numpy(_kernel_blocks(file, info, fmt, len(header.blob))).view(rows, -1)
         if permute is not None:
             blocks = torch.from_numpy(_unpermute_rows(blocks.numpy(), permute))
-        yield name, GGUFWeight(blocks, fmt.name, rows, cols)
+        yield name, GGUFWeight(blocks, kernel_type(fmt.name), rows, cols)
         return
     weights = _load_tensor(header.blob, info, permute, file)
     if arch.norm_offset and info.name.endswith("norm.weight"):
@@ -740,6 +753,14 @@ def _check_extent(info: _TensorInfo, file_size: int) -> int:
             "the file is truncated; download it again."
         )
     return nbytes
+
+
+def _kernel_blocks(file, info: _TensorInfo, fmt, file_size: int) -> np.ndarray:
+    """The tensor's blocks as the kernels read them: its bytes, or a kernel-less type's as Q8_0 blocks."""
+    raw = _read_tensor_bytes(file, info, file_size)
+    if kernel_type(fmt.name) == fmt.name:
+        return raw
+    return transcode_to_q8_0(raw.reshape(-1, fmt.block_bytes), info.type_id).reshape(-1)
 
 
 def _read_tensor_bytes(file, info: _TensorInfo, file_size: int) -> np.ndarray:

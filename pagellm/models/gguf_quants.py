@@ -3,7 +3,11 @@
 `gguf.quants.dequantize` is the reference: it is correct but walks a tensor 16 rows at a time and builds
 several temporaries per step. Here each type is a few numpy passes over a chunk of many thousands of
 blocks, with the same float32 operations in the same order (so the results are identical, NaN for NaN),
-writing straight into the output. tests/test_gguf_quants.py checks every type against gguf's.
+writing straight into the output (the lattice and ternary types, IQ1_S .. IQ3_S and TQ1_0 / TQ2_0, and MXFP4
+are decoded by gguf itself). tests/test_gguf_quants.py checks every type against gguf's.
+
+Types no pagellm kernel reads in their own blocks (TRANSCODED_TYPES) are kept in memory as Q8_0 blocks,
+transcode_to_q8_0's.
 
 Block layouts follow ggml's `block_*` structs (ggml-common.h); QK_K = 256 weights per super-block.
 """
@@ -196,6 +200,47 @@ def _dequantize_q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
     _scale_into(out.reshape(n, 16, 16), quants.view(np.int8).reshape(n, 16, 16), group_scale)
 
 
+# IQ4_NL / IQ4_XS: a 4-bit index into this non-linear grid (ggml's kvalues_iq4nl), times the block's scale.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _iq4_codes(packed: np.ndarray) -> np.ndarray:
+    """(n, groups, 16) bytes of nibbles -> int8 grid values (n, groups, 32): low nibbles first, then high."""
+    return IQ4_VALUES[_nibbles(packed).reshape(*packed.shape[:-1], 32)]
+
+
+def _iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
+    """block_iq4_xs's eight 6-bit sub-block scales, less 32, as float32 (n, 8): the low 4 bits from scales_l (two
+    per byte, low nibble first), the high 2 from scales_h (two bits per sub-block, from bit 0)."""
+    low = _nibbles(blocks[:, 4:8]).transpose(0, 2, 1).reshape(-1, 8)
+    high = (blocks[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    return ((low | (high.astype(np.uint8) << 4)).astype(np.int16) - 32).astype(np.float32)
+
+
+def _dequantize_iq4_nl(blocks: np.ndarray, out: np.ndarray) -> None:
+    """block_iq4_nl: f16 d, 16 bytes of nibbles; w = d * grid[q]."""
+    _scale_into(out, _iq4_codes(blocks[:, 2:]), _f16(blocks, 0)[:, 0])
+
+
+def _dequantize_iq4_xs(blocks: np.ndarray, out: np.ndarray) -> None:
+    """block_iq4_xs: f16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes of nibbles (16 per 32-weight sub-block);
+    w = (d * (scale - 32)) * grid[q]."""
+    n = len(blocks)
+    codes = _iq4_codes(blocks[:, 8:].reshape(n, 8, 16))
+    _scale_into(out.reshape(n, 8, 32), codes, _f16(blocks, 0) * _iq4_xs_scales(blocks))
+
+
+def _gguf_package_dequantizer(type_id: int) -> Dequantizer:
+    """The lattice and ternary types (IQ1_S .. IQ3_S, TQ1_0, TQ2_0) and MXFP4, decoded by the `gguf` package
+    itself (its grids are large tables this module does not copy)."""
+    def dequantize_blocks(blocks: np.ndarray, out: np.ndarray) -> None:
+        import gguf
+
+        out[:] = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(type_id))
+
+    return dequantize_blocks
+
+
 # GGML type id (ggml.h's enum ggml_type, gguf.GGMLQuantizationType) -> format.
 QUANT_FORMATS: dict[int, QuantFormat] = {
     0: QuantFormat("F32", 1, 4, _dequantize_f32),
@@ -211,7 +256,65 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     13: QuantFormat("Q5_K", QK_K, 176, _dequantize_q5_k),
     14: QuantFormat("Q6_K", QK_K, 210, _dequantize_q6_k),
     30: QuantFormat("BF16", 1, 2, _dequantize_bf16),
+    # Kept as Q8_0 blocks in memory (transcode_to_q8_0): no pagellm kernel reads them in their own.
+    20: QuantFormat("IQ4_NL", 32, 18, _dequantize_iq4_nl),
+    23: QuantFormat("IQ4_XS", QK_K, 136, _dequantize_iq4_xs),
+    16: QuantFormat("IQ2_XXS", QK_K, 66, _gguf_package_dequantizer(16)),
+    17: QuantFormat("IQ2_XS", QK_K, 74, _gguf_package_dequantizer(17)),
+    18: QuantFormat("IQ3_XXS", QK_K, 98, _gguf_package_dequantizer(18)),
+    19: QuantFormat("IQ1_S", QK_K, 50, _gguf_package_dequantizer(19)),
+    21: QuantFormat("IQ3_S", QK_K, 110, _gguf_package_dequantizer(21)),
+    22: QuantFormat("IQ2_S", QK_K, 82, _gguf_package_dequantizer(22)),
+    29: QuantFormat("IQ1_M", QK_K, 56, _gguf_package_dequantizer(29)),
+    34: QuantFormat("TQ1_0", QK_K, 54, _gguf_package_dequantizer(34)),
+    35: QuantFormat("TQ2_0", QK_K, 66, _gguf_package_dequantizer(35)),
+    39: QuantFormat("MXFP4", 32, 17, _gguf_package_dequantizer(39)),
 }
+Q8_0_BLOCK_BYTES = 34
+
+
+def transcode_to_q8_0(blocks: np.ndarray, type_id: int) -> np.ndarray:
+    """A kernel-less type's blocks (n, block_bytes) as Q8_0 blocks (n * block_size / 32, 34), which the int8
+    kernels read: IQ4_NL exactly (its grid values are int8 and its scale an f16 already); IQ4_XS with each
+    32-weight sub-block's scale d * (scale - 32) rounded to f16 (2^-11 relative at most, the grid values kept);
+    the other types requantized from their float32 values as llama.cpp's quantize_row_q8_0 does."""
+    fmt = quant_format(type_id)
+    n = len(blocks)
+    if fmt.name == "IQ4_NL":
+        out = np.empty((n, Q8_0_BLOCK_BYTES), dtype=np.uint8)
+        out[:, :2] = blocks[:, :2]
+        out[:, 2:] = _iq4_codes(blocks[:, 2:]).view(np.uint8)
+        return out
+    if fmt.name == "IQ4_XS":
+        out = np.empty((n, 8, Q8_0_BLOCK_BYTES), dtype=np.uint8)
+        out[:, :, :2] = (_f16(blocks, 0) * _iq4_xs_scales(blocks)).astype(np.float16)[..., None].view(np.uint8)
+        out[:, :, 2:] = _iq4_codes(blocks[:, 8:].reshape(n, 8, 16)).view(np.uint8)
+        return out.reshape(n * 8, Q8_0_BLOCK_BYTES)
+    weights = np.empty((n, fmt.block_size), dtype=np.float32)
+    fmt.dequantize(blocks, weights)
+    return quantize_q8_0(weights.reshape(-1, 32))
+
+
+def quantize_q8_0(weights: np.ndarray) -> np.ndarray:
+    """float32 (n, 32) -> Q8_0 blocks (n, 34): d = max|w| / 127 stored as f16, q = round(w / d) with the float32
+    d (llama.cpp's quantize_row_q8_0_ref)."""
+    d = np.abs(weights).max(axis=1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(d > 0, np.float32(1) / d, np.float32(0))
+    out = np.empty((len(weights), Q8_0_BLOCK_BYTES), dtype=np.uint8)
+    out[:, :2] = d.astype(np.float16).view(np.uint8)
+    out[:, 2:] = np.round(weights * inverse).astype(np.int8).view(np.uint8)
+    return out
+
+
+def kernel_type(name: str) -> str:
+    """The type whose blocks the kernels read for a tensor stored in `name`: itself, or Q8_0 for a kernel-less
+    type (transcode_to_q8_0)."""
+    return "Q8_0" if name in TRANSCODED_TYPES else name
+
+
+TRANSCODED_TYPES = frozenset(("IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ3_S", "IQ2_S",
+                              "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"))
 
 
 def supported_type_names() -> list[str]:

@@ -56,13 +56,15 @@ def planned_model(hf_config, max_model_len: int, dtype: torch.dtype, group: Tens
                         described)
 
 
-def gguf_share(path: Path, group: TensorParallelGroup) -> tuple[int, str]:
+def gguf_share(path: Path, group: TensorParallelGroup, growth: int = 0) -> tuple[int, str]:
     """(bytes, what they are) of a GGUF file that this rank holds at least: whatever the loader makes of the
-    tensors (kept in their blocks or dequantized), the ranks together hold the file's."""
-    size = path.stat().st_size
+    tensors (kept in their blocks or dequantized), the ranks together hold the file's, and `growth` more where
+    known (kernel-less types kept as Q8_0 blocks: GGUFTensors.transcoding_growth)."""
+    size = path.stat().st_size + growth
+    what = f"the size of {path.name}" + (" with its kernel-less types as Q8_0" if growth else "")
     if group.size == 1:
-        return size, f"the size of {path.name}"
-    return size // group.size, f"the size of {path.name} / {group.size} ranks"
+        return size, what
+    return size // group.size, f"{what} / {group.size} ranks"
 
 
 @dataclass(frozen=True)
