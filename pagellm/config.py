@@ -181,7 +181,7 @@ class EngineArgs:
                                          "(default: the model's max_position_embeddings)")
     quantization: str | None = default_only(
         None, group=MODEL, kind="optional_str", flags=("-q",),
-        accepted=("awq", "gptq", "compressed-tensors", "fp8", "modelopt", "int8", "experts_int8", "gguf",
+        accepted=("awq", "gptq", "compressed-tensors", "fp8", "modelopt", "mxfp4", "int8", "experts_int8", "gguf",
                   *QUANTIZATION_KERNEL_ALIASES, *online_quantization.ONLINE_METHODS),
         why=_QUANT_METHODS)
     quantization_config: dict | None = arg(

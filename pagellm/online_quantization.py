@@ -68,8 +68,8 @@ SHORTHANDS: dict[str, OnlineSpec] = {
     # The experts only: vLLM leaves the dense layers unquantized in this one.
     "int8_per_channel_weight_only": OnlineSpec(None, "int8_per_channel_static"),
 }
+# ("mxfp4", also a shorthand in vLLM, is the method of gpt-oss's checkpoints here: the registry's mxfp4_config.)
 REFUSED_SHORTHANDS: dict[str, str] = {
-    "mxfp4": REFUSED_WEIGHT_FORMATS["mxfp4"],
     "nvfp4_per_token": "NVFP4 runs on Blackwell GPUs through FlashInfer",
     "lut_b_moe": REFUSED_WEIGHT_FORMATS["lut_b"],
 }

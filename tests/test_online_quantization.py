@@ -32,7 +32,6 @@ def test_each_shorthand_is_vllms_spec_and_the_config_overrides_its_fields():
 @pytest.mark.parametrize("quantization, config, words", [
     ("online", None, ['"online" needs quantization_config']),
     ("nvfp4_per_token", None, ["'nvfp4_per_token' is not supported", "Blackwell", "fp8_per_channel"]),
-    ("mxfp4", None, ["gpt-oss", "leave quantization unset"]),
     ("gptq", {"linear": "mxfp8"}, ["quantization='gptq'", "only with online quantization"]),
     (None, {"linear": "fp8_per_token"}, ["linear='fp8_per_token'", "an activation format", "fp8_per_channel_static"]),
     (None, {"linear": "fp8_e4m3"}, ["linear='fp8_e4m3' is not a weight format", "mxfp8"]),
@@ -53,6 +52,12 @@ def test_bad_online_settings_are_refused_naming_them(quantization, config, words
     with pytest.raises(ArgumentValueError) as refusal:  # the engine's arguments refuse them before any load
         EngineArgs(quantization=quantization, quantization_config=config)
     assert all(word in str(refusal.value) for word in words), str(refusal.value)
+
+
+def test_mxfp4_is_gpt_oss_checkpoints_method_not_an_online_format():
+    assert EngineArgs(quantization="mxfp4").quantization == "mxfp4"
+    with pytest.raises(ValueError, match="does not quantize a float checkpoint"):
+        quantization_config_for({}, "mxfp4")
 
 
 def test_the_command_line_takes_vllms_spelling():
