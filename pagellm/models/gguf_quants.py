@@ -270,6 +270,8 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     35: QuantFormat("TQ2_0", QK_K, 66, _gguf_package_dequantizer(35)),
     39: QuantFormat("MXFP4", 32, 17, _gguf_package_dequantizer(39)),
 }
+TRANSCODED_TYPES = frozenset(("IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ3_S", "IQ2_S",
+                              "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"))
 Q8_0_BLOCK_BYTES = 34
 
 
@@ -307,14 +309,11 @@ def quantize_q8_0(weights: np.ndarray) -> np.ndarray:
     return out
 
 
+
 def kernel_type(name: str) -> str:
     """The type whose blocks the kernels read for a tensor stored in `name`: itself, or Q8_0 for a kernel-less
     type (transcode_to_q8_0)."""
     return "Q8_0" if name in TRANSCODED_TYPES else name
-
-
-TRANSCODED_TYPES = frozenset(("IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ3_S", "IQ2_S",
-                              "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"))
 
 
 def supported_type_names() -> list[str]:
