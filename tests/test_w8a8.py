@@ -89,14 +89,17 @@ def _load(path: str, dtype=torch.float32, quantization: str | None = None):
     return loader.load_model(source, config, None, dtype, torch.device("cpu"), 64, quantization=quantization)
 
 
-@pytest.mark.parametrize("scheme, fmt, ignore", [
-    ("fp8-channel-dynamic", "compressed-tensors", ("lm_head", "re:.*mlp.down_proj$")),
-    ("fp8-tensor-static", "compressed-tensors", ("lm_head",)),  # q, k, v, gate, up: a scale each
-    ("fp8-block-dynamic", "fp8", ()),  # weight_scale_inv blocks of [32, 64]
+@pytest.mark.parametrize("scheme, fmt, ignore, kv_scales", [
+    ("fp8-channel-dynamic", "compressed-tensors", ("lm_head", "re:.*mlp.down_proj$"), False),
+    ("fp8-tensor-static", "compressed-tensors", ("lm_head",), True),  # q, k, v, gate, up: a scale each
+    ("fp8-block-dynamic", "fp8", (), False),  # weight_scale_inv blocks of [32, 64]
+    ("fp8-tensor-static", "fp8", (), True),  # AutoFP8's layout, KV cache scales included
 ])
-def test_fp8_checkpoints_give_the_dequantized_model_s_tokens(tmp_path, tiny_llama_dir, default_tokenizer, scheme,
-                                                            fmt, ignore):
-    quantized, dequantized = write_quantized(tiny_llama_dir, tmp_path, scheme, fmt, ignore)
+def test_fp8_checkpoints_give_the_dequantized_model_s_tokens(tmp_path, tiny_llama_dir, default_tokenizer, caplog,
+                                                            scheme, fmt, ignore, kv_scales):
+    """A calibrated KV cache's scales (llm-compressor's kv_cache_scheme, AutoFP8's) are passed over, said in the log:
+    pagellm's 8-bit KV caches scale each row."""
+    quantized, dequantized = write_quantized(tiny_llama_dir, tmp_path, scheme, fmt, ignore, kv_scales)
     model = _load(quantized)
     layer = model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.quant_method, Fp8LinearMethod)
@@ -104,8 +107,10 @@ def test_fp8_checkpoints_give_the_dequantized_model_s_tokens(tmp_path, tiny_llam
                       UnquantizedLinearMethod if "re:.*mlp.down_proj$" in ignore else Fp8LinearMethod)
     assert isinstance(model.lm_head.quant_method, UnquantizedLinearMethod)
     assert layer.self_attn.qkv_proj.weight.numel() == 0  # only the kernel's packed copy is kept
-    ours, theirs = _ours(quantized), _hf(dequantized, default_tokenizer)
-    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in theirs]
+    with caplog.at_level("INFO", logger="pagellm.layers.quantization"):
+        ours = _ours(quantized)
+    assert ("KV cache scales" in caplog.text) == kv_scales
+    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in _hf(dequantized, default_tokenizer)]
 
 
 @pytest.fixture(scope="module")
@@ -360,9 +365,11 @@ def test_unsupported_compressed_tensors_schemes_are_refused_naming_them(change, 
     assert words in str(refusal.value) and "W8A8 int8" in str(refusal.value)
 
 
-def test_kv_cache_schemes_and_misplaced_methods_are_refused():
-    with pytest.raises(ValueError, match="kv_cache_scheme"):
-        CompressedTensorsConfig.from_config({**_config(), "kv_cache_scheme": {"num_bits": 8, "type": "float"}})
+def test_kv_cache_schemes_are_described_and_misplaced_methods_refused():
+    config = CompressedTensorsConfig.from_config({**_config(), "kv_cache_scheme": {"num_bits": 8, "type": "float"}})
+    assert "kv_cache_scheme's scales not used" in config.describe()
+    assert config.skipped_tensor("model.layers.0.self_attn.k_scale")
+    assert not config.skipped_tensor("model.layers.0.self_attn.k_proj.weight_scale")
     with pytest.raises(ValueError, match="needs a checkpoint whose config.json holds a compressed-tensors"):
         quantization_config_for({}, "compressed-tensors")
     with pytest.raises(ValueError, match="quantization='int8' but the checkpoint is quantized with"):

@@ -152,11 +152,13 @@ def _copy_side_files(src: Path, dst: Path, config_update: dict) -> None:
 
 
 def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compressed-tensors",
-                    ignore: tuple[str, ...] = ("lm_head",)) -> tuple[str, str]:
+                    ignore: tuple[str, ...] = ("lm_head",), kv_scales: bool = False) -> tuple[str, str]:
     """(the quantized checkpoint, a float checkpoint of its dequantized weights) from the float checkpoint at
     src_dir. fmt "compressed-tensors" takes any of SCHEMES; fmt "fp8" (quant_method fp8) takes the fp8 tensor
     schemes ("fp8-tensor-static", "fp8-tensor-w8a16" as dynamic) and the block ones. Modules matching
-    `ignore` (names, or "re:" patterns matched from the start) stay float."""
+    `ignore` (names, or "re:" patterns matched from the start) stay float. `kv_scales`: a calibrated fp8 KV cache's
+    per-tensor scales too, as llm-compressor's kv_cache_scheme writes them (self_attn.k_scale / v_scale) or, for
+    fmt "fp8", as AutoFP8 does (k_proj.k_scale / v_proj.v_scale)."""
     src = Path(src_dir)
     tensors = {}
     for file in sorted(src.glob("*.safetensors")):
@@ -186,10 +188,20 @@ def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compre
         else:
             quantized[name] = tensor
             dequantized[name] = tensor
+    if kv_scales:
+        layers = sorted({name.split(".")[2] for name in tensors if name.startswith("model.layers.")})
+        for layer in layers:
+            prefix = f"model.layers.{layer}.self_attn"
+            for kind, value in (("k", 0.03125), ("v", 0.015625)):
+                name = f"{prefix}.{kind}_scale" if fmt == "compressed-tensors" else f"{prefix}.{kind}_proj.{kind}_scale"
+                quantized[name] = torch.tensor(value) if fmt == "fp8" else torch.tensor([value])
     dst = Path(dst_dir)
     quant_dir, float_dir = dst / "quantized", dst / "dequantized"
     if fmt == "compressed-tensors":
         quant_config = compressed_tensors_config(scheme, ignore)
+        if kv_scales:
+            quant_config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                                               "dynamic": False, "group_size": None}
     else:
         quant_config = {"quant_method": "fp8", "activation_scheme": "static" if activations == "static" else "dynamic",
                         "ignored_layers": [entry for entry in ignore if not entry.startswith("re:")]}

@@ -3,6 +3,7 @@ multiplies with them, chosen from the checkpoint's quantization config when the 
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar
@@ -61,6 +62,12 @@ class LinearMethod(ABC):
         return []
 
 
+# A calibrated KV cache's scales as checkpoints name them (compressed-tensors' kv_cache_scheme, AutoFP8's and
+# ModelOpt's kv_cache_quant_algo, older exports' kv_scale and k_proj.output_scale; vLLM reads the same names).
+KV_CACHE_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".kv_scale", "k_proj.output_scale",
+                           "v_proj.output_scale")
+
+
 class QuantizationConfig(ABC):
     """A checkpoint's weight format, read from its config (or asked for by `quantization=`)."""
 
@@ -79,3 +86,19 @@ class QuantizationConfig(ABC):
     def describe(self) -> str:
         """For the start-up log: the format and its settings."""
         return self.name
+
+
+class SkipsKVCacheScales:
+    """For formats whose checkpoints may carry a calibrated KV cache's scales: they are passed over at load (said
+    once in the log). pagellm's 8-bit KV caches scale each row as it is written (kv_cache_dtype="fp8"), and
+    kv_cache_dtype="auto" keeps K/V in the model's dtype, as vLLM does with such a checkpoint."""
+
+    def skipped_tensor(self, name: str) -> bool:
+        if not name.endswith(KV_CACHE_SCALE_SUFFIXES):
+            return False
+        if not getattr(self, "_said_kv_scales", False):
+            self._said_kv_scales = True
+            logging.getLogger(type(self).__module__).info(
+                "%s: the checkpoint's KV cache scales (%s, ...) are not used: pagellm's 8-bit KV caches scale each "
+                "row as it is written (kv_cache_dtype='fp8')", getattr(self, "name", "checkpoint"), name)
+        return True

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, SkipsKVCacheScales
 from pagellm.layers.quantization.compressed_tensors_wna16 import CompressedTensorsWNA16Method
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import Fp8LinearMethod, Int8LinearMethod, checkpoint_module_names
@@ -169,22 +169,22 @@ def target_matches(target: str, name: str) -> bool:
     return target == name or target == "Linear"
 
 
-class CompressedTensorsConfig(QuantizationConfig):
+class CompressedTensorsConfig(SkipsKVCacheScales, QuantizationConfig):
     name = "compressed-tensors"
 
-    def __init__(self, groups: list[SchemeGroup], ignore: list[str]) -> None:
+    def __init__(self, groups: list[SchemeGroup], ignore: list[str], kv_cache_scheme: dict | None = None) -> None:
         self.groups = groups
         self.ignore = list(ignore)
+        self.kv_cache_scheme = kv_cache_scheme
         self.methods = {group.name: method_for(group) for group in groups}
         self.dense = UnquantizedLinearMethod()
 
     @classmethod
     def from_config(cls, config: dict) -> CompressedTensorsConfig:
-        for key, what in (("sparsity_config", "sparse weights"), ("transform_config", "transforms (QuIP, SpinQuant)"),
-                          ("kv_cache_scheme", "a quantized KV cache (kv_cache_scheme)")):
+        for key, what in (("sparsity_config", "sparse weights"), ("transform_config", "transforms (QuIP, SpinQuant)")):
             if config.get(key):
                 raise ValueError(f"compressed-tensors {key} ({what}) is not supported; pagellm loads {SUPPORTED}, "
-                                 "without sparsity, transforms or KV cache schemes.")
+                                 "without sparsity or transforms.")
         groups_raw = config.get("config_groups")
         if not isinstance(groups_raw, dict) or not groups_raw:
             raise ValueError("a compressed-tensors quantization_config needs config_groups (a dict of schemes)")
@@ -204,7 +204,10 @@ class CompressedTensorsConfig(QuantizationConfig):
         ignore = config.get("ignore") or []
         if not isinstance(ignore, list) or not all(isinstance(entry, str) for entry in ignore):
             raise ValueError(f"compressed-tensors ignore={ignore!r:.100} must be a list of module names or patterns")
-        return cls(groups, ignore)
+        kv_cache_scheme = config.get("kv_cache_scheme") or None
+        if kv_cache_scheme is not None and not isinstance(kv_cache_scheme, dict):
+            raise ValueError(f"compressed-tensors kv_cache_scheme={kv_cache_scheme!r:.100} must be a dict")
+        return cls(groups, ignore, kv_cache_scheme)
 
     def _named(self, name: str) -> bool:
         """Whether an ignore entry or a target names module `name` itself (not by its class)."""
@@ -237,7 +240,9 @@ class CompressedTensorsConfig(QuantizationConfig):
     def describe(self) -> str:
         parts = [f"{_describe_scheme(group)} for {', '.join(group.targets)}" for group in self.groups]
         ignore = f"; dense: {', '.join(self.ignore)}" if self.ignore else ""
-        return f"compressed-tensors ({'; '.join(parts)}{ignore})"
+        kv = "; the kv_cache_scheme's scales not used (pagellm's 8-bit KV caches scale per row)" \
+            if self.kv_cache_scheme else ""
+        return f"compressed-tensors ({'; '.join(parts)}{ignore}{kv})"
 
 
 def _describe_scheme(group: SchemeGroup) -> str:

@@ -11,7 +11,7 @@ dequantizes weight tiles), so "static" input scales are loaded and not applied.
 
 from __future__ import annotations
 
-from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, SkipsKVCacheScales
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import (Fp8LinearMethod, OnlineFp8LinearMethod, OnlineQuantization,
                                               checkpoint_module_names, is_embedding_or_head)
@@ -19,7 +19,7 @@ from pagellm.layers.quantization.w8a8 import (Fp8LinearMethod, OnlineFp8LinearMe
 ACTIVATION_SCHEMES = ("dynamic", "static")
 
 
-class Fp8Config(QuantizationConfig):
+class Fp8Config(SkipsKVCacheScales, QuantizationConfig):
     name = "fp8"
 
     def __init__(self, activation_scheme: str, ignored_layers: list[str], block: tuple[int, int] | None) -> None:

@@ -19,15 +19,12 @@ precision exports are refused naming them.
 from __future__ import annotations
 
 import fnmatch
-import logging
 
 from torch import nn
 
-from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
+from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, SkipsKVCacheScales
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import Fp8LinearMethod, checkpoint_module_names
-
-logger = logging.getLogger(__name__)
 
 PB_WO_BLOCK = (128, 128)
 FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO")
@@ -37,7 +34,6 @@ REFUSED_ALGOS = {
     "MXFP8": "ModelOpt's MXFP8 export is not read (pagellm quantizes to MXFP8 online: quantization=\"mxfp8\")",
     "MIXED_PRECISION": "per-layer mixed formats are not read",
 }
-KV_CACHE_SCALES = (".k_scale", ".v_scale")
 
 
 class _BlockScales4D(Fp8LinearMethod):
@@ -58,7 +54,7 @@ class _BlockScales4D(Fp8LinearMethod):
         scale.weight_loader = load
 
 
-class ModelOptFp8Config(QuantizationConfig):
+class ModelOptFp8Config(SkipsKVCacheScales, QuantizationConfig):
     name = "modelopt"
 
     def __init__(self, algo: str, exclude_modules: list[str], kv_cache_algo: str | None) -> None:
@@ -72,7 +68,6 @@ class ModelOptFp8Config(QuantizationConfig):
             self.method = Fp8LinearMethod("channel")
         else:
             self.method = _BlockScales4D()
-        self._said_kv_scales = False
 
     @classmethod
     def from_config(cls, config: dict) -> ModelOptFp8Config:
@@ -113,16 +108,6 @@ class ModelOptFp8Config(QuantizationConfig):
             raise ValueError(f"{prefix} fuses {names}, of which the modelopt config excludes only some; pagellm "
                              "(as vLLM) needs the fused shards quantized alike")
         return self.dense if all(excluded) else self.method
-
-    def skipped_tensor(self, name: str) -> bool:
-        if not name.endswith(KV_CACHE_SCALES):
-            return False
-        if not self._said_kv_scales:
-            self._said_kv_scales = True
-            logger.info("modelopt: the checkpoint's KV cache scales (%s, kv_cache_quant_algo %s) are not used: "
-                        "pagellm's 8-bit KV caches scale each row as it is written (kv_cache_dtype='fp8')",
-                        name.rsplit(".", 1)[-1], self.kv_cache_algo)
-        return True
 
     def describe(self) -> str:
         what = {"FP8": "per-tensor weight scales, static input scales in the checkpoint",
