@@ -174,11 +174,11 @@ def _kernel_less_blocks(name: str, data: np.ndarray, qtype: gguf.GGMLQuantizatio
     return blocks.reshape(data.shape[0], -1)
 
 
-def test_kernel_less_types_run_as_their_q8_0_blocks(tmp_path, default_tokenizer, caplog):
-    """IQ4_NL, IQ4_XS, IQ2_XXS and MXFP4 tensors are kept as Q8_0 blocks (gguf_quants.transcode_to_q8_0): the
-    engine generates what it generates from a file that stores those Q8_0 blocks itself, token for token and
-    logprob for logprob, and the start-up log names the types."""
-    from pagellm.models.gguf_quants import transcode_to_q8_0
+def test_kernel_less_types_run_as_the_blocks_they_are_kept_as(tmp_path, default_tokenizer, caplog):
+    """IQ4_XS tensors are kept as IQ4_NL blocks, IQ2_XXS and MXFP4 ones as Q8_0 blocks (gguf_quants.transcode_blocks;
+    IQ4_NL has kernels of its own): the engine generates what it generates from a file that stores those blocks
+    itself, token for token and logprob for logprob, and the start-up log names the types."""
+    from pagellm.models.gguf_quants import kernel_type, transcode_blocks
 
     model = tiny_hf_model(HF_CONFIGS["qwen3"](), default_tokenizer, seed=1)
 
@@ -189,14 +189,16 @@ def test_kernel_less_types_run_as_their_q8_0_blocks(tmp_path, default_tokenizer,
     def as_stored(name, data, qtype):
         return _kernel_less_blocks(name, data, qtype), qtype
 
-    def as_q8_0(name, data, qtype):
+    def as_kept(name, data, qtype):
         blocks = _kernel_less_blocks(name, data, qtype)
+        kept = gguf.GGMLQuantizationType[kernel_type(qtype.name)]
+        if kept == qtype:
+            return blocks, qtype
         block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
-        q8 = transcode_to_q8_0(blocks.reshape(-1, block_bytes), int(qtype)).reshape(data.shape[0], -1)
-        return q8, gguf.GGMLQuantizationType.Q8_0
+        return transcode_blocks(blocks.reshape(-1, block_bytes), int(qtype)).reshape(data.shape[0], -1), kept
 
     paths = {}
-    for kind, encode in (("stored", as_stored), ("q8_0", as_q8_0)):
+    for kind, encode in (("stored", as_stored), ("kept", as_kept)):
         paths[kind] = tmp_path / f"{kind}.gguf"
         write_gguf_like_llama_cpp(model, "qwen3", paths[kind], stem_type, encode)
     default_tokenizer.save_pretrained(tmp_path)
@@ -205,7 +207,7 @@ def test_kernel_less_types_run_as_their_q8_0_blocks(tmp_path, default_tokenizer,
 
     growth = open_gguf(paths["stored"])[1].transcoding_growth()
     converted = 4 * model.config.num_hidden_layers
-    assert abs(paths["stored"].stat().st_size + growth - paths["q8_0"].stat().st_size) <= 32 * converted
+    assert abs(paths["stored"].stat().st_size + growth - paths["kept"].stat().st_size) <= 32 * converted
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
     results = {}
     for kind, path in paths.items():
@@ -214,10 +216,10 @@ def test_kernel_less_types_run_as_their_q8_0_blocks(tmp_path, default_tokenizer,
             llm = LLM(str(path), tokenizer=str(tmp_path), dtype="float32", max_model_len=64,
                       kv_cache_memory_bytes=32 << 20)
         if kind == "stored":
-            for name in ("IQ4_NL", "IQ4_XS", "IQ2_XXS", "MXFP4"):
-                assert f"{name} as Q8_0" in caplog.text, name
+            for name in ("IQ4_XS as IQ4_NL", "IQ2_XXS as Q8_0", "MXFP4 as Q8_0", " IQ4_NL"):
+                assert name in caplog.text, name
         results[kind] = [(o.outputs[0].token_ids, [{t: p.logprob for t, p in step.items()}
                                                    for step in o.outputs[0].logprobs])
                          for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         llm.llm_engine.shutdown()
-    assert results["stored"] == results["q8_0"]
+    assert results["stored"] == results["kept"]

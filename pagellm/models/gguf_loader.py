@@ -31,8 +31,8 @@ import torch
 from pagellm.cache_dir import cache_root
 from pagellm.child_process import child_environment
 from pagellm.models.gguf_config import GGUFModelConfig, gguf_model_config
-from pagellm.models.gguf_quants import (Q8_0_BLOCK_BYTES, dequantize, kernel_type, quant_format, tensor_nbytes,
-                                        transcode_to_q8_0)
+from pagellm.models.gguf_quants import (QUANT_FORMATS, dequantize, kernel_type, quant_format, tensor_nbytes,
+                                        transcode_blocks)
 
 if TYPE_CHECKING:
     import transformers
@@ -184,13 +184,14 @@ class GGUFTensors:
         return counts
 
     def transcoding_growth(self) -> int:
-        """Bytes the kernel-less types' tensors take beyond their file size once kept as Q8_0 blocks."""
+        """Bytes the kernel-less types' tensors take beyond their file size once kept as another type's blocks."""
+        by_name = {fmt.name: type_id for type_id, fmt in QUANT_FORMATS.items()}
         grown = 0
         for info in self.header.tensors.values():
             fmt = quant_format(info.type_id, info.name)
             if kernel_type(fmt.name) != fmt.name:
-                weights = int(np.prod(info.shape, dtype=np.int64))
-                grown += weights // 32 * Q8_0_BLOCK_BYTES - tensor_nbytes(info.shape, info.type_id, info.name)
+                kept = by_name[kernel_type(fmt.name)]
+                grown += tensor_nbytes(info.shape, kept, info.name) - tensor_nbytes(info.shape, info.type_id, info.name)
         return grown
 
     def items(self):
@@ -756,11 +757,11 @@ def _check_extent(info: _TensorInfo, file_size: int) -> int:
 
 
 def _kernel_blocks(file, info: _TensorInfo, fmt, file_size: int) -> np.ndarray:
-    """The tensor's blocks as the kernels read them: its bytes, or a kernel-less type's as Q8_0 blocks."""
+    """The tensor's blocks as the kernels read them: its bytes, or a kernel-less type's as its kernel_type's."""
     raw = _read_tensor_bytes(file, info, file_size)
     if kernel_type(fmt.name) == fmt.name:
         return raw
-    return transcode_to_q8_0(raw.reshape(-1, fmt.block_bytes), info.type_id).reshape(-1)
+    return transcode_blocks(raw.reshape(-1, fmt.block_bytes), info.type_id).reshape(-1)
 
 
 def _read_tensor_bytes(file, info: _TensorInfo, file_size: int) -> np.ndarray:

@@ -6,8 +6,8 @@ blocks, with the same float32 operations in the same order (so the results are i
 writing straight into the output (the lattice and ternary types, IQ1_S .. IQ3_S and TQ1_0 / TQ2_0, and MXFP4
 are decoded by gguf itself). tests/test_gguf_quants.py checks every type against gguf's.
 
-Types no pagellm kernel reads in their own blocks (TRANSCODED_TYPES) are kept in memory as Q8_0 blocks,
-transcode_to_q8_0's.
+Types no pagellm kernel reads in their own blocks (TRANSCODED_TYPES) are kept in memory as the blocks of one it
+reads (kernel_type: IQ4_XS as IQ4_NL, the others as Q8_0), transcode_blocks'.
 
 Block layouts follow ggml's `block_*` structs (ggml-common.h); QK_K = 256 weights per super-block.
 """
@@ -256,8 +256,8 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     13: QuantFormat("Q5_K", QK_K, 176, _dequantize_q5_k),
     14: QuantFormat("Q6_K", QK_K, 210, _dequantize_q6_k),
     30: QuantFormat("BF16", 1, 2, _dequantize_bf16),
-    # Kept as Q8_0 blocks in memory (transcode_to_q8_0): no pagellm kernel reads them in their own.
     20: QuantFormat("IQ4_NL", 32, 18, _dequantize_iq4_nl),
+    # Kept in memory as another type's blocks (transcode_blocks): no pagellm kernel reads them in their own.
     23: QuantFormat("IQ4_XS", QK_K, 136, _dequantize_iq4_xs),
     16: QuantFormat("IQ2_XXS", QK_K, 66, _gguf_package_dequantizer(16)),
     17: QuantFormat("IQ2_XS", QK_K, 74, _gguf_package_dequantizer(17)),
@@ -270,28 +270,25 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     35: QuantFormat("TQ2_0", QK_K, 66, _gguf_package_dequantizer(35)),
     39: QuantFormat("MXFP4", 32, 17, _gguf_package_dequantizer(39)),
 }
-TRANSCODED_TYPES = frozenset(("IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ3_S", "IQ2_S",
-                              "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"))
+# Kernel-less types -> the type whose blocks they are kept as.
+TRANSCODED_TYPES = {"IQ4_XS": "IQ4_NL", **dict.fromkeys(("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ3_S", "IQ2_S",
+                                                          "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"), "Q8_0")}
 Q8_0_BLOCK_BYTES = 34
+IQ4_NL_BLOCK_BYTES = 18
 
 
-def transcode_to_q8_0(blocks: np.ndarray, type_id: int) -> np.ndarray:
-    """A kernel-less type's blocks (n, block_bytes) as Q8_0 blocks (n * block_size / 32, 34), which the int8
-    kernels read: IQ4_NL exactly (its grid values are int8 and its scale an f16 already); IQ4_XS with each
-    32-weight sub-block's scale d * (scale - 32) rounded to f16 (2^-11 relative at most, the grid values kept);
-    the other types requantized from their float32 values as llama.cpp's quantize_row_q8_0 does."""
+def transcode_blocks(blocks: np.ndarray, type_id: int) -> np.ndarray:
+    """A kernel-less type's blocks (n, block_bytes) as blocks of its kernel_type: IQ4_XS as IQ4_NL blocks (n * 8,
+    18), each 32-weight sub-block's scale d * (scale - 32) rounded to f16 (2^-11 relative at most; the nibbles as
+    they are); the other types as Q8_0 blocks (n * block_size / 32, 34), requantized from their float32 values as
+    llama.cpp's quantize_row_q8_0 does."""
     fmt = quant_format(type_id)
     n = len(blocks)
-    if fmt.name == "IQ4_NL":
-        out = np.empty((n, Q8_0_BLOCK_BYTES), dtype=np.uint8)
-        out[:, :2] = blocks[:, :2]
-        out[:, 2:] = _iq4_codes(blocks[:, 2:]).view(np.uint8)
-        return out
     if fmt.name == "IQ4_XS":
-        out = np.empty((n, 8, Q8_0_BLOCK_BYTES), dtype=np.uint8)
+        out = np.empty((n, 8, IQ4_NL_BLOCK_BYTES), dtype=np.uint8)
         out[:, :, :2] = (_f16(blocks, 0) * _iq4_xs_scales(blocks)).astype(np.float16)[..., None].view(np.uint8)
-        out[:, :, 2:] = _iq4_codes(blocks[:, 8:].reshape(n, 8, 16)).view(np.uint8)
-        return out.reshape(n * 8, Q8_0_BLOCK_BYTES)
+        out[:, :, 2:] = blocks[:, 8:].reshape(n, 8, 16)
+        return out.reshape(n * 8, IQ4_NL_BLOCK_BYTES)
     weights = np.empty((n, fmt.block_size), dtype=np.float32)
     fmt.dequantize(blocks, weights)
     return quantize_q8_0(weights.reshape(-1, 32))
@@ -311,9 +308,9 @@ def quantize_q8_0(weights: np.ndarray) -> np.ndarray:
 
 
 def kernel_type(name: str) -> str:
-    """The type whose blocks the kernels read for a tensor stored in `name`: itself, or Q8_0 for a kernel-less
-    type (transcode_to_q8_0)."""
-    return "Q8_0" if name in TRANSCODED_TYPES else name
+    """The type whose blocks the kernels read for a tensor stored in `name`: itself, or for a kernel-less type the
+    one it is kept as (transcode_blocks)."""
+    return TRANSCODED_TYPES.get(name, name)
 
 
 def supported_type_names() -> list[str]:

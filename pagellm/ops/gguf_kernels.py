@@ -3,9 +3,9 @@
 A GGUF weight stays a uint8 tensor [out_features, in_features / block_weights * block_bytes] (each output row's
 blocks contiguous, as the file stores them), at its file size in memory. csrc/gguf_quant.c computes with it:
 
-- `matmul` at decode sizes quantizes each row of x to int8 (llama.cpp's Q8_1 blocks of 32 for Q4_0..Q8_0, Q8_K
-  blocks of 256 for the k-quants) and takes integer dot products on the blocks (AVX2 VPMADDUBSW, VNNI VPDPBUSD
-  where the CPU has AVX-512 VNNI or AVX-VNNI, generic C elsewhere); from `dense_min_rows[type]` rows on (a
+- `matmul` at decode sizes quantizes each row of x to int8 (llama.cpp's Q8_1 blocks of 32 for Q4_0..Q8_0 and
+  IQ4_NL, Q8_K blocks of 256 for the k-quants) and takes integer dot products on the blocks (AVX2 VPMADDUBSW,
+  VNNI VPDPBUSD where the CPU has AVX-512 VNNI or AVX-VNNI, generic C elsewhere); from `dense_min_rows[type]` rows on (a
   measured table, DENSE_MIN_ROWS; bfloat16 rows have their own where the CPU multiplies bfloat16 natively), it
   dequantizes tiles of the weight into float32 (bfloat16 where the CPU multiplies it natively) and runs torch's
   GEMM on them, which outran the int8 products there; the AVX-512 VNNI build runs every type on 512-bit
@@ -51,7 +51,7 @@ _HEADERS = [_CSRC / "gguf_simd.h", _CSRC / "isa_name.h", _CSRC / "bf16_tiles.h"]
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 # The block types the kernels compute with (GGML type ids); the others (F32, F16, BF16) are plain tensors.
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 _FORMATS: dict[str, tuple[int, QuantFormat]] = {fmt.name: (type_id, fmt) for type_id, fmt in QUANT_FORMATS.items()}
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -73,7 +73,7 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # generic build's integer products are plain vector extensions, several times slower than the AVX2 ones; the GEMM
 # wins there from a handful of rows.
 _AVX2_DENSE_MIN_ROWS: dict[str, int | None] = {
-    "Q4_0": 96, "Q4_1": 96, "Q5_0": 96, "Q5_1": 96, "Q8_0": 128,
+    "Q4_0": 96, "Q4_1": 96, "Q5_0": 96, "Q5_1": 96, "Q8_0": 128, "IQ4_NL": 96,
     "Q2_K": None, "Q3_K": 128, "Q4_K": 1024, "Q5_K": 256, "Q6_K": 1024,
 }
 # The AVX-512 VNNI build multiplies every type on 512-bit VPDPBUSD tiles from 64 rows on (csrc/gguf_quant.c's
@@ -116,7 +116,7 @@ DENSE_MIN_ROWS: dict[str, dict[str, int | None]] = {
 # path led (Q4_1 at 20: 334-336 / 386-392; Q8_0 at 20: 353-357 / 367-370). With torch's GEMM on row-major tiles,
 # before 2026-12-07, the thresholds were 24-48.
 _AMX_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
-    "Q4_0": 20, "Q4_1": 20, "Q5_0": 20, "Q5_1": 20, "Q8_0": 20,
+    "Q4_0": 20, "Q4_1": 20, "Q5_0": 20, "Q5_1": 20, "Q8_0": 20, "IQ4_NL": 20,
     "Q2_K": 24, "Q3_K": 20, "Q4_K": 24, "Q5_K": 20, "Q6_K": 20,
 }
 # The same for CPUs whose vector units multiply bfloat16 (avx512_bf16's VDPBF16PS) but have no AMX: torch's
@@ -133,9 +133,11 @@ _AMX_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
 #     48  133/275  130/258  108/267  114/269  148/288  183/224  149/261  215/255  185/258  198/269
 # Not measured on an Intel CPU with avx512_bf16 and no AMX (Cooper Lake); it takes this table too.
 _AVX512_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
-    "Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q5_1": 16, "Q8_0": 16,
+    "Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q5_1": 16, "Q8_0": 16, "IQ4_NL": 16,
     "Q2_K": 48, "Q3_K": 24, "Q4_K": 32, "Q5_K": 24, "Q6_K": 24,
 }
+# IQ4_NL (Q4_0's nibble blocks, each nibble looked up in a 16-value grid by one byte shuffle, multiplied as Q8_0's
+# signed quants) takes Q4_0's thresholds in every table: not measured for it.
 # Weight bytes dequantized per tile of the dense path: one tile is the only dequantized copy that exists.
 DENSE_TILE_BYTES = 4 << 20
 

@@ -3,7 +3,7 @@
  *
  * Weights: uint8 [out_features, in_features / block_weights * block_bytes], row-major as a GGUF stores a 2-D
  * tensor: each output row's blocks are contiguous. Types are GGML's ids (gguf.GGMLQuantizationType):
- *   Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8 (blocks of 32 weights, one scale each)
+ *   Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, IQ4_NL 20 (blocks of 32 weights, one scale each)
  *   Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14 (super-blocks of 256 weights, a scale per 16 or 32)
  *
  * gguf_matmul: y [rows, out] = x [rows, in] W^T, as llama.cpp computes it: each row of x is quantized to int8
@@ -31,9 +31,12 @@
 #include "gguf_simd.h"
 #include "isa_name.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum {
+    Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+    IQ4_NL = 20
+};
 /* M(type) for every type: the specialised functions below are made, and dispatched to, by type. */
-#define EACH_TYPE(M) M(Q4_0) M(Q4_1) M(Q5_0) M(Q5_1) M(Q8_0) M(Q2_K) M(Q3_K) M(Q4_K) M(Q5_K) M(Q6_K)
+#define EACH_TYPE(M) M(Q4_0) M(Q4_1) M(Q5_0) M(Q5_1) M(Q8_0) M(IQ4_NL) M(Q2_K) M(Q3_K) M(Q4_K) M(Q5_K) M(Q6_K)
 
 #define QK 32
 #define QK_K 256
@@ -52,7 +55,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
 
 static int block_weights(int type) {
     switch (type) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return QK;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: return QK;
     case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: return QK_K;
     default: return 0;
     }
@@ -60,7 +63,7 @@ static int block_weights(int type) {
 
 static int block_bytes(int type) {
     switch (type) {
-    case Q4_0: return 18;
+    case Q4_0: case IQ4_NL: return 18;
     case Q4_1: return 20;
     case Q5_0: return 22;
     case Q5_1: return 24;
@@ -76,9 +79,12 @@ static int block_bytes(int type) {
 
 static ALWAYS_INLINE int is_k_quant(int type) { return block_weights(type) == QK_K; }
 
+/* Types whose unpacked quants are signed bytes (weight = d q): Q8_0's stored ones, IQ4_NL's grid values. */
+static ALWAYS_INLINE int signed_quants(int type) { return type == Q8_0 || type == IQ4_NL; }
+
 /* ---- weight blocks, unpacked to one byte per weight in the activations' order ---------------------------- */
 
-/* A 32-weight block: weight k = d * (q[k] - offset) + m; q is signed for Q8_0, unsigned otherwise. */
+/* A 32-weight block: weight k = d * (q[k] - offset) + m; q is signed for Q8_0 and IQ4_NL, unsigned otherwise. */
 typedef struct {
     u8x32 q;
     float d, m;
@@ -120,6 +126,21 @@ static ALWAYS_INLINE u8x32 fifth_bits(const uint8_t *p) {
 #endif
 }
 
+/* IQ4_NL's grid (ggml's kvalues_iq4nl): nibble k stands for the k-th of these, times the block's scale. */
+static ALWAYS_INLINE u8x32 iq4_grid_values(u8x32 nibbles) {
+#if defined(__AVX2__)
+    /* one in-lane byte shuffle: the 16 values in both halves, indexed by the nibbles */
+    const __m256i grid = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                          -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    return (u8x32)_mm256_shuffle_epi8(grid, (__m256i)nibbles);
+#else
+    static const int8_t grid[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    u8x32 values;
+    for (int k = 0; k < 32; ++k) values[k] = (uint8_t)grid[nibbles[k]];
+    return values;
+#endif
+}
+
 static ALWAYS_INLINE Block32 unpack_32(const int type, const uint8_t *b) {
     Block32 u = {.d = half_to_float(b), .m = 0.0f, .offset = 0};
     switch (type) {
@@ -138,6 +159,9 @@ static ALWAYS_INLINE Block32 unpack_32(const int type, const uint8_t *b) {
     case Q5_1: /* f16 d, f16 m, uint32 fifth bits, 16 bytes of nibbles; w = d q + m */
         u.m = half_to_float(b + 2);
         u.q = nibbles_32(b + 8) | fifth_bits(b + 4);
+        break;
+    case IQ4_NL: /* f16 d, 16 bytes of nibbles, as Q4_0's; w = d grid[q] (signed) */
+        u.q = iq4_grid_values(nibbles_32(b + 2));
         break;
     default: /* Q8_0: f16 d, 32 int8; w = d q */
         u.q = load_u8x32(b + 2);
@@ -366,13 +390,13 @@ static void quantize_row_256(const void *x, int64_t row, int64_t in_features, co
  * bits do not depend on which kernel computed it.
  * sum_k (d (q_k - offset) + m) x_k = d dx sum_k q_k qx_k + (m - offset d) s_x: the 4- and 5-bit formats multiply
  * their unsigned quants as they are (one instruction, where signed ones take the sign trick's two more) and add
- * the offset's and the minimum's share on the side; Q8_0's quants are signed already. */
+ * the offset's and the minimum's share on the side; Q8_0's and IQ4_NL's quants are signed already. */
 static ALWAYS_INLINE void add_block_32(const int type, const Block32 *u, const ActivationBlock32 *xb, f32x8 *acc,
                                        float *side) {
     const i8x32 xq = load_i8x32(xb->qs);
-    const i32x8 dot = type == Q8_0 ? dot_s8s8((i8x32)u->q, xq) : dot_u8s8(u->q, xq);
+    const i32x8 dot = signed_quants(type) ? dot_s8s8((i8x32)u->q, xq) : dot_u8s8(u->q, xq);
     *acc = fmadd(to_f32(dot), splat_f32(u->d * xb->d), *acc);
-    if (type != Q8_0) *side += (type == Q4_1 || type == Q5_1 ? u->m : -(float)u->offset * u->d) * xb->s;
+    if (!signed_quants(type)) *side += (type == Q4_1 || type == Q5_1 ? u->m : -(float)u->offset * u->d) * xb->s;
 }
 
 /* A super-block's share: dx (d sum_g scale_g sum_k q_k qx_k - dmin sum_g mins_g bsum_g). */
@@ -581,10 +605,10 @@ static void quantize_256_bf16(const void *x, int64_t row, int64_t in_features, v
  * would be in any smaller step, so a speculative verification step (at most 8 sequences x 1 + 7 tokens by
  * default) computes each row's bits as the plain decode steps without speculation do. */
 #define TILE_MIN_ROWS 64
-/* The quants' offset once taken as unsigned bytes: weight = d (u - offset) + m. Q8_0's signed quants are
- * taken + 128, so that the weights are VPDPBUSD's unsigned operand and the activations its signed one. */
+/* The quants' offset once taken as unsigned bytes: weight = d (u - offset) + m. Q8_0's and IQ4_NL's signed quants
+ * are taken + 128, so that the weights are VPDPBUSD's unsigned operand and the activations its signed one. */
 static ALWAYS_INLINE int tile_offset(const int type) {
-    return type == Q8_0 ? 128 : type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
+    return signed_quants(type) ? 128 : type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0;
 }
 
 /* A block of 32 activations as the tiles take them for every type: ActivationBlock32's quants and scale, the
@@ -643,7 +667,7 @@ static ALWAYS_INLINE void repack_strip(const int type, const uint8_t *w, int64_t
                 uint8_t *chunk = strip + b * chunk_bytes;
                 float *scale = (float *)(chunk + STRIP_QUANT_BYTES), *constant = scale + STRIP;
                 const Block32 u = unpack_32(type, weight_row + b * bytes);
-                place_quants(chunk, c, type == Q8_0 ? u.q ^ 0x80 : u.q);
+                place_quants(chunk, c, signed_quants(type) ? u.q ^ 0x80 : u.q);
                 scale[c] = u.d;
                 constant[c] = u.m;
                 continue;
@@ -927,7 +951,7 @@ static ALWAYS_INLINE void dequantize_row(const int type, const uint8_t *w, int64
         f32x8 v[4];
         if (!is_k_quant(type)) {
             const Block32 u = unpack_32(type, w + b * bytes);
-            widen(u.q, type == Q8_0, u.offset, v);
+            widen(u.q, signed_quants(type), u.offset, v);
             for (int p = 0; p < 4; ++p) {
                 f32x8 weights = v[p] * u.d;
                 if (type == Q4_1 || type == Q5_1) weights = weights + u.m;
@@ -1045,7 +1069,8 @@ static ALWAYS_INLINE void dequantize_row_32_bf16(const int type, const uint8_t *
         const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
         f32x16 v[2];
         for (int h = 0; h < 2; ++h) {
-            const i32x16 wide = (i32x16)(type == Q8_0 ? _mm512_cvtepi8_epi32(halves[h]) : _mm512_cvtepu8_epi32(halves[h]));
+            const i32x16 wide = (i32x16)(signed_quants(type) ? _mm512_cvtepi8_epi32(halves[h])
+                                                              : _mm512_cvtepu8_epi32(halves[h]));
             f32x16 weights = __builtin_convertvector(wide - u.offset, f32x16) * u.d;
             if (type == Q4_1 || type == Q5_1) weights = weights + u.m;
             v[h] = weights;
@@ -1064,6 +1089,7 @@ WIDE_ROW_FOR(Q4_1)
 WIDE_ROW_FOR(Q5_0)
 WIDE_ROW_FOR(Q5_1)
 WIDE_ROW_FOR(Q8_0)
+WIDE_ROW_FOR(IQ4_NL)
 #endif
 
 /* The row dequantizer of gguf_dequantize_packed, which asks for bfloat16 rows only. */
@@ -1075,6 +1101,7 @@ static DequantizeFunction packed_dequantize_function(int type) {
     case Q5_0: return dequantize_wide_Q5_0;
     case Q5_1: return dequantize_wide_Q5_1;
     case Q8_0: return dequantize_wide_Q8_0;
+    case IQ4_NL: return dequantize_wide_IQ4_NL;
     default: break;
     }
 #endif
