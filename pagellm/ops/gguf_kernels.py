@@ -137,7 +137,11 @@ _AVX512_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
     "Q2_K": 48, "Q3_K": 24, "Q4_K": 32, "Q5_K": 24, "Q6_K": 24,
 }
 # IQ4_NL (Q4_0's nibble blocks, each nibble looked up in a 16-value grid by one byte shuffle, multiplied as Q8_0's
-# signed quants) takes Q4_0's thresholds in every table: not measured for it.
+# signed quants) takes Q4_0's thresholds in every table. Its paths ran as Q4_0's where measured: 2-core Intel Xeon
+# with AMX (cpu family 6 model 167), 2 threads, bfloat16 x, 1,536 -> 576 from memory (benchmarks/gguf_kernels.py
+# --types Q4_0 IQ4_NL --activations bfloat16), ms int8 / dense, Q4_0 | IQ4_NL:
+#   rows 1: .039/.177 | .038/.154; 8: .141/.202 | .130/.190; 16: .260/.199 | .256/.217; 20: .310/.196 | .304/.216;
+#   64: .286/.213 | .298/.239.
 # Weight bytes dequantized per tile of the dense path: one tile is the only dequantized copy that exists.
 DENSE_TILE_BYTES = 4 << 20
 
