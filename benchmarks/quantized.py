@@ -90,7 +90,7 @@ FORMATS = [
     Format("gguf Q8_0 (requant), fp32", "requant-Q8_0", "float32"),
     Format("gguf Q8_0 (requant), fp32 + bf16 KV", "requant-Q8_0", "float32", kv_cache_dtype="bfloat16"),
     Format("gguf Q4_K_M (requant)", "requant-Q4_K_M"),
-    # Types no pagellm kernel reads in their own blocks: kept as Q8_0 blocks (gguf_quants.transcode_to_q8_0).
+    # IQ types: IQ4_NL on its kernels, the others kept as another type's blocks (gguf_quants.transcode_blocks).
     Format("gguf IQ4_XS (requant)", "requant-IQ4_XS"),
     Format("gguf IQ4_NL (requant)", "requant-IQ4_NL"),
     # The online formats run in the dtype a user gets (float32 on CPUs without bf16 instructions, else bfloat16).

@@ -151,12 +151,15 @@ def test_gguf_greedy_equals_transformers(tiny, default_tokenizer):
         assert output.outputs[0].token_ids == expected, (arch, output.prompt)
 
 
-# Types no pagellm kernel reads in their own blocks, by GGUF tensor stem (qwen3's rows: 128 inputs for q/gate, 256
-# for attn_output/ffn_down, so the 256-weight types go there).
-KERNEL_LESS = {"attn_q": gguf.GGMLQuantizationType.IQ4_NL, "attn_output": gguf.GGMLQuantizationType.IQ4_XS,
-               "ffn_down": gguf.GGMLQuantizationType.IQ2_XXS, "ffn_gate": gguf.GGMLQuantizationType.MXFP4}
+# IQ types, by (layer, GGUF tensor stem) (qwen3's rows: 128 inputs for q/gate, 256 for attn_output/ffn_down, so the
+# 256-weight types go there).
+_T = gguf.GGMLQuantizationType
+KERNEL_LESS = {(0, "attn_q"): _T.IQ4_NL, (1, "attn_q"): _T.IQ4_NL, (0, "attn_output"): _T.IQ4_XS,
+               (1, "attn_output"): _T.IQ3_XXS, (0, "ffn_down"): _T.IQ2_XXS, (1, "ffn_down"): _T.IQ3_S,
+               (0, "ffn_gate"): _T.MXFP4, (1, "ffn_gate"): _T.MXFP4}
 # Each type's scale field (byte offset), set to a value that keeps random blocks' weights near the model's.
-_SCALES = {"IQ4_NL": (0, 0.003), "IQ4_XS": (0, 0.0001), "IQ2_XXS": (0, 0.002)}
+_SCALES = {"IQ4_NL": (0, 0.003), "IQ4_XS": (0, 0.0001), "IQ2_XXS": (0, 0.002), "IQ3_XXS": (0, 0.001),
+           "IQ3_S": (0, 0.001)}
 
 
 def _kernel_less_blocks(name: str, data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
@@ -175,16 +178,17 @@ def _kernel_less_blocks(name: str, data: np.ndarray, qtype: gguf.GGMLQuantizatio
 
 
 def test_kernel_less_types_run_as_the_blocks_they_are_kept_as(tmp_path, default_tokenizer, caplog):
-    """IQ4_XS tensors are kept as IQ4_NL blocks, IQ2_XXS and MXFP4 ones as Q8_0 blocks (gguf_quants.transcode_blocks;
-    IQ4_NL has kernels of its own): the engine generates what it generates from a file that stores those blocks
-    itself, token for token and logprob for logprob, and the start-up log names the types."""
+    """IQ4_XS tensors are kept as IQ4_NL blocks, IQ3_XXS and IQ3_S ones as Q6_K blocks, IQ2_XXS and MXFP4 ones as
+    Q8_0 blocks (gguf_quants.transcode_blocks; IQ4_NL has kernels of its own): the engine generates what it
+    generates from a file that stores those blocks itself, token for token and logprob for logprob, and the
+    start-up log names the types."""
     from pagellm.models.gguf_quants import kernel_type, transcode_blocks
 
     model = tiny_hf_model(HF_CONFIGS["qwen3"](), default_tokenizer, seed=1)
 
     def stem_type(name: str):
         parts = name.split(".")
-        return KERNEL_LESS.get(parts[2]) if name.startswith("blk.") and parts[-1] == "weight" else None
+        return KERNEL_LESS.get((int(parts[1]), parts[2])) if name.startswith("blk.") and parts[-1] == "weight" else None
 
     def as_stored(name, data, qtype):
         return _kernel_less_blocks(name, data, qtype), qtype
@@ -206,7 +210,7 @@ def test_kernel_less_types_run_as_the_blocks_they_are_kept_as(tmp_path, default_
     from pagellm.models.gguf_loader import open_gguf
 
     growth = open_gguf(paths["stored"])[1].transcoding_growth()
-    converted = 4 * model.config.num_hidden_layers
+    converted = len(KERNEL_LESS)
     assert abs(paths["stored"].stat().st_size + growth - paths["kept"].stat().st_size) <= 32 * converted
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
     results = {}
@@ -216,7 +220,8 @@ def test_kernel_less_types_run_as_the_blocks_they_are_kept_as(tmp_path, default_
             llm = LLM(str(path), tokenizer=str(tmp_path), dtype="float32", max_model_len=64,
                       kv_cache_memory_bytes=32 << 20)
         if kind == "stored":
-            for name in ("IQ4_XS as IQ4_NL", "IQ2_XXS as Q8_0", "MXFP4 as Q8_0", " IQ4_NL"):
+            for name in ("IQ4_XS as IQ4_NL", "IQ3_XXS as Q6_K", "IQ3_S as Q6_K", "IQ2_XXS as Q8_0", "MXFP4 as Q8_0",
+                         " IQ4_NL"):
                 assert name in caplog.text, name
         results[kind] = [(o.outputs[0].token_ids, [{t: p.logprob for t, p in step.items()}
                                                    for step in o.outputs[0].logprobs])

@@ -76,8 +76,9 @@ def test_row_not_a_whole_number_of_blocks_is_refused():
 
 @pytest.mark.parametrize("name", sorted(gguf_quants.TRANSCODED_TYPES))
 def test_kernel_less_types_become_blocks_of_their_values(name):
-    """transcode_blocks against gguf's own values of the blocks: IQ4_XS as IQ4_NL blocks to within the f16 rounding
-    of each sub-block's scale, the rest as Q8_0 blocks to within half a Q8_0 step (plus its f16 scale's rounding)."""
+    """transcode_blocks against gguf's own values of the blocks: IQ3_XXS and IQ3_S as Q6_K blocks bit for bit, IQ4_XS
+    as IQ4_NL blocks to within the f16 rounding of each sub-block's scale, the rest as Q8_0 blocks to within half a
+    Q8_0 step (plus its f16 scale's rounding)."""
     qtype = gguf.GGMLQuantizationType[name]
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(int(qtype))
@@ -96,11 +97,16 @@ def test_kernel_less_types_become_blocks_of_their_values(name):
     values = reference(blocks, int(qtype), (len(blocks), block_size)).reshape(-1, 32)
     kept = gguf.GGMLQuantizationType[gguf_quants.kernel_type(name)]
     converted = gguf_quants.transcode_blocks(blocks, int(qtype))
-    assert converted.shape == (len(values), gguf.GGML_QUANT_SIZES[kept][1])
-    ours = dequantize(converted, int(kept), (len(values), 32))
+    kept_size, kept_bytes = gguf.GGML_QUANT_SIZES[kept]
+    assert converted.shape == (values.size // kept_size, kept_bytes)
+    ours = dequantize(converted, int(kept), (len(converted), kept_size)).reshape(-1, 32)
     finite = np.isfinite(values).all(axis=1)
     assert finite.mean() > 0.5
     values, ours = values[finite], ours[finite]
+    if name in ("IQ3_XXS", "IQ3_S"):  # the same floats as Q6_K blocks
+        assert kept.name == "Q6_K"
+        assert_bit_identical(np.ascontiguousarray(ours), np.ascontiguousarray(values))
+        return
     if name == "IQ4_XS":
         assert kept.name == "IQ4_NL"
         assert np.all(np.abs(ours - values) <= np.abs(values) * 2.0 ** -11)

@@ -271,19 +271,23 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     39: QuantFormat("MXFP4", 32, 17, _gguf_package_dequantizer(39)),
 }
 # Kernel-less types -> the type whose blocks they are kept as.
-TRANSCODED_TYPES = {"IQ4_XS": "IQ4_NL", **dict.fromkeys(("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ3_S", "IQ2_S",
-                                                          "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"), "Q8_0")}
+TRANSCODED_TYPES = {"IQ4_XS": "IQ4_NL", "IQ3_XXS": "Q6_K", "IQ3_S": "Q6_K",
+                    **dict.fromkeys(("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ2_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"),
+                                    "Q8_0")}
 Q8_0_BLOCK_BYTES = 34
 IQ4_NL_BLOCK_BYTES = 18
+Q6_K_BLOCK_BYTES = 210
 
 
 def transcode_blocks(blocks: np.ndarray, type_id: int) -> np.ndarray:
     """A kernel-less type's blocks (n, block_bytes) as blocks of its kernel_type: IQ4_XS as IQ4_NL blocks (n * 8,
     18), each 32-weight sub-block's scale d * (scale - 32) rounded to f16 (2^-11 relative at most; the nibbles as
-    they are); the other types as Q8_0 blocks (n * block_size / 32, 34), requantized from their float32 values as
-    llama.cpp's quantize_row_q8_0 does."""
+    they are); IQ3_XXS and IQ3_S as Q6_K blocks (n, 210), exactly (_iq3_as_q6_k); the other types as Q8_0 blocks
+    (n * block_size / 32, 34), requantized from their float32 values as llama.cpp's quantize_row_q8_0 does."""
     fmt = quant_format(type_id)
     n = len(blocks)
+    if fmt.name in ("IQ3_XXS", "IQ3_S"):
+        return _iq3_as_q6_k(blocks, fmt)
     if fmt.name == "IQ4_XS":
         out = np.empty((n, 8, IQ4_NL_BLOCK_BYTES), dtype=np.uint8)
         out[:, :, :2] = (_f16(blocks, 0) * _iq4_xs_scales(blocks)).astype(np.float16)[..., None].view(np.uint8)
@@ -292,6 +296,47 @@ def transcode_blocks(blocks: np.ndarray, type_id: int) -> np.ndarray:
     weights = np.empty((n, fmt.block_size), dtype=np.float32)
     fmt.dequantize(blocks, weights)
     return quantize_q8_0(weights.reshape(-1, 32))
+
+
+def _iq3_as_q6_k(blocks: np.ndarray, fmt: QuantFormat) -> np.ndarray:
+    """IQ3_XXS / IQ3_S blocks as Q6_K blocks of the same float32 values, bit for bit. Each 32-weight sub-block is
+    d (0.5 + s) / 2 (IQ3_XXS, s of 4 bits) or d (1 + 2 s) (IQ3_S) times grid values with signs, the grid even from 4
+    to 62 (IQ3_XXS) or odd from 1 to 15 (IQ3_S); as Q6_K, its two 16-weight groups take the int8 scale 1 + 2 s, the
+    super-block's d is d / 2 (IQ3_XXS) or d, and q - 32 is grid / 2 (or grid) with its sign, within +-31. gguf
+    decodes both as one float32 product of the same reals, so the values are the same floats (but where an IQ3_XXS
+    d is an f16 subnormal whose halving rounds: weights below 1e-7, off by its rounding)."""
+    n = len(blocks)
+    d = blocks[:, :2].copy().view(np.float16)[:, 0]
+    if fmt.name == "IQ3_XXS":  # f16 d | 64 bytes of grid indices | 8 uint32: 4 x 7 sign bits, a 4-bit scale on top
+        sub_scales = (blocks[:, 66:98].copy().view(np.uint32) >> 28).astype(np.int16)
+        super_d = (d.astype(np.float32) * np.float32(0.5)).astype(np.float16)
+    else:  # IQ3_S: f16 d | 64 bytes of indices | 8 of high bits | 32 of signs | 4 bytes of 4-bit scales
+        sub_scales = _nibbles(blocks[:, 106:110]).transpose(0, 2, 1).reshape(n, 8).astype(np.int16)
+        super_d = d
+    group_scales = (1 + 2 * sub_scales).astype(np.int8)  # (n, 8), one per 32 weights
+    values = np.empty((n, QK_K), dtype=np.float32)
+    fmt.dequantize(blocks, values)
+    steps = super_d.astype(np.float32)[:, None] * group_scales.astype(np.float32)  # gguf's d * scale for Q6_K
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(steps[..., None] != 0, np.rint(values.reshape(n, 8, 32) / steps[..., None]), 0)
+    return _pack_q6_k((np.clip(q, -32, 31).astype(np.int16) + 32).astype(np.uint8).reshape(n, QK_K),
+                      np.repeat(group_scales, 2, axis=1), super_d)
+
+
+def _pack_q6_k(q: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """block_q6_K from unsigned 6-bit quants (n, 256), int8 scales per 16 weights (n, 16) and f16 d (n,): weight
+    128 h + 64 p + j's low nibble is nibble p of ql byte 64 h + j; weight 128 h + 32 b + i's top two bits are bits
+    2 b of qh byte 32 h + i (the layout _dequantize_q6_k reads)."""
+    n = len(q)
+    out = np.empty((n, Q6_K_BLOCK_BYTES), dtype=np.uint8)
+    low = (q & 15).reshape(n, 2, 2, 64)
+    out[:, :128] = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, 128)
+    high = (q >> 4).reshape(n, 2, 4, 32)
+    out[:, 128:192] = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+                       ).reshape(n, 64)
+    out[:, 192:208] = scales.astype(np.int8).view(np.uint8)
+    out[:, 208:210] = d.astype(np.float16).reshape(n, 1).view(np.uint8)
+    return out
 
 
 def quantize_q8_0(weights: np.ndarray) -> np.ndarray:
