@@ -188,7 +188,7 @@ class EngineArgs:
         None, group=MODEL, kind="json",
         help='online quantization\'s settings, vLLM\'s: {"linear": FORMAT, "moe": FORMAT, "ignore": [modules]}, FORMAT '
              f"a shorthand or one of {', '.join(online_quantization.WEIGHT_FORMATS)}; ignore takes module names, "
-             'fnmatch patterns and "re:" regular expressions')
+             'fnmatch patterns and "re:" regular expressions; or {"targets": {pattern: shorthand}}')
     allow_deprecated_quantization: bool = no_effect(False, group=MODEL)
     enforce_eager: bool = arg(False, group=MODEL, help="run every step eagerly (no CUDA graphs)")
     enable_return_routed_experts: bool = default_only(False, group=MODEL,

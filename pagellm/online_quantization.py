@@ -1,8 +1,8 @@
 """vLLM's online quantization arguments (its vllm/config/quantization.py): `quantization=` as one of the shorthands
 (fp8_per_tensor, fp8_per_channel, fp8_per_block, mxfp8, int8_per_channel_weight_only) or "online", and
-`quantization_config={"linear": ..., "moe": ..., "ignore": [...]}`, resolved into one OnlineSpec: which weight
-format the dense linear layers and the mixture-of-experts experts take as a float checkpoint loads, and which layers
-stay in the model's dtype. Imports no torch: the command line's parser checks these before anything heavy loads.
+`quantization_config={"linear": ..., "moe": ..., "ignore": [...]}` or `{"targets": {pattern: shorthand}}`, resolved
+into one OnlineSpec: which weight format the dense linear layers and the mixture-of-experts experts take as a float
+checkpoint loads, and which layers stay in the model's dtype. Imports no torch: the command line's parser checks these before anything heavy loads.
 
 Activations stay in the model's dtype in every format here (pagellm's fp8 products are weight-only: no CPU
 multiplies fp8), which is what vLLM runs on GPUs without fp8 products; vLLM refuses activation overrides for
@@ -32,32 +32,41 @@ REFUSED_WEIGHT_FORMATS: dict[str, str] = {
 ACTIVATION_FORMATS = ("fp8_per_tensor_dynamic", "fp8_per_token", "fp8_per_block_dynamic", "mxfp8")
 
 
+def matches(entry: str, name: str) -> bool:
+    """An `ignore` or `targets` entry against a checkpoint module name: a whole name, an fnmatch pattern, or a "re:"
+    regular expression matched from the start (vLLM's matching with fnmatch)."""
+    if entry.startswith("re:"):
+        return re.match(entry[3:], name) is not None
+    return fnmatch.fnmatchcase(name, entry)
+
+
 @dataclass(frozen=True)
 class OnlineSpec:
     """vLLM's QuantizationConfigArgs: the dense linear layers' weight format, the experts' (None: left in the
-    model's dtype), and the layers left unquantized (module names, fnmatch patterns or "re:" regular expressions).
-    The embedding and the LM head stay in the model's dtype always, as vLLM leaves them."""
+    model's dtype), the layers left unquantized (module names, fnmatch patterns or "re:" regular expressions),
+    and `targets`, (pattern, shorthand) pairs that say each matched layer's format instead of `linear` and `moe`
+    (layers no pattern matches stay unquantized). The embedding and the LM head stay in the model's dtype always,
+    as vLLM leaves them."""
 
     linear: str | None
     moe: str | None
     ignore: tuple[str, ...] = ()
+    targets: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
         parts = [f"{what}: {fmt} ({WEIGHT_FORMATS[fmt]})" for what, fmt in
                  (("linear layers", self.linear), ("experts", self.moe)) if fmt is not None]
+        parts += [f"{pattern}: {shorthand}" for pattern, shorthand in self.targets]
         ignored = f"; left in the model dtype: {', '.join(self.ignore)}" if self.ignore else ""
         return "; ".join(parts) + ignored
 
     def ignores(self, name: str) -> bool:
-        """`name` (a checkpoint module name) is one `ignore` names: as a whole name, an fnmatch pattern, or a
-        "re:" regular expression matched from the start (vLLM's should_ignore_layer with fnmatch)."""
-        for entry in self.ignore:
-            if entry.startswith("re:"):
-                if re.match(entry[3:], name):
-                    return True
-            elif fnmatch.fnmatchcase(name, entry):
-                return True
-        return False
+        """`name` (a checkpoint module name) is one `ignore` names."""
+        return any(matches(entry, name) for entry in self.ignore)
+
+    def targets_of(self, name: str) -> list[tuple[str, str]]:
+        """The (pattern, shorthand) pairs of `targets` that match `name`."""
+        return [(pattern, shorthand) for pattern, shorthand in self.targets if matches(pattern, name)]
 
 
 SHORTHANDS: dict[str, OnlineSpec] = {
@@ -75,7 +84,7 @@ REFUSED_SHORTHANDS: dict[str, str] = {
 }
 # `quantization=` values that mean online quantization as vLLM's new frontend spells it.
 ONLINE_METHODS = (*SHORTHANDS, "online")
-_FIELDS = ("linear", "moe", "ignore")
+_FIELDS = ("linear", "moe", "ignore", "targets")
 
 
 def is_online(quantization: str | None, quantization_config: dict | None) -> bool:
@@ -107,11 +116,16 @@ def resolve(quantization: str | None, quantization_config: dict | None) -> Onlin
     unknown = sorted(set(quantization_config) - set(_FIELDS))
     if unknown:
         raise ValueError(f"quantization_config has {', '.join(map(repr, unknown))}; pagellm takes "
-                         f"{', '.join(_FIELDS)} (vLLM's QuantizationConfigArgs; `targets` is not supported: name "
-                         "the layers to leave unquantized in `ignore`)")
+                         f"{', '.join(_FIELDS)} (vLLM's QuantizationConfigArgs)")
     linear = _weight_format(quantization_config.get("linear"), "linear")
     moe = _weight_format(quantization_config.get("moe"), "moe")
     ignore = _ignore(quantization_config.get("ignore"))
+    targets = _targets(quantization_config.get("targets"))
+    if targets:
+        if linear is not None or moe is not None:
+            raise ValueError("quantization_config.targets says each matched layer's format and excludes `linear` and "
+                             "`moe` (as in vLLM): leave those unset, or drop `targets`")
+        return OnlineSpec(None, None, ignore or (base.ignore if base else ()), targets)
     spec = OnlineSpec(linear or (base.linear if base else None), moe or (base.moe if base else None),
                       ignore or (base.ignore if base else ()))
     if spec.linear is None and spec.moe is None:
@@ -154,6 +168,23 @@ def _weight_format(value, field: str) -> str | None:
     why = f" ({reason})" if reason else ""
     raise ValueError(f"quantization_config.{field}={value!r} is not a weight format pagellm quantizes to{why}; use "
                      f"one of {', '.join(WEIGHT_FORMATS)} or a shorthand ({', '.join(SHORTHANDS)})")
+
+
+def _targets(value) -> tuple[tuple[str, str], ...]:
+    """`targets`: {pattern: shorthand}, a pattern as `ignore` takes them, a shorthand of SHORTHANDS."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k and isinstance(v, str)
+                                              for k, v in value.items()):
+        raise ValueError(f"quantization_config.targets={value!r} must map module patterns to shorthands, e.g. "
+                         '{"re:.*self_attn.*": "fp8_per_channel"}')
+    for pattern, shorthand in value.items():
+        if shorthand not in SHORTHANDS:
+            why = REFUSED_SHORTHANDS.get(shorthand)
+            raise ValueError(f"quantization_config.targets[{pattern!r}]={shorthand!r} is not a shorthand pagellm runs"
+                             f"{f' ({why})' if why else ''}; use one of {', '.join(SHORTHANDS)}")
+    _ignore(list(value))  # the patterns, checked as ignore's
+    return tuple(value.items())
 
 
 def _ignore(value) -> tuple[str, ...]:

@@ -39,7 +39,11 @@ def test_each_shorthand_is_vllms_spec_and_the_config_overrides_its_fields():
     (None, {"linear": "int8_per_channel_weight_only"}, ["defines no linear format"]),
     (None, {"linear": {"weight": "mxfp8", "activation": "mxfp8"}}, ["activation overrides are not supported"]),
     (None, {"linear": {"weights": "mxfp8"}}, ["has 'weights'"]),
-    (None, {"targets": {"re:.*": "mxfp8"}}, ["'targets'", "linear, moe, ignore"]),
+    (None, {"targets": {"re:.*": "mxfp8"}, "moe": "mxfp8"}, ["targets says each matched layer's format", "`moe`"]),
+    (None, {"targets": {"re:.*": "nvfp4_per_token"}}, ["targets['re:.*']='nvfp4_per_token'", "Blackwell"]),
+    (None, {"targets": {"re:(": "mxfp8"}}, ["'re:(' is not a regular expression"]),
+    (None, {"targets": ["re:.*"]}, ["targets=['re:.*'] must map module patterns to shorthands"]),
+    (None, {"bits": 4}, ["'bits'", "linear, moe, ignore, targets"]),
     (None, {"ignore": ["model.layers.0.mlp"]}, ["quantizes nothing", "`linear`"]),
     (None, {"linear": "mxfp8", "ignore": "lm_head"}, ["ignore='lm_head' must be a list"]),
     (None, {"linear": "mxfp8", "ignore": ["re:("]}, ["'re:(' is not a regular expression"]),
@@ -83,6 +87,31 @@ def test_ignore_takes_names_patterns_and_regular_expressions_and_fused_shards_al
         assert isinstance(config.linear_method(prefix), OnlineFp8BlocksLinearMethod), prefix
     with pytest.raises(ValueError, match="qkv_proj fuses .*ignore names only some"):
         config.linear_method("model.layers.3.self_attn.qkv_proj")
+
+
+def test_targets_give_each_matched_layer_its_shorthands_format_and_leave_the_rest_dense():
+    """vLLM's `targets`: {pattern: shorthand}, the shorthand's linear format for a linear layer and its moe format for
+    an experts layer; layers no pattern matches stay dense; refused as vLLM refuses them otherwise."""
+    config = quantization_config_for({}, None, {"targets": {"re:.*self_attn.*": "fp8_per_channel",
+                                                            "re:.*mlp.down_proj$": "mxfp8",
+                                                            "re:.*experts$": "int8_per_channel_weight_only"}})
+    qkv = config.linear_method("model.layers.0.self_attn.qkv_proj")
+    down = config.linear_method("model.layers.3.mlp.down_proj")
+    assert isinstance(qkv, OnlineFp8BlocksLinearMethod) and qkv.block_k is None  # per channel
+    assert isinstance(down, OnlineFp8BlocksLinearMethod) and down.block_k == 32 and down.power_of_two
+    assert config.linear_method("model.layers.0.self_attn.o_proj") is qkv  # one method per format, shared
+    for prefix in ("model.layers.0.mlp.gate_up_proj", "lm_head", "model.embed_tokens"):
+        assert isinstance(config.linear_method(prefix), UnquantizedLinearMethod), prefix
+    assert "int8_per_channel_weight_only" in config.describe()
+    partial = quantization_config_for({}, None, {"targets": {"re:.*q_proj$": "mxfp8"}})
+    with pytest.raises(ValueError, match="each module needs exactly one pattern, and fused shards the same one"):
+        partial.linear_method("model.layers.0.self_attn.qkv_proj")
+    experts_only = quantization_config_for({}, None, {"targets": {"re:.*proj$": "int8_per_channel_weight_only"}})
+    with pytest.raises(ValueError, match="has no format for linear layers"):
+        experts_only.linear_method("model.layers.0.self_attn.o_proj")
+    both = quantization_config_for({}, None, {"targets": {"re:.*o_proj$": "mxfp8"}, "ignore": ["*.o_proj"]})
+    with pytest.raises(ValueError, match="matches both quantization_config.ignore and targets"):
+        both.linear_method("model.layers.0.self_attn.o_proj")
 
 
 def test_an_already_quantized_checkpoint_is_refused():

@@ -182,11 +182,12 @@ def test_int8_checkpoints_stay_close_to_the_dequantized_model(tmp_path, tiny_lla
 FP8_BLOCKS = {"fp8_per_channel": (1, None, False), "fp8_per_block": (128, 128, False), "mxfp8": (1, 32, True)}
 
 
-def _online_dequantized(tiny_llama_dir: str, directory, method: str) -> str:
+def _online_dequantized(tiny_llama_dir: str, directory, method: str, only: str = "") -> str:
     """A float checkpoint of the weights quantization=`method` makes: int8 per output channel, rotated
     (quantize_int8_rotated: the model computes W8A8's products when its inputs are rotated likewise, `_hf`'s
     `rotated`); fp8 with one scale per fused weight (q/k/v together, gate/up together), as the layers quantize
-    them, or (FP8_BLOCKS) per block of the fused weight."""
+    them, or (FP8_BLOCKS) per block of the fused weight. `only`: just the modules whose names start with it
+    ("self_attn"), the others kept as they are."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -195,6 +196,8 @@ def _online_dequantized(tiny_llama_dir: str, directory, method: str) -> str:
     for layer in range(3):
         for parts in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
                       ("self_attn.o_proj",), ("mlp.down_proj",)):
+            if not parts[0].startswith(only):
+                continue
             names = [f"model.layers.{layer}.{part}.weight" for part in parts]
             fused = torch.cat([tensors[name] for name in names])
             if method == "int8":
@@ -249,6 +252,24 @@ def test_vllms_online_fp8_shorthands_halve_the_weights_and_equal_their_dequantiz
     assert weights_bytes(_load(tiny_llama_dir, torch.bfloat16, shorthand).model.layers) <= most * float_layers
     ours = _ours(tiny_llama_dir, quantization=shorthand)
     theirs = _hf(_online_dequantized(tiny_llama_dir, tmp_path / "dequantized", shorthand), default_tokenizer)
+    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in theirs]
+
+
+def test_targets_quantize_the_layers_they_match_alone(tmp_path, tiny_llama_dir, default_tokenizer):
+    """quantization_config's `targets` (vLLM's): attention in fp8 per channel, the MLPs left in float; transformers'
+    tokens on those weights."""
+    from pagellm.layers.quantization.online import OnlineFp8BlocksLinearMethod
+
+    config = {"targets": {"re:.*self_attn.*": "fp8_per_channel"}}
+    source = loader.resolve_model(tiny_llama_dir)
+    hf_config, _ = loader.load_hf_config(source)
+    model = loader.load_model(source, hf_config, None, torch.float32, torch.device("cpu"), 64, online_config=config)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.quant_method, OnlineFp8BlocksLinearMethod)
+    assert isinstance(layer.mlp.down_proj.quant_method, UnquantizedLinearMethod)
+    ours = _ours(tiny_llama_dir, quantization_config=config)
+    theirs = _hf(_online_dequantized(tiny_llama_dir, tmp_path / "dequantized", "fp8_per_channel", "self_attn"),
+                 default_tokenizer)
     assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in theirs]
 
 

@@ -18,7 +18,7 @@ from pagellm.layers.quantization.experts_int8 import OnlineInt8WeightOnlyMethod
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import (OnlineFp8LinearMethod, OnlineQuantizedLinearMethod,
                                               checkpoint_module_names, is_embedding_or_head)
-from pagellm.online_quantization import OnlineSpec
+from pagellm.online_quantization import SHORTHANDS, OnlineSpec
 from pagellm.ops import w8a8_kernels as wk
 
 FP8_BLOCK = (128, 128)  # vLLM's fp8_per_block (kFp8Static128BlockSym)
@@ -74,23 +74,56 @@ class OnlineConfig(QuantizationConfig):
         self.spec = spec
         self.requested = requested
         self.dense = UnquantizedLinearMethod()
-        self.linear = online_linear_method(spec.linear) if spec.linear else None
-        self.experts = _FormatForAll(online_linear_method(spec.moe)) if spec.moe else None
+        self._methods: dict[str, OnlineQuantizedLinearMethod] = {}  # one per weight format, shared by its layers
+
+    def _method(self, weight_format: str) -> OnlineQuantizedLinearMethod:
+        if weight_format not in self._methods:
+            self._methods[weight_format] = online_linear_method(weight_format)
+        return self._methods[weight_format]
 
     def linear_method(self, prefix: str) -> LinearMethod:
-        if self.linear is None or is_embedding_or_head(prefix):
+        if is_embedding_or_head(prefix) or (self.spec.linear is None and not self.spec.targets):
             return self.dense
-        names = checkpoint_module_names(prefix, self.spec.ignores)
+        names = checkpoint_module_names(prefix,
+                                        lambda name: self.spec.ignores(name) or bool(self.spec.targets_of(name)))
         ignored = [self.spec.ignores(name) for name in names]
         if any(ignored) and not all(ignored):
             raise ValueError(f"{prefix} fuses {names}, of which quantization_config.ignore names only some; pagellm "
                              "(as vLLM) needs the fused shards quantized alike: name all of them or none")
-        return self.dense if all(ignored) else self.linear
+        if self.spec.targets:
+            weight_format = self._target_format(prefix, names, all(ignored), "linear")
+            return self.dense if weight_format is None else self._method(weight_format)
+        return self.dense if all(ignored) else self._method(self.spec.linear)
 
     def fused_moe_method(self, prefix: str) -> FusedMoEMethodBase:
-        if self.experts is None or self.spec.ignores(prefix):
+        ignored = self.spec.ignores(prefix)
+        weight_format = self._target_format(prefix, [prefix], ignored, "moe") if self.spec.targets else (
+            None if ignored else self.spec.moe)
+        if weight_format is None:
             return UnquantizedFusedMoEMethod()
-        return ExpertLinearsMoEMethod(self.experts)
+        return ExpertLinearsMoEMethod(_FormatForAll(self._method(weight_format)))
+
+    def _target_format(self, prefix: str, names: list[str], ignored: bool, field: str) -> str | None:
+        """The weight format `targets` gives the layer whose checkpoint modules are `names` (None: no pattern
+        matches them), refusing what vLLM refuses: a layer both ignored and targeted, fused shards matched by
+        different patterns or only some, several patterns for one module, a shorthand without a `field` format."""
+        matched = [self.spec.targets_of(name) for name in names]
+        if not any(matched):
+            return None
+        if ignored:
+            raise ValueError(f"{prefix} matches both quantization_config.ignore and targets "
+                             f"({[m[0][0] for m in matched if m]}); a layer may be named by one of them only")
+        if not all(matched) or any(len(m) > 1 for m in matched) or len({m[0] for m in matched}) > 1:
+            raise ValueError(f"{prefix}: quantization_config.targets matches its modules {names} as "
+                             f"{[[pattern for pattern, _ in m] for m in matched]}; each module needs exactly one "
+                             "pattern, and fused shards the same one")
+        pattern, shorthand = matched[0][0]
+        weight_format = getattr(SHORTHANDS[shorthand], field)
+        if weight_format is None:
+            kind = "linear layers" if field == "linear" else "experts"
+            raise ValueError(f"quantization_config.targets[{pattern!r}]={shorthand!r} matches {prefix}, but that "
+                             f"shorthand has no format for {kind}")
+        return weight_format
 
     def describe(self) -> str:
         asked = f"quantization={self.requested!r}" if self.requested else "quantization_config"
