@@ -2,7 +2,8 @@
 (fp8_per_tensor, fp8_per_channel, fp8_per_block, mxfp8, int8_per_channel_weight_only) or "online", and
 `quantization_config={"linear": ..., "moe": ..., "ignore": [...]}` or `{"targets": {pattern: shorthand}}`, resolved
 into one OnlineSpec: which weight format the dense linear layers and the mixture-of-experts experts take as a float
-checkpoint loads, and which layers stay in the model's dtype. Imports no torch: the command line's parser checks these before anything heavy loads.
+checkpoint loads, and which layers stay in the model's dtype. Imports no torch: the command line's parser checks
+these before anything heavy loads.
 
 Activations stay in the model's dtype in every format here (pagellm's fp8 products are weight-only: no CPU
 multiplies fp8), which is what vLLM runs on GPUs without fp8 products; vLLM refuses activation overrides for
@@ -125,9 +126,9 @@ def resolve(quantization: str | None, quantization_config: dict | None) -> Onlin
         if linear is not None or moe is not None:
             raise ValueError("quantization_config.targets says each matched layer's format and excludes `linear` and "
                              "`moe` (as in vLLM): leave those unset, or drop `targets`")
-        return OnlineSpec(None, None, ignore or (base.ignore if base else ()), targets)
-    spec = OnlineSpec(linear or (base.linear if base else None), moe or (base.moe if base else None),
-                      ignore or (base.ignore if base else ()))
+        return OnlineSpec(None, None, ignore, targets)
+    base = base or OnlineSpec(None, None)  # a shorthand sets linear / moe only, never ignore
+    spec = OnlineSpec(linear or base.linear, moe or base.moe, ignore)
     if spec.linear is None and spec.moe is None:
         raise ValueError(f"quantization_config={quantization_config!r} quantizes nothing; set `linear` and/or `moe`, "
                          f"e.g. \"fp8_per_channel\"")
@@ -183,7 +184,7 @@ def _targets(value) -> tuple[tuple[str, str], ...]:
             why = REFUSED_SHORTHANDS.get(shorthand)
             raise ValueError(f"quantization_config.targets[{pattern!r}]={shorthand!r} is not a shorthand pagellm runs"
                              f"{f' ({why})' if why else ''}; use one of {', '.join(SHORTHANDS)}")
-    _ignore(list(value))  # the patterns, checked as ignore's
+    _check_patterns(value, "targets")
     return tuple(value.items())
 
 
@@ -193,11 +194,15 @@ def _ignore(value) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(entry, str) and entry for entry in value):
         raise ValueError(f"quantization_config.ignore={value!r} must be a list of module names, fnmatch patterns "
                          'or "re:" regular expressions')
-    for entry in value:
+    _check_patterns(value, "ignore")
+    return tuple(value)
+
+
+def _check_patterns(entries, field: str) -> None:
+    for entry in entries:
         if entry.startswith("re:"):
             try:
                 re.compile(entry[3:])
             except re.error as exc:
-                raise ValueError(f"quantization_config.ignore entry {entry!r} is not a regular expression: {exc}") \
+                raise ValueError(f"quantization_config.{field} entry {entry!r} is not a regular expression: {exc}") \
                     from None
-    return tuple(value)

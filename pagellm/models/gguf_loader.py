@@ -31,7 +31,7 @@ import torch
 from pagellm.cache_dir import cache_root
 from pagellm.child_process import child_environment
 from pagellm.models.gguf_config import GGUFModelConfig, gguf_model_config
-from pagellm.models.gguf_quants import (QUANT_FORMATS, dequantize, kernel_type, quant_format, tensor_nbytes,
+from pagellm.models.gguf_quants import (FORMATS_BY_NAME, dequantize, kernel_type, quant_format, tensor_nbytes,
                                         transcode_blocks)
 
 if TYPE_CHECKING:
@@ -185,12 +185,11 @@ class GGUFTensors:
 
     def transcoding_growth(self) -> int:
         """Bytes the kernel-less types' tensors take beyond their file size once kept as another type's blocks."""
-        by_name = {fmt.name: type_id for type_id, fmt in QUANT_FORMATS.items()}
         grown = 0
         for info in self.header.tensors.values():
             fmt = quant_format(info.type_id, info.name)
             if kernel_type(fmt.name) != fmt.name:
-                kept = by_name[kernel_type(fmt.name)]
+                kept, _ = FORMATS_BY_NAME[kernel_type(fmt.name)]
                 grown += tensor_nbytes(info.shape, kept, info.name) - tensor_nbytes(info.shape, info.type_id, info.name)
         return grown
 

@@ -270,6 +270,9 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     35: QuantFormat("TQ2_0", QK_K, 66, _gguf_package_dequantizer(35)),
     39: QuantFormat("MXFP4", 32, 17, _gguf_package_dequantizer(39)),
 }
+# Type name -> (GGML type id, format).
+FORMATS_BY_NAME: dict[str, tuple[int, QuantFormat]] = {fmt.name: (type_id, fmt)
+                                                       for type_id, fmt in QUANT_FORMATS.items()}
 # Kernel-less types -> the type whose blocks they are kept as.
 TRANSCODED_TYPES = {"IQ4_XS": "IQ4_NL", "IQ3_XXS": "Q6_K", "IQ3_S": "Q6_K",
                     **dict.fromkeys(("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ2_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"),

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.cpu_features import cpu_flags, cpu_has_amx_bf16, cpu_has_native
-from pagellm.models.gguf_quants import QUANT_FORMATS, QuantFormat, dequantize
+from pagellm.models.gguf_quants import FORMATS_BY_NAME, QuantFormat, dequantize
 from pagellm.ops import cpu_build
 from pagellm.ops.linear_bf16 import (AMX_K, BF16TilesStruct, LinearBF16, linear_bf16, run_tiles_product,
                                      tiles_product_function)
@@ -52,7 +52,7 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 # The block types the kernels compute with (GGML type ids); the others (F32, F16, BF16) are plain tensors.
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-_FORMATS: dict[str, tuple[int, QuantFormat]] = {fmt.name: (type_id, fmt) for type_id, fmt in QUANT_FORMATS.items()}
+_FORMATS = FORMATS_BY_NAME
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
 # Rows of x from which `matmul` runs torch's GEMM on dequantized weight tiles instead of the int8 products, per

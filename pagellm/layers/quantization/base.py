@@ -93,12 +93,15 @@ class SkipsKVCacheScales:
     once in the log). pagellm's 8-bit KV caches scale each row as it is written (kv_cache_dtype="fp8"), and
     kv_cache_dtype="auto" keeps K/V in the model's dtype, as vLLM does with such a checkpoint."""
 
+    name: ClassVar[str]
+    _said_kv_scales = False
+
     def skipped_tensor(self, name: str) -> bool:
         if not name.endswith(KV_CACHE_SCALE_SUFFIXES):
             return False
-        if not getattr(self, "_said_kv_scales", False):
+        if not self._said_kv_scales:
             self._said_kv_scales = True
             logging.getLogger(type(self).__module__).info(
                 "%s: the checkpoint's KV cache scales (%s, ...) are not used: pagellm's 8-bit KV caches scale each "
-                "row as it is written (kv_cache_dtype='fp8')", getattr(self, "name", "checkpoint"), name)
+                "row as it is written (kv_cache_dtype='fp8')", self.name, name)
         return True

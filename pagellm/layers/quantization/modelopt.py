@@ -57,10 +57,9 @@ class _BlockScales4D(Fp8LinearMethod):
 class ModelOptFp8Config(SkipsKVCacheScales, QuantizationConfig):
     name = "modelopt"
 
-    def __init__(self, algo: str, exclude_modules: list[str], kv_cache_algo: str | None) -> None:
+    def __init__(self, algo: str, exclude_modules: list[str]) -> None:
         self.algo = algo
         self.exclude_modules = list(exclude_modules)
-        self.kv_cache_algo = kv_cache_algo
         self.dense = UnquantizedLinearMethod()
         if algo == "FP8":
             self.method: LinearMethod = Fp8LinearMethod("tensor", static_input=True)
@@ -75,13 +74,9 @@ class ModelOptFp8Config(SkipsKVCacheScales, QuantizationConfig):
         if nested is not None:
             if not isinstance(nested, dict):
                 raise ValueError(f"modelopt quantization config's 'quantization' is {nested!r}, not a dict")
-            algo, kv_algo = nested.get("quant_algo"), nested.get("kv_cache_quant_algo")
-            exclude = nested.get("exclude_modules") or []
+            algo, exclude = nested.get("quant_algo"), nested.get("exclude_modules") or []
         else:
             algo, exclude = config.get("quant_algo"), config.get("ignore") or config.get("exclude_modules") or []
-            scheme = config.get("kv_cache_scheme")
-            kv_algo = "FP8" if isinstance(scheme, dict) and scheme.get("type") == "float" and \
-                scheme.get("num_bits") == 8 else None
         if not algo:
             raise ValueError("the modelopt quantization config names no quant_algo")
         algo = str(algo).upper()
@@ -92,12 +87,11 @@ class ModelOptFp8Config(SkipsKVCacheScales, QuantizationConfig):
             raise ValueError(f"modelopt quant_algo {algo!r} is unknown; pagellm reads {', '.join(FP8_ALGOS)}")
         if not isinstance(exclude, list) or not all(isinstance(entry, str) for entry in exclude):
             raise ValueError(f"modelopt exclude_modules / ignore is {exclude!r}, not a list of module names")
-        return cls(algo, exclude, str(kv_algo).upper() if kv_algo else None)
+        return cls(algo, exclude)
 
     def excluded(self, name: str) -> bool:
-        """vLLM's is_layer_excluded: a whole name, one contained in `name`, or an fnmatch wildcard."""
-        return any(entry == name or entry in name or fnmatch.fnmatchcase(name, entry)
-                   for entry in self.exclude_modules)
+        """vLLM's is_layer_excluded: a name contained in `name` (a whole one included), or an fnmatch wildcard."""
+        return any(entry in name or fnmatch.fnmatchcase(name, entry) for entry in self.exclude_modules)
 
     def linear_method(self, prefix: str) -> LinearMethod:
         if prefix.endswith("embed_tokens"):

@@ -16,7 +16,7 @@ from pagellm.layers.fused_moe import ExpertLinearsMoEMethod, FusedMoEMethodBase,
 from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
 from pagellm.layers.quantization.experts_int8 import OnlineInt8WeightOnlyMethod
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
-from pagellm.layers.quantization.w8a8 import (OnlineFp8LinearMethod, OnlineQuantizedLinearMethod,
+from pagellm.layers.quantization.w8a8 import (OnlineFp8LinearMethod, OnlineQuantization, OnlineQuantizedLinearMethod,
                                               checkpoint_module_names, is_embedding_or_head)
 from pagellm.online_quantization import SHORTHANDS, OnlineSpec
 from pagellm.ops import w8a8_kernels as wk
@@ -55,18 +55,6 @@ def online_linear_method(weight_format: str) -> OnlineQuantizedLinearMethod:
     raise ValueError(f"no online method for weight format {weight_format!r}")
 
 
-class _FormatForAll(QuantizationConfig):
-    """The experts' linear layers (ExpertLinearsMoEMethod asks a config per expert layer): all of one format."""
-
-    name = "online"
-
-    def __init__(self, method: LinearMethod) -> None:
-        self.method = method
-
-    def linear_method(self, prefix: str) -> LinearMethod:
-        return self.method
-
-
 class OnlineConfig(QuantizationConfig):
     name = "online"
 
@@ -101,7 +89,8 @@ class OnlineConfig(QuantizationConfig):
             None if ignored else self.spec.moe)
         if weight_format is None:
             return UnquantizedFusedMoEMethod()
-        return ExpertLinearsMoEMethod(_FormatForAll(self._method(weight_format)))
+        # The experts' linear layers ask a config of their own (as experts_int8's do): all of this format.
+        return ExpertLinearsMoEMethod(OnlineQuantization(self.name, self._method(weight_format), weight_format))
 
     def _target_format(self, prefix: str, names: list[str], ignored: bool, field: str) -> str | None:
         """The weight format `targets` gives the layer whose checkpoint modules are `names` (None: no pattern
