@@ -135,11 +135,11 @@ _SPEC_CONFIG_ONLY = "pagellm takes speculative decoding settings from speculativ
 _NO_DP = "pagellm runs one engine (data_parallel_size=1); start one server per replica behind a load balancer"
 _NO_MM = "pagellm serves text-only models"
 _NO_POOLING = "pagellm runs generative models (no pooling / embedding runners)"
-_QUANT_METHODS = ("pagellm loads unquantized, GGUF, AWQ, GPTQ, compressed-tensors (int8/fp8 W8A8), fp8 and "
-                  "ModelOpt fp8 checkpoints, and quantizes float ones to int8 or fp8 (or their experts alone to int8: "
-                  "experts_int8) as they load, or as vLLM's online shorthands say (fp8_per_tensor, "
-                  "fp8_per_channel, fp8_per_block, mxfp8, int8_per_channel_weight_only; online with "
-                  "quantization_config)")
+_QUANT_METHODS = ("pagellm loads unquantized, GGUF, AWQ, GPTQ, compressed-tensors (int8/fp8 W8A8), fp8, "
+                  "ModelOpt fp8 and bitsandbytes (4-bit, 8-bit) checkpoints, and quantizes float ones to int8 or fp8 "
+                  "(or their experts alone to int8: experts_int8) or to NF4 (bitsandbytes) as they load, or as "
+                  "vLLM's online shorthands say (fp8_per_tensor, fp8_per_channel, fp8_per_block, mxfp8, "
+                  "int8_per_channel_weight_only; online with quantization_config)")
 _NO_OFFLOAD = "pagellm keeps every weight on the device"
 _NO_DISAGG = "pagellm does no disaggregated prefill / KV transfer"
 _NO_CUSTOM_CODE = "pagellm runs its own model implementations"
@@ -182,6 +182,7 @@ class EngineArgs:
     quantization: str | None = default_only(
         None, group=MODEL, kind="optional_str", flags=("-q",),
         accepted=("awq", "gptq", "compressed-tensors", "fp8", "modelopt", "mxfp4", "int8", "experts_int8", "gguf",
+                  "bitsandbytes",
                   *QUANTIZATION_KERNEL_ALIASES, *online_quantization.ONLINE_METHODS),
         why=_QUANT_METHODS)
     quantization_config: dict | None = arg(
@@ -232,9 +233,10 @@ class EngineArgs:
     renderer_num_workers: int = no_effect(1, group=MODEL)
 
     # ---- LoadConfig ------------------------------------------------------------------------------------
-    load_format: str = arg("auto", group=LOAD, choices=("auto", "dummy"),
+    load_format: str = arg("auto", group=LOAD, choices=("auto", "dummy", "bitsandbytes"),
                            help="auto: the checkpoint's weights; dummy: random weights of its shapes "
-                                "(benchmarks without a checkpoint)")
+                                "(benchmarks without a checkpoint); bitsandbytes: auto with "
+                                "quantization=bitsandbytes (vLLM's older spelling)")
     download_dir: str | None = arg(None, group=LOAD, kind="optional_str",
                                    help="the Hugging Face cache to find hub ids in (default: $HF_HUB_CACHE, "
                                         "$HF_HOME/hub or ~/.cache/huggingface/hub); pagellm downloads nothing")
@@ -569,6 +571,8 @@ class EngineArgs:
             self.structured_outputs_config = dataclasses.asdict(config)
         elif config == {}:
             self.structured_outputs_config = None  # all of vLLM's defaults, as unset
+        if self.load_format == "bitsandbytes" and self.quantization in (None, "bitsandbytes"):
+            self.quantization, self.load_format = "bitsandbytes", "auto"  # vLLM's older spelling of the method
 
     def _resolve_platform_defaults(self) -> None:
         """vLLM leaves these None for its platform to choose; these are pagellm's choices."""
@@ -612,8 +616,12 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ArgumentValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
                                      f"{', '.join(KV_CACHE_DTYPES)}.")
+        if self.load_format == "bitsandbytes":  # (_normalize took it where quantization agrees)
+            raise ArgumentValueError(f"load_format='bitsandbytes' loads bitsandbytes weights, but "
+                                     f"quantization={self.quantization!r}; leave one of them unset")
         if self.load_format not in ("auto", "dummy"):
-            raise ArgumentValueError(f"load_format={self.load_format!r} is not supported; use auto or dummy.")
+            raise ArgumentValueError(f"load_format={self.load_format!r} is not supported; use auto, dummy or "
+                                     "bitsandbytes.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ArgumentValueError(f"device={self.device!r} is not supported; use auto, cpu or cuda.")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -9,6 +9,9 @@ are decoded by gguf itself). tests/test_gguf_quants.py checks every type against
 Types no pagellm kernel reads in their own blocks (TRANSCODED_TYPES) are kept in memory as the blocks of one it
 reads (kernel_type: IQ4_XS as IQ4_NL, the others as Q8_0), transcode_blocks'.
 
+Two types are pagellm's own (OWN_FORMATS, ids no GGUF uses): NF4 and BNB_FP4, IQ4_NL's blocks with bitsandbytes'
+code books for a grid, which its 4-bit checkpoints are kept as (pagellm/layers/quantization/bitsandbytes.py).
+
 Block layouts follow ggml's `block_*` structs (ggml-common.h); QK_K = 256 weights per super-block.
 """
 
@@ -222,6 +225,30 @@ def _dequantize_iq4_nl(blocks: np.ndarray, out: np.ndarray) -> None:
     _scale_into(out, _iq4_codes(blocks[:, 2:]), _f16(blocks, 0)[:, 0])
 
 
+# bitsandbytes' 4-bit code books (bitsandbytes.functional.get_4bit_type: NF4's 16 quantiles of a normal
+# distribution, its FP4's sign-magnitude values), each block's values a code times the block's absmax. The kernels
+# multiply int8 grids (IQ4_NL's way), so the codes are held times 127, rounded: within 0.0037 (NF4) and 0.0040
+# (FP4) of a block's absmax, where the codes themselves lie 0.08-0.31 apart.
+NF4_CODES = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                      -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                      0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                      0.7229568362236023, 1.0], dtype=np.float32)
+BNB_FP4_CODES = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3],
+                         dtype=np.float32) / np.float32(12)
+GRID_SCALE = 127
+NF4_VALUES = np.round(NF4_CODES * GRID_SCALE).astype(np.int8)
+BNB_FP4_VALUES = np.round(BNB_FP4_CODES * GRID_SCALE).astype(np.int8)
+
+
+def _grid_dequantizer(values: np.ndarray) -> Dequantizer:
+    """IQ4_NL's block (f16 d, 16 bytes of nibbles: low nibbles weights 0-15, high 16-31) on another grid."""
+    def dequantize_blocks(blocks: np.ndarray, out: np.ndarray) -> None:
+        codes = values[_nibbles(blocks[:, 2:]).reshape(len(blocks), 32)]
+        _scale_into(out, codes, _f16(blocks, 0)[:, 0])
+
+    return dequantize_blocks
+
+
 def _dequantize_iq4_xs(blocks: np.ndarray, out: np.ndarray) -> None:
     """block_iq4_xs: f16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes of nibbles (16 per 32-weight sub-block);
     w = (d * (scale - 32)) * grid[q]."""
@@ -270,9 +297,14 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     35: QuantFormat("TQ2_0", QK_K, 66, _gguf_package_dequantizer(35)),
     39: QuantFormat("MXFP4", 32, 17, _gguf_package_dequantizer(39)),
 }
-# Type name -> (GGML type id, format).
+# pagellm's own block types (ids past GGML's, csrc/gguf_quant.c's enum): never read from a GGUF file.
+OWN_FORMATS: dict[int, QuantFormat] = {
+    1000: QuantFormat("NF4", 32, 18, _grid_dequantizer(NF4_VALUES)),
+    1001: QuantFormat("BNB_FP4", 32, 18, _grid_dequantizer(BNB_FP4_VALUES)),
+}
+# Type name -> (type id, format).
 FORMATS_BY_NAME: dict[str, tuple[int, QuantFormat]] = {fmt.name: (type_id, fmt)
-                                                       for type_id, fmt in QUANT_FORMATS.items()}
+                                                       for type_id, fmt in (QUANT_FORMATS | OWN_FORMATS).items()}
 # Kernel-less types -> the type whose blocks they are kept as.
 TRANSCODED_TYPES = {"IQ4_XS": "IQ4_NL", "IQ3_XXS": "Q6_K", "IQ3_S": "Q6_K",
                     **dict.fromkeys(("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ2_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"),
@@ -377,6 +409,11 @@ def quant_format(type_id: int, tensor_name: str = "") -> QuantFormat:
     return fmt
 
 
+def _block_format(type_id: int, tensor_name: str) -> QuantFormat:
+    """A GGML type's format, or one of pagellm's own (blocks the kernels hold, not a file's)."""
+    return OWN_FORMATS[type_id] if type_id in OWN_FORMATS else quant_format(type_id, tensor_name)
+
+
 def _type_name(type_id: int) -> str:
     try:
         from gguf import GGMLQuantizationType
@@ -388,7 +425,7 @@ def _type_name(type_id: int) -> str:
 
 def tensor_nbytes(shape: tuple[int, ...], type_id: int, tensor_name: str = "") -> int:
     """Bytes a tensor of `shape` (numpy order, rows last-contiguous) occupies in the file."""
-    fmt = quant_format(type_id, tensor_name)
+    fmt = _block_format(type_id, tensor_name)
     row = shape[-1] if shape else 1
     if row % fmt.block_size:
         raise ValueError(
@@ -399,7 +436,7 @@ def tensor_nbytes(shape: tuple[int, ...], type_id: int, tensor_name: str = "") -
 
 def dequantize(raw: np.ndarray, type_id: int, shape: tuple[int, ...], tensor_name: str = "") -> np.ndarray:
     """A new, writable, C-contiguous float32 array of `shape` from the tensor's raw bytes."""
-    fmt = quant_format(type_id, tensor_name)
+    fmt = _block_format(type_id, tensor_name)
     n_blocks = tensor_nbytes(shape, type_id, tensor_name) // fmt.block_bytes
     blocks = np.asarray(raw, dtype=np.uint8).reshape(n_blocks, fmt.block_bytes)
     out = np.empty((n_blocks, fmt.block_size), dtype=np.float32)

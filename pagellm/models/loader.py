@@ -221,6 +221,7 @@ def load_model(
             weights = gguf_state_dict.items() if gguf_state_dict is not None else _iter_hf_weights(source.path)
             if quant_config is not None:
                 weights = ((name, tensor) for name, tensor in weights if not quant_config.skipped_tensor(name))
+                weights = quant_config.checkpoint_tensors(weights)
             model.load_weights(weights)
         process_weights_after_loading(model)
     ops = cpu_ops() if device.type == "cpu" else None

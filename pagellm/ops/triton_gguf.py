@@ -89,14 +89,32 @@ def _plane(w_ptr, h_ptr, s_ptr, base, lane, mask, p, TYPE: tl.constexpr):
             w = q.to(tl.float32) * d + tl.load(h_ptr + base // 2 + 1, mask=mask, other=0.0).to(tl.float32)
         else:
             w = (q - (16 if FIFTH_BIT else 8)).to(tl.float32) * d
-    elif TYPE == 20:  # IQ4_NL: f16 d | 16 bytes of nibbles as Q4_0's; w = d * grid[q] (ggml's kvalues_iq4nl)
+    elif TYPE == 20 or TYPE == 1000 or TYPE == 1001:
+        # IQ4_NL: f16 d | 16 bytes of nibbles as Q4_0's; w = d * grid[q] (ggml's kvalues_iq4nl). NF4 / BNB_FP4
+        # (pagellm's, for bitsandbytes' 4-bit weights): the same blocks on bitsandbytes' code books times 127
+        # (gguf_quants.NF4_VALUES / BNB_FP4_VALUES).
         q = (tl.load(w_ptr + base + 2 + lane, mask=mask, other=0).to(tl.int32) >> (4 * p)) & 15
-        low = tl.where((q & 4) != 0, tl.where((q & 2) != 0, tl.where((q & 1) != 0, -10, -22),
-                                              tl.where((q & 1) != 0, -35, -49)),
-                       tl.where((q & 2) != 0, tl.where((q & 1) != 0, -65, -83), tl.where((q & 1) != 0, -104, -127)))
-        high = tl.where((q & 4) != 0, tl.where((q & 2) != 0, tl.where((q & 1) != 0, 113, 89),
-                                               tl.where((q & 1) != 0, 69, 53)),
-                        tl.where((q & 2) != 0, tl.where((q & 1) != 0, 38, 25), tl.where((q & 1) != 0, 13, 1)))
+        if TYPE == 20:
+            low = tl.where((q & 4) != 0, tl.where((q & 2) != 0, tl.where((q & 1) != 0, -10, -22),
+                                                  tl.where((q & 1) != 0, -35, -49)),
+                           tl.where((q & 2) != 0, tl.where((q & 1) != 0, -65, -83), tl.where((q & 1) != 0, -104, -127)))
+            high = tl.where((q & 4) != 0, tl.where((q & 2) != 0, tl.where((q & 1) != 0, 113, 89),
+                                                  tl.where((q & 1) != 0, 69, 53)),
+                           tl.where((q & 2) != 0, tl.where((q & 1) != 0, 38, 25), tl.where((q & 1) != 0, 13, 1)))
+        elif TYPE == 1000:
+            low = tl.where((q & 4) != 0, tl.where((q & 2) != 0, tl.where((q & 1) != 0, 0, -12),
+                                                  tl.where((q & 1) != 0, -23, -36)),
+                           tl.where((q & 2) != 0, tl.where((q & 1) != 0, -50, -67), tl.where((q & 1) != 0, -88, -127)))
+            high = tl.where((q & 4) != 0, tl.where((q & 2) != 0, tl.where((q & 1) != 0, 127, 92),
+                                                  tl.where((q & 1) != 0, 71, 56)),
+                           tl.where((q & 2) != 0, tl.where((q & 1) != 0, 43, 31), tl.where((q & 1) != 0, 20, 10)))
+        else:
+            low = tl.where((q & 4) != 0, tl.where((q & 2) != 0, tl.where((q & 1) != 0, 32, 21),
+                                                  tl.where((q & 1) != 0, 64, 42)),
+                           tl.where((q & 2) != 0, tl.where((q & 1) != 0, 127, 85), tl.where((q & 1) != 0, 1, 0)))
+            high = tl.where((q & 4) != 0, tl.where((q & 2) != 0, tl.where((q & 1) != 0, -32, -21),
+                                                  tl.where((q & 1) != 0, -64, -42)),
+                           tl.where((q & 2) != 0, tl.where((q & 1) != 0, -127, -85), tl.where((q & 1) != 0, -1, 0)))
         value = tl.where((q & 8) != 0, high, low)
         w = value.to(tl.float32) * tl.load(h_ptr + base // 2, mask=mask, other=0.0).to(tl.float32)
     elif TYPE == 8:  # Q8_0: f16 d | 32 int8; w = d * q

@@ -25,6 +25,7 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "experts_int8": "pagellm.layers.quantization.experts_int8:experts_int8_config",
     "mxfp4": "pagellm.layers.quantization.mxfp4:mxfp4_config",
     "modelopt": "pagellm.layers.quantization.modelopt:modelopt_config",
+    "bitsandbytes": "pagellm.layers.quantization.bitsandbytes:bitsandbytes_config",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import torch
@@ -82,6 +82,11 @@ class QuantizationConfig(ABC):
         """A checkpoint tensor the format stores that pagellm does not use (a calibrated KV cache's scales), passed
         over at load instead of refused as having no place in the model."""
         return False
+
+    def checkpoint_tensors(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
+        """The checkpoint's tensors as the layers' weight loaders take them: a format that stores one weight as
+        several tensors (bitsandbytes) hands it over whole."""
+        return weights
 
     def describe(self) -> str:
         """For the start-up log: the format and its settings."""

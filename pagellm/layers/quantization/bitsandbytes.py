@@ -1,0 +1,325 @@
+"""bitsandbytes checkpoints (transformers' load_in_4bit / load_in_8bit models saved with save_pretrained, such
+as unsloth's "-bnb-4bit" ones) and vLLM's in-flight `quantization="bitsandbytes"` of a float checkpoint, on
+pagellm's own kernels: bitsandbytes itself is not needed.
+
+4-bit. Per linear module the checkpoint stores (bitsandbytes' QuantState.as_dict(packed=True)):
+  weight                                   the flattened weight's 4-bit codes, two per byte, the first in the high
+                                           nibble: uint8 [N * K / 2, 1] (or those bytes in bnb_4bit_quant_storage's
+                                           dtype);
+  weight.absmax                            float32, each block's max |w| (blocksize weights of the flattened
+                                           weight); with double quantization uint8 codes of it, with
+  weight.nested_absmax / nested_quant_map  absmax = nested_quant_map[code] * nested_absmax[i // nested_blocksize]
+                                           + nested_offset;
+  weight.quant_map                         float32 [16], the code book (NF4 or bitsandbytes' FP4);
+  weight.quant_state.bitsandbytes__nf4     uint8 bytes of JSON: quant_type, blocksize, shape, nested_blocksize,
+                                           nested_offset.
+  W.flat[i] = quant_map[code i] * absmax[i // blocksize].
+A layer's weights are kept as the GGUF kernels' NF4 / BNB_FP4 blocks (models/gguf_quants.py: IQ4_NL's 32-weight
+blocks with the code book times 127 for a grid and absmax / 127 as the block's f16 scale; every blocksize of 32 or
+more divides into them) and run as a GGUF file's do, decode stack included: 4.5 bits a weight where the file has
+4.13-4.5. Two roundings are the kernels': the grid's (within 0.4% of a block's absmax) and the scale's to f16.
+A layer whose input features are not a multiple of 32, or whose code book is not bitsandbytes' own, runs
+dequantized in the model's dtype, said in the log.
+
+8-bit (LLM.int8). weight int8 [N, K], SCB float32 [N] (each row's max |w|), weight_format (0: rows):
+W = q * SCB / 127, kept as the group-quantized kernels' 8-bit weights with one scale per output channel (the
+compressed-tensors W8A16 method), activations in the model's dtype: where bitsandbytes quantizes activations to
+int8 but for outlier columns, pagellm does not quantize them at all.
+
+In flight (a float checkpoint with quantization="bitsandbytes", vLLM's 4-bit NF4): every linear layer but the
+embedding and the LM head becomes NF4 blocks of 32 weights, each block scaled by its own max |w| (vLLM's takes
+bitsandbytes' blocks of 64 with double-quantized scales).
+
+Weights go to pagellm's layers as whole tensors of their format (`checkpoint_tensors` groups a weight's pieces,
+which the checkpoint stores as several tensors); a quantized module of a layer this format does not build (a
+router made unquantized) arrives dequantized.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagellm.layers.fused_moe import ExpertLinearsMoEMethod
+from pagellm.layers.quantization.base import FUSED_CHECKPOINT_MODULES, LinearMethod, QuantizationConfig
+from pagellm.layers.quantization.compressed_tensors_wna16 import CompressedTensorsWNA16Method
+from pagellm.layers.quantization.gguf import GGUFLinearMethod, GGUFWeight
+from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagellm.layers.quantization.w8a8 import is_embedding_or_head
+from pagellm.models.gguf_quants import BNB_FP4_CODES, GRID_SCALE, NF4_CODES, NF4_VALUES
+
+logger = logging.getLogger(__name__)
+
+GRID_BLOCK = 32  # weights per kept block (IQ4_NL's)
+# quant_type -> (the kernels' block type, bitsandbytes' code book)
+CODE_BOOKS = {"nf4": ("NF4", NF4_CODES), "fp4": ("BNB_FP4", BNB_FP4_CODES)}
+STATS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+QUANT_STATE = ".quant_state.bitsandbytes__"
+INT8_MAX = 127
+ZERO_POINT = 128  # the group-quantized kernels' unsigned 8-bit fields hold q + 128
+
+
+@dataclass
+class Packed4bit:
+    """One weight as a 4-bit checkpoint stores it, double quantization undone."""
+
+    codes: torch.Tensor  # uint8 [N, K]: index into the code book
+    absmax: torch.Tensor  # float32 [ceil(N * K / blocksize)]
+    code_book: torch.Tensor  # float32 [16]
+    quant_type: str
+    blocksize: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], as bitsandbytes' dequantize_4bit computes it."""
+        rows, cols = self.shape
+        scales = self.absmax.repeat_interleave(self.blocksize)[: rows * cols].view(rows, cols)
+        return self.code_book[self.codes.long()] * scales
+
+
+def unpack_4bit(name: str, parts: dict[str, torch.Tensor]) -> Packed4bit:
+    """A weight's checkpoint tensors (`parts`: weight, quant_state, absmax, quant_map and the nested ones) as
+    codes and float32 block scales."""
+    state = json.loads(bytes(parts["quant_state"].flatten().tolist()).decode())
+    quant_type, blocksize, shape = state["quant_type"], int(state["blocksize"]), state["shape"]
+    if quant_type not in CODE_BOOKS or len(shape) != 2:
+        raise ValueError(f"{name}: bitsandbytes quant_type={quant_type!r} with shape {shape}; pagellm reads nf4 and "
+                         "fp4 weights of two dimensions")
+    rows, cols = shape
+    packed = parts["weight"].contiguous().view(torch.uint8).flatten()
+    if packed.numel() != (rows * cols + 1) // 2:
+        raise ValueError(f"{name}: {packed.numel()} bytes of 4-bit codes for a {rows} x {cols} weight")
+    codes = torch.stack([packed >> 4, packed & 15], dim=1).flatten()[: rows * cols].view(rows, cols)
+    absmax = parts["absmax"]
+    if "nested_blocksize" in state:
+        nested = int(state["nested_blocksize"])
+        blocks = torch.arange(absmax.numel()) // nested
+        absmax = (parts["nested_quant_map"].float()[absmax.long()] * parts["nested_absmax"].float()[blocks]
+                  + float(state["nested_offset"]))
+    return Packed4bit(codes, absmax.float().flatten(), parts["quant_map"].float().flatten(), quant_type, blocksize)
+
+
+def grid_blocks(codes: torch.Tensor, block_absmax: torch.Tensor, type_name: str) -> GGUFWeight:
+    """codes uint8 [N, K] (K a multiple of 32) and each 32 weights' absmax [N, K / 32] as the kernels' grid-type
+    blocks: f16 absmax / 127, then 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31."""
+    rows, cols = codes.shape
+    grouped = codes.view(rows, cols // GRID_BLOCK, GRID_BLOCK)
+    nibbles = grouped[..., :16] | (grouped[..., 16:] << 4)
+    scales = (block_absmax.float() / GRID_SCALE).to(torch.float16).view(torch.uint8).view(rows, -1, 2)
+    blocks = torch.cat([scales, nibbles], dim=-1).reshape(rows, -1).contiguous()
+    return GGUFWeight(blocks, type_name, rows, cols)
+
+
+def kept_4bit(name: str, weight: Packed4bit) -> GGUFWeight | None:
+    """The kernels' blocks of a checkpoint's 4-bit weight, or None where they cannot hold it exactly (said why)."""
+    type_name, code_book = CODE_BOOKS[weight.quant_type]
+    rows, cols = weight.shape
+    if cols % GRID_BLOCK or weight.blocksize % GRID_BLOCK:
+        why = f"{cols} input features and blocks of {weight.blocksize}, where the kernels take multiples of 32"
+    elif not torch.allclose(weight.code_book, torch.from_numpy(code_book), rtol=0, atol=1e-6):
+        why = f"its code book is not bitsandbytes' {weight.quant_type}"
+    else:
+        per_block = weight.absmax.repeat_interleave(weight.blocksize // GRID_BLOCK)[: rows * cols // GRID_BLOCK]
+        return grid_blocks(weight.codes, per_block.view(rows, -1), type_name)
+    logger.info("bitsandbytes: %s runs dequantized to the model's dtype: %s", name, why)
+    return None
+
+
+def quantize_nf4(weight: torch.Tensor) -> GGUFWeight:
+    """A float weight [N, K] (K a multiple of 32) as NF4 blocks: each 32 weights scaled by their max |w| / 127 (f16),
+    each weight the grid value nearest to it at that scale."""
+    rows, cols = weight.shape
+    grouped = weight.detach().float().cpu().view(rows, cols // GRID_BLOCK, GRID_BLOCK)
+    absmax = grouped.abs().amax(dim=-1)
+    scale = (absmax / GRID_SCALE).to(torch.float16).float()
+    scaled = grouped / torch.where(scale > 0, scale, 1.0)[..., None]
+    grid = torch.from_numpy(NF4_VALUES).float()  # ascending
+    codes = torch.bucketize(scaled, (grid[1:] + grid[:-1]) / 2).to(torch.uint8).view(rows, cols)
+    return grid_blocks(codes, absmax, "NF4")
+
+
+class BitsAndBytes4bitMethod(GGUFLinearMethod):
+    """The GGUF method on a checkpoint's 4-bit weights (kept_4bit's blocks, or dense tensors); `in_flight` also
+    quantizes the float weights it is given (quantize_nf4)."""
+
+    def __init__(self, in_flight: bool) -> None:
+        super().__init__()
+        self.in_flight = in_flight
+
+    def load(self, layer: nn.Module, tensor: GGUFWeight | torch.Tensor, shard) -> None:
+        if shard is None and layer.shard_ids != (None,):
+            # A checkpoint storing the fused layer (Phi-3's qkv_proj): each shard's rows in turn.
+            sizes = layer.checkpoint_shard_sizes()
+            start = 0
+            for shard_id, size in zip(layer.shard_ids, sizes):
+                super().load(layer, _rows(tensor, start, size), shard_id)
+                start += size
+            return
+        if self.in_flight and isinstance(tensor, torch.Tensor) and tensor.dim() == 2 \
+                and tensor.shape[1] % GRID_BLOCK == 0:
+            tensor = quantize_nf4(tensor)
+        super().load(layer, tensor, shard)
+
+
+class BitsAndBytes8bitMethod(CompressedTensorsWNA16Method):
+    """LLM.int8 weights as compressed-tensors' W8A16 per channel (`_kept_8bit` writes its tensors)."""
+
+    format_name = "bitsandbytes 8-bit"
+
+    def __init__(self) -> None:
+        super().__init__(8, None, True, False)
+
+
+def _rows(tensor: GGUFWeight | torch.Tensor, start: int, size: int) -> GGUFWeight | torch.Tensor:
+    if isinstance(tensor, GGUFWeight):
+        return GGUFWeight(tensor.data.narrow(0, start, size), tensor.type_name, size, tensor.cols)
+    return tensor.narrow(0, start, size)
+
+
+class BitsAndBytesConfig(QuantizationConfig):
+    name = "bitsandbytes"
+
+    def __init__(self, bits: int, in_flight: bool = False, skip_modules: Iterable[str] = ()) -> None:
+        self.bits = bits
+        self.in_flight = in_flight
+        self.skip_modules = tuple(skip_modules)
+        self.dense = UnquantizedLinearMethod()
+        self.method: LinearMethod = BitsAndBytes4bitMethod(in_flight) if bits == 4 else BitsAndBytes8bitMethod()
+        # The checkpoint modules whose layers take self.method: a quantized tensor of any other module (a layer
+        # built without this config) is handed over dequantized.
+        self.served: set[str] = set()
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        if (self.in_flight and is_embedding_or_head(prefix)) or (self.bits == 8 and self._skipped(prefix)):
+            return self.dense
+        parent, _, last = prefix.rpartition(".")
+        self.served.add(prefix)
+        self.served.update(f"{parent}.{shard}" if parent else shard for shard in FUSED_CHECKPOINT_MODULES.get(last, ()))
+        return self.method
+
+    def _skipped(self, prefix: str) -> bool:
+        """8-bit checkpoints store float weights for the LM head, the embedding and llm_int8_skip_modules (matched
+        as transformers matches them: contained in the module's name)."""
+        return is_embedding_or_head(prefix) or any(key in prefix for key in self.skip_modules)
+
+    def fused_moe_method(self, prefix: str) -> ExpertLinearsMoEMethod:
+        """Experts as linear layers of this format (bitsandbytes stores each expert's projections as its own)."""
+        return ExpertLinearsMoEMethod(self)
+
+    def checkpoint_tensors(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
+        if self.in_flight:
+            return weights
+        return self._grouped_4bit(weights) if self.bits == 4 else self._grouped_8bit(weights)
+
+    def _grouped_4bit(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            found = _part_of_4bit(name, tensor)
+            if found is None:
+                yield name, tensor
+                continue
+            weight_name, part = found
+            parts = pending.setdefault(weight_name, {})
+            parts[part] = tensor
+            if _complete_4bit(parts):
+                del pending[weight_name]
+                packed = unpack_4bit(weight_name, parts)
+                module = weight_name.removesuffix(".weight")
+                kept = kept_4bit(weight_name, packed) if module in self.served else None
+                yield weight_name, kept if kept is not None else packed.dequantize()
+        _check_none_pending(pending, "4-bit")
+
+    def _grouped_8bit(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            if name.endswith(".weight_format"):
+                if tensor.numel() != 1 or int(tensor.flatten()[0]) != 0:
+                    raise ValueError(f"{name}={tensor.tolist()}: bitsandbytes 8-bit weights are read in its row "
+                                     "format (0) only; save the model again with a recent bitsandbytes")
+                continue
+            if name.endswith(".SCB"):
+                weight_name, part = name.removesuffix(".SCB") + ".weight", "SCB"
+            elif name.endswith(".weight") and tensor.dtype == torch.int8:
+                weight_name, part = name, "weight"
+            else:
+                yield name, tensor
+                continue
+            parts = pending.setdefault(weight_name, {})
+            parts[part] = tensor
+            if len(parts) == 2:
+                del pending[weight_name]
+                yield from self._kept_8bit(weight_name, parts["weight"], parts["SCB"].float().flatten())
+        _check_none_pending(pending, "8-bit")
+
+    def _kept_8bit(self, weight_name: str, q: torch.Tensor, absmax: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The W8A16 method's tensors (compressed_tensors_wna16: q + 128 in bytes along the inputs, four to an int32
+        word, and a scale per output channel), or the dense weight for a module served otherwise."""
+        module = weight_name.removesuffix(".weight")
+        scale = absmax / INT8_MAX
+        rows, cols = q.shape
+        if module not in self.served or cols % 4:
+            if module in self.served:
+                raise ValueError(f"{weight_name}: {cols} input features are not a multiple of 4, which pagellm's "
+                                 "8-bit kernels pack")
+            yield weight_name, q.float() * scale[:, None]
+            return
+        unsigned = (q.to(torch.int16) + ZERO_POINT).to(torch.uint8).contiguous()
+        yield f"{module}.weight_packed", unsigned.view(torch.int32)
+        yield f"{module}.weight_scale", scale[:, None]
+        yield f"{module}.weight_shape", torch.tensor([rows, cols], dtype=torch.int64)
+
+    def describe(self) -> str:
+        if self.bits == 8:
+            return "bitsandbytes (8-bit LLM.int8 weights, a scale per output channel; activations in the model dtype)"
+        kept = "quantized to NF4 blocks of 32 as it loads" if self.in_flight else "4-bit, kept as NF4 / FP4 blocks"
+        kernels = self.method.ops.isa if self.method.ops is not None else "none built"
+        return f"bitsandbytes ({kept}; the GGUF kernels: {kernels})"
+
+
+def _part_of_4bit(name: str, tensor: torch.Tensor) -> tuple[str, str] | None:
+    """(the weight's name, which piece of it) for a 4-bit checkpoint's tensor; None for a plain one."""
+    for stat in STATS:
+        if name.endswith(f".weight.{stat}"):
+            return name.removesuffix(f".{stat}"), stat
+    weight_name, found, _ = name.partition(QUANT_STATE)
+    if found:
+        return weight_name, "quant_state"
+    if name.endswith(".weight") and tensor.dim() == 2 and tensor.shape[1] == 1:
+        return name, "weight"  # packed codes: no linear weight has one input feature
+    return None
+
+
+def _complete_4bit(parts: dict[str, torch.Tensor]) -> bool:
+    if not {"weight", "quant_state", "absmax", "quant_map"} <= parts.keys():
+        return False
+    nested = b"nested_blocksize" in bytes(parts["quant_state"].flatten().tolist())
+    return not nested or {"nested_absmax", "nested_quant_map"} <= parts.keys()
+
+
+def _check_none_pending(pending: dict[str, dict[str, torch.Tensor]], kind: str) -> None:
+    if pending:
+        name, parts = next(iter(pending.items()))
+        raise ValueError(f"the checkpoint's {kind} bitsandbytes weight {name} is incomplete: it stores "
+                         f"{sorted(parts)} of it ({len(pending)} such weights); the file is truncated or was not "
+                         "written by save_pretrained")
+
+
+def bitsandbytes_config(checkpoint_config: dict | None, requested: str | None) -> BitsAndBytesConfig:
+    if checkpoint_config is None:
+        return BitsAndBytesConfig(4, in_flight=True)
+    if checkpoint_config.get("load_in_4bit"):
+        bits = 4
+    elif checkpoint_config.get("load_in_8bit"):
+        bits = 8
+    else:
+        raise ValueError("the checkpoint's bitsandbytes quantization_config has neither load_in_4bit nor "
+                         "load_in_8bit set; pagellm reads 4-bit (NF4 / FP4) and 8-bit (LLM.int8) checkpoints")
+    return BitsAndBytesConfig(bits, skip_modules=checkpoint_config.get("llm_int8_skip_modules") or ())
