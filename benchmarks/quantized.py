@@ -19,6 +19,9 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
   the calibration prompts; tests/w8a8_checkpoints.py's write_modelopt);
 - `w4a16 (c-t)`: a compressed-tensors pack-quantized checkpoint of the export (4-bit, groups of 64, zero points, as
   llm-compressor writes it: tests/quant_checkpoints.py);
+- `bnb nf4`, `bnb 8-bit`: bitsandbytes checkpoints of the export as transformers saves a load_in_4bit model
+  (NF4, blocks of 64, double quantization, as unsloth's -bnb-4bit models) and a load_in_8bit one (LLM.int8), written by
+  tests/bnb_checkpoints.py; `bnb nf4 in flight`: the export with quantization="bitsandbytes";
 - `fp8 (pagellm quantize)`, `w4a16 (pagellm quantize)`: the export written by `pagellm quantize` (GPTQ over its
   default calibration, 64 samples of 256 tokens the model writes itself; FP8_DYNAMIC, and W4A16_ASYM in groups of
   64, the grid of `w4a16 (c-t)` rounded to nearest);
@@ -106,6 +109,9 @@ FORMATS = [
     Format("fp8 (c-t)", "ct-fp8"),
     Format("fp8 (modelopt)", "modelopt-fp8"),
     Format("w4a16 (c-t)", "ct-w4a16"),
+    Format("bnb nf4", "bnb-nf4"),
+    Format("bnb 8-bit", "bnb-int8"),
+    Format("bnb nf4 in flight", "hf", "auto", "bitsandbytes"),
     Format("fp8 (pagellm quantize)", "gptq-FP8_DYNAMIC"),
     Format("w4a16 (pagellm quantize)", "gptq-W4A16_ASYM"),
     Format("gemma3 Q4_K_M", "gemma"),
@@ -191,6 +197,18 @@ def checkpoint(fmt: Format, workdir: Path, llama_python: str | None = None) -> s
         from tests.w8a8_checkpoints import write_modelopt
 
         return write_modelopt(str(hf), out, "FP8")[0]
+    if fmt.source.startswith("bnb-"):
+        from safetensors.torch import load_file
+
+        from tests.bnb_checkpoints import write_bnb
+
+        shutil.rmtree(out, ignore_errors=True)
+        if fmt.source == "bnb-int8":
+            write_bnb(hf, out / "quantized", 8)
+        else:  # bitsandbytes' own 8-bit code map for the scales (tests/data/make_bnb_reference.py)
+            nested = load_file(str(ROOT / "tests" / "data" / "bnb_reference.safetensors"))
+            write_bnb(hf, out / "quantized", 4, "nf4", 64, nested["nf4_b64_dq.weight.nested_quant_map"])
+        return str(out / "quantized")
     if fmt.source in ("ct-int8", "ct-fp8"):
         from tests.w8a8_checkpoints import write_quantized as write_w8a8
 

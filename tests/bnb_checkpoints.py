@@ -16,7 +16,10 @@ from safetensors.torch import load_file, save_file
 from pagellm.models.gguf_quants import BNB_FP4_CODES, NF4_CODES
 
 CODE_BOOKS = {"nf4": torch.from_numpy(NF4_CODES), "fp4": torch.from_numpy(BNB_FP4_CODES)}
-LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The nn.Linear modules transformers' bitsandbytes integration converts in the tiny models: attention, MLPs, each
+# expert's projections (Qwen3-MoE's *_proj, Mixtral's w1 / w2 / w3) and the routers ("gate").
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
+                  "gate")
 NESTED_BLOCKSIZE = 256
 
 
@@ -94,7 +97,7 @@ def write_bnb(float_dir: str | Path, out_dir: str | Path, bits: int, quant_type:
     stored, dequantized = {}, {}
     for name, tensor in tensors.items():
         module, _, leaf = name.rpartition(".")
-        if leaf != "weight" or module.rpartition(".")[2] not in LINEAR_MODULES:
+        if leaf != "weight" or ".layers." not in module or module.rpartition(".")[2] not in LINEAR_MODULES:
             stored[name] = tensor
             continue
         if bits == 4:

@@ -156,13 +156,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ENGINE = dict(dtype="float32", kv_cache_memory_bytes=16 << 20)
 
 
-def _kept_weights(quantized_dir: Path) -> dict[str, torch.Tensor]:
-    """The float weights of a 4-bit checkpoint's quantized modules as the kernels hold them."""
+def kept_weights(quantized_dir: Path) -> dict[str, torch.Tensor]:
+    """The float weights of a 4-bit checkpoint's quantized modules as the model holds them: the kernels' blocks,
+    and a router (built unquantized) as bitsandbytes dequantizes it."""
     config = BitsAndBytesConfig(4)
     tensors = load_file(str(quantized_dir / "model.safetensors"))
-    config.served.update(name.removesuffix(".weight") for name in tensors if name.endswith(".weight"))
-    return {name: value.dequantize(torch.float32) for name, value in config.checkpoint_tensors(iter(tensors.items()))
-            if isinstance(value, GGUFWeight)}
+    config.served.update(name.removesuffix(".weight") for name in tensors
+                         if name.endswith(".weight") and not name.endswith(".gate.weight"))
+    return {name: value.dequantize(torch.float32) if isinstance(value, GGUFWeight) else value
+            for name, value in config.checkpoint_tensors(iter(tensors.items())) if name in _quantized(tensors)}
+
+
+def _quantized(tensors: dict[str, torch.Tensor]) -> set[str]:
+    return {name.partition(".quant_state.")[0] for name in tensors if ".quant_state." in name}
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -190,7 +196,7 @@ def checkpoints(tiny_llama_dir, reference, tmp_path_factory) -> dict[str, tuple[
         else:
             nested = reference["nf4_b64_dq.weight.nested_quant_map"] if variant == "nf4_double_quant" else None
             write_bnb(tiny_llama_dir, quantized_dir, 4, variant[:3], 64, nested)
-            dequantized = _kept_weights(quantized_dir)
+            dequantized = kept_weights(quantized_dir)
         write_float(tiny_llama_dir, dense_dir, dequantized)
         dirs[variant] = (quantized_dir, dense_dir)
     return dirs

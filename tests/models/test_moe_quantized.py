@@ -326,6 +326,45 @@ def test_vllms_online_shorthands_quantize_the_experts_as_they_say(float_dirs, tm
     assert isinstance(last.quant_method, ExpertLinearsMoEMethod)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bitsandbytes_nf4_experts_equal_transformers_on_the_weights_they_keep(family, float_dirs, tmp_path,
+                                                                            default_tokenizer, torch_ops_only):
+    """A bitsandbytes NF4 checkpoint (each expert's projections and the router quantized, as transformers'
+    integration converts every nn.Linear): experts as linear layers of the format, the router (built unquantized)
+    dequantized at load; and quantization="bitsandbytes" on the float checkpoint. On the products' torch path, the
+    same tokens as transformers on the weights they keep (the kernels' products: tests/test_bitsandbytes.py)."""
+    from pagellm.layers.quantization.bitsandbytes import BitsAndBytes4bitMethod, quantize_nf4
+    from tests.bnb_checkpoints import write_bnb, write_float
+    from tests.test_bitsandbytes import kept_weights
+
+    write_bnb(float_dirs(family), tmp_path / "bnb", 4, "nf4", 64)
+    write_float(float_dirs(family), tmp_path / "kept", kept_weights(tmp_path / "bnb"))
+    llm = LLM(str(tmp_path / "bnb"), **ENGINE)
+    for layer in _experts(llm):
+        assert all(isinstance(linear.quant_method, BitsAndBytes4bitMethod)
+                   for linear in (*layer.expert_gate_up, *layer.expert_down))
+    references = greedy_references(lambda variant: str(tmp_path / variant), default_tokenizer, MAX_TOKENS)
+    check_greedy(llm, CASE_PROMPTS, references("kept", CASE_PROMPTS), GREEDY)
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{float_dirs(family)}/model.safetensors")
+    write_float(float_dirs(family), tmp_path / "in-flight", {
+        name: quantize_nf4(tensor).dequantize(torch.float32) for name, tensor in tensors.items()
+        if ".layers." in name and name.endswith(("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight"))})
+    check_greedy(LLM(float_dirs(family), quantization="bitsandbytes", **ENGINE), CASE_PROMPTS,
+                 references("in-flight", CASE_PROMPTS), GREEDY)
+
+
+def test_bitsandbytes_nf4_experts_keep_their_blocks(float_dirs, tmp_path):
+    from tests.bnb_checkpoints import write_bnb
+
+    write_bnb(float_dirs("mixtral"), tmp_path / "bnb", 4, "nf4", 64)
+    ours = _expert_bytes(LLM(str(tmp_path / "bnb"), **ENGINE).llm_engine.core.runner.model)
+    dense = _expert_bytes(LLM(float_dirs("mixtral"), **ENGINE).llm_engine.core.runner.model)
+    assert ours <= 1.1 * 4.5 / 32 * dense
+
+
 # ---- one layer ------------------------------------------------------------------------------------------------
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 64, 32, 2
