@@ -128,6 +128,20 @@ def test_kept_blocks_hold_the_weight_within_the_grids_rounding(reference, case, 
     assert torch.all(error <= (0.5 / GRID_SCALE + 2.0 ** -10) * scales)
 
 
+def test_codes_stored_in_another_dtype_read_as_their_bytes(reference):
+    """bnb_4bit_quant_storage="bfloat16" (for FSDP) keeps the same bytes in a bfloat16 tensor."""
+    parts = _parts(reference, "nf4_b128")
+    stored = {**parts, "weight": parts["weight"].flatten().view(torch.bfloat16).unsqueeze(1)}
+    assert torch.equal(unpack_4bit("w", stored).dequantize(), unpack_4bit("w", parts).dequantize())
+    config = BitsAndBytesConfig(4)
+    config.served.add("m")
+    stream = [(f"m.weight.{key}" if key != "weight" else "m.weight", value) for key, value in stored.items()
+              if key != "quant_state"]
+    stream.append(("m.weight.quant_state.bitsandbytes__nf4", parts["quant_state"]))
+    ((name, kept),) = list(config.checkpoint_tensors(iter(stream)))
+    assert name == "m.weight" and kept.type_name == "NF4" and kept.shape == (8, 384)
+
+
 def test_a_foreign_code_book_runs_dense(caplog):
     codes = torch.randint(0, 16, (4, 64), dtype=torch.uint8)
     weight = Packed4bit(codes, torch.ones(4), torch.linspace(-1, 1, 16), "nf4", 64)

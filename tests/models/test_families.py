@@ -210,7 +210,7 @@ def test_unsupported_architecture_is_refused_naming_the_supported(tmp_path, fiel
 
 
 @pytest.mark.parametrize("quantization", [
-    {"quant_method": "bitsandbytes", "load_in_4bit": True},
+    {"quant_method": "aqlm", "in_group_size": 8, "nbits_per_codebook": 16, "num_codebooks": 1},
     {"quant_method": "hqq", "nbits": 4},
 ])
 def test_unsupported_quantized_checkpoints_are_refused_before_loading(tmp_path, quantization):
