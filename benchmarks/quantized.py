@@ -15,6 +15,7 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
 - `awq 4-bit`, `gptq 4-bit act-order`, `gptq 8-bit`: the HF export packed as AutoAWQ / AutoGPTQ pack it
   (round-to-nearest groups of 64, as 576 input features take: tests/quant_checkpoints.py);
 - `w8a8 int8 (c-t)`, `fp8 (c-t)`: compressed-tensors checkpoints of the export (tests/w8a8_checkpoints.py);
+  `fp8 (fbgemm)`: the same per-channel fp8 weights as Meta's FP8 releases store them (quant_method fbgemm_fp8);
 - `fp8 (modelopt)`: an NVIDIA ModelOpt FP8 checkpoint of the export (per-tensor scales, static input scales from
   the calibration prompts; tests/w8a8_checkpoints.py's write_modelopt);
 - `w4a16 (c-t)`: a compressed-tensors pack-quantized checkpoint of the export (4-bit, groups of 64, zero points, as
@@ -107,6 +108,7 @@ FORMATS = [
     Format("gptq 8-bit", "gptq8"),
     Format("w8a8 int8 (c-t)", "ct-int8"),
     Format("fp8 (c-t)", "ct-fp8"),
+    Format("fp8 (fbgemm)", "fbgemm-fp8"),
     Format("fp8 (modelopt)", "modelopt-fp8"),
     Format("w4a16 (c-t)", "ct-w4a16"),
     Format("bnb nf4", "bnb-nf4"),
@@ -214,6 +216,10 @@ def checkpoint(fmt: Format, workdir: Path, llama_python: str | None = None) -> s
 
         scheme = "int8-channel-dynamic" if fmt.source == "ct-int8" else "fp8-channel-dynamic"
         return write_w8a8(str(hf), out, scheme)[0]
+    if fmt.source == "fbgemm-fp8":
+        from tests.w8a8_checkpoints import write_quantized as write_w8a8
+
+        return write_w8a8(str(hf), out, "fp8-channel-dynamic", fmt="fbgemm_fp8")[0]
     from tests.quant_checkpoints import QuantSpec, write_quantized
 
     spec = {"awq": QuantSpec("awq", group_size=64),

@@ -94,6 +94,7 @@ def _load(path: str, dtype=torch.float32, quantization: str | None = None):
     ("fp8-tensor-static", "compressed-tensors", ("lm_head",), True),  # q, k, v, gate, up: a scale each
     ("fp8-block-dynamic", "fp8", (), False),  # weight_scale_inv blocks of [32, 64]
     ("fp8-tensor-static", "fp8", (), True),  # AutoFP8's layout, KV cache scales included
+    ("fp8-channel-dynamic", "fbgemm_fp8", ("lm_head", "model.layers.1.mlp.down_proj"), False),  # Meta's
 ])
 def test_fp8_checkpoints_give_the_dequantized_model_s_tokens(tmp_path, tiny_llama_dir, default_tokenizer, caplog,
                                                             scheme, fmt, ignore, kv_scales):
@@ -106,6 +107,9 @@ def test_fp8_checkpoints_give_the_dequantized_model_s_tokens(tmp_path, tiny_llam
     assert isinstance(layer.mlp.down_proj.quant_method,
                       UnquantizedLinearMethod if "re:.*mlp.down_proj$" in ignore else Fp8LinearMethod)
     assert isinstance(model.lm_head.quant_method, UnquantizedLinearMethod)
+    if fmt == "fbgemm_fp8":  # modules_to_not_convert: full names
+        assert isinstance(model.model.layers[1].mlp.down_proj.quant_method, UnquantizedLinearMethod)
+        assert layer.self_attn.qkv_proj.quant_method.strategy == "channel"
     assert layer.self_attn.qkv_proj.weight.numel() == 0  # only the kernel's packed copy is kept
     with caplog.at_level("INFO", logger="pagellm.layers.quantization"):
         ours = _ours(quantized)
@@ -147,6 +151,11 @@ def test_modelopt_fp8_checkpoints_give_the_dequantized_model_s_tokens(
         ours = _ours(quantized)
     assert ("KV cache scales" in caplog.text) == kv_scales
     assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in _hf(dequantized, default_tokenizer)]
+
+
+def test_fbgemm_fp8_names_a_checkpoint_format_only(tiny_llama_dir):
+    with pytest.raises(ValueError, match="quantization='fbgemm_fp8' names the format.*fp8_per_channel"):
+        _load(tiny_llama_dir, quantization="fbgemm_fp8")
 
 
 def test_modelopt_formats_pagellm_does_not_read_are_refused_naming_them():

@@ -155,7 +155,8 @@ def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compre
                     ignore: tuple[str, ...] = ("lm_head",), kv_scales: bool = False) -> tuple[str, str]:
     """(the quantized checkpoint, a float checkpoint of its dequantized weights) from the float checkpoint at
     src_dir. fmt "compressed-tensors" takes any of SCHEMES; fmt "fp8" (quant_method fp8) takes the fp8 tensor
-    schemes ("fp8-tensor-static", "fp8-tensor-w8a16" as dynamic) and the block ones. Modules matching
+    schemes ("fp8-tensor-static", "fp8-tensor-w8a16" as dynamic) and the block ones; fmt "fbgemm_fp8" (Meta's
+    FP8 releases) takes "fp8-channel-dynamic", its [N, 1] scales as FbgemmFp8Linear saves them. Modules matching
     `ignore` (names, or "re:" patterns matched from the start) stay float. `kv_scales`: a calibrated fp8 KV cache's
     per-tensor scales too, as llm-compressor's kv_cache_scheme writes them (self_attn.k_scale / v_scale) or, for
     fmt "fp8", as AutoFP8 does (k_proj.k_scale / v_proj.v_scale)."""
@@ -202,6 +203,10 @@ def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compre
         if kv_scales:
             quant_config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
                                                "dynamic": False, "group_size": None}
+    elif fmt == "fbgemm_fp8":
+        assert scheme == "fp8-channel-dynamic", "fbgemm_fp8 stores a scale per output channel"
+        quant_config = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                        "modules_to_not_convert": [entry for entry in ignore if not entry.startswith("re:")]}
     else:
         quant_config = {"quant_method": "fp8", "activation_scheme": "static" if activations == "static" else "dynamic",
                         "ignored_layers": [entry for entry in ignore if not entry.startswith("re:")]}

@@ -21,6 +21,7 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "gptq": "pagellm.layers.quantization.gptq:gptq_config",
     "compressed-tensors": "pagellm.layers.quantization.compressed_tensors:compressed_tensors_config",
     "fp8": "pagellm.layers.quantization.fp8:fp8_config",
+    "fbgemm_fp8": "pagellm.layers.quantization.fp8:fbgemm_fp8_config",
     "int8": "pagellm.layers.quantization.w8a8:online_int8_config",
     "experts_int8": "pagellm.layers.quantization.experts_int8:experts_int8_config",
     "mxfp4": "pagellm.layers.quantization.mxfp4:mxfp4_config",

@@ -69,6 +69,37 @@ class Fp8Config(SkipsKVCacheScales, QuantizationConfig):
                 f"checkpoint; activations kept in the model dtype{ignored})")
 
 
+class FbgemmFp8Config(Fp8Config):
+    """quant_method "fbgemm_fp8" (Meta's FP8 releases, transformers' FbgemmFp8Config, vLLM's FBGEMMFp8Config):
+    float8_e4m3fn weights with a float32 `weight_scale` [N, 1] per output channel; `modules_to_not_convert` (full
+    module names) stay dense. Its activations are quantized to fp8 per token with scales bounded by
+    `activation_scale_ub` on GPUs with fp8 units; pagellm keeps them in the model's dtype (as vLLM does where it
+    runs these weights on its weight-only Marlin kernel)."""
+
+    name = "fbgemm_fp8"
+
+    def __init__(self, ignored_layers: list[str], activation_scale_ub: float | None) -> None:
+        super().__init__("dynamic", ignored_layers, None)
+        self.method = Fp8LinearMethod("channel")
+        self.activation_scale_ub = activation_scale_ub
+
+    def describe(self) -> str:
+        names = self.ignored_layers
+        ignored = "" if not names else f", dense: {', '.join(names) if len(names) <= 3 else f'{len(names)} modules'}"
+        return (f"fbgemm_fp8 (float8_e4m3fn weights, a scale per output channel; activations kept in the model dtype, "
+                f"the checkpoint's activation_scale_ub={self.activation_scale_ub} unused{ignored})")
+
+
+def fbgemm_fp8_config(checkpoint_config: dict | None, requested: str | None) -> FbgemmFp8Config:
+    """The registry's factory for "fbgemm_fp8": a checkpoint format only."""
+    if checkpoint_config is None:
+        raise ValueError("quantization='fbgemm_fp8' names the format of Meta's FP8 checkpoints; this checkpoint is "
+                         "not quantized. To quantize a float checkpoint to fp8 as it loads, pass "
+                         "quantization='fp8_per_channel' (the same per-channel scales)")
+    return FbgemmFp8Config(checkpoint_config.get("modules_to_not_convert") or [],
+                           checkpoint_config.get("activation_scale_ub"))
+
+
 def fp8_config(checkpoint_config: dict | None, requested: str | None) -> QuantizationConfig:
     """The registry's factory for "fp8": the checkpoint's config, or online quantization of a float one."""
     if checkpoint_config is not None:
