@@ -27,6 +27,8 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "mxfp4": "pagellm.layers.quantization.mxfp4:mxfp4_config",
     "modelopt": "pagellm.layers.quantization.modelopt:modelopt_config",
     "bitsandbytes": "pagellm.layers.quantization.bitsandbytes:bitsandbytes_config",
+    "auto-round": "pagellm.layers.quantization.auto_round:auto_round_config",
+    "intel/auto-round": "pagellm.layers.quantization.auto_round:auto_round_config",  # older AutoRound exports
 }
 
 
