@@ -39,8 +39,10 @@ class AutoRoundAWQConfig(AWQConfig):
         self.blocks = blocks
 
     def linear_method(self, prefix: str) -> LinearMethod:
-        if self.blocks and not all_shards_agree(
-                prefix, lambda module: any(module.startswith(block) for block in self.blocks), "block_name_to_quantize"):
+        def in_blocks(module: str) -> bool:
+            return any(module.startswith(f"{block}.") for block in self.blocks)
+
+        if self.blocks and not all_shards_agree(prefix, in_blocks, "block_name_to_quantize"):
             return self.dense
         return super().linear_method(prefix)
 
