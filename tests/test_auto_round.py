@@ -90,6 +90,11 @@ def test_extra_config_and_blocks_choose_each_layers_method():
     with pytest.raises(ValueError, match="treat them differently"):
         _method(_auto_round(spec, extra_config={"model.layers.0.self_attn.q_proj": {"bits": 8}}),
                 "model.layers.0.self_attn.qkv_proj")
+    awq = _auto_round(QuantSpec("awq", group_size=32), block_name_to_quantize="model.layers",
+                      extra_config={"model.layers.3.mlp.down_proj": {"bits": 16}})
+    assert isinstance(_method(awq, "model.layers.0.mlp.down_proj"), AWQLinearMethod)
+    assert isinstance(_method(awq, "model.layers.3.mlp.down_proj"), UnquantizedLinearMethod)
+    assert isinstance(_method(awq, "model.mtp.0.proj"), UnquantizedLinearMethod)
     older = {**config, "quant_method": "intel/auto-round"}
     assert check_quantization_supported({"quantization_config": older}) == "intel/auto-round"
 
