@@ -95,6 +95,7 @@ def _load(path: str, dtype=torch.float32, quantization: str | None = None):
     ("fp8-block-dynamic", "fp8", (), False),  # weight_scale_inv blocks of [32, 64]
     ("fp8-tensor-static", "fp8", (), True),  # AutoFP8's layout, KV cache scales included
     ("fp8-channel-dynamic", "fbgemm_fp8", ("lm_head", "model.layers.1.mlp.down_proj"), False),  # Meta's
+    ("fp8-tensor-static", "quark", ("lm_head", "re:.*mlp.down_proj$"), True),  # AMD's FP8-KV releases
 ])
 def test_fp8_checkpoints_give_the_dequantized_model_s_tokens(tmp_path, tiny_llama_dir, default_tokenizer, caplog,
                                                             scheme, fmt, ignore, kv_scales):
@@ -153,6 +154,28 @@ def test_modelopt_fp8_checkpoints_give_the_dequantized_model_s_tokens(
     assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in _hf(dequantized, default_tokenizer)]
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0"}},
+     ["'fp4'", "fp8_e4m3 W8A8"]),
+    ({"input_tensors": {"dtype": "int8", "qscheme": "per_tensor", "is_dynamic": False, "symmetric": False}},
+     ["'symmetric': False", "symmetric int8"]),
+    ({"output_tensors": {"dtype": "fp8_e4m3", "qscheme": "per_tensor"}}, ["outputs or bias"]),
+])
+def test_quark_schemes_pagellm_does_not_read_are_refused_naming_them(change, words):
+    from tests.w8a8_checkpoints import quark_config
+
+    config = quark_config("int8-tensor-static", ("lm_head",), False)
+    config["global_quant_config"] = {**config["global_quant_config"], **change}
+    with pytest.raises(ValueError) as refusal:
+        quantization_config_for({"quantization_config": config}).linear_method("model.layers.0.mlp.down_proj")
+    assert all(word in str(refusal.value) for word in words), str(refusal.value)
+    fp8 = quark_config("fp8-tensor-static", (), False)
+    fp8["layer_quant_config"] = {"*k_proj": {**fp8["global_quant_config"], "weight": {
+        **fp8["global_quant_config"]["weight"], "qscheme": "per_channel", "ch_axis": 0}}}
+    with pytest.raises(ValueError, match="quantizes differently"):
+        quantization_config_for({"quantization_config": fp8}).linear_method("model.layers.0.self_attn.qkv_proj")
+
+
 def test_fbgemm_fp8_names_a_checkpoint_format_only(tiny_llama_dir):
     with pytest.raises(ValueError, match="quantization='fbgemm_fp8' names the format.*fp8_per_channel"):
         _load(tiny_llama_dir, quantization="fbgemm_fp8")
@@ -171,9 +194,12 @@ def test_modelopt_formats_pagellm_does_not_read_are_refused_naming_them():
         config.linear_method("model.layers.0.self_attn.qkv_proj")
 
 
-@pytest.mark.parametrize("scheme", ["int8-channel-dynamic", "int8-tensor-static"])
-def test_int8_checkpoints_stay_close_to_the_dequantized_model(tmp_path, tiny_llama_dir, default_tokenizer, scheme):
-    quantized, dequantized = write_quantized(tiny_llama_dir, tmp_path, scheme)
+@pytest.mark.parametrize("scheme, fmt", [("int8-channel-dynamic", "compressed-tensors"),
+                                         ("int8-tensor-static", "compressed-tensors"),
+                                         ("int8-channel-dynamic", "quark")])
+def test_int8_checkpoints_stay_close_to_the_dequantized_model(tmp_path, tiny_llama_dir, default_tokenizer, scheme,
+                                                              fmt):
+    quantized, dequantized = write_quantized(tiny_llama_dir, tmp_path, scheme, fmt)
     model = _load(quantized)
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.quant_method, Int8LinearMethod)

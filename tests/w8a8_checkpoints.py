@@ -151,12 +151,37 @@ def _copy_side_files(src: Path, dst: Path, config_update: dict) -> None:
     (dst / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def _quark_spec(kind: str, qscheme: str, dynamic: bool, ch_axis: int | None) -> dict:
+    return {"dtype": "int8" if kind == "int" else "fp8_e4m3", "is_dynamic": dynamic, "qscheme": qscheme,
+            "ch_axis": ch_axis, "group_size": None, "symmetric": True, "round_method": "half_even",
+            "scale_type": "float", "observer_cls": "PerChannelMinMaxObserver" if qscheme == "per_channel" else
+            "PerTensorMinMaxObserver"}
+
+
+def quark_config(scheme: str, ignore: tuple[str, ...], kv_scales: bool) -> dict:
+    """AMD Quark's quantization_config for a W8A8 `scheme` (as quark.torch's export_safetensors writes it), its KV
+    cache's per-tensor fp8 scales on k_proj / v_proj's outputs with `kv_scales`."""
+    kind, strategy, block, activations = SCHEMES[scheme]
+    assert block is None and activations is not None, "Quark's W8A8 schemes: per-tensor / per-channel weights"
+    weight = _quark_spec(kind, f"per_{strategy}", False, 0 if strategy == "channel" else None)
+    inputs = (_quark_spec(kind, "per_channel", True, 1) if activations == "dynamic"
+              else _quark_spec(kind, "per_tensor", False, None))
+    layer = {"weight": weight, "input_tensors": inputs, "output_tensors": None, "bias": None, "target_device": None}
+    kv = {**layer, "output_tensors": _quark_spec("float", "per_tensor", False, None)}
+    return {"quant_method": "quark", "quant_mode": "eager_mode", "version": "0.9",
+            "export": {"kv_cache_group": ["*k_proj", "*v_proj"] if kv_scales else [], "pack_method": "reorder",
+                       "weight_format": "real_quantized", "min_kv_scale": 0.0},
+            "global_quant_config": layer, "layer_quant_config": {"*k_proj": kv, "*v_proj": kv} if kv_scales else {},
+            "layer_type_quant_config": {}, "exclude": list(ignore), "algo_config": None}
+
+
 def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compressed-tensors",
                     ignore: tuple[str, ...] = ("lm_head",), kv_scales: bool = False) -> tuple[str, str]:
     """(the quantized checkpoint, a float checkpoint of its dequantized weights) from the float checkpoint at
     src_dir. fmt "compressed-tensors" takes any of SCHEMES; fmt "fp8" (quant_method fp8) takes the fp8 tensor
     schemes ("fp8-tensor-static", "fp8-tensor-w8a16" as dynamic) and the block ones; fmt "fbgemm_fp8" (Meta's
-    FP8 releases) takes "fp8-channel-dynamic", its [N, 1] scales as FbgemmFp8Linear saves them. Modules matching
+    FP8 releases) takes "fp8-channel-dynamic", its [N, 1] scales as FbgemmFp8Linear saves them; fmt "quark"
+    (AMD Quark) the per-tensor and per-channel W8A8 schemes, KV scales on k_proj / v_proj outputs. Modules matching
     `ignore` (names, or "re:" patterns matched from the start) stay float. `kv_scales`: a calibrated fp8 KV cache's
     per-tensor scales too, as llm-compressor's kv_cache_scheme writes them (self_attn.k_scale / v_scale) or, for
     fmt "fp8", as AutoFP8 does (k_proj.k_scale / v_proj.v_scale)."""
@@ -194,7 +219,8 @@ def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compre
         for layer in layers:
             prefix = f"model.layers.{layer}.self_attn"
             for kind, value in (("k", 0.03125), ("v", 0.015625)):
-                name = f"{prefix}.{kind}_scale" if fmt == "compressed-tensors" else f"{prefix}.{kind}_proj.{kind}_scale"
+                name = (f"{prefix}.{kind}_scale" if fmt == "compressed-tensors" else
+                        f"{prefix}.{kind}_proj.output_scale" if fmt == "quark" else f"{prefix}.{kind}_proj.{kind}_scale")
                 quantized[name] = torch.tensor(value) if fmt == "fp8" else torch.tensor([value])
     dst = Path(dst_dir)
     quant_dir, float_dir = dst / "quantized", dst / "dequantized"
@@ -203,6 +229,8 @@ def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compre
         if kv_scales:
             quant_config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
                                                "dynamic": False, "group_size": None}
+    elif fmt == "quark":
+        quant_config = quark_config(scheme, ignore, kv_scales)
     elif fmt == "fbgemm_fp8":
         assert scheme == "fp8-channel-dynamic", "fbgemm_fp8 stores a scale per output channel"
         quant_config = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,

@@ -28,6 +28,7 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "modelopt": "pagellm.layers.quantization.modelopt:modelopt_config",
     "bitsandbytes": "pagellm.layers.quantization.bitsandbytes:bitsandbytes_config",
     "auto-round": "pagellm.layers.quantization.auto_round:auto_round_config",
+    "quark": "pagellm.layers.quantization.quark:quark_config",
     "intel/auto-round": "pagellm.layers.quantization.auto_round:auto_round_config",  # older AutoRound exports
 }
 

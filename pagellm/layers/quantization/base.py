@@ -63,9 +63,9 @@ class LinearMethod(ABC):
 
 
 # A calibrated KV cache's scales as checkpoints name them (compressed-tensors' kv_cache_scheme, AutoFP8's and
-# ModelOpt's kv_cache_quant_algo, older exports' kv_scale and k_proj.output_scale; vLLM reads the same names).
+# ModelOpt's kv_cache_quant_algo, older exports' kv_scale and Quark's *_proj.output_scale; vLLM reads the same names).
 KV_CACHE_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".prob_scale", ".kv_scale", "k_proj.output_scale",
-                           "v_proj.output_scale")
+                           "v_proj.output_scale", "q_proj.output_scale", "self_attn.prob_output_scale")
 
 
 class QuantizationConfig(ABC):
