@@ -219,8 +219,8 @@ def write_quantized(src_dir: str, dst_dir: Path, scheme: str, fmt: str = "compre
         for layer in layers:
             prefix = f"model.layers.{layer}.self_attn"
             for kind, value in (("k", 0.03125), ("v", 0.015625)):
-                name = (f"{prefix}.{kind}_scale" if fmt == "compressed-tensors" else
-                        f"{prefix}.{kind}_proj.output_scale" if fmt == "quark" else f"{prefix}.{kind}_proj.{kind}_scale")
+                name = {"compressed-tensors": f"{prefix}.{kind}_scale",
+                        "quark": f"{prefix}.{kind}_proj.output_scale"}.get(fmt, f"{prefix}.{kind}_proj.{kind}_scale")
                 quantized[name] = torch.tensor(value) if fmt == "fp8" else torch.tensor([value])
     dst = Path(dst_dir)
     quant_dir, float_dir = dst / "quantized", dst / "dequantized"

@@ -112,13 +112,14 @@ def _method(spec: dict, prefix: str) -> LinearMethod:
     dtypes = (weight.get("dtype"), inputs.get("dtype"))
     static_weight = not weight.get("is_dynamic") and weight.get("qscheme") in WEIGHT_QSCHEMES
     dynamic_input = bool(inputs.get("is_dynamic"))
-    if dtypes == ("fp8_e4m3", "fp8_e4m3") and static_weight and (dynamic_input or inputs.get("qscheme") == "per_tensor"):
+    input_per_tensor = inputs.get("qscheme") == "per_tensor"
+    if dtypes == ("fp8_e4m3", "fp8_e4m3") and static_weight and (dynamic_input or input_per_tensor):
         return Fp8LinearMethod("tensor" if weight["qscheme"] == "per_tensor" else "channel",
                                static_input=not dynamic_input)
     if dtypes == ("int8", "int8") and static_weight and weight.get("symmetric") is True:
         if dynamic_input and inputs.get("qscheme") == "per_channel":
             return Int8LinearMethod(weight["qscheme"] == "per_channel", static_input=False)
-        if not dynamic_input and inputs.get("qscheme") == "per_tensor" and inputs.get("symmetric") is True:
+        if not dynamic_input and input_per_tensor and inputs.get("symmetric") is True:
             return Int8LinearMethod(weight["qscheme"] == "per_channel", static_input=True)
     raise ValueError(f"{where}: weight {weight}, inputs {inputs} is not a scheme pagellm reads; it reads fp8_e4m3 "
                      "W8A8 (per_tensor / per_channel weights, static per_tensor or dynamic inputs) and symmetric int8 "
