@@ -138,3 +138,16 @@ def built_or_skip(kernels, what: str):
     except FileNotFoundError:
         pytest.skip("no C compiler")
     pytest.fail(f"{what} failed to build with a C compiler present (the warning logged above names the error)")
+
+
+def decoder_linear_bytes(llm) -> int:
+    """Memory of an engine's decoder layers' linear products, as weights_bytes counts it (parameters and the
+    kernels' layouts): the embedding and LM head left out, which quantized checkpoints usually keep float."""
+    from pagellm.layers.linear import LinearBase
+
+    total = 0
+    for name, module in llm.llm_engine.core.runner.model.named_modules():
+        if isinstance(module, LinearBase) and ".layers." in name:
+            tensors = list(module.parameters(recurse=False)) + module.quant_method.kernel_tensors(module)
+            total += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+    return total

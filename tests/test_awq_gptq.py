@@ -18,7 +18,6 @@ from pagellm.distributed.parallel_state import TensorParallelGroup, building_wit
 from pagellm.ops import cpu_build
 from pagellm.layers.linear import (
     ColumnParallelLinear,
-    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
@@ -32,7 +31,7 @@ from pagellm.layers.quantization.gptq import GPTQConfig, GPTQLinearMethod
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.ops import wna16
 from pagellm.ops.linear_bf16 import LinearBF16
-from tests.helpers import PROMPTS, built_or_skip, hf_greedy
+from tests.helpers import PROMPTS, built_or_skip, decoder_linear_bytes, hf_greedy
 from tests.quant_checkpoints import (
     QuantSpec,
     awq_tensors,
@@ -582,17 +581,6 @@ def _greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def _linear_bytes(llm: LLM) -> int:
-    """Memory of the decoder layers' linear products, as weights_bytes counts it (parameters and the kernels'
-    layouts); the embedding and LM head are float in both models."""
-    total = 0
-    for name, module in llm.llm_engine.core.runner.model.named_modules():
-        if isinstance(module, LinearBase) and ".layers." in name:
-            tensors = list(module.parameters(recurse=False)) + module.quant_method.kernel_tensors(module)
-            total += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-    return total
-
-
 @pytest.mark.parametrize("name", ENGINE_SPECS)
 def test_greedy_output_equals_the_dequantized_model_in_pagellm_and_transformers(name, quantized_dirs,
                                                                                  default_tokenizer):
@@ -613,7 +601,7 @@ def test_greedy_output_equals_the_dequantized_model_in_pagellm_and_transformers(
     # 4 (or 8) bits per weight and a scale and offset per group of 32 (64), against 32 bits per float weight.
     bits, group_size = ENGINE_SPECS[name].bits, ENGINE_SPECS[name].group_size
     expected_ratio = (bits + 64 / group_size) / 32
-    assert _linear_bytes(quantized) <= 1.1 * expected_ratio * _linear_bytes(dense)
+    assert decoder_linear_bytes(quantized) <= 1.1 * expected_ratio * decoder_linear_bytes(dense)
 
 
 # ---- compressed-tensors W4A16 / W8A16 ---------------------------------------------------------------------------

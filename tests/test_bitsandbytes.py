@@ -28,7 +28,7 @@ from pagellm.layers.quantization.bitsandbytes import (
 from pagellm.layers.quantization.gguf import GGUFWeight
 from pagellm.models.gguf_quants import BNB_FP4_CODES, BNB_FP4_VALUES, GRID_SCALE, NF4_CODES, NF4_VALUES
 from tests.bnb_checkpoints import dequantize_4bit, quantize_4bit, quantize_8bit, write_bnb, write_float
-from tests.helpers import PROMPTS, hf_greedy
+from tests.helpers import PROMPTS, decoder_linear_bytes, hf_greedy
 
 REFERENCE = Path(__file__).parent / "data" / "bnb_reference.safetensors"
 CASES_4BIT = ("nf4_b64_dq", "nf4_b128", "fp4_b64_dq", "fp4_b256", "nf4_b64_rows72")
@@ -189,15 +189,6 @@ def _greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def _linear_bytes(llm: LLM) -> int:
-    total = 0
-    for name, module in llm.llm_engine.core.runner.model.named_modules():
-        if isinstance(module, LinearBase) and ".layers." in name:
-            tensors = list(module.parameters(recurse=False)) + module.quant_method.kernel_tensors(module)
-            total += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-    return total
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tiny_llama_dir, reference, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """variant -> (the bitsandbytes checkpoint, the float one of the weights the kernels hold)."""
@@ -239,7 +230,7 @@ def test_the_kernels_keep_the_checkpoints_bytes_and_multiply_as_its_weights(vari
     quantized_dir, dense_dir = checkpoints[variant]
     quantized, dense = LLM(str(quantized_dir), **ENGINE), LLM(str(dense_dir), **ENGINE)
     bits = 8 if variant == "int8" else 4.5  # 4-bit: a 2-byte scale per 32 weights
-    assert _linear_bytes(quantized) <= 1.1 * bits / 32 * _linear_bytes(dense)
+    assert decoder_linear_bytes(quantized) <= 1.1 * bits / 32 * decoder_linear_bytes(dense)
     model = quantized.llm_engine.core.runner.model
     assert model.model.direct_layers() is not None
     dense_layers = dict(dense.llm_engine.core.runner.model.named_modules())
@@ -264,7 +255,7 @@ def test_in_flight_nf4_runs_on_the_blocks(tiny_llama_dir, caplog):
     with caplog.at_level(logging.INFO):
         in_flight = LLM(tiny_llama_dir, quantization="bitsandbytes", **ENGINE)
     assert "quantized to NF4 blocks of 32 as it loads" in caplog.text
-    assert _linear_bytes(in_flight) <= 1.1 * 4.5 / 32 * _linear_bytes(LLM(tiny_llama_dir, **ENGINE))
+    assert decoder_linear_bytes(in_flight) <= 1.1 * 4.5 / 32 * decoder_linear_bytes(LLM(tiny_llama_dir, **ENGINE))
     # vLLM's older spelling
     args = EngineArgs(model=tiny_llama_dir, load_format="bitsandbytes")
     assert (args.quantization, args.load_format) == ("bitsandbytes", "auto")

@@ -48,6 +48,7 @@ from torch import nn
 from pagellm.layers.fused_moe import ExpertLinearsMoEMethod
 from pagellm.layers.quantization.base import FUSED_CHECKPOINT_MODULES, LinearMethod, QuantizationConfig
 from pagellm.layers.quantization.compressed_tensors_wna16 import CompressedTensorsWNA16Method
+from pagellm.layers.quantization.experts_int8 import INT8_MAX, ZERO_POINT
 from pagellm.layers.quantization.gguf import GGUFLinearMethod, GGUFWeight
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import is_embedding_or_head
@@ -60,8 +61,6 @@ GRID_BLOCK = 32  # weights per kept block (IQ4_NL's)
 CODE_BOOKS = {"nf4": ("NF4", NF4_CODES), "fp4": ("BNB_FP4", BNB_FP4_CODES)}
 STATS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 QUANT_STATE = ".quant_state.bitsandbytes__"
-INT8_MAX = 127
-ZERO_POINT = 128  # the group-quantized kernels' unsigned 8-bit fields hold q + 128
 
 
 @dataclass
@@ -119,7 +118,8 @@ def grid_blocks(codes: torch.Tensor, block_absmax: torch.Tensor, type_name: str)
 
 
 def kept_4bit(name: str, weight: Packed4bit) -> GGUFWeight | None:
-    """The kernels' blocks of a checkpoint's 4-bit weight, or None where they cannot hold it exactly (said why)."""
+    """The kernels' blocks of a checkpoint's 4-bit weight, or None (said why in the log) where its blocks do not
+    divide into theirs or its code book is not bitsandbytes'."""
     type_name, code_book = CODE_BOOKS[weight.quant_type]
     rows, cols = weight.shape
     if cols % GRID_BLOCK or weight.blocksize % GRID_BLOCK:
@@ -265,12 +265,12 @@ class BitsAndBytesConfig(QuantizationConfig):
         module = weight_name.removesuffix(".weight")
         scale = absmax / INT8_MAX
         rows, cols = q.shape
-        if module not in self.served or cols % 4:
-            if module in self.served:
-                raise ValueError(f"{weight_name}: {cols} input features are not a multiple of 4, which pagellm's "
-                                 "8-bit kernels pack")
+        if module not in self.served:
             yield weight_name, q.float() * scale[:, None]
             return
+        if cols % 4:
+            raise ValueError(f"{weight_name}: {cols} input features are not a multiple of 4, which pagellm's 8-bit "
+                             "kernels pack")
         unsigned = (q.to(torch.int16) + ZERO_POINT).to(torch.uint8).contiguous()
         yield f"{module}.weight_packed", unsigned.view(torch.int32)
         yield f"{module}.weight_scale", scale[:, None]
