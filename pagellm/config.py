@@ -137,7 +137,7 @@ _NO_MM = "pagellm serves text-only models"
 _NO_POOLING = "pagellm runs generative models (no pooling / embedding runners)"
 _QUANT_METHODS = ("pagellm loads unquantized, GGUF, AWQ, GPTQ, compressed-tensors (int8/fp8 W8A8), fp8, "
                   "fbgemm_fp8, ModelOpt fp8, Quark W8A8, AutoRound and bitsandbytes checkpoints, and quantizes "
-                  "float ones to int8 or fp8 (or their experts alone to int8: experts_int8) or to NF4 (bitsandbytes) "
+                  "float ones to int8 or fp8 (or their experts alone to int8: experts_int8), NF4 (bitsandbytes) or rtn "
                   "as they load, or as vLLM's online shorthands say (fp8_per_tensor, fp8_per_channel, fp8_per_block, "
                   "mxfp8, int8_per_channel_weight_only; online with quantization_config)")
 _NO_OFFLOAD = "pagellm keeps every weight on the device"
@@ -182,7 +182,7 @@ class EngineArgs:
     quantization: str | None = default_only(
         None, group=MODEL, kind="optional_str", flags=("-q",),
         accepted=("awq", "gptq", "compressed-tensors", "fp8", "fbgemm_fp8", "modelopt", "mxfp4", "int8", "experts_int8",
-                  "gguf", "bitsandbytes", "auto-round", "quark",
+                  "gguf", "bitsandbytes", "auto-round", "quark", "rtn",
                   *QUANTIZATION_KERNEL_ALIASES, *online_quantization.ONLINE_METHODS),
         why=_QUANT_METHODS)
     quantization_config: dict | None = arg(

@@ -356,6 +356,32 @@ def test_bitsandbytes_nf4_experts_equal_transformers_on_the_weights_they_keep(fa
                  references("in-flight", CASE_PROMPTS), GREEDY)
 
 
+def test_rtn_rounds_the_experts_as_vllm_does(float_dirs, tmp_path, default_tokenizer, monkeypatch):
+    """quantization="rtn" (4-bit, groups of 32 here): experts and dense layers rounded as vLLM's rtn_quantize
+    rounds them, on the group-quantized kernels; transformers' tokens on the rounded weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagellm.layers.quantization.rtn import OnlineRTNMethod, rtn_weight
+    from pagellm.ops.wna16 import dequantize
+
+    monkeypatch.setenv("RTN_NUM_BITS", "4")
+    monkeypatch.setenv("RTN_GROUP_SIZE", "32")
+    float_dir = float_dirs("mixtral")
+    llm = LLM(float_dir, quantization="rtn", **ENGINE)
+    for layer in _experts(llm):
+        assert all(isinstance(linear.quant_method, OnlineRTNMethod)
+                   for linear in (*layer.expert_gate_up, *layer.expert_down))
+    tensors = load_file(f"{float_dir}/model.safetensors")
+    rounded = {name: dequantize(rtn_weight(tensor, 4, 32)).contiguous() for name, tensor in tensors.items()
+               if ".layers." in name and name.endswith(("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight"))}
+    shutil.copytree(float_dir, tmp_path / "rounded")
+    save_file({**tensors, **rounded}, str(tmp_path / "rounded" / "model.safetensors"))
+    check_greedy(llm, CASE_PROMPTS, greedy_references(lambda _: str(tmp_path / "rounded"), default_tokenizer,
+                                                      MAX_TOKENS)("mixtral", CASE_PROMPTS), GREEDY)
+
+
 def test_bitsandbytes_nf4_experts_keep_their_blocks(float_dirs, tmp_path):
     from tests.bnb_checkpoints import write_bnb
 

@@ -29,6 +29,7 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "bitsandbytes": "pagellm.layers.quantization.bitsandbytes:bitsandbytes_config",
     "auto-round": "pagellm.layers.quantization.auto_round:auto_round_config",
     "quark": "pagellm.layers.quantization.quark:quark_config",
+    "rtn": "pagellm.layers.quantization.rtn:rtn_config",
     "intel/auto-round": "pagellm.layers.quantization.auto_round:auto_round_config",  # older AutoRound exports
 }
 

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagellm.layers.fused_moe import ExpertLinearsMoEMethod
 from pagellm.layers.quantization.base import FUSED_CHECKPOINT_MODULES, LinearMethod, QuantizationConfig
 from pagellm.layers.quantization.compressed_tensors_wna16 import CompressedTensorsWNA16Method
 from pagellm.layers.quantization.experts_int8 import INT8_MAX, ZERO_POINT
@@ -209,10 +208,6 @@ class BitsAndBytesConfig(QuantizationConfig):
         """8-bit checkpoints store float weights for the LM head, the embedding and llm_int8_skip_modules (matched
         as transformers matches them: contained in the module's name)."""
         return is_embedding_or_head(prefix) or any(key in prefix for key in self.skip_modules)
-
-    def fused_moe_method(self, prefix: str) -> ExpertLinearsMoEMethod:
-        """Experts as linear layers of this format (bitsandbytes stores each expert's projections as its own)."""
-        return ExpertLinearsMoEMethod(self)
 
     def checkpoint_tensors(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
         if self.in_flight:
