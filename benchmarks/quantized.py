@@ -12,6 +12,8 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
 - `int8 online`, `fp8 online`: the HF export with quantization="int8" (W8A8) / "fp8", quantized as it loads;
   `fp8_per_channel online`, `fp8_per_block online`, `mxfp8 online`: with vLLM's online shorthands of those names
   (fp8 weights with a scale per output channel, per 128 x 128 block, per 32 inputs as a power of two);
+  `rtn online`: quantization="rtn" (vLLM's round to nearest; RTN_NUM_BITS / RTN_GROUP_SIZE from the environment,
+  8 bits in groups of 128 by default);
 - `awq 4-bit`, `gptq 4-bit act-order`, `gptq 8-bit`: the HF export packed as AutoAWQ / AutoGPTQ pack it
   (round-to-nearest groups of 64, as 576 input features take: tests/quant_checkpoints.py);
 - `w8a8 int8 (c-t)`, `fp8 (c-t)`: compressed-tensors checkpoints of the export (tests/w8a8_checkpoints.py);
@@ -103,6 +105,7 @@ FORMATS = [
     Format("fp8_per_channel online", "hf", "auto", "fp8_per_channel"),
     Format("fp8_per_block online", "hf", "auto", "fp8_per_block"),
     Format("mxfp8 online", "hf", "auto", "mxfp8"),
+    Format("rtn online", "hf", "auto", "rtn"),
     Format("awq 4-bit", "awq"),
     Format("gptq 4-bit act-order", "gptq4"),
     Format("gptq 8-bit", "gptq8"),

@@ -11,10 +11,10 @@ that the step is one the C loop serves, and otherwise leaves it to the direct pa
   three parts each); or every one is a bfloat16 layer on pagellm's own kernel (ops/dense_linear.py's
   NativeBF16Packed, linear_bf16.c), or every one an int8 W8A8 layer (ops/w8a8_kernels.py's NativeInt8Linear,
   w8a8.c), which take any row count; or every one an fp8 layer (NativeFp8Linear), or every one a group-quantized
-  layer (AWQ, GPTQ, compressed-tensors W4A16/W8A16 on ops/wna16.py's CpuGroupQuant, up to three parts each). The
-  GGUF, fp8 and group-quantized products switch to dequantized tiles past some rows: bfloat16 rows go on to
-  linear_bf16 on those tiles in C too (where the direct path runs them there: AMX's tiles for GGUF, avx512_bf16
-  for the others), other steps only below the switch;
+  layer (AWQ, GPTQ, compressed-tensors W4A16/W8A16, online rtn / int8 weight-only on ops/wna16.py's CpuGroupQuant,
+  up to three parts each). The GGUF, fp8 and group-quantized products switch to dequantized tiles past some rows:
+  bfloat16 rows go on to linear_bf16 on those tiles in C too (where the direct path runs them there: AMX's tiles
+  for GGUF, avx512_bf16 for the others), other steps only below the switch;
 - the step is decode tokens only, on the CPU attention backend with its native decode kernel and K/V writer;
 - the caches are float32/bfloat16 in the activations' dtype, or a quantized format the kernels read.
 
@@ -37,6 +37,7 @@ import torch
 
 from pagellm.attention.native import DecodeKernel, KVWriter, _cache_geometry
 from pagellm.attention.paged import AttentionMetadata, TorchAttentionBackend
+from pagellm.layers.quantization.experts_int8 import OnlineGroupQuantMethod
 from pagellm.layers.quantization.group_quant import GroupQuantLinearMethod
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import (Fp8LinearMethod, Int8LinearMethod, OnlineFp8LinearMethod,
@@ -335,7 +336,7 @@ def _linear_parts(linear, in_features: int, out_features: int) -> tuple[StackPro
     if linear.bias is not None or linear.group.size != 1 or linear.lora is not None:
         return None
     method = type(linear.quant_method)
-    if isinstance(linear.quant_method, GroupQuantLinearMethod):
+    if isinstance(linear.quant_method, (GroupQuantLinearMethod, OnlineGroupQuantMethod)):
         return _group_quant_parts(linear.quant_method.loaded_kernel(linear), in_features, out_features)
     eight_bit = (linear.quant_method.loaded_kernel(linear)
                  if issubclass(method, (Int8LinearMethod, OnlineInt8LinearMethod, Fp8LinearMethod,

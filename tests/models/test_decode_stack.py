@@ -193,6 +193,16 @@ def test_a_group_quantized_llama_runs_on_the_stack_as_its_direct_path_does(tiny_
     _check_on_the_stack_below_its_parts_rows(_llm(tmp_path / "quantized", dtype=dtype), GroupQuantPart, monkeypatch)
 
 
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (8, 48)])
+def test_online_rtn_runs_on_the_stack_as_its_direct_path_does(tiny_llama_dir, bits, group_size, monkeypatch):
+    """quantization="rtn"'s group-quantized layers (a short last group with 48) take the stack as a checkpoint's
+    do."""
+    monkeypatch.setenv("RTN_NUM_BITS", str(bits))
+    monkeypatch.setenv("RTN_GROUP_SIZE", str(group_size))
+    _check_on_the_stack_below_its_parts_rows(_llm(tiny_llama_dir, dtype="bfloat16", quantization="rtn"),
+                                             GroupQuantPart, monkeypatch)
+
+
 @pytest.mark.skipif(not _LINEAR_BF16, reason="the CPU kernels were built without avx512_bf16's dot product")
 @pytest.mark.parametrize("spec", [QuantSpec("awq", group_size=32), QuantSpec("gptq", bits=4, group_size=16,
                                                                               desc_act=True)],

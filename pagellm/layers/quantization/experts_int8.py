@@ -33,15 +33,26 @@ def int8_channel_weight(weight: torch.Tensor) -> GroupQuantWeight:
                             torch.zeros(weight.shape[1], dtype=torch.int32))
 
 
-class OnlineInt8WeightOnlyMethod(OnlineQuantizedLinearMethod):
-    """Per-channel int8 weights quantized as the layer's shards arrive; activations in the model's dtype."""
+class OnlineGroupQuantMethod(OnlineQuantizedLinearMethod):
+    """A float weight quantized at load into the group-quantized kernels' representation (`group_weight`),
+    activations in the model's dtype; decode steps take the kernel's prepared product."""
 
     def quantize(self, weight: torch.Tensor) -> GroupQuantKernel:
-        return choose_kernel([(0, int8_channel_weight(weight))], weight.device)
+        return choose_kernel([(0, self.group_weight(weight))], weight.device)
+
+    def group_weight(self, weight: torch.Tensor) -> GroupQuantWeight:
+        raise NotImplementedError
 
     def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
         kernel: GroupQuantKernel | None = layer.online_kernel
         return None if kernel is None else kernel.prepared_product() or super().prepared_product(layer)
+
+
+class OnlineInt8WeightOnlyMethod(OnlineGroupQuantMethod):
+    """Per-channel int8 weights quantized as the layer's shards arrive; activations in the model's dtype."""
+
+    def group_weight(self, weight: torch.Tensor) -> GroupQuantWeight:
+        return int8_channel_weight(weight)
 
 
 class ExpertsInt8Config(QuantizationConfig):

@@ -15,8 +15,9 @@ import os
 
 import torch
 
-from pagellm.layers.quantization.w8a8 import OnlineQuantization, OnlineQuantizedLinearMethod
-from pagellm.ops.wna16 import GroupQuantKernel, GroupQuantWeight, choose_kernel, pack_rows
+from pagellm.layers.quantization.experts_int8 import OnlineGroupQuantMethod
+from pagellm.layers.quantization.w8a8 import OnlineQuantization
+from pagellm.ops.wna16 import GroupQuantWeight, pack_rows
 
 BITS = (4, 8)
 
@@ -38,12 +39,12 @@ def rtn_weight(weight: torch.Tensor, bits: int, group_size: int) -> GroupQuantWe
                             (-zero * scale).t().contiguous(), g_idx)
 
 
-class OnlineRTNMethod(OnlineQuantizedLinearMethod):
+class OnlineRTNMethod(OnlineGroupQuantMethod):
     def __init__(self, bits: int, group_size: int) -> None:
         self.bits, self.group_size = bits, group_size
 
-    def quantize(self, weight: torch.Tensor) -> GroupQuantKernel:
-        return choose_kernel([(0, rtn_weight(weight, self.bits, self.group_size))], weight.device)
+    def group_weight(self, weight: torch.Tensor) -> GroupQuantWeight:
+        return rtn_weight(weight, self.bits, self.group_size)
 
 
 def rtn_config(checkpoint_config: dict | None, requested: str | None) -> OnlineQuantization:
