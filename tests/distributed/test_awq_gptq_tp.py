@@ -1,5 +1,6 @@
 """A quantized checkpoint on two tensor-parallel ranks gives one rank's tokens: AWQ (row-parallel ranks hold their
-own groups) and GPTQ with desc_act (row-parallel ranks hold every group's scales, their inputs' g_idx slice)."""
+own groups), GPTQ with desc_act (row-parallel ranks hold every group's scales, their inputs' g_idx slice) and
+bitsandbytes NF4 (each rank whole 32-weight blocks of its rows and inputs; vLLM refuses this one)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from tests.helpers import PROMPTS
+from tests.bnb_checkpoints import write_bnb
 from tests.quant_checkpoints import QuantSpec, write_quantized
 
 ENGINE = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, distributed_timeout_seconds=60)
@@ -18,7 +20,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
                          ids=["awq", "gptq_desc_act"])
 def test_tp2_equals_tp1(spec, tmp_path, tiny_4kv_dir):
     write_quantized(tiny_4kv_dir, tmp_path / "quantized", tmp_path / "dequantized", spec)
-    model = str(tmp_path / "quantized")
+    _check_tp2_equals_tp1(str(tmp_path / "quantized"))
+
+
+def test_bitsandbytes_nf4_tp2_equals_tp1(tmp_path, tiny_4kv_dir):
+    write_bnb(tiny_4kv_dir, tmp_path / "bnb", 4, "nf4", 64)
+    _check_tp2_equals_tp1(str(tmp_path / "bnb"))
+
+
+def _check_tp2_equals_tp1(model: str) -> None:
     expected = [o.outputs[0].token_ids for o in LLM(model, **ENGINE).generate(PROMPTS[:6], GREEDY, use_tqdm=False)]
     llm = LLM(model, tensor_parallel_size=2, **ENGINE)
     try:
