@@ -356,6 +356,20 @@ def test_bitsandbytes_nf4_experts_equal_transformers_on_the_weights_they_keep(fa
                  references("in-flight", CASE_PROMPTS), GREEDY)
 
 
+def test_bitsandbytes_8bit_experts_equal_transformers_on_their_weights(float_dirs, tmp_path, default_tokenizer):
+    """LLM.int8 experts (W8A16, exact) and router (dequantized at load): transformers' tokens on q * SCB / 127."""
+    from pagellm.layers.quantization.bitsandbytes import BitsAndBytes8bitMethod
+    from tests.bnb_checkpoints import write_bnb, write_float
+
+    write_float(float_dirs("qwen3-moe"), tmp_path / "kept", write_bnb(float_dirs("qwen3-moe"), tmp_path / "bnb", 8))
+    llm = LLM(str(tmp_path / "bnb"), **ENGINE)
+    for layer in _experts(llm):
+        assert all(isinstance(linear.quant_method, BitsAndBytes8bitMethod)
+                   for linear in (*layer.expert_gate_up, *layer.expert_down))
+    check_greedy(llm, CASE_PROMPTS, greedy_references(lambda _: str(tmp_path / "kept"), default_tokenizer,
+                                                      MAX_TOKENS)("kept", CASE_PROMPTS), GREEDY)
+
+
 def test_rtn_rounds_the_experts_as_vllm_does(float_dirs, tmp_path, default_tokenizer, monkeypatch):
     """quantization="rtn" (4-bit, groups of 32 here): experts and dense layers rounded as vLLM's rtn_quantize
     rounds them, on the group-quantized kernels; transformers' tokens on the rounded weights."""
