@@ -136,7 +136,7 @@ _NO_DP = "pagellm runs one engine (data_parallel_size=1); start one server per r
 _NO_MM = "pagellm serves text-only models"
 _NO_POOLING = "pagellm runs generative models (no pooling / embedding runners)"
 _QUANT_METHODS = ("pagellm loads unquantized, GGUF, AWQ, GPTQ, compressed-tensors (int8/fp8 W8A8), fp8, "
-                  "fbgemm_fp8, ModelOpt fp8, Quark W8A8, AutoRound and bitsandbytes checkpoints, and quantizes "
+                  "fbgemm_fp8, ModelOpt fp8, Quark W8A8, AutoRound, HQQ and bitsandbytes checkpoints, and quantizes "
                   "float ones to int8 or fp8 (or their experts alone to int8: experts_int8), NF4 (bitsandbytes) or rtn "
                   "as they load, or as vLLM's online shorthands say (fp8_per_tensor, fp8_per_channel, fp8_per_block, "
                   "mxfp8, int8_per_channel_weight_only; online with quantization_config)")
@@ -182,7 +182,7 @@ class EngineArgs:
     quantization: str | None = default_only(
         None, group=MODEL, kind="optional_str", flags=("-q",),
         accepted=("awq", "gptq", "compressed-tensors", "fp8", "fbgemm_fp8", "modelopt", "mxfp4", "int8", "experts_int8",
-                  "gguf", "bitsandbytes", "auto-round", "quark", "rtn",
+                  "gguf", "bitsandbytes", "auto-round", "quark", "rtn", "hqq",
                   *QUANTIZATION_KERNEL_ALIASES, *online_quantization.ONLINE_METHODS),
         why=_QUANT_METHODS)
     quantization_config: dict | None = arg(

@@ -120,7 +120,7 @@ def test_every_argument_pagellm_does_not_do_is_refused_naming_it(cls):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(quantization="hqq"), ["quantization='hqq'", "unquantized"]),
+    (dict(quantization="torchao"), ["quantization='torchao'", "unquantized"]),
     (dict(enable_lora=True, max_cpu_loras=0), ["max_cpu_loras=0", "max_loras=1"]),
     (dict(speculative_config={"method": "ngram"}), ["speculative_config.num_speculative_tokens=None"]),
     (dict(speculative_config={"method": "medusa", "num_speculative_tokens": 2}), ["method='medusa'"]),
@@ -257,7 +257,7 @@ def test_a_bad_flag_value_is_refused_at_parse_time_naming_the_flag(capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["--runner", "pooling"], ["--runner", "runner='pooling'"]),
-    (["--quantization", "hqq", "--cpu-offload-gb", "1"],
+    (["--quantization", "torchao", "--cpu-offload-gb", "1"],
      ["--cpu-offload-gb", "--quantization", "2 arguments"]),
     (["--block-size", "3"], ["--block-size", "block_size=3"]),
     (["--uds", "/tmp/s"], ["--uds", "uds='/tmp/s'"]),

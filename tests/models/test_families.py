@@ -211,7 +211,7 @@ def test_unsupported_architecture_is_refused_naming_the_supported(tmp_path, fiel
 
 @pytest.mark.parametrize("quantization", [
     {"quant_method": "aqlm", "in_group_size": 8, "nbits_per_codebook": 16, "num_codebooks": 1},
-    {"quant_method": "hqq", "nbits": 4},
+    {"quant_method": "torchao", "quant_type": {"default": {"_type": "Int4WeightOnlyConfig"}}},
 ])
 def test_unsupported_quantized_checkpoints_are_refused_before_loading(tmp_path, quantization):
     directory = _write_config(tmp_path / "model", architectures=["Qwen3ForCausalLM"], model_type="qwen3",

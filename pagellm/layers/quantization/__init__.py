@@ -30,6 +30,7 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "auto-round": "pagellm.layers.quantization.auto_round:auto_round_config",
     "quark": "pagellm.layers.quantization.quark:quark_config",
     "rtn": "pagellm.layers.quantization.rtn:rtn_config",
+    "hqq": "pagellm.layers.quantization.hqq:hqq_config",
     "intel/auto-round": "pagellm.layers.quantization.auto_round:auto_round_config",  # older AutoRound exports
 }
 
