@@ -25,6 +25,8 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
 - `bnb nf4`, `bnb 8-bit`: bitsandbytes checkpoints of the export as transformers saves a load_in_4bit model
   (NF4, blocks of 64, double quantization, as unsloth's -bnb-4bit models) and a load_in_8bit one (LLM.int8), written by
   tests/bnb_checkpoints.py; `bnb nf4 in flight`: the export with quantization="bitsandbytes";
+- `hqq 4-bit`: an HQQ checkpoint of the export (4-bit, groups of 64, rounded to nearest with integer zeros:
+  tests/hqq_checkpoints.py);
 - `fp8 (pagellm quantize)`, `w4a16 (pagellm quantize)`: the export written by `pagellm quantize` (GPTQ over its
   default calibration, 64 samples of 256 tokens the model writes itself; FP8_DYNAMIC, and W4A16_ASYM in groups of
   64, the grid of `w4a16 (c-t)` rounded to nearest);
@@ -117,6 +119,7 @@ FORMATS = [
     Format("bnb nf4", "bnb-nf4"),
     Format("bnb 8-bit", "bnb-int8"),
     Format("bnb nf4 in flight", "hf", "auto", "bitsandbytes"),
+    Format("hqq 4-bit", "hqq4"),
     Format("fp8 (pagellm quantize)", "gptq-FP8_DYNAMIC"),
     Format("w4a16 (pagellm quantize)", "gptq-W4A16_ASYM"),
     Format("gemma3 Q4_K_M", "gemma"),
@@ -202,6 +205,11 @@ def checkpoint(fmt: Format, workdir: Path, llama_python: str | None = None) -> s
         from tests.w8a8_checkpoints import write_modelopt
 
         return write_modelopt(str(hf), out, "FP8")[0]
+    if fmt.source == "hqq4":
+        from tests.hqq_checkpoints import write_hqq
+
+        shutil.rmtree(out, ignore_errors=True)
+        return str(write_hqq(str(hf), out, 4, 64)[0])
     if fmt.source.startswith("bnb-"):
         from safetensors.torch import load_file
 
