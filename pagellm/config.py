@@ -182,7 +182,7 @@ class EngineArgs:
     quantization: str | None = default_only(
         None, group=MODEL, kind="optional_str", flags=("-q",),
         accepted=("awq", "gptq", "compressed-tensors", "fp8", "fbgemm_fp8", "modelopt", "mxfp4", "int8", "experts_int8",
-                  "gguf", "bitsandbytes", "auto-round", "quark", "rtn", "hqq",
+                  "gguf", "bitsandbytes", "auto-round", "quark", "rtn", "hqq", "ptpc_fp8",
                   *QUANTIZATION_KERNEL_ALIASES, *online_quantization.ONLINE_METHODS),
         why=_QUANT_METHODS)
     quantization_config: dict | None = arg(

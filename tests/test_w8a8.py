@@ -290,6 +290,17 @@ def test_vllms_online_fp8_shorthands_halve_the_weights_and_equal_their_dequantiz
     assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in theirs]
 
 
+def test_ptpc_fp8_is_fp8_per_channel_here(tiny_llama_dir):
+    """vLLM's ROCm quantization="ptpc_fp8" (per-channel weight, per-token activation scales): the same weights as
+    fp8_per_channel, activations in the model's dtype."""
+    from pagellm.layers.quantization.online import OnlineFp8BlocksLinearMethod
+
+    model = _load(tiny_llama_dir, torch.bfloat16, "ptpc_fp8")
+    method = model.model.layers[0].mlp.down_proj.quant_method
+    assert isinstance(method, OnlineFp8BlocksLinearMethod) and (method.block_n, method.block_k) == (1, None)
+    assert _ours(tiny_llama_dir, quantization="ptpc_fp8") == _ours(tiny_llama_dir, quantization="fp8_per_channel")
+
+
 def test_targets_quantize_the_layers_they_match_alone(tmp_path, tiny_llama_dir, default_tokenizer):
     """quantization_config's `targets` (vLLM's): attention in fp8 per channel, the MLPs left in float; transformers'
     tokens on those weights."""

@@ -31,6 +31,7 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "quark": "pagellm.layers.quantization.quark:quark_config",
     "rtn": "pagellm.layers.quantization.rtn:rtn_config",
     "hqq": "pagellm.layers.quantization.hqq:hqq_config",
+    "ptpc_fp8": "pagellm.layers.quantization.online:ptpc_fp8_config",
     "intel/auto-round": "pagellm.layers.quantization.auto_round:auto_round_config",  # older AutoRound exports
 }
 

@@ -117,3 +117,9 @@ class OnlineConfig(QuantizationConfig):
     def describe(self) -> str:
         asked = f"quantization={self.requested!r}" if self.requested else "quantization_config"
         return f"online ({asked}; {self.spec.describe()}; quantized at load, activations in the model dtype)"
+
+
+def ptpc_fp8_config(checkpoint_config: dict | None, requested: str | None) -> OnlineConfig:
+    """vLLM's quantization="ptpc_fp8" (ROCm's online fp8 with per-token activation and per-channel weight scales): its
+    weights are fp8_per_channel's; activations stay in the model's dtype here, as in every fp8 format."""
+    return OnlineConfig(SHORTHANDS["fp8_per_channel"], requested)
