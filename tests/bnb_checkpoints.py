@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagellm.layers.quantization.bitsandbytes import BitsAndBytesConfig
+from pagellm.layers.quantization.gguf import GGUFWeight
 from pagellm.models.gguf_quants import BNB_FP4_CODES, NF4_CODES
 
 CODE_BOOKS = {"nf4": torch.from_numpy(NF4_CODES), "fp4": torch.from_numpy(BNB_FP4_CODES)}
@@ -125,3 +127,18 @@ def write_float(float_dir: str | Path, out_dir: str | Path, weights: dict[str, t
     shutil.copytree(float_dir, out_dir)
     tensors = load_file(str(out_dir / "model.safetensors"))
     save_file({**tensors, **weights}, str(out_dir / "model.safetensors"))
+
+
+def kept_weights(quantized_dir: Path) -> dict[str, torch.Tensor]:
+    """The float weights of a 4-bit checkpoint's quantized modules as the model holds them: the kernels' blocks,
+    and a router (built unquantized) as bitsandbytes dequantizes it."""
+    config = BitsAndBytesConfig(4)
+    tensors = load_file(str(quantized_dir / "model.safetensors"))
+    config.served.update(name.removesuffix(".weight") for name in tensors
+                         if name.endswith(".weight") and not name.endswith(".gate.weight"))
+    return {name: value.dequantize(torch.float32) if isinstance(value, GGUFWeight) else value
+            for name, value in config.checkpoint_tensors(iter(tensors.items())) if name in _quantized(tensors)}
+
+
+def _quantized(tensors: dict[str, torch.Tensor]) -> set[str]:
+    return {name.partition(".quant_state.")[0] for name in tensors if ".quant_state." in name}

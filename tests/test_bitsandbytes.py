@@ -27,7 +27,7 @@ from pagellm.layers.quantization.bitsandbytes import (
 )
 from pagellm.layers.quantization.gguf import GGUFWeight
 from pagellm.models.gguf_quants import BNB_FP4_CODES, BNB_FP4_VALUES, GRID_SCALE, NF4_CODES, NF4_VALUES
-from tests.bnb_checkpoints import dequantize_4bit, quantize_4bit, quantize_8bit, write_bnb, write_float
+from tests.bnb_checkpoints import dequantize_4bit, kept_weights, quantize_4bit, quantize_8bit, write_bnb, write_float
 from tests.helpers import PROMPTS, decoder_linear_bytes, hf_greedy
 
 REFERENCE = Path(__file__).parent / "data" / "bnb_reference.safetensors"
@@ -168,21 +168,6 @@ def test_in_flight_nf4_picks_the_nearest_grid_value():
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ENGINE = dict(dtype="float32", kv_cache_memory_bytes=16 << 20)
-
-
-def kept_weights(quantized_dir: Path) -> dict[str, torch.Tensor]:
-    """The float weights of a 4-bit checkpoint's quantized modules as the model holds them: the kernels' blocks,
-    and a router (built unquantized) as bitsandbytes dequantizes it."""
-    config = BitsAndBytesConfig(4)
-    tensors = load_file(str(quantized_dir / "model.safetensors"))
-    config.served.update(name.removesuffix(".weight") for name in tensors
-                         if name.endswith(".weight") and not name.endswith(".gate.weight"))
-    return {name: value.dequantize(torch.float32) if isinstance(value, GGUFWeight) else value
-            for name, value in config.checkpoint_tensors(iter(tensors.items())) if name in _quantized(tensors)}
-
-
-def _quantized(tensors: dict[str, torch.Tensor]) -> set[str]:
-    return {name.partition(".quant_state.")[0] for name in tensors if ".quant_state." in name}
 
 
 def _greedy(llm: LLM) -> list[list[int]]:

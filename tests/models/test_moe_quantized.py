@@ -334,8 +334,7 @@ def test_bitsandbytes_nf4_experts_equal_transformers_on_the_weights_they_keep(fa
     dequantized at load; and quantization="bitsandbytes" on the float checkpoint. On the products' torch path, the
     same tokens as transformers on the weights they keep (the kernels' products: tests/test_bitsandbytes.py)."""
     from pagellm.layers.quantization.bitsandbytes import BitsAndBytes4bitMethod, quantize_nf4
-    from tests.bnb_checkpoints import write_bnb, write_float
-    from tests.test_bitsandbytes import kept_weights
+    from tests.bnb_checkpoints import kept_weights, write_bnb, write_float
 
     write_bnb(float_dirs(family), tmp_path / "bnb", 4, "nf4", 64)
     write_float(float_dirs(family), tmp_path / "kept", kept_weights(tmp_path / "bnb"))

@@ -110,3 +110,34 @@ class SkipsKVCacheScales:
                 "%s: the checkpoint's KV cache scales (%s, ...) are not used: pagellm's 8-bit KV caches scale each "
                 "row as it is written (kv_cache_dtype='fp8')", self.name, name)
         return True
+
+
+def grouped_pieces(weights: Iterator[tuple[str, torch.Tensor]],
+                   piece_of: Callable[[str, torch.Tensor], tuple[str, str] | None],
+                   complete: Callable[[dict[str, torch.Tensor]], bool],
+                   convert: Callable[[str, dict[str, torch.Tensor]], Iterator[tuple[str, object]]],
+                   what: str) -> Iterator[tuple[str, object]]:
+    """For a format that stores one weight as several checkpoint tensors (bitsandbytes, HQQ): the tensors
+    `piece_of(name, tensor)` places, as (key, piece), gathered per key until `complete(pieces)`, then what
+    `convert(key, pieces)` makes of them; the other tensors pass as they are, and pieces of a key already converted
+    (meta data after the ones it needs) are dropped. A key still incomplete at the end is refused naming it."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    done: set[str] = set()
+    for name, tensor in weights:
+        found = piece_of(name, tensor)
+        if found is None:
+            yield name, tensor
+            continue
+        key, piece = found
+        if key in done:
+            continue
+        pieces = pending.setdefault(key, {})
+        pieces[piece] = tensor
+        if complete(pieces):
+            del pending[key]
+            done.add(key)
+            yield from convert(key, pieces)
+    if pending:
+        key, pieces = next(iter(pending.items()))
+        raise ValueError(f"the checkpoint's {what} {key} is incomplete: it stores {sorted(pieces)} of it "
+                         f"({len(pending)} such); the file is truncated or was not written by the format's own tool")

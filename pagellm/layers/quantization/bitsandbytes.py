@@ -15,9 +15,10 @@ pagellm's own kernels: bitsandbytes itself is not needed.
                                            nested_offset.
   W.flat[i] = quant_map[code i] * absmax[i // blocksize].
 A layer's weights are kept as the GGUF kernels' NF4 / BNB_FP4 blocks (models/gguf_quants.py: IQ4_NL's 32-weight
-blocks with the code book times 127 for a grid and absmax / 127 as the block's f16 scale; every blocksize of 32 or
-more divides into them) and run as a GGUF file's do, decode stack included: 4.5 bits a weight where the file has
-4.13-4.5. Two roundings are the kernels': the grid's (within 0.4% of a block's absmax) and the scale's to f16.
+blocks with the code book times 127 for a grid and absmax / 127 as the block's f16 scale; bitsandbytes' blocksizes,
+powers of two, divide into them from 32 on) and run as a GGUF file's do, decode stack included: 4.5 bits a weight
+where the file has 4.13-4.5. Two roundings are the kernels': the grid's (within 0.4% of a block's absmax) and the
+scale's to f16.
 A layer whose input features are not a multiple of 32, or whose code book is not bitsandbytes' own, runs
 dequantized in the model's dtype, said in the log.
 
@@ -45,10 +46,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagellm.layers.quantization.base import FUSED_CHECKPOINT_MODULES, LinearMethod, QuantizationConfig
+from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, grouped_pieces
 from pagellm.layers.quantization.compressed_tensors_wna16 import CompressedTensorsWNA16Method
 from pagellm.layers.quantization.experts_int8 import INT8_MAX, ZERO_POINT
 from pagellm.layers.quantization.gguf import GGUFLinearMethod, GGUFWeight
+from pagellm.layers.quantization.group_quant import checkpoint_modules
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import is_embedding_or_head
 from pagellm.models.gguf_quants import BNB_FP4_CODES, GRID_SCALE, NF4_CODES, NF4_VALUES
@@ -154,14 +156,6 @@ class BitsAndBytes4bitMethod(GGUFLinearMethod):
         self.in_flight = in_flight
 
     def load(self, layer: nn.Module, tensor: GGUFWeight | torch.Tensor, shard) -> None:
-        if shard is None and layer.shard_ids != (None,):
-            # A checkpoint storing the fused layer (Phi-3's qkv_proj): each shard's rows in turn.
-            sizes = layer.checkpoint_shard_sizes()
-            start = 0
-            for shard_id, size in zip(layer.shard_ids, sizes):
-                super().load(layer, _rows(tensor, start, size), shard_id)
-                start += size
-            return
         if self.in_flight and isinstance(tensor, torch.Tensor) and tensor.dim() == 2 \
                 and tensor.shape[1] % GRID_BLOCK == 0:
             tensor = quantize_nf4(tensor)
@@ -175,12 +169,6 @@ class BitsAndBytes8bitMethod(CompressedTensorsWNA16Method):
 
     def __init__(self) -> None:
         super().__init__(8, None, True, False)
-
-
-def _rows(tensor: GGUFWeight | torch.Tensor, start: int, size: int) -> GGUFWeight | torch.Tensor:
-    if isinstance(tensor, GGUFWeight):
-        return GGUFWeight(tensor.data.narrow(0, start, size), tensor.type_name, size, tensor.cols)
-    return tensor.narrow(0, start, size)
 
 
 class BitsAndBytesConfig(QuantizationConfig):
@@ -199,9 +187,7 @@ class BitsAndBytesConfig(QuantizationConfig):
     def linear_method(self, prefix: str) -> LinearMethod:
         if (self.in_flight and is_embedding_or_head(prefix)) or (self.bits == 8 and self._skipped(prefix)):
             return self.dense
-        parent, _, last = prefix.rpartition(".")
-        self.served.add(prefix)
-        self.served.update(f"{parent}.{shard}" if parent else shard for shard in FUSED_CHECKPOINT_MODULES.get(last, ()))
+        self.served.update({prefix, *checkpoint_modules(prefix)})
         return self.method
 
     def _skipped(self, prefix: str) -> bool:
@@ -215,50 +201,24 @@ class BitsAndBytesConfig(QuantizationConfig):
         return self._grouped_4bit(weights) if self.bits == 4 else self._grouped_8bit(weights)
 
     def _grouped_4bit(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in weights:
-            found = _part_of_4bit(name, tensor)
-            if found is None:
-                yield name, tensor
-                continue
-            weight_name, part = found
-            parts = pending.setdefault(weight_name, {})
-            parts[part] = tensor
-            if _complete_4bit(parts):
-                del pending[weight_name]
-                packed = unpack_4bit(weight_name, parts)
-                module = weight_name.removesuffix(".weight")
-                kept = kept_4bit(weight_name, packed) if module in self.served else None
-                yield weight_name, kept if kept is not None else packed.dequantize()
-        _check_none_pending(pending, "4-bit")
+        return grouped_pieces(weights, _part_of_4bit, _complete_4bit, self._kept_4bit, "4-bit bitsandbytes weight")
+
+    def _kept_4bit(self, weight_name: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, object]]:
+        """The kernels' blocks, or the dense weight where they cannot hold it or a layer built otherwise takes it."""
+        packed = unpack_4bit(weight_name, parts)
+        kept = kept_4bit(weight_name, packed) if weight_name.removesuffix(".weight") in self.served else None
+        yield weight_name, kept if kept is not None else packed.dequantize()
 
     def _grouped_8bit(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in weights:
-            if name.endswith(".weight_format"):
-                if tensor.numel() != 1 or int(tensor.flatten()[0]) != 0:
-                    raise ValueError(f"{name}={tensor.tolist()}: bitsandbytes 8-bit weights are read in its row "
-                                     "format (0) only; save the model again with a recent bitsandbytes")
-                continue
-            if name.endswith(".SCB"):
-                weight_name, part = name.removesuffix(".SCB") + ".weight", "SCB"
-            elif name.endswith(".weight") and tensor.dtype == torch.int8:
-                weight_name, part = name, "weight"
-            else:
-                yield name, tensor
-                continue
-            parts = pending.setdefault(weight_name, {})
-            parts[part] = tensor
-            if len(parts) == 2:
-                del pending[weight_name]
-                yield from self._kept_8bit(weight_name, parts["weight"], parts["SCB"].float().flatten())
-        _check_none_pending(pending, "8-bit")
+        return grouped_pieces(weights, _part_of_8bit, lambda parts: {"weight", "SCB"} <= parts.keys(),
+                              self._kept_8bit, "8-bit bitsandbytes weight")
 
-    def _kept_8bit(self, weight_name: str, q: torch.Tensor, absmax: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def _kept_8bit(self, weight_name: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """The W8A16 method's tensors (compressed_tensors_wna16: q + 128 in bytes along the inputs, four to an int32
         word, and a scale per output channel), or the dense weight for a module served otherwise."""
         module = weight_name.removesuffix(".weight")
-        scale = absmax / INT8_MAX
+        q = parts["weight"]
+        scale = parts["SCB"].float().flatten() / INT8_MAX
         rows, cols = q.shape
         if module not in self.served:
             yield weight_name, q.float() * scale[:, None]
@@ -292,19 +252,25 @@ def _part_of_4bit(name: str, tensor: torch.Tensor) -> tuple[str, str] | None:
     return None
 
 
+def _part_of_8bit(name: str, tensor: torch.Tensor) -> tuple[str, str] | None:
+    """(the weight's name, which piece of it) for an 8-bit checkpoint's int8 rows, SCB and weight_format."""
+    if name.endswith(".weight_format"):
+        if tensor.numel() != 1 or int(tensor.flatten()[0]) != 0:
+            raise ValueError(f"{name}={tensor.tolist()}: bitsandbytes 8-bit weights are read in its row format (0) "
+                             "only; save the model again with a recent bitsandbytes")
+        return name.removesuffix("_format"), "weight_format"
+    if name.endswith(".SCB"):
+        return name.removesuffix(".SCB") + ".weight", "SCB"
+    if name.endswith(".weight") and tensor.dtype == torch.int8:
+        return name, "weight"
+    return None
+
+
 def _complete_4bit(parts: dict[str, torch.Tensor]) -> bool:
     if not {"weight", "quant_state", "absmax", "quant_map"} <= parts.keys():
         return False
     nested = b"nested_blocksize" in bytes(parts["quant_state"].flatten().tolist())
     return not nested or {"nested_absmax", "nested_quant_map"} <= parts.keys()
-
-
-def _check_none_pending(pending: dict[str, dict[str, torch.Tensor]], kind: str) -> None:
-    if pending:
-        name, parts = next(iter(pending.items()))
-        raise ValueError(f"the checkpoint's {kind} bitsandbytes weight {name} is incomplete: it stores "
-                         f"{sorted(parts)} of it ({len(pending)} such weights); the file is truncated or was not "
-                         "written by save_pretrained")
 
 
 def bitsandbytes_config(checkpoint_config: dict | None, requested: str | None) -> BitsAndBytesConfig:

@@ -6,6 +6,7 @@ dtype (W8A16); every other layer stays as the checkpoint stores it. The experts 
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -40,8 +41,9 @@ class OnlineGroupQuantMethod(OnlineQuantizedLinearMethod):
     def quantize(self, weight: torch.Tensor) -> GroupQuantKernel:
         return choose_kernel([(0, self.group_weight(weight))], weight.device)
 
+    @abstractmethod
     def group_weight(self, weight: torch.Tensor) -> GroupQuantWeight:
-        raise NotImplementedError
+        """One loaded float weight [N, K] in the group-quantized representation."""
 
     def prepared_product(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
         kernel: GroupQuantKernel | None = layer.online_kernel

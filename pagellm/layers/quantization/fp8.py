@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, SkipsKVCacheScales
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
-from pagellm.layers.quantization.w8a8 import (Fp8LinearMethod, OnlineFp8LinearMethod, OnlineQuantization,
+from pagellm.layers.quantization.w8a8 import (Fp8LinearMethod, OnlineFp8LinearMethod, OnlineQuantization, all_or_none,
                                               checkpoint_module_names, is_embedding_or_head)
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
@@ -56,11 +56,8 @@ class Fp8Config(SkipsKVCacheScales, QuantizationConfig):
         if is_embedding_or_head(prefix):
             return self.dense
         names = checkpoint_module_names(prefix, lambda name: name in self.ignored_layers)
-        ignored = [name in self.ignored_layers for name in names]
-        if any(ignored) and not all(ignored):
-            raise ValueError(f"{prefix} fuses {names}, of which ignored_layers lists only some; pagellm (as vLLM) "
-                             "needs the fused shards quantized alike")
-        return self.dense if all(ignored) else self.method
+        ignored = all_or_none(prefix, names, [name in self.ignored_layers for name in names], "ignored_layers lists")
+        return self.dense if ignored else self.method
 
     def describe(self) -> str:
         scales = f"block-wise scales of {list(self.block)}" if self.block else "per-tensor scales"

@@ -49,6 +49,12 @@ class GGUFWeight:
         return ops.dequantize_rows(self.data, self.type_name, torch.arange(self.rows), self.cols, dtype)
 
 
+def _rows(tensor: GGUFWeight | torch.Tensor, start: int, size: int) -> GGUFWeight | torch.Tensor:
+    if isinstance(tensor, GGUFWeight):
+        return GGUFWeight(tensor.data.narrow(0, start, size), tensor.type_name, size, tensor.cols)
+    return tensor.narrow(0, start, size)
+
+
 @dataclass
 class _Part:
     """This rank's piece of one checkpoint shard: quantized blocks, or a dense tensor."""
@@ -89,8 +95,15 @@ class GGUFLinearMethod(LinearMethod):
     def load(self, layer: nn.Module, tensor: GGUFWeight | torch.Tensor, shard) -> None:
         """This rank's rows of shard `shard` (and its columns, in a row-parallel layer)."""
         name = f"{layer.prefix} (shard {shard})" if shard is not None else layer.prefix
+        if shard is None and layer.shard_ids != (None,):
+            # A fused checkpoint tensor (a bitsandbytes Phi-3's qkv_proj; a GGUF stores none): each shard's rows.
+            start = 0
+            for shard_id, size in zip(layer.shard_ids, layer.checkpoint_shard_sizes()):
+                self.load(layer, _rows(tensor, start, size), shard_id)
+                start += size
+            return
         if shard not in layer.shard_ids:
-            raise ValueError(f"{name}: a GGUF stores no fused tensors; this layer's shards are {layer.shard_ids}")
+            raise ValueError(f"{name}: this layer's shards are {layer.shard_ids}")
         (piece,) = layer.pieces(shard)
         full_cols = tensor.cols if isinstance(tensor, GGUFWeight) else tensor.shape[1]
         start_col, cols = (layer.group.rank * layer.input_size, layer.input_size) if layer.splits_input else (0, full_cols)

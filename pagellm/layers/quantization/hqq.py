@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, is_lm_head
+from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, grouped_pieces, is_lm_head
 from pagellm.layers.quantization.group_quant import EMBEDDING_SUFFIX, GroupQuantLinearMethod, all_shards_agree
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.weights import set_weight_attrs
@@ -56,6 +56,11 @@ def unpack_hqq(name: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     groups = cols // group_size
     scale, zero = (parts[key].float().reshape(rows, groups) for key in ("scale", "zero"))
     return q, scale, zero, group_size
+
+
+def _hqq_piece(name: str, tensor: torch.Tensor) -> tuple[str, str] | None:
+    module, _, key = name.rpartition(".")
+    return (module, key) if key in ("W_q", "scale", "zero", *META_KEYS) else None
 
 
 class HQQLinearMethod(GroupQuantLinearMethod):
@@ -103,24 +108,8 @@ class HQQConfig(QuantizationConfig):
         return self.method
 
     def checkpoint_tensors(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        done: set[str] = set()
-        for name, tensor in weights:
-            module, _, key = name.rpartition(".")
-            if key not in ("W_q", "scale", "zero", *META_KEYS) or module in done:
-                if module not in done:
-                    yield name, tensor
-                continue
-            parts = pending.setdefault(module, {})
-            parts[key] = tensor
-            if all(k in parts for k in NEEDED):
-                del pending[module]
-                done.add(module)
-                yield from self._kept(module, parts)
-        if pending:
-            module, parts = next(iter(pending.items()))
-            raise ValueError(f"the checkpoint's HQQ weight {module} is incomplete: it stores {sorted(parts)} of "
-                             f"{list(NEEDED)} ({len(pending)} such modules)")
+        return grouped_pieces(weights, _hqq_piece, lambda parts: all(k in parts for k in NEEDED), self._kept,
+                              "HQQ weight")
 
     def _kept(self, module: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         if int(parts.get("quant_scale", torch.tensor(0))) or int(parts.get("quant_zero", torch.tensor(0))):

@@ -24,7 +24,7 @@ from torch import nn
 
 from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, SkipsKVCacheScales
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
-from pagellm.layers.quantization.w8a8 import Fp8LinearMethod, checkpoint_module_names
+from pagellm.layers.quantization.w8a8 import Fp8LinearMethod, all_or_none, checkpoint_module_names
 
 PB_WO_BLOCK = (128, 128)
 FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO")
@@ -97,11 +97,8 @@ class ModelOptFp8Config(SkipsKVCacheScales, QuantizationConfig):
         if prefix.endswith("embed_tokens"):
             return self.dense
         names = checkpoint_module_names(prefix, self.excluded)
-        excluded = [self.excluded(name) for name in names]
-        if any(excluded) and not all(excluded):
-            raise ValueError(f"{prefix} fuses {names}, of which the modelopt config excludes only some; pagellm "
-                             "(as vLLM) needs the fused shards quantized alike")
-        return self.dense if all(excluded) else self.method
+        excluded = all_or_none(prefix, names, [self.excluded(name) for name in names], "the modelopt config excludes")
+        return self.dense if excluded else self.method
 
     def describe(self) -> str:
         what = {"FP8": "per-tensor weight scales, static input scales in the checkpoint",

@@ -17,7 +17,7 @@ from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
 from pagellm.layers.quantization.experts_int8 import OnlineInt8WeightOnlyMethod
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import (OnlineFp8LinearMethod, OnlineQuantization, OnlineQuantizedLinearMethod,
-                                              checkpoint_module_names, is_embedding_or_head)
+                                              all_or_none, checkpoint_module_names, is_embedding_or_head)
 from pagellm.online_quantization import SHORTHANDS, OnlineSpec
 from pagellm.ops import w8a8_kernels as wk
 
@@ -74,14 +74,12 @@ class OnlineConfig(QuantizationConfig):
             return self.dense
         names = checkpoint_module_names(prefix,
                                         lambda name: self.spec.ignores(name) or bool(self.spec.targets_of(name)))
-        ignored = [self.spec.ignores(name) for name in names]
-        if any(ignored) and not all(ignored):
-            raise ValueError(f"{prefix} fuses {names}, of which quantization_config.ignore names only some; pagellm "
-                             "(as vLLM) needs the fused shards quantized alike: name all of them or none")
+        ignored = all_or_none(prefix, names, [self.spec.ignores(name) for name in names],
+                              "quantization_config.ignore names", ": name all of them or none")
         if self.spec.targets:
-            weight_format = self._target_format(prefix, names, all(ignored), "linear")
+            weight_format = self._target_format(prefix, names, ignored, "linear")
             return self.dense if weight_format is None else self._method(weight_format)
-        return self.dense if all(ignored) else self._method(self.spec.linear)
+        return self.dense if ignored else self._method(self.spec.linear)
 
     def fused_moe_method(self, prefix: str) -> FusedMoEMethodBase:
         ignored = self.spec.ignores(prefix)

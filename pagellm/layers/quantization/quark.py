@@ -24,7 +24,7 @@ import re
 
 from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, SkipsKVCacheScales
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
-from pagellm.layers.quantization.w8a8 import (Fp8LinearMethod, Int8LinearMethod, checkpoint_module_names,
+from pagellm.layers.quantization.w8a8 import (Fp8LinearMethod, Int8LinearMethod, all_or_none, checkpoint_module_names,
                                               is_embedding_or_head)
 
 WEIGHT_QSCHEMES = ("per_tensor", "per_channel")
@@ -56,12 +56,8 @@ class QuarkConfig(SkipsKVCacheScales, QuantizationConfig):
     def linear_method(self, prefix: str) -> LinearMethod:
         if is_embedding_or_head(prefix):  # vLLM's quark quantizes linear layers only
             return self.dense
-        names = checkpoint_module_names(prefix, lambda name: any(_excluded(name, e) for e in self.exclude))
-        excluded = [any(_excluded(name, entry) for entry in self.exclude) for name in names]
-        if any(excluded) and not all(excluded):
-            raise ValueError(f"{prefix} fuses {names}, of which the Quark checkpoint's exclude lists only some; "
-                             "pagellm (as vLLM) needs the fused shards quantized alike")
-        if all(excluded):
+        names = checkpoint_module_names(prefix, self._excluded)
+        if all_or_none(prefix, names, [self._excluded(name) for name in names], "the Quark checkpoint's exclude lists"):
             return self.dense
         configs = [self._config_of(name) for name in names]
         keys = {json.dumps(self._linear_part(name, config), sort_keys=True) for name, config in zip(names, configs)}
@@ -73,6 +69,9 @@ class QuarkConfig(SkipsKVCacheScales, QuantizationConfig):
             self._methods[key] = _method(json.loads(key), prefix)
         return self._methods[key]
 
+    def _excluded(self, module: str) -> bool:
+        return any(_excluded(module, entry) for entry in self.exclude)
+
     def _config_of(self, module: str) -> dict:
         for pattern, config in self.layer_configs.items():
             if _matches(module, pattern):
@@ -82,7 +81,7 @@ class QuarkConfig(SkipsKVCacheScales, QuantizationConfig):
     def _linear_part(self, module: str, config: dict) -> dict:
         """The spec that decides a layer's method: its output_tensors are the KV cache's where the module is in
         kv_cache_group (passed over), a quantized output elsewhere."""
-        kv = any(fnmatch.fnmatch(module, pattern) or module in pattern for pattern in self.kv_cache_group)
+        kv = any(_matches(module, pattern) for pattern in self.kv_cache_group)
         is_query = module.endswith("q_proj") and bool(self.kv_cache_group)  # vLLM drops q's output spec with the KV's
         outputs = None if kv or is_query else config.get("output_tensors")
         return {"weight": config.get("weight"), "input_tensors": config.get("input_tensors"),

@@ -42,6 +42,15 @@ def checkpoint_module_names(prefix: str, matches: Callable[[str], bool]) -> list
     return [f"{parent}.{shard}" if parent else shard for shard in FUSED_CHECKPOINT_MODULES[last]]
 
 
+def all_or_none(prefix: str, names: list[str], flags: list[bool], what: str, fix: str = "") -> bool:
+    """Whether every checkpoint module `names` of layer `prefix` is flagged (left dense by a format's ignore or
+    exclude list, `what` naming it), refusing a fused layer only some of whose shards are, as vLLM refuses it."""
+    if any(flags) and not all(flags):
+        raise ValueError(f"{prefix} fuses {names}, of which {what} only some; pagellm (as vLLM) needs the fused "
+                         f"shards quantized alike{fix}")
+    return all(flags)
+
+
 def _shard_index(layer: nn.Module, shard) -> int:
     return layer.shard_ids.index(shard)
 
