@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
 
 import pytest
 
@@ -77,6 +79,35 @@ def _save_tiny(path, tokenizer, **overrides):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+class ModuleTempPathFactory:
+    """`tmp_path_factory.mktemp` for module-scoped fixtures: their directories go when the module's tests are done.
+
+    A checkpoint with the real tokenizer's 49,152-row embedding takes 50-100 MiB, and the suite writes a few
+    hundred; kept to the session's end (pytest's default), one run filled ~10 GiB of /tmp and a nearly full disk
+    failed it midway."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self._factory = factory
+        self._made: list[pathlib.Path] = []
+
+    def mktemp(self, basename: str, numbered: bool = True) -> pathlib.Path:
+        path = self._factory.mktemp(basename, numbered)
+        self._made.append(path)
+        return path
+
+    def remove_all(self) -> None:
+        for path in self._made:
+            shutil.rmtree(path, ignore_errors=True)
+        self._made.clear()
+
+
+@pytest.fixture(scope="module")
+def module_tmp_path_factory(tmp_path_factory):
+    factory = ModuleTempPathFactory(tmp_path_factory)
+    yield factory
+    factory.remove_all()
 
 
 @pytest.fixture(scope="session")

@@ -568,10 +568,10 @@ ENGINE = dict(dtype="float32", kv_cache_memory_bytes=16 << 20)
 
 
 @pytest.fixture(scope="module")
-def quantized_dirs(tmp_path_factory, tiny_llama_dir) -> dict[str, tuple[str, str]]:
+def quantized_dirs(module_tmp_path_factory, tiny_llama_dir) -> dict[str, tuple[str, str]]:
     dirs = {}
     for name, spec in ENGINE_SPECS.items():
-        root = tmp_path_factory.mktemp(name)
+        root = module_tmp_path_factory.mktemp(name)
         write_quantized(tiny_llama_dir, root / "quantized", root / "dequantized", spec)
         dirs[name] = (str(root / "quantized"), str(root / "dequantized"))
     return dirs

@@ -175,11 +175,11 @@ def _greedy(llm: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_llama_dir, reference, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+def checkpoints(tiny_llama_dir, reference, module_tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """variant -> (the bitsandbytes checkpoint, the float one of the weights the kernels hold)."""
     dirs = {}
     for variant in ("nf4_double_quant", "fp4", "int8"):
-        root = tmp_path_factory.mktemp(variant)
+        root = module_tmp_path_factory.mktemp(variant)
         quantized_dir, dense_dir = root / "quantized", root / "dense"
         if variant == "int8":
             dequantized = write_bnb(tiny_llama_dir, quantized_dir, 8)

@@ -76,8 +76,8 @@ PIPELINES = ["byte_fallback", "byte_level", "byte_level_ignore_merges", "llama3_
 
 
 @pytest.fixture(scope="module", params=PIPELINES)
-def directory(request, tmp_path_factory) -> pathlib.Path:
-    path = tmp_path_factory.mktemp(request.param)
+def directory(request, module_tmp_path_factory) -> pathlib.Path:
+    path = module_tmp_path_factory.mktemp(request.param)
     tokenizer = _gemma_like_tokenizer() if request.param == "byte_fallback" else \
         _byte_level_tokenizer(LLAMA3_SPLIT if request.param == "llama3_split" else None)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",

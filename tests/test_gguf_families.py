@@ -106,11 +106,11 @@ def tiny_hf_model(config, tokenizer, seed: int) -> transformers.PreTrainedModel:
 
 
 @pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
-def tiny(request, tmp_path_factory, default_tokenizer):
+def tiny(request, module_tmp_path_factory, default_tokenizer):
     """(arch, HF model, HF directory, GGUF path) for one family."""
     arch = request.param
     model = tiny_hf_model(HF_CONFIGS[arch](), default_tokenizer, seed=0)
-    directory = tmp_path_factory.mktemp(f"tiny-{arch}")
+    directory = module_tmp_path_factory.mktemp(f"tiny-{arch}")
     model.save_pretrained(directory)
     default_tokenizer.save_pretrained(directory)
     path = directory / f"tiny-{arch}.gguf"

@@ -266,7 +266,7 @@ def _perturb(model: transformers.PreTrainedModel) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_ggufs(tmp_path_factory, default_tokenizer):
+def tiny_ggufs(module_tmp_path_factory, default_tokenizer):
     """variant -> (HF model on the dequantized experts, tokenizer directory, GGUF path), built on first use."""
     built = {}
 
@@ -279,7 +279,7 @@ def tiny_ggufs(tmp_path_factory, default_tokenizer):
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
             _perturb(model)
-            directory = tmp_path_factory.mktemp(variant)
+            directory = module_tmp_path_factory.mktemp(variant)
             default_tokenizer.save_pretrained(directory)
             path = directory / f"{variant}.gguf"
             write_moe_gguf(model, arch, expert_type, split_kv_b, path)

@@ -11,8 +11,8 @@ from pagellm.models import loader
 
 
 @pytest.fixture(scope="module")
-def sharded_dir(tmp_path_factory, hf_tiny):
-    path = tmp_path_factory.mktemp("sharded")
+def sharded_dir(module_tmp_path_factory, hf_tiny):
+    path = module_tmp_path_factory.mktemp("sharded")
     hf_tiny.save_pretrained(path, max_shard_size="100KB")
     return path
 

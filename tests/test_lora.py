@@ -27,8 +27,8 @@ ADAPTERS = {
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("adapters")
+def adapters(tiny_llama_dir, module_tmp_path_factory) -> dict[str, str]:
+    root = module_tmp_path_factory.mktemp("adapters")
     return {name: save_adapter(tiny_llama_dir, root / name, **spec) for name, spec in ADAPTERS.items()}
 
 

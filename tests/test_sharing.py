@@ -120,7 +120,7 @@ def test_beam_search_equals_hf_without_eos(llm, hf_tiny, default_tokenizer, widt
 
 
 @pytest.fixture(scope="module")
-def eos_model(tiny_llama_dir, tmp_path_factory, llm, default_tokenizer):
+def eos_model(tiny_llama_dir, module_tmp_path_factory, llm, default_tokenizer):
     """The tiny model with EOS set to a token its beams often produce, so hypotheses end early."""
     (result,) = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))
     counts: dict[int, int] = {}
@@ -129,7 +129,7 @@ def eos_model(tiny_llama_dir, tmp_path_factory, llm, default_tokenizer):
         for token in sequence.tokens[prompt_len + 1:]:
             counts[token] = counts.get(token, 0) + 1
     eos = max(counts, key=counts.get)
-    model_dir = tmp_path_factory.mktemp("eos-beams") / "model"
+    model_dir = module_tmp_path_factory.mktemp("eos-beams") / "model"
     shutil.copytree(tiny_llama_dir, model_dir)
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
     return LLM(str(model_dir), dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256), eos

@@ -157,11 +157,11 @@ def _save_sliding(path, tokenizer, model_type: str) -> str:
 
 
 @pytest.fixture(scope="module", params=["mistral", "qwen2"])
-def sliding_model(request, tmp_path_factory, default_tokenizer):
+def sliding_model(request, module_tmp_path_factory, default_tokenizer):
     """(checkpoint dir, transformers' greedy continuation of each prompt)."""
     from transformers import AutoModelForCausalLM
 
-    path = _save_sliding(tmp_path_factory.mktemp(request.param), default_tokenizer, request.param)
+    path = _save_sliding(module_tmp_path_factory.mktemp(request.param), default_tokenizer, request.param)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt_ids = [default_tokenizer.encode(p) for p in ENGINE_PROMPTS]
     assert max(map(len, prompt_ids)) > 5 * WINDOW

@@ -135,7 +135,7 @@ VOCAB = 32
 
 
 @pytest.fixture(scope="module")
-def small_vocab_dir(tmp_path_factory, default_tokenizer):
+def small_vocab_dir(module_tmp_path_factory, default_tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.conftest import TINY_CONFIG
@@ -143,7 +143,7 @@ def small_vocab_dir(tmp_path_factory, default_tokenizer):
     torch.manual_seed(0)
     # A narrow init keeps the tokens' probabilities spread: drafts are accepted and rejected alike.
     config = LlamaConfig(**{**TINY_CONFIG, "initializer_range": 0.05}, vocab_size=VOCAB, bos_token_id=0, eos_token_id=VOCAB - 1)
-    path = tmp_path_factory.mktemp("tiny-vocab32")
+    path = module_tmp_path_factory.mktemp("tiny-vocab32")
     LlamaForCausalLM(config).save_pretrained(path)
     default_tokenizer.save_pretrained(path)
     return str(path)

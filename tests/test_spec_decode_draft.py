@@ -41,14 +41,14 @@ def _stats(llm: LLM):
 
 
 @pytest.fixture(scope="module")
-def other_draft_dir(tmp_path_factory, default_tokenizer) -> str:
+def other_draft_dir(module_tmp_path_factory, default_tokenizer) -> str:
     """A smaller random llama with the target's tokenizer: 2 layers, other widths of MLP and KV heads."""
-    return _save_tiny(tmp_path_factory.mktemp("tiny-draft"), default_tokenizer, num_hidden_layers=2,
+    return _save_tiny(module_tmp_path_factory.mktemp("tiny-draft"), default_tokenizer, num_hidden_layers=2,
                       intermediate_size=128, num_key_value_heads=4)
 
 
 @pytest.fixture(scope="module")
-def noisy_draft_dir(tmp_path_factory, tiny_llama_dir) -> str:
+def noisy_draft_dir(module_tmp_path_factory, tiny_llama_dir) -> str:
     """The target with seeded noise on every weight: it agrees with the target on some tokens, not all, so that
     drafts are accepted in part and the rest rolled back."""
     import torch
@@ -59,7 +59,7 @@ def noisy_draft_dir(tmp_path_factory, tiny_llama_dir) -> str:
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * NOISE)
-    path = tmp_path_factory.mktemp("noisy-draft")
+    path = module_tmp_path_factory.mktemp("noisy-draft")
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(path)
     return str(path)

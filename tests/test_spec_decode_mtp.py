@@ -132,16 +132,16 @@ def _save_deepseek(path, tokenizer, mtp: bool) -> str:
 
 
 @pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory, default_tokenizer) -> str:
-    return _save_deepseek(tmp_path_factory.mktemp("tiny-deepseek-mtp"), default_tokenizer, mtp=True)
+def deepseek_dir(module_tmp_path_factory, default_tokenizer) -> str:
+    return _save_deepseek(module_tmp_path_factory.mktemp("tiny-deepseek-mtp"), default_tokenizer, mtp=True)
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory, default_tokenizer) -> str:
+def llama_dir(module_tmp_path_factory, default_tokenizer) -> str:
     """A tiny random llama made predictable as the DeepSeek target is (_predictable)."""
     from transformers import AutoModelForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-llama-eagle-target")
+    path = module_tmp_path_factory.mktemp("tiny-llama-eagle-target")
     _save_tiny(path, default_tokenizer, num_hidden_layers=2)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     _predictable(model)
@@ -150,7 +150,7 @@ def llama_dir(tmp_path_factory, default_tokenizer) -> str:
 
 
 @pytest.fixture(scope="module")
-def eagle_dir(tmp_path_factory, llama_dir) -> str:
+def eagle_dir(module_tmp_path_factory, llama_dir) -> str:
     """An EAGLE-1 head for llama_dir: its last layer with noise and without the input norm, fc mostly passing the
     embedding on."""
     from safetensors.torch import load_file, save_file
@@ -166,7 +166,7 @@ def eagle_dir(tmp_path_factory, llama_dir) -> str:
     hidden = config.hidden_size
     tensors["fc.weight"] = _copying(generator, hidden, 2 * hidden, NOISE / 10)
     tensors["fc.bias"] = torch.randn(hidden, generator=generator) * NOISE / 10
-    path = tmp_path_factory.mktemp("tiny-eagle")
+    path = module_tmp_path_factory.mktemp("tiny-eagle")
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps({**config.to_dict(), "num_hidden_layers": 1}))
     return str(path)

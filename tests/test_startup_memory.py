@@ -28,7 +28,7 @@ UTILIZATION = EngineArgs().gpu_memory_utilization  # the default
 
 
 @pytest.fixture(scope="module")
-def big_vocab_llama_dir(tmp_path_factory, default_tokenizer) -> str:
+def big_vocab_llama_dir(module_tmp_path_factory, default_tokenizer) -> str:
     """A tiny random Llama with Gemma 3's vocabulary: the logits of a full decode step (256 x 262k) dwarf it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -38,7 +38,7 @@ def big_vocab_llama_dir(tmp_path_factory, default_tokenizer) -> str:
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                          tie_word_embeddings=True, bos_token_id=default_tokenizer.bos_token_id,
                          eos_token_id=default_tokenizer.eos_token_id)
-    path = tmp_path_factory.mktemp("big-vocab-llama")
+    path = module_tmp_path_factory.mktemp("big-vocab-llama")
     LlamaForCausalLM(config).save_pretrained(path)
     default_tokenizer.save_pretrained(path)
     return str(path)
@@ -197,7 +197,7 @@ def test_a_gguf_file_larger_than_memory_is_refused_before_it_is_read(monkeypatch
 
 
 @pytest.fixture(scope="module")
-def wide_llama_dirs(tmp_path_factory, default_tokenizer) -> dict[str, tuple[str, str | None]]:
+def wide_llama_dirs(module_tmp_path_factory, default_tokenizer) -> dict[str, tuple[str, str | None]]:
     """A random Llama whose linear layers outweigh its embedding (vocab 512, tied), as a float checkpoint and in
     each quantized format pagellm loads: name -> (directory, quantization=)."""
     import torch
@@ -210,7 +210,7 @@ def wide_llama_dirs(tmp_path_factory, default_tokenizer) -> dict[str, tuple[str,
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
                          tie_word_embeddings=True)
-    root = tmp_path_factory.mktemp("wide-llama")
+    root = module_tmp_path_factory.mktemp("wide-llama")
     float_dir = root / "float"
     LlamaForCausalLM(config).save_pretrained(float_dir)
     default_tokenizer.save_pretrained(float_dir)

@@ -119,11 +119,11 @@ def test_fp8_checkpoints_give_the_dequantized_model_s_tokens(tmp_path, tiny_llam
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_128_kv_dir(tmp_path_factory, default_tokenizer) -> str:
+def tiny_llama_128_kv_dir(module_tmp_path_factory, default_tokenizer) -> str:
     """The tiny Llama with 4 KV heads: k and v 128 outputs each, whole blocks of 128 (ModelOpt's FP8_PB_WO)."""
     from tests.conftest import _save_tiny
 
-    return _save_tiny(tmp_path_factory.mktemp("tiny-llama-4kv"), default_tokenizer, num_key_value_heads=4)
+    return _save_tiny(module_tmp_path_factory.mktemp("tiny-llama-4kv"), default_tokenizer, num_key_value_heads=4)
 
 
 @pytest.mark.parametrize("algo, nested, exclude, kv_scales", [

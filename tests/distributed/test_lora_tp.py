@@ -15,8 +15,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loras(tiny_4kv_dir, tmp_path_factory) -> list[LoRARequest]:
-    root = tmp_path_factory.mktemp("tp-adapters")
+def loras(tiny_4kv_dir, module_tmp_path_factory) -> list[LoRARequest]:
+    root = module_tmp_path_factory.mktemp("tp-adapters")
     specs = [dict(rank=8, targets=ATTENTION + MLP, seed=21), dict(rank=4, targets=["q_proj", "o_proj", "down_proj"],
                                                                    seed=22, rslora=True)]
     return [LoRARequest(f"tp{i}", i + 1, save_adapter(tiny_4kv_dir, root / f"tp{i}", **spec))

@@ -165,8 +165,8 @@ def test_kv_cache_triton_step_path_equals_the_torch_path(name, dtype):
 
 
 @pytest.fixture(scope="module")
-def word_tokenizer_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("word-tokenizer")
+def word_tokenizer_dir(module_tmp_path_factory):
+    path = module_tmp_path_factory.mktemp("word-tokenizer")
     return path, save_word_tokenizer(path)
 
 

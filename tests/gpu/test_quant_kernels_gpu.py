@@ -85,11 +85,11 @@ def test_fp8_triton_matches_float64(dtype, block_k):
 
 
 @pytest.fixture(scope="module")
-def quantized_dirs(gpu_tiny_dir, tmp_path_factory):
+def quantized_dirs(gpu_tiny_dir, module_tmp_path_factory):
     from tests.quant_checkpoints import QuantSpec, write_quantized
     from tests.w8a8_checkpoints import write_quantized as write_w8a8
 
-    root = tmp_path_factory.mktemp("gpu-quantized")
+    root = module_tmp_path_factory.mktemp("gpu-quantized")
     dirs = {}
     for name, spec in (("awq", QuantSpec("awq", group_size=32)),
                        ("gptq", QuantSpec("gptq", bits=4, group_size=32, desc_act=True)),

@@ -25,8 +25,8 @@ PROMPTS = [[1, 2, 3], list(range(100, 140)), [7] * 5]
 
 
 @pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
-    return write_synthetic_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf", SHAPE, seed=4)
+def gguf_path(module_tmp_path_factory):
+    return write_synthetic_gguf(module_tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf", SHAPE, seed=4)
 
 
 def _llm(path, **kwargs) -> LLM:
@@ -299,7 +299,7 @@ def _mixed_block_type(name: str):
 
 
 @pytest.fixture(scope="module")
-def mixed_llama_gguf(tmp_path_factory, default_tokenizer):
+def mixed_llama_gguf(module_tmp_path_factory, default_tokenizer):
     import transformers
 
     from tests.test_gguf_families import COMMON, tiny_hf_model, write_gguf_like_llama_cpp
@@ -307,7 +307,7 @@ def mixed_llama_gguf(tmp_path_factory, default_tokenizer):
     config = transformers.LlamaConfig(**COMMON, num_hidden_layers=2, head_dim=32,
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     model = tiny_hf_model(config, default_tokenizer, seed=2)
-    directory = tmp_path_factory.mktemp("tiny-llama-mixed")
+    directory = module_tmp_path_factory.mktemp("tiny-llama-mixed")
     default_tokenizer.save_pretrained(directory)
     path = directory / "tiny-llama-mixed.gguf"
     write_gguf_like_llama_cpp(model, "llama", path, _mixed_block_type)
@@ -330,7 +330,7 @@ def test_a_llama_with_multi_part_layers_runs_on_the_stack_as_its_modules_do(mixe
 # ---- Gemma 3 ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def gemma_gguf(tmp_path_factory, default_tokenizer):
+def gemma_gguf(module_tmp_path_factory, default_tokenizer):
     """(GGUF path, tokenizer directory) of a tiny random Gemma 3 (6 layers: 5 sliding over 32 keys, 1 global)."""
     import transformers
 
@@ -340,7 +340,7 @@ def gemma_gguf(tmp_path_factory, default_tokenizer):
                                            head_dim=32, query_pre_attn_scalar=32, sliding_window=32,
                                            architectures=["Gemma3ForCausalLM"])
     model = tiny_hf_model(config, default_tokenizer, seed=1)
-    directory = tmp_path_factory.mktemp("tiny-gemma3-q")
+    directory = module_tmp_path_factory.mktemp("tiny-gemma3-q")
     default_tokenizer.save_pretrained(directory)
     path = directory / "tiny-gemma3-q.gguf"
     write_gguf_like_llama_cpp(model, "gemma3", path, _mixed_block_type)

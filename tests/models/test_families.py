@@ -108,9 +108,9 @@ CHUNKED_CASES = {"phi3-longrope-partial": (SHORT_PROMPTS, PROMPTS[6], {"max_mode
 
 
 @pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory, default_tokenizer):
+def family_dirs(module_tmp_path_factory, default_tokenizer):
     """Checkpoint directories saved on first use, one per variant."""
-    return checkpoint_dirs(VARIANTS, tmp_path_factory, default_tokenizer)
+    return checkpoint_dirs(VARIANTS, module_tmp_path_factory, default_tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -56,8 +56,8 @@ def _randomise_biases_and_sinks(model: torch.nn.Module) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpt_oss_dir(tmp_path_factory, default_tokenizer) -> str:
-    return save_tiny_checkpoint(_gpt_oss, default_tokenizer, tmp_path_factory.mktemp("gpt-oss"),
+def gpt_oss_dir(module_tmp_path_factory, default_tokenizer) -> str:
+    return save_tiny_checkpoint(_gpt_oss, default_tokenizer, module_tmp_path_factory.mktemp("gpt-oss"),
                                 _randomise_biases_and_sinks)
 
 
@@ -214,7 +214,7 @@ def test_dequantize_mxfp4_matches_transformers():
 
 
 @pytest.fixture(scope="module")
-def mxfp4_checkpoint(gpt_oss_dir, tmp_path_factory, default_tokenizer):
+def mxfp4_checkpoint(gpt_oss_dir, module_tmp_path_factory, default_tokenizer):
     """The tiny checkpoint with its experts in MXFP4 as released gpt-oss checkpoints store them, and
     transformers' greedy continuations of the model whose experts are those MXFP4 values dequantized."""
     from safetensors.torch import load_file, save_file
@@ -223,7 +223,7 @@ def mxfp4_checkpoint(gpt_oss_dir, tmp_path_factory, default_tokenizer):
 
     from tests.helpers import hf_greedy
 
-    directory = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    directory = module_tmp_path_factory.mktemp("gpt-oss-mxfp4")
     tensors, dequantized = {}, {}
     for name, tensor in load_file(f"{gpt_oss_dir}/model.safetensors").items():
         if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):

@@ -15,8 +15,8 @@ PROMPTS = [[1, 2, 3], list(range(100, 140)), [7] * 5]
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path = write_synthetic_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf", SHAPE, seed=3)
+def llm(module_tmp_path_factory):
+    path = write_synthetic_gguf(module_tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf", SHAPE, seed=3)
     # Chunked prefill (16 tokens a step) puts prefill chunks with context beside decodes in one step.
     return LLM(str(path), kv_cache_memory_bytes=8 << 20, max_model_len=256, max_num_batched_tokens=16,
                enable_prefix_caching=False, seed=0)

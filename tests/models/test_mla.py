@@ -66,8 +66,8 @@ def _perturb_correction_bias(model) -> None:
 
 
 @pytest.fixture(scope="module")
-def mla_dirs(tmp_path_factory, default_tokenizer):
-    return checkpoint_dirs(VARIANTS, tmp_path_factory, default_tokenizer, _perturb_correction_bias)
+def mla_dirs(module_tmp_path_factory, default_tokenizer):
+    return checkpoint_dirs(VARIANTS, module_tmp_path_factory, default_tokenizer, _perturb_correction_bias)
 
 
 @pytest.fixture(scope="module")

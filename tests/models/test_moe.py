@@ -69,8 +69,8 @@ VARIANTS = {"mixtral": _mixtral, "qwen3-moe": _qwen3_moe, "olmoe": _olmoe}
 
 
 @pytest.fixture(scope="module")
-def moe_dirs(tmp_path_factory, default_tokenizer):
-    return checkpoint_dirs(VARIANTS, tmp_path_factory, default_tokenizer)
+def moe_dirs(module_tmp_path_factory, default_tokenizer):
+    return checkpoint_dirs(VARIANTS, module_tmp_path_factory, default_tokenizer)
 
 
 @pytest.fixture(scope="module")

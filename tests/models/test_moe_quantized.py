@@ -77,19 +77,19 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def float_dirs(tmp_path_factory, default_tokenizer):
-    return checkpoint_dirs(FAMILIES, tmp_path_factory, default_tokenizer)
+def float_dirs(module_tmp_path_factory, default_tokenizer):
+    return checkpoint_dirs(FAMILIES, module_tmp_path_factory, default_tokenizer)
 
 
 @pytest.fixture(scope="module")
-def case_dirs(tmp_path_factory, float_dirs):
+def case_dirs(module_tmp_path_factory, float_dirs):
     """case -> (quantized checkpoint, float checkpoint of its dequantized weights), written on first use."""
     written: dict[str, tuple[str, str]] = {}
 
     def get(case: str) -> tuple[str, str]:
         if case not in written:
             family, fmt = case.split("/")
-            root = tmp_path_factory.mktemp(fmt)
+            root = module_tmp_path_factory.mktemp(fmt)
             if fmt in GROUP_SPECS:
                 write_quantized(float_dirs(family), root / "quantized", root / "dequantized", GROUP_SPECS[fmt])
                 written[case] = (str(root / "quantized"), str(root / "dequantized"))
@@ -152,15 +152,15 @@ def test_two_ranks_run_quantized_experts(expert_parallel, case_dirs, dequantized
         llm.llm_engine.shutdown()
 
 
-def test_deepseek_v3_in_its_own_fp8_block_format(tmp_path_factory, default_tokenizer):
+def test_deepseek_v3_in_its_own_fp8_block_format(tmp_path, default_tokenizer):
     """DeepSeek-V3's checkpoint format (quant_method fp8, weight_block_size, weight_scale_inv): every linear layer
     in fp8 blocks, latent attention's kv_a_proj_with_mqa ending in a partial block of outputs (576 in blocks of
     128 in the real model; here 80 in blocks of 32) and kv_b_proj dequantized for absorption, the routed and
     shared experts in fp8; greedy output equal to transformers' on the dequantized weights."""
     from tests.models.test_mla import _perturb_correction_bias, _v3
 
-    float_dir = save_tiny_checkpoint(_v3, default_tokenizer, tmp_path_factory.mktemp("v3"), _perturb_correction_bias)
-    quantized, dequantized = write_8bit(float_dir, tmp_path_factory.mktemp("v3-fp8"), "fp8-block-32x16", fmt="fp8")
+    float_dir = save_tiny_checkpoint(_v3, default_tokenizer, tmp_path / "v3", _perturb_correction_bias)
+    quantized, dequantized = write_8bit(float_dir, tmp_path / "v3-fp8", "fp8-block-32x16", fmt="fp8")
     llm = LLM(quantized, **ENGINE)
     attention = llm.llm_engine.core.runner.model.model.layers[0].self_attn
     assert attention.kv_a_proj_with_mqa.weight_scale_inv.shape == (3, 8)  # 80 outputs: 2.5 blocks of 32
@@ -221,16 +221,16 @@ def test_online_fp8_experts_equal_their_dequantized_weights(float_dirs, tmp_path
     check_greedy(llm, CASE_PROMPTS, theirs("qwen3-moe", CASE_PROMPTS), GREEDY)
 
 
-def test_online_fp8_deepseek_v3_equals_its_dequantized_weights(tmp_path_factory, default_tokenizer):
+def test_online_fp8_deepseek_v3_equals_its_dequantized_weights(tmp_path, default_tokenizer):
     """quantization="fp8" on a float DeepSeek-V3: latent attention's kv_b_proj quantized too, and dequantized
     for the absorbed decode from the layer itself."""
     from tests.models.test_mla import _perturb_correction_bias, _v3
 
-    float_dir = save_tiny_checkpoint(_v3, default_tokenizer, tmp_path_factory.mktemp("v3"), _perturb_correction_bias)
+    float_dir = save_tiny_checkpoint(_v3, default_tokenizer, tmp_path / "v3", _perturb_correction_bias)
     llm = LLM(float_dir, quantization="fp8", **ENGINE)
     attention = llm.llm_engine.core.runner.model.model.layers[0].self_attn
     assert isinstance(attention.kv_b_proj.quant_method, OnlineQuantizedLinearMethod)
-    dequantized = _online_fp8_dequantized(float_dir, tmp_path_factory.mktemp("v3-fp8") / "dequantized")
+    dequantized = _online_fp8_dequantized(float_dir, tmp_path / "v3-fp8" / "dequantized")
     check_greedy(llm, CASE_PROMPTS, greedy_references(lambda _: dequantized, default_tokenizer, MAX_TOKENS)(
         "v3", CASE_PROMPTS), GREEDY)
 

@@ -20,8 +20,8 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("server-adapters")
+def adapters(tiny_llama_dir, module_tmp_path_factory) -> dict[str, str]:
+    root = module_tmp_path_factory.mktemp("server-adapters")
     return {
         "alpha": save_adapter(tiny_llama_dir, root / "alpha", rank=8, targets=ATTENTION, seed=11),
         "beta": save_adapter(tiny_llama_dir, root / "beta", rank=4, targets=MLP, seed=12),

@@ -43,8 +43,8 @@ TEXT_END = ["response.output_text.done", "response.content_part.done", "response
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_llama_dir, tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-responses")
+def model_dir(tiny_llama_dir, module_tmp_path_factory) -> str:
+    path = module_tmp_path_factory.mktemp("tiny-responses")
     shutil.copytree(tiny_llama_dir, path, dirs_exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     tokenizer.chat_template = HERMES_TEMPLATE
@@ -53,8 +53,8 @@ def model_dir(tiny_llama_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
+def server(model_dir, module_tmp_path_factory):
+    log_path = module_tmp_path_factory.mktemp("server") / "server.log"
     # Compact JSON: with vLLM's default whitespace the tiny random model rarely closes an object in time.
     server = ServerProcess(model_dir, [*TINY_SERVER_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                                        "--enable-server-load-tracking", "--enable-scale-out",

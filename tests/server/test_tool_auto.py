@@ -51,8 +51,8 @@ CALL_REGEX = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Pari
 
 
 @pytest.fixture(scope="module")
-def tools_model_dir(tiny_llama_dir, tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-tools")
+def tools_model_dir(tiny_llama_dir, module_tmp_path_factory) -> str:
+    path = module_tmp_path_factory.mktemp("tiny-tools")
     shutil.copytree(tiny_llama_dir, path, dirs_exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     tokenizer.chat_template = HERMES_TEMPLATE
@@ -61,8 +61,8 @@ def tools_model_dir(tiny_llama_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def tool_server(tools_model_dir, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
+def tool_server(tools_model_dir, module_tmp_path_factory):
+    log_path = module_tmp_path_factory.mktemp("server") / "server.log"
     server = ServerProcess(tools_model_dir, [*TINY_SERVER_ARGS, "--enable-auto-tool-choice",
                                              "--tool-call-parser", "hermes"], log_path)
     try:
