@@ -155,8 +155,7 @@ def test_gguf_greedy_equals_transformers(tiny, default_tokenizer):
 # 256-weight types go there).
 _T = gguf.GGMLQuantizationType
 KERNEL_LESS = {(0, "attn_q"): _T.IQ4_NL, (1, "attn_q"): _T.IQ4_NL, (0, "attn_output"): _T.IQ4_XS,
-               (1, "attn_output"): _T.IQ3_XXS, (0, "ffn_down"): _T.IQ2_XXS, (1, "ffn_down"): _T.IQ3_S,
-               (0, "ffn_gate"): _T.MXFP4, (1, "ffn_gate"): _T.MXFP4}
+               (1, "attn_output"): _T.IQ3_XXS, (0, "ffn_down"): _T.IQ2_XXS, (1, "ffn_down"): _T.IQ3_S}
 # Each type's scale field (byte offset), set to a value that keeps random blocks' weights near the model's.
 _SCALES = {"IQ4_NL": (0, 0.003), "IQ4_XS": (0, 0.0001), "IQ2_XXS": (0, 0.002), "IQ3_XXS": (0, 0.001),
            "IQ3_S": (0, 0.001)}
@@ -178,8 +177,8 @@ def _kernel_less_blocks(name: str, data: np.ndarray, qtype: gguf.GGMLQuantizatio
 
 
 def test_kernel_less_types_run_as_the_blocks_they_are_kept_as(tmp_path, default_tokenizer, caplog):
-    """IQ4_XS tensors are kept as IQ4_NL blocks, IQ3_XXS and IQ3_S ones as Q6_K blocks, IQ2_XXS and MXFP4 ones as
-    Q8_0 blocks (gguf_quants.transcode_blocks; IQ4_NL has kernels of its own): the engine generates what it
+    """IQ4_XS tensors are kept as IQ4_NL blocks, IQ3_XXS and IQ3_S ones as Q6_K blocks, IQ2_XXS ones as Q8_0
+    blocks (gguf_quants.transcode_blocks; IQ4_NL has kernels of its own): the engine generates what it
     generates from a file that stores those blocks itself, token for token and logprob for logprob, and the
     start-up log names the types."""
     from pagellm.models.gguf_quants import kernel_type, transcode_blocks
@@ -220,11 +219,65 @@ def test_kernel_less_types_run_as_the_blocks_they_are_kept_as(tmp_path, default_
             llm = LLM(str(path), tokenizer=str(tmp_path), dtype="float32", max_model_len=64,
                       kv_cache_memory_bytes=32 << 20)
         if kind == "stored":
-            for name in ("IQ4_XS as IQ4_NL", "IQ3_XXS as Q6_K", "IQ3_S as Q6_K", "IQ2_XXS as Q8_0", "MXFP4 as Q8_0",
-                         " IQ4_NL"):
+            for name in ("IQ4_XS as IQ4_NL", "IQ3_XXS as Q6_K", "IQ3_S as Q6_K", "IQ2_XXS as Q8_0", " IQ4_NL"):
                 assert name in caplog.text, name
         results[kind] = [(o.outputs[0].token_ids, [{t: p.logprob for t, p in step.items()}
                                                    for step in o.outputs[0].logprobs])
                          for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         llm.llm_engine.shutdown()
     assert results["stored"] == results["kept"]
+
+
+@pytest.fixture(scope="module")
+def mxfp4_gguf(module_tmp_path_factory, default_tokenizer):
+    """A Qwen3 GGUF whose gate and up projections are MXFP4 (llama.cpp's block_mxfp4, as gpt-oss GGUFs store their
+    experts), and the HF model on those tensors' values as gguf dequantizes them."""
+    model = tiny_hf_model(HF_CONFIGS["qwen3"](), default_tokenizer, seed=2)
+    directory = module_tmp_path_factory.mktemp("mxfp4-gguf")
+    default_tokenizer.save_pretrained(directory)
+
+    def mxfp4(name: str):
+        return _T.MXFP4 if name.startswith("blk.") and name.endswith(("ffn_gate.weight", "ffn_up.weight")) else None
+
+    path = directory / "tiny-mxfp4.gguf"
+    write_gguf_like_llama_cpp(model, "qwen3", path, mxfp4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("gate_proj.weight", "up_proj.weight")):
+                blocks = gguf.quants.quantize(param.numpy(), _T.MXFP4)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, _T.MXFP4)))
+    return model, directory, path
+
+
+def test_mxfp4_tensors_stay_in_4_bit_blocks(mxfp4_gguf, caplog):
+    """MXFP4 tensors are kept as MXFP4_F16 blocks (18 bytes per 32 weights where the file has 17; the values bit
+    for bit, gguf_quants.mxfp4_f16_blocks), and run on the native kernels within 2% of their dequantized weights
+    (the kernels quantize activations per 32, as llama.cpp does)."""
+    from pagellm.layers.linear import LinearBase
+
+    model, directory, path = mxfp4_gguf
+    with caplog.at_level("INFO", logger="pagellm.engine.engine_core"):
+        llm = LLM(str(path), tokenizer=str(directory), dtype="float32", max_model_len=64,
+                  kv_cache_memory_bytes=32 << 20)
+    assert "MXFP4 as MXFP4_F16" in caplog.text
+    ours = dict(llm.llm_engine.core.runner.model.named_modules())
+    theirs = dict(model.named_modules())
+    generator = torch.Generator().manual_seed(0)
+    for layer in range(model.config.num_hidden_layers):
+        mlp = ours[f"model.layers.{layer}.mlp.gate_up_proj"]
+        assert isinstance(mlp, LinearBase)
+        [part] = mlp.quantized_parts  # gate and up of one type: one product
+        assert part.type_name == "MXFP4_F16" and part.data.numel() == 2 * 256 * 128 * 18 // 32
+        x = torch.randn(3, 128, generator=generator)
+        hf = theirs[f"model.layers.{layer}.mlp"]
+        expected = torch.cat((hf.gate_proj(x), hf.up_proj(x)), dim=1)
+        assert (mlp(x) - expected).norm() <= 0.02 * expected.norm(), layer
+
+
+def test_mxfp4_gguf_greedy_equals_transformers_on_its_values(mxfp4_gguf, default_tokenizer, torch_ops_only):
+    model, directory, path = mxfp4_gguf
+    llm = LLM(str(path), tokenizer=str(directory), dtype="float32", max_model_len=64, kv_cache_memory_bytes=32 << 20)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for output in llm.generate(PROMPTS, greedy, use_tqdm=False):
+        expected = hf_greedy(model, default_tokenizer, output.prompt_token_ids, MAX_TOKENS, ignore_eos=True)
+        assert output.outputs[0].token_ids == expected, output.prompt

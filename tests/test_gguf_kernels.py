@@ -41,7 +41,7 @@ OUT_FEATURES = 67  # two output tiles (the second of 3 rows) for every type at t
 IN_FEATURES = {name: 768 if name.endswith("_K") else 160 for name in TYPES}
 # The byte offsets of each type's float16 scales (random bytes elsewhere).
 HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
-               "NF4": (0,), "BNB_FP4": (0,),
+               "NF4": (0,), "BNB_FP4": (0,), "MXFP4_F16": (0,),
                "Q2_K": (80, 82),
                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 

@@ -76,9 +76,9 @@ def test_row_not_a_whole_number_of_blocks_is_refused():
 
 @pytest.mark.parametrize("name", sorted(gguf_quants.TRANSCODED_TYPES))
 def test_kernel_less_types_become_blocks_of_their_values(name):
-    """transcode_blocks against gguf's own values of the blocks: IQ3_XXS and IQ3_S as Q6_K blocks bit for bit, IQ4_XS
-    as IQ4_NL blocks to within the f16 rounding of each sub-block's scale, the rest as Q8_0 blocks to within half a
-    Q8_0 step (plus its f16 scale's rounding)."""
+    """transcode_blocks against gguf's own values of the blocks: IQ3_XXS and IQ3_S as Q6_K blocks and MXFP4 as
+    MXFP4_F16 blocks bit for bit, IQ4_XS as IQ4_NL blocks to within the f16 rounding of each sub-block's scale, the
+    rest as Q8_0 blocks to within half a Q8_0 step (plus its f16 scale's rounding)."""
     qtype = gguf.GGMLQuantizationType[name]
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(int(qtype))
@@ -95,16 +95,15 @@ def test_kernel_less_types_become_blocks_of_their_values(name):
             raw[:, :2] = np.full((32, 1), d, dtype=np.uint16).view(np.uint8)
     blocks = raw.reshape(-1, block_bytes)
     values = reference(blocks, int(qtype), (len(blocks), block_size)).reshape(-1, 32)
-    kept = gguf.GGMLQuantizationType[gguf_quants.kernel_type(name)]
+    kept_id, kept = gguf_quants.FORMATS_BY_NAME[gguf_quants.kernel_type(name)]
     converted = gguf_quants.transcode_blocks(blocks, int(qtype))
-    kept_size, kept_bytes = gguf.GGML_QUANT_SIZES[kept]
-    assert converted.shape == (values.size // kept_size, kept_bytes)
-    ours = dequantize(converted, int(kept), (len(converted), kept_size)).reshape(-1, 32)
+    assert converted.shape == (values.size // kept.block_size, kept.block_bytes)
+    ours = dequantize(converted, kept_id, (len(converted), kept.block_size)).reshape(-1, 32)
     finite = np.isfinite(values).all(axis=1)
     assert finite.mean() > 0.5
     values, ours = values[finite], ours[finite]
-    if name in ("IQ3_XXS", "IQ3_S"):  # the same floats as Q6_K blocks
-        assert kept.name == "Q6_K"
+    if name in ("IQ3_XXS", "IQ3_S", "MXFP4"):  # the same floats as Q6_K / MXFP4_F16 blocks
+        assert kept.name == ("MXFP4_F16" if name == "MXFP4" else "Q6_K")
         assert_bit_identical(np.ascontiguousarray(ours), np.ascontiguousarray(values))
         return
     if name == "IQ4_XS":
@@ -115,3 +114,18 @@ def test_kernel_less_types_become_blocks_of_their_values(name):
     assert kept.name == "Q8_0"
     amax = np.abs(values).max(axis=1, keepdims=True)
     assert np.all(np.abs(ours - values) <= amax / 127 * 0.51 + amax * 2.0 ** -10)
+
+
+def test_mxfp4_scales_an_f16_cannot_hold():
+    """Below f16's subnormals a block's scale rounds to zero or 2^-24 (its weights are at most 12 * 2^-25 in
+    magnitude, and stay within that of gguf's values); beyond 2^16 it is refused, naming the tensor."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (16, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(88, 104)
+    values = reference(blocks, 39, (16, 32))
+    converted = gguf_quants.transcode_blocks(blocks, 39)
+    assert np.abs(values).max() <= 12 * 2.0 ** -25
+    assert np.abs(dequantize(converted, 1002, (16, 32)) - values).max() <= 12 * 2.0 ** -25
+    blocks[3, 0] = 144
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up_exps.weight': an MXFP4 block scale of 2\^17"):
+        gguf_quants.transcode_blocks(blocks, 39, "blk.0.ffn_up_exps.weight")

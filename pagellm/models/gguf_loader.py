@@ -760,7 +760,7 @@ def _kernel_blocks(file, info: _TensorInfo, fmt, file_size: int) -> np.ndarray:
     raw = _read_tensor_bytes(file, info, file_size)
     if kernel_type(fmt.name) == fmt.name:
         return raw
-    return transcode_blocks(raw.reshape(-1, fmt.block_bytes), info.type_id).reshape(-1)
+    return transcode_blocks(raw.reshape(-1, fmt.block_bytes), info.type_id, info.name).reshape(-1)
 
 
 def _read_tensor_bytes(file, info: _TensorInfo, file_size: int) -> np.ndarray:

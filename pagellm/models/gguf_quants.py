@@ -7,10 +7,13 @@ writing straight into the output (the lattice and ternary types, IQ1_S .. IQ3_S 
 are decoded by gguf itself). tests/test_gguf_quants.py checks every type against gguf's.
 
 Types no pagellm kernel reads in their own blocks (TRANSCODED_TYPES) are kept in memory as the blocks of one it
-reads (kernel_type: IQ4_XS as IQ4_NL, the others as Q8_0), transcode_blocks'.
+reads (kernel_type: IQ4_XS as IQ4_NL, MXFP4 as MXFP4_F16, IQ3_XXS / IQ3_S as Q6_K, the others as Q8_0),
+transcode_blocks'.
 
-Two types are pagellm's own (OWN_FORMATS, ids no GGUF uses): NF4 and BNB_FP4, IQ4_NL's blocks with bitsandbytes'
-code books for a grid, which its 4-bit checkpoints are kept as (pagellm/layers/quantization/bitsandbytes.py).
+Three types are pagellm's own (OWN_FORMATS, ids no GGUF uses), IQ4_NL's blocks on another grid: NF4 and BNB_FP4,
+with bitsandbytes' code books, which its 4-bit checkpoints are kept as (pagellm/layers/quantization/bitsandbytes.py),
+and MXFP4_F16, MXFP4's values with the block's power-of-two scale as an f16 (a GGUF's MXFP4 tensors, gpt-oss's
+experts: pagellm/layers/quantization/mxfp4.py).
 
 Block layouts follow ggml's `block_*` structs (ggml-common.h); QK_K = 256 weights per super-block.
 """
@@ -238,6 +241,9 @@ BNB_FP4_CODES = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, 
 GRID_SCALE = 127
 NF4_VALUES = np.round(NF4_CODES * GRID_SCALE).astype(np.int8)
 BNB_FP4_VALUES = np.round(BNB_FP4_CODES * GRID_SCALE).astype(np.int8)
+# MXFP4's e2m1 values times 2 (ggml's kvalues_mxfp4), sign in the nibble's top bit; a block's weights are these
+# times 2^(e - 128) for its e8m0 exponent e (ggml's GGML_E8M0_TO_FP32_HALF).
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 
 
 def _grid_dequantizer(values: np.ndarray) -> Dequantizer:
@@ -301,28 +307,31 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
 OWN_FORMATS: dict[int, QuantFormat] = {
     1000: QuantFormat("NF4", 32, 18, _grid_dequantizer(NF4_VALUES)),
     1001: QuantFormat("BNB_FP4", 32, 18, _grid_dequantizer(BNB_FP4_VALUES)),
+    1002: QuantFormat("MXFP4_F16", 32, 18, _grid_dequantizer(MXFP4_VALUES)),
 }
 # Type name -> (type id, format).
 FORMATS_BY_NAME: dict[str, tuple[int, QuantFormat]] = {fmt.name: (type_id, fmt)
                                                        for type_id, fmt in (QUANT_FORMATS | OWN_FORMATS).items()}
 # Kernel-less types -> the type whose blocks they are kept as.
-TRANSCODED_TYPES = {"IQ4_XS": "IQ4_NL", "IQ3_XXS": "Q6_K", "IQ3_S": "Q6_K",
-                    **dict.fromkeys(("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ2_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"),
-                                    "Q8_0")}
+TRANSCODED_TYPES = {"IQ4_XS": "IQ4_NL", "IQ3_XXS": "Q6_K", "IQ3_S": "Q6_K", "MXFP4": "MXFP4_F16",
+                    **dict.fromkeys(("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ2_S", "IQ1_M", "TQ1_0", "TQ2_0"), "Q8_0")}
 Q8_0_BLOCK_BYTES = 34
 IQ4_NL_BLOCK_BYTES = 18
 Q6_K_BLOCK_BYTES = 210
 
 
-def transcode_blocks(blocks: np.ndarray, type_id: int) -> np.ndarray:
+def transcode_blocks(blocks: np.ndarray, type_id: int, tensor_name: str = "") -> np.ndarray:
     """A kernel-less type's blocks (n, block_bytes) as blocks of its kernel_type: IQ4_XS as IQ4_NL blocks (n * 8,
     18), each 32-weight sub-block's scale d * (scale - 32) rounded to f16 (2^-11 relative at most; the nibbles as
-    they are); IQ3_XXS and IQ3_S as Q6_K blocks (n, 210), exactly (_iq3_as_q6_k); the other types as Q8_0 blocks
-    (n * block_size / 32, 34), requantized from their float32 values as llama.cpp's quantize_row_q8_0 does."""
+    they are); MXFP4 as MXFP4_F16 blocks (n, 18) (mxfp4_f16_blocks); IQ3_XXS and IQ3_S as Q6_K blocks (n, 210),
+    exactly (_iq3_as_q6_k); the other types as Q8_0 blocks (n * block_size / 32, 34), requantized from their float32
+    values as llama.cpp's quantize_row_q8_0 does."""
     fmt = quant_format(type_id)
     n = len(blocks)
     if fmt.name in ("IQ3_XXS", "IQ3_S"):
         return _iq3_as_q6_k(blocks, fmt)
+    if fmt.name == "MXFP4":  # block_mxfp4: e8m0 exponent, 16 bytes of nibbles as IQ4_NL's
+        return mxfp4_f16_blocks(blocks[:, 0], blocks[:, 1:], tensor_name)
     if fmt.name == "IQ4_XS":
         out = np.empty((n, 8, IQ4_NL_BLOCK_BYTES), dtype=np.uint8)
         out[:, :, :2] = (_f16(blocks, 0) * _iq4_xs_scales(blocks)).astype(np.float16)[..., None].view(np.uint8)
@@ -331,6 +340,29 @@ def transcode_blocks(blocks: np.ndarray, type_id: int) -> np.ndarray:
     weights = np.empty((n, fmt.block_size), dtype=np.float32)
     fmt.dequantize(blocks, weights)
     return quantize_q8_0(weights.reshape(-1, 32))
+
+
+# Exponents of MXFP4 scales 2^(e - 128) an f16 holds exactly (its subnormals from 2^-24, its largest power 2^15).
+MXFP4_F16_EXPONENTS = (104, 143)
+
+
+def mxfp4_f16_blocks(exponents: np.ndarray, nibbles: np.ndarray, tensor_name: str = "") -> np.ndarray:
+    """MXFP4 blocks, e8m0 exponents (n,) and 16 bytes of codes each (n, 16) in ggml's order (low nibbles weights
+    0-15, high ones 16-31), as MXFP4_F16 blocks (n, 18): the scale 2^(e - 128) as an f16 (the grid is e2m1's values
+    times 2), then the same 16 bytes. Exact for exponents in MXFP4_F16_EXPONENTS; below them the scale rounds to
+    f16's smallest subnormal or zero (the block's weights are at most 12 * 2^-25 in magnitude); above them (weights
+    of 2^16 and more) no f16 holds it, and a ValueError says so."""
+    exponents = np.asarray(exponents, dtype=np.uint8)
+    if exponents.size and int(exponents.max()) > MXFP4_F16_EXPONENTS[1]:
+        where = f"tensor {tensor_name!r}: " if tensor_name else ""
+        raise ValueError(f"{where}an MXFP4 block scale of 2^{int(exponents.max()) - 127} is beyond the f16 scale "
+                         f"pagellm keeps MXFP4 blocks with (up to 2^{MXFP4_F16_EXPONENTS[1] - 127}); such weights "
+                         "are not a model's. Fix: check the file, or convert the model to another type")
+    out = np.empty((len(exponents), IQ4_NL_BLOCK_BYTES), dtype=np.uint8)
+    scales = np.ldexp(np.float32(1), exponents.astype(np.int32) - 128).astype(np.float16)
+    out[:, :2] = scales.reshape(-1, 1).view(np.uint8)
+    out[:, 2:] = nibbles
+    return out
 
 
 def _iq3_as_q6_k(blocks: np.ndarray, fmt: QuantFormat) -> np.ndarray:

@@ -5,8 +5,9 @@
  * tensor: each output row's blocks are contiguous. Types are GGML's ids (gguf.GGMLQuantizationType):
  *   Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, IQ4_NL 20 (blocks of 32 weights, one scale each)
  *   Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14 (super-blocks of 256 weights, a scale per 16 or 32)
- * and two of pagellm's own in IQ4_NL's layout with another 16-value grid, for bitsandbytes' 4-bit weights
- * (pagellm/layers/quantization/bitsandbytes.py): NF4 1000, BNB_FP4 1001.
+ * and three of pagellm's own in IQ4_NL's layout with another 16-value grid: for bitsandbytes' 4-bit weights
+ * (pagellm/layers/quantization/bitsandbytes.py) NF4 1000 and BNB_FP4 1001, for MXFP4's (a GGUF's, gpt-oss's
+ * experts) MXFP4_F16 1002, its power-of-two scale held as an f16.
  *
  * gguf_matmul: y [rows, out] = x [rows, in] W^T, as llama.cpp computes it: each row of x is quantized to int8
  * (blocks of 32 with a float scale and the scaled sum for the 32-weight formats, llama.cpp's Q8_1; blocks of
@@ -35,11 +36,12 @@
 
 enum {
     Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-    IQ4_NL = 20, NF4 = 1000, BNB_FP4 = 1001
+    IQ4_NL = 20, NF4 = 1000, BNB_FP4 = 1001, MXFP4_F16 = 1002
 };
 /* M(type) for every type: the specialised functions below are made, and dispatched to, by type. */
 #define EACH_TYPE(M)                                                                                              \
-    M(Q4_0) M(Q4_1) M(Q5_0) M(Q5_1) M(Q8_0) M(IQ4_NL) M(NF4) M(BNB_FP4) M(Q2_K) M(Q3_K) M(Q4_K) M(Q5_K) M(Q6_K)
+    M(Q4_0) M(Q4_1) M(Q5_0) M(Q5_1) M(Q8_0) M(IQ4_NL) M(NF4) M(BNB_FP4) M(MXFP4_F16) M(Q2_K) M(Q3_K) M(Q4_K) M(Q5_K) \
+    M(Q6_K)
 
 #define QK 32
 #define QK_K 256
@@ -58,7 +60,8 @@ enum {
 
 static int block_weights(int type) {
     switch (type) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: case NF4: case BNB_FP4: return QK;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: case NF4: case BNB_FP4: case MXFP4_F16:
+        return QK;
     case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: return QK_K;
     default: return 0;
     }
@@ -66,7 +69,7 @@ static int block_weights(int type) {
 
 static int block_bytes(int type) {
     switch (type) {
-    case Q4_0: case IQ4_NL: case NF4: case BNB_FP4: return 18;
+    case Q4_0: case IQ4_NL: case NF4: case BNB_FP4: case MXFP4_F16: return 18;
     case Q4_1: return 20;
     case Q5_0: return 22;
     case Q5_1: return 24;
@@ -83,7 +86,9 @@ static int block_bytes(int type) {
 static ALWAYS_INLINE int is_k_quant(int type) { return block_weights(type) == QK_K; }
 
 /* The types whose nibbles index a 16-value grid of signed bytes (weight = d grid[q]). */
-static ALWAYS_INLINE int grid_quants(int type) { return type == IQ4_NL || type == NF4 || type == BNB_FP4; }
+static ALWAYS_INLINE int grid_quants(int type) {
+    return type == IQ4_NL || type == NF4 || type == BNB_FP4 || type == MXFP4_F16;
+}
 
 /* Types whose unpacked quants are signed bytes (weight = d q): Q8_0's stored ones, the grid types' values. */
 static ALWAYS_INLINE int signed_quants(int type) { return type == Q8_0 || grid_quants(type); }
@@ -135,21 +140,25 @@ static ALWAYS_INLINE u8x32 fifth_bits(const uint8_t *p) {
 
 /* The grid types' values: nibble k stands for the k-th of these, times the block's scale. IQ4_NL's are ggml's
  * kvalues_iq4nl; NF4's and BNB_FP4's are bitsandbytes' code books (its get_4bit_type) times 127, rounded
- * (pagellm/models/gguf_quants.py, NF4_VALUES and BNB_FP4_VALUES, says what that rounding costs). */
+ * (pagellm/models/gguf_quants.py, NF4_VALUES and BNB_FP4_VALUES, says what that rounding costs); MXFP4_F16's are
+ * ggml's kvalues_mxfp4, e2m1's values times 2 (exact: the scale is halved). */
 #define IQ4_NL_GRID -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
 #define NF4_GRID -127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127
 #define BNB_FP4_GRID 0, 1, 85, 127, 42, 64, 21, 32, 0, -1, -85, -127, -42, -64, -21, -32
+#define MXFP4_GRID 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
 
 static ALWAYS_INLINE u8x32 grid_values(const int type, u8x32 nibbles) {
 #if defined(__AVX2__)
     /* one in-lane byte shuffle: the 16 values in both halves, indexed by the nibbles */
-    const __m256i grid = type == NF4       ? _mm256_setr_epi8(NF4_GRID, NF4_GRID)
-                         : type == BNB_FP4 ? _mm256_setr_epi8(BNB_FP4_GRID, BNB_FP4_GRID)
-                                           : _mm256_setr_epi8(IQ4_NL_GRID, IQ4_NL_GRID);
+    const __m256i grid = type == NF4         ? _mm256_setr_epi8(NF4_GRID, NF4_GRID)
+                         : type == BNB_FP4   ? _mm256_setr_epi8(BNB_FP4_GRID, BNB_FP4_GRID)
+                         : type == MXFP4_F16 ? _mm256_setr_epi8(MXFP4_GRID, MXFP4_GRID)
+                                             : _mm256_setr_epi8(IQ4_NL_GRID, IQ4_NL_GRID);
     return (u8x32)_mm256_shuffle_epi8(grid, (__m256i)nibbles);
 #else
-    static const int8_t iq4_nl[16] = {IQ4_NL_GRID}, nf4[16] = {NF4_GRID}, bnb_fp4[16] = {BNB_FP4_GRID};
-    const int8_t *grid = type == NF4 ? nf4 : type == BNB_FP4 ? bnb_fp4 : iq4_nl;
+    static const int8_t iq4_nl[16] = {IQ4_NL_GRID}, nf4[16] = {NF4_GRID}, bnb_fp4[16] = {BNB_FP4_GRID},
+                        mxfp4[16] = {MXFP4_GRID};
+    const int8_t *grid = type == NF4 ? nf4 : type == BNB_FP4 ? bnb_fp4 : type == MXFP4_F16 ? mxfp4 : iq4_nl;
     u8x32 values;
     for (int k = 0; k < 32; ++k) values[k] = (uint8_t)grid[nibbles[k]];
     return values;
@@ -175,7 +184,7 @@ static ALWAYS_INLINE Block32 unpack_32(const int type, const uint8_t *b) {
         u.m = half_to_float(b + 2);
         u.q = nibbles_32(b + 8) | fifth_bits(b + 4);
         break;
-    case IQ4_NL: case NF4: case BNB_FP4: /* f16 d, 16 bytes of nibbles, as Q4_0's; w = d grid[q] (signed) */
+    case IQ4_NL: case NF4: case BNB_FP4: case MXFP4_F16: /* f16 d, 16 bytes of nibbles, as Q4_0's; w = d grid[q] */
         u.q = grid_values(type, nibbles_32(b + 2));
         break;
     default: /* Q8_0: f16 d, 32 int8; w = d q */
@@ -1107,6 +1116,7 @@ WIDE_ROW_FOR(Q8_0)
 WIDE_ROW_FOR(IQ4_NL)
 WIDE_ROW_FOR(NF4)
 WIDE_ROW_FOR(BNB_FP4)
+WIDE_ROW_FOR(MXFP4_F16)
 #endif
 
 /* The row dequantizer of gguf_dequantize_packed, which asks for bfloat16 rows only. */
@@ -1121,6 +1131,7 @@ static DequantizeFunction packed_dequantize_function(int type) {
     case IQ4_NL: return dequantize_wide_IQ4_NL;
     case NF4: return dequantize_wide_NF4;
     case BNB_FP4: return dequantize_wide_BNB_FP4;
+    case MXFP4_F16: return dequantize_wide_MXFP4_F16;
     default: break;
     }
 #endif
