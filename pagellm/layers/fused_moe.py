@@ -268,6 +268,8 @@ class FusedMoEMethodBase(ABC):
     # Whether a CUDA graph can hold `apply`: not where it reads the step's expert counts back to the host to run
     # one product per used expert (grouped_experts); such models decode eagerly on CUDA.
     cuda_graph_safe = True
+    # Whether `apply` adds the layer's expert biases (FusedMoE.expert_bias) after each product (gpt-oss's).
+    takes_biases = False
 
     @abstractmethod
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -301,6 +303,8 @@ def moe_method_for(quant_config: QuantizationConfig | None, prefix: str) -> Fuse
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    takes_biases = True
+
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate_size: int,
                        params_dtype: torch.dtype) -> None:
         w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=params_dtype),
@@ -531,7 +535,8 @@ class FusedMoE(nn.Module):
     with the group's expert parallelism, whole experts (`placement`).
 
     gpt-oss's experts (`activation` "swigluoai", `has_bias`) apply ClampedSwiGLU and add a bias after each
-    product: gate/up's split with the features, down's added by the rank holding feature slice 0 only."""
+    product: gate/up's split with the features, down's added by the rank holding feature slice 0 only (the
+    methods whose `takes_biases` says so: unquantized, and GGUF / MXFP4 blocks)."""
 
     # What the unquantized method's process_weights_after_loading chose for the CPU: the native experts kernel
     # (weights packed for it), or per-expert dense kernels of half types; neither: torch.mm per expert.
@@ -605,8 +610,8 @@ class FusedMoE(nn.Module):
             self.register_parameter("w13_bias", None)
             self.register_parameter("w2_bias", None)
             return
-        if not isinstance(self.quant_method, UnquantizedFusedMoEMethod):
-            raise ValueError(f"{prefix}: experts with biases run unquantized only, not in the "
+        if not self.quant_method.takes_biases:
+            raise ValueError(f"{prefix}: experts with biases run unquantized or in MXFP4 / GGUF blocks, not in the "
                              f"{type(self.quant_method).__name__} format; use the float checkpoint")
         dtype = torch.get_default_dtype()
         self.w13_bias = nn.Parameter(torch.empty(self.local_num_experts, 2 * self.intermediate_size, dtype=dtype),
@@ -679,12 +684,12 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{name}: unknown expert shard {shard_id!r}; shards are {SHARD_IDS}")
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"{name}: expert {expert_id} is out of range; this layer has {self.num_experts}")
+        if param is self.w13_bias or param is self.w2_bias:
+            self._load_bias(param, loaded_weight, shard_id, expert_id, name)
+            return
         load_expert = getattr(self.quant_method, "load_expert", None)
         if load_expert is not None:  # a method that keeps the file's own blocks (GGUF) stacks them itself
             load_expert(self, loaded_weight, shard_id, expert_id)
-            return
-        if param is self.w13_bias or param is self.w2_bias:
-            self._load_bias(param, loaded_weight, shard_id, expert_id, name)
             return
         # w1/w3 hold the intermediate features along rows, w2 along columns: this rank takes its slice.
         dim = 1 if shard_id == "w2" else 0

@@ -14,8 +14,8 @@ layer a mixture of `num_local_experts` biased experts with a clamped SwiGLU.
 
 Released gpt-oss checkpoints keep their experts in MXFP4 (quantization_config.quant_method "mxfp4":
 `gate_up_proj_blocks`/`_scales` and `down_proj_blocks`/`_scales`, each [E, out, ...] where the float tensors are
-[E, in, out]). No pagellm kernel multiplies MXFP4, so each expert is dequantized exactly as it loads
-(layers/quantization/mxfp4.py) and runs unquantized, in the memory of the bf16 model.
+[E, in, out], gate_up's rows interleaved as its columns are). Each expert's projections load as MXFP4_F16 blocks
+of the GGUF kernels (layers/quantization/mxfp4.py), so the experts stay at 4.5 bits a weight.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from pagellm.attention.paged import AttentionMetadata, paged_attention
 from pagellm.layers.fused_moe import ExpertCheckpointMixin, FusedMoE, Routing, num_experts_of
 from pagellm.layers.linear import ReplicatedLinear
 from pagellm.layers.quantization.base import QuantizationConfig
-from pagellm.layers.quantization.mxfp4 import dequantize_mxfp4
+from pagellm.layers.quantization.gguf import GGUFWeight
+from pagellm.layers.quantization.mxfp4 import mxfp4_weight
 from pagellm.layers.weights import copy_checked
 from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -110,15 +111,17 @@ _STACKED_EXPERTS = {
 }
 
 
-_MXFP4_PROJECTIONS = ("gate_up_proj", "down_proj")
 _MXFP4_PARTS = ("blocks", "scales")
+# An MXFP4 projection's rows [out] per expert: (projection, rows) to take, gate at even and up at odd rows.
+_MXFP4_EXPERTS = {"gate_up_proj": (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))),
+                  "down_proj": (("down_proj", slice(None)),)}
 
 
 def per_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each stacked `...experts.gate_up_proj[_bias]` / `down_proj[_bias]` split into
     one tensor per expert and projection (`...experts.3.up_proj.weight` [intermediate, hidden]), as FusedMoE
     loads them: views of the stacked tensor, no copies. An MXFP4 projection's blocks and scales (which may come
-    apart in the file) are dequantized expert by expert once both have been read."""
+    apart in the file) become each expert's MXFP4_F16 blocks once both have been read."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         layer, _, suffix = name.rpartition(".")
@@ -128,20 +131,30 @@ def per_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
         elif suffix in _STACKED_EXPERTS:
             for expert in range(tensor.shape[0]):
                 yield from _expert_tensors(layer, suffix, expert, tensor[expert])
-        elif proj in _MXFP4_PROJECTIONS and part in _MXFP4_PARTS:
+        elif proj in _MXFP4_EXPERTS and part in _MXFP4_PARTS:
             parts = pending.setdefault(f"{layer}.{proj}", {})
             parts[part] = tensor
             if len(parts) == len(_MXFP4_PARTS):
                 del pending[f"{layer}.{proj}"]
-                for expert in range(parts["blocks"].shape[0]):
-                    # [out, in] dequantized: the float checkpoint's layout is its transpose.
-                    weight = dequantize_mxfp4(parts["blocks"][expert], parts["scales"][expert])
-                    yield from _expert_tensors(layer, proj, expert, weight.t())
+                yield from _mxfp4_expert_tensors(layer, proj, parts["blocks"], parts["scales"])
         else:
             yield name, tensor
     if pending:
         raise ValueError(f"MXFP4 checkpoint: {sorted(pending)} have blocks or scales but not both "
                          f"({[sorted(parts) for parts in pending.values()]} found)")
+
+
+def _mxfp4_expert_tensors(layer: str, proj: str, blocks: torch.Tensor,
+                          scales: torch.Tensor) -> Iterator[tuple[str, GGUFWeight]]:
+    """Each expert's projections of stacked MXFP4 `proj` (blocks [E, out, groups, 16], scales [E, out, groups])
+    as MXFP4_F16 blocks, converted one expert at a time."""
+    if blocks.dim() != 4 or scales.dim() != 3:
+        raise ValueError(f"{layer}.{proj}_blocks {tuple(blocks.shape)} and _scales {tuple(scales.shape)}: expected "
+                         "[experts, out, groups, 16] and [experts, out, groups]")
+    for expert in range(blocks.shape[0]):
+        for target, rows in _MXFP4_EXPERTS[proj]:
+            name = f"{layer}.{expert}.{target}.weight"
+            yield name, mxfp4_weight(blocks[expert, rows], scales[expert, rows], name)
 
 
 def _expert_tensors(layer: str, suffix: str, expert: int, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

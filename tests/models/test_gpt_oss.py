@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pagellm import LLM, SamplingParams
 from pagellm.attention.backend import BACKEND_ENV
@@ -185,59 +186,42 @@ def test_experts_match_transformers_gpt_oss_experts():
 # --- MXFP4 checkpoints ---------------------------------------------------------------------------------
 
 
-def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., K] float -> (blocks [..., K / 32, 16], scales [..., K / 32]): each group of 32 scaled by the power of
-    two that brings its largest value within FP4's 6, each value to its nearest FP4 code."""
-    from pagellm.layers.quantization.mxfp4 import FP4_VALUES
-
-    groups = weight.reshape(*weight.shape[:-1], -1, 32)
-    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
-    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
-    codes = (scaled.unsqueeze(-1) - torch.tensor(FP4_VALUES)).abs().argmin(-1)
-    pairs = codes.reshape(*codes.shape[:-1], 16, 2)
-    return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
-
-
-def test_dequantize_mxfp4_matches_transformers():
+def test_kept_mxfp4_blocks_hold_the_values_transformers_reads():
+    """Each expert's MXFP4 blocks as the kernels' MXFP4_F16 blocks: 18 bytes per 32 weights, the same values bit
+    for bit as transformers dequantizes, for every scale an f16 holds exactly; a scale beyond it is refused."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from pagellm.layers.quantization.mxfp4 import dequantize_mxfp4
+    from pagellm.layers.quantization.mxfp4 import mxfp4_weight
+    from pagellm.models.gguf_quants import MXFP4_F16_EXPONENTS
 
     generator = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=generator, dtype=torch.uint8)
-    scales = torch.randint(118, 136, (3, 8, 4), generator=generator, dtype=torch.uint8)
+    low, high = MXFP4_F16_EXPONENTS
+    scales = torch.randint(low, high + 1, (3, 8, 4), generator=generator, dtype=torch.uint8)
+    scales[0, 0, :2] = torch.tensor([low, high], dtype=torch.uint8)
     # transformers returns the float checkpoint's layout [E, in, out], the transpose of the stored one.
     expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), expected)
+    for expert in range(3):
+        kept = mxfp4_weight(blocks[expert], scales[expert])
+        assert kept.type_name == "MXFP4_F16" and tuple(kept.data.shape) == (8, 4 * 18)
+        assert torch.equal(kept.dequantize(torch.float32), expected[expert].t())
     with pytest.raises(ValueError, match="MXFP4 blocks"):
-        dequantize_mxfp4(blocks, scales[..., :3])
+        mxfp4_weight(blocks[0], scales[0, :, :3])
+    with pytest.raises(ValueError, match=r"2\^17 is beyond the f16 scale"):
+        mxfp4_weight(blocks[0], torch.full_like(scales[0], 144), "w")
 
 
 @pytest.fixture(scope="module")
 def mxfp4_checkpoint(gpt_oss_dir, module_tmp_path_factory, default_tokenizer):
     """The tiny checkpoint with its experts in MXFP4 as released gpt-oss checkpoints store them, and
     transformers' greedy continuations of the model whose experts are those MXFP4 values dequantized."""
-    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from tests.helpers import hf_greedy
+    from tests.mxfp4_checkpoints import write_mxfp4
 
     directory = module_tmp_path_factory.mktemp("gpt-oss-mxfp4")
-    tensors, dequantized = {}, {}
-    for name, tensor in load_file(f"{gpt_oss_dir}/model.safetensors").items():
-        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            tensors[name] = tensor
-            continue
-        blocks, scales = _quantize_mxfp4(tensor.transpose(1, 2).contiguous())  # stored [E, out, in]
-        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
-        dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    save_file(tensors, str(directory / "model.safetensors"))
-    config = json.load(open(f"{gpt_oss_dir}/config.json"))
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (directory / "config.json").write_text(json.dumps(config))
-    default_tokenizer.save_pretrained(directory)
+    dequantized = write_mxfp4(gpt_oss_dir, directory)
     model = AutoModelForCausalLM.from_pretrained(gpt_oss_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -250,11 +234,75 @@ def mxfp4_checkpoint(gpt_oss_dir, module_tmp_path_factory, default_tokenizer):
     return str(directory), prompts, expected
 
 
-def test_mxfp4_checkpoint_matches_hf_on_its_dequantized_experts(mxfp4_checkpoint):
+def test_mxfp4_checkpoint_matches_hf_on_its_dequantized_experts(mxfp4_checkpoint, torch_ops_only):
+    """On the products' torch path (the blocks dequantized), transformers' tokens on the same expert values."""
     directory, prompts, expected = mxfp4_checkpoint
     llm = LLM(directory, **ENGINE_ARGS)
     assert "mxfp4" in llm.llm_engine.core.runner.model.weight_format
     check_greedy(llm, prompts, expected, GREEDY)
+
+
+def test_mxfp4_experts_run_on_their_blocks(mxfp4_checkpoint, gpt_oss_dir):
+    """The native kernels: every expert at MXFP4_F16's 18 bytes per 32 weights, and each layer's experts (biases
+    and the clamped SwiGLU included) within 2% of the same experts dequantized (the GGUF kernels quantize
+    activations per 32, as llama.cpp does; a wrong code, nibble order or scale would be tens of percent off)."""
+    from pagellm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
+    from pagellm.layers.quantization.mxfp4 import mxfp4_weight
+
+    directory, _, _ = mxfp4_checkpoint
+    model = LLM(directory, **ENGINE_ARGS).llm_engine.core.runner.model
+    config = json.load(open(f"{gpt_oss_dir}/config.json"))
+    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+    stored = load_file(f"{directory}/model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    layers = [(name, module) for name, module in model.named_modules() if isinstance(module, FusedMoE)]
+    assert len(layers) == config["num_hidden_layers"]
+    for name, layer in layers:
+        assert isinstance(layer.quant_method, GGUFFusedMoEMethod) and layer.gguf_experts is not None
+        experts = layer.num_experts
+        assert layer.w13_weight.dtype == torch.uint8 and layer.w2_weight.dtype == torch.uint8
+        assert layer.w13_weight.numel() + layer.w2_weight.numel() == experts * 3 * hidden * intermediate * 18 // 32
+        prefix = name.removesuffix(".experts")
+        gate_up = [mxfp4_weight(stored[f"{prefix}.experts.gate_up_proj_blocks"][e],
+                                stored[f"{prefix}.experts.gate_up_proj_scales"][e]).dequantize(torch.float32)
+                   for e in range(experts)]
+        down = [mxfp4_weight(stored[f"{prefix}.experts.down_proj_blocks"][e],
+                             stored[f"{prefix}.experts.down_proj_scales"][e]).dequantize(torch.float32)
+                for e in range(experts)]
+        # gate rows then up rows, as w13 stacks them (the stored rows interleave them)
+        w13 = torch.stack([torch.cat((w[0::2], w[1::2])) for w in gate_up])
+        x = torch.randn(5, hidden, generator=generator)
+        ids = torch.randint(0, experts, (5, layer.top_k), generator=generator)
+        weights = torch.softmax(torch.randn(5, layer.top_k, generator=generator), dim=-1)
+        with torch.no_grad():
+            got = layer.quant_method.apply(layer, x, weights, ids)
+            expected = torch.zeros_like(x)
+            for token in range(5):
+                for k in range(layer.top_k):
+                    e = int(ids[token, k])
+                    h = layer.act_fn((w13[e] @ x[token] + layer.w13_bias[e])[None])[0]
+                    expected[token] += weights[token, k] * (down[e] @ h + layer.w2_bias[e])
+        assert (got - expected).norm() <= 0.02 * expected.norm(), name
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tensor-parallel", "expert-parallel"])
+def test_mxfp4_experts_on_two_ranks_give_one_ranks_tokens(mxfp4_checkpoint, expert_parallel):
+    """Two ranks keep the MXFP4_F16 blocks too: each rank a whole 32-weight block of every expert's down rows
+    (tensor parallel) or two whole experts (expert parallel), with their biases."""
+    from pagellm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
+
+    directory, prompts, _ = mxfp4_checkpoint
+    single = LLM(directory, **ENGINE_ARGS)
+    one = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)]
+    single.llm_engine.shutdown()
+    llm = LLM(directory, **ENGINE_ARGS, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              distributed_timeout_seconds=60)
+    try:
+        experts = [m for m in llm.llm_engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert all(isinstance(m.quant_method, GGUFFusedMoEMethod) and m.gguf_experts is not None for m in experts)
+        check_greedy(llm, prompts, one, GREEDY)
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_mxfp4_is_not_an_online_quantization(gpt_oss_dir):

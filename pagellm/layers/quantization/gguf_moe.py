@@ -59,6 +59,7 @@ class QuantizedExperts:
 
 class GGUFFusedMoEMethod(FusedMoEMethodBase):
     cuda_graph_safe = False  # one product per used expert (grouped_experts)
+    takes_biases = True  # gpt-oss's MXFP4 experts (layers/quantization/mxfp4.py)
 
     def __init__(self, ops=None) -> None:
         # The kernels for the device the model is built on, chosen at the first layer (as GGUFLinearMethod does);
@@ -171,9 +172,10 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
         experts: QuantizedExperts | None = layer.gguf_experts
         if experts is None:
             return self.dense.apply(layer, x, topk_weights, topk_ids)
-        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, self._gate_up(experts, layer.hidden_size),
-                               self._down(experts, layer.intermediate_size), 2 * layer.intermediate_size,
-                               layer.act_fn)
+        gate_up = _biased(self._gate_up(experts, layer.hidden_size), layer.expert_bias("gate_up"))
+        down = _biased(self._down(experts, layer.intermediate_size), layer.expert_bias("down"))
+        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, gate_up, down,
+                               2 * layer.intermediate_size, layer.act_fn)
 
     def _gate_up(self, experts: QuantizedExperts, hidden: int) -> ExpertProduct:
         ops = self.ops
@@ -196,6 +198,18 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
         if getattr(layer, "gguf_experts", None) is None:
             return self.dense.kernel_tensors(layer)
         return list(layer.gguf_extra)
+
+
+def _biased(product: ExpertProduct, bias: torch.Tensor | None) -> ExpertProduct:
+    """`product`, then expert e's row of the stacked `bias` added to its output rows."""
+    if bias is None:
+        return product
+
+    def run(expert: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        product(expert, x, out)
+        out.add_(bias[expert])
+
+    return run
 
 
 def _split_width(type_name: str, size: int, layer: FusedMoE, name: str) -> int:
