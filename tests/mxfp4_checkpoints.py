@@ -32,9 +32,9 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
 
 
-def write_mxfp4(float_dir: str | Path, out: Path) -> dict[str, torch.Tensor]:
+def write_mxfp4(float_dir: str | Path, out: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """`float_dir`'s checkpoint in `out` with its experts in MXFP4; returns the expert tensors those blocks hold
-    (float32, the float checkpoint's names and [E, in, out] layout), as transformers dequantizes them."""
+    (in `dtype`, the float checkpoint's names and [E, in, out] layout), as transformers dequantizes them."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     shutil.copytree(float_dir, out, ignore=shutil.ignore_patterns("*.safetensors"), dirs_exist_ok=True)
@@ -46,7 +46,7 @@ def write_mxfp4(float_dir: str | Path, out: Path) -> dict[str, torch.Tensor]:
         stored = [quantize_mxfp4(expert.t()) for expert in tensor]  # each expert [out, in], one at a time
         blocks, scales = torch.stack([b for b, _ in stored]), torch.stack([s for _, s in stored])
         tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
-        dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}

@@ -1,0 +1,159 @@
+"""gpt-oss's MXFP4 experts kept in their 4 bits against the same experts in bfloat16, on the CPU: the experts'
+memory, a decode step's and a prefill step's time.
+
+A gpt-oss-20b-shaped model (hidden 2880, `--experts` experts of 2880 features with biases, top 4, 64 query / 8 KV
+heads of 64, attention sinks, `--layers` layers, a `--vocab`-token embedding) with random weights, its experts
+rounded to MXFP4 as gpt-oss's releases store them (tests/mxfp4_checkpoints.py), written twice: as the MXFP4
+checkpoint, which pagellm keeps as MXFP4_F16 blocks on the GGUF experts' kernels, and as a bfloat16 checkpoint of
+the same expert values, which is what pagellm ran before it kept the blocks (it dequantized them as they loaded).
+Both engines are loaded first, then the rounds run them interleaved (`--repeats`, best kept): one decode step of
+`--batch` sequences (median of `--steps`) and the prefill step of one `--prompt-len`-token prompt; in brackets the
+time inside the MoE blocks. Greedy tokens of both on a few prompts are compared (the kernels quantize activations
+per 32, llama.cpp's way; the bfloat16 experts do not).
+
+    PYTHONPATH=$PWD python benchmarks/mxfp4_moe.py
+    PYTHONPATH=$PWD python benchmarks/mxfp4_moe.py --layers 1 --experts 8 --batch 1 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks.moe import Bench, Timing, best
+
+GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                   head_dim=64, num_experts_per_tok=4, sliding_window=128, swiglu_limit=7.0)
+
+
+def float_checkpoint(root: Path, args, tokenizer) -> str:
+    """The random bfloat16 checkpoint (tensors drawn directly: a transformers init of 1.6B parameters is slow)."""
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(**GPT_OSS_20B, num_hidden_layers=args.layers, num_local_experts=args.experts,
+                          vocab_size=args.vocab, max_position_embeddings=4096,
+                          layer_types=["sliding_attention", "full_attention"] * (args.layers // 2)
+                          + ["sliding_attention"] * (args.layers % 2),
+                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                          tie_word_embeddings=False, architectures=["GptOssForCausalLM"])
+    with torch.device("meta"):
+        shapes = {name: tensor.shape for name, tensor in GptOssForCausalLM(config).state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            scale = 0.02 if "bias" not in name and "sinks" not in name else 0.1
+            tensors[name] = (torch.randn(shape, generator=generator, dtype=torch.bfloat16) * scale)
+    path = root / "bf16-random"
+    path.mkdir()
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
+
+
+def checkpoints(root: Path, args, tokenizer) -> tuple[str, str]:
+    """(MXFP4 checkpoint, bfloat16 checkpoint of the values its experts hold)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.mxfp4_checkpoints import write_mxfp4
+
+    random_dir = float_checkpoint(root, args, tokenizer)
+    mxfp4_dir, bf16_dir = root / "mxfp4", root / "bf16"
+    dequantized = write_mxfp4(random_dir, mxfp4_dir, dtype=torch.bfloat16)
+    tensors = load_file(f"{random_dir}/model.safetensors")
+    tensors.update(dequantized)
+    shutil.copytree(random_dir, bf16_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(tensors, str(bf16_dir / "model.safetensors"))
+    shutil.rmtree(random_dir)
+    return str(mxfp4_dir), str(bf16_dir)
+
+
+def expert_bytes(bench: Bench) -> int:
+    from pagellm.layers.fused_moe import FusedMoE
+    from pagellm.layers.weights import weights_bytes
+
+    return sum(weights_bytes(m) for m in bench.engine.core.runner.model.modules() if isinstance(m, FusedMoE))
+
+
+def greedy_tokens(bench: Bench, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from pagellm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = bench.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
+    parser.add_argument("--context", type=int, default=64, help="prompt length of each decoding sequence")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=12, help="decode steps timed per batch (median kept)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    args.dtype = "bfloat16"
+
+    from pagellm.cpu_features import cpu_description, cpu_flags
+    from pagellm.models.gguf_loader import default_model_path, load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(default_model_path())
+    isa = sorted(flag for flag in cpu_flags() if flag.startswith(("avx", "amx", "fma", "f16c")))
+    print(f"CPU: {cpu_description()}; flags: {' '.join(isa)}; CPUs used: {len(os.sched_getaffinity(0))}")
+    print(f"gpt-oss-20b shape: hidden {GPT_OSS_20B['hidden_size']}, {args.experts} experts of "
+          f"{GPT_OSS_20B['intermediate_size']}, top {GPT_OSS_20B['num_experts_per_tok']}, {args.layers} layers")
+    # The bfloat16 checkpoint takes ~1.6 GB per layer at 32 experts: removed when the run ends.
+    with tempfile.TemporaryDirectory(prefix="pagellm-mxfp4-") as scratch:
+        mxfp4_dir, bf16_dir = checkpoints(Path(scratch), args, tokenizer)
+        sizes = {name: sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
+                 for name, d in (("bf16 (the MXFP4 values)", bf16_dir), ("mxfp4 kept", mxfp4_dir))}
+        benches = [Bench("bf16 (the MXFP4 values)", bf16_dir, args, load_format="auto"),
+                   Bench("mxfp4 kept", mxfp4_dir, args, load_format="auto")]
+        generator = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, args.vocab, (24,), generator=generator).tolist() for _ in range(4)]
+        tokens = [greedy_tokens(bench, prompts, 16) for bench in benches]
+        results: dict[tuple[str, str], list[Timing]] = {}
+        workloads = [f"decode x{b}" for b in args.batch] + [f"prefill {args.prompt_len}"]
+        for _ in range(args.repeats):
+            for bench in benches:  # interleaved: both see the same load
+                for batch in args.batch:
+                    results.setdefault((bench.name, f"decode x{batch}"), []).append(
+                        bench.decode(batch, args.context, args.steps))
+                results.setdefault((bench.name, f"prefill {args.prompt_len}"), []).append(
+                    bench.prefill(args.prompt_len))
+        print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; step ms (MoE blocks' ms), best of "
+              f"{args.repeats} rounds")
+        print("| experts | checkpoint MiB | experts MiB | " + " | ".join(workloads) + " |")
+        print("|---|---:|---:|" + "---:|" * len(workloads))
+        for bench in benches:
+            cells = []
+            for workload in workloads:
+                timing = best(results[(bench.name, workload)])
+                cells.append(f"{timing.step * 1e3:.1f} ({timing.mlp * 1e3:.1f})")
+            print(f"| {bench.name} | {sizes[bench.name] / 2**20:.0f} | {expert_bytes(bench) / 2**20:.0f} | "
+                  + " | ".join(cells) + " |")
+        same = sum(a == b for a, b in zip(*tokens))
+        first = sum(a[0] == b[0] for a, b in zip(*tokens))
+        print(f"greedy 16 tokens after {len(prompts)} random prompts: {same} identical, first token equal in {first}")
+        for bench in benches:
+            bench.engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
