@@ -189,16 +189,45 @@ def best(timings: list[Timing]) -> Timing:
     return min(timings, key=lambda t: t.step)
 
 
+def add_step_arguments(parser: argparse.ArgumentParser, prompt_len: int) -> None:
+    """The timed steps' arguments the MoE benchmarks share."""
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
+    parser.add_argument("--context", type=int, default=64, help="prompt length of each decoding sequence")
+    parser.add_argument("--prompt-len", type=int, default=prompt_len)
+    parser.add_argument("--steps", type=int, default=12, help="decode steps timed per batch (median kept)")
+    parser.add_argument("--repeats", type=int, default=3)
+
+
+def print_cpu() -> None:
+    from pagellm.cpu_features import cpu_description, cpu_flags
+
+    isa = sorted(flag for flag in cpu_flags() if flag.startswith(("avx", "amx", "fma", "f16c")))
+    print(f"CPU: {cpu_description()}; flags: {' '.join(isa)}; CPUs used: {len(os.sched_getaffinity(0))}")
+
+
+def workloads(args) -> list[str]:
+    return [f"decode x{b}" for b in args.batch] + [f"prefill {args.prompt_len}"]
+
+
+def interleaved_rounds(benches: list[Bench], args) -> dict[tuple[str, str], Timing]:
+    """(bench, workload) -> the best of `args.repeats` rounds, each running every bench in turn, so that all see
+    the same load: decode steps of each `args.batch`, then one prefill step."""
+    results: dict[tuple[str, str], list[Timing]] = {}
+    for _ in range(args.repeats):
+        for bench in benches:
+            for batch in args.batch:
+                results.setdefault((bench.name, f"decode x{batch}"), []).append(
+                    bench.decode(batch, args.context, args.steps))
+            results.setdefault((bench.name, f"prefill {args.prompt_len}"), []).append(bench.prefill(args.prompt_len))
+    return {key: best(timings) for key, timings in results.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
-    parser.add_argument("--context", type=int, default=64, help="prompt length of each decoding sequence")
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=12, help="decode steps timed per batch (median kept)")
-    parser.add_argument("--repeats", type=int, default=3)
+    add_step_arguments(parser, prompt_len=512)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--cpus", type=int, default=None,
                         help="pin to the first N CPUs of the affinity mask (the engine runs that many threads)")
@@ -208,12 +237,10 @@ def main() -> None:
     if args.cpus is not None:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
 
-    from pagellm.cpu_features import cpu_description, cpu_flags
     from pagellm.models.gguf_loader import default_model_path, load_gguf_tokenizer
 
     tokenizer = load_gguf_tokenizer(default_model_path())
-    isa = sorted(flag for flag in cpu_flags() if flag.startswith(("avx", "amx", "fma", "f16c")))
-    print(f"CPU: {cpu_description()}; flags: {' '.join(isa)}; CPUs used: {len(os.sched_getaffinity(0))}")
+    print_cpu()
     if args.save_configs is not None:
         for shape in args.shapes:
             for name, config in zip(("moe", "dense"), configs(shape, args.layers, args.vocab, tokenizer)):
@@ -225,17 +252,9 @@ def main() -> None:
         moe_config, dense_config = configs(shape, args.layers, args.vocab, tokenizer)
         benches = [Bench("moe", model_dir(root, f"{shape}-moe", moe_config, tokenizer), args),
                    Bench("dense", model_dir(root, f"{shape}-dense", dense_config, tokenizer), args)]
-        results: dict[tuple[str, str], list[Timing]] = {}
-        for _ in range(args.repeats):
-            for bench in benches:  # interleaved: both see the same load
-                for batch in args.batch:
-                    results.setdefault((bench.name, f"decode x{batch}"), []).append(
-                        bench.decode(batch, args.context, args.steps))
-                results.setdefault((bench.name, f"prefill {args.prompt_len}"), []).append(
-                    bench.prefill(args.prompt_len))
-        for workload in [f"decode x{b}" for b in args.batch] + [f"prefill {args.prompt_len}"]:
-            moe, dense = best(results[("moe", workload)]), best(results[("dense", workload)])
-            rows.append((shape, workload, moe, dense))
+        results = interleaved_rounds(benches, args)
+        for workload in workloads(args):
+            rows.append((shape, workload, results[("moe", workload)], results[("dense", workload)]))
         for bench in benches:
             bench.engine.shutdown()
     print(f"{args.dtype}; load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -33,7 +33,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.moe import SHAPES, Bench, Timing, best, configs
+from benchmarks.moe import SHAPES, Bench, add_step_arguments, configs, interleaved_rounds, print_cpu, workloads
 
 # name -> how its checkpoint is made from the bfloat16 one, and what LLM() is given
 FORMATS = ("bf16", "gptq-4bit-g128", "awq-4bit-g128", "int8 W8A8 (c-t)", "fp8 block 128 (DeepSeek-V3)",
@@ -84,20 +84,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
-    parser.add_argument("--context", type=int, default=64, help="prompt length of each decoding sequence")
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=12, help="decode steps timed per batch (median kept)")
-    parser.add_argument("--repeats", type=int, default=3)
+    add_step_arguments(parser, prompt_len=256)
     args = parser.parse_args()
     args.dtype = "bfloat16"
 
-    from pagellm.cpu_features import cpu_description, cpu_flags
     from pagellm.models.gguf_loader import default_model_path, load_gguf_tokenizer
 
     tokenizer = load_gguf_tokenizer(default_model_path())
-    isa = sorted(flag for flag in cpu_flags() if flag.startswith(("avx", "amx", "fma", "f16c")))
-    print(f"CPU: {cpu_description()}; flags: {' '.join(isa)}; CPUs used: {len(os.sched_getaffinity(0))}")
+    print_cpu()
     shape = SHAPES["qwen3-30b-a3b"]
     print(f"Qwen3-MoE shape: hidden {shape['hidden_size']}, {args.experts} experts of "
           f"{shape['moe_intermediate_size']}, top {shape['num_experts_per_tok']}, {args.layers} layers")
@@ -109,23 +103,15 @@ def main() -> None:
         for fmt in args.formats:
             path, engine_args = format_checkpoint(fmt, float_dir, root)
             benches.append(Bench(fmt, path, args, load_format="auto", **engine_args))
-        results: dict[tuple[str, str], list[Timing]] = {}
-        workloads = [f"decode x{b}" for b in args.batch] + [f"prefill {args.prompt_len}"]
-        for _ in range(args.repeats):
-            for bench in benches:  # interleaved: every format sees the same load
-                for batch in args.batch:
-                    results.setdefault((bench.name, f"decode x{batch}"), []).append(
-                        bench.decode(batch, args.context, args.steps))
-                results.setdefault((bench.name, f"prefill {args.prompt_len}"), []).append(
-                    bench.prefill(args.prompt_len))
+        results = interleaved_rounds(benches, args)
         print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; step ms (MoE blocks' ms), best of "
               f"{args.repeats} rounds")
-        print("| format | experts MiB | " + " | ".join(workloads) + " |")
-        print("|---|---:|" + "---:|" * len(workloads))
+        print("| format | experts MiB | " + " | ".join(workloads(args)) + " |")
+        print("|---|---:|" + "---:|" * len(workloads(args)))
         for bench in benches:
             cells = []
-            for workload in workloads:
-                timing = best(results[(bench.name, workload)])
+            for workload in workloads(args):
+                timing = results[(bench.name, workload)]
                 cells.append(f"{timing.step * 1e3:.2f} ({timing.mlp * 1e3:.2f})")
             print(f"| {bench.name} | {expert_bytes(bench) / 2**20:.1f} | " + " | ".join(cells) + " |")
         for bench in benches:

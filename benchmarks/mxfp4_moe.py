@@ -28,7 +28,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.moe import Bench, Timing, best
+from benchmarks.moe import Bench, add_step_arguments, interleaved_rounds, print_cpu, workloads
 
 GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
                    head_dim=64, num_experts_per_tok=4, sliding_window=128, swiglu_limit=7.0)
@@ -102,20 +102,14 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
-    parser.add_argument("--context", type=int, default=64, help="prompt length of each decoding sequence")
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=12, help="decode steps timed per batch (median kept)")
-    parser.add_argument("--repeats", type=int, default=3)
+    add_step_arguments(parser, prompt_len=256)
     args = parser.parse_args()
     args.dtype = "bfloat16"
 
-    from pagellm.cpu_features import cpu_description, cpu_flags
     from pagellm.models.gguf_loader import default_model_path, load_gguf_tokenizer
 
     tokenizer = load_gguf_tokenizer(default_model_path())
-    isa = sorted(flag for flag in cpu_flags() if flag.startswith(("avx", "amx", "fma", "f16c")))
-    print(f"CPU: {cpu_description()}; flags: {' '.join(isa)}; CPUs used: {len(os.sched_getaffinity(0))}")
+    print_cpu()
     print(f"gpt-oss-20b shape: hidden {GPT_OSS_20B['hidden_size']}, {args.experts} experts of "
           f"{GPT_OSS_20B['intermediate_size']}, top {GPT_OSS_20B['num_experts_per_tok']}, {args.layers} layers")
     # The bfloat16 checkpoint takes ~1.6 GB per layer at 32 experts: removed when the run ends.
@@ -128,23 +122,15 @@ def main() -> None:
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, args.vocab, (24,), generator=generator).tolist() for _ in range(4)]
         tokens = [greedy_tokens(bench, prompts, 16) for bench in benches]
-        results: dict[tuple[str, str], list[Timing]] = {}
-        workloads = [f"decode x{b}" for b in args.batch] + [f"prefill {args.prompt_len}"]
-        for _ in range(args.repeats):
-            for bench in benches:  # interleaved: both see the same load
-                for batch in args.batch:
-                    results.setdefault((bench.name, f"decode x{batch}"), []).append(
-                        bench.decode(batch, args.context, args.steps))
-                results.setdefault((bench.name, f"prefill {args.prompt_len}"), []).append(
-                    bench.prefill(args.prompt_len))
+        results = interleaved_rounds(benches, args)
         print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; step ms (MoE blocks' ms), best of "
               f"{args.repeats} rounds")
-        print("| experts | checkpoint MiB | experts MiB | " + " | ".join(workloads) + " |")
-        print("|---|---:|---:|" + "---:|" * len(workloads))
+        print("| experts | checkpoint MiB | experts MiB | " + " | ".join(workloads(args)) + " |")
+        print("|---|---:|---:|" + "---:|" * len(workloads(args)))
         for bench in benches:
             cells = []
-            for workload in workloads:
-                timing = best(results[(bench.name, workload)])
+            for workload in workloads(args):
+                timing = results[(bench.name, workload)]
                 cells.append(f"{timing.step * 1e3:.1f} ({timing.mlp * 1e3:.1f})")
             print(f"| {bench.name} | {sizes[bench.name] / 2**20:.0f} | {expert_bytes(bench) / 2**20:.0f} | "
                   + " | ".join(cells) + " |")
