@@ -8,7 +8,7 @@
 # the table says each section's exit status. With OUT set, the table and the logs are written there too.
 # Section timeouts (seconds) can be lowered for a short lease: TESTS_S, ATTENTION_S, PAGELLM_S, HF_S, KERNELS_S,
 # GGUF_TESTS_S, GGUF_S (0 skips a kernels or gguf section). The GGUF kernels' tests run in their own section
-# (gguf_tests), not in `tests`: they compile ~60 kernels, in 4 processes where pytest-xdist is installed. The
+# (gguf_tests), not in `tests`: they compile ~65 kernels, in 4 processes where pytest-xdist is installed. The
 # kernels sections time the fused-MoE and MLA kernels at Mixtral's, Qwen3-MoE's and DeepSeek-V3's shapes (not yet
 # run on a GPU); benchmarks/gguf_gpu_tiles.py, the GGUF tile sweep, is not part of the check (~2 minutes).
 set -u
@@ -51,8 +51,8 @@ if [ "${KERNELS_S:-120}" != 0 ]; then
   section kernels_mla "${KERNELS_S:-120}" $PYTHON benchmarks/gpu_kernels.py mla --results "$RESULTS"
 fi
 
-if [ "${GGUF_TESTS_S:-300}" != 0 ]; then
-  section gguf_tests "${GGUF_TESTS_S:-300}" $PYTHON -m pytest -q -m gpu $workers tests/gpu/test_triton_gguf_gpu.py \
+if [ "${GGUF_TESTS_S:-330}" != 0 ]; then
+  section gguf_tests "${GGUF_TESTS_S:-330}" $PYTHON -m pytest -q -m gpu $workers tests/gpu/test_triton_gguf_gpu.py \
     -p no:cacheprovider
   summary=$(grep -E 'passed|failed|error|skipped' "$DEST/gguf_tests.log" | tail -1)
   printf '{"section": "tests", "name": "pytest tests/gpu/test_triton_gguf_gpu.py", "summary": "%s"}\n' \

@@ -433,15 +433,22 @@ def _reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
 
 
 def _gguf_moe(ops, experts, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE,
-              group: TensorParallelGroup | None = None) -> FusedMoE:
+              group: TensorParallelGroup | None = None, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+              **kwargs) -> FusedMoE:
+    """The GGUF experts' layer on `experts`' blocks, and on `biases` (w13 [E, 2I], w2 [E, H]) where given."""
     with building_with(group or TensorParallelGroup(0, 1)), default_dtype(torch.float32):
         layer = FusedMoE(EXPERTS, TOP_K, hidden, intermediate, quant_config=GGUFConfig(ops=ops),
                          prefix="model.layers.0.mlp.experts", routing=Routing.softmax_top_k(TOP_K, True),
-                         reduce_results=group is None)
+                         reduce_results=group is None, **kwargs)
     for expert, parts in enumerate(experts):
         for shard, weight in zip(("w1", "w3", "w2"), parts):
             param = layer.w2_weight if shard == "w2" else layer.w13_weight
             param.weight_loader(param, weight, (expert, shard))
+        if biases is not None:
+            b13, b2 = biases[0][expert], biases[1][expert]
+            for shard, bias in (("w1", b13[:intermediate]), ("w3", b13[intermediate:]), ("w2", b2)):
+                param = layer.w2_bias if shard == "w2" else layer.w13_bias
+                param.weight_loader(param, bias, (expert, shard))
     layer.process_weights_after_loading()
     return layer
 
@@ -473,6 +480,41 @@ def test_experts_multiply_on_their_blocks(kernels, type_name):
     tolerance = 3e-2 if kernels == "c" else 1e-5
     out = layer(x, logits).double()
     assert (out - expected).norm() <= tolerance * expected.norm()
+
+
+@pytest.mark.parametrize("kernels", ["c", "triton"])
+def test_biased_experts_add_their_biases_on_the_blocks(kernels):
+    """gpt-oss's experts (biases after each product, the clamped SwiGLU; its MXFP4 checkpoints take this method)
+    on the C kernels and on the Triton kernels under the interpreter."""
+    from pagellm.layers.fused_moe import ClampedSwiGLU
+
+    if kernels == "c":
+        ops = gk.gguf_kernels()
+        if ops is None:
+            pytest.skip("the GGUF C kernels cannot be built here")
+        hidden, intermediate = HIDDEN, INTERMEDIATE
+    else:
+        from pagellm.ops.triton_gguf import TritonGGUFKernels
+
+        ops, hidden, intermediate = TritonGGUFKernels(), 64, 32
+    experts, w13, w2 = _random_experts("Q8_0", 7, hidden, intermediate)
+    generator = torch.Generator().manual_seed(8)
+    b13 = torch.randn(EXPERTS, 2 * intermediate, generator=generator)
+    b2 = torch.randn(EXPERTS, hidden, generator=generator)
+    layer = _gguf_moe(ops, experts, hidden, intermediate, biases=(b13, b2), activation="swigluoai", has_bias=True,
+                      swiglu_limit=1.0)
+    assert layer.gguf_experts is not None
+    x = torch.randn(3, hidden, generator=generator)
+    logits = torch.randn(3, EXPERTS, generator=generator)
+    weights, ids = layer.select_experts(logits)
+    act = ClampedSwiGLU(1.702, 1.0)
+    expected = torch.zeros(x.shape, dtype=torch.float64)
+    for token in range(3):
+        for weight, expert in zip(weights[token], ids[token]):
+            h = act((x[token].double() @ w13[expert].double().t() + b13[expert].double())[None])[0]
+            expected[token] += weight.double() * (h @ w2[expert].double().t() + b2[expert].double())
+    tolerance = 3e-2 if kernels == "c" else 1e-5  # int8 activations on the C kernels (see above)
+    assert (layer(x, logits).double() - expected).norm() <= tolerance * expected.norm()
 
 
 def test_gate_and_up_of_different_types_are_separate_products():
