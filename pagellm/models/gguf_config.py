@@ -103,6 +103,11 @@ class GGUFDeepseekV3Config(GGUFModelConfig):
     attribute_map = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
 
 
+class GGUFGptOssConfig(GGUFModelConfig):
+    model_type = "gpt_oss"
+    attribute_map = {"num_experts": "num_local_experts"}
+
+
 def _heads_default(values: dict[str, Any]) -> None:
     if values.get("num_key_value_heads") is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
@@ -137,6 +142,16 @@ def _qwen3_moe_derived(values: dict[str, Any]) -> None:
         values["sliding_window"] = None
     if values.get("mlp_only_layers") is None:
         values["mlp_only_layers"] = []
+
+
+def _gpt_oss_derived(values: dict[str, Any]) -> None:
+    _llama_derived(values)
+    if values.get("layer_types") is None:
+        values["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                 for i in range(values["num_hidden_layers"])]
+    if values.get("rope_parameters") is None:
+        values["rope_parameters"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 4096}
 
 
 def _deepseek_derived(values: dict[str, Any]) -> None:
@@ -200,6 +215,12 @@ _FAMILIES: dict[str, _Family] = {family.config_class.transformers_class(): famil
         num_experts_per_tok=8, num_local_experts=128, norm_topk_prob=False, output_router_logits=False,
         router_aux_loss_coef=0.001, mlp_only_layers=None, pad_token_id=None, bos_token_id=None,
         eos_token_id=None), _qwen3_moe_derived),
+    _Family(GGUFGptOssConfig, dict(
+        _DECODER, vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, num_experts_per_tok=4, num_local_experts=128, swiglu_alpha=1.702, swiglu_limit=7.0,
+        router_aux_loss_coef=0.001, output_router_logits=False, layer_types=None, pad_token_id=None,
+        bos_token_id=None, eos_token_id=None, attention_bias=True), _gpt_oss_derived),
     _Family(GGUFDeepseekV2Config, dict(_DEEPSEEK, topk_method="greedy", mlp_bias=False), _deepseek_derived),
     _Family(GGUFDeepseekV3Config, dict(
         _DEEPSEEK, vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,

@@ -1,6 +1,6 @@
 """Load a GGUF checkpoint (llama, qwen2, qwen3, gemma3; the mixtures of experts llama with experts (Mixtral),
-qwen3moe, olmoe and deepseek2 (DeepSeek-V2/V3, multi-head latent attention)) as a HuggingFace config plus its
-tensors under HF names.
+qwen3moe, olmoe, deepseek2 (DeepSeek-V2/V3, multi-head latent attention) and gpt-oss) as a HuggingFace config
+plus its tensors under HF names.
 
 llama.cpp stacks a layer's experts in 3-D tensors (blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps, [E, rows,
 cols]); they are handed on one expert at a time under the per-expert HF names (mlp.experts.E.gate_proj ...), each
@@ -87,10 +87,17 @@ _MLA_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 # Whole HF names of block tensors whose kind (weight/bias) the HF name does not end in.
-_WHOLE_NAMES = {("exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias"}
+_WHOLE_NAMES = {("exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias",
+                ("attn_sinks", "weight"): "self_attn.sinks"}
 # Stems read as floats whatever type the file stores: the layers that take them are unquantized (the router,
 # as vLLM keeps it; kv_b_proj, which MLA absorbs into its query and output).
-_FLOAT_ONLY_STEMS = frozenset({"ffn_gate_inp", "attn_kv_b", "attn_k_b", "attn_v_b", "exp_probs_b"})
+_FLOAT_ONLY_STEMS = frozenset({"ffn_gate_inp", "attn_kv_b", "attn_k_b", "attn_v_b", "exp_probs_b", "attn_sinks"})
+# gpt-oss (llama.cpp's GptOssModel converter): biased attention with a sink per head, the norm after attention
+# under post_attention_norm, a biased router and biased stacked experts (their biases [E, rows] beside them).
+_GPT_OSS_NAMES = {**{stem: _LLAMA_BLOCK_NAMES[stem] for stem in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                 "attn_norm")},
+                  "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                  "ffn_gate_inp": "mlp.router"}
 # Gemma's sandwich norms: GGUF's ffn_norm is the norm *before* the MLP there.
 _GEMMA3_NORM_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
@@ -131,6 +138,8 @@ _ARCHS = {
     "olmoe": _GGUFArch("OlmoeForCausalLM", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_NAMES}),
     # V2 or V3 as the file's gating function says (_deepseek2_config).
     "deepseek2": _GGUFArch("DeepseekV2ForCausalLM", {**_MLA_NAMES, **_MOE_NAMES, **_SHARED_EXPERT_NAMES}),
+    # Harmony's <|return|> and <|call|> end a turn, as the released generation_config.json and llama.cpp have it.
+    "gpt-oss": _GGUFArch("GptOssForCausalLM", _GPT_OSS_NAMES, end_of_turn_tokens=("<|return|>", "<|call|>")),
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -503,6 +512,8 @@ def _build_config(header: _Header) -> GGUFModelConfig:
     has_qkv_bias = "blk.0.attn_q.bias" in tensors
     if arch_name == "deepseek2":
         return _deepseek2_config(fields, key)
+    if arch_name == "gpt-oss":
+        return _gpt_oss_config(fields, key)
     if key("expert_count", 0) or arch_name in ("qwen3moe", "olmoe"):
         return _softmax_moe_config(arch_name, fields, key, tensors, has_qkv_bias)
     if arch_name == "qwen2":
@@ -603,6 +614,24 @@ def _deepseek2_config(fields: dict[str, Any], key: Callable[..., Any]) -> GGUFMo
                              topk_method="group_limited_greedy" if groups > 1 else "greedy")
 
 
+def _gpt_oss_config(fields: dict[str, Any], key: Callable[..., Any]) -> GGUFModelConfig:
+    """gpt-oss as llama.cpp's converter writes it. What the file does not carry is what llama.cpp assumes:
+    every other layer sliding from the first, the clamped SwiGLU's alpha 1.702 and limit 7.0, and yarn's betas
+    32 and 1 without truncation where the file has none (the released models' config.json)."""
+    count, used = key("expert_count", 0), key("expert_used_count", 0)
+    if not count or not used:
+        raise ValueError(f"gpt-oss GGUF has expert_count={count} and expert_used_count={used}; its experts need "
+                         "both (llama.cpp refuses such a file too): convert it again")
+    rope = fields["rope_parameters"]
+    if rope["rope_type"] == "yarn":
+        rope.update(beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+    intermediate = key("expert_feed_forward_length") or fields["intermediate_size"]
+    return gguf_model_config("GptOssConfig", **{**fields, "intermediate_size": intermediate},
+                             num_local_experts=count, num_experts_per_tok=used,
+                             sliding_window=key("attention.sliding_window"), attention_bias=True)
+
+
 def _end_of_turn_ids(header: _Header, arch: _GGUFArch) -> list[int]:
     vocabulary = header.metadata.get("tokenizer.ggml.tokens")
     if not arch.end_of_turn_tokens or not isinstance(vocabulary, _StringArray):
@@ -691,6 +720,14 @@ def _hf_tensors(header: _Header, arch: _GGUFArch, config: GGUFModelConfig, info:
         return
     fmt = quant_format(info.type_id, info.name)
     keep_blocks = file is not None and fmt.block_size > 1 and stem not in _FLOAT_ONLY_STEMS
+    if stem in _EXPERT_STACKS and match[3] == "bias":  # gpt-oss's: [experts, rows]
+        if len(info.shape) != 2:
+            raise ValueError(f"GGUF tensor {info.name!r} has shape {info.shape}; stacked expert biases are 2-D "
+                             "[experts, rows]")
+        biases = torch.from_numpy(_load_tensor(header.blob, info, None, file))
+        for expert, bias in enumerate(biases):
+            yield f"model.layers.{match[1]}.mlp.experts.{expert}.{_EXPERT_STACKS[stem]}.bias", bias
+        return
     if stem in _EXPERT_STACKS:
         if len(info.shape) != 3:
             raise ValueError(f"GGUF tensor {info.name!r} has shape {info.shape}; stacked experts are 3-D "
@@ -834,4 +871,4 @@ def _layer_stems(arch_name: str, config: GGUFModelConfig, layer: int, names: set
 def _expert_layer(arch_name: str, config: GGUFModelConfig, layer: int) -> bool:
     if arch_name == "qwen3moe":
         return layer not in config.mlp_only_layers
-    return arch_name == "olmoe" or (arch_name == "llama" and getattr(config, "num_local_experts", 0) > 0)
+    return arch_name in ("olmoe", "gpt-oss") or (arch_name == "llama" and getattr(config, "num_local_experts", 0) > 0)

@@ -1,0 +1,192 @@
+"""gpt-oss from GGUF, written as llama.cpp's converter (convert_hf_to_gguf.py's GptOssModel) writes it: experts
+stacked per projection in MXFP4 (gate and up de-interleaved from HF's gate_up_proj), their biases stacked beside
+them, a sink per head (attn_sinks), the norm after attention as post_attention_norm, a biased router, yarn rope;
+then read by pagellm and compared with transformers on the same values."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pagellm import LLM, SamplingParams
+from pagellm.layers.fused_moe import FusedMoE
+from pagellm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
+from pagellm.models.gguf_loader import load_gguf
+from tests.helpers import PROMPTS, hf_greedy
+
+T = gguf.GGMLQuantizationType
+MAX_TOKENS = 8
+ENGINE = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20)
+_ATTENTION = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm"}
+
+
+def _write_metadata(writer: gguf.GGUFWriter, config) -> None:
+    """TextModel.set_gguf_parameters and GptOssModel's additions."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+    writer.add_rope_scaling_orig_ctx_len(config.rope_parameters["original_max_position_embeddings"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+
+
+def _mxfp4(stack: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """[E, rows, cols] float -> (gguf's MXFP4 blocks, the values they hold)."""
+    blocks = gguf.quants.quantize(stack.numpy().astype(np.float32), T.MXFP4)
+    return blocks, torch.from_numpy(gguf.quants.dequantize(blocks, T.MXFP4)).reshape(stack.shape)
+
+
+def write_gpt_oss_gguf(model: transformers.PreTrainedModel, path) -> None:
+    """The model as llama.cpp writes it, its experts in MXFP4; the model's experts take the values the blocks
+    hold."""
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    _write_metadata(writer, model.config)
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+    state = model.state_dict()
+    for hf_name, tensor in state.items():
+        data = tensor.detach().float()
+        if hf_name in globals_:
+            writer.add_tensor(globals_[hf_name], data.numpy())
+            continue
+        _, _, layer, rest = hf_name.split(".", 3)
+        parts = rest.split(".")
+        if rest == "mlp.experts.gate_up_proj":  # [E, H, 2I], gate at even and up at odd columns
+            rows = data.transpose(1, 2)
+            gate, gate_values = _mxfp4(rows[:, 0::2].contiguous())
+            up, up_values = _mxfp4(rows[:, 1::2].contiguous())
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", gate, raw_dtype=T.MXFP4)
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", up, raw_dtype=T.MXFP4)
+            kept = torch.stack((gate_values, up_values), dim=2).flatten(1, 2)  # rows interleaved again
+            with torch.no_grad():
+                tensor.copy_(kept.transpose(1, 2))
+        elif rest == "mlp.experts.down_proj":  # [E, I, H]
+            blocks, values = _mxfp4(data.transpose(1, 2).contiguous())
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", blocks, raw_dtype=T.MXFP4)
+            with torch.no_grad():
+                tensor.copy_(values.transpose(1, 2))
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.bias", data[:, 0::2].contiguous().numpy())
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.bias", data[:, 1::2].contiguous().numpy())
+        elif rest == "mlp.experts.down_proj_bias":
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.bias", data.numpy())
+        elif rest == "self_attn.sinks":
+            writer.add_tensor(f"blk.{layer}.attn_sinks.weight", data.numpy())
+        elif parts[0] == "self_attn":
+            writer.add_tensor(f"blk.{layer}.{_ATTENTION[parts[1]]}.{parts[2]}", data.numpy())
+        elif parts[0] == "mlp":  # the router
+            writer.add_tensor(f"blk.{layer}.ffn_gate_inp.{parts[2]}", data.numpy())
+        else:
+            writer.add_tensor(f"blk.{layer}.{_NORMS[parts[0]]}.weight", data.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_gguf(module_tmp_path_factory, default_tokenizer):
+    """(HF model on the MXFP4 experts' values, tokenizer directory, GGUF path)."""
+    from tests.models.test_gpt_oss import _gpt_oss, _randomise_biases_and_sinks
+
+    model_class, config = _gpt_oss()
+    config.swiglu_limit = 7.0  # a GGUF carries none: llama.cpp (and pagellm) take the released models' 7
+    config.vocab_size = len(default_tokenizer)
+    config.bos_token_id, config.eos_token_id = default_tokenizer.bos_token_id, default_tokenizer.eos_token_id
+    torch.manual_seed(0)
+    model = model_class(config).float().eval()
+    with torch.no_grad():
+        _randomise_biases_and_sinks(model)
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    directory = module_tmp_path_factory.mktemp("gpt-oss-gguf")
+    default_tokenizer.save_pretrained(directory)
+    path = directory / "tiny-gpt-oss.gguf"
+    write_gpt_oss_gguf(model, path)
+    return model, directory, path
+
+
+def test_config_and_tensors_equal_the_hf_model(gpt_oss_gguf):
+    model, _, path = gpt_oss_gguf
+    config, state_dict = load_gguf(path)
+    ref = model.config
+    assert config.architectures == ["GptOssForCausalLM"]
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok", "sliding_window",
+                  "layer_types", "rope_parameters", "attention_bias", "swiglu_limit", "swiglu_alpha"):
+        assert getattr(config, field) == getattr(ref, field), field
+    expected = model.state_dict()
+    for layer in range(ref.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate_up, bias = expected.pop(f"{prefix}.gate_up_proj"), expected.pop(f"{prefix}.gate_up_proj_bias")
+        down, down_bias = expected.pop(f"{prefix}.down_proj"), expected.pop(f"{prefix}.down_proj_bias")
+        for expert in range(ref.num_local_experts):
+            expected[f"{prefix}.{expert}.gate_proj.weight"] = gate_up[expert, :, 0::2].t()
+            expected[f"{prefix}.{expert}.up_proj.weight"] = gate_up[expert, :, 1::2].t()
+            expected[f"{prefix}.{expert}.down_proj.weight"] = down[expert].t()
+            expected[f"{prefix}.{expert}.gate_proj.bias"] = bias[expert, 0::2]
+            expected[f"{prefix}.{expert}.up_proj.bias"] = bias[expert, 1::2]
+            expected[f"{prefix}.{expert}.down_proj.bias"] = down_bias[expert]
+    assert state_dict.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(state_dict[name], tensor), name
+
+
+def test_greedy_equals_transformers_on_the_blocks_values(gpt_oss_gguf, default_tokenizer, torch_ops_only):
+    """The products' torch path: the same tokens as transformers on the values the MXFP4 blocks hold."""
+    model, directory, path = gpt_oss_gguf
+    llm = LLM(str(path), tokenizer=str(directory), **ENGINE)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for output in llm.generate(PROMPTS[:4], greedy, use_tqdm=False):
+        expected = hf_greedy(model, default_tokenizer, output.prompt_token_ids, MAX_TOKENS, ignore_eos=True)
+        assert output.outputs[0].token_ids == expected, output.prompt
+
+
+def test_experts_stay_in_mxfp4_blocks(gpt_oss_gguf, caplog):
+    """The native kernels: MXFP4 experts kept as MXFP4_F16 blocks with their biases, each layer's experts within
+    2% of transformers' experts on the same values (activations rounded to 8 bits per 32, as llama.cpp does)."""
+    model, directory, path = gpt_oss_gguf
+    with caplog.at_level("INFO", logger="pagellm.engine.engine_core"):
+        llm = LLM(str(path), tokenizer=str(directory), **ENGINE)
+    assert "MXFP4 as MXFP4_F16" in caplog.text
+    ours = [m for m in llm.llm_engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+    generator = torch.Generator().manual_seed(0)
+    config = model.config
+    for layer, experts in enumerate(ours):
+        assert isinstance(experts.quant_method, GGUFFusedMoEMethod) and experts.gguf_experts is not None
+        assert experts.w13_weight.numel() + experts.w2_weight.numel() == (
+            config.num_local_experts * 3 * config.hidden_size * config.intermediate_size * 18 // 32)
+        x = torch.randn(5, config.hidden_size, generator=generator)
+        logits = torch.randn(5, config.num_local_experts, generator=generator)
+        weights, ids = experts.select_experts(logits)
+        hf = model.model.layers[layer].mlp.experts
+        with torch.no_grad():
+            expected = torch.zeros_like(x)
+            for token in range(5):
+                for weight, expert in zip(weights[token], ids[token]):
+                    gate_up = x[token] @ hf.gate_up_proj[expert] + hf.gate_up_proj_bias[expert]
+                    gate, up = gate_up[0::2].clamp(max=config.swiglu_limit), gate_up[1::2]
+                    up = up.clamp(-config.swiglu_limit, config.swiglu_limit)
+                    activated = (up + 1) * gate * torch.sigmoid(gate * config.swiglu_alpha)
+                    expected[token] += weight * (activated @ hf.down_proj[expert] + hf.down_proj_bias[expert])
+            got = experts.quant_method.apply(experts, x, weights, ids)
+        assert (got - expected).norm() <= 0.02 * expected.norm(), layer
