@@ -11,8 +11,15 @@ Both engines are loaded first, then the rounds run them interleaved (`--repeats`
 time inside the MoE blocks. Greedy tokens of both on a few prompts are compared (the kernels quantize activations
 per 32, llama.cpp's way; the bfloat16 experts do not).
 
+With --llama-python (a venv with llama-cpp-python, as benchmarks/quantized.py builds it) the same weights are also
+written as llama.cpp's converter writes a gpt-oss GGUF (tests/mxfp4_checkpoints.py: MXFP4 experts, bfloat16
+other weights, the default model's vocabulary, whose size the embedding then takes), which pagellm runs as a third
+engine and llama.cpp runs in its own process: its one-stream decode (32 tokens after a 32-token prompt, best of
+`--repeats`) and eight sequences through its batching.
+
     PYTHONPATH=$PWD python benchmarks/mxfp4_moe.py
     PYTHONPATH=$PWD python benchmarks/mxfp4_moe.py --layers 1 --experts 8 --batch 1 8 32
+    PYTHONPATH=$PWD python benchmarks/mxfp4_moe.py --llama-python /tmp/llama-venv/bin/python
 """
 
 from __future__ import annotations
@@ -82,6 +89,36 @@ def checkpoints(root: Path, args, tokenizer) -> tuple[str, str]:
     return str(mxfp4_dir), str(bf16_dir)
 
 
+def gguf_checkpoint(root: Path, bf16_dir: str) -> str:
+    """The bfloat16 checkpoint's weights as llama.cpp's gpt-oss GGUF, with the default model's vocabulary."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from pagellm.models.gguf_loader import default_model_path
+    from tests.mxfp4_checkpoints import write_gpt_oss_gguf
+
+    path = root / "gpt-oss-mxfp4.gguf"
+    write_gpt_oss_gguf(load_file(f"{bf16_dir}/model.safetensors"), AutoConfig.from_pretrained(bf16_dir), path,
+                       float_type=gguf_type("BF16"), vocabulary=default_model_path())
+    return str(path)
+
+
+def gguf_type(name: str):
+    import gguf
+
+    return gguf.GGMLQuantizationType[name]
+
+
+def llama_cpp_rates(path: str, args) -> dict | None:
+    """llama.cpp's one-stream decode and eight-sequence batched tok/s on the GGUF (benchmarks/quantized.py's
+    worker)."""
+    from benchmarks.quantized import run_llama
+
+    settings = argparse.Namespace(llama_python=args.llama_python, decode_tokens=32, batch=8, batch_tokens=16,
+                                  repeats=args.repeats, skip_speed=False, timeout=3000)
+    return run_llama(path, settings)
+
+
 def expert_bytes(bench: Bench) -> int:
     from pagellm.layers.fused_moe import FusedMoE
     from pagellm.layers.weights import weights_bytes
@@ -102,6 +139,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python: llama.cpp's figures")
     add_step_arguments(parser, prompt_len=256)
     args = parser.parse_args()
     args.dtype = "bfloat16"
@@ -109,6 +147,8 @@ def main() -> None:
     from pagellm.models.gguf_loader import default_model_path, load_gguf_tokenizer
 
     tokenizer = load_gguf_tokenizer(default_model_path())
+    if args.llama_python:
+        args.vocab = len(tokenizer)  # the GGUF carries the default model's vocabulary
     print_cpu()
     print(f"gpt-oss-20b shape: hidden {GPT_OSS_20B['hidden_size']}, {args.experts} experts of "
           f"{GPT_OSS_20B['intermediate_size']}, top {GPT_OSS_20B['num_experts_per_tok']}, {args.layers} layers")
@@ -119,6 +159,10 @@ def main() -> None:
                  for name, d in (("bf16 (the MXFP4 values)", bf16_dir), ("mxfp4 kept", mxfp4_dir))}
         benches = [Bench("bf16 (the MXFP4 values)", bf16_dir, args, load_format="auto"),
                    Bench("mxfp4 kept", mxfp4_dir, args, load_format="auto")]
+        if args.llama_python:
+            gguf_path = gguf_checkpoint(Path(scratch), bf16_dir)
+            sizes["gguf mxfp4"] = Path(gguf_path).stat().st_size
+            benches.append(Bench("gguf mxfp4", gguf_path, args, load_format="auto"))
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, args.vocab, (24,), generator=generator).tolist() for _ in range(4)]
         tokens = [greedy_tokens(bench, prompts, 16) for bench in benches]
@@ -134,9 +178,20 @@ def main() -> None:
                 cells.append(f"{timing.step * 1e3:.1f} ({timing.mlp * 1e3:.1f})")
             print(f"| {bench.name} | {sizes[bench.name] / 2**20:.0f} | {expert_bytes(bench) / 2**20:.0f} | "
                   + " | ".join(cells) + " |")
-        same = sum(a == b for a, b in zip(*tokens))
-        first = sum(a[0] == b[0] for a, b in zip(*tokens))
-        print(f"greedy 16 tokens after {len(prompts)} random prompts: {same} identical, first token equal in {first}")
+        same = sum(a == b for a, b in zip(tokens[0], tokens[1]))
+        first = sum(a[0] == b[0] for a, b in zip(tokens[0], tokens[1]))
+        print(f"greedy 16 tokens after {len(prompts)} random prompts, bf16 vs mxfp4 kept: {same} identical, first "
+              f"token equal in {first}")
+        if args.llama_python:
+            for bench in benches:
+                bench.engine.shutdown()
+            benches = []
+            llama = llama_cpp_rates(gguf_path, args) or {}
+            gguf_step = results[("gguf mxfp4", "decode x1")].step
+            print(f"one stream decode tok/s: pagellm (gguf) {1 / gguf_step:.1f} (1 / the decode x1 step), llama.cpp "
+                  f"{llama.get('single_tok_s', float('nan')):.1f}; llama.cpp 8 sequences: "
+                  f"{llama.get('batched_tok_s') or float('nan'):.1f} tok/s (extra buffer types: "
+                  f"{llama.get('extra_buffers')})")
         for bench in benches:
             bench.engine.shutdown()
 

@@ -5,103 +5,18 @@ then read by pagellm and compared with transformers on the same values."""
 
 from __future__ import annotations
 
-import gguf
-import numpy as np
 import pytest
 import torch
-import transformers
 
 from pagellm import LLM, SamplingParams
 from pagellm.layers.fused_moe import FusedMoE
 from pagellm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
 from pagellm.models.gguf_loader import load_gguf
 from tests.helpers import PROMPTS, hf_greedy
+from tests.mxfp4_checkpoints import write_gpt_oss_gguf
 
-T = gguf.GGMLQuantizationType
 MAX_TOKENS = 8
 ENGINE = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20)
-_ATTENTION = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
-_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm"}
-
-
-def _write_metadata(writer: gguf.GGUFWriter, config) -> None:
-    """TextModel.set_gguf_parameters and GptOssModel's additions."""
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(config.rope_parameters["factor"])
-    writer.add_rope_scaling_orig_ctx_len(config.rope_parameters["original_max_position_embeddings"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
-    writer.add_expert_count(config.num_local_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_sliding_window(config.sliding_window)
-    writer.add_expert_feed_forward_length(config.intermediate_size)
-
-
-def _mxfp4(stack: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    """[E, rows, cols] float -> (gguf's MXFP4 blocks, the values they hold)."""
-    blocks = gguf.quants.quantize(stack.numpy().astype(np.float32), T.MXFP4)
-    return blocks, torch.from_numpy(gguf.quants.dequantize(blocks, T.MXFP4)).reshape(stack.shape)
-
-
-def write_gpt_oss_gguf(model: transformers.PreTrainedModel, path) -> None:
-    """The model as llama.cpp writes it, its experts in MXFP4; the model's experts take the values the blocks
-    hold."""
-    writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    _write_metadata(writer, model.config)
-    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
-    state = model.state_dict()
-    for hf_name, tensor in state.items():
-        data = tensor.detach().float()
-        if hf_name in globals_:
-            writer.add_tensor(globals_[hf_name], data.numpy())
-            continue
-        _, _, layer, rest = hf_name.split(".", 3)
-        parts = rest.split(".")
-        if rest == "mlp.experts.gate_up_proj":  # [E, H, 2I], gate at even and up at odd columns
-            rows = data.transpose(1, 2)
-            gate, gate_values = _mxfp4(rows[:, 0::2].contiguous())
-            up, up_values = _mxfp4(rows[:, 1::2].contiguous())
-            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", gate, raw_dtype=T.MXFP4)
-            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", up, raw_dtype=T.MXFP4)
-            kept = torch.stack((gate_values, up_values), dim=2).flatten(1, 2)  # rows interleaved again
-            with torch.no_grad():
-                tensor.copy_(kept.transpose(1, 2))
-        elif rest == "mlp.experts.down_proj":  # [E, I, H]
-            blocks, values = _mxfp4(data.transpose(1, 2).contiguous())
-            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", blocks, raw_dtype=T.MXFP4)
-            with torch.no_grad():
-                tensor.copy_(values.transpose(1, 2))
-        elif rest == "mlp.experts.gate_up_proj_bias":
-            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.bias", data[:, 0::2].contiguous().numpy())
-            writer.add_tensor(f"blk.{layer}.ffn_up_exps.bias", data[:, 1::2].contiguous().numpy())
-        elif rest == "mlp.experts.down_proj_bias":
-            writer.add_tensor(f"blk.{layer}.ffn_down_exps.bias", data.numpy())
-        elif rest == "self_attn.sinks":
-            writer.add_tensor(f"blk.{layer}.attn_sinks.weight", data.numpy())
-        elif parts[0] == "self_attn":
-            writer.add_tensor(f"blk.{layer}.{_ATTENTION[parts[1]]}.{parts[2]}", data.numpy())
-        elif parts[0] == "mlp":  # the router
-            writer.add_tensor(f"blk.{layer}.ffn_gate_inp.{parts[2]}", data.numpy())
-        else:
-            writer.add_tensor(f"blk.{layer}.{_NORMS[parts[0]]}.weight", data.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.fixture(scope="module")
 def gpt_oss_gguf(module_tmp_path_factory, default_tokenizer):
     """(HF model on the MXFP4 experts' values, tokenizer directory, GGUF path)."""
@@ -121,7 +36,10 @@ def gpt_oss_gguf(module_tmp_path_factory, default_tokenizer):
     directory = module_tmp_path_factory.mktemp("gpt-oss-gguf")
     default_tokenizer.save_pretrained(directory)
     path = directory / "tiny-gpt-oss.gguf"
-    write_gpt_oss_gguf(model, path)
+    kept = write_gpt_oss_gguf(model.state_dict(), model.config, path)
+    with torch.no_grad():  # the model's experts take the values the blocks hold
+        for name, values in kept.items():
+            model.get_parameter(name).copy_(values)
     return model, directory, path
 
 
@@ -190,3 +108,16 @@ def test_experts_stay_in_mxfp4_blocks(gpt_oss_gguf, caplog):
                     expected[token] += weight * (activated @ hf.down_proj[expert] + hf.down_proj_bias[expert])
             got = experts.quant_method.apply(experts, x, weights, ids)
         assert (got - expected).norm() <= 0.02 * expected.norm(), layer
+
+
+def test_the_files_own_vocabulary_is_its_tokenizer(gpt_oss_gguf, tmp_path, default_tokenizer):
+    """A gpt-oss GGUF's tokenizer comes from its vocabulary, as for the other architectures (transformers' own
+    config read of such a file fails on its rope keys; pagellm names the tokenizer's type instead)."""
+    from pagellm.models.gguf_loader import build_gguf_tokenizer, default_model_path
+
+    model, _, _ = gpt_oss_gguf
+    path = tmp_path / "with-vocabulary.gguf"
+    write_gpt_oss_gguf(model.state_dict(), model.config, path, vocabulary=default_model_path())
+    tokenizer = build_gguf_tokenizer(path)
+    text = "Hello world, the capital of France is 1234 and it's 'quoted'."
+    assert tokenizer.encode(text) == default_tokenizer.encode(text)

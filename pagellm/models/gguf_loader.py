@@ -139,7 +139,10 @@ _ARCHS = {
     # V2 or V3 as the file's gating function says (_deepseek2_config).
     "deepseek2": _GGUFArch("DeepseekV2ForCausalLM", {**_MLA_NAMES, **_MOE_NAMES, **_SHARED_EXPERT_NAMES}),
     # Harmony's <|return|> and <|call|> end a turn, as the released generation_config.json and llama.cpp have it.
-    "gpt-oss": _GGUFArch("GptOssForCausalLM", _GPT_OSS_NAMES, end_of_turn_tokens=("<|return|>", "<|call|>")),
+    # Its tokenizer named as GPT-2's byte-level BPE (the file's pre-tokenizer, gpt-4o's split, still applies):
+    # transformers' own read of a gpt-oss file's config fails on its rope keys.
+    "gpt-oss": _GGUFArch("GptOssForCausalLM", _GPT_OSS_NAMES, tokenizer_type="gpt2",
+                         end_of_turn_tokens=("<|return|>", "<|call|>")),
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
