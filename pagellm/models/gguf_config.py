@@ -151,7 +151,8 @@ def _gpt_oss_derived(values: dict[str, Any]) -> None:
                                  for i in range(values["num_hidden_layers"])]
     if values.get("rope_parameters") is None:
         values["rope_parameters"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                     "truncate": False, "original_max_position_embeddings": 4096}
+                                     "truncate": False, "original_max_position_embeddings": 4096,
+                                     "rope_theta": 150000.0}
 
 
 def _deepseek_derived(values: dict[str, Any]) -> None:
