@@ -52,6 +52,13 @@ def _gemma_like_tokenizer() -> Tokenizer:
 # Llama 3's pre-tokenizer regex, as transformers sets it on a llama-bpe GGUF's tokenizer.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k's (gpt-oss, GPT-4o; llama.cpp's pre-tokenizer "gpt-4o"): cased words with their contractions, "/" kept on
+# punctuation runs.
+GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _byte_level_tokenizer(split: str | None = None) -> Tokenizer:
@@ -72,14 +79,15 @@ def _byte_level_tokenizer(split: str | None = None) -> Tokenizer:
     return tokenizer
 
 
-PIPELINES = ["byte_fallback", "byte_level", "byte_level_ignore_merges", "llama3_split"]
+PIPELINES = ["byte_fallback", "byte_level", "byte_level_ignore_merges", "llama3_split", "gpt4o_split"]
+SPLITS = {"llama3_split": LLAMA3_SPLIT, "gpt4o_split": GPT4O_SPLIT}
 
 
 @pytest.fixture(scope="module", params=PIPELINES)
 def directory(request, module_tmp_path_factory) -> pathlib.Path:
     path = module_tmp_path_factory.mktemp(request.param)
     tokenizer = _gemma_like_tokenizer() if request.param == "byte_fallback" else \
-        _byte_level_tokenizer(LLAMA3_SPLIT if request.param == "llama3_split" else None)
+        _byte_level_tokenizer(SPLITS.get(request.param))
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
                                    unk_token="<unk>", pad_token="<pad>")
     fast.chat_template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}"
