@@ -85,6 +85,21 @@ def hf_load_gguf(path: pathlib.Path) -> transformers.PreTrainedModel:
         ).eval()
 
 
+def write_decoder_metadata(writer, config) -> None:
+    """The keys llama.cpp's converter writes for every decoder (TextModel.set_gguf_parameters' common part) on a
+    gguf.GGUFWriter; each family's writer adds its own."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters.get("full_attention", config.rope_parameters)["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+
+
 def assert_encodes_and_decodes_alike(tokenizer, fast, texts: list[str]) -> None:
     """`tokenizer` (pagellm's compact one) gives `fast`'s ids for each text, with and without
     split_special_tokens, and its text for those ids, with and without special tokens."""

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers import write_decoder_metadata
+
 # e2m1's magnitudes, codes 0-7 (codes 8-15 are their negatives).
 FP4_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 EXPERT_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
@@ -69,22 +71,13 @@ MXFP4 = gguf.GGMLQuantizationType.MXFP4
 
 def _write_metadata(writer: gguf.GGUFWriter, config) -> None:
     """TextModel.set_gguf_parameters and GptOssModel's additions."""
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
+    write_decoder_metadata(writer, config)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(config.rope_parameters["factor"])
     writer.add_rope_scaling_orig_ctx_len(config.rope_parameters["original_max_position_embeddings"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
     writer.add_expert_count(config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_sliding_window(config.sliding_window)

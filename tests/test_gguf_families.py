@@ -15,7 +15,7 @@ import transformers
 
 from pagellm import LLM, SamplingParams
 from pagellm.models.gguf_loader import _ARCHS, _GLOBAL_NAMES, load_gguf
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, write_decoder_metadata
 
 MAX_TOKENS = 8
 # Prompts and outputs stay inside Gemma's 64-token window (sliding windows are tested in test_sliding_window.py).
@@ -47,20 +47,10 @@ def write_gguf_like_llama_cpp(model: transformers.PreTrainedModel, arch: str, pa
     (convert_hf_to_gguf.py)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
+    write_decoder_metadata(writer, config)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
 

@@ -29,7 +29,7 @@ from pagellm.models import gguf_quants
 from pagellm.models.gguf_loader import load_gguf, open_gguf
 from pagellm.models.loader import default_dtype
 from pagellm.ops import gguf_kernels as gk
-from tests.helpers import PROMPTS, check_logprobs_close, hf_greedy, hf_greedy_with_top_logprobs
+from tests.helpers import PROMPTS, check_logprobs_close, hf_greedy, hf_greedy_with_top_logprobs, write_decoder_metadata
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -142,16 +142,7 @@ _BLOCK = {
 
 
 def _write_metadata(writer: gguf.GGUFWriter, config, arch: str) -> None:
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
+    write_decoder_metadata(writer, config)
     if arch != "deepseek2":
         writer.add_head_count_kv(config.num_key_value_heads)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
