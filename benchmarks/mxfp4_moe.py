@@ -74,17 +74,11 @@ def checkpoints(root: Path, args, tokenizer) -> tuple[str, str]:
     """(MXFP4 checkpoint, bfloat16 checkpoint of the values its experts hold)."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
-
     from tests.mxfp4_checkpoints import write_mxfp4
 
     random_dir = float_checkpoint(root, args, tokenizer)
     mxfp4_dir, bf16_dir = root / "mxfp4", root / "bf16"
-    dequantized = write_mxfp4(random_dir, mxfp4_dir, dtype=torch.bfloat16)
-    tensors = load_file(f"{random_dir}/model.safetensors")
-    tensors.update(dequantized)
-    shutil.copytree(random_dir, bf16_dir, ignore=shutil.ignore_patterns("*.safetensors"))
-    save_file(tensors, str(bf16_dir / "model.safetensors"))
+    write_mxfp4(random_dir, mxfp4_dir, dtype=torch.bfloat16, dequantized_out=bf16_dir)
     shutil.rmtree(random_dir)
     return str(mxfp4_dir), str(bf16_dir)
 

@@ -40,9 +40,11 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
 
 
-def write_mxfp4(float_dir: str | Path, out: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def write_mxfp4(float_dir: str | Path, out: Path, dtype: torch.dtype = torch.float32,
+                dequantized_out: Path | None = None) -> dict[str, torch.Tensor]:
     """`float_dir`'s checkpoint in `out` with its experts in MXFP4; returns the expert tensors those blocks hold
-    (in `dtype`, the float checkpoint's names and [E, in, out] layout), as transformers dequantizes them."""
+    (in `dtype`, the float checkpoint's names and [E, in, out] layout), as transformers dequantizes them, and
+    writes `float_dir`'s checkpoint with those values in `dequantized_out` where given."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     shutil.copytree(float_dir, out, ignore=shutil.ignore_patterns("*.safetensors"), dirs_exist_ok=True)
@@ -56,6 +58,12 @@ def write_mxfp4(float_dir: str | Path, out: Path, dtype: torch.dtype = torch.flo
         tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
         dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
     save_file(tensors, str(out / "model.safetensors"))
+    if dequantized_out is not None:
+        shutil.copytree(float_dir, dequantized_out, ignore=shutil.ignore_patterns("*.safetensors"),
+                        dirs_exist_ok=True)
+        floats = load_file(str(Path(float_dir) / "model.safetensors"))
+        save_file({**floats, **{name: values.to(floats[name].dtype) for name, values in dequantized.items()}},
+                  str(dequantized_out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
     (out / "config.json").write_text(json.dumps(config))

@@ -216,16 +216,24 @@ def test_moe_and_mla_engines_equal_transformers(name, word_tokenizer_dir, tmp_pa
     assert llm.llm_engine.get_stats().kv_cache.prefix_cache_hits > 0
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe-gptq", "deepseek-v3-fp8-blocks"])
+@pytest.mark.parametrize("name", ["qwen3-moe-gptq", "deepseek-v3-fp8-blocks", "gpt-oss-mxfp4"])
 def test_quantized_moe_engines_equal_transformers_on_the_dequantized_weights(name, word_tokenizer_dir, tmp_path):
     """Experts as linear layers of their format (GPTQ 4-bit act order; DeepSeek-V3's fp8 blocks, with its
-    partial output block and kv_b_proj dequantized for the latent decode) on the Triton kernels, decoding eagerly
-    (one product per used expert reads the counts on the host)."""
+    partial output block and kv_b_proj dequantized for the latent decode), or gpt-oss's MXFP4 experts as the GGUF
+    experts' MXFP4_F16 blocks with their biases, on the Triton kernels, decoding eagerly (one product per used
+    expert reads the counts on the host)."""
     from tests.models.test_moe_quantized import _qwen3_moe
     from tests.quant_checkpoints import QuantSpec, write_quantized
     from tests.w8a8_checkpoints import write_quantized as write_8bit
 
-    if name == "qwen3-moe-gptq":
+    if name == "gpt-oss-mxfp4":
+        from tests.models.test_gpt_oss import _gpt_oss, _randomise_biases_and_sinks
+        from tests.mxfp4_checkpoints import write_mxfp4
+
+        path = _tiny_checkpoint(_gpt_oss, word_tokenizer_dir[1], tmp_path / "float", _randomise_biases_and_sinks)
+        quantized, dequantized = tmp_path / "mxfp4", tmp_path / "dequantized"
+        write_mxfp4(path, quantized, dequantized_out=dequantized)
+    elif name == "qwen3-moe-gptq":
         path = _tiny_checkpoint(_qwen3_moe, word_tokenizer_dir[1], tmp_path / "float")
         quantized, dequantized = tmp_path / "quantized", tmp_path / "dequantized"
         write_quantized(path, quantized, dequantized, QuantSpec("gptq", bits=4, group_size=16, desc_act=True))
