@@ -86,9 +86,6 @@ _MLA_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Whole HF names of block tensors whose kind (weight/bias) the HF name does not end in.
-_WHOLE_NAMES = {("exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias",
-                ("attn_sinks", "weight"): "self_attn.sinks"}
 # Stems read as floats whatever type the file stores: the layers that take them are unquantized (the router,
 # as vLLM keeps it; kv_b_proj, which MLA absorbs into its query and output).
 _FLOAT_ONLY_STEMS = frozenset({"ffn_gate_inp", "attn_kv_b", "attn_k_b", "attn_v_b", "exp_probs_b", "attn_sinks"})
@@ -114,6 +111,8 @@ class _GGUFArch:
     block_names: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_BLOCK_NAMES))
     # llama.cpp's converter permutes q/k rows for its rotary layout (llama only); undone on load.
     permuted_qk: bool = False
+    # Stems whose block_names entry is the HF parameter itself, not a module its kind (weight/bias) is appended to.
+    parameter_stems: frozenset[str] = frozenset()
     # Added to every *norm.weight by llama.cpp's Gemma converter (llama.cpp multiplies by w, HF by 1 + w).
     norm_offset: float = 0.0
     # The HF model_type whose tokenizer class AutoTokenizer would pick; named up front, it skips transformers'
@@ -137,12 +136,14 @@ _ARCHS = {
                           tokenizer_type="qwen3"),
     "olmoe": _GGUFArch("OlmoeForCausalLM", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_NAMES}),
     # V2 or V3 as the file's gating function says (_deepseek2_config).
-    "deepseek2": _GGUFArch("DeepseekV2ForCausalLM", {**_MLA_NAMES, **_MOE_NAMES, **_SHARED_EXPERT_NAMES}),
+    "deepseek2": _GGUFArch("DeepseekV2ForCausalLM", {**_MLA_NAMES, **_MOE_NAMES, **_SHARED_EXPERT_NAMES,
+                                                     "exp_probs_b": "mlp.gate.e_score_correction_bias"},
+                           parameter_stems=frozenset({"exp_probs_b"})),
     # Harmony's <|return|> and <|call|> end a turn, as the released generation_config.json and llama.cpp have it.
     # Its tokenizer named as GPT-2's byte-level BPE (the file's pre-tokenizer, gpt-4o's split, still applies):
     # transformers' own read of a gpt-oss file's config fails on its rope keys.
-    "gpt-oss": _GGUFArch("GptOssForCausalLM", _GPT_OSS_NAMES, tokenizer_type="gpt2",
-                         end_of_turn_tokens=("<|return|>", "<|call|>")),
+    "gpt-oss": _GGUFArch("GptOssForCausalLM", _GPT_OSS_NAMES, parameter_stems=frozenset({"attn_sinks"}),
+                         tokenizer_type="gpt2", end_of_turn_tokens=("<|return|>", "<|call|>")),
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -701,11 +702,10 @@ def _hf_name(arch: _GGUFArch, gguf_name: str) -> str:
     if legacy is not None and "ffn_gate_inp" in arch.block_names:
         return f"model.layers.{legacy[1]}.mlp.experts.{legacy[3]}.{legacy[2]}_proj.weight"
     match = _BLOCK_RE.fullmatch(gguf_name)
-    if match is not None and (match[2], match[3]) in _WHOLE_NAMES and "ffn_gate_inp" in arch.block_names:
-        return f"model.layers.{match[1]}.{_WHOLE_NAMES[match[2], match[3]]}"
     if match is None or match[2] not in arch.block_names:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for this architecture ({arch.hf_architecture})")
-    return f"model.layers.{match[1]}.{arch.block_names[match[2]]}.{match[3]}"
+    kind = "" if match[2] in arch.parameter_stems else f".{match[3]}"
+    return f"model.layers.{match[1]}.{arch.block_names[match[2]]}{kind}"
 
 
 def _hf_tensors(header: _Header, arch: _GGUFArch, config: GGUFModelConfig, info: _TensorInfo,

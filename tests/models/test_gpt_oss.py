@@ -11,8 +11,6 @@ zero or small at init, are randomised so that each one counts.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -242,46 +240,40 @@ def test_mxfp4_checkpoint_matches_hf_on_its_dequantized_experts(mxfp4_checkpoint
     check_greedy(llm, prompts, expected, GREEDY)
 
 
-def test_mxfp4_experts_run_on_their_blocks(mxfp4_checkpoint, gpt_oss_dir):
+def test_mxfp4_experts_run_on_their_blocks(mxfp4_checkpoint):
     """The native kernels: every expert at MXFP4_F16's 18 bytes per 32 weights, and each layer's experts (biases
-    and the clamped SwiGLU included) within 2% of the same experts dequantized (the GGUF kernels quantize
-    activations per 32, as llama.cpp does; a wrong code, nibble order or scale would be tens of percent off)."""
+    and the clamped SwiGLU included) within 2% of transformers' GptOssExperts on the values transformers reads from
+    the same blocks (the GGUF kernels quantize activations per 32, as llama.cpp does; a wrong code, nibble order or
+    scale would be tens of percent off)."""
+    from transformers import AutoConfig
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
     from pagellm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
-    from pagellm.layers.quantization.mxfp4 import mxfp4_weight
 
     directory, _, _ = mxfp4_checkpoint
     model = LLM(directory, **ENGINE_ARGS).llm_engine.core.runner.model
-    config = json.load(open(f"{gpt_oss_dir}/config.json"))
-    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+    config = AutoConfig.from_pretrained(directory)
     stored = load_file(f"{directory}/model.safetensors")
     generator = torch.Generator().manual_seed(0)
     layers = [(name, module) for name, module in model.named_modules() if isinstance(module, FusedMoE)]
-    assert len(layers) == config["num_hidden_layers"]
+    assert len(layers) == config.num_hidden_layers
     for name, layer in layers:
         assert isinstance(layer.quant_method, GGUFFusedMoEMethod) and layer.gguf_experts is not None
-        experts = layer.num_experts
         assert layer.w13_weight.dtype == torch.uint8 and layer.w2_weight.dtype == torch.uint8
-        assert layer.w13_weight.numel() + layer.w2_weight.numel() == experts * 3 * hidden * intermediate * 18 // 32
-        prefix = name.removesuffix(".experts")
-        gate_up = [mxfp4_weight(stored[f"{prefix}.experts.gate_up_proj_blocks"][e],
-                                stored[f"{prefix}.experts.gate_up_proj_scales"][e]).dequantize(torch.float32)
-                   for e in range(experts)]
-        down = [mxfp4_weight(stored[f"{prefix}.experts.down_proj_blocks"][e],
-                             stored[f"{prefix}.experts.down_proj_scales"][e]).dequantize(torch.float32)
-                for e in range(experts)]
-        # gate rows then up rows, as w13 stacks them (the stored rows interleave them)
-        w13 = torch.stack([torch.cat((w[0::2], w[1::2])) for w in gate_up])
-        x = torch.randn(5, hidden, generator=generator)
-        ids = torch.randint(0, experts, (5, layer.top_k), generator=generator)
+        assert layer.w13_weight.numel() + layer.w2_weight.numel() == (
+            config.num_local_experts * 3 * config.hidden_size * config.intermediate_size * 18 // 32)
+        hf = GptOssExperts(config)
+        with torch.no_grad():
+            for proj in ("gate_up_proj", "down_proj"):
+                blocks, scales = stored[f"{name}.{proj}_blocks"], stored[f"{name}.{proj}_scales"]
+                getattr(hf, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                getattr(hf, f"{proj}_bias").copy_(stored[f"{name}.{proj}_bias"])
+        x = torch.randn(5, config.hidden_size, generator=generator)
+        ids = torch.randint(0, config.num_local_experts, (5, layer.top_k), generator=generator)
         weights = torch.softmax(torch.randn(5, layer.top_k, generator=generator), dim=-1)
         with torch.no_grad():
-            got = layer.quant_method.apply(layer, x, weights, ids)
-            expected = torch.zeros_like(x)
-            for token in range(5):
-                for k in range(layer.top_k):
-                    e = int(ids[token, k])
-                    h = layer.act_fn((w13[e] @ x[token] + layer.w13_bias[e])[None])[0]
-                    expected[token] += weights[token, k] * (down[e] @ h + layer.w2_bias[e])
+            got, expected = layer.quant_method.apply(layer, x, weights, ids), hf(x, ids, weights)
         assert (got - expected).norm() <= 0.02 * expected.norm(), name
 
 

@@ -112,6 +112,11 @@ class SkipsKVCacheScales:
         return True
 
 
+def stored_text(tensor: torch.Tensor) -> str:
+    """A string a checkpoint stores as a tensor of its bytes (bitsandbytes' quant state JSON, HQQ's packing)."""
+    return bytes(tensor.flatten().to(torch.uint8).tolist()).decode()
+
+
 def grouped_pieces(weights: Iterator[tuple[str, torch.Tensor]],
                    piece_of: Callable[[str, torch.Tensor], tuple[str, str] | None],
                    complete: Callable[[dict[str, torch.Tensor]], bool],

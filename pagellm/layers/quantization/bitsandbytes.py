@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, grouped_pieces
+from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, grouped_pieces, stored_text
 from pagellm.layers.quantization.compressed_tensors_wna16 import CompressedTensorsWNA16Method
 from pagellm.layers.quantization.experts_int8 import INT8_MAX, ZERO_POINT
 from pagellm.layers.quantization.gguf import GGUFLinearMethod, GGUFWeight
@@ -88,7 +88,7 @@ class Packed4bit:
 def unpack_4bit(name: str, parts: dict[str, torch.Tensor]) -> Packed4bit:
     """A weight's checkpoint tensors (`parts`: weight, quant_state, absmax, quant_map and the nested ones) as
     codes and float32 block scales."""
-    state = json.loads(bytes(parts["quant_state"].flatten().tolist()).decode())
+    state = json.loads(stored_text(parts["quant_state"]))
     quant_type, blocksize, shape = state["quant_type"], int(state["blocksize"]), state["shape"]
     if quant_type not in CODE_BOOKS or len(shape) != 2:
         raise ValueError(f"{name}: bitsandbytes quant_type={quant_type!r} with shape {shape}; pagellm reads nf4 and "
@@ -269,7 +269,7 @@ def _part_of_8bit(name: str, tensor: torch.Tensor) -> tuple[str, str] | None:
 def _complete_4bit(parts: dict[str, torch.Tensor]) -> bool:
     if not {"weight", "quant_state", "absmax", "quant_map"} <= parts.keys():
         return False
-    nested = b"nested_blocksize" in bytes(parts["quant_state"].flatten().tolist())
+    nested = "nested_blocksize" in stored_text(parts["quant_state"])
     return not nested or {"nested_absmax", "nested_quant_map"} <= parts.keys()
 
 

@@ -151,7 +151,10 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
             gate_up = [(layer.w13_weight.data, w1.type_name, w1.rows), (up, w3.type_name, w3.rows)]
             layer.gguf_extra = [up]
         layer.w2_weight.data = w2.data.to(device)
-        layer.gguf_experts = QuantizedExperts(gate_up, (layer.w2_weight.data, w2.type_name, w2.rows))
+        layer.gguf_experts = experts = QuantizedExperts(gate_up, (layer.w2_weight.data, w2.type_name, w2.rows))
+        # What each step runs, made once: the products on each expert's slice, its biases added after them.
+        layer.expert_products = (_biased(self._gate_up(experts, layer.hidden_size), layer.expert_bias("gate_up")),
+                               _biased(self._down(experts, layer.intermediate_size), layer.expert_bias("down")))
 
     @staticmethod
     def _dense(stack: ExpertStack, dtype: torch.dtype) -> torch.Tensor:
@@ -169,11 +172,9 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        experts: QuantizedExperts | None = layer.gguf_experts
-        if experts is None:
+        if layer.gguf_experts is None:
             return self.dense.apply(layer, x, topk_weights, topk_ids)
-        gate_up = _biased(self._gate_up(experts, layer.hidden_size), layer.expert_bias("gate_up"))
-        down = _biased(self._down(experts, layer.intermediate_size), layer.expert_bias("down"))
+        gate_up, down = layer.expert_products
         return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, gate_up, down,
                                2 * layer.intermediate_size, layer.act_fn)
 

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, grouped_pieces, is_lm_head
+from pagellm.layers.quantization.base import (LinearMethod, QuantizationConfig, grouped_pieces, is_lm_head,
+                                             stored_text)
 from pagellm.layers.quantization.group_quant import EMBEDDING_SUFFIX, GroupQuantLinearMethod, all_shards_agree
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.weights import set_weight_attrs
@@ -33,15 +34,11 @@ META_KEYS = ("shape", "nbits", "group_size", "axis", "packing", "view_as_float",
 NEEDED = ("W_q", "scale", "zero", "shape", "nbits", "group_size", "axis", "packing", "view_as_float")
 
 
-def _text(tensor: torch.Tensor) -> str:
-    return "".join(chr(int(c)) for c in tensor.flatten())
-
-
 def unpack_hqq(name: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(q uint8 [N, K], scale and zero float32 [N, K / group_size], group_size) of one weight's tensors."""
     rows, cols = (int(v) for v in parts["shape"].flatten())
     bits, group_size, axis = int(parts["nbits"]), int(parts["group_size"]), int(parts["axis"])
-    packing = _text(parts["packing"])
+    packing = stored_text(parts["packing"])
     if axis != 1 or PACKINGS.get(packing) != bits:
         raise ValueError(f"{name}: HQQ weights of {bits} bits packed {packing!r} along axis {axis}; pagellm reads "
                          "4bit_u8 and 8bit_u8 along axis 1 (each group a run of one row's inputs)")
