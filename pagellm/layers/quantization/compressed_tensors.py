@@ -160,13 +160,18 @@ def _fp8_method(group: SchemeGroup, weights: QuantArgs, activations: QuantArgs |
     return Fp8LinearMethod(weights.strategy, block, static_input=static)
 
 
+def equal_or_regex_match(entry: str, name: str) -> bool:
+    """An ignore / exclude entry against a checkpoint module name as vLLM matches it (compressed-tensors' and
+    Quark's _is_equal_or_regex_match): "re:" + a regular expression matched from the start, or the name itself."""
+    if entry.startswith("re:"):
+        return re.match(entry[3:], name) is not None
+    return entry == name
+
+
 def target_matches(target: str, name: str) -> bool:
-    """A target or ignore entry against a checkpoint module name: "re:" + a regular expression matched from
-    the start (re.match, as compressed-tensors and vLLM do), a module name, or a class name ("Linear": every
-    linear layer, which is what the layers asked about here are)."""
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return target == name or target == "Linear"
+    """A target or ignore entry against a checkpoint module name: equal_or_regex_match, or a class name
+    ("Linear": every linear layer, which is what the layers asked about here are)."""
+    return equal_or_regex_match(target, name) or target == "Linear"
 
 
 class CompressedTensorsConfig(SkipsKVCacheScales, QuantizationConfig):

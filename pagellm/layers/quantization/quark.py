@@ -3,8 +3,9 @@
 quantization_config: `global_quant_config` {weight, input_tensors, output_tensors, bias}, each a tensor spec (dtype
 fp8_e4m3 / int8 / ..., qscheme per_tensor / per_channel / per_group, is_dynamic, symmetric); `layer_quant_config`
 {pattern: config} overriding it per module (a pattern with "*" is an fnmatch pattern; one without names the modules
-it contains, as vLLM matches them); `layer_type_quant_config`; `exclude` (module names, or "re:" expressions: dense);
-`export.kv_cache_group` (the modules whose output_tensors are the KV cache's scales, `k_proj.output_scale` ...).
+it contains, as vLLM matches them); `layer_type_quant_config`; `exclude` (module names, or "re:" expressions
+matched from the start, as vLLM matches them: dense); `export.kv_cache_group` (the modules whose output_tensors
+are the KV cache's scales, `k_proj.output_scale` ...).
 
 Schemes read, per layer (its fused shards alike):
 - fp8 W8A8: float8_e4m3fn weights, per_tensor (`weight_scale` per checkpoint tensor) or per_channel ([N]) scales;
@@ -20,9 +21,9 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import re
 
 from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, SkipsKVCacheScales
+from pagellm.layers.quantization.compressed_tensors import equal_or_regex_match
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import (Fp8LinearMethod, Int8LinearMethod, all_or_none, checkpoint_module_names,
                                               is_embedding_or_head)
@@ -33,10 +34,6 @@ WEIGHT_QSCHEMES = ("per_tensor", "per_channel")
 def _matches(module: str, pattern: str) -> bool:
     """vLLM's quark matching: fnmatch where the pattern has "*", else the module name contained in the pattern."""
     return fnmatch.fnmatch(module, pattern) if "*" in pattern else module in pattern
-
-
-def _excluded(module: str, entry: str) -> bool:
-    return bool(re.fullmatch(entry[3:], module)) if entry.startswith("re:") else module == entry
 
 
 class QuarkConfig(SkipsKVCacheScales, QuantizationConfig):
@@ -70,7 +67,7 @@ class QuarkConfig(SkipsKVCacheScales, QuantizationConfig):
         return self._methods[key]
 
     def _excluded(self, module: str) -> bool:
-        return any(_excluded(module, entry) for entry in self.exclude)
+        return any(equal_or_regex_match(entry, module) for entry in self.exclude)
 
     def _config_of(self, module: str) -> dict:
         for pattern, config in self.layer_configs.items():
