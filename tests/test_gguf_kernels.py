@@ -41,7 +41,7 @@ OUT_FEATURES = 67  # two output tiles (the second of 3 rows) for every type at t
 IN_FEATURES = {name: 768 if name.endswith("_K") else 160 for name in TYPES}
 # The byte offsets of each type's float16 scales (random bytes elsewhere).
 HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
-               "NF4": (0,), "BNB_FP4": (0,), "MXFP4_F16": (0,),
+               "NF4": (0,), "BNB_FP4": (0,), "MXFP4_F16": (0,), "NVFP4_F16": (0, 2),
                "Q2_K": (80, 82),
                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
@@ -59,7 +59,7 @@ def random_weight(type_name: str, out_features: int, in_features: int, seed: int
         blocks[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(*blocks.shape[:2], 2)
     raw = blocks.reshape(out_features, -1)
     # gguf has no quantizer for IQ4_NL or pagellm's grid types (every byte is valid in them)
-    if not type_name.endswith("_K") and type_name not in ("IQ4_NL", *gk.GRID_TWINS):
+    if not type_name.endswith("_K") and type_name not in ("IQ4_NL", "NVFP4_F16", *gk.GRID_TWINS):
         half = out_features // 2
         weights = rng.standard_normal((half, in_features)).astype(np.float32)
         raw[:half] = gguf.quants.quantize(weights, gguf.GGMLQuantizationType(type_id))

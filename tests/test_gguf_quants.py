@@ -129,3 +129,34 @@ def test_mxfp4_scales_an_f16_cannot_hold():
     blocks[3, 0] = 144
     with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up_exps.weight': an MXFP4 block scale of 2\^17"):
         gguf_quants.transcode_blocks(blocks, 39, "blk.0.ffn_up_exps.weight")
+
+
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def test_nvfp4_weights_become_nvfp4_f16_blocks():
+    """An NVFP4 weight (e2m1 codes two to a byte, the even weight in the low nibble; a scale per 16 weights; a
+    global scale) as NVFP4_F16 blocks: bit for bit where each 16 weights' scale times the global one, halved, is
+    an f16; within one f16 rounding of it (2^-11 relative) otherwise."""
+    rng = np.random.default_rng(3)
+    rows, cols = 5, 96
+    packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(rows, cols)
+    exact = 2.0 ** rng.integers(-8, 8, (rows, cols // 16)) * rng.integers(8, 16, (rows, cols // 16)) / 8
+    for scales, global_scale, bound in ((exact, 0.5, 0.0), (rng.uniform(0.01, 448, (rows, cols // 16)), 1e-3, 2**-11)):
+        blocks = gguf_quants.nvfp4_f16_blocks(packed, scales, global_scale)
+        assert blocks.shape == (rows, cols // 32 * 20)
+        expected = E2M1_VALUES[codes] * np.repeat(scales, 16, axis=1) * global_scale
+        got = dequantize(blocks, 1003, (rows, cols)).astype(np.float64)
+        scale_of_each = np.repeat(scales, 16, axis=1) * global_scale
+        assert (np.abs(got - expected) <= bound * 6 * scale_of_each).all()
+
+
+def test_nvfp4_scales_an_f16_cannot_hold_and_odd_widths_are_refused():
+    packed = np.zeros((2, 16), dtype=np.uint8)
+    scales = np.ones((2, 2))
+    scales[1, 1] = 448.0
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.up_proj.weight': an NVFP4 block scale"):
+        gguf_quants.nvfp4_f16_blocks(packed, scales, 448.0, "model.layers.0.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match=r"multiple of 32"):
+        gguf_quants.nvfp4_f16_blocks(np.zeros((2, 8), dtype=np.uint8), np.ones((2, 1)), 1.0, "w")

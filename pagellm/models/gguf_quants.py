@@ -10,10 +10,12 @@ Types no pagellm kernel reads in their own blocks (TRANSCODED_TYPES) are kept in
 reads (kernel_type: IQ4_XS as IQ4_NL, MXFP4 as MXFP4_F16, IQ3_XXS / IQ3_S as Q6_K, the others as Q8_0),
 transcode_blocks'.
 
-Three types are pagellm's own (OWN_FORMATS, ids no GGUF uses), IQ4_NL's blocks on another grid: NF4 and BNB_FP4,
-with bitsandbytes' code books, which its 4-bit checkpoints are kept as (pagellm/layers/quantization/bitsandbytes.py),
-and MXFP4_F16, MXFP4's values with the block's power-of-two scale as an f16 (a GGUF's MXFP4 tensors, gpt-oss's
-experts: pagellm/layers/quantization/mxfp4.py).
+Four types are pagellm's own (OWN_FORMATS, ids no GGUF uses). Three are IQ4_NL's blocks on another grid: NF4 and
+BNB_FP4, with bitsandbytes' code books, which its 4-bit checkpoints are kept as
+(pagellm/layers/quantization/bitsandbytes.py), and MXFP4_F16, MXFP4's values with the block's power-of-two scale as
+an f16 (a GGUF's MXFP4 tensors, gpt-oss's experts: pagellm/layers/quantization/mxfp4.py). NVFP4_F16 holds NVFP4's
+16-weight blocks two to a 32-weight block, MXFP4's grid with an f16 scale per half (NVFP4 checkpoints:
+pagellm/layers/quantization/nvfp4.py).
 
 Block layouts follow ggml's `block_*` structs (ggml-common.h); QK_K = 256 weights per super-block.
 """
@@ -255,6 +257,15 @@ def _grid_dequantizer(values: np.ndarray) -> Dequantizer:
     return dequantize_blocks
 
 
+def _dequantize_nvfp4_f16(blocks: np.ndarray, out: np.ndarray) -> None:
+    """NVFP4_F16 (pagellm's): f16 d0, f16 d1, 16 bytes of nibbles (low nibbles weights 0-15, high 16-31) on
+    MXFP4's grid; weights 0-15 are d0 * grid[q], 16-31 d1 * grid[q]."""
+    n = len(blocks)
+    codes = MXFP4_VALUES[_nibbles(blocks[:, 4:])]  # (n, 2, 16): the two halves
+    scales = blocks[:, :4].copy().view(np.float16).astype(np.float32)  # (n, 2)
+    _scale_into(out.reshape(n, 2, 16), codes, scales)
+
+
 def _dequantize_iq4_xs(blocks: np.ndarray, out: np.ndarray) -> None:
     """block_iq4_xs: f16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes of nibbles (16 per 32-weight sub-block);
     w = (d * (scale - 32)) * grid[q]."""
@@ -308,6 +319,7 @@ OWN_FORMATS: dict[int, QuantFormat] = {
     1000: QuantFormat("NF4", 32, 18, _grid_dequantizer(NF4_VALUES)),
     1001: QuantFormat("BNB_FP4", 32, 18, _grid_dequantizer(BNB_FP4_VALUES)),
     1002: QuantFormat("MXFP4_F16", 32, 18, _grid_dequantizer(MXFP4_VALUES)),
+    1003: QuantFormat("NVFP4_F16", 32, 20, _dequantize_nvfp4_f16),
 }
 # Type name -> (type id, format).
 FORMATS_BY_NAME: dict[str, tuple[int, QuantFormat]] = {fmt.name: (type_id, fmt)
@@ -363,6 +375,39 @@ def mxfp4_f16_blocks(exponents: np.ndarray, nibbles: np.ndarray, tensor_name: st
     out[:, :2] = scales.reshape(-1, 1).view(np.uint8)
     out[:, 2:] = nibbles
     return out
+
+
+NVFP4_F16_BLOCK_BYTES = 20
+F16_MAX = 65504.0
+
+
+def nvfp4_f16_blocks(packed: np.ndarray, block_scales: np.ndarray, global_scale: float,
+                     tensor_name: str = "") -> np.ndarray:
+    """One NVFP4 weight [N, K] (K a multiple of 32) as NVFP4_F16 blocks [N, K / 32 * 20]. `packed` uint8 [N, K / 2]
+    holds e2m1 codes (sign in bit 3), weight 2i in byte i's low nibble and 2i + 1 in its high one (as ModelOpt and
+    compressed-tensors pack them); `block_scales` [N, K / 16] each 16 weights' scale (the checkpoint's fp8 values,
+    as floats); weight = e2m1 value * block scale * global_scale. Each half's f16 scale is block scale *
+    global_scale / 2 (the grid is e2m1's values times 2), rounded once (2^-11 relative at most; below f16's
+    normals, to its subnormal steps of 2^-24); a scale beyond f16's range, or not finite, is refused naming the
+    tensor."""
+    rows, half_cols = packed.shape
+    cols = 2 * half_cols
+    if cols % 32 or block_scales.shape != (rows, cols // 16):
+        raise ValueError(f"tensor {tensor_name!r}: NVFP4 codes {packed.shape} and block scales {block_scales.shape} "
+                         "do not make a weight of 16-weight blocks whose input features are a multiple of 32")
+    scales = block_scales.astype(np.float64) * float(global_scale) / 2
+    if not np.isfinite(scales).all() or (np.abs(scales) > F16_MAX).any():
+        raise ValueError(f"tensor {tensor_name!r}: an NVFP4 block scale times the global scale "
+                         f"({np.abs(scales).max()!r} / 2) is not finite or beyond the f16 scales pagellm keeps NVFP4 "
+                         "blocks with (65504); such weights are not a model's. Fix: check the checkpoint")
+    codes = np.empty((rows, cols), dtype=np.uint8)
+    codes[:, 0::2] = packed & 0x0F
+    codes[:, 1::2] = packed >> 4
+    grouped = codes.reshape(rows, cols // 32, 32)
+    out = np.empty((rows, cols // 32, NVFP4_F16_BLOCK_BYTES), dtype=np.uint8)
+    out[..., :4] = scales.astype(np.float16).reshape(rows, cols // 32, 2).view(np.uint8)
+    out[..., 4:] = grouped[..., :16] | (grouped[..., 16:] << 4)
+    return out.reshape(rows, -1)
 
 
 def _iq3_as_q6_k(blocks: np.ndarray, fmt: QuantFormat) -> np.ndarray:

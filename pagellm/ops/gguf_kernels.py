@@ -51,8 +51,8 @@ _HEADERS = [_CSRC / "gguf_simd.h", _CSRC / "isa_name.h", _CSRC / "bf16_tiles.h"]
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 # The block types the kernels compute with (GGML type ids); the others (F32, F16, BF16) are plain tensors.
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "NF4", "BNB_FP4", "MXFP4_F16", "Q2_K", "Q3_K",
-                "Q4_K", "Q5_K", "Q6_K")
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "NF4", "BNB_FP4", "MXFP4_F16", "NVFP4_F16", "Q2_K",
+                "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # IQ4_NL's blocks on another grid (pagellm's own types, for bitsandbytes' 4-bit weights and MXFP4's): the same code
 # paths.
 GRID_TWINS = ("NF4", "BNB_FP4", "MXFP4_F16")
@@ -146,9 +146,10 @@ _AVX512_BF16_DENSE_MIN_ROWS: dict[str, int | None] = {
 # --types Q4_0 IQ4_NL --activations bfloat16), ms int8 / dense, Q4_0 | IQ4_NL:
 #   rows 1: .039/.177 | .038/.154; 8: .141/.202 | .130/.190; 16: .260/.199 | .256/.217; 20: .310/.196 | .304/.216;
 #   64: .286/.213 | .298/.239.
-# The grid twins are IQ4_NL's code with another 16 bytes in the shuffle: its thresholds.
+# The grid twins are IQ4_NL's code with another 16 bytes in the shuffle: its thresholds. NVFP4_F16 is MXFP4_F16's
+# code with a scale per 16 weights (a vector of two scales where the others broadcast one): the same.
 for _table in (_AVX2_DENSE_MIN_ROWS, _AMX_BF16_DENSE_MIN_ROWS, _AVX512_BF16_DENSE_MIN_ROWS, DENSE_MIN_ROWS["generic"]):
-    _table.update(dict.fromkeys(GRID_TWINS, _table["IQ4_NL"]))
+    _table.update(dict.fromkeys((*GRID_TWINS, "NVFP4_F16"), _table["IQ4_NL"]))
 # Weight bytes dequantized per tile of the dense path: one tile is the only dequantized copy that exists.
 DENSE_TILE_BYTES = 4 << 20
 

@@ -89,11 +89,14 @@ def _plane(w_ptr, h_ptr, s_ptr, base, lane, mask, p, TYPE: tl.constexpr):
             w = q.to(tl.float32) * d + tl.load(h_ptr + base // 2 + 1, mask=mask, other=0.0).to(tl.float32)
         else:
             w = (q - (16 if FIFTH_BIT else 8)).to(tl.float32) * d
-    elif TYPE == 20 or TYPE == 1000 or TYPE == 1001 or TYPE == 1002:
+    elif TYPE == 20 or TYPE == 1000 or TYPE == 1001 or TYPE == 1002 or TYPE == 1003:
         # IQ4_NL: f16 d | 16 bytes of nibbles as Q4_0's; w = d * grid[q] (ggml's kvalues_iq4nl). NF4 / BNB_FP4
         # (pagellm's, for bitsandbytes' 4-bit weights): the same blocks on bitsandbytes' code books times 127
         # (gguf_quants.NF4_VALUES / BNB_FP4_VALUES); MXFP4_F16 (pagellm's, for MXFP4): on e2m1's values times 2.
-        q = (tl.load(w_ptr + base + 2 + lane, mask=mask, other=0).to(tl.int32) >> (4 * p)) & 15
+        # NVFP4_F16 (pagellm's, for NVFP4): f16 d0 | f16 d1 | nibbles on MXFP4's grid; plane p (weights 16p ..
+        # 16p + 15) takes d_p.
+        HEAD: tl.constexpr = 4 if TYPE == 1003 else 2
+        q = (tl.load(w_ptr + base + HEAD + lane, mask=mask, other=0).to(tl.int32) >> (4 * p)) & 15
         if TYPE == 20:
             low = tl.where((q & 4) != 0, tl.where((q & 2) != 0, tl.where((q & 1) != 0, -10, -22),
                                                   tl.where((q & 1) != 0, -35, -49)),
@@ -108,7 +111,7 @@ def _plane(w_ptr, h_ptr, s_ptr, base, lane, mask, p, TYPE: tl.constexpr):
             high = tl.where((q & 4) != 0, tl.where((q & 2) != 0, tl.where((q & 1) != 0, 127, 92),
                                                   tl.where((q & 1) != 0, 71, 56)),
                            tl.where((q & 2) != 0, tl.where((q & 1) != 0, 43, 31), tl.where((q & 1) != 0, 20, 10)))
-        elif TYPE == 1002:
+        elif TYPE == 1002 or TYPE == 1003:
             low = tl.where((q & 4) != 0, tl.where((q & 2) != 0, tl.where((q & 1) != 0, 12, 8),
                                                   tl.where((q & 1) != 0, 6, 4)),
                            tl.where((q & 2) != 0, tl.where((q & 1) != 0, 3, 2), tl.where((q & 1) != 0, 1, 0)))
@@ -121,7 +124,8 @@ def _plane(w_ptr, h_ptr, s_ptr, base, lane, mask, p, TYPE: tl.constexpr):
                                                   tl.where((q & 1) != 0, -64, -42)),
                            tl.where((q & 2) != 0, tl.where((q & 1) != 0, -127, -85), tl.where((q & 1) != 0, -1, 0)))
         value = tl.where((q & 8) != 0, high, low)
-        w = value.to(tl.float32) * tl.load(h_ptr + base // 2, mask=mask, other=0.0).to(tl.float32)
+        w = value.to(tl.float32) * tl.load(h_ptr + base // 2 + (p if TYPE == 1003 else 0), mask=mask,
+                                           other=0.0).to(tl.float32)
     elif TYPE == 8:  # Q8_0: f16 d | 32 int8; w = d * q
         q = tl.load(s_ptr + base + 2 + lane, mask=mask, other=0)
         w = q.to(tl.float32) * tl.load(h_ptr + base // 2, mask=mask, other=0.0).to(tl.float32)

@@ -25,7 +25,7 @@ OUT_FEATURES = 300
 IN_FEATURES = {name: 1280 if name.endswith("_K") else 480 for name in KERNEL_TYPES}
 # The byte offsets of each type's float16 scales (random bytes elsewhere).
 HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
-               "NF4": (0,), "BNB_FP4": (0,), "MXFP4_F16": (0,),
+               "NF4": (0,), "BNB_FP4": (0,), "MXFP4_F16": (0,), "NVFP4_F16": (0, 2),
                "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 BOUND = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10, torch.float32: 1e-5}
 

@@ -7,7 +7,9 @@
  *   Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14 (super-blocks of 256 weights, a scale per 16 or 32)
  * and three of pagellm's own in IQ4_NL's layout with another 16-value grid: for bitsandbytes' 4-bit weights
  * (pagellm/layers/quantization/bitsandbytes.py) NF4 1000 and BNB_FP4 1001, for MXFP4's (a GGUF's, gpt-oss's
- * experts) MXFP4_F16 1002, its power-of-two scale held as an f16.
+ * experts) MXFP4_F16 1002, its power-of-two scale held as an f16; and for NVFP4's 16-weight blocks
+ * (pagellm/layers/quantization/nvfp4.py) NVFP4_F16 1003: MXFP4_F16's grid and nibbles after two f16 scales, one
+ * per 16 weights (20 bytes per 32 weights).
  *
  * gguf_matmul: y [rows, out] = x [rows, in] W^T, as llama.cpp computes it: each row of x is quantized to int8
  * (blocks of 32 with a float scale and the scaled sum for the 32-weight formats, llama.cpp's Q8_1; blocks of
@@ -36,12 +38,12 @@
 
 enum {
     Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-    IQ4_NL = 20, NF4 = 1000, BNB_FP4 = 1001, MXFP4_F16 = 1002
+    IQ4_NL = 20, NF4 = 1000, BNB_FP4 = 1001, MXFP4_F16 = 1002, NVFP4_F16 = 1003
 };
 /* M(type) for every type: the specialised functions below are made, and dispatched to, by type. */
 #define EACH_TYPE(M)                                                                                              \
-    M(Q4_0) M(Q4_1) M(Q5_0) M(Q5_1) M(Q8_0) M(IQ4_NL) M(NF4) M(BNB_FP4) M(MXFP4_F16) M(Q2_K) M(Q3_K) M(Q4_K) M(Q5_K) \
-    M(Q6_K)
+    M(Q4_0) M(Q4_1) M(Q5_0) M(Q5_1) M(Q8_0) M(IQ4_NL) M(NF4) M(BNB_FP4) M(MXFP4_F16) M(NVFP4_F16) M(Q2_K) M(Q3_K) \
+    M(Q4_K) M(Q5_K) M(Q6_K)
 
 #define QK 32
 #define QK_K 256
@@ -61,6 +63,7 @@ enum {
 static int block_weights(int type) {
     switch (type) {
     case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: case NF4: case BNB_FP4: case MXFP4_F16:
+    case NVFP4_F16:
         return QK;
     case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: return QK_K;
     default: return 0;
@@ -70,7 +73,7 @@ static int block_weights(int type) {
 static int block_bytes(int type) {
     switch (type) {
     case Q4_0: case IQ4_NL: case NF4: case BNB_FP4: case MXFP4_F16: return 18;
-    case Q4_1: return 20;
+    case Q4_1: case NVFP4_F16: return 20;
     case Q5_0: return 22;
     case Q5_1: return 24;
     case Q8_0: return 34;
@@ -87,19 +90,22 @@ static ALWAYS_INLINE int is_k_quant(int type) { return block_weights(type) == QK
 
 /* The types whose nibbles index a 16-value grid of signed bytes (weight = d grid[q]). */
 static ALWAYS_INLINE int grid_quants(int type) {
-    return type == IQ4_NL || type == NF4 || type == BNB_FP4 || type == MXFP4_F16;
+    return type == IQ4_NL || type == NF4 || type == BNB_FP4 || type == MXFP4_F16 || type == NVFP4_F16;
 }
+
+/* The 32-weight types with a scale per 16 weights (d for weights 0-15, d_high for 16-31). */
+static ALWAYS_INLINE int two_scales(int type) { return type == NVFP4_F16; }
 
 /* Types whose unpacked quants are signed bytes (weight = d q): Q8_0's stored ones, the grid types' values. */
 static ALWAYS_INLINE int signed_quants(int type) { return type == Q8_0 || grid_quants(type); }
 
 /* ---- weight blocks, unpacked to one byte per weight in the activations' order ---------------------------- */
 
-/* A 32-weight block: weight k = d * (q[k] - offset) + m; q is signed for Q8_0 and the grid types, unsigned
- * otherwise. */
+/* A 32-weight block: weight k = d * (q[k] - offset) + m (d_high instead of d for k >= 16: the same but in
+ * NVFP4_F16); q is signed for Q8_0 and the grid types, unsigned otherwise. */
 typedef struct {
     u8x32 q;
-    float d, m;
+    float d, d_high, m;
     int offset;
 } Block32;
 
@@ -141,7 +147,7 @@ static ALWAYS_INLINE u8x32 fifth_bits(const uint8_t *p) {
 /* The grid types' values: nibble k stands for the k-th of these, times the block's scale. IQ4_NL's are ggml's
  * kvalues_iq4nl; NF4's and BNB_FP4's are bitsandbytes' code books (its get_4bit_type) times 127, rounded
  * (pagellm/models/gguf_quants.py, NF4_VALUES and BNB_FP4_VALUES, says what that rounding costs); MXFP4_F16's are
- * ggml's kvalues_mxfp4, e2m1's values times 2 (exact: the scale is halved). */
+ * ggml's kvalues_mxfp4, e2m1's values times 2 (exact: the scale is halved), NVFP4_F16's too. */
 #define IQ4_NL_GRID -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
 #define NF4_GRID -127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127
 #define BNB_FP4_GRID 0, 1, 85, 127, 42, 64, 21, 32, 0, -1, -85, -127, -42, -64, -21, -32
@@ -152,13 +158,16 @@ static ALWAYS_INLINE u8x32 grid_values(const int type, u8x32 nibbles) {
     /* one in-lane byte shuffle: the 16 values in both halves, indexed by the nibbles */
     const __m256i grid = type == NF4         ? _mm256_setr_epi8(NF4_GRID, NF4_GRID)
                          : type == BNB_FP4   ? _mm256_setr_epi8(BNB_FP4_GRID, BNB_FP4_GRID)
-                         : type == MXFP4_F16 ? _mm256_setr_epi8(MXFP4_GRID, MXFP4_GRID)
+                         : type == MXFP4_F16 || type == NVFP4_F16 ? _mm256_setr_epi8(MXFP4_GRID, MXFP4_GRID)
                                              : _mm256_setr_epi8(IQ4_NL_GRID, IQ4_NL_GRID);
     return (u8x32)_mm256_shuffle_epi8(grid, (__m256i)nibbles);
 #else
     static const int8_t iq4_nl[16] = {IQ4_NL_GRID}, nf4[16] = {NF4_GRID}, bnb_fp4[16] = {BNB_FP4_GRID},
                         mxfp4[16] = {MXFP4_GRID};
-    const int8_t *grid = type == NF4 ? nf4 : type == BNB_FP4 ? bnb_fp4 : type == MXFP4_F16 ? mxfp4 : iq4_nl;
+    const int8_t *grid = type == NF4                                ? nf4
+                         : type == BNB_FP4                          ? bnb_fp4
+                         : type == MXFP4_F16 || type == NVFP4_F16 ? mxfp4
+                                                                    : iq4_nl;
     u8x32 values;
     for (int k = 0; k < 32; ++k) values[k] = (uint8_t)grid[nibbles[k]];
     return values;
@@ -167,6 +176,7 @@ static ALWAYS_INLINE u8x32 grid_values(const int type, u8x32 nibbles) {
 
 static ALWAYS_INLINE Block32 unpack_32(const int type, const uint8_t *b) {
     Block32 u = {.d = half_to_float(b), .m = 0.0f, .offset = 0};
+    u.d_high = u.d;
     switch (type) {
     case Q4_0: /* f16 d, 16 bytes of nibbles; w = d (q - 8) */
         u.q = nibbles_32(b + 2);
@@ -186,6 +196,10 @@ static ALWAYS_INLINE Block32 unpack_32(const int type, const uint8_t *b) {
         break;
     case IQ4_NL: case NF4: case BNB_FP4: case MXFP4_F16: /* f16 d, 16 bytes of nibbles, as Q4_0's; w = d grid[q] */
         u.q = grid_values(type, nibbles_32(b + 2));
+        break;
+    case NVFP4_F16: /* f16 d, f16 d_high, 16 bytes of nibbles */
+        u.d_high = half_to_float(b + 2);
+        u.q = grid_values(type, nibbles_32(b + 4));
         break;
     default: /* Q8_0: f16 d, 32 int8; w = d q */
         u.q = load_u8x32(b + 2);
@@ -419,7 +433,10 @@ static ALWAYS_INLINE void add_block_32(const int type, const Block32 *u, const A
                                        float *side) {
     const i8x32 xq = load_i8x32(xb->qs);
     const i32x8 dot = signed_quants(type) ? dot_s8s8((i8x32)u->q, xq) : dot_u8s8(u->q, xq);
-    *acc = fmadd(to_f32(dot), splat_f32(u->d * xb->d), *acc);
+    /* lanes 0-3 hold weights 0-15's products, lanes 4-7 those of 16-31 */
+    const f32x8 scale = two_scales(type) ? (f32x8){u->d, u->d, u->d, u->d, u->d_high, u->d_high, u->d_high, u->d_high}
+                                         : splat_f32(u->d);
+    *acc = fmadd(to_f32(dot), scale * xb->d, *acc);
     if (!signed_quants(type)) *side += (type == Q4_1 || type == Q5_1 ? u->m : -(float)u->offset * u->d) * xb->s;
 }
 
@@ -636,12 +653,12 @@ static ALWAYS_INLINE int tile_offset(const int type) {
 }
 
 /* A block of 32 activations as the tiles take them for every type: ActivationBlock32's quants and scale, the
- * sum of the quants (the offsets' share, in integers) and d times the sums of each 16 (what the k-quants'
- * per-16 constants multiply). */
+ * sum of the quants and the sums of each 16 (the offsets' share, in integers: per 16 for NVFP4_F16's per-16
+ * scales) and d times the sums of each 16 (what the k-quants' per-16 constants multiply). */
 typedef struct {
     int8_t qs[QK];
     float d;
-    int32_t sum;
+    int32_t sum, sum16[2];
     float s16[2];
 } TileActivations;
 
@@ -651,6 +668,8 @@ static void quantize_tile_row(const void *x, int64_t row, int64_t in_features, c
         block->d = quantize_values(x, row * in_features + b * QK, QK, bf16, block->qs);
         const int low = block_sum(block->qs, 16), high = block_sum(block->qs + 16, 16);
         block->sum = low + high;
+        block->sum16[0] = low;
+        block->sum16[1] = high;
         block->s16[0] = block->d * (float)low;
         block->s16[1] = block->d * (float)high;
     }
@@ -661,11 +680,12 @@ static void quantize_tile_row(const void *x, int64_t row, int64_t in_features, c
 #define TILE_STRIPS 2
 #define TILE_ROWS 4
 /* A strip's chunk of 32 inputs: 8 groups of 4 inputs, each 64 bytes holding the 16 outputs' 4 quants side by
- * side, as VPDPBUSD multiplies them; then per scale group (the 32 inputs, or each 16 of them for the k-quants)
- * the 16 outputs' scale and added constant as floats: weight = scale * q + constant. */
+ * side, as VPDPBUSD multiplies them; then per scale group (the 32 inputs, or each 16 of them for the k-quants
+ * and NVFP4_F16) the 16 outputs' scale and added constant as floats: weight = scale * q + constant. */
 #define STRIP_QUANT_BYTES (8 * 64)
+static ALWAYS_INLINE int scale_groups(const int type) { return is_k_quant(type) || two_scales(type) ? 2 : 1; }
 static ALWAYS_INLINE int64_t strip_chunk_bytes(const int type) {
-    return STRIP_QUANT_BYTES + (is_k_quant(type) ? 4 : 2) * STRIP * 4;
+    return STRIP_QUANT_BYTES + 2 * scale_groups(type) * STRIP * 4;
 }
 
 /* The 16 outputs' 4 quants of each group of a chunk, side by side: output c's 32 quants into column c. */
@@ -689,11 +709,15 @@ static ALWAYS_INLINE void repack_strip(const int type, const uint8_t *w, int64_t
         for (int64_t b = 0; b < nb; ++b) {
             if (!is_k_quant(type)) {
                 uint8_t *chunk = strip + b * chunk_bytes;
-                float *scale = (float *)(chunk + STRIP_QUANT_BYTES), *constant = scale + STRIP;
+                float *scale = (float *)(chunk + STRIP_QUANT_BYTES), *constant = scale + scale_groups(type) * STRIP;
                 const Block32 u = unpack_32(type, weight_row + b * bytes);
                 place_quants(chunk, c, signed_quants(type) ? u.q ^ 0x80 : u.q);
                 scale[c] = u.d;
                 constant[c] = u.m;
+                if (two_scales(type)) {
+                    scale[STRIP + c] = u.d_high;
+                    constant[STRIP + c] = 0.0f;
+                }
                 continue;
             }
             /* a super-block: weight k of group g = d scale_g q_k - dmin mins_g, 8 chunks of two groups */
@@ -730,17 +754,17 @@ static ALWAYS_INLINE void store_strip(void *y, int64_t index, __m512 v, int64_t 
 }
 
 /* Rows [row, row + R) of x against S repacked strips (strip s at strips + s * strip_bytes), outputs from `first`
- * (`count` of them, <= S * STRIP). Per scale group (32 inputs; 16 for the k-quants), each (row, strip) gathers
- * the group's products in int32 lanes (VPDPBUSD, the row's 4 activation bytes broadcast), then adds
- * scale * dx * (sum - offset * the activations' sum) + constant * dx * the activations' sum to its float lanes:
- * one float scale per group for 16 outputs. */
+ * (`count` of them, <= S * STRIP). Per scale group (32 inputs; 16 for the k-quants and NVFP4_F16), each
+ * (row, strip) gathers the group's products in int32 lanes (VPDPBUSD, the row's 4 activation bytes broadcast),
+ * then adds scale * dx * (sum - offset * the group's activations' sum) + constant * dx * that sum to its float
+ * lanes: one float scale per group for 16 outputs. */
 static ALWAYS_INLINE void tile_pass(const int type, const uint8_t *strips, int64_t strip_bytes, int64_t chunks,
                                     const TileActivations *x, int64_t row, const int R, const int S, int64_t first,
                                     int64_t count, int64_t out_features, void *y, int y_bf16) {
     const int k_quant = is_k_quant(type);
     const int offset = k_quant ? 0 : tile_offset(type);
     const int has_constant = k_quant || type == Q4_1 || type == Q5_1;
-    const int groups = k_quant ? 2 : 1, per_group = 8 / groups; /* scale groups per chunk, 4-input groups each */
+    const int groups = scale_groups(type), per_group = 8 / groups; /* scale groups per chunk, 4-input groups each */
     const int64_t chunk_bytes = strip_chunk_bytes(type);
     __m512 acc[TILE_ROWS][TILE_STRIPS];
     for (int r = 0; r < R; ++r)
@@ -771,7 +795,7 @@ static ALWAYS_INLINE void tile_pass(const int type, const uint8_t *strips, int64
             }
             for (int r = 0; r < R; ++r) {
                 const TileActivations *xb = rows + r * chunks + b;
-                const __m512i correction = _mm512_set1_epi32(offset * xb->sum);
+                const __m512i correction = _mm512_set1_epi32(offset * (groups == 2 ? xb->sum16[h] : xb->sum));
                 const __m512 dx = _mm512_set1_ps(xb->d);
                 const __m512 sx = _mm512_set1_ps(k_quant ? xb->s16[h] : xb->d * (float)xb->sum);
                 for (int s = 0; s < S; ++s) {
@@ -977,7 +1001,7 @@ static ALWAYS_INLINE void dequantize_row(const int type, const uint8_t *w, int64
             const Block32 u = unpack_32(type, w + b * bytes);
             widen(u.q, signed_quants(type), u.offset, v);
             for (int p = 0; p < 4; ++p) {
-                f32x8 weights = v[p] * u.d;
+                f32x8 weights = v[p] * (p < 2 ? u.d : u.d_high);
                 if (type == Q4_1 || type == Q5_1) weights = weights + u.m;
                 store8(out, b * QK + 8 * p, weights, bf16);
             }
@@ -1095,7 +1119,7 @@ static ALWAYS_INLINE void dequantize_row_32_bf16(const int type, const uint8_t *
         for (int h = 0; h < 2; ++h) {
             const i32x16 wide = (i32x16)(signed_quants(type) ? _mm512_cvtepi8_epi32(halves[h])
                                                               : _mm512_cvtepu8_epi32(halves[h]));
-            f32x16 weights = __builtin_convertvector(wide - u.offset, f32x16) * u.d;
+            f32x16 weights = __builtin_convertvector(wide - u.offset, f32x16) * (h ? u.d_high : u.d);
             if (type == Q4_1 || type == Q5_1) weights = weights + u.m;
             v[h] = weights;
         }
@@ -1117,6 +1141,7 @@ WIDE_ROW_FOR(IQ4_NL)
 WIDE_ROW_FOR(NF4)
 WIDE_ROW_FOR(BNB_FP4)
 WIDE_ROW_FOR(MXFP4_F16)
+WIDE_ROW_FOR(NVFP4_F16)
 #endif
 
 /* The row dequantizer of gguf_dequantize_packed, which asks for bfloat16 rows only. */
@@ -1132,6 +1157,7 @@ static DequantizeFunction packed_dequantize_function(int type) {
     case NF4: return dequantize_wide_NF4;
     case BNB_FP4: return dequantize_wide_BNB_FP4;
     case MXFP4_F16: return dequantize_wide_MXFP4_F16;
+    case NVFP4_F16: return dequantize_wide_NVFP4_F16;
     default: break;
     }
 #endif
