@@ -106,8 +106,23 @@ static ALWAYS_INLINE int signed_quants(int type) { return type == Q8_0 || grid_q
 typedef struct {
     u8x32 q;
     float d, d_high, m;
+    f32x8 halves; /* NVFP4_F16: d in lanes 0-3, d_high in 4-7, as the int32 lanes of a product hold the halves */
     int offset;
 } Block32;
+
+/* The two f16 scales at p as {d, d, d, d, d_high, d_high, d_high, d_high}. */
+static ALWAYS_INLINE f32x8 half_scales(const uint8_t *p) {
+#if defined(__AVX2__) && defined(__F16C__)
+    /* one conversion of both and one permute (building it from two floats: one row ~30% slower, Sapphire Rapids) */
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
+    return (f32x8)_mm256_permutevar8x32_ps(_mm256_castps128_ps256(both), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+#else
+    const float d = half_to_float(p), d_high = half_to_float(p + 2);
+    return (f32x8){d, d, d, d, d_high, d_high, d_high, d_high};
+#endif
+}
 
 /* 16 bytes of nibbles -> 32 bytes: the low nibbles are weights 0-15, the high nibbles 16-31. */
 static ALWAYS_INLINE u8x32 nibbles_32(const uint8_t *p) {
@@ -199,6 +214,7 @@ static ALWAYS_INLINE Block32 unpack_32(const int type, const uint8_t *b) {
         break;
     case NVFP4_F16: /* f16 d, f16 d_high, 16 bytes of nibbles */
         u.d_high = half_to_float(b + 2);
+        u.halves = half_scales(b);
         u.q = grid_values(type, nibbles_32(b + 4));
         break;
     default: /* Q8_0: f16 d, 32 int8; w = d q */
@@ -434,9 +450,8 @@ static ALWAYS_INLINE void add_block_32(const int type, const Block32 *u, const A
     const i8x32 xq = load_i8x32(xb->qs);
     const i32x8 dot = signed_quants(type) ? dot_s8s8((i8x32)u->q, xq) : dot_u8s8(u->q, xq);
     /* lanes 0-3 hold weights 0-15's products, lanes 4-7 those of 16-31 */
-    const f32x8 scale = two_scales(type) ? (f32x8){u->d, u->d, u->d, u->d, u->d_high, u->d_high, u->d_high, u->d_high}
-                                         : splat_f32(u->d);
-    *acc = fmadd(to_f32(dot), scale * xb->d, *acc);
+    const f32x8 scale = two_scales(type) ? u->halves * xb->d : splat_f32(u->d * xb->d);
+    *acc = fmadd(to_f32(dot), scale, *acc);
     if (!signed_quants(type)) *side += (type == Q4_1 || type == Q5_1 ? u->m : -(float)u->offset * u->d) * xb->s;
 }
 
