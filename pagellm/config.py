@@ -41,10 +41,11 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2",
                    "int8_per_token_head")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's names for a checkpoint method's kernels (Marlin, the auto_* spellings, moe_wna16 for a mixture of experts'
-# AWQ / GPTQ experts, gpt-oss's MXFP4) -> the checkpoint methods each is taken for: such a checkpoint runs on
-# pagellm's kernels for its method.
+# AWQ / GPTQ experts, gpt-oss's MXFP4, ModelOpt's NVFP4) -> the checkpoint methods each is taken for: such a
+# checkpoint runs on pagellm's kernels for its method.
 QUANTIZATION_KERNEL_ALIASES = {"awq_marlin": ("awq",), "auto_awq": ("awq",), "gptq_marlin": ("gptq",),
-                               "auto_gptq": ("gptq",), "moe_wna16": ("awq", "gptq"), "gpt_oss_mxfp4": ("mxfp4",)}
+                               "auto_gptq": ("gptq",), "moe_wna16": ("awq", "gptq"), "gpt_oss_mxfp4": ("mxfp4",),
+                               "modelopt_fp4": ("modelopt",)}
 # vLLM's StructuredOutputsConfig fields and defaults. pagellm's grammars run on xgrammar ("auto" picks it);
 # disable_any_whitespace is read by the grammar code; the others select what pagellm has not and stay as they are.
 STRUCTURED_OUTPUTS_DEFAULTS = {

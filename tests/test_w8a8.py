@@ -182,7 +182,9 @@ def test_fbgemm_fp8_names_a_checkpoint_format_only(tiny_llama_dir):
 
 
 def test_modelopt_formats_pagellm_does_not_read_are_refused_naming_them():
-    for algo, words in (("NVFP4", "Blackwell"), ("W4A16_NVFP4", "NVFP4 weights"), ("INT4_AWQ", "unknown")):
+    # (NVFP4 and W4A16_NVFP4 are read: tests/test_nvfp4.py)
+    for algo, words in (("MXFP8", "MXFP8 export is not read"), ("MIXED_PRECISION", "mixed formats"),
+                        ("INT4_AWQ", "unknown")):
         with pytest.raises(ValueError, match=f"quant_algo '{algo}'.*{words}"):
             quantization_config_for({"quantization_config": {"quant_method": "modelopt", "quant_algo": algo}})
     with pytest.raises(ValueError, match="reads NVIDIA ModelOpt checkpoints"):
@@ -417,7 +419,7 @@ def test_compressed_tensors_layers_take_their_group_or_stay_dense():
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(format="nvfp4-pack-quantized"), "format 'nvfp4-pack-quantized'"),
+    (dict(format="mxfp4-pack-quantized"), "format 'mxfp4-pack-quantized'"),
     (dict(format="pack-quantized"), "8-bit weights with 8-bit int activations (W8A8)"),
     (dict(weights={"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}), "4-bit int weights"),
     (dict(weights={"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}), "asymmetric weights"),

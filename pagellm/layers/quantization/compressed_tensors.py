@@ -8,24 +8,34 @@
 - W4A16 / W8A16 ("pack-quantized"): 4- or 8-bit integer weights packed into int32, a scale per group of inputs
   or per channel, symmetric or with zero points, optionally "group" act order (weight_g_idx); activations stay
   float. They run on the AWQ/GPTQ kernels (compressed_tensors_wna16.py).
+- NVFP4A16 / NVFP4 ("nvfp4-pack-quantized"): 4-bit float (e2m1) weights in groups of 16 (strategy "tensor_group")
+  with float8_e4m3fn `weight_scale` and a per-tensor `weight_global_scale`, kept in 4 bits as the GGUF kernels'
+  NVFP4_F16 blocks (nvfp4.py); NVFP4's 4-bit activations are not quantized (activations stay in the model's dtype,
+  the `input_global_scale` passed over), as in the fp8 formats.
 
 The config (compressed_tensors.QuantizationConfig) maps `config_groups`, each with `targets` (module class names,
 of which linear layers answer to "Linear"; module names; or "re:" regular expressions matched from the start of
 the name), to a scheme of `weights` / `input_activations` QuantizationArgs (num_bits, type int/float, symmetric,
 strategy tensor/channel/group/block/token, dynamic); modules in `ignore` stay dense, and so does any module no
 group targets. A fused layer (qkv_proj, gate_up_proj) matches through its checkpoint modules, which must agree.
-Everything else (in the one-value-per-byte formats asymmetric or grouped weights and other widths than 8 bits; packs
-of other widths, of floats such as NVFP4, or with quantized activations; sparsity, KV cache schemes, transforms) is
-refused at load, naming what was found.
+Everything else (in the one-value-per-byte formats asymmetric or grouped weights and other widths than 8 bits; integer
+packs of other widths or with quantized activations; float packs other than NVFP4's, such as MXFP4, and NVFP4 with
+another group size or other activations; sparsity, KV cache schemes, transforms) is refused at load, naming what was
+found.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+import torch
 
 from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig, SkipsKVCacheScales
 from pagellm.layers.quantization.compressed_tensors_wna16 import CompressedTensorsWNA16Method
+from pagellm.layers.quantization.nvfp4 import (COMPRESSED_TENSORS, GROUP_SIZE, NVFP4LinearMethod, NVFP4Pieces,
+                                               kernels_in_use)
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import Fp8LinearMethod, Int8LinearMethod, checkpoint_module_names
 
@@ -33,11 +43,14 @@ from pagellm.layers.quantization.w8a8 import Fp8LinearMethod, Int8LinearMethod, 
 FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
 # Integer weights of fewer bits packed into int32 words.
 PACKED_FORMAT = "pack-quantized"
+# 4-bit floats (e2m1) two to a byte, a float8_e4m3fn scale per 16 and a global one per tensor.
+NVFP4_FORMAT = "nvfp4-pack-quantized"
 SUPPORTED = ("W8A8 int8 (symmetric per-channel or per-tensor weights; dynamic per-token or static per-tensor "
              "activations) and FP8 e4m3 (per-tensor, per-channel or block weights; any activations), in the "
              f"{', '.join(FORMATS)} formats; W4A16 and W8A16 (4- or 8-bit integer weights per group or channel, "
              f"symmetric or not, act order 'weight' or 'group'; no activation quantization) in the {PACKED_FORMAT} "
-             "format")
+             f"format; NVFP4A16 and NVFP4 (4-bit float weights in groups of {GROUP_SIZE}, activations run "
+             f"unquantized) in the {NVFP4_FORMAT} format")
 # compressed-tensors' ActivationOrdering and its aliases -> whether the checkpoint stores weight_g_idx.
 ACT_ORDERS = {None: False, False: False, "weight": False, "static": False, True: True, "group": True, "dynamic": True}
 
@@ -90,12 +103,14 @@ def _refuse(group: str, what: str) -> ValueError:
 def method_for(group: SchemeGroup) -> LinearMethod:
     """The linear method of a group's scheme, or a ValueError naming what pagellm does not run."""
     weights, activations = group.weights, group.input_activations
-    if group.format not in FORMATS + (PACKED_FORMAT,):
+    if group.format not in FORMATS + (PACKED_FORMAT, NVFP4_FORMAT):
         raise _refuse(group.name, f"format {group.format!r}")
     if weights is None:
         raise _refuse(group.name, "a scheme without weight quantization")
     if group.format == PACKED_FORMAT:
         return _wna16_method(group, weights, activations)
+    if group.format == NVFP4_FORMAT:
+        return _nvfp4_method(group, weights, activations)
     if weights.num_bits != 8 or weights.type not in ("int", "float"):
         raise _refuse(group.name, f"{weights.num_bits}-bit {weights.type} weights")
     if not weights.symmetric:
@@ -148,6 +163,22 @@ def _wna16_method(group: SchemeGroup, weights: QuantArgs, activations: QuantArgs
     return CompressedTensorsWNA16Method(weights.num_bits, group_size, weights.symmetric, group_act_order)
 
 
+def _nvfp4_method(group: SchemeGroup, weights: QuantArgs, activations: QuantArgs | None) -> LinearMethod:
+    if weights.type != "float" or weights.num_bits != 4:
+        raise _refuse(group.name, f"{weights.num_bits}-bit {weights.type} weights in the {NVFP4_FORMAT} format")
+    if weights.strategy != "tensor_group" or weights.group_size != GROUP_SIZE:
+        raise _refuse(group.name, f"NVFP4 weights with strategy {weights.strategy!r} and group_size="
+                                  f"{weights.group_size!r} (NVFP4 is 'tensor_group' of {GROUP_SIZE})")
+    if not weights.symmetric:
+        raise _refuse(group.name, "asymmetric NVFP4 weights (weight_zero_point)")
+    if weights.dynamic:
+        raise _refuse(group.name, f"dynamic={weights.dynamic!r} weight scales")
+    if activations is not None and (activations.type, activations.num_bits) != ("float", 4):
+        raise _refuse(group.name, f"NVFP4 weights with {activations.num_bits}-bit {activations.type} activations "
+                                  "(NVFP4A16 has none, NVFP4 4-bit floats)")
+    return NVFP4LinearMethod()
+
+
 def _fp8_method(group: SchemeGroup, weights: QuantArgs, activations: QuantArgs | None) -> LinearMethod:
     if weights.strategy not in ("channel", "tensor", "block"):
         raise _refuse(group.name, f"fp8 weights with strategy {weights.strategy!r}")
@@ -183,6 +214,10 @@ class CompressedTensorsConfig(SkipsKVCacheScales, QuantizationConfig):
         self.kv_cache_scheme = kv_cache_scheme
         self.methods = {group.name: method_for(group) for group in groups}
         self.dense = UnquantizedLinearMethod()
+        self.nvfp4_groups = {name for name, method in self.methods.items() if isinstance(method, NVFP4LinearMethod)}
+        w4a4 = any(group.input_activations is not None for group in groups if group.name in self.nvfp4_groups)
+        self.nvfp4 = NVFP4Pieces(COMPRESSED_TENSORS, self._stored_nvfp4, w4a4)
+        self._nvfp4_modules: dict[str, bool] = {}
 
     @classmethod
     def from_config(cls, config: dict) -> CompressedTensorsConfig:
@@ -240,18 +275,36 @@ class CompressedTensorsConfig(SkipsKVCacheScales, QuantizationConfig):
                              f"(ignored: {ignored}, groups: {sorted(map(str, groups))}); pagellm (as vLLM) needs "
                              "the fused shards quantized alike")
         group = groups.pop()
+        if group in self.nvfp4_groups:
+            self.nvfp4.serve(prefix)
         return self.dense if group is None else self.methods[group]
 
+    def _stored_nvfp4(self, module: str) -> bool:
+        """Whether the checkpoint stores module `module` in an NVFP4 group (a name, whatever layer takes it)."""
+        if module not in self._nvfp4_modules:
+            ignored = any(target_matches(entry, module) for entry in self.ignore)
+            self._nvfp4_modules[module] = not ignored and self._group_of(module) in self.nvfp4_groups
+        return self._nvfp4_modules[module]
+
+    def checkpoint_tensors(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
+        return self.nvfp4.checkpoint_tensors(weights) if self.nvfp4_groups else weights
+
     def describe(self) -> str:
-        parts = [f"{_describe_scheme(group)} for {', '.join(group.targets)}" for group in self.groups]
+        parts = [f"{_describe_scheme(group, self.methods[group.name])} for {', '.join(group.targets)}"
+                 for group in self.groups]
         ignore = f"; dense: {', '.join(self.ignore)}" if self.ignore else ""
         kv = "; the kv_cache_scheme's scales not used (pagellm's 8-bit KV caches scale per row)" \
             if self.kv_cache_scheme else ""
         return f"compressed-tensors ({'; '.join(parts)}{ignore}{kv})"
 
 
-def _describe_scheme(group: SchemeGroup) -> str:
+def _describe_scheme(group: SchemeGroup, method: LinearMethod) -> str:
     weights, activations = group.weights, group.input_activations
+    if isinstance(method, NVFP4LinearMethod):
+        acts = "no activation quantization" if activations is None else \
+            "4-bit float activations (run unquantized, in the model dtype)"
+        return (f"nvfp4 weights (e2m1 in groups of {GROUP_SIZE}, fp8 scales; kept as NVFP4_F16 blocks on the GGUF "
+                f"kernels: {kernels_in_use(method)}), {acts}")
     if group.format == PACKED_FORMAT:
         size = f" {weights.group_size}" if weights.strategy == "group" else ""
         zero = "symmetric" if weights.symmetric else "with zero points"
