@@ -22,6 +22,11 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
   the calibration prompts; tests/w8a8_checkpoints.py's write_modelopt);
 - `w4a16 (c-t)`: a compressed-tensors pack-quantized checkpoint of the export (4-bit, groups of 64, zero points, as
   llm-compressor writes it: tests/quant_checkpoints.py);
+- `nvfp4 (c-t)`, `nvfp4 (modelopt)`: the export in NVFP4 (e2m1 weights in groups of 16 with fp8 scales and a global
+  scale, rounded to nearest by compressed-tensors' own code: tests/nvfp4_checkpoints.py), as llm-compressor writes
+  NVFP4A16 and as ModelOpt exports NVFP4 (the same codes and scales); `nvfp4 (c-t), fp32` the former with float32
+  activations, beside `nvfp4 dequantized, fp32`, a float32 checkpoint of its weights as compressed-tensors
+  dequantizes them (what the kernels' roundings cost);
 - `bnb nf4`, `bnb 8-bit`: bitsandbytes checkpoints of the export as transformers saves a load_in_4bit model
   (NF4, blocks of 64, double quantization, as unsloth's -bnb-4bit models) and a load_in_8bit one (LLM.int8), written by
   tests/bnb_checkpoints.py; `bnb nf4 in flight`: the export with quantization="bitsandbytes";
@@ -116,6 +121,12 @@ FORMATS = [
     Format("fp8 (fbgemm)", "fbgemm-fp8"),
     Format("fp8 (modelopt)", "modelopt-fp8"),
     Format("w4a16 (c-t)", "ct-w4a16"),
+    Format("nvfp4 (c-t)", "ct-nvfp4"),
+    Format("nvfp4 (modelopt)", "modelopt-nvfp4"),
+    # What the blocks' kernels cost: the same checkpoint in float32, beside a float32 checkpoint of its weights as
+    # compressed-tensors dequantizes them.
+    Format("nvfp4 (c-t), fp32", "ct-nvfp4", "float32"),
+    Format("nvfp4 dequantized, fp32", "ct-nvfp4-dequantized", "float32"),
     Format("bnb nf4", "bnb-nf4"),
     Format("bnb 8-bit", "bnb-int8"),
     Format("bnb nf4 in flight", "hf", "auto", "bitsandbytes"),
@@ -222,6 +233,16 @@ def checkpoint(fmt: Format, workdir: Path, llama_python: str | None = None) -> s
             nested = load_file(str(ROOT / "tests" / "data" / "bnb_reference.safetensors"))
             write_bnb(hf, out / "quantized", 4, "nf4", 64, nested["nf4_b64_dq.weight.nested_quant_map"])
         return str(out / "quantized")
+    if fmt.source in ("ct-nvfp4", "modelopt-nvfp4", "ct-nvfp4-dequantized"):
+        from tests.nvfp4_checkpoints import compressed_checkpoint, write_checkpoint, write_float
+
+        shutil.rmtree(out, ignore_errors=True)
+        modules, dequantized = compressed_checkpoint(str(hf))
+        if fmt.source == "ct-nvfp4-dequantized":
+            return write_float(str(hf), out / "quantized", dequantized)
+        flavour = "compressed-tensors" if fmt.source == "ct-nvfp4" else "modelopt"
+        return write_checkpoint(str(hf), out / "quantized", modules, flavour,
+                                "NVFP4A16" if flavour == "compressed-tensors" else "NVFP4")
     if fmt.source in ("ct-int8", "ct-fp8"):
         from tests.w8a8_checkpoints import write_quantized as write_w8a8
 

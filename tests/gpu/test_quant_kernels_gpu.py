@@ -98,6 +98,10 @@ def quantized_dirs(gpu_tiny_dir, module_tmp_path_factory):
         dirs[name] = str(root / name)
     dirs["w8a8"] = write_w8a8(gpu_tiny_dir, root / "w8a8", "int8-channel-dynamic")[0]
     dirs["fp8"] = write_w8a8(gpu_tiny_dir, root / "fp8", "fp8-channel-dynamic")[0]
+    from tests.nvfp4_checkpoints import compressed_checkpoint, write_checkpoint
+
+    modules, _ = compressed_checkpoint(gpu_tiny_dir)
+    dirs["nvfp4"] = write_checkpoint(gpu_tiny_dir, root / "nvfp4", modules, "compressed-tensors", "NVFP4A16")
     return dirs
 
 
@@ -118,7 +122,7 @@ def _check_cpu_and_cuda_agree(path: str, **engine) -> None:
     assert agree >= 3, (tokens["cpu"], tokens["cuda"])
 
 
-@pytest.mark.parametrize("name", ["awq", "gptq", "w4a16", "w8a8", "fp8"])
+@pytest.mark.parametrize("name", ["awq", "gptq", "w4a16", "w8a8", "fp8", "nvfp4"])
 def test_quantized_checkpoints_give_the_cpu_engine_s_tokens_on_cuda(quantized_dirs, name):
     _check_cpu_and_cuda_agree(quantized_dirs[name])
 
