@@ -32,9 +32,9 @@ Formats, all of the default model (SmolLM2-135M-Instruct) unless named:
   tests/bnb_checkpoints.py; `bnb nf4 in flight`: the export with quantization="bitsandbytes";
 - `hqq 4-bit`: an HQQ checkpoint of the export (4-bit, groups of 64, rounded to nearest with integer zeros:
   tests/hqq_checkpoints.py);
-- `fp8 (pagellm quantize)`, `w4a16 (pagellm quantize)`: the export written by `pagellm quantize` (GPTQ over its
-  default calibration, 64 samples of 256 tokens the model writes itself; FP8_DYNAMIC, and W4A16_ASYM in groups of
-  64, the grid of `w4a16 (c-t)` rounded to nearest);
+- `fp8 (pagellm quantize)`, `w4a16 (pagellm quantize)`, `nvfp4 (pagellm quantize)`: the export written by `pagellm
+  quantize` (GPTQ over its default calibration, 64 samples of 256 tokens the model writes itself; FP8_DYNAMIC,
+  W4A16_ASYM in groups of 64, the grid of `w4a16 (c-t)` rounded to nearest, and NVFP4A16, the grid of `nvfp4 (c-t)`);
 - `gemma3 Q4_K_M` (with --gemma): the real Gemma 3 270M Q4_K_M GGUF, for memory against a mixed K-quant file;
 - `llama 1B Q4_1 (synthetic)`: a Llama-3.2-1B-shaped GGUF of random Q4_1 blocks with the default model's tokenizer
   (benchmarks/synthetic_gguf.py), for memory at a size where the fixed costs (tokenizer, sampler workspace, code)
@@ -133,6 +133,7 @@ FORMATS = [
     Format("hqq 4-bit", "hqq4"),
     Format("fp8 (pagellm quantize)", "gptq-FP8_DYNAMIC"),
     Format("w4a16 (pagellm quantize)", "gptq-W4A16_ASYM"),
+    Format("nvfp4 (pagellm quantize)", "gptq-NVFP4A16"),
     Format("gemma3 Q4_K_M", "gemma"),
     Format("llama 1B Q4_1 (synthetic)", "synthetic"),
 ]

@@ -142,3 +142,15 @@ def torch_ops_only(monkeypatch):
     yield
     monkeypatch.delenv("PAGELLM_NATIVE_KERNELS")
     cpu_build.native_library.cache_clear()
+
+
+@pytest.fixture
+def dequantized_tiles(monkeypatch):
+    """The GGUF kernels multiply on dequantized weight tiles (a float32 GEMM) at every row count: products equal to
+    the dequantized blocks' up to summation order, where their int8 products (activations rounded per 32) can flip
+    a near-tied greedy token of a tiny random model."""
+    from pagellm.ops import gguf_kernels as gk
+
+    for isa in gk.DENSE_MIN_ROWS:
+        monkeypatch.setitem(gk.DENSE_MIN_ROWS, isa, dict.fromkeys(gk.KERNEL_TYPES, 1))
+    monkeypatch.setattr(gk.GGUFKernels, "tile_threshold", lambda self, type_name, dtype: None)

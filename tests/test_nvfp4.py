@@ -263,15 +263,6 @@ def reference(checkpoints, default_tokenizer) -> list[tuple[list[int], list[dict
     return [hf_greedy_with_top_logprobs(model, default_tokenizer.encode(p), MAX_TOKENS, 5) for p in CASE_PROMPTS]
 
 
-@pytest.fixture
-def dequantized_tiles(monkeypatch):
-    """The GGUF kernels multiply on dequantized weight tiles (a float32 GEMM) at every row count: products equal to
-    the dequantized blocks' up to summation order."""
-    for isa in gk.DENSE_MIN_ROWS:
-        monkeypatch.setitem(gk.DENSE_MIN_ROWS, isa, dict.fromkeys(gk.KERNEL_TYPES, 1))
-    monkeypatch.setattr(gk.GGUFKernels, "tile_threshold", lambda self, type_name, dtype: None)
-
-
 def _outputs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[dict]]]:
     return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
             for o in llm.generate(prompts, GREEDY, use_tqdm=False)]

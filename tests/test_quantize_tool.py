@@ -20,7 +20,10 @@ GRIDS = {
     "int8 per channel": WeightGrid("int", 8, None),
     "int4 groups of 32, bfloat16 scales": WeightGrid("int", 4, 32, torch.bfloat16),
     "int4 groups of 32, zero points": WeightGrid("int", 4, 32, torch.float16, symmetric=False),
+    # _weight()'s largest |w| is ~4.3: a global scale of 2688 / 5 leaves its groups' fp8 scales room
+    "nvfp4": WeightGrid("nvfp4", 4, 16, global_scale=2688 / 5),
 }
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
 CALIBRATION_TEXT = " ".join(PROMPTS) * 4
 
 
@@ -58,7 +61,11 @@ def test_codes_lie_on_the_grid_and_scales_are_stored_exactly(grid):
     rounded = gptq(weight, inputs.T @ inputs, grid)
     assert rounded.scales.shape == (48, 256 // (grid.group_size or 256))
     assert torch.equal(rounded.scales.to(grid.scale_dtype).float(), rounded.scales)
-    if grid.kind == "float":
+    if grid.kind == "nvfp4":  # e2m1 codes; each scale an fp8 value over the global scale
+        assert torch.isin(rounded.codes.abs(), E2M1).all()
+        fp8 = rounded.scales * grid.global_scale
+        assert torch.equal((fp8.to(torch.float8_e4m3fn).float() / torch.tensor(grid.global_scale)), rounded.scales)
+    elif grid.kind == "float":
         assert torch.equal(rounded.codes.to(torch.float8_e4m3fn).float(), rounded.codes)
         assert rounded.codes.abs().max() <= FP8_MAX
     else:
@@ -105,15 +112,39 @@ def test_compressed_tensors_decompresses_each_scheme_to_our_rounding(scheme):
     from compressed_tensors.quantization import QuantizationConfig
 
     chosen = oneshot.SCHEMES[scheme]
-    grid = WeightGrid(chosen.kind, chosen.bits, chosen.group_size and 32, torch.bfloat16, chosen.symmetric)
+    nvfp4 = chosen.kind == "nvfp4"
+    grid = WeightGrid(chosen.kind, chosen.bits, 16 if nvfp4 else chosen.group_size and 32, torch.bfloat16,
+                      chosen.symmetric)
+    grid = grid.with_global_scale([_weight()]) if nvfp4 else grid
     inputs = _correlated_inputs(256)
     rounded = gptq(_weight(), inputs.T @ inputs, grid)
     config = oneshot.compressed_tensors_config(chosen, grid, ["lm_head"])
     parsed = QuantizationConfig.model_validate(config).config_groups["group_0"]
     state = oneshot.module_tensors(rounded, chosen)
     state["weight_scale"] = state["weight_scale"].float()  # the package multiplies in the scales' dtype
-    decompressed = BaseCompressor.get_value_from_registry(config["format"]).decompress(state, parsed)["weight"]
+    if nvfp4:  # its decompressor rounds into bfloat16: the dequantization itself, in float32
+        from tests.nvfp4_checkpoints import decompress
+        decompressed = decompress(state)
+    else:
+        decompressed = BaseCompressor.get_value_from_registry(config["format"]).decompress(state, parsed)["weight"]
     assert torch.equal(decompressed.float(), rounded.dequantize())
+
+
+def test_nvfp4_rounded_to_nearest_is_compressed_tensors_own_quantization_bit_for_bit():
+    """The codes, fp8 scales and global scale compressed-tensors' NVFP4 observer and compressor write for the same
+    weight (an all-zero group, a row of a wider range, ties included), byte for byte."""
+    pytest.importorskip("compressed_tensors")
+    from tests.nvfp4_checkpoints import compress
+
+    weight = _weight() * 0.05
+    weight[0, :16] = 0
+    weight[1] *= 40
+    weight[2, :8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25]) * weight[2].abs().max() / 6
+    grid = WeightGrid("nvfp4", 4, 16).with_global_scale([weight])
+    ours, theirs = oneshot.nvfp4_tensors(round_to_nearest(weight, grid)), compress(weight)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name].view(torch.uint8), tensor.reshape(ours[name].shape).view(torch.uint8)), name
 
 
 def _decompressed(path: str) -> dict[str, torch.Tensor]:
@@ -150,11 +181,14 @@ def _hf_on(path: str, weights: dict[str, torch.Tensor], source: str):
     ("W4A16", 32, ["lm_head"]),
     ("W4A16_ASYM", 32, ["lm_head"]),
     ("FP8_DYNAMIC", None, ["lm_head", "re:.*mlp.down_proj$"]),  # a mixed checkpoint: whole names in `ignore`
+    ("NVFP4A16", None, ["lm_head"]),
 ])
 def test_pagellm_serves_its_checkpoints_as_transformers_runs_their_weights(tmp_path, tiny_llama_dir,
                                                                            default_tokenizer, scheme, group_size,
-                                                                           ignore):
+                                                                           ignore, request):
     pytest.importorskip("compressed_tensors")
+    if scheme == "NVFP4A16":  # its GGUF kernels' int8 products are checked in tests/test_nvfp4.py
+        request.getfixturevalue("dequantized_tiles")
     path = _write(tmp_path, tiny_llama_dir, scheme, group_size=group_size, ignore=ignore)
     weights = _decompressed(path)
     dense = [f"model.layers.{i}.mlp.down_proj" for i in range(3)] if len(ignore) > 1 else []
@@ -169,6 +203,23 @@ def test_pagellm_serves_its_checkpoints_as_transformers_runs_their_weights(tmp_p
     for prompt, output in zip(prompts, outputs):
         expected = hf_greedy(reference, default_tokenizer, default_tokenizer(prompt).input_ids, 8, ignore_eos=True)
         assert output.outputs[0].token_ids == expected, prompt
+
+
+def test_nvfp4_fused_shards_share_one_global_scale(tmp_path, tiny_llama_dir):
+    """q/k/v and gate/up get the smallest of their global scales (llm-compressor's, so that a fused layer loads
+    with one); o_proj and down_proj keep their own."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{_write(tmp_path, tiny_llama_dir, 'NVFP4A16', method='rtn')}/model.safetensors")
+    source = load_file(f"{tiny_llama_dir}/model.safetensors")
+    for layer in range(3):
+        for shards in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
+                       ("self_attn.o_proj",), ("mlp.down_proj",)):
+            names = [f"model.layers.{layer}.{shard}" for shard in shards]
+            largest = max(source[f"{name}.weight"].abs().max() for name in names)
+            expected = torch.tensor([448 * 6], dtype=torch.float32) / largest
+            for name in names:
+                assert torch.equal(tensors[f"{name}.weight_global_scale"], expected), name
 
 
 def test_the_model_writes_its_own_calibration_samples(tiny_llama_dir, default_tokenizer):

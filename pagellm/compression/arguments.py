@@ -12,7 +12,7 @@ class Scheme:
     format the weights are stored in."""
 
     name: str
-    kind: str  # "int" or "float"
+    kind: str  # "int", "float" (fp8 e4m3) or "nvfp4" (e2m1 in groups of 16, fp8 scales, a global scale)
     bits: int
     group_size: int | None
     activations: bool  # dynamic per-token activations of the weights' type (W8A8); False: weight-only
@@ -26,6 +26,7 @@ SCHEMES = {s.name: s for s in (
     Scheme("W4A16", "int", 4, 128, False, "pack-quantized"),
     Scheme("W4A16_ASYM", "int", 4, 128, False, "pack-quantized", symmetric=False),
     Scheme("W8A16", "int", 8, None, False, "pack-quantized"),
+    Scheme("NVFP4A16", "nvfp4", 4, 16, False, "nvfp4-pack-quantized"),
 )}
 METHODS = ("gptq", "rtn")
 
@@ -56,7 +57,7 @@ class QuantizeArgs:
                                  ("block_size", self.block_size, 1), ("batch_size", self.batch_size, 1)):
             if value < low:
                 raise ValueError(f"{name}={value} must be at least {low}")
-        if self.group_size is not None and (self.group_size < 1 or SCHEMES[self.scheme].kind == "float"):
+        if self.group_size is not None and (self.group_size < 1 or SCHEMES[self.scheme].kind != "int"):
             raise ValueError(f"group_size={self.group_size} must be a positive number of inputs, on an int scheme")
         if not 0 <= self.dampening_frac < 1:
             raise ValueError(f"dampening_frac={self.dampening_frac} must lie in [0, 1)")

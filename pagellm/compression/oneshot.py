@@ -186,12 +186,13 @@ def quantize_model(model: torch.nn.Module, grid: WeightGrid, args: QuantizeArgs,
         linears = {names[m]: m for m in layer.modules()
                    if isinstance(m, torch.nn.Linear) and not _ignored(names[m], args.ignore)}
         hessians = _layer_hessians(layer, index, linears, calls) if calls is not None and linears else {}
+        grids = _nvfp4_grids(grid, linears) if grid.kind == "nvfp4" else dict.fromkeys(linears, grid)
         for name, module in linears.items():
             weight = module.weight.data
             if name in hessians:
-                result = gptq(weight, hessians.pop(name), grid, args.dampening_frac, args.block_size)
+                result = gptq(weight, hessians.pop(name), grids[name], args.dampening_frac, args.block_size)
             else:
-                result = round_to_nearest(weight, grid)
+                result = round_to_nearest(weight, grids[name])
             module.weight.data = result.dequantize().to(weight.dtype)
             rounded[name] = result
         if calls is not None:
@@ -200,6 +201,25 @@ def quantize_model(model: torch.nn.Module, grid: WeightGrid, args: QuantizeArgs,
     if not rounded:
         raise ValueError("no linear layer is left to quantize (all ignored?)")
     return rounded
+
+
+# Layers a fused kernel reads as one (vLLM's qkv_proj and gate_up_proj): llm-compressor gives their NVFP4 weights
+# one global scale, the smallest of theirs, so that checkpoints load where a fused layer takes one.
+FUSED_SHARDS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _nvfp4_grids(grid: WeightGrid, linears: dict[str, torch.nn.Linear]) -> dict[str, WeightGrid]:
+    """Each layer's NVFP4 grid, its global scale shared with the shards it is fused with."""
+    groups: dict[str, list[str]] = {}
+    for name in linears:
+        parent, _, last = name.rpartition(".")
+        fused = next((shards for shards in FUSED_SHARDS if last in shards), None)
+        groups.setdefault(f"{parent}.{fused}" if fused else name, []).append(name)
+    grids = {}
+    for members in groups.values():
+        shared = grid.with_global_scale([linears[name].weight.data for name in members])
+        grids.update(dict.fromkeys(members, shared))
+    return grids
 
 
 @dataclass
@@ -307,6 +327,10 @@ def compressed_tensors_config(scheme: Scheme, grid: WeightGrid, ignore: list[str
                 "observer_kwargs": {}}
 
     weights = args("group" if grid.group_size else "channel", grid.group_size, False, scheme.symmetric)
+    if scheme.kind == "nvfp4":  # compressed-tensors' NVFP4A16 preset
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": grid.group_size,
+                   "strategy": "tensor_group", "dynamic": False, "scale_dtype": "torch.float8_e4m3fn",
+                   "observer": "minmax", "observer_kwargs": {}}
     activations = args("token", None, True) if scheme.activations else None
     return {"quant_method": "compressed-tensors", "format": scheme.format, "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
@@ -318,6 +342,8 @@ def compressed_tensors_config(scheme: Scheme, grid: WeightGrid, ignore: list[str
 
 def module_tensors(rounded: RoundedWeight, scheme: Scheme) -> dict[str, torch.Tensor]:
     """One module's tensors in the scheme's format (suffix -> tensor)."""
+    if scheme.kind == "nvfp4":
+        return nvfp4_tensors(rounded)
     scales = rounded.scales.to(rounded.grid.scale_dtype)
     if scheme.format == "pack-quantized":
         # compressed-tensors' pack_to_int32: signed codes + 2^(bits - 1), the first value of a word in its low bits;
@@ -331,6 +357,24 @@ def module_tensors(rounded: RoundedWeight, scheme: Scheme) -> dict[str, torch.Te
         return tensors
     dtype = torch.float8_e4m3fn if scheme.kind == "float" else torch.int8
     return {"weight": rounded.codes.to(dtype), "weight_scale": scales}
+
+
+E2M1_CODES = {0.0: 0, 0.5: 1, 1.0: 2, 1.5: 3, 2.0: 4, 3.0: 5, 4.0: 6, 6.0: 7}
+
+
+def nvfp4_tensors(rounded: RoundedWeight) -> dict[str, torch.Tensor]:
+    """An NVFP4 weight as compressed-tensors' nvfp4-pack-quantized stores it: e2m1 codes two to a byte (weight 2i
+    in the low nibble, the sign in bit 3), each group's fp8 scale (the grid's scale times the global scale, which
+    gives back the fp8 value it was divided from: float32 holds the quotient to 2^-24, fp8 steps are 2^-3) and the
+    global scale."""
+    global_scale = rounded.grid.global_scale
+    magnitude = torch.zeros_like(rounded.codes, dtype=torch.uint8)
+    for value, code in E2M1_CODES.items():
+        magnitude[rounded.codes.abs() == value] = code
+    codes = magnitude | (torch.signbit(rounded.codes).to(torch.uint8) << 3)  # -0 too, as compressed-tensors packs it
+    return {"weight_packed": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),
+            "weight_scale": (rounded.scales * global_scale).to(torch.float8_e4m3fn),
+            "weight_global_scale": torch.tensor([global_scale], dtype=torch.float32)}
 
 
 def _source_tensors(source: Path) -> dict[str, torch.Tensor]:

@@ -60,7 +60,8 @@ def _add_quantize_arguments(parser) -> None:
     parser.add_argument("--scheme", choices=sorted(SCHEMES), default=defaults.scheme,
                         help="FP8_DYNAMIC: fp8 weights per channel, fp8 activations per token; W8A8: the same in "
                              "int8; W4A16 / W4A16_ASYM / W8A16: weight-only int4 in groups of 128 (ASYM: with zero "
-                             f"points) / int8 per channel (default: {defaults.scheme})")
+                             "points) / int8 per channel; NVFP4A16: weight-only e2m1 in groups of 16 with fp8 scales "
+                             f"and a global scale per tensor (default: {defaults.scheme})")
     parser.add_argument("--method", choices=METHODS, default=defaults.method,
                         help=f"gptq: error-compensating rounding over calibration text; rtn: round to nearest, no "
                              f"calibration (default: {defaults.method})")
