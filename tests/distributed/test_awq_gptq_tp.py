@@ -1,6 +1,7 @@
 """A quantized checkpoint on two tensor-parallel ranks gives one rank's tokens: AWQ (row-parallel ranks hold their
 own groups), GPTQ with desc_act (row-parallel ranks hold every group's scales, their inputs' g_idx slice) and
-bitsandbytes NF4 (each rank whole 32-weight blocks of its rows and inputs; vLLM refuses this one)."""
+bitsandbytes NF4 (each rank whole 32-weight blocks of its rows and inputs; vLLM refuses this one) and NVFP4
+(NVFP4_F16 blocks, the same)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ def test_tp2_equals_tp1(spec, tmp_path, tiny_4kv_dir):
 def test_bitsandbytes_nf4_tp2_equals_tp1(tmp_path, tiny_4kv_dir):
     write_bnb(tiny_4kv_dir, tmp_path / "bnb", 4, "nf4", 64)
     _check_tp2_equals_tp1(str(tmp_path / "bnb"))
+
+
+@pytest.mark.parametrize("flavour, variant", [("compressed-tensors", "NVFP4A16"), ("modelopt", "NVFP4")])
+def test_nvfp4_tp2_equals_tp1(flavour, variant, tmp_path, tiny_4kv_dir):
+    from tests.nvfp4_checkpoints import compressed_checkpoint, write_checkpoint
+
+    modules, _ = compressed_checkpoint(tiny_4kv_dir)
+    _check_tp2_equals_tp1(write_checkpoint(tiny_4kv_dir, tmp_path / "nvfp4", modules, flavour, variant))
 
 
 def _check_tp2_equals_tp1(model: str) -> None:
