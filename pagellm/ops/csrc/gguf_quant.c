@@ -1123,9 +1123,36 @@ static void interleave_16_rows(const uint16_t *rows, int64_t pairs, uint16_t *ou
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
+/* A grid type's 16 values as floats. */
+static ALWAYS_INLINE __m512 grid_floats(const int type) {
+    return type == NF4                              ? (__m512){NF4_GRID}
+           : type == BNB_FP4                        ? (__m512){BNB_FP4_GRID}
+           : type == MXFP4_F16 || type == NVFP4_F16 ? (__m512){MXFP4_GRID}
+                                                    : (__m512){IQ4_NL_GRID};
+}
+
+/* A grid type's block: its 16 values times the scale (32 for NVFP4_F16: times each half's), rounded to bfloat16
+ * once each, and every weight picked from them by its nibble (one VPERMW): the same float32 product and rounding
+ * per weight as the widening below, in a third fewer instructions. */
+static ALWAYS_INLINE __m512i grid_block_bf16(const int type, const uint8_t *block) {
+    const int head = two_scales(type) ? 4 : 2;
+    const float d = half_to_float(block), d_high = two_scales(type) ? half_to_float(block + 2) : d;
+    const __m512 grid = grid_floats(type);
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(grid * d_high, grid * d); /* [16 low-half | 16 high-half] */
+    __m512i index = _mm512_cvtepu8_epi16((__m256i)nibbles_32(block + head));
+    if (two_scales(type)) /* weights 16-31 take the table's second half */
+        index = _mm512_or_si512(index, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1));
+    return _mm512_permutexvar_epi16(index, table);
+}
+
 static ALWAYS_INLINE void dequantize_row_32_bf16(const int type, const uint8_t *w, int64_t in_features,
                                                  uint16_t *out) {
     const int bytes = block_bytes(type);
+    if (grid_quants(type)) {
+        for (int64_t b = 0; b < in_features / QK; ++b)
+            _mm512_storeu_si512(out + b * QK, grid_block_bf16(type, w + b * bytes));
+        return;
+    }
     for (int64_t b = 0; b < in_features / QK; ++b) {
         const Block32 u = unpack_32(type, w + b * bytes);
         const __m256i q = (__m256i)u.q;
