@@ -6,11 +6,13 @@ features, 8 per token, 16 query / 2 KV heads of 64, `--layers` layers), with ran
 bfloat16 checkpoint, then in each format by the test suite's reference quantizers (tests/quant_checkpoints.py,
 tests/w8a8_checkpoints.py: the formats' documented layouts): GPTQ and AWQ 4-bit in groups of 128,
 compressed-tensors int8 W8A8 per channel, fp8 with DeepSeek-V3's 128 x 128 blocks, online int8 / fp8 of the
-bfloat16 checkpoint, and vLLM's experts_int8 (the experts alone, int8 weights per channel, bf16 activations).
+bfloat16 checkpoint, vLLM's experts_int8 (the experts alone, int8 weights per channel, bf16 activations) and
+llm-compressor's NVFP4A16 (tests/nvfp4_checkpoints.py, compressed-tensors' own NVFP4 code).
 bfloat16 runs its experts on the fused native kernel (ops/cpu_moe.py); every quantized format runs each expert as
 two linear layers of its format (ExpertLinearsMoEMethod): one product per used expert, or one C call for all of a
 decode step's experts (wna16_matmul_experts for the group-quantized formats, w8a8_int8_linear_experts /
-w8a8_fp8_linear_experts for int8 W8A8 and fp8).
+w8a8_fp8_linear_experts for int8 W8A8 and fp8; NVFP4's experts, on the GGUF kernels, one product per used
+expert).
 
 Every engine is loaded first, then the rounds run them interleaved (`--repeats`, best kept): one decode step of
 `--batch` sequences (median of `--steps`), and the prefill step of one `--prompt-len`-token prompt; the time inside
@@ -37,7 +39,7 @@ from benchmarks.moe import SHAPES, Bench, add_step_arguments, configs, interleav
 
 # name -> how its checkpoint is made from the bfloat16 one, and what LLM() is given
 FORMATS = ("bf16", "gptq-4bit-g128", "awq-4bit-g128", "int8 W8A8 (c-t)", "fp8 block 128 (DeepSeek-V3)",
-           "int8 online", "fp8 online", "experts_int8")
+           "int8 online", "fp8 online", "experts_int8", "nvfp4 (c-t)")
 
 
 def float_checkpoint(root: Path, args, tokenizer) -> str:
@@ -68,6 +70,11 @@ def format_checkpoint(fmt: str, float_dir: str, root: Path) -> tuple[str, dict]:
         return str(out / "quantized"), {}
     if fmt.startswith("int8"):
         return write_8bit(float_dir, out, "int8-channel-dynamic")[0], {}
+    if fmt.startswith("nvfp4"):
+        from tests.nvfp4_checkpoints import compressed_checkpoint, write_checkpoint
+
+        modules, _ = compressed_checkpoint(float_dir)
+        return write_checkpoint(float_dir, out / "quantized", modules, "compressed-tensors", "NVFP4A16"), {}
     return write_8bit(float_dir, out, "fp8-block-128", fmt="fp8")[0], {}
 
 

@@ -515,3 +515,32 @@ def test_every_isa_compiles(tmp_path):
     for name, job in jobs:
         _, errors = job.communicate(timeout=120)
         assert job.returncode == 0, f"{name}: {errors}"
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "IQ4_NL", "NVFP4_F16", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_steps_experts_in_one_call_are_each_experts_own_product(isa, name, dtype):
+    """gguf_matmul_experts: every expert's rows (1 to 7, in an order other than the experts') give the bits that
+    expert's own product gives them; a step with an expert's rows for the tiles or the dense path is not taken."""
+    kernels = _kernels(isa)
+    in_features = IN_FEATURES[name]
+    products = [kernels.prepare(random_weight(name, OUT_FEATURES, in_features, seed=e), name, OUT_FEATURES,
+                                in_features) for e in range(6)]
+    together = gk.GGUFExpertsProduct.of(products)
+    experts, sizes = [4, 0, 5, 2], [3, 1, 7, 2]
+    assert together.takes(sizes, dtype)
+    rows = torch.randn(sum(sizes), in_features, generator=torch.Generator().manual_seed(5)).to(dtype)
+    out = torch.full((sum(sizes), OUT_FEATURES), float("nan"), dtype=dtype)
+    together(experts, sizes, rows, out)
+    start = 0
+    for expert, size in zip(experts, sizes):
+        expected = products[expert](rows[start:start + size])
+        assert torch.equal(out[start:start + size], expected), (expert, size)
+        start += size
+    limit = together.rows_below[dtype]
+    assert limit <= (kernels.tile_min_rows.get(name) or limit)
+    if limit != float("inf"):
+        assert not together.takes([1, int(limit)], dtype)
+    assert gk.GGUFExpertsProduct.of(products[:2] + [kernels.prepare(random_weight("Q4_0", OUT_FEATURES, 256), "Q4_0",
+                                                                       OUT_FEATURES, 256)]) is None

@@ -23,7 +23,7 @@ import transformers
 
 from pagellm import LLM, SamplingParams
 from pagellm.distributed.parallel_state import TensorParallelGroup, building_with
-from pagellm.layers.fused_moe import FusedMoE, Routing
+from pagellm.layers.fused_moe import FusedMoE, Routing, grouped_experts
 from pagellm.layers.quantization.gguf import GGUFConfig, GGUFWeight
 from pagellm.models import gguf_quants
 from pagellm.models.gguf_loader import load_gguf, open_gguf
@@ -471,6 +471,24 @@ def test_experts_multiply_on_their_blocks(kernels, type_name):
     tolerance = 3e-2 if kernels == "c" else 1e-5
     out = layer(x, logits).double()
     assert (out - expected).norm() <= tolerance * expected.norm()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_0"])
+def test_a_decode_steps_experts_in_one_call_give_each_experts_own_products(type_name):
+    """On the C kernels a decode-sized step runs each projection's experts in one gguf_matmul_experts call: the
+    same bits as the products expert by expert."""
+    ops = gk.gguf_kernels()
+    if ops is None:
+        pytest.skip("the GGUF C kernels cannot be built here")
+    experts, _, _ = _random_experts(type_name, 1)
+    layer = _gguf_moe(ops, experts)
+    method = layer.quant_method
+    assert method._one_call(layer.gguf_experts.gate_up[0], HIDDEN) is not None
+    x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(4))
+    weights, ids = layer.select_experts(torch.randn(6, EXPERTS, generator=torch.Generator().manual_seed(5)))
+    one_by_one = grouped_experts(x, weights, ids, EXPERTS, method._gate_up(layer.gguf_experts, HIDDEN),
+                                 method._down(layer.gguf_experts, INTERMEDIATE), 2 * INTERMEDIATE, layer.act_fn)
+    assert torch.equal(method.apply(layer, x, weights, ids), one_by_one)
 
 
 @pytest.mark.parametrize("kernels", ["c", "triton"])

@@ -50,6 +50,7 @@ from pagellm.layers.quantization.unquantized import Unquantized
 from pagellm.layers.weights import copy_checked, set_weight_attrs
 from pagellm.ops.cpu_moe import CpuMoEKernel, cpu_moe_kernel
 from pagellm.ops.dense_linear import DenseKernel, UpcastScratch, choose_dense_kernel
+from pagellm.ops.gguf_kernels import GGUFExpertsProduct
 from pagellm.ops.linear_bf16 import LinearBF16, linear_bf16
 from pagellm.ops.w8a8_kernels import ExpertsFp8Product, ExpertsInt8Product, NativeFp8Linear, NativeInt8Linear
 from pagellm.ops.wna16 import CpuGroupQuant, ExpertsPackedProduct
@@ -430,6 +431,11 @@ def _experts_product(linears: nn.ModuleList) -> ExpertsProduct:
     products = (together.expert_products() if isinstance(together, ExpertsPackedProduct)
                 else [_expert_product(linear) for linear in linears])
     one_by_one = one_at_a_time(lambda expert, rows, out: out.copy_(products[expert](rows)))
+    return one_call_or_each(together, one_by_one)
+
+
+def one_call_or_each(together, one_by_one: ExpertsProduct) -> ExpertsProduct:
+    """`together` (a C call for all of a step's experts, or None) for the steps it takes, else `one_by_one`."""
     if together is None:
         return one_by_one
 
@@ -445,14 +451,15 @@ def _experts_product(linears: nn.ModuleList) -> ExpertsProduct:
 
 def _one_call_for_experts(kernels: list[object]):
     """The C call running every expert of a projection at once for the experts' kernels (group-quantized 4/8-bit
-    on the packed path, int8 W8A8, fp8), or None where their kernels have none (other devices, formats)."""
+    on the packed path, int8 W8A8, fp8, the GGUF kernels' blocks: NVFP4, NF4), or None where their kernels have
+    none (other devices, formats)."""
     if all(isinstance(kernel, CpuGroupQuant) and len(kernel.layouts) == 1 for kernel in kernels):
         return ExpertsPackedProduct(kernels[0].kernels, [kernel.layouts[0][1] for kernel in kernels])
     if all(type(kernel) is NativeInt8Linear for kernel in kernels):
         return ExpertsInt8Product(kernels)
     if all(type(kernel) is NativeFp8Linear for kernel in kernels):
         return ExpertsFp8Product(kernels)
-    return None
+    return GGUFExpertsProduct.of(kernels)
 
 
 def _takes_native_experts(layer: FusedMoE) -> bool:

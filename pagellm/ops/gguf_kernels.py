@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import logging
 import os
 import pathlib
@@ -275,6 +276,9 @@ class GGUFKernels:
         self._matmul = library.gguf_matmul
         self._matmul.restype = _INT
         self._matmul.argtypes = [_INT, _PTR, _PTR, _INT, _I64, _I64, _I64, _PTR, _INT]
+        self._matmul_experts = library.gguf_matmul_experts
+        self._matmul_experts.restype = _INT
+        self._matmul_experts.argtypes = [_INT, _PTR, _PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _PTR, _INT]
         self._dequantize = library.gguf_dequantize_rows
         self._dequantize.restype = _INT
         self._dequantize.argtypes = [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT]
@@ -447,6 +451,53 @@ class GGUFKernels:
                             int(kernel_dtype == torch.bfloat16)):
             raise ValueError(f"gguf_dequantize_rows refused {type_name} with in_features={in_features}")
         return out.to(dtype)
+
+
+class GGUFExpertsProduct:
+    """One projection of a mixture-of-experts layer's experts (their PreparedProducts: one library, type and
+    shape) in one gguf_matmul_experts call per step: each expert's rows on the int8 row kernels, as each
+    expert's own product computes them (the same bits), with one call and one fork of the threads for all.
+    A step where an expert has rows for the dense path or the 512-bit tiles goes expert by expert instead
+    (`takes`)."""
+
+    def __init__(self, products: list[PreparedProduct]) -> None:
+        first = products[0]
+        self.kernels, self.type_id = first.kernels, first.type_id
+        self.in_features, self.out_features = first.in_features, first.out_features
+        self.products = products
+        self.table = (ctypes.c_void_p * len(products))(*(p.weight_address for p in products))
+        # the library's own tiles (gguf_matmul_experts refuses rows for them), whatever the dtype
+        tiles = first.kernels.tile_min_rows.get(first.type_name)
+        self.rows_below: dict[torch.dtype, float] = {}
+        for dtype in ACTIVATION_DTYPES:
+            limits = [rows + 1 for rows in (first.int8_max_rows(dtype),) if rows is not None]
+            self.rows_below[dtype] = min(limits + ([tiles] if tiles else []), default=math.inf)
+
+    @staticmethod
+    def of(products: list[object]) -> GGUFExpertsProduct | None:
+        """The one call for these experts' products, or None where they are not all prepared int8 products of one
+        library, type and shape."""
+        if not products or not all(type(p) is PreparedProduct for p in products):
+            return None
+        first = products[0]
+        same = all((p.kernels, p.type_id, p.in_features, p.out_features)
+                   == (first.kernels, first.type_id, first.in_features, first.out_features) for p in products)
+        return GGUFExpertsProduct(products) if same else None
+
+    def takes(self, sizes: list[int], dtype: torch.dtype) -> bool:
+        """Whether every expert's rows are few enough for the row kernels (as their own products send them)."""
+        return max(sizes) < self.rows_below.get(dtype, 0)
+
+    def __call__(self, experts: list[int], sizes: list[int], x: torch.Tensor, out: torch.Tensor) -> None:
+        """out[rows of expert i] = x[the same rows] @ W_{experts[i]}^T, rows in the order of `experts`; x and out
+        contiguous, float32 or bfloat16, one dtype."""
+        ids, counts = cpu_build.expert_arrays(experts, sizes)
+        failed = self.kernels._matmul_experts(self.type_id, self.table, ids, counts, len(experts), x.data_ptr(),
+                                              x.dtype is torch.bfloat16, self.in_features, self.out_features,
+                                              out.data_ptr(), out.dtype is torch.bfloat16)
+        if failed:
+            raise (MemoryError if failed == 1 else ValueError)(
+                f"gguf_matmul_experts failed ({failed}) on {len(experts)} experts of {sum(sizes)} rows")
 
 
 class PreparedProduct:

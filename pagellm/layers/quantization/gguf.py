@@ -183,6 +183,14 @@ class GGUFLinearMethod(LinearMethod):
             return products[0]
         return None
 
+    def loaded_kernel(self, layer: nn.Module) -> object | None:
+        """The layer's one prepared int8 product (PreparedProduct), for the experts' one call; None otherwise."""
+        products = getattr(layer, "gguf_products", None)
+        if getattr(layer, "dense_kernel", None) is None and products is not None and len(products) == 1 \
+                and products[0].kernels is self.ops:
+            return products[0]
+        return None
+
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         if layer.quantized_parts is None:
             return torch.nn.functional.embedding(input_ids, layer.weight)

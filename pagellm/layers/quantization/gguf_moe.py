@@ -7,8 +7,10 @@ the first expert, so each expert's blocks are one contiguous slice `stack[e]`, t
 ops/triton_gguf.py multiply on. Gate and up of one type are stacked together ([E, 2I, bytes]: one product per
 expert for both); of different types each is its own product.
 
-A step runs fused_moe.grouped_experts: the step's (token, expert) rows sorted by expert once, then per expert that
-received tokens one gate_up and one down product on the expert's slice. The kernels' own switch
+A step runs fused_moe.grouped_experts_together: the step's (token, expert) rows sorted by expert once, then per
+expert that received tokens one gate_up and one down product on the expert's slice; on the C kernels, where every
+expert's rows are few enough for the int8 row kernels (a decode step's), one gguf_matmul_experts call per
+projection runs all of them (GGUFExpertsProduct: the same bits, one fork of the threads). The kernels' own switch
 (GGUFKernels.dense_min_rows) decides per product between the int8 dot products and torch's GEMM on tiles of the
 slice dequantized in turn: prefill rows of a busy expert take the tiles, decode rows the int8 products; only the
 experts a step routes to are ever read, and no dequantized copy of all experts exists. On CUDA the same loop runs
@@ -28,9 +30,9 @@ import torch
 from torch import nn
 
 from pagellm.layers.fused_moe import ExpertProduct, FusedMoE, FusedMoEMethodBase, UnquantizedFusedMoEMethod, \
-    grouped_experts
+    grouped_experts_together, one_at_a_time, one_call_or_each
 from pagellm.layers.quantization.gguf import FLOAT_TYPES, GGUFWeight
-from pagellm.ops.gguf_kernels import gguf_ops, row_bytes
+from pagellm.ops.gguf_kernels import GGUFExpertsProduct, gguf_ops, row_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +154,18 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
             layer.gguf_extra = [up]
         layer.w2_weight.data = w2.data.to(device)
         layer.gguf_experts = experts = QuantizedExperts(gate_up, (layer.w2_weight.data, w2.type_name, w2.rows))
-        # What each step runs, made once: the products on each expert's slice, its biases added after them.
-        layer.expert_products = (_biased(self._gate_up(experts, layer.hidden_size), layer.expert_bias("gate_up")),
-                               _biased(self._down(experts, layer.intermediate_size), layer.expert_bias("down")))
+        # What each step runs, made once: the products on each expert's slice, its biases added after them; where
+        # the C kernels run every expert of the step in one call (no biases, one gate/up type), that call for the
+        # steps it takes.
+        gate_up_bias, down_bias = layer.expert_bias("gate_up"), layer.expert_bias("down")
+        per_expert = (_biased(self._gate_up(experts, layer.hidden_size), gate_up_bias),
+                      _biased(self._down(experts, layer.intermediate_size), down_bias))
+        together = (None, None)
+        if hasattr(self.ops, "prepare") and gate_up_bias is None and down_bias is None and len(gate_up) == 1:
+            together = (self._one_call(gate_up[0], layer.hidden_size),
+                        self._one_call(experts.down, layer.intermediate_size))
+        layer.expert_products = tuple(one_call_or_each(call, one_at_a_time(product))
+                                      for call, product in zip(together, per_expert))
 
     @staticmethod
     def _dense(stack: ExpertStack, dtype: torch.dtype) -> torch.Tensor:
@@ -175,8 +186,13 @@ class GGUFFusedMoEMethod(FusedMoEMethodBase):
         if layer.gguf_experts is None:
             return self.dense.apply(layer, x, topk_weights, topk_ids)
         gate_up, down = layer.expert_products
-        return grouped_experts(x, topk_weights, topk_ids, layer.local_num_experts, gate_up, down,
-                               2 * layer.intermediate_size, layer.act_fn)
+        return grouped_experts_together(x, topk_weights, topk_ids, layer.local_num_experts, gate_up, down,
+                                        2 * layer.intermediate_size, layer.act_fn)
+
+    def _one_call(self, product: tuple[torch.Tensor, str, int], in_features: int) -> GGUFExpertsProduct | None:
+        """gguf_matmul_experts over one stacked projection's experts (ops/gguf_kernels.GGUFExpertsProduct)."""
+        stack, type_name, rows = product
+        return GGUFExpertsProduct.of([self.ops.prepare(blocks, type_name, rows, in_features) for blocks in stack])
 
     def _gate_up(self, experts: QuantizedExperts, hidden: int) -> ExpertProduct:
         ops = self.ops

@@ -965,6 +965,71 @@ int gguf_matmul(int type, const uint8_t *w, const void *x, int x_bf16, int64_t r
     return 0;
 }
 
+/* Several weights of one type and shape (a mixture-of-experts layer's experts: table[i] expert i's blocks), each
+ * over its own rows of x, in one call: x and y [rows, in / out] hold the runs of sizes[e] rows of experts ids[e],
+ * e < experts, in turn; y's rows of run e = x's @ table[ids[e]]^T. The rows are quantized once, then (expert, tile of outputs) items are shared out over
+ * the threads in one parallel loop, on the row kernels gguf_matmul runs below its tiles: each output's bits are
+ * gguf_matmul's for that expert's rows alone (a row's outputs do not depend on the other rows of its pass, and
+ * passes take ROWS_PER_PASS rows of an expert at a time as there). A decode step's experts then pay one call
+ * and one fork of the threads instead of one per expert and projection. Every sizes[e] must be below the tiles'
+ * TILE_MIN_ROWS where the build has them (gguf_matmul would take them there); returns 2 otherwise or for an
+ * unknown type or shape, 1 if the quantized activations' buffer cannot be allocated. */
+int gguf_matmul_experts(int type, const uint8_t *const *table, const int32_t *ids, const int64_t *sizes,
+                        int64_t experts, const void *x, int x_bf16, int64_t in_features, int64_t out_features, void *y,
+                        int y_bf16) {
+    const int weights = block_weights(type);
+    if (weights == 0 || in_features <= 0 || in_features % weights != 0 || out_features <= 0 || experts < 0) return 2;
+    int64_t rows = 0, largest = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+        if (sizes[e] < 0) return 2;
+        rows += sizes[e];
+        largest = sizes[e] > largest ? sizes[e] : largest;
+    }
+#if defined(HAVE_VNNI_TILES)
+    if (largest >= TILE_MIN_ROWS) return 2;
+#endif
+    if (rows == 0) return 0;
+    const int k_quant = is_k_quant(type);
+    const int64_t nb = in_features / weights, row_bytes = nb * block_bytes(type);
+    const size_t block = k_quant ? sizeof(ActivationBlock256) : sizeof(ActivationBlock32);
+    const size_t bytes = (size_t)(rows * nb) * block;
+    void *xq = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    int64_t *first_row = malloc((size_t)(experts + 1) * sizeof *first_row);
+    if (xq == NULL || first_row == NULL) {
+        free(xq);
+        free(first_row);
+        return 1;
+    }
+    first_row[0] = 0;
+    for (int64_t e = 0; e < experts; ++e) first_row[e + 1] = first_row[e] + sizes[e];
+    PassFunction passes[ROWS_PER_PASS];
+    pass_functions(type, passes);
+    const QuantizeFunction quantize = k_quant ? (x_bf16 ? quantize_256_bf16 : quantize_256_f32)
+                                              : (x_bf16 ? quantize_32_bf16 : quantize_32_f32);
+    /* gguf_matmul's tiles of outputs (at most 64, or TILE_WEIGHT_BYTES of weights), per expert */
+    int64_t tile = TILE_WEIGHT_BYTES / row_bytes;
+    tile = tile > 64 ? 64 : tile < 1 ? 1 : tile;
+    const int64_t tiles = (out_features + tile - 1) / tile, items = experts * tiles;
+    const int parallel = rows * in_features * out_features >= PARALLEL_MIN_WORK;
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) quantize(x, r, in_features, (char *)xq + r * nb * block);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; ++item) {
+            const int64_t e = item / tiles, first = (item % tiles) * tile;
+            const int64_t last = first + tile < out_features ? first + tile : out_features;
+            for (int64_t row = first_row[e]; row < first_row[e + 1]; row += ROWS_PER_PASS) {
+                const int64_t n = first_row[e + 1] - row < ROWS_PER_PASS ? first_row[e + 1] - row : ROWS_PER_PASS;
+                passes[n - 1](table[ids[e]], nb, xq, row, first, last, out_features, y, y_bf16);
+            }
+        }
+    }
+    free(first_row);
+    free(xq);
+    return 0;
+}
+
 /* ---- dequantization ----------------------------------------------------------------------------------- */
 
 #define EIGHT(p) 8 * p, 8 * p + 1, 8 * p + 2, 8 * p + 3, 8 * p + 4, 8 * p + 5, 8 * p + 6, 8 * p + 7
