@@ -464,7 +464,7 @@ class GGUFExpertsProduct:
         first = products[0]
         self.kernels, self.type_id = first.kernels, first.type_id
         self.in_features, self.out_features = first.in_features, first.out_features
-        self.products = products
+        self.products = products  # held: the table points into their weights
         self.table = (ctypes.c_void_p * len(products))(*(p.weight_address for p in products))
         # the library's own tiles (gguf_matmul_experts refuses rows for them), whatever the dtype
         tiles = first.kernels.tile_min_rows.get(first.type_name)
