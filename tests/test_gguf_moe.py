@@ -280,14 +280,6 @@ def tiny_ggufs(module_tmp_path_factory, default_tokenizer):
     return get
 
 
-@pytest.fixture
-def dequantized_tiles(monkeypatch):
-    """The GGUF kernels multiply on dequantized tiles (float32 GEMM) at every row count, so that products equal
-    the float reference's up to summation order."""
-    for isa in gk.DENSE_MIN_ROWS:
-        monkeypatch.setitem(gk.DENSE_MIN_ROWS, isa, {name: 1 for name in gk.KERNEL_TYPES})
-
-
 def _experts_stay_quantized(llm: LLM, path: pathlib.Path) -> None:
     """Every FusedMoE holds its experts as the file's blocks: uint8, as many bytes as the file's expert tensors."""
     model = llm.llm_engine.core.runner.model
