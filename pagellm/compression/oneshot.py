@@ -23,6 +23,7 @@ import torch
 from pagellm.compression.arguments import SCHEMES, QuantizeArgs, Scheme
 from pagellm.compression.gptq import RoundedWeight, WeightGrid, gptq, round_to_nearest
 from pagellm.layers.quantization.compressed_tensors import target_matches
+from pagellm.layers.quantization.nvfp4 import E2M1_MAGNITUDES
 from pagellm.models.loader import checkpoint_files
 from pagellm.ops.wna16 import pack_rows
 
@@ -359,18 +360,14 @@ def module_tensors(rounded: RoundedWeight, scheme: Scheme) -> dict[str, torch.Te
     return {"weight": rounded.codes.to(dtype), "weight_scale": scales}
 
 
-E2M1_CODES = {0.0: 0, 0.5: 1, 1.0: 2, 1.5: 3, 2.0: 4, 3.0: 5, 4.0: 6, 6.0: 7}
-
-
 def nvfp4_tensors(rounded: RoundedWeight) -> dict[str, torch.Tensor]:
     """An NVFP4 weight as compressed-tensors' nvfp4-pack-quantized stores it: e2m1 codes two to a byte (weight 2i
     in the low nibble, the sign in bit 3), each group's fp8 scale (the grid's scale times the global scale, which
     gives back the fp8 value it was divided from: float32 holds the quotient to 2^-24, fp8 steps are 2^-3) and the
     global scale."""
     global_scale = rounded.grid.global_scale
-    magnitude = torch.zeros_like(rounded.codes, dtype=torch.uint8)
-    for value, code in E2M1_CODES.items():
-        magnitude[rounded.codes.abs() == value] = code
+    # the codes are e2m1 values: each magnitude's index among them is its 3-bit code
+    magnitude = torch.searchsorted(torch.tensor(E2M1_MAGNITUDES), rounded.codes.abs()).to(torch.uint8)
     codes = magnitude | (torch.signbit(rounded.codes).to(torch.uint8) << 3)  # -0 too, as compressed-tensors packs it
     return {"weight_packed": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),
             "weight_scale": (rounded.scales * global_scale).to(torch.float8_e4m3fn),

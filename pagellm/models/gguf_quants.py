@@ -403,11 +403,18 @@ def nvfp4_f16_blocks(packed: np.ndarray, block_scales: np.ndarray, global_scale:
     codes = np.empty((rows, cols), dtype=np.uint8)
     codes[:, 0::2] = packed & 0x0F
     codes[:, 1::2] = packed >> 4
-    grouped = codes.reshape(rows, cols // 32, 32)
     out = np.empty((rows, cols // 32, NVFP4_F16_BLOCK_BYTES), dtype=np.uint8)
     out[..., :4] = scales.astype(np.float16).reshape(rows, cols // 32, 2).view(np.uint8)
-    out[..., 4:] = grouped[..., :16] | (grouped[..., 16:] << 4)
+    out[..., 4:] = ggml_nibbles(codes)
     return out.reshape(rows, -1)
+
+
+def ggml_nibbles(codes):
+    """4-bit codes (uint8, numpy or torch, the last axis in weights' order, a multiple of 32) as ggml's 32-weight
+    blocks hold them, [..., blocks, 16]: weight j of a block in byte j's low nibble, weight 16 + j in its high one
+    (IQ4_NL's and MXFP4's order, which pagellm's grid types keep)."""
+    blocks = codes.reshape(*codes.shape[:-1], -1, 32)
+    return blocks[..., :16] | (blocks[..., 16:] << 4)
 
 
 def _iq3_as_q6_k(blocks: np.ndarray, fmt: QuantFormat) -> np.ndarray:

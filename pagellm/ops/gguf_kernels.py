@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import logging
+import math
 import os
 import pathlib
 import subprocess
@@ -154,12 +154,8 @@ for _table in (_AVX2_DENSE_MIN_ROWS, _AMX_BF16_DENSE_MIN_ROWS, _AVX512_BF16_DENS
 # Weight bytes dequantized per tile of the dense path: one tile is the only dequantized copy that exists.
 DENSE_TILE_BYTES = 4 << 20
 # The same on AMX's tiles (bfloat16 bytes of W in linear_bf16's packed layout): half a tile per thread of a 2-core
-# Intel Xeon with AMX (Sapphire Rapids, cpu family 6 model 167; 2 MiB of L2 a core) stays in its L2 between the
-# tile's dequantization and its product. Measured there, `benchmarks/gguf_amx_tiles.py` (2026-12-08; best of 5,
-# interleaved), speed-up of 2 MiB over 4 MiB at bfloat16 rows 32 / 128 / 512: 2,048 -> 8,192 NVFP4_F16 1.15 / 1.23 /
-# 1.04x, Q4_K 1.03 / 1.08 / 1.04x, Q8_0 1.24 / 1.26 / 1.03x; 8,192 -> 2,048 1.28 / 1.09 / 1.00x, 1.15 / 1.07 /
-# 1.02x, 1.30 / 1.11 / 1.02x; 576 -> 1,536 NVFP4_F16 and Q8_0 1.00-1.08x. 1 MiB did as well or better on the
-# 8,192-input layers and worse on the small ones (0.90-0.96x but one), 512 KiB worse (0.73-0.95x on 8,192 inputs).
+# Intel Xeon with AMX (2 MiB of L2 a core) stays in its L2 between the tile's dequantization and its product;
+# chosen over 4 MiB, 1 MiB and 512 KiB by benchmarks/gguf_amx_tiles.py (the figures: README, "NVFP4 checkpoints").
 AMX_TILE_BYTES = 2 << 20
 
 
@@ -470,8 +466,9 @@ class GGUFExpertsProduct:
         tiles = first.kernels.tile_min_rows.get(first.type_name)
         self.rows_below: dict[torch.dtype, float] = {}
         for dtype in ACTIVATION_DTYPES:
-            limits = [rows + 1 for rows in (first.int8_max_rows(dtype),) if rows is not None]
-            self.rows_below[dtype] = min(limits + ([tiles] if tiles else []), default=math.inf)
+            int8_rows = first.int8_max_rows(dtype)
+            dense = math.inf if int8_rows is None else int8_rows + 1
+            self.rows_below[dtype] = min(dense, tiles or math.inf)
 
     @staticmethod
     def of(products: list[object]) -> GGUFExpertsProduct | None:

@@ -53,7 +53,7 @@ from pagellm.layers.quantization.gguf import GGUFLinearMethod, GGUFWeight
 from pagellm.layers.quantization.group_quant import checkpoint_modules
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagellm.layers.quantization.w8a8 import is_embedding_or_head
-from pagellm.models.gguf_quants import BNB_FP4_CODES, GRID_SCALE, NF4_CODES, NF4_VALUES
+from pagellm.models.gguf_quants import BNB_FP4_CODES, GRID_SCALE, NF4_CODES, NF4_VALUES, ggml_nibbles
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,7 @@ def grid_blocks(codes: torch.Tensor, block_absmax: torch.Tensor, type_name: str)
     """codes uint8 [N, K] (K a multiple of 32) and each 32 weights' absmax [N, K / 32] as the kernels' grid-type
     blocks: f16 absmax / 127, then 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31."""
     rows, cols = codes.shape
-    grouped = codes.view(rows, cols // GRID_BLOCK, GRID_BLOCK)
-    nibbles = grouped[..., :16] | (grouped[..., 16:] << 4)
+    nibbles = ggml_nibbles(codes)
     scales = (block_absmax.float() / GRID_SCALE).to(torch.float16).view(torch.uint8).view(rows, -1, 2)
     blocks = torch.cat([scales, nibbles], dim=-1).reshape(rows, -1).contiguous()
     return GGUFWeight(blocks, type_name, rows, cols)

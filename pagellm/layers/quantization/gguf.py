@@ -19,7 +19,7 @@ from torch import nn
 from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
 from pagellm.layers.weights import set_weight_attrs
 from pagellm.ops.dense_linear import DenseKernel, UpcastScratch, choose_dense_kernel
-from pagellm.ops.gguf_kernels import gguf_ops, row_bytes
+from pagellm.ops.gguf_kernels import PreparedProduct, gguf_ops, row_bytes
 from pagellm.worker.huge_pages import NUMPY_HUGE_PAGE_MIN_BYTES, weight_zeros
 
 if TYPE_CHECKING:
@@ -185,11 +185,8 @@ class GGUFLinearMethod(LinearMethod):
 
     def loaded_kernel(self, layer: nn.Module) -> object | None:
         """The layer's one prepared int8 product (PreparedProduct), for the experts' one call; None otherwise."""
-        products = getattr(layer, "gguf_products", None)
-        if getattr(layer, "dense_kernel", None) is None and products is not None and len(products) == 1 \
-                and products[0].kernels is self.ops:
-            return products[0]
-        return None
+        product = self.prepared_product(layer)
+        return product if isinstance(product, PreparedProduct) else None
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         if layer.quantized_parts is None:

@@ -20,7 +20,7 @@ import torch
 from pagellm.layers.quantization.base import LinearMethod, QuantizationConfig
 from pagellm.layers.quantization.gguf import GGUFWeight
 from pagellm.layers.quantization.unquantized import UnquantizedLinearMethod
-from pagellm.models.gguf_quants import mxfp4_f16_blocks
+from pagellm.models.gguf_quants import ggml_nibbles, mxfp4_f16_blocks
 
 if TYPE_CHECKING:
     from pagellm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
@@ -40,7 +40,7 @@ def mxfp4_weight(blocks: torch.Tensor, scales: torch.Tensor, name: str = "") -> 
                          "[rows, groups]")
     rows, groups = scales.shape
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(rows, groups, 2 * BLOCK_BYTES)
-    nibbles = codes[..., :BLOCK_BYTES] | (codes[..., BLOCK_BYTES:] << 4)
+    nibbles = ggml_nibbles(codes)
     kept = mxfp4_f16_blocks(scales.reshape(-1).numpy(), nibbles.reshape(-1, BLOCK_BYTES).numpy(), name)
     return GGUFWeight(torch.from_numpy(kept).view(rows, -1), KEPT_TYPE, rows, groups * 2 * BLOCK_BYTES)
 

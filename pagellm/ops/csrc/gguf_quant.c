@@ -649,6 +649,15 @@ static void quantize_256_bf16(const void *x, int64_t row, int64_t in_features, v
     quantize_row_256(x, row, in_features, 1, out);
 }
 
+/* The row kernels' activations: bytes per block of them (ActivationBlock256 for the k-quants, else
+ * ActivationBlock32), and the function quantizing a row of x into them. */
+static size_t activation_block_bytes(const int k_quant) {
+    return k_quant ? sizeof(ActivationBlock256) : sizeof(ActivationBlock32);
+}
+static QuantizeFunction quantize_function(const int k_quant, const int x_bf16) {
+    return k_quant ? (x_bf16 ? quantize_256_bf16 : quantize_256_f32) : (x_bf16 ? quantize_32_bf16 : quantize_32_f32);
+}
+
 /* ---- 512-bit VPDPBUSD tiles for many rows, the AVX-512 VNNI build's ---------------------------------------- */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -729,10 +738,7 @@ static ALWAYS_INLINE void repack_strip(const int type, const uint8_t *w, int64_t
                 place_quants(chunk, c, signed_quants(type) ? u.q ^ 0x80 : u.q);
                 scale[c] = u.d;
                 constant[c] = u.m;
-                if (two_scales(type)) {
-                    scale[STRIP + c] = u.d_high;
-                    constant[STRIP + c] = 0.0f;
-                }
+                if (two_scales(type)) scale[STRIP + c] = u.d_high; /* no constant: tile_pass reads none for it */
                 continue;
             }
             /* a super-block: weight k of group g = d scale_g q_k - dmin mins_g, 8 chunks of two groups */
@@ -926,14 +932,13 @@ int gguf_matmul(int type, const uint8_t *w, const void *x, int x_bf16, int64_t r
         return failed;
     }
 #endif
-    const size_t block = k_quant ? sizeof(ActivationBlock256) : sizeof(ActivationBlock32);
+    const size_t block = activation_block_bytes(k_quant);
     const size_t bytes = (size_t)(rows * nb) * block;
     void *xq = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (xq == NULL) return 1;
     PassFunction passes[ROWS_PER_PASS];
     pass_functions(type, passes);
-    const QuantizeFunction quantize = k_quant ? (x_bf16 ? quantize_256_bf16 : quantize_256_f32)
-                                              : (x_bf16 ? quantize_32_bf16 : quantize_32_f32);
+    const QuantizeFunction quantize = quantize_function(k_quant, x_bf16);
     /* At most 64 outputs or TILE_WEIGHT_BYTES a tile, and at least 4 tiles a thread, so that a narrow layer
      * still spreads over every thread (which thread sums an output never changes its value). */
     const int64_t spread = (out_features + 4 * omp_get_max_threads() - 1) / (4 * omp_get_max_threads());
@@ -967,13 +972,14 @@ int gguf_matmul(int type, const uint8_t *w, const void *x, int x_bf16, int64_t r
 
 /* Several weights of one type and shape (a mixture-of-experts layer's experts: table[i] expert i's blocks), each
  * over its own rows of x, in one call: x and y [rows, in / out] hold the runs of sizes[e] rows of experts ids[e],
- * e < experts, in turn; y's rows of run e = x's @ table[ids[e]]^T. The rows are quantized once, then (expert, tile of outputs) items are shared out over
- * the threads in one parallel loop, on the row kernels gguf_matmul runs below its tiles: each output's bits are
- * gguf_matmul's for that expert's rows alone (a row's outputs do not depend on the other rows of its pass, and
- * passes take ROWS_PER_PASS rows of an expert at a time as there). A decode step's experts then pay one call
- * and one fork of the threads instead of one per expert and projection. Every sizes[e] must be below the tiles'
- * TILE_MIN_ROWS where the build has them (gguf_matmul would take them there); returns 2 otherwise or for an
- * unknown type or shape, 1 if the quantized activations' buffer cannot be allocated. */
+ * e < experts, in turn; y's rows of run e = x's @ table[ids[e]]^T. The rows are quantized once, then (expert,
+ * tile of outputs) items are shared out over the threads in one parallel loop, on the row kernels gguf_matmul
+ * runs below its tiles: each output's bits are gguf_matmul's for that expert's rows alone (a row's outputs do not
+ * depend on the other rows of its pass, and passes take ROWS_PER_PASS rows of an expert at a time as there). A
+ * decode step's experts then pay one call and one fork of the threads instead of one per expert and projection.
+ * Every sizes[e] must be below the tiles' TILE_MIN_ROWS where the build has them (gguf_matmul would take them
+ * there); returns 2 otherwise or for an unknown type or shape, 1 if the quantized activations' buffer cannot be
+ * allocated. */
 int gguf_matmul_experts(int type, const uint8_t *const *table, const int32_t *ids, const int64_t *sizes,
                         int64_t experts, const void *x, int x_bf16, int64_t in_features, int64_t out_features, void *y,
                         int y_bf16) {
@@ -991,7 +997,7 @@ int gguf_matmul_experts(int type, const uint8_t *const *table, const int32_t *id
     if (rows == 0) return 0;
     const int k_quant = is_k_quant(type);
     const int64_t nb = in_features / weights, row_bytes = nb * block_bytes(type);
-    const size_t block = k_quant ? sizeof(ActivationBlock256) : sizeof(ActivationBlock32);
+    const size_t block = activation_block_bytes(k_quant);
     const size_t bytes = (size_t)(rows * nb) * block;
     void *xq = aligned_alloc(64, (bytes + 63) / 64 * 64);
     int64_t *first_row = malloc((size_t)(experts + 1) * sizeof *first_row);
@@ -1004,8 +1010,7 @@ int gguf_matmul_experts(int type, const uint8_t *const *table, const int32_t *id
     for (int64_t e = 0; e < experts; ++e) first_row[e + 1] = first_row[e] + sizes[e];
     PassFunction passes[ROWS_PER_PASS];
     pass_functions(type, passes);
-    const QuantizeFunction quantize = k_quant ? (x_bf16 ? quantize_256_bf16 : quantize_256_f32)
-                                              : (x_bf16 ? quantize_32_bf16 : quantize_32_f32);
+    const QuantizeFunction quantize = quantize_function(k_quant, x_bf16);
     /* gguf_matmul's tiles of outputs (at most 64, or TILE_WEIGHT_BYTES of weights), per expert */
     int64_t tile = TILE_WEIGHT_BYTES / row_bytes;
     tile = tile > 64 ? 64 : tile < 1 ? 1 : tile;
@@ -1226,7 +1231,7 @@ static ALWAYS_INLINE void dequantize_row_32_bf16(const int type, const uint8_t *
         for (int h = 0; h < 2; ++h) {
             const i32x16 wide = (i32x16)(signed_quants(type) ? _mm512_cvtepi8_epi32(halves[h])
                                                               : _mm512_cvtepu8_epi32(halves[h]));
-            f32x16 weights = __builtin_convertvector(wide - u.offset, f32x16) * (h ? u.d_high : u.d);
+            f32x16 weights = __builtin_convertvector(wide - u.offset, f32x16) * u.d;
             if (type == Q4_1 || type == Q5_1) weights = weights + u.m;
             v[h] = weights;
         }
